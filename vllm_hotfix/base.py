@@ -1,0 +1,180 @@
+"""Read the base image: its vLLM version, where its Python imports the package
+from, the files the patches touch; then patch them and compile their bytecode
+with the image's own Python.
+
+All of it happens in one throw-away container and one scratch folder, both
+removed before :func:`prepare` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from . import patches as patchlib
+from .definitions import ImageDefinition
+from .engine import Box, Engine, ImageInfo
+from .errors import BaseImageError, PatchError
+
+log = logging.getLogger(__name__)
+
+SCRATCH = "/tmp/vllm-hotfix"
+
+
+def probe_source(name: str) -> str:
+    return resources.files("vllm_hotfix.probes").joinpath(name).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class BaseFacts:
+    """What the base image says about itself, by its own Python."""
+
+    ref: str
+    image: ImageInfo
+    python: str
+    python_version: str
+    cache_tag: str
+    site_dir: str  # the folder holding the package folder
+    package_dir: str
+    version: str | None
+
+
+@dataclass(frozen=True)
+class PatchedFile:
+    rel: str  # relative to site_dir, e.g. vllm/models/.../indexer.py
+    data: bytes
+    mode: int
+    original_sha256: str
+    bytecode: tuple[tuple[str, bytes], ...]  # (path relative to site_dir, pyc bytes)
+
+    @property
+    def sha256(self) -> str:
+        return patchlib.sha256_bytes(self.data)
+
+
+def _run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> dict:
+    result = box.exec([python, "-c", probe_source(script), *args])
+    try:
+        data = json.loads(result.stdout)
+    except ValueError:
+        err = (result.stderr or result.stdout).strip().splitlines()
+        raise BaseImageError(
+            f"{ref}: probe {script} failed in the image with {python}: "
+            f"{err[-1] if err else 'exit ' + str(result.exit_code)}"
+        ) from None
+    if not isinstance(data, dict):
+        raise BaseImageError(f"{ref}: probe {script} printed no JSON object")
+    return data
+
+
+def locate(box: Box, defn: ImageDefinition, ref: str, image: ImageInfo, rels: list[str]) -> tuple[BaseFacts, dict]:
+    data = _run_probe(box, defn.python, "locate.py", [defn.package, *rels], ref)
+    if "error" in data:
+        raise BaseImageError(f"{ref}: {data['error']} with {defn.python}")
+    facts = BaseFacts(
+        ref=ref,
+        image=image,
+        python=defn.python,
+        python_version=data["python"],
+        cache_tag=data["cache_tag"],
+        site_dir=data["site_dir"],
+        package_dir=data["package_dir"],
+        version=data.get("version"),
+    )
+    return facts, data["files"]
+
+
+def check_version(facts: BaseFacts, defn: ImageDefinition) -> None:
+    if facts.version != defn.package_version:
+        raise BaseImageError(
+            f"{facts.ref}: installed {defn.package} is {facts.version or 'unknown'} "
+            f"but patch set {defn.patch_set} is for {defn.package_version}",
+            hint="use the definition made for this release, or check the tag points at the right image",
+        )
+
+
+def check_targets(files: dict, patches: list[patchlib.Patch], ref: str, site_dir: str) -> None:
+    """Each touched path must be a regular file reached without symlinks."""
+    for patch in patches:
+        for rel in patch.files:
+            info = files[rel]
+            where = f"{site_dir}/{rel}"
+            if info["kind"] == "missing":
+                raise PatchError(f"{patch.name}: {ref} has no file {where}", patch=patch.name, file=rel)
+            if info["kind"] != "file":
+                raise PatchError(
+                    f"{patch.name}: {where} in {ref} is a {info['kind']}, not a regular file; refusing to patch it",
+                    patch=patch.name,
+                    file=rel,
+                )
+            if not info["real"]:
+                raise PatchError(
+                    f"{patch.name}: {where} in {ref} is reached through a symlink; refusing to patch it",
+                    patch=patch.name,
+                    file=rel,
+                )
+
+
+def touched_files(patches: list[patchlib.Patch]) -> list[str]:
+    seen: dict[str, None] = {}
+    for patch in patches:
+        for rel in patch.files:
+            seen.setdefault(rel, None)
+    return list(seen)
+
+
+def prepare(
+    engine: Engine,
+    defn: ImageDefinition,
+    ref: str,
+    image: ImageInfo,
+    patches: list[patchlib.Patch],
+) -> tuple[BaseFacts, list[PatchedFile]]:
+    """Probe the base, patch the touched files, compile fresh bytecode."""
+    rels = touched_files(patches)
+    with engine.box(image.id, defn.python) as box:
+        facts, info = locate(box, defn, ref, image, rels)
+        check_version(facts, defn)
+        check_targets(info, patches, ref, facts.site_dir)
+        originals: dict[str, tuple[bytes, int]] = {}
+        for rel in rels:
+            # Read as a tar member, never through the host's file system, so a
+            # link in the image can't make us write outside the scratch folder.
+            entry = box.read(f"{facts.site_dir}/{rel}")
+            if entry.kind != "file":
+                raise PatchError(f"{facts.site_dir}/{rel} in {ref} is a {entry.kind}, not a regular file", file=rel)
+            originals[rel] = (entry.data, entry.mode)
+
+        patched = apply_in_scratch(patches, {rel: data for rel, (data, _m) in originals.items()})
+        log.info("patched %d file(s) with %d patch(es)", len(patched), len(patches))
+
+        box.write("/tmp", {f"vllm-hotfix/{rel}": data for rel, data in patched.items()})
+        args = [SCRATCH] + [f"{rel}={','.join(map(str, info[rel]['opt_levels']))}" for rel in rels]
+        compiled = _run_probe(box, defn.python, "compile.py", args, ref)
+        result = []
+        for rel in rels:
+            entry = compiled.get(rel, {})
+            if "error" in entry:
+                owner = next(p.name for p in patches if rel in p.files)
+                raise PatchError(f"{owner}: patched {rel} does not compile: {entry['error']}", patch=owner, file=rel)
+            bytecode = tuple((pyc, box.read(f"{SCRATCH}/{pyc}").data) for pyc in entry["pycs"])
+            data, mode = originals[rel]
+            result.append(
+                PatchedFile(rel, patched[rel], mode & 0o7777, patchlib.sha256_bytes(data), bytecode)
+            )
+    return facts, result
+
+
+def apply_in_scratch(patches: list[patchlib.Patch], files: dict[str, bytes]) -> dict[str, bytes]:
+    """Apply the series to copies of ``files`` in a temp folder, removed after."""
+    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
+        work = Path(tmp)
+        for rel, data in files.items():
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            (work / rel).write_bytes(data)
+        patchlib.apply_series(patches, work)
+        return {rel: (work / rel).read_bytes() for rel in files}

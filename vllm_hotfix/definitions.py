@@ -1,0 +1,129 @@
+"""Image definitions: ``images/<tag>.toml``, loaded and validated as data.
+
+A new base release is a new definition file and a new patch folder; no code
+changes. Example::
+
+    [base]
+    repository = "vllm/vllm-openai"
+    tag = "v0.25.1"
+
+    [package]
+    name = "vllm"
+    version = "0.25.1"   # optional; derived from the tag when absent
+
+    [patches]
+    set = "v0.25.1"      # folder under patches/
+
+    [output]
+    suffix = "m3patch"
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import DefinitionError
+
+DEFAULT_REPOSITORY = "vllm/vllm-openai"
+
+_SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
+    # section -> key -> (type, required)
+    "base": {"repository": (str, False), "tag": (str, True)},
+    "package": {"name": (str, True), "version": (str, False), "python": (str, False)},
+    "patches": {"set": (str, True)},
+    "output": {"suffix": (str, True)},
+}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class ImageDefinition:
+    tag: str
+    base_repository: str
+    base_tag: str
+    package: str
+    package_version: str
+    python: str
+    patch_set: str
+    suffix: str
+    path: Path
+
+    def base_ref(self, repository: str | None = None) -> str:
+        return f"{repository or self.base_repository}:{self.base_tag}"
+
+    def output_ref(self, repository: str | None = None) -> str:
+        return f"{repository or self.base_repository}:{self.base_tag}-{self.suffix}"
+
+
+def version_from_tag(tag: str) -> str:
+    return tag[1:] if tag.startswith("v") and tag[1:2].isdigit() else tag
+
+
+def definition_path(root: Path, tag: str) -> Path:
+    return root / "images" / f"{tag}.toml"
+
+
+def load(root: Path, tag: str) -> ImageDefinition:
+    """Load and validate ``images/<tag>.toml`` under ``root``."""
+    if not _NAME.match(tag):
+        raise DefinitionError(f"invalid base tag {tag!r}")
+    path = definition_path(root, tag)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in (root / "images").glob("*.toml"))) or "none"
+        raise DefinitionError(
+            f"{path}: no image definition for base {tag} (known: {known})",
+            hint=f"add {path.name} and patches/{tag}/, or run new-patchset",
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise DefinitionError(f"{path}: not valid TOML: {exc}") from exc
+    return parse(data, path, tag)
+
+
+def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
+    for section in data:
+        if section not in _SCHEMA:
+            raise DefinitionError(f"{path}: unknown section [{section}]")
+    values: dict[str, dict[str, str]] = {}
+    for section, keys in _SCHEMA.items():
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise DefinitionError(f"{path}: [{section}] must be a table")
+        for key in table:
+            if key not in keys:
+                raise DefinitionError(f"{path}: unknown key {section}.{key}")
+        values[section] = {}
+        for key, (typ, required) in keys.items():
+            if key not in table:
+                if required:
+                    raise DefinitionError(f"{path}: missing {section}.{key}")
+                continue
+            if not isinstance(table[key], typ) or not table[key]:
+                raise DefinitionError(f"{path}: {section}.{key} must be a non-empty string")
+            values[section][key] = table[key]
+    base_tag = values["base"]["tag"]
+    if base_tag != tag:
+        raise DefinitionError(f"{path}: base.tag is {base_tag!r} but the file is for {tag!r}")
+    for section, key in (("patches", "set"), ("output", "suffix"), ("package", "name")):
+        if not _NAME.match(values[section][key]):
+            raise DefinitionError(f"{path}: {section}.{key} {values[section][key]!r} is not a plain name")
+    return ImageDefinition(
+        tag=tag,
+        base_repository=values["base"].get("repository", DEFAULT_REPOSITORY),
+        base_tag=base_tag,
+        package=values["package"]["name"],
+        package_version=values["package"].get("version", version_from_tag(base_tag)),
+        python=values["package"].get("python", "python3"),
+        patch_set=values["patches"]["set"],
+        suffix=values["output"]["suffix"],
+        path=path,
+    )
+
+
+def load_all(root: Path) -> list[ImageDefinition]:
+    return [load(root, p.stem) for p in sorted((root / "images").glob("*.toml"))]

@@ -1,0 +1,519 @@
+"""The one seam to the container engine.
+
+Nothing else in the package imports ``docker`` or talks to the engine. Every
+container this module starts is removed before the call that started it
+returns, whatever happens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import tarfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from .errors import BaseImageError, BuildError, EngineError, PushError
+
+log = logging.getLogger(__name__)
+
+PULL_POLICIES = ("missing", "always", "never")
+LOG_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What the pipeline needs to know about an image in the engine."""
+
+    id: str
+    tags: tuple[str, ...]
+    repo_digests: tuple[str, ...]
+    entrypoint: tuple[str, ...] | None
+    cmd: tuple[str, ...] | None
+    env: tuple[str, ...]
+    user: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    size: int = 0
+
+    @property
+    def digest(self) -> str | None:
+        """The registry digest (``name@sha256:...``) if the image has one."""
+        return self.repo_digests[0] if self.repo_digests else None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file read out of an image, with what tar says it is."""
+
+    path: str
+    kind: str  # "file", "symlink", "dir", "other"
+    mode: int
+    data: bytes
+    linkname: str = ""
+
+
+def _tuple(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    return tuple(value) if value is not None else None
+
+
+def _image_info(image: Any) -> ImageInfo:
+    attrs = image.attrs
+    config = attrs.get("Config") or {}
+    return ImageInfo(
+        id=attrs["Id"],
+        tags=tuple(attrs.get("RepoTags") or ()),
+        repo_digests=tuple(attrs.get("RepoDigests") or ()),
+        entrypoint=_tuple(config.get("Entrypoint")),
+        cmd=_tuple(config.get("Cmd")),
+        env=tuple(config.get("Env") or ()),
+        user=config.get("User") or "",
+        labels=dict(config.get("Labels") or {}),
+        size=int(attrs.get("Size") or 0),
+    )
+
+
+def split_reference(ref: str) -> tuple[str, str]:
+    """Split ``repo[:tag]`` into repository and tag (default ``latest``)."""
+    last = ref.rsplit("/", 1)[-1]
+    if ":" in last:
+        repo, tag = ref.rsplit(":", 1)
+        return repo, tag
+    return ref, "latest"
+
+
+class Box:
+    """A running throw-away container to read from, write to and exec in."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+
+    def exec(
+        self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120
+    ) -> ExecResult:
+        # exec_run has no timeout of its own: wrap the command in one when
+        # `timeout` exists in the image, which every Debian-based image has.
+        full = ["timeout", str(timeout), *cmd]
+        result = self._container.exec_run(full, user=user, demux=True)
+        out, err = result.output
+        return ExecResult(
+            result.exit_code,
+            (out or b"").decode("utf-8", "replace"),
+            (err or b"").decode("utf-8", "replace"),
+        )
+
+    def read(self, path: str) -> FileEntry:
+        """Read one path out of the container without following links."""
+        try:
+            stream, _stat = self._container.get_archive(path)
+        except docker.errors.NotFound as exc:
+            raise FileNotFoundError(path) from exc
+        buf = io.BytesIO(b"".join(stream))
+        with tarfile.open(fileobj=buf) as tar:
+            member = tar.next()
+            if member is None:
+                raise FileNotFoundError(path)
+            if member.issym() or member.islnk():
+                return FileEntry(path, "symlink", member.mode, b"", member.linkname)
+            if member.isdir():
+                return FileEntry(path, "dir", member.mode, b"")
+            if not member.isreg():
+                return FileEntry(path, "other", member.mode, b"")
+            fh = tar.extractfile(member)
+            data = fh.read() if fh is not None else b""
+            return FileEntry(path, "file", member.mode, data)
+
+    def read_tree(self, path: str) -> dict[str, bytes]:
+        """Regular files under a folder, keyed by path relative to it."""
+        stream, _stat = self._container.get_archive(path)
+        buf = io.BytesIO(b"".join(stream))
+        files: dict[str, bytes] = {}
+        with tarfile.open(fileobj=buf) as tar:
+            for member in tar:
+                if not member.isreg():
+                    continue
+                rel = member.name.split("/", 1)[1] if "/" in member.name else ""
+                fh = tar.extractfile(member)
+                if rel and fh is not None:
+                    files[rel] = fh.read()
+        return files
+
+    def write(self, folder: str, files: Mapping[str, bytes]) -> None:
+        """Put files (relative path -> bytes) under ``folder``."""
+        self._container.put_archive(folder, tar_bytes(files))
+
+
+def tar_bytes(
+    files: Mapping[str, bytes], modes: Mapping[str, int] | None = None
+) -> bytes:
+    """A deterministic tar: sorted names, root-owned, fixed mtime."""
+    modes = modes or {}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs: set[str] = set()
+        for name in sorted(files):
+            parts = name.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type = tarfile.DIRTYPE
+                    info.mode = 0o755
+                    info.mtime = 0
+                    tar.addfile(info)
+            info = tarfile.TarInfo(name)
+            info.size = len(files[name])
+            info.mode = modes.get(name, 0o644)
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(files[name]))
+    return buf.getvalue()
+
+
+class Engine:
+    """A connection to one Docker engine."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    @classmethod
+    def connect(cls, timeout: int = 120) -> Engine:
+        """Connect through DOCKER_HOST (or the default socket) and ping."""
+        try:
+            client = docker.from_env(timeout=timeout)
+            client.ping()
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            raise EngineError(
+                f"no Docker engine answers ({_short(exc)})",
+                hint="start dockerd (or `make engine`), or set DOCKER_HOST",
+            ) from exc
+        return cls(client)
+
+    # -- images ------------------------------------------------------------
+
+    def image(self, ref: str) -> ImageInfo | None:
+        try:
+            return _image_info(self._client.images.get(ref))
+        except docker.errors.ImageNotFound:
+            return None
+        except docker.errors.APIError as exc:
+            raise EngineError(f"engine refused to inspect {ref}: {_short(exc)}") from exc
+
+    def resolve(
+        self,
+        ref: str,
+        policy: str = "missing",
+        progress: Callable[[str], None] | None = None,
+    ) -> ImageInfo:
+        """Find ``ref`` in the engine, pulling only as ``policy`` says."""
+        if policy not in PULL_POLICIES:
+            raise BaseImageError(f"unknown pull policy {policy!r}")
+        local = self.image(ref)
+        if local is not None and policy != "always":
+            return local
+        if policy == "never":
+            raise BaseImageError(
+                f"base image {ref} is not in the engine and --pull never forbids pulling",
+                hint=f"load it (docker pull/load {ref}) or use --pull missing",
+            )
+        self.pull(ref, progress)
+        pulled = self.image(ref)
+        if pulled is None:
+            raise BaseImageError(f"pulled {ref} but the engine does not list it")
+        return pulled
+
+    def pull(self, ref: str, progress: Callable[[str], None] | None = None) -> None:
+        repo, tag = split_reference(ref)
+        shown: dict[str, str] = {}
+        try:
+            for chunk in self._client.api.pull(repo, tag=tag, stream=True, decode=True):
+                if "error" in chunk:
+                    raise BaseImageError(f"cannot pull base image {ref}: {chunk['error']}")
+                status = chunk.get("status", "")
+                layer = chunk.get("id", "")
+                line = f"{layer}: {status} {chunk.get('progress', '')}".strip()
+                # One line per layer state change keeps a pull readable in CI logs.
+                if progress is not None and shown.get(layer) != status:
+                    shown[layer] = status
+                    progress(line)
+        except docker.errors.APIError as exc:
+            raise BaseImageError(
+                f"cannot pull base image {ref}: {_short(exc)}",
+                hint="check the registry is reachable, or load the image and use --pull never",
+            ) from exc
+        except requests.exceptions.RequestException as exc:
+            raise BaseImageError(f"cannot pull base image {ref}: {_short(exc)}") from exc
+
+    def tag(self, image_id: str, ref: str) -> None:
+        repo, tag = split_reference(ref)
+        self._client.api.tag(image_id, repo, tag=tag)
+
+    def untag(self, ref: str) -> None:
+        try:
+            self._client.api.remove_image(ref, noprune=True)
+        except docker.errors.NotFound:
+            pass
+
+    def remove_image(self, ref: str) -> None:
+        try:
+            self._client.api.remove_image(ref, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            log.warning("could not remove image %s: %s", ref, _short(exc))
+
+    def remove_untagged(self, image_id: str) -> None:
+        info = self.image(image_id)
+        if info is not None and not info.tags:
+            self.remove_image(image_id)
+
+    def import_rootfs(self, tar_path: str, ref: str) -> ImageInfo:
+        repo, tag = split_reference(ref)
+        self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported {tar_path} but {ref} is missing")
+        return info
+
+    # -- containers --------------------------------------------------------
+
+    @contextmanager
+    def box(self, image: str, python: str = "python3") -> Iterator[Box]:
+        """A container of ``image`` kept alive by its own Python, removed after.
+
+        The entrypoint is always overridden: a vLLM image's own entrypoint
+        would start a server.
+        """
+        container = None
+        try:
+            container = self._client.containers.create(
+                image,
+                entrypoint=[python, "-c", "import time; time.sleep(3600)"],
+                network_mode="none",
+                labels={"io.vllm-hotfix.role": "probe"},
+            )
+            container.start()
+            yield Box(container)
+        except docker.errors.APIError as exc:
+            raise EngineError(f"cannot run a container of {image}: {_short(exc)}") from exc
+        finally:
+            if container is not None:
+                _remove_container(container)
+
+    def run(
+        self,
+        image: str,
+        argv: Sequence[str],
+        *,
+        files: Mapping[str, bytes] | None = None,
+        files_at: str = "/tmp",
+        gpu: bool = False,
+        network: str = "none",
+        timeout: float = 300,
+        mounts: Sequence[tuple[str, str]] = (),
+        on_start: Callable[[], None] | None = None,
+    ) -> ExecResult:
+        """Run ``argv`` (entrypoint overridden) and return its output."""
+        container = None
+        try:
+            kwargs: dict[str, Any] = {}
+            if gpu:
+                kwargs["device_requests"] = [
+                    docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
+                ]
+            if mounts:
+                kwargs["volumes"] = {src: {"bind": dst, "mode": "ro"} for src, dst in mounts}
+            container = self._client.containers.create(
+                image,
+                entrypoint=list(argv[:1]),
+                command=list(argv[1:]),
+                network_mode=network,
+                labels={"io.vllm-hotfix.role": "smoke"},
+                **kwargs,
+            )
+            if files:
+                container.put_archive(files_at, tar_bytes(files))
+            container.start()
+            if on_start is not None:
+                on_start()
+            try:
+                status = container.wait(timeout=timeout)
+                code = int(status.get("StatusCode", 1))
+            except requests.exceptions.RequestException:
+                code = 124
+            out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
+            err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
+            if code == 124:
+                err += f"\n(timed out after {timeout:.0f} s)"
+            return ExecResult(code, out, err)
+        except docker.errors.APIError as exc:
+            raise EngineError(f"cannot run {argv[0]} in {image}: {_short(exc)}") from exc
+        finally:
+            if container is not None:
+                _remove_container(container)
+
+    @contextmanager
+    def service(
+        self,
+        image: str,
+        command: Sequence[str],
+        *,
+        mounts: Sequence[tuple[str, str]] = (),
+        gpu: bool = False,
+    ) -> Iterator[Callable[[], tuple[bool, str]]]:
+        """Start the image's own entrypoint with ``command`` on host network.
+
+        Yields a function returning (still running, last log lines).
+        """
+        container = None
+        try:
+            kwargs: dict[str, Any] = {}
+            if gpu:
+                kwargs["device_requests"] = [
+                    docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
+                ]
+            container = self._client.containers.run(
+                image,
+                command=list(command),
+                network_mode="host",
+                detach=True,
+                volumes={src: {"bind": dst, "mode": "ro"} for src, dst in mounts},
+                labels={"io.vllm-hotfix.role": "serve"},
+                **kwargs,
+            )
+
+            def state() -> tuple[bool, str]:
+                container.reload()
+                logs = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
+                return container.status == "running", logs
+
+            yield state
+        except docker.errors.APIError as exc:
+            raise EngineError(f"cannot start {image}: {_short(exc)}") from exc
+        finally:
+            if container is not None:
+                _remove_container(container)
+
+    def has_gpu_runtime(self) -> bool:
+        """Whether the engine knows an NVIDIA runtime (``--gpus`` would work)."""
+        try:
+            info = self._client.info()
+        except docker.errors.APIError:
+            return False
+        runtimes = info.get("Runtimes") or {}
+        return "nvidia" in runtimes or "nvidia" in str(info.get("DefaultRuntime", ""))
+
+    def containers_with_role(self) -> list[str]:
+        found = self._client.containers.list(
+            all=True, filters={"label": "io.vllm-hotfix.role"}
+        )
+        return [c.id for c in found]
+
+    # -- build and push ----------------------------------------------------
+
+    def build(
+        self,
+        context: bytes,
+        progress: Callable[[str], None] | None = None,
+    ) -> str:
+        """Build an untagged image from a tar context; return its ID."""
+        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        image_id: str | None = None
+        try:
+            for chunk in self._client.api.build(
+                fileobj=io.BytesIO(context),
+                custom_context=True,
+                rm=True,
+                forcerm=True,
+                decode=True,
+            ):
+                if "error" in chunk:
+                    tail.append(chunk["error"].rstrip())
+                    raise BuildError("docker build failed: " + chunk["error"].strip(), log_tail=tail)
+                if "aux" in chunk and "ID" in chunk["aux"]:
+                    image_id = chunk["aux"]["ID"]
+                text = chunk.get("stream", "")
+                for line in text.splitlines():
+                    if line.strip():
+                        tail.append(line)
+                        if progress is not None:
+                            progress(line)
+        except docker.errors.APIError as exc:
+            raise BuildError(f"docker build failed: {_short(exc)}", log_tail=tail) from exc
+        if image_id is None:
+            for line in reversed(tail):
+                if line.startswith("Successfully built "):
+                    image_id = self._client.images.get(line.split()[-1]).id
+                    break
+        if image_id is None:
+            raise BuildError("docker build reported no image ID", log_tail=tail)
+        return image_id
+
+    def push(
+        self,
+        ref: str,
+        progress: Callable[[str], None] | None = None,
+    ) -> str:
+        """Push ``ref``; return the manifest digest the registry reported."""
+        repo, tag = split_reference(ref)
+        digest: str | None = None
+        shown: dict[str, str] = {}
+        try:
+            for chunk in self._client.api.push(repo, tag=tag, stream=True, decode=True):
+                if "error" in chunk:
+                    raise PushError(f"push of {ref} failed: {chunk['error'].strip()}")
+                aux = chunk.get("aux") or {}
+                if "Digest" in aux:
+                    digest = aux["Digest"]
+                status = chunk.get("status", "")
+                layer = chunk.get("id", "")
+                if progress is not None and shown.get(layer) != status:
+                    shown[layer] = status
+                    progress(f"{layer}: {status}".strip(": "))
+        except docker.errors.APIError as exc:
+            raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
+        except requests.exceptions.RequestException as exc:
+            raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
+        if digest is None:
+            raise PushError(f"push of {ref} reported no digest")
+        return digest
+
+
+def _remove_container(container: Any) -> None:
+    for attempt in range(3):
+        try:
+            container.remove(force=True)
+            return
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as exc:
+            if attempt == 2:
+                log.warning("could not remove container %s: %s", container.id[:12], _short(exc))
+            time.sleep(0.5)
+
+
+def _short(exc: BaseException) -> str:
+    """One line from an SDK exception, whose str() can span many."""
+    text = getattr(exc, "explanation", None) or str(exc)
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        text = json.loads(text).get("message", text)
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(str(text).split())[:400]

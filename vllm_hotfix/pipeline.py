@@ -1,0 +1,152 @@
+"""The ``image`` job: definition -> patched files -> Dockerfile -> image.
+
+Each step lives in its own module; this one only puts them in order, keeps
+the build records, and makes sure a failure leaves nothing tagged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__, base, definitions, records, render
+from . import patches as patchlib
+from .engine import Engine
+from .errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+SmokeRunner = Callable[[Engine, str, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass
+class Plan:
+    """Everything known before the engine is touched."""
+
+    root: Path
+    definition: definitions.ImageDefinition
+    patches: list[patchlib.Patch]
+    base_ref: str
+    output_ref: str
+    template: str
+
+
+@dataclass
+class BuildResult:
+    output_ref: str
+    image_id: str
+    reused: bool
+    record: records.Record
+    smoke: dict[str, Any] | None = field(default=None)
+
+
+def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: str | None = None) -> Plan:
+    """Load and validate the definition and every patch (no engine needed)."""
+    defn = definitions.load(root, base_tag)
+    patches = patchlib.load_series(root, defn.patch_set, defn.package)
+    return Plan(
+        root=root,
+        definition=defn,
+        patches=patches,
+        base_ref=defn.base_ref(base_repo),
+        output_ref=output_ref or defn.output_ref(base_repo),
+        template=render.template_path(root).read_text(encoding="utf-8"),
+    )
+
+
+def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
+    return {
+        "definition": p.definition.tag,
+        "definition_sha256": hashlib.sha256(p.definition.path.read_bytes()).hexdigest(),
+        "base_ref": p.base_ref,
+        "base_id": base_id,
+        "base_digest": base_digest,
+        "patches": {pt.name: pt.sha256 for pt in p.patches},
+        "template_sha256": hashlib.sha256(p.template.encode()).hexdigest(),
+        "tool_version": __version__,
+        "output_ref": p.output_ref,
+    }
+
+
+def render_only(engine: Engine, p: Plan, pull: str = "missing", progress: Callable[[str], None] | None = None) -> str:
+    """The Dockerfile ``image`` would build; builds nothing."""
+    info = engine.resolve(p.base_ref, pull, progress)
+    facts, files = base.prepare(engine, p.definition, p.base_ref, info, p.patches)
+    return render.render(p.template, p.definition, facts, files, p.patches)
+
+
+def build_image(
+    engine: Engine,
+    p: Plan,
+    *,
+    pull: str = "missing",
+    rebuild: bool = False,
+    smoke: SmokeRunner | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> BuildResult:
+    say = progress or (lambda _line: None)
+    say(f"==> resolving base {p.base_ref} (pull policy: {pull})")
+    info = engine.resolve(p.base_ref, pull, say)
+    say(f"    base {p.base_ref} is {info.id}")
+    key_inputs = inputs(p, info.id, info.digest)
+    key = records.inputs_key(key_inputs)
+
+    if not rebuild:
+        for rec in records.find_by_inputs(p.root, key):
+            if engine.image(rec.image_id) is not None and rec.data.get("smoke_status") != "fail":
+                engine.tag(rec.image_id, p.output_ref)
+                say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
+                return BuildResult(p.output_ref, rec.image_id, True, rec, rec.data.get("smoke"))
+
+    say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
+    facts, files = base.prepare(engine, p.definition, p.base_ref, info, p.patches)
+    say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
+    dockerfile = render.render(p.template, p.definition, facts, files, p.patches)
+    ctx = render.context(dockerfile, facts, files)
+
+    say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+    image_id = engine.build(ctx, lambda line: say("    " + line))
+    meta = {
+        "kind": "build",
+        "inputs": key_inputs,
+        "inputs_key": key,
+        "image_id": image_id,
+        "output_ref": p.output_ref,
+        "base": {
+            "ref": p.base_ref,
+            "id": info.id,
+            "digest": info.digest,
+            "site_dir": facts.site_dir,
+            "python": facts.python_version,
+            "package_version": facts.version,
+        },
+        "files": {f.rel: {"sha256": f.sha256, "original_sha256": f.original_sha256} for f in files},
+        "smoke": None,
+        "smoke_status": None,
+        "pushes": [],
+    }
+    try:
+        smoke_report = None
+        if smoke is not None:
+            say(f"==> smoke-testing {image_id[:19]}")
+            smoke_report = smoke(engine, image_id, meta)
+            meta["smoke"] = smoke_report
+            meta["smoke_status"] = smoke_report.get("status")
+            if smoke_report.get("status") == "fail":
+                failed = [c["name"] for c in smoke_report.get("checks", []) if c.get("status") == "fail"]
+                raise PipelineError(
+                    f"smoke checks failed for the image built from {p.base_ref}: {', '.join(failed)}",
+                    hint="see the report above; the image was removed and nothing was tagged",
+                )
+        engine.tag(image_id, p.output_ref)
+    except BaseException:
+        # The engine's layer cache can hand back an image that is already
+        # tagged elsewhere: only remove what this build alone produced.
+        engine.remove_untagged(image_id)
+        raise
+    record = records.new(p.root, meta)
+    return BuildResult(p.output_ref, image_id, False, record, smoke_report)

@@ -1,0 +1,79 @@
+"""Probe run inside an image: where does its Python import a package from?
+
+Usage: python3 locate.py PACKAGE [RELPATH ...]
+RELPATH is relative to the package's parent folder (vllm/models/x.py).
+Prints one JSON object. Never imports the package itself: importing vLLM
+pulls in torch and CUDA, which a probe must not need.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import stat
+import sys
+
+
+def describe(path: str) -> dict[str, object]:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return {"kind": "missing"}
+    if stat.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    elif stat.S_ISREG(st.st_mode):
+        kind = "file"
+    elif stat.S_ISDIR(st.st_mode):
+        kind = "dir"
+    else:
+        kind = "other"
+    return {"kind": kind, "mode": stat.S_IMODE(st.st_mode), "size": st.st_size}
+
+
+def bytecode_levels(source: str) -> list[int]:
+    """Optimisation levels (0, 1, 2) for which the image holds a pyc."""
+    levels = []
+    for level in (0, 1, 2):
+        opt = "" if level == 0 else level
+        if os.path.exists(importlib.util.cache_from_source(source, optimization=opt)):
+            levels.append(level)
+    return levels
+
+
+def main(argv: list[str]) -> int:
+    package, rels = argv[0], argv[1:]
+    result: dict[str, object] = {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "cache_tag": sys.implementation.cache_tag,
+    }
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        result["error"] = f"package {package} is not importable"
+        print(json.dumps(result))
+        return 0
+    package_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
+    parent = os.path.dirname(package_dir)
+    result["package_dir"] = package_dir
+    result["site_dir"] = parent
+    try:
+        result["version"] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        result["version"] = None
+    files: dict[str, object] = {}
+    for rel in rels:
+        full = os.path.join(parent, rel)
+        info = describe(full)
+        # A symlinked folder on the way would also redirect a COPY.
+        info["real"] = os.path.realpath(full) == os.path.normpath(full)
+        info["opt_levels"] = bytecode_levels(full)
+        files[rel] = info
+    result["files"] = files
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""Render the Dockerfile and its build context.
+
+A pure function of its inputs: the same definition, base and patch results
+always give the same bytes, so the engine's layer cache and the build records
+can trust them. The base's ENTRYPOINT, CMD, ENV and USER are inherited
+untouched: the template only adds COPY and LABEL instructions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import jinja2
+
+from . import __version__
+from .base import BaseFacts, PatchedFile
+from .definitions import ImageDefinition
+from .engine import tar_bytes
+from .patches import Patch
+
+LABEL_PREFIX = "io.vllm-hotfix"
+TEMPLATE_NAME = "Dockerfile.j2"
+
+
+@dataclass(frozen=True)
+class FileCopy:
+    rel: str
+    context_dir: str
+    dest_dir: str
+    pycs: tuple[str, ...]
+
+
+def template_path(root: Path) -> Path:
+    """The root's own template if it has one, else the tool's."""
+    own = root / TEMPLATE_NAME
+    return own if own.is_file() else Path(__file__).resolve().parent.parent / TEMPLATE_NAME
+
+
+def _label_value(value: str) -> str:
+    # Dockerfile LABEL values: escape what the parser would interpret.
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("\n", " ")
+
+
+def labels(defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch]) -> list[tuple[str, str]]:
+    p = LABEL_PREFIX
+    items = {
+        "org.opencontainers.image.base.name": base.ref,
+        "org.opencontainers.image.base.digest": base.image.digest.split("@", 1)[1]
+        if base.image.digest
+        else base.image.id,
+        f"{p}.base.id": base.image.id,
+        f"{p}.definition": defn.tag,
+        f"{p}.package": defn.package,
+        f"{p}.package.version": base.version or "",
+        f"{p}.site-dir": base.site_dir,
+        f"{p}.patches": json.dumps({pt.name: pt.sha256 for pt in patches}, sort_keys=True),
+        f"{p}.files": json.dumps({f.rel: f.sha256 for f in files}, sort_keys=True),
+        f"{p}.tool.version": __version__,
+    }
+    for pt in patches:
+        items[f"{p}.patch.{pt.name}"] = pt.sha256
+    return sorted(items.items())
+
+
+def copies(base: BaseFacts, files: list[PatchedFile]) -> list[FileCopy]:
+    out = []
+    for f in sorted(files, key=lambda f: f.rel):
+        rel = PurePosixPath(f.rel)
+        out.append(
+            FileCopy(
+                rel=f.rel,
+                context_dir=f"files/{f.rel}.d",
+                dest_dir=f"{base.site_dir}/{rel.parent}",
+                pycs=tuple(PurePosixPath(p).name for p, _ in f.bytecode),
+            )
+        )
+    return out
+
+
+def render(
+    template: str,
+    defn: ImageDefinition,
+    base: BaseFacts,
+    files: list[PatchedFile],
+    patches: list[Patch],
+) -> str:
+    env = jinja2.Environment(
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+    )
+    env.filters["label"] = _label_value
+    return env.from_string(template).render(
+        tool_version=__version__,
+        definition=defn.tag,
+        base_ref=base.ref,
+        base_id=base.image.id,
+        files=copies(base, files),
+        labels=labels(defn, base, files, patches),
+    )
+
+
+def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes:
+    """The build context: the Dockerfile and the patched files, nothing else."""
+    entries: dict[str, bytes] = {"Dockerfile": dockerfile.encode()}
+    modes: dict[str, int] = {}
+    for f in files:
+        folder = f"files/{f.rel}.d"
+        parent = PurePosixPath(f.rel).parent
+        name = PurePosixPath(f.rel).name
+        entries[f"{folder}/{name}"] = f.data
+        modes[f"{folder}/{name}"] = f.mode
+        for pyc_rel, data in f.bytecode:
+            pyc = PurePosixPath(pyc_rel)
+            entries[f"{folder}/{pyc.relative_to(parent)}"] = data
+    return tar_bytes(entries, modes)
