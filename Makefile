@@ -1,0 +1,51 @@
+# The front door: each target is a one-liner over build.py or .ci/services.
+PYTHON ?= python3
+BASE ?= v0.25.1
+BASE_REPO ?=
+IMAGE ?= vllm/vllm-openai:$(BASE)-m3patch
+REGISTRY ?= 127.0.0.1:5000/ops
+REPO_FLAG = $(if $(BASE_REPO),--base-repo $(BASE_REPO),)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup services image render smoke push demo test lint bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: ## Install system packages (docker.io, docker-registry, mmdebstrap) and the tool
+	.ci/services install
+	$(PYTHON) -m pip install -q -e '.[test]'
+
+services: ## Start a local Docker engine and registry unless they already answer
+	.ci/services start-engine
+	.ci/services start-registry
+
+image: ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...]
+	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG)
+
+render: ## Print the Dockerfile `image` would build
+	$(PYTHON) build.py render --base $(BASE) $(REPO_FLAG)
+
+smoke: ## Smoke-test an image: make smoke IMAGE=...
+	$(PYTHON) build.py smoke $(IMAGE)
+
+push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path
+	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY)
+
+demo: setup services ## End to end on this machine: stand-in base, build, smoke, push to a local registry
+	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
+	$(PYTHON) build.py image --base $(BASE)
+	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
+
+test: setup services ## Run every test (unit and integration) against the real engine and registry
+	$(PYTHON) -m pytest -q
+
+lint: ## ruff and mypy
+	$(PYTHON) -m ruff check vllm_hotfix tests build.py
+	$(PYTHON) -m mypy vllm_hotfix
+
+bench: ## Benchmarks: the tool against the manual flow and the floor
+	$(PYTHON) bench/run.py
+
+clean: ## Remove build records and caches (not images)
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache
