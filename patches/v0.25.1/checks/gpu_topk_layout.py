@@ -71,7 +71,9 @@ Everything else (``vllm.platforms``, ``vllm.triton_utils``, ``vllm.utils``,
 ``vllm.logger``, the pure-Python NVML binding ``vllm.third_party.pynvml``) is
 vLLM's real code from DIR.
 
-Usage: ``python3 gpu_topk_layout.py [--vllm-src DIR] [--timeout S]``.
+Usage: ``python3 gpu_topk_layout.py [--vllm-src DIR] [--timeout S] [--log FILE]``
+(``--timeout``: seconds per worker subprocess, default 300; ``--log``: append
+each worker's raw record to a JSONL file as it finishes).
 Stdlib only at top level; Python 3.9+.
 """
 
@@ -138,7 +140,7 @@ SMALL_SCENARIOS: dict[str, dict[str, Any]] = {
         topk=4,
         gqa=2,
         head_dim=16,
-        decode_seq_lens=[700, 300],
+        decode_seq_lens=[700, 520],
         prefill=[[300, 6], [0, 5]],
         max_num_batched_tokens=16,
     ),
@@ -161,9 +163,7 @@ def install_src_stubs(vllm_src: str) -> list[str]:
         sys.path.insert(0, src)
     stubs: list[str] = []
     if "vllm._C_stable_libtorch" not in sys.modules:
-        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType(
-            "vllm._C_stable_libtorch"
-        )
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
         stubs.append("vllm._C_stable_libtorch (empty module)")
     if "vllm.models.minimax_m3" not in sys.modules:
         import vllm.models  # noqa: F401  (real, empty package __init__)
@@ -220,9 +220,7 @@ def installed_sources_have_fix(vllm_src: str | None) -> dict[str, Any]:
         with open(os.path.join(common, "sparse_attention.py"), encoding="utf-8") as f:
             sa = f.read()
         out["indexer_transposes"] = "buf.transpose(0, 1)" in idx
-        out["sparse_attention_transposes"] = (
-            "topk_buffer[:num_tokens].transpose(0, 1)" in sa
-        )
+        out["sparse_attention_transposes"] = "topk_buffer[:num_tokens].transpose(0, 1)" in sa
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
     return out
@@ -258,9 +256,7 @@ def kernel_view(base: Any, view: Any, heads: int, n: int) -> Any:
     """What a kernel that walks ``view`` by strides over [heads, n, K] sees."""
     import torch
 
-    return torch.as_strided(
-        base, (heads, n, view.shape[-1]), tuple(view.stride()), view.storage_offset()
-    )
+    return torch.as_strided(base, (heads, n, view.shape[-1]), tuple(view.stride()), view.storage_offset())
 
 
 def overlapping_rows(views: list[tuple[Any, int, int]]) -> int:
@@ -279,9 +275,7 @@ def overlapping_rows(views: list[tuple[Any, int, int]]) -> int:
 # ---------------------------------------------------------------------------
 # Reference and comparison
 # ---------------------------------------------------------------------------
-def reference_topk(
-    score: Any, valid: Any, topk: int, force: tuple[int, int] | None
-) -> Any:
+def reference_topk(score: Any, valid: Any, topk: int, force: tuple[int, int] | None) -> Any:
     """Torch top-k per (head, token) over ``score[h, t, :valid[t]]``.
 
     ``force=(init_blocks, local_blocks)`` applies the prefill kernel's forcing
@@ -433,15 +427,21 @@ def run_scenario(
     try:
         # Write path: as MiniMaxM3IndexerTritonImpl.forward (decode, then prefill).
         it.minimax_m3_index_decode(
-            iq[:nd], kv_idx, bt_d, seq_d, max(dec), K, init_b, local_b, H, 1, 1,
+            iq[:nd],
+            kv_idx,
+            bt_d,
+            seq_d,
+            max(dec),
+            K,
+            init_b,
+            local_b,
+            H,
+            1,
+            1,
             out=out_d,
         )
-        score_p = it.minimax_m3_index_score(
-            iq[nd:], kv_idx, bt_p, cu_p, seq_p, ctx_p, max_q_p, max_seq_p, H
-        )
-        it.minimax_m3_index_topk(
-            score_p, cu_p, ctx_p, max_q_p, K, init_b, local_b, out=out_p
-        )
+        score_p = it.minimax_m3_index_score(iq[nd:], kv_idx, bt_p, cu_p, seq_p, ctx_p, max_q_p, max_seq_p, H)
+        it.minimax_m3_index_topk(score_p, cu_p, ctx_p, max_q_p, K, init_b, local_b, out=out_p)
         # Same kernel, same inputs: the decode scores the top-k saw.
         score_d = it.minimax_m3_index_decode_score(
             iq[:nd], kv_idx, bt_d, seq_d, max(dec), init_b, local_b, H, 1, 1
@@ -464,9 +464,7 @@ def run_scenario(
             ],
         }
         valid_d = torch.tensor([cdiv(s, BLOCK) for s in dec])
-        valid_p = torch.tensor(
-            [(c + j) // BLOCK + 1 for c, qn in pre for j in range(qn)]
-        )
+        valid_p = torch.tensor([(c + j) // BLOCK + 1 for c, qn in pre for j in range(qn)])
         ref_d = reference_topk(score_d, valid_d, K, None)
         ref_p = reference_topk(score_p, valid_p, K, (init_b, local_b))
         try:
@@ -477,9 +475,7 @@ def run_scenario(
             res["ok"] = False
             return res
         res["decode"] = compare_rows(seen_d, ref_d, score_d[:, :, :], valid_d, None)
-        res["prefill"] = compare_rows(
-            seen_p, ref_p, score_p, valid_p, (init_b, local_b)
-        )
+        res["prefill"] = compare_rows(seen_p, ref_p, score_p, valid_p, (init_b, local_b))
 
         stage = "attention"
         out_seen = torch.zeros((T, num_heads, hd), **bf16)
@@ -488,11 +484,18 @@ def run_scenario(
             (read_d, read_p, out_seen),
             (ref_d.to(device), ref_p.to(device), out_ref),
         ):
-            sa.minimax_m3_sparse_attn_decode(
-                q[:nd], kv, topk_d, bt_d, seq_d, H, scale, o[:nd], 1
-            )
+            sa.minimax_m3_sparse_attn_decode(q[:nd], kv, topk_d, bt_d, seq_d, H, scale, o[:nd], 1)
             sa.minimax_m3_sparse_attn(
-                q[nd:], kv, topk_p, bt_p, cu_p, seq_p, ctx_p, max_q_p, H, scale,
+                q[nd:],
+                kv,
+                topk_p,
+                bt_p,
+                cu_p,
+                seq_p,
+                ctx_p,
+                max_q_p,
+                H,
+                scale,
                 o[nd:],
             )
         if device == "cuda":
@@ -509,27 +512,40 @@ def run_scenario(
         }
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{stage}: {type(e).__name__}: {str(e).strip()[:500]}"
+        res["traceback"] = traceback.format_exc()[-1500:]
         res["ok"] = False
         return res
     bad_rows = res["decode"]["mismatch"] + res["prefill"]["mismatch"]
-    res["ok"] = (
-        bad_rows == 0
-        and res["attention"]["tokens_over_tol"] == 0
-        and res["attention"]["finite"]
-    )
+    res["ok"] = bad_rows == 0 and res["attention"]["tokens_over_tol"] == 0 and res["attention"]["finite"]
     return res
+
+
+def cpu_interpreter_shim() -> None:
+    """CPU dry run only (--device cpu, TRITON_INTERPRET=1): the autotuner's
+    benchmarker needs a GPU driver, so every config gets the same fake timing
+    (the first config wins). Never used with --device cuda."""
+    from triton.runtime import autotuner
+
+    def _fake_bench(self: Any) -> Any:
+        def bench(fn: Any, quantiles: Any = None, **_: Any) -> list[float]:
+            fn()
+            return [1.0, 1.0, 1.0]
+
+        return bench
+
+    autotuner.Autotuner.do_bench = property(_fake_bench)  # type: ignore[assignment]
 
 
 def worker_main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"variant": args.variant, "scenario": args.scenario}
     try:
         t0 = time.time()
+        if args.device == "cpu":
+            cpu_interpreter_shim()
         it, sa, info = import_ops(args.vllm_src)
         out["import"] = info
         table = SMALL_SCENARIOS if args.small else SCENARIOS
-        out["result"] = run_scenario(
-            it, sa, args.variant, table[args.scenario], args.device, args.seed
-        )
+        out["result"] = run_scenario(it, sa, args.variant, table[args.scenario], args.device, args.seed)
         out["seconds"] = round(time.time() - t0, 2)
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
@@ -542,9 +558,7 @@ def worker_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------
 # Orchestrator
 # ---------------------------------------------------------------------------
-def run_worker(
-    args: argparse.Namespace, variant: str, scenario: str
-) -> dict[str, Any]:
+def run_worker(args: argparse.Namespace, variant: str, scenario: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant]
     cmd += ["--scenario", scenario, "--device", args.device, "--seed", str(args.seed)]
     if args.vllm_src:
@@ -553,9 +567,7 @@ def run_worker(
         cmd.append("--small")
     t0 = time.time()
     try:
-        p = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=args.timeout, check=False
-        )
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"fault": f"timeout after {args.timeout}s", "seconds": args.timeout}
     rec: dict[str, Any] = {"returncode": p.returncode}
@@ -610,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scenario", default="all", help="tp1, tp4 or all")
     ap.add_argument("--variant", default="both", choices=["both", "patched", "unpatched"])
+    ap.add_argument("--log", default=None, help="append each worker's record to this JSONL file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -624,18 +637,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("torch.cuda.is_available() is False")
     except Exception as e:  # noqa: BLE001
-        checks = [
-            {"name": n, "status": "skip", "detail": f"no torch/CUDA: {e}"}
-            for n in names
-        ]
+        checks = [{"name": n, "status": "skip", "detail": f"no torch/CUDA: {e}"} for n in names]
         print(json.dumps({"checks": checks, "info": info}))
         return 0
     try:
         import triton  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        checks = [
-            {"name": n, "status": "skip", "detail": f"no triton: {e}"} for n in names
-        ]
+        checks = [{"name": n, "status": "skip", "detail": f"no triton: {e}"} for n in names]
         print(json.dumps({"checks": checks, "info": info}))
         return 0
     info["installed_sources"] = installed_sources_have_fix(args.vllm_src)
@@ -646,6 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         for s in scen:
             runs[v][s] = run_worker(args, v, s)
+            if args.log:
+                try:
+                    with open(args.log, "a", encoding="utf-8") as f:
+                        f.write(json.dumps({"variant": v, "scenario": s, "record": runs[v][s]}) + "\n")
+                except OSError:
+                    pass
     for v in variants:
         for rec in runs[v].values():
             if "import" in rec:
@@ -660,28 +674,43 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "name": names[0],
                 "status": "pass" if ok else "fail",
-                "detail": ("patched read side matches torch top-k: " if ok else "")
-                + detail,
+                "detail": ("patched read side matches torch top-k: " if ok else "") + detail,
                 "data": recs,
             }
         )
     if "unpatched" in runs:
         recs = runs["unpatched"]
-        if any(env_error(r) for r in recs.values()):
-            status = "fail"
-            lead = "could not run the unpatched variant: "
+        pat = runs.get("patched", {})
+        caught: list[str] = []
+        inconclusive: list[str] = []
+        for s, r in recs.items():
+            res = r.get("result", {})
+            if env_error(r):
+                inconclusive.append(s)
+            elif res.get("ok") is True:
+                continue
+            elif (
+                res.get("decode", {}).get("mismatch")
+                or res.get("prefill", {}).get("mismatch")
+                or "read_out_of_bounds" in res
+                or res.get("attention", {}).get("tokens_over_tol")
+            ):
+                caught.append(s)
+            elif s in pat and pat[s].get("result", {}).get("ok") is not True:
+                # The patched run of the same scenario failed too: a fault here
+                # says nothing about the layout.
+                inconclusive.append(s)
+            else:
+                caught.append(s)  # faults only with the unpatched slicing
+        status = "pass" if caught else "fail"
+        if caught:
+            lead = f"unpatched v0.25.1 slicing goes wrong ({', '.join(caught)}): "
+        elif inconclusive:
+            lead = f"inconclusive ({', '.join(inconclusive)}): "
         else:
-            caught = any(r.get("result", {}).get("ok") is not True for r in recs.values())
-            status = "pass" if caught else "fail"
-            lead = (
-                "unpatched v0.25.1 slicing is wrong as expected: "
-                if caught
-                else "unpatched slicing matched the reference (bug NOT caught): "
-            )
+            lead = "unpatched slicing matched the reference (bug NOT caught): "
         detail = lead + "; ".join(f"{s}: {summarize(r)}" for s, r in recs.items())
-        checks.append(
-            {"name": names[1], "status": status, "detail": detail, "data": recs}
-        )
+        checks.append({"name": names[1], "status": status, "detail": detail, "data": recs})
     print(json.dumps({"checks": checks, "info": info}))
     return 1 if any(c["status"] == "fail" for c in checks) else 0
 

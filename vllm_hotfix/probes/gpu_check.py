@@ -1,0 +1,249 @@
+"""GPU probe: torch sees the GPUs, and small kernels run correctly on them.
+
+Run inside a container (or on a GPU machine) as
+``python3 gpu_check.py [--extra DIR_OR_FILE ...] [--timeout S] [--extra-args ARGS]``.
+Prints one JSON object ``{"checks": [...], "info": {...}}``; exit code 1 when
+any check fails. Stdlib only at top level; torch and triton are imported lazily.
+
+Checks:
+* ``gpu-torch``: torch imports, ``torch.cuda.is_available()`` and at least one
+  device; ``data`` lists every device's name and compute capability.
+* ``gpu-kernel``: a 512x512 float32 matmul on each device against a float64 CPU
+  reference, relative error (Frobenius) < 1e-3. TF32 is switched off for it.
+* ``gpu-triton``: when triton imports, a tiny Triton add kernel against torch
+  (exact); ``skip`` when triton is absent.
+When torch is absent or CUDA is unavailable, these are ``skip`` (the image may
+be probed on a host without GPUs); torch importable but broken is a ``fail``.
+
+``--extra``: more check scripts (files, or every ``*.py`` in a directory,
+sorted) run with the same python as subprocesses (``--timeout`` each, default
+600 s); their ``checks`` are merged into the output. A script that times out,
+crashes or prints no JSON yields a failing check named after the script.
+``--extra-args`` is split (shlex) and appended to every extra script's
+arguments (e.g. ``--extra-args "--vllm-src /path"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any
+
+MATMUL_N = 512
+MATMUL_RTOL = 1e-3
+
+
+def check(name: str, status: str, detail: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "status": status, "detail": detail}
+    if data is not None:
+        c["data"] = data
+    return c
+
+
+def check_torch() -> tuple[list[dict[str, Any]], Any]:
+    """gpu-torch; returns (checks, torch module or None when GPU checks can't run)."""
+    try:
+        import torch
+    except ImportError as e:
+        return [check("gpu-torch", "skip", f"torch not importable: {e}")], None
+    except Exception as e:  # noqa: BLE001
+        return [check("gpu-torch", "fail", f"importing torch raised {type(e).__name__}: {e}")], None
+    try:
+        if not torch.cuda.is_available():
+            return [
+                check(
+                    "gpu-torch",
+                    "skip",
+                    f"torch {torch.__version__} (cuda {torch.version.cuda}): "
+                    "torch.cuda.is_available() is False",
+                )
+            ], None
+        n = torch.cuda.device_count()
+        devices = []
+        for i in range(n):
+            major, minor = torch.cuda.get_device_capability(i)
+            devices.append({"index": i, "name": torch.cuda.get_device_name(i), "capability": [major, minor]})
+        if n < 1:
+            return [check("gpu-torch", "fail", "CUDA available but device_count() == 0")], None
+        names = ", ".join(f"{d['name']} (sm_{d['capability'][0]}{d['capability'][1]})" for d in devices)
+        data = {"torch": torch.__version__, "cuda": torch.version.cuda, "devices": devices}
+        return [check("gpu-torch", "pass", f"{n} device(s): {names}", data)], torch
+    except Exception as e:  # noqa: BLE001
+        return [check("gpu-torch", "fail", f"{type(e).__name__}: {e}")], None
+
+
+def check_matmul(torch: Any) -> dict[str, Any]:
+    try:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(MATMUL_N, MATMUL_N, generator=g, dtype=torch.float32)
+        b = torch.randn(MATMUL_N, MATMUL_N, generator=g, dtype=torch.float32)
+        ref = a.double() @ b.double()
+        errs = []
+        for i in range(torch.cuda.device_count()):
+            dev = torch.device("cuda", i)
+            c = (a.to(dev) @ b.to(dev)).cpu().double()
+            torch.cuda.synchronize(dev)
+            errs.append(float((c - ref).norm() / ref.norm()))
+        torch.backends.cuda.matmul.allow_tf32 = prev
+        worst = max(errs)
+        status = "pass" if worst < MATMUL_RTOL else "fail"
+        return check(
+            "gpu-kernel",
+            status,
+            f"fp32 {MATMUL_N}x{MATMUL_N} matmul vs fp64 CPU: max rel err {worst:.2e} (< {MATMUL_RTOL:g})",
+            {"rel_err_per_device": errs, "tolerance": MATMUL_RTOL},
+        )
+    except Exception as e:  # noqa: BLE001
+        return check("gpu-kernel", "fail", f"{type(e).__name__}: {e}")
+
+
+def check_triton(torch: Any) -> dict[str, Any]:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:
+        return check("gpu-triton", "skip", f"triton not importable: {e}")
+    except Exception as e:  # noqa: BLE001
+        return check("gpu-triton", "fail", f"importing triton raised {type(e).__name__}: {e}")
+    try:
+
+        @triton.jit
+        def _add(x_ptr, y_ptr, o_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask)
+            y = tl.load(y_ptr + offs, mask=mask)
+            tl.store(o_ptr + offs, x + y, mask=mask)
+
+        n = 98_765
+        x = torch.randn(n, device="cuda")
+        y = torch.randn(n, device="cuda")
+        o = torch.empty_like(x)
+        t0 = time.time()
+        _add[(triton.cdiv(n, 1024),)](x, y, o, n, BLOCK=1024)
+        torch.cuda.synchronize()
+        secs = time.time() - t0
+        ok = bool(torch.equal(o, x + y))
+        return check(
+            "gpu-triton",
+            "pass" if ok else "fail",
+            f"triton {triton.__version__} add kernel, {n} elements: "
+            + ("equal to torch" if ok else "DIFFERS from torch"),
+            {"triton": triton.__version__, "first_launch_s": round(secs, 3)},
+        )
+    except Exception as e:  # noqa: BLE001
+        return check("gpu-triton", "fail", f"{type(e).__name__}: {e}")
+
+
+def extra_scripts(paths: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            out += sorted(
+                os.path.join(p, f) for f in os.listdir(p) if f.endswith(".py") and not f.startswith("_")
+            )
+        else:
+            out.append(p)
+    return out
+
+
+def run_extra(script: str, timeout: float, extra_args: list[str]) -> list[dict[str, Any]]:
+    """Run one extra check script; return its checks (or one failing check)."""
+    base = os.path.splitext(os.path.basename(script))[0]
+    if not os.path.isfile(script):
+        return [check(f"extra:{base}", "fail", f"no such file: {script}")]
+    t0 = time.time()
+    try:
+        p = subprocess.run(
+            [sys.executable, script, *extra_args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return [check(f"extra:{base}", "fail", f"timed out after {timeout:g}s")]
+    except Exception as e:  # noqa: BLE001
+        return [check(f"extra:{base}", "fail", f"could not run: {type(e).__name__}: {e}")]
+    secs = round(time.time() - t0, 2)
+    parsed = parse_last_json(p.stdout)
+    if parsed is None or not isinstance(parsed.get("checks"), list):
+        tail = " | ".join((p.stderr or p.stdout or "").strip().splitlines()[-4:])[-600:]
+        return [check(f"extra:{base}", "fail", f"exit {p.returncode}, no JSON checks: {tail}")]
+    checks = []
+    for c in parsed["checks"]:
+        if not isinstance(c, dict) or "name" not in c or c.get("status") not in ("pass", "fail", "skip"):
+            checks.append(check(f"extra:{base}", "fail", f"malformed check: {str(c)[:200]}"))
+            continue
+        c = dict(c)
+        c.setdefault("data", {})
+        if isinstance(c["data"], dict):
+            c["data"].setdefault("script", script)
+            c["data"].setdefault("seconds", secs)
+        checks.append(c)
+    if p.returncode != 0 and not any(c["status"] == "fail" for c in checks):
+        checks.append(check(f"extra:{base}", "fail", f"exit {p.returncode} with no failing check"))
+    if isinstance(parsed.get("info"), dict):
+        checks_info = parsed["info"]
+        for c in checks:
+            if isinstance(c.get("data"), dict):
+                c["data"].setdefault("script_info", checks_info)
+                break
+    return checks
+
+
+def parse_last_json(text: str) -> dict[str, Any] | None:
+    for line in reversed((text or "").splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                return obj
+    try:
+        obj = json.loads(text)
+        return obj if isinstance(obj, dict) else None
+    except ValueError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="GPU probe")
+    ap.add_argument("--extra", nargs="*", default=[], help="extra check scripts or dirs")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per extra script")
+    ap.add_argument("--extra-args", default="", help="arguments appended to every extra script")
+    args = ap.parse_args(argv)
+
+    checks, torch = check_torch()
+    info: dict[str, Any] = {"probe": "gpu_check", "python": sys.version.split()[0]}
+    if torch is not None:
+        checks.append(check_matmul(torch))
+        checks.append(check_triton(torch))
+    else:
+        reason = checks[0]["detail"]
+        checks.append(check("gpu-kernel", "skip", f"no usable GPU: {reason}"))
+        checks.append(check("gpu-triton", "skip", f"no usable GPU: {reason}"))
+    extra_args = shlex.split(args.extra_args)
+    for script in extra_scripts(args.extra):
+        checks += run_extra(script, args.timeout, extra_args)
+    print(json.dumps({"checks": checks, "info": info}))
+    return 1 if any(c["status"] == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001
+        print(json.dumps({"checks": [check("gpu-torch", "fail", f"probe crashed: {type(e).__name__}: {e}")]}))
+        sys.exit(1)
