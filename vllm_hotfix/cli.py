@@ -142,6 +142,101 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
     click.echo(f"stand-in {ref} {info.id}")
 
 
+def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
+                   requests_n: int) -> Any:
+    from . import smoke as smokelib
+    from . import sweep
+
+    return smokelib.SmokeOptions(gpu=gpu, serve_model=serve_model, serve_args=serve_args,
+                                 levels=sweep.parse_levels(concurrency), requests=requests_n)
+
+
+sweep_options = [
+    click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="Concurrency levels."),
+    click.option("--requests", "requests_n", type=click.IntRange(1), default=32, show_default=True,
+                 help="Requests per level."),
+]
+
+
+def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def apply(fn: Any) -> Any:
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return apply
+
+
+@main.command()
+@click.argument("image_ref", metavar="IMAGE")
+@click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
+              help="Run GPU checks: where the host has an NVIDIA runtime, always, or never.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
+@click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Model folder to serve with the image's own entrypoint for the sweep.")
+@click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
+@with_options(sweep_options)
+@click.pass_obj
+@guarded
+def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_path: Path | None,
+          serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str, requests_n: int) -> None:
+    """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
+    from . import smoke as smokelib
+
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n)
+    report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
+    smokelib.record(obj.root, report)
+    if report_path:
+        smokelib.write_json(report, report_path)
+    if junit_path:
+        smokelib.write_junit(report, junit_path)
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    gpu_note = "GPU-verified" if report["gpu_verified"] else "GPU-unverified"
+    if failed:
+        click.secho(f"error: smoke failed for {image_ref}: {', '.join(failed)}", fg="red", err=True)
+        sys.exit(7)
+    click.echo(f"smoke passed {image_ref} {report['image_id']} ({gpu_note}, {report['seconds']:.1f} s)")
+
+
+@main.command("serve-check")
+@click.option("--url", required=True, help="Base URL of a running OpenAI-compatible server.")
+@click.option("--model", default=None, help="Model name (default: the first /v1/models lists).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@with_options(sweep_options)
+@guarded
+def serve_check(url: str, model: str | None, report_path: Path | None, concurrency: str, requests_n: int) -> None:
+    """Run the concurrency sweep against an already running server."""
+    import json
+
+    from . import sweep
+    from .errors import SmokeError
+
+    levels = sweep.parse_levels(concurrency)
+    sweep.wait_healthy(url.rstrip("/"), 30)
+    result = sweep.sweep(url, model, levels, requests_n, progress=progress)
+    if report_path:
+        report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    if not result.ok:
+        raise SmokeError(sweep.failure_message(result))
+    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}")
+
+
+@main.command()
+@click.argument("image_ref", metavar="IMAGE")
+@click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
+@click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
+@click.pass_obj
+@guarded
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) -> None:
+    """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
+    from . import push as pushlib
+
+    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
+                          allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+    click.echo(f"pushed {pushed.ref} {pushed.digest}")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     try:
         main.main(args=list(argv) if argv is not None else None, prog_name="build.py", standalone_mode=True)

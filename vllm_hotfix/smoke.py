@@ -1,0 +1,281 @@
+"""Smoke tests run inside a built image before it may be pushed.
+
+Each check is a probe script (vllm_hotfix/probes/, plus the patch set's own
+checks in patches/<set>/checks/) run with the image's Python, entrypoint
+overridden, under a timeout, in a container that is always removed. The serve
+sweep instead starts the image's own entrypoint (`vllm serve`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from . import __version__, definitions, records, sweep
+from .engine import Engine, ImageInfo
+from .errors import DefinitionError, EngineError, SmokeError
+
+log = logging.getLogger(__name__)
+
+GPU_MODES = ("auto", "require", "off")
+PROBE_DIR = "/tmp/vllm-hotfix-probes"
+LABEL = "io.vllm-hotfix"
+
+
+@dataclass
+class SmokeOptions:
+    gpu: str = "auto"
+    serve_model: Path | None = None
+    serve_args: Sequence[str] = ()
+    levels: Sequence[int] = sweep.DEFAULT_LEVELS
+    requests: int = 32
+    python: str = "python3"
+    probe_timeout: float = 600
+    serve_timeout: float = 900
+
+
+@dataclass
+class Report:
+    image: str
+    image_id: str
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    sweep: dict[str, Any] | None = None
+    gpu_verified: bool = False
+    started: str = ""
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return "fail" if any(c["status"] == "fail" for c in self.checks) else "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tool_version": __version__,
+            "image": self.image,
+            "image_id": self.image_id,
+            "status": self.status,
+            "gpu_verified": self.gpu_verified,
+            "started": self.started,
+            "seconds": round(self.seconds, 3),
+            "checks": self.checks,
+            "environment": self.environment,
+            "sweep": self.sweep,
+        }
+
+
+def _probe(name: str) -> bytes:
+    return resources.files("vllm_hotfix.probes").joinpath(name).read_bytes()
+
+
+def _parse_checks(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A probe's JSON, or one failing check that says why there is none."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("checks"), list):
+            return data["checks"], data.get("info") or {}
+    why = (stderr.strip().splitlines() or [f"exit {code}, no output"])[-1]
+    return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
+
+
+class Smoke:
+    def __init__(self, engine: Engine, root: Path, options: SmokeOptions, progress: Callable[[str], None]) -> None:
+        self.engine = engine
+        self.root = root
+        self.opt = options
+        self.say = progress
+
+    def probe(
+        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: bool = False,
+        extra: dict[str, bytes] | None = None, fallback_name: str | None = None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})}
+        start = time.monotonic()
+        try:
+            res = self.engine.run(
+                image.id, [self.opt.python, f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
+                timeout=self.opt.probe_timeout,
+            )
+        except EngineError as exc:
+            took = time.monotonic() - start
+            return [{"name": fallback_name or script, "status": "fail", "detail": str(exc)}], {}, took
+        took = time.monotonic() - start
+        checks, info = _parse_checks(fallback_name or script, res.stdout, res.stderr, res.exit_code)
+        return checks, info, took
+
+    def add(self, report: Report, checks: list[dict[str, Any]], took: float) -> None:
+        for c in checks:
+            c.setdefault("detail", "")
+            c["seconds"] = round(took / max(len(checks), 1), 3)
+            report.checks.append(c)
+            self.say(f"    {c['status']:<4} {c['name']}: {c['detail']}")
+
+    def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
+        """The patch set's own checks, e.g. a GPU regression test for the fix."""
+        tag = image.labels.get(f"{LABEL}.definition")
+        if not tag:
+            return {}
+        try:
+            defn = definitions.load(self.root, tag)
+        except DefinitionError:
+            return {}
+        folder = self.root / "patches" / defn.patch_set / "checks"
+        return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
+
+    def run(self, ref: str) -> Report:
+        image = self.engine.image(ref)
+        if image is None:
+            raise SmokeError(f"image {ref} is not in the engine")
+        report = Report(ref, image.id, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        start = time.monotonic()
+        labels = image.labels
+        package = labels.get(f"{LABEL}.package", "vllm")
+
+        self.say(f"==> smoke 1/5: patched files in {ref}")
+        files = labels.get(f"{LABEL}.files")
+        if files is None:
+            self.add(report, [{"name": "patch-landed", "status": "fail",
+                               "detail": f"{ref} has no {LABEL}.files label: not built by this tool"}], 0)
+        else:
+            version = labels.get(f"{LABEL}.package.version", "")
+            checks, _, took = self.probe(image, "landed.py", [package, version, files], fallback_name="patch-landed")
+            self.add(report, checks, took)
+
+        self.say("==> smoke 2/5: environment report")
+        checks, info, took = self.probe(image, "env_report.py", [], fallback_name="env-report")
+        report.environment = info
+        self.add(report, checks, took)
+
+        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes)")
+        checks, _, took = self.probe(image, "integrity.py", [package, files or "{}"], fallback_name="integrity")
+        self.add(report, checks, took)
+
+        self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
+        self.gpu(report, image)
+
+        self.say("==> smoke 5/5: serve sweep")
+        if self.opt.serve_model is None:
+            self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0)
+        else:
+            self.serve(report, image)
+        report.seconds = time.monotonic() - start
+        return report
+
+    def gpu(self, report: Report, image: ImageInfo) -> None:
+        mode = self.opt.gpu
+        if mode == "off":
+            self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
+            return
+        if mode == "auto" and not self.engine.has_gpu_runtime():
+            self.add(report, [{"name": "gpu", "status": "skip",
+                               "detail": "the Docker host has no NVIDIA runtime: image is GPU-unverified"}], 0)
+            return
+        extra = self.patch_checks(image)
+        args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
+        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=True, extra=extra, fallback_name="gpu")
+        if mode == "require" and not self.engine.has_gpu_runtime():
+            for c in checks:
+                if c["status"] == "fail":
+                    c["detail"] = f"--gpu require, but the Docker host has no NVIDIA runtime ({c['detail']})"
+        self.add(report, checks, took)
+        if info:
+            report.environment["gpu"] = info
+        ran = [c for c in checks if c["status"] != "skip"]
+        report.gpu_verified = bool(ran) and all(c["status"] == "pass" for c in ran)
+
+    def serve(self, report: Report, image: ImageInfo) -> None:
+        model = self.opt.serve_model
+        assert model is not None
+        if not model.exists():
+            raise SmokeError(f"--serve-model {model}: no such file or folder")
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = ["/model", "--port", str(port), *self.opt.serve_args]
+        start = time.monotonic()
+        gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.engine.has_gpu_runtime())
+        with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")], gpu=gpu) as watch:
+            try:
+                sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
+            except SmokeError as exc:
+                self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": str(exc).splitlines()[0],
+                                   "data": {"server_log": str(exc)}}], time.monotonic() - start)
+                return
+            result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch, progress=self.say)
+        report.sweep = result.to_dict()
+        took = time.monotonic() - start
+        if result.ok:
+            detail = f"levels {','.join(map(str, self.opt.levels))}: every request succeeded"
+            self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
+        else:
+            tail = result.server_log.strip().splitlines()[-5:]
+            self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": sweep.failure_message(result),
+                               "data": {"server_log": tail}}], took)
+            for line in tail:
+                self.say(f"    | {line}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def record(root: Path, report: dict[str, Any]) -> records.Record:
+    """Attach the smoke result to the image's build record (or start one)."""
+    found = records.find_by_image(root, report["image_id"])
+    if found:
+        rec = found[0]
+        rec.data["smoke"] = report
+        rec.data["smoke_status"] = report["status"]
+        rec.save()
+        return rec
+    return records.new(root, {"kind": "smoke", "image_id": report["image_id"], "output_ref": report["image"],
+                              "smoke": report, "smoke_status": report["status"], "pushes": []})
+
+
+def runner(
+    root: Path, progress: Callable[[str], None], options: SmokeOptions | None = None
+) -> Callable[[Engine, str, dict[str, Any]], dict[str, Any]]:
+    """The hook `image` calls after a build, before tagging."""
+
+    def run(engine: Engine, image_id: str, _meta: dict[str, Any]) -> dict[str, Any]:
+        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id).to_dict()
+
+    return run
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def write_junit(report: dict[str, Any], path: Path) -> None:
+    checks = report["checks"]
+    suite = ET.Element(
+        "testsuite",
+        name=f"smoke {report['image']}",
+        tests=str(len(checks)),
+        failures=str(sum(c["status"] == "fail" for c in checks)),
+        skipped=str(sum(c["status"] == "skip" for c in checks)),
+        time=f"{report['seconds']:.3f}",
+    )
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname="smoke", name=c["name"], time=f"{c.get('seconds', 0):.3f}")
+        if c["status"] == "fail":
+            ET.SubElement(case, "failure", message=c.get("detail", "")).text = json.dumps(c.get("data", {}))[:4000]
+        elif c["status"] == "skip":
+            ET.SubElement(case, "skipped", message=c.get("detail", ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+

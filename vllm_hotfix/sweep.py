@@ -1,0 +1,205 @@
+"""The concurrency sweep against an OpenAI-compatible endpoint.
+
+The bug this project was born from crashed vLLM at concurrency >= 2 while
+single requests worked, so each level sends N chat completions at that
+concurrency and any failed request, or a server that died, fails the sweep
+naming the level.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import requests
+
+from .errors import SmokeError
+
+DEFAULT_LEVELS = (1, 2, 4, 8, 16)
+PROMPT = "Count from one to ten in words, separated by commas."
+
+# (running, last log lines); None when nothing watches the server process.
+Watcher = Callable[[], tuple[bool, str]]
+
+
+@dataclass
+class Level:
+    concurrency: int
+    requests: int
+    successes: int = 0
+    failures: int = 0
+    p50_s: float | None = None
+    p95_s: float | None = None
+    output_tokens_per_s: float | None = None
+    wall_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SweepResult:
+    url: str
+    model: str
+    levels: list[Level]
+    failed_level: int | None = None
+    server_log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_level is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SmokeError(f"--concurrency {text!r}: expected numbers like 1,2,4,8,16") from None
+    if not levels or any(n < 1 for n in levels):
+        raise SmokeError(f"--concurrency {text!r}: levels must be positive")
+    return levels
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
+
+
+def wait_healthy(
+    url: str, deadline_s: float, watch: Watcher | None = None, progress: Callable[[str], None] | None = None
+) -> None:
+    """Poll ``/health`` until it answers 200, the server dies, or time runs out."""
+    end = time.monotonic() + deadline_s
+    last_note = 0.0
+    while True:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if watch is not None:
+            running, logs = watch()
+            if not running:
+                raise SmokeError(f"server exited before {url}/health answered; last log lines:\n{logs}")
+        now = time.monotonic()
+        if now > end:
+            logs = watch()[1] if watch is not None else ""
+            raise SmokeError(f"{url}/health did not answer within {deadline_s:.0f} s\n{logs}".rstrip())
+        if progress is not None and now - last_note > 10:
+            progress(f"    waiting for {url}/health ({end - now:.0f} s left)")
+            last_note = now
+        time.sleep(0.5)
+
+
+def first_model(url: str) -> str:
+    try:
+        data = requests.get(f"{url}/v1/models", timeout=10).json()
+        return str(data["data"][0]["id"])
+    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        raise SmokeError(f"cannot list models at {url}/v1/models: {exc}") from exc
+
+
+def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int) -> tuple[float, int]:
+    start = time.monotonic()
+    resp = session.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        timeout=timeout,
+    )
+    elapsed = time.monotonic() - start
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+    body = resp.json()
+    if not body.get("choices"):
+        raise RuntimeError("response has no choices")
+    return elapsed, int((body.get("usage") or {}).get("completion_tokens", 0))
+
+
+def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int) -> Level:
+    level = Level(concurrency, n)
+    latencies: list[float] = []
+    tokens = 0
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, requests.Session() as session:
+        # A pool of `concurrency` workers keeps that many requests in flight.
+        futures = [pool.submit(_one, session, url, model, timeout, max_tokens) for _ in range(n)]
+        for fut in futures:
+            try:
+                elapsed, toks = fut.result()
+                latencies.append(elapsed)
+                tokens += toks
+                level.successes += 1
+            except Exception as exc:  # any failure of a request fails the level
+                level.failures += 1
+                if len(level.errors) < 3:
+                    level.errors.append(" ".join(str(exc).split())[:200])
+    level.wall_s = round(time.monotonic() - start, 4)
+    if latencies:
+        level.p50_s = round(percentile(latencies, 50), 4)
+        level.p95_s = round(percentile(latencies, 95), 4)
+        level.output_tokens_per_s = round(tokens / level.wall_s, 2) if level.wall_s > 0 else None
+    return level
+
+
+def sweep(
+    url: str,
+    model: str | None = None,
+    levels: Sequence[int] = DEFAULT_LEVELS,
+    n: int = 32,
+    *,
+    watch: Watcher | None = None,
+    timeout: float = 120,
+    max_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
+) -> SweepResult:
+    """Run every level in order; stop at the first failing one."""
+    url = url.rstrip("/")
+    model = model or first_model(url)
+    result = SweepResult(url, model, [])
+    for c in levels:
+        level = run_level(url, model, c, n, timeout, max_tokens)
+        result.levels.append(level)
+        alive = True
+        if watch is not None:
+            alive, logs = watch()
+            result.server_log = logs
+        if progress is not None:
+            progress(format_level(level) + ("" if alive else "  (server died)"))
+        if level.failures or not alive:
+            result.failed_level = c
+            if not alive and not level.errors:
+                level.errors.append("server process exited")
+            break
+    return result
+
+
+def format_level(level: Level) -> str:
+    def ms(v: float | None) -> str:
+        return f"{v * 1000:7.1f}" if v is not None else "      -"
+
+    tps = f"{level.output_tokens_per_s:8.1f}" if level.output_tokens_per_s is not None else "       -"
+    return (
+        f"    concurrency {level.concurrency:>3}: {level.successes:>4}/{level.requests:<4} ok  "
+        f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s"
+    )
+
+
+def failure_message(result: SweepResult) -> str:
+    level = next(lv for lv in result.levels if lv.concurrency == result.failed_level)
+    why = level.errors[0] if level.errors else "unknown error"
+    return (
+        f"serve sweep failed at concurrency {result.failed_level}: "
+        f"{level.failures}/{level.requests} requests failed ({why})"
+    )
