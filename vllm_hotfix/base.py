@@ -71,14 +71,22 @@ def _run_probe(box: Box, python: str, script: str, args: list[str], ref: str) ->
     return data
 
 
-def locate(box: Box, defn: ImageDefinition, ref: str, image: ImageInfo, rels: list[str]) -> tuple[BaseFacts, dict]:
-    data = _run_probe(box, defn.python, "locate.py", [defn.package, *rels], ref)
+def locate(
+    box: Box, defn: ImageDefinition, ref: str, image: ImageInfo, rels: list[str]
+) -> tuple[BaseFacts, dict]:
+    return locate_package(box, defn.package, defn.python, ref, image, rels)
+
+
+def locate_package(
+    box: Box, package: str, python: str, ref: str, image: ImageInfo, rels: list[str]
+) -> tuple[BaseFacts, dict]:
+    data = _run_probe(box, python, "locate.py", [package, *rels], ref)
     if "error" in data:
-        raise BaseImageError(f"{ref}: {data['error']} with {defn.python}")
+        raise BaseImageError(f"{ref}: {data['error']} with {python}")
     facts = BaseFacts(
         ref=ref,
         image=image,
-        python=defn.python,
+        python=python,
         python_version=data["python"],
         cache_tag=data["cache_tag"],
         site_dir=data["site_dir"],
@@ -86,6 +94,26 @@ def locate(box: Box, defn: ImageDefinition, ref: str, image: ImageInfo, rels: li
         version=data.get("version"),
     )
     return facts, data["files"]
+
+
+def read_files(
+    engine: Engine, package: str, python: str, ref: str, image: ImageInfo, rels: list[str]
+) -> tuple[BaseFacts, dict[str, bytes | None]]:
+    """The files ``rels`` as the image's Python would import them, no version check.
+
+    A path that is missing, or is not a regular file reached without links,
+    reads as None: for a question like "does this release carry the patch?"
+    that is an answer (it does not), not an error.
+    """
+    with engine.box(image.id, python) as box:
+        facts, info = locate_package(box, package, python, ref, image, rels)
+        out: dict[str, bytes | None] = {}
+        for rel in rels:
+            out[rel] = None
+            if info[rel]["kind"] == "file" and info[rel]["real"]:
+                entry = box.read(f"{facts.site_dir}/{rel}")
+                out[rel] = entry.data if entry.kind == "file" else None
+    return facts, out
 
 
 def check_version(facts: BaseFacts, defn: ImageDefinition) -> None:
@@ -133,8 +161,14 @@ def prepare(
     ref: str,
     image: ImageInfo,
     patches: list[patchlib.Patch],
-) -> tuple[BaseFacts, list[PatchedFile]]:
-    """Probe the base, patch the touched files, compile fresh bytecode."""
+    *,
+    skip_included: bool = False,
+) -> tuple[BaseFacts, list[PatchedFile], list[patchlib.Patch]]:
+    """Probe the base, patch the touched files, compile fresh bytecode.
+
+    Returns the base's facts, the files that changed and the patches applied
+    (all of them, unless ``skip_included`` let the base's own copies stand).
+    """
     rels = touched_files(patches)
     with engine.box(image.id, defn.python) as box:
         facts, info = locate(box, defn, ref, image, rels)
@@ -149,8 +183,13 @@ def prepare(
                 raise PatchError(f"{facts.site_dir}/{rel} in {ref} is a {entry.kind}, not a regular file", file=rel)
             originals[rel] = (entry.data, entry.mode)
 
-        patched = apply_in_scratch(patches, {rel: data for rel, (data, _m) in originals.items()})
-        log.info("patched %d file(s) with %d patch(es)", len(patched), len(patches))
+        patched, included = apply_in_scratch(
+            patches, {rel: data for rel, (data, _m) in originals.items()}, skip_included=skip_included
+        )
+        applied = [p for p in patches if p not in included]
+        # A file only skipped patches touch is the base's own: nothing to copy.
+        rels = [rel for rel in rels if patched[rel] != originals[rel][0]]
+        log.info("patched %d file(s) with %d patch(es)", len(rels), len(applied))
 
         box.write("/tmp", {f"vllm-hotfix/{rel}": data for rel, data in patched.items()})
         args = [SCRATCH] + [f"{rel}={','.join(map(str, info[rel]['opt_levels']))}" for rel in rels]
@@ -159,22 +198,27 @@ def prepare(
         for rel in rels:
             entry = compiled.get(rel, {})
             if "error" in entry:
-                owner = next(p.name for p in patches if rel in p.files)
+                owner = next(p.name for p in applied if rel in p.files)
                 raise PatchError(f"{owner}: patched {rel} does not compile: {entry['error']}", patch=owner, file=rel)
             bytecode = tuple((pyc, box.read(f"{SCRATCH}/{pyc}").data) for pyc in entry["pycs"])
             data, mode = originals[rel]
             result.append(
                 PatchedFile(rel, patched[rel], mode & 0o7777, patchlib.sha256_bytes(data), bytecode)
             )
-    return facts, result
+    return facts, result, applied
 
 
-def apply_in_scratch(patches: list[patchlib.Patch], files: dict[str, bytes]) -> dict[str, bytes]:
-    """Apply the series to copies of ``files`` in a temp folder, removed after."""
+def apply_in_scratch(
+    patches: list[patchlib.Patch], files: dict[str, bytes], *, skip_included: bool = False
+) -> tuple[dict[str, bytes], list[patchlib.Patch]]:
+    """Apply the series to copies of ``files`` in a temp folder, removed after.
+
+    Returns the patched files and the patches the files already carried.
+    """
     with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
         work = Path(tmp)
         for rel, data in files.items():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             (work / rel).write_bytes(data)
-        patchlib.apply_series(patches, work)
-        return {rel: (work / rel).read_bytes() for rel in files}
+        included = patchlib.apply_series(patches, work, skip_included=skip_included)
+        return {rel: (work / rel).read_bytes() for rel in files}, included

@@ -15,7 +15,7 @@ import click
 
 from . import __version__, pipeline, standin
 from .engine import PULL_POLICIES, Engine
-from .errors import BuildError, PipelineError
+from .errors import BuildError, NoHotfixNeeded, PipelineError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,10 +99,12 @@ pull_option = click.option(
 @pull_option
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke tests after the build.")
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
+@click.option("--skip-included", is_flag=True,
+              help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool) -> None:
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -110,9 +112,16 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         from . import smoke as smokelib
 
         smoke = smokelib.runner(obj.root, progress)
-    result = pipeline.build_image(
-        obj.engine, plan, pull=pull, rebuild=rebuild, smoke=smoke, progress=progress
-    )
+    try:
+        result = pipeline.build_image(
+            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, smoke=smoke,
+            progress=progress,
+        )
+    except NoHotfixNeeded as exc:
+        # Not a failure: nothing to build, nothing tagged.
+        click.echo(f"{plan.base_ref} needs no hotfix: it already carries every patch of "
+                   f"{plan.definition.patch_set} ({', '.join(exc.patches)}); nothing built")
+        return
     how = "reused" if result.reused else "built"
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
@@ -235,6 +244,186 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) ->
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
+
+
+@main.command("check-upstream")
+@click.option("--patches", "patch_set", required=True, help="Patch set to judge, e.g. v0.25.1.")
+@click.option("--base", "base_tag", required=True, help="The newer release's tag, e.g. v0.27.0.")
+@repo_option
+@pull_option
+@click.option("--from-wheel", is_flag=True, help="Read the release's PyPI wheel instead of its image.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
+@click.pass_obj
+@guarded
+def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | None, pull: str,
+                   from_wheel: bool, as_json: bool) -> None:
+    """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
+    import json
+
+    from . import upstream
+
+    report = upstream.check(obj.root, patch_set, base_tag, engine=lambda: obj.engine, base_repo=base_repo,
+                            pull=pull, from_wheel=from_wheel, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
+    else:
+        for v in report.verdicts:
+            click.echo(f"{v.patch}: {v.verdict} ({v.detail})")
+    included = report.by_verdict("included")
+    if included and len(included) == len(report.verdicts):
+        progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
+    elif included:
+        progress(f"{base_tag} carries {', '.join(included)}: drop them from a set for {base_tag}, "
+                 "or build with --skip-included")
+
+
+@main.command("new-patchset")
+@base_option
+@click.option("--from-pr", "pr", default=None, metavar="N|URL", help="Upstream PR number or URL.")
+@click.option("--from-file", "diff_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A diff saved on disk (offline).")
+@click.option("--title", default=None, help="Patch title (default: the PR's, or the file's name).")
+@click.option("--api-url", default=None,
+              help="GitHub API base URL (default $VLLM_HOTFIX_GITHUB_API or GitHub).")
+@click.option("--repo", "gh_repo", default="vllm-project/vllm", show_default=True,
+              help="Repository of a bare PR number.")
+@click.option("--suffix", default="hotfix", show_default=True,
+              help="Output suffix if a definition is created.")
+@repo_option
+@pull_option
+@click.option("--from-wheel", is_flag=True, help="Check against the release's PyPI wheel, not its image.")
+@click.pass_obj
+@guarded
+def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None, title: str | None,
+                 api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
+                 from_wheel: bool) -> None:
+    """Add an upstream PR (or a diff file) as the next patch of base TAG's set."""
+    from . import newpatch
+    from .errors import UpstreamError
+
+    if (pr is None) == (diff_file is None):
+        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE")
+    if pr is not None:
+        change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
+        if title:
+            change = newpatch.Change(change.source, title, change.diff, change.number)
+    else:
+        assert diff_file is not None
+        change = newpatch.from_file(diff_file, title)
+    made = newpatch.create(obj.root, base_tag, change, engine=lambda: obj.engine, base_repo=base_repo,
+                           pull=pull, from_wheel=from_wheel, suffix=suffix, progress=progress)
+    click.echo(f"wrote {made.patch} (applies to {made.where} with zero fuzz)")
+    click.echo(f"added {made.patch.name} to {made.series}")
+    if made.definition is not None:
+        click.echo(f"wrote {made.definition}")
+
+
+def _build_summary(rec: Any) -> dict[str, Any]:
+    data = rec.data
+    pushes = data.get("pushes") or []
+    last = pushes[-1] if pushes else None
+    return {
+        "created": data.get("created"),
+        "image_id": data.get("image_id"),
+        "output_ref": data.get("output_ref"),
+        "smoke_status": data.get("smoke_status"),
+        "push": {"ref": last.get("ref"), "digest": last.get("digest")} if last else None,
+        "record": rec.path.name,
+    }
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+@guarded
+def list_cmd(obj: Ctx, as_json: bool) -> None:
+    """Each image definition, its patch set, and its last build, smoke and push."""
+    import json
+
+    from . import definitions, records
+
+    rows: list[dict[str, Any]] = []
+    for defn in definitions.load_all(obj.root):
+        series = obj.root / "patches" / defn.patch_set / "series"
+        names = [ln.split("#", 1)[0].strip() for ln in series.read_text(encoding="utf-8").splitlines()] \
+            if series.is_file() else []
+        builds = records.builds_for(obj.root, defn.tag)
+        rows.append({
+            "definition": defn.tag,
+            "base": defn.base_ref(),
+            "patch_set": defn.patch_set,
+            "patches": [n for n in names if n],
+            "builds": len(builds),
+            "last_build": _build_summary(builds[0]) if builds else None,
+        })
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    for row in rows:
+        head = (f"{row['definition']}  base {row['base']}  "
+                f"patch set {row['patch_set']} ({len(row['patches'])} patch(es))")
+        last = row["last_build"]
+        if last is None:
+            click.echo(f"{head}  never built")
+            continue
+        push = last["push"]
+        click.echo(
+            f"{head}  last build {last['created']} {last['image_id']} {last['output_ref']}"
+            f"  smoke {last['smoke_status'] or 'not run'}"
+            f"  push {push['ref'] + '@' + str(push['digest']) if push else 'none'}"
+        )
+
+
+@main.command()
+@base_option
+@click.option("--to", "to_image", default=None,
+              help="Image ID of a recorded build (default: the previous one).")
+@click.option("--tag", "output_ref", default=None,
+              help="Reference to move (default: the records' output_ref).")
+@click.pass_obj
+@guarded
+def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None) -> None:
+    """Point base TAG's output tag back at the previous recorded build."""
+    import time
+
+    from . import definitions, records
+
+    defn = definitions.load(obj.root, base_tag)
+    builds = records.builds_for(obj.root, defn.tag)
+    if not builds:
+        raise PipelineError(f"no build records for {defn.tag} under {records.records_dir(obj.root)}",
+                            hint="rollback needs at least two recorded builds (python build.py list)")
+    ref = output_ref or str(builds[0].data.get("output_ref") or defn.output_ref())
+    engine = obj.engine
+    current = engine.image(ref)
+    present = {r.image_id for r in builds if engine.image(r.image_id) is not None}
+    if to_image is not None:
+        want = to_image.removeprefix("sha256:")
+        match = [r for r in builds if r.image_id.removeprefix("sha256:").startswith(want)]
+        if not match:
+            raise PipelineError(f"{to_image}: no build record of {defn.tag} has that image ID")
+        target: records.Record | None = match[0]
+        if match[0].image_id not in present:
+            raise PipelineError(f"{match[0].image_id}: recorded but no longer in the engine")
+    else:
+        target = records.rollback_target(builds, current.id if current else None, present)
+    if target is None:
+        raise PipelineError(
+            f"no earlier build of {defn.tag} to roll {ref} back to "
+            "(none older whose image is still in the engine and whose smoke did not fail)",
+            hint="python build.py list shows the records",
+        )
+    engine.tag(target.image_id, ref)
+    target.data.setdefault("rollbacks", []).append({
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ref": ref,
+        "from": current.id if current else None,
+    })
+    target.save()
+    was = current.id if current else "untagged"
+    click.echo(f"rolled back {ref} to {target.image_id} (built {target.data.get('created')}, "
+               f"smoke {target.data.get('smoke_status') or 'not run'}; was {was})")
+    progress(f"push it to move the registry tag too: python build.py push {ref} --registry HOST:PORT/PATH")
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,19 @@ class PatchAlreadyApplied(PatchError):
     """The base already carries this patch (upstream shipped it)."""
 
 
+class NoHotfixNeeded(PipelineError):
+    """Not a failure: the base already carries every patch of the set.
+
+    Raised so that nothing is built; the CLI reports it and exits 0.
+    """
+
+    exit_code = 0
+
+    def __init__(self, message: str, *, patches: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.patches = list(patches)
+
+
 class PatchNeedsFuzz(PatchError):
     """A hunk applies only with fuzz; the pipeline insists on zero fuzz."""
 

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 import unidiff
 
 from .errors import (
+    NoHotfixNeeded,
     PatchAlreadyApplied,
     PatchConflict,
     PatchError,
@@ -234,6 +235,22 @@ def explain_failure(patch: Patch, workdir: Path, out: str) -> PatchError:
             hunk=number,
             hint="regenerate the patch against this release's files",
         )
+    if failed is None and "Reversed (or previously applied)" in out:
+        # Some hunks are already there (partly shipped upstream): patch skips
+        # the whole file going forward, so ask the reverse run which hunk is
+        # neither old nor new text.
+        _rc, out_rev = _patch(workdir, patch, "-R", "-N", "-f", "--fuzz=0", "--dry-run")
+        partial = _first(_FAILED, out_rev)
+        if partial is not None:
+            file, number, line = partial
+            return PatchConflict(
+                f"{patch.name}: {_hunk_words(patch, file, number)} of {file} does not apply "
+                f"(at line {line}) and other hunks are already present in the base",
+                patch=patch.name,
+                file=file,
+                hunk=number,
+                hint="upstream may have shipped part of this fix: rewrite the patch against this release",
+            )
     if failed is not None:
         file, number, line = failed
         return PatchConflict(
@@ -246,23 +263,39 @@ def explain_failure(patch: Patch, workdir: Path, out: str) -> PatchError:
     return PatchConflict(f"{patch.name}: does not apply: {last.strip()}", patch=patch.name)
 
 
-def apply_series(patches: list[Patch], workdir: Path) -> None:
+def apply_series(patches: list[Patch], workdir: Path, *, skip_included: bool = False) -> list[Patch]:
     """Apply each patch in order, or raise naming the patch and hunk at fault.
 
     Each patch is dry-run first so a failing one never leaves a half-patched
-    file behind, even in the scratch folder.
+    file behind, even in the scratch folder. Patches the tree already carries
+    are collected, not applied: with ``skip_included`` they are returned,
+    otherwise one error names them all. A tree that carries every patch
+    raises :class:`NoHotfixNeeded` either way. Returns the included patches.
     """
+    included: list[Patch] = []
     for patch in patches:
         verdict, out = classify(patch, workdir)
         if verdict == INCLUDED:
-            raise PatchAlreadyApplied(
-                f"{patch.name}: already present in the base ({', '.join(patch.files)}); "
-                "upstream ships this fix",
-                patch=patch.name,
-                hint="drop it from the series (check-upstream says which patches a release carries)",
-            )
+            included.append(patch)
+            continue
         if verdict == CONFLICTS:
             raise explain_failure(patch, workdir, out)
         rc, out = _patch(workdir, patch, "--forward", "--fuzz=0", "--batch")
         if rc != 0:
             raise explain_failure(patch, workdir, out)
+    names = [p.name for p in included]
+    if included and len(included) == len(patches):
+        raise NoHotfixNeeded(
+            f"the base already carries every patch of the set ({', '.join(names)}): it needs no hotfix",
+            patches=names,
+        )
+    if included and not skip_included:
+        files = sorted({f for p in included for f in p.files})
+        raise PatchAlreadyApplied(
+            f"{', '.join(names)}: already present in the base ({', '.join(files)}); upstream ships "
+            f"{'this fix' if len(names) == 1 else 'these fixes'}",
+            patch=names[0],
+            hint="drop them from the series, or build with --skip-included "
+            "(check-upstream says which patches a release carries)",
+        )
+    return included

@@ -72,11 +72,20 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
     }
 
 
-def render_only(engine: Engine, p: Plan, pull: str = "missing", progress: Callable[[str], None] | None = None) -> str:
+def render_only(
+    engine: Engine,
+    p: Plan,
+    pull: str = "missing",
+    progress: Callable[[str], None] | None = None,
+    *,
+    skip_included: bool = False,
+) -> str:
     """The Dockerfile ``image`` would build; builds nothing."""
     info = engine.resolve(p.base_ref, pull, progress)
-    facts, files = base.prepare(engine, p.definition, p.base_ref, info, p.patches)
-    return render.render(p.template, p.definition, facts, files, p.patches)
+    facts, files, applied = base.prepare(
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+    )
+    return render.render(p.template, p.definition, facts, files, applied)
 
 
 def build_image(
@@ -85,6 +94,7 @@ def build_image(
     *,
     pull: str = "missing",
     rebuild: bool = False,
+    skip_included: bool = False,
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BuildResult:
@@ -93,6 +103,9 @@ def build_image(
     info = engine.resolve(p.base_ref, pull, say)
     say(f"    base {p.base_ref} is {info.id}")
     key_inputs = inputs(p, info.id, info.digest)
+    if skip_included:
+        # Kept out of the key when off, so older records still match.
+        key_inputs["skip_included"] = True
     key = records.inputs_key(key_inputs)
 
     if not rebuild:
@@ -103,9 +116,14 @@ def build_image(
                 return BuildResult(p.output_ref, rec.image_id, True, rec, rec.data.get("smoke"))
 
     say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
-    facts, files = base.prepare(engine, p.definition, p.base_ref, info, p.patches)
+    facts, files, applied = base.prepare(
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+    )
+    skipped = [pt.name for pt in p.patches if pt not in applied]
+    if skipped:
+        say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    dockerfile = render.render(p.template, p.definition, facts, files, p.patches)
+    dockerfile = render.render(p.template, p.definition, facts, files, applied)
     ctx = render.context(dockerfile, facts, files)
 
     say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
@@ -128,6 +146,8 @@ def build_image(
         "smoke": None,
         "smoke_status": None,
         "pushes": [],
+        "patches_applied": {pt.name: pt.sha256 for pt in applied},
+        "patches_included_upstream": skipped,
     }
     try:
         smoke_report = None

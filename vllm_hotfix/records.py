@@ -88,3 +88,27 @@ def find_by_inputs(root: Path, key: str) -> list[Record]:
 
 def find_by_image(root: Path, image_id: str) -> list[Record]:
     return [r for r in reversed(load_all(root)) if r.image_id == image_id]
+
+
+def builds_for(root: Path, definition: str) -> list[Record]:
+    """Build records of one image definition, newest first."""
+    return [
+        r
+        for r in reversed(load_all(root))
+        if r.data.get("kind", "build") == "build"
+        and (r.data.get("inputs") or {}).get("definition") == definition
+    ]
+
+
+def rollback_target(builds: list[Record], current_id: str | None, present: set[str]) -> Record | None:
+    """The newest build, older than the one ``current_id`` names, still usable.
+
+    Usable: its image is still in the engine (``present``) and its smoke
+    checks did not fail. With no current image, the newest usable build.
+    """
+    ids = [r.image_id for r in builds]
+    start = ids.index(current_id) + 1 if current_id in ids else 0
+    for rec in builds[start:]:
+        if rec.image_id != current_id and rec.image_id in present and rec.data.get("smoke_status") != "fail":
+            return rec
+    return None

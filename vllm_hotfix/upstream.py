@@ -1,0 +1,193 @@
+"""``check-upstream``: which patches of a set does a newer release still need?
+
+For each patch of patch set TAG, against the files of base NEWTAG, one of:
+
+* ``needed``: it applies forward with zero fuzz, so NEWTAG lacks it;
+* ``included``: every hunk is already there (NEWTAG ships the fix: drop it);
+* ``conflicts``: neither; the patch must be rewritten, or the file moved.
+
+The answer rests on :func:`patches.classify`, which avoids the GNU patch trap
+(``patch -R --dry-run --batch`` says "applied" of a file that lacks the patch).
+A wrong "included" would tell ops to drop a fix they still need.
+
+The files come either from the release's image (read by the image's own
+Python, without the version check ``image`` makes) or from the release's PyPI
+wheel, which holds the same ``vllm/**/*.py`` and is a fraction of the size.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import base, definitions, standin
+from . import patches as patchlib
+from .engine import Engine
+from .errors import UpstreamError
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    patch: str
+    verdict: str  # patches.NEEDED, INCLUDED or CONFLICTS
+    files: tuple[str, ...]
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Report:
+    patch_set: str
+    base: str
+    source: str  # where the files came from, in words
+    package: str
+    package_version: str | None
+    verdicts: tuple[Verdict, ...]
+
+    def by_verdict(self, verdict: str) -> list[str]:
+        return [v.patch for v in self.verdicts if v.verdict == verdict]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "patch_set": self.patch_set,
+            "base": self.base,
+            "source": self.source,
+            "package": self.package,
+            "package_version": self.package_version,
+            "patches": [
+                {"name": v.patch, "verdict": v.verdict, "files": list(v.files), "detail": v.detail}
+                for v in self.verdicts
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class SetContext:
+    """What a patch set's image definition says: package, Python, repository."""
+
+    package: str
+    python: str
+    repository: str
+
+
+def set_context(root: Path, patch_set: str, base_tag: str | None = None) -> SetContext:
+    """The package and Python of the definition that uses ``patch_set``.
+
+    The base repository comes from NEWTAG's own definition when there is one,
+    else from the patch set's; a patch set no definition uses gets defaults.
+    """
+    package, python, repository = "vllm", "python3", definitions.DEFAULT_REPOSITORY
+    for defn in definitions.load_all(root):
+        if defn.patch_set == patch_set:
+            package, python, repository = defn.package, defn.python, defn.base_repository
+            break
+    if base_tag is not None and definitions.definition_path(root, base_tag).is_file():
+        repository = definitions.load(root, base_tag).base_repository
+    return SetContext(package, python, repository)
+
+
+def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None, dict[str, bytes | None]]:
+    """The files ``rels`` (paths from the package's parent) out of a wheel zip."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+            version = None
+            for name in names:
+                if name.startswith(f"{package}-") and name.endswith(".dist-info/METADATA"):
+                    m = re.search(r"^Version: *(\S+)", zf.read(name).decode("utf-8", "replace"), re.M)
+                    version = m.group(1) if m else None
+            return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
+
+
+def classify_series(
+    patches: list[patchlib.Patch], files: dict[str, bytes | None], where: str
+) -> list[Verdict]:
+    """Judge each patch in order against copies of ``files`` in a scratch folder.
+
+    A needed patch is applied before the next is judged, as a rebase would:
+    a later patch may build on an earlier one.
+    """
+    out: list[Verdict] = []
+    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
+        work = Path(tmp)
+        for rel, data in files.items():
+            if data is not None:
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                (work / rel).write_bytes(data)
+        for patch in patches:
+            missing = [rel for rel in patch.files if files.get(rel) is None]
+            if missing:
+                out.append(
+                    Verdict(
+                        patch.name,
+                        patchlib.CONFLICTS,
+                        patch.files,
+                        f"{where} has no regular file {', '.join(missing)}",
+                    )
+                )
+                continue
+            verdict, raw = patchlib.classify(patch, work)
+            detail = ""
+            if verdict == patchlib.NEEDED:
+                patchlib.apply_series([patch], work)
+                detail = "applies with zero fuzz"
+            elif verdict == patchlib.INCLUDED:
+                detail = f"{where} already carries every hunk"
+            else:
+                err = patchlib.explain_failure(patch, work, raw)
+                detail = str(err).removeprefix(f"{patch.name}: ")
+            out.append(Verdict(patch.name, verdict, patch.files, detail))
+    return out
+
+
+def check(
+    root: Path,
+    patch_set: str,
+    base_tag: str,
+    *,
+    engine: Callable[[], Engine] | None = None,
+    base_repo: str | None = None,
+    pull: str = "missing",
+    from_wheel: bool = False,
+    progress: Progress | None = None,
+) -> Report:
+    """Classify every patch of ``patch_set`` against release ``base_tag``.
+
+    ``engine`` is a factory, so that ``from_wheel`` never needs a Docker engine.
+    """
+    say = progress or log.info
+    ctx = set_context(root, patch_set, base_tag)
+    patches = patchlib.load_series(root, patch_set, ctx.package)
+    rels = base.touched_files(patches)
+    if from_wheel:
+        version = definitions.version_from_tag(base_tag)
+        wheel = standin.wheel(root, version, say)
+        found, files = wheel_files(wheel, ctx.package, rels)
+        if found is not None and found != version:
+            raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
+        source = f"wheel {wheel.name}"
+        where = f"{ctx.package} {version} (wheel)"
+    else:
+        if engine is None:
+            raise UpstreamError("check-upstream needs a Docker engine unless --from-wheel")
+        ref = f"{base_repo or ctx.repository}:{base_tag}"
+        eng = engine()
+        info = eng.resolve(ref, pull, say)
+        facts, files = base.read_files(eng, ctx.package, ctx.python, ref, info, rels)
+        found = facts.version
+        source = f"image {ref} ({info.id})"
+        where = ref
+    say(f"==> {len(patches)} patch(es) of {patch_set} against {ctx.package} {found or '?'} from {source}")
+    verdicts = classify_series(patches, files, where)
+    return Report(patch_set, base_tag, source, ctx.package, found, tuple(verdicts))
