@@ -41,9 +41,12 @@ What this check does, with vLLM's OWN Triton kernels from
 
 Scenarios (MiniMax-M3 defaults from vLLM's config: 4 index heads, index dim
 128, 16 top-k blocks of 128 tokens, init 0, local 1, 64 q heads / 4 KV heads,
-head dim 128): ``tp1`` (4 index heads, 16 q heads per KV head) and ``tp4``
-(1 index head), each a batch of several decode requests followed by several
-prefill requests (one with prior context).
+head dim 128), each a batch of decode requests followed by prefill requests
+(one with prior context): ``tp1`` (4 index heads, 5 decodes: the unpatched
+prefill ``out=buf[:, nd:, :]`` is then an empty view), ``tp1-nd3`` (4 index
+heads, 3 decodes: a non-empty, misaddressed view) and ``tp4`` (1 index head,
+as at tensor parallel 4 or 8). The worker synchronizes after every kernel
+launch, so a fault is pinned to the kernel that raised it.
 
 Checks printed: ``topk-layout-patched`` (must pass: exact match in every
 scenario) and ``topk-layout-unpatched-detects-bug`` (pass when the unpatched
@@ -107,6 +110,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "prefill": [[1000, 300], [0, 520], [2200, 64]],
         "max_num_batched_tokens": 1024,
     },
+    "tp1-nd3": {
+        "index_heads": 4,
+        "index_dim": 128,
+        "topk": 16,
+        "init_blocks": 0,
+        "local_blocks": 1,
+        "gqa": 16,
+        "head_dim": 128,
+        "decode_seq_lens": [2500, 900, 4100],
+        "prefill": [[1000, 300], [0, 520], [2200, 64]],
+        "max_num_batched_tokens": 1024,
+    },
     "tp4": {
         "index_heads": 1,
         "index_dim": 128,
@@ -131,6 +146,17 @@ SMALL_SCENARIOS: dict[str, dict[str, Any]] = {
         gqa=2,
         head_dim=16,
         decode_seq_lens=[700, 300, 900],
+        prefill=[[300, 6], [0, 5]],
+        max_num_batched_tokens=16,
+    ),
+    "tp1-nd3": dict(
+        SCENARIOS["tp1-nd3"],
+        index_heads=2,
+        index_dim=16,
+        topk=4,
+        gqa=2,
+        head_dim=16,
+        decode_seq_lens=[700],
         prefill=[[300, 6], [0, 5]],
         max_num_batched_tokens=16,
     ),
@@ -423,9 +449,23 @@ def run_scenario(
     }
     res["overlapping_write_rows"] = overlapping_rows([(out_d, H, nd), (out_p, H, tp)])
 
-    stage = "index-write"
+    res["pointers"] = {
+        "buf": buf.data_ptr(),
+        "buf_bytes": buf.numel() * buf.element_size(),
+        "decode_out": out_d.data_ptr(),
+        "decode_out_numel": out_d.numel(),
+        "prefill_out": out_p.data_ptr(),
+        "prefill_out_numel": out_p.numel(),
+    }
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    stage = "decode-index-write"
     try:
-        # Write path: as MiniMaxM3IndexerTritonImpl.forward (decode, then prefill).
+        # Write path: as MiniMaxM3IndexerTritonImpl.forward (decode, then prefill),
+        # synchronizing after each launch so a fault is pinned to its kernel.
         it.minimax_m3_index_decode(
             iq[:nd],
             kv_idx,
@@ -440,14 +480,19 @@ def run_scenario(
             1,
             out=out_d,
         )
+        sync()
+        stage = "prefill-index-score"
         score_p = it.minimax_m3_index_score(iq[nd:], kv_idx, bt_p, cu_p, seq_p, ctx_p, max_q_p, max_seq_p, H)
+        sync()
+        stage = "prefill-index-topk-write"
         it.minimax_m3_index_topk(score_p, cu_p, ctx_p, max_q_p, K, init_b, local_b, out=out_p)
+        sync()
+        stage = "decode-score-for-reference"
         # Same kernel, same inputs: the decode scores the top-k saw.
         score_d = it.minimax_m3_index_decode_score(
             iq[:nd], kv_idx, bt_d, seq_d, max(dec), init_b, local_b, H, 1, 1
         )
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
 
         stage = "index-read"
         read_d, read_p = read_views(buf, nd, T, variant)
@@ -477,14 +522,16 @@ def run_scenario(
         res["decode"] = compare_rows(seen_d, ref_d, score_d[:, :, :], valid_d, None)
         res["prefill"] = compare_rows(seen_p, ref_p, score_p, valid_p, (init_b, local_b))
 
-        stage = "attention"
         out_seen = torch.zeros((T, num_heads, hd), **bf16)
         out_ref = torch.zeros((T, num_heads, hd), **bf16)
-        for topk_d, topk_p, o in (
-            (read_d, read_p, out_seen),
-            (ref_d.to(device), ref_p.to(device), out_ref),
+        for label, topk_d, topk_p, o in (
+            ("read-side", read_d, read_p, out_seen),
+            ("reference", ref_d.to(device), ref_p.to(device), out_ref),
         ):
+            stage = f"decode-attention ({label} indices)"
             sa.minimax_m3_sparse_attn_decode(q[:nd], kv, topk_d, bt_d, seq_d, H, scale, o[:nd], 1)
+            sync()
+            stage = f"prefill-attention ({label} indices)"
             sa.minimax_m3_sparse_attn(
                 q[nd:],
                 kv,
@@ -498,8 +545,8 @@ def run_scenario(
                 scale,
                 o[nd:],
             )
-        if device == "cuda":
-            torch.cuda.synchronize()
+            sync()
+        stage = "compare-attention"
         diff = (out_seen.float() - out_ref.float()).abs()
         tok_bad = (diff.amax(dim=(1, 2)) > ATTN_ATOL).cpu()
         res["attention"] = {
