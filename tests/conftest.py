@@ -24,6 +24,9 @@ from vllm_hotfix.engine import Engine, tar_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN_REPO = "vllm/vllm-openai"  # the same name `make demo` uses: identical content
+# Every container started by this test run (and the CLIs it spawns) carries
+# this label, so the leak check ignores other users of the same engine.
+RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")
@@ -51,11 +54,12 @@ def base_v0270(engine: Engine) -> str:
     return make_standin(engine, "0.27.0")
 
 
-def derive(engine: Engine, base: str, ref: str, dockerfile_body: str, files: dict[str, bytes] | None = None) -> str:
+def derive(engine: Engine, base: str, ref: str, dockerfile_body: str, files: dict[str, bytes] | None = None,
+           modes: dict[str, int] | None = None) -> str:
     """Build ``FROM base`` + body and tag it ``ref`` (test fixtures only)."""
     ctx = dict(files or {})
     ctx["Dockerfile"] = f"FROM {base}\n{dockerfile_body}\n".encode()
-    image_id = engine.build(tar_bytes(ctx))
+    image_id = engine.build(tar_bytes(ctx, modes))
     engine.tag(image_id, ref)
     return image_id
 
@@ -97,7 +101,7 @@ def unique() -> str:
 
 
 def _scratch_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm-hotfix-*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm-hotfix-scratch-*")))
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +113,7 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     )
     before_containers: set[str] = set()
     if uses_engine:
-        before_containers = set(Engine.connect().containers_with_role())
+        before_containers = set(Engine.connect().containers_with_role(RUN_ID))
     yield
     assert _scratch_dirs() <= before_dirs, "scratch folders left behind"
     strays = glob.glob(str(REPO / "**" / "*.rej"), recursive=True) + glob.glob(
@@ -117,7 +121,7 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     )
     assert not strays, f"reject/backup files left behind: {strays}"
     if uses_engine:
-        after = set(Engine.connect().containers_with_role())
+        after = set(Engine.connect().containers_with_role(RUN_ID))
         assert after <= before_containers, f"containers left behind: {after - before_containers}"
 
 

@@ -215,7 +215,7 @@ def apply_in_scratch(
 
     Returns the patched files and the patches the files already carried.
     """
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-scratch-") as tmp:
         work = Path(tmp)
         for rel, data in files.items():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import tarfile
 import time
 from collections import deque
@@ -305,7 +306,7 @@ class Engine:
                 image,
                 entrypoint=[python, "-c", "import time; time.sleep(3600)"],
                 network_mode="none",
-                labels={"io.vllm-hotfix.role": "probe"},
+                labels=_labels("probe"),
             )
             container.start()
             yield Box(container)
@@ -343,7 +344,7 @@ class Engine:
                 entrypoint=list(argv[:1]),
                 command=list(argv[1:]),
                 network_mode=network,
-                labels={"io.vllm-hotfix.role": "smoke"},
+                labels=_labels("smoke"),
                 **kwargs,
             )
             if files:
@@ -387,15 +388,15 @@ class Engine:
                 kwargs["device_requests"] = [
                     docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
                 ]
-            container = self._client.containers.run(
+            container = self._client.containers.create(
                 image,
                 command=list(command),
                 network_mode="host",
-                detach=True,
                 volumes={src: {"bind": dst, "mode": "ro"} for src, dst in mounts},
-                labels={"io.vllm-hotfix.role": "serve"},
+                labels=_labels("serve"),
                 **kwargs,
             )
+            container.start()
 
             def state() -> tuple[bool, str]:
                 container.reload()
@@ -418,10 +419,10 @@ class Engine:
         runtimes = info.get("Runtimes") or {}
         return "nvidia" in runtimes or "nvidia" in str(info.get("DefaultRuntime", ""))
 
-    def containers_with_role(self) -> list[str]:
-        found = self._client.containers.list(
-            all=True, filters={"label": "io.vllm-hotfix.role"}
-        )
+    def containers_with_role(self, run_id: str | None = None) -> list[str]:
+        """Containers this tool started (and, given run_id, that run)."""
+        label = f"io.vllm-hotfix.run={run_id}" if run_id else "io.vllm-hotfix.role"
+        found = self._client.containers.list(all=True, filters={"label": label})
         return [c.id for c in found]
 
     # -- build and push ----------------------------------------------------
@@ -492,6 +493,15 @@ class Engine:
         if digest is None:
             raise PushError(f"push of {ref} reported no digest")
         return digest
+
+
+def _labels(role: str) -> dict[str, str]:
+    """Labels for every container we start, so leaks can be found by owner."""
+    labels = {"io.vllm-hotfix.role": role}
+    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
+    if run_id:
+        labels["io.vllm-hotfix.run"] = run_id
+    return labels
 
 
 def _remove_container(container: Any) -> None:

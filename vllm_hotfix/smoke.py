@@ -153,8 +153,8 @@ class Smoke:
             self.add(report, checks, took)
 
         self.say("==> smoke 2/5: environment report")
-        checks, info, took = self.probe(image, "env_report.py", [], fallback_name="env-report")
-        report.environment = info
+        checks, _, took = self.probe(image, "env_report.py", [], fallback_name="env-report")
+        report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes)")
@@ -204,14 +204,16 @@ class Smoke:
         command = ["/model", "--port", str(port), *self.opt.serve_args]
         start = time.monotonic()
         gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.engine.has_gpu_runtime())
-        with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")], gpu=gpu) as watch:
-            try:
+        try:
+            with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
+                                     gpu=gpu) as watch:
                 sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
-            except SmokeError as exc:
-                self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": str(exc).splitlines()[0],
-                                   "data": {"server_log": str(exc)}}], time.monotonic() - start)
-                return
-            result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch, progress=self.say)
+                result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch, progress=self.say)
+        except (SmokeError, EngineError) as exc:
+            lines = str(exc).splitlines()
+            self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
+                               "data": {"server_log": lines[1:]}}], time.monotonic() - start)
+            return
         report.sweep = result.to_dict()
         took = time.monotonic() - start
         if result.ok:
