@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from conftest import REPO, cli, derive
+
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 

@@ -70,7 +70,7 @@ def new(root: Path, data: dict[str, Any]) -> Record:
 
 def load_all(root: Path) -> list[Record]:
     """Every record, oldest first."""
-    out = []
+    out: list[Record] = []
     folder = records_dir(root)
     if not folder.is_dir():
         return out

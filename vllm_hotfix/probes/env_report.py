@@ -87,7 +87,7 @@ def flag_known_bad(
     versions: dict[str, str],
     capabilities: list[tuple[int, int]],
     probe: Callable[[str, str], bool | None],
-    known_bad: list[dict[str, Any] | None] = None,
+    known_bad: list[dict[str, Any]] | None = None,
 ) -> list[str]:
     """Ids of the known-bad combinations present and confirmed.
 
