@@ -101,7 +101,7 @@ def unique() -> str:
 
 
 def _scratch_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm-hotfix-scratch-*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"vllm-hotfix-scratch-{RUN_ID}-*")))
 
 
 @pytest.fixture(autouse=True)

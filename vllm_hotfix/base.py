@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -23,6 +24,12 @@ from .errors import BaseImageError, PatchError
 log = logging.getLogger(__name__)
 
 SCRATCH = "/tmp/vllm-hotfix"
+
+
+def scratch_prefix() -> str:
+    """Scratch folders carry the run's ID (tests set one) so leaks can be traced."""
+    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID", "")
+    return f"vllm-hotfix-scratch-{run_id + '-' if run_id else ''}"
 
 
 def probe_source(name: str) -> str:
@@ -215,7 +222,7 @@ def apply_in_scratch(
 
     Returns the patched files and the patches the files already carried.
     """
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-scratch-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
         work = Path(tmp)
         for rel, data in files.items():
             (work / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -216,7 +216,7 @@ def create(
     if found != version:
         raise BaseImageError(f"{where}: installed {package} is {found or 'unknown'}, not {version}")
 
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=base.scratch_prefix()) as tmp:
         work = Path(tmp) / "tree"
         for rel, data in contents.items():
             if data is not None:

@@ -119,7 +119,7 @@ def classify_series(
     a later patch may build on an earlier one.
     """
     out: list[Verdict] = []
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=base.scratch_prefix()) as tmp:
         work = Path(tmp)
         for rel, data in files.items():
             if data is not None:
