@@ -1,0 +1,112 @@
+"""Unit tier: pure pieces of smoke, sweep, push and the probes (no engine)."""
+
+from __future__ import annotations
+
+import json
+import py_compile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from vllm_hotfix import push, smoke, sweep
+from vllm_hotfix.engine import split_reference
+from vllm_hotfix.errors import PushError, SmokeError
+from vllm_hotfix.probes import env_report, landed
+
+
+def test_split_reference_keeps_registry_ports() -> None:
+    assert split_reference("127.0.0.1:5000/ops/vllm-openai:v1") == ("127.0.0.1:5000/ops/vllm-openai", "v1")
+    assert split_reference("127.0.0.1:5000/ops/vllm-openai") == ("127.0.0.1:5000/ops/vllm-openai", "latest")
+    assert split_reference("vllm/vllm-openai:v0.25.1-m3patch") == ("vllm/vllm-openai", "v0.25.1-m3patch")
+
+
+def test_push_target_uses_last_path_part_and_tag() -> None:
+    assert push.target_ref("vllm/vllm-openai:v0.25.1-m3patch", "127.0.0.1:5000/ops") == (
+        "127.0.0.1:5000/ops/vllm-openai:v0.25.1-m3patch"
+    )
+    with pytest.raises(PushError, match="without a scheme"):
+        push.target_ref("a/b:c", "https://registry/x")
+
+
+def test_transient_errors_are_told_apart() -> None:
+    assert push._transient("dial tcp 127.0.0.1:5001: connect: connection refused")
+    assert not push._transient("denied: requested access to the resource is denied")
+
+
+def test_parse_levels() -> None:
+    assert sweep.parse_levels("1,2,4,8,16") == (1, 2, 4, 8, 16)
+    for bad in ("", "0,1", "a"):
+        with pytest.raises(SmokeError):
+            sweep.parse_levels(bad)
+
+
+def test_percentiles() -> None:
+    values = [float(i) for i in range(1, 101)]
+    assert sweep.percentile(values, 50) == pytest.approx(50.5)
+    assert sweep.percentile(values, 95) == pytest.approx(95.05)
+    assert sweep.percentile([0.3], 95) == 0.3
+
+
+def test_junit_has_one_case_per_check(tmp_path: Path) -> None:
+    report = {"image": "x:y", "seconds": 1.5, "checks": [
+        {"name": "patch-landed", "status": "pass", "detail": "", "seconds": 0.5},
+        {"name": "integrity", "status": "fail", "detail": "2 files differ", "seconds": 1.0},
+        {"name": "gpu", "status": "skip", "detail": "no runtime", "seconds": 0.0},
+    ]}
+    smoke.write_junit(report, tmp_path / "j.xml")
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    cases = {c.get("name"): c for c in suite}
+    failure = cases["integrity"].find("failure")
+    assert failure is not None and failure.get("message") == "2 files differ"
+    assert cases["gpu"].find("skipped") is not None
+
+
+def test_known_bad_pair_is_flagged_only_when_probe_confirms() -> None:
+    versions = {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.1"}
+    missing = lambda _m, _a: False  # noqa: E731
+    present = lambda _m, _a: True  # noqa: E731
+    assert env_report.flag_known_bad(versions, [(10, 0)], missing)
+    assert not env_report.flag_known_bad(versions, [(10, 0)], present)
+    assert not env_report.flag_known_bad(versions, [(9, 0)], missing)  # Hopper is not affected
+    good = {"quack-kernels": "0.6.4", "nvidia-cutlass-dsl": "4.6.2"}
+    assert not env_report.flag_known_bad(good, [(10, 0)], missing)
+
+
+@pytest.mark.parametrize(
+    "mode, other_source, expected",
+    [
+        (py_compile.PycInvalidationMode.CHECKED_HASH, False, "fresh"),
+        (py_compile.PycInvalidationMode.CHECKED_HASH, True, "stale (hash mismatch)"),
+        (py_compile.PycInvalidationMode.UNCHECKED_HASH, True, "stale (hash-based, unchecked)"),
+        (py_compile.PycInvalidationMode.TIMESTAMP, False, "fresh"),
+    ],
+)
+def test_pyc_state(tmp_path: Path, mode: py_compile.PycInvalidationMode, other_source: bool, expected: str) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("x = 1\n")
+    if other_source:
+        (tmp_path / "o.py").write_text("x = 2\n")
+    pyc = tmp_path / "m.pyc"
+    py_compile.compile(str(tmp_path / ("o.py" if other_source else "m.py")), cfile=str(pyc), invalidation_mode=mode)
+    assert landed.pyc_state(src.read_bytes(), str(src), str(pyc)) == expected
+
+
+def test_landed_probe_flags_altered_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    pkg = tmp_path / "demo_pkg_x"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("y = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hashlib
+
+    good = hashlib.sha256(b"y = 1\n").hexdigest()
+    assert landed.main(["demo_pkg_x", "0", json.dumps({"demo_pkg_x/mod.py": good})]) == 1  # version differs
+    out = json.loads(capsys.readouterr().out)
+    assert out["checks"][0]["status"] == "pass"
+    (pkg / "mod.py").write_text("y = 2\n")
+    landed.main(["demo_pkg_x", "0", json.dumps({"demo_pkg_x/mod.py": good})])
+    out = json.loads(capsys.readouterr().out)
+    assert out["checks"][0]["status"] == "fail" and "altered after the build" in out["checks"][0]["detail"]
