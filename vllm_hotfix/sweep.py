@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import requests
+import requests.adapters
 
 from .errors import SmokeError
 
@@ -133,7 +134,11 @@ def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, ma
     tokens = 0
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=concurrency) as pool, requests.Session() as session:
-        # A pool of `concurrency` workers keeps that many requests in flight.
+        # A pool of `concurrency` workers keeps that many requests in flight;
+        # the session keeps one connection per worker alive between requests.
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
         futures = [pool.submit(_one, session, url, model, timeout, max_tokens) for _ in range(n)]
         for fut in futures:
             try:
