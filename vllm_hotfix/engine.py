@@ -332,11 +332,7 @@ class Engine:
         """Run ``argv`` (entrypoint overridden) and return its output."""
         container = None
         try:
-            kwargs: dict[str, Any] = {}
-            if gpu:
-                kwargs["device_requests"] = [
-                    docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
-                ]
+            kwargs = _gpu_request(gpu)
             if mounts:
                 kwargs["volumes"] = {src: {"bind": dst, "mode": "ro"} for src, dst in mounts}
             container = self._client.containers.create(
@@ -383,11 +379,7 @@ class Engine:
         """
         container = None
         try:
-            kwargs: dict[str, Any] = {}
-            if gpu:
-                kwargs["device_requests"] = [
-                    docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
-                ]
+            kwargs = _gpu_request(gpu)
             container = self._client.containers.create(
                 image,
                 command=list(command),
@@ -493,6 +485,13 @@ class Engine:
         if digest is None:
             raise PushError(f"push of {ref} reported no digest")
         return digest
+
+
+def _gpu_request(gpu: bool) -> dict[str, Any]:
+    """Create-time arguments that ask for every GPU (`docker run --gpus all`)."""
+    if not gpu:
+        return {}
+    return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
 
 
 def _labels(role: str) -> dict[str, str]:
