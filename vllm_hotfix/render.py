@@ -12,8 +12,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import jinja2
-
 from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
@@ -22,13 +20,17 @@ from .patches import Patch
 
 LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"
+# The context folder laid out like the base's site dir: one COPY of it puts
+# every patched file and its bytecode in place as ONE layer. The classic
+# builder pays a container create + commit per instruction, so a COPY per
+# file made the build grow with the patch set (bench/: 102 steps at 100 files).
+CONTEXT_DIR = "files"
 
 
 @dataclass(frozen=True)
 class FileCopy:
     rel: str
-    context_dir: str
-    dest_dir: str
+    dest: str  # the file's path in the image
     pycs: tuple[str, ...]
 
 
@@ -43,7 +45,9 @@ def _label_value(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("\n", " ")
 
 
-def labels(defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch]) -> list[tuple[str, str]]:
+def labels(
+    defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch]
+) -> list[tuple[str, str]]:
     p = LABEL_PREFIX
     items = {
         "org.opencontainers.image.base.name": base.ref,
@@ -67,12 +71,10 @@ def labels(defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], pat
 def copies(base: BaseFacts, files: list[PatchedFile]) -> list[FileCopy]:
     out = []
     for f in sorted(files, key=lambda f: f.rel):
-        rel = PurePosixPath(f.rel)
         out.append(
             FileCopy(
                 rel=f.rel,
-                context_dir=f"files/{f.rel}.d",
-                dest_dir=f"{base.site_dir}/{rel.parent}",
+                dest=f"{base.site_dir}/{f.rel}",
                 pycs=tuple(PurePosixPath(p).name for p, _ in f.bytecode),
             )
         )
@@ -86,6 +88,8 @@ def render(
     files: list[PatchedFile],
     patches: list[Patch],
 ) -> str:
+    import jinja2  # here, not at module level: a reused build never renders
+
     env = jinja2.Environment(
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
     )
@@ -96,21 +100,23 @@ def render(
         base_ref=base.ref,
         base_id=base.image.id,
         files=copies(base, files),
+        context_dir=CONTEXT_DIR,
+        site_dir=base.site_dir,
         labels=labels(defn, base, files, patches),
     )
 
 
 def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes:
-    """The build context: the Dockerfile and the patched files, nothing else."""
+    """The build context: the Dockerfile and the patched files, nothing else.
+
+    Files sit under ``files/`` at their path relative to the site dir (the
+    bytecode in its ``__pycache__``), so ``COPY files/ <site_dir>/`` is one layer.
+    """
     entries: dict[str, bytes] = {"Dockerfile": dockerfile.encode()}
     modes: dict[str, int] = {}
     for f in files:
-        folder = f"files/{f.rel}.d"
-        parent = PurePosixPath(f.rel).parent
-        name = PurePosixPath(f.rel).name
-        entries[f"{folder}/{name}"] = f.data
-        modes[f"{folder}/{name}"] = f.mode
+        entries[f"{CONTEXT_DIR}/{f.rel}"] = f.data
+        modes[f"{CONTEXT_DIR}/{f.rel}"] = f.mode
         for pyc_rel, data in f.bytecode:
-            pyc = PurePosixPath(pyc_rel)
-            entries[f"{folder}/{pyc.relative_to(parent)}"] = data
+            entries[f"{CONTEXT_DIR}/{PurePosixPath(pyc_rel)}"] = data
     return tar_bytes(entries, modes)

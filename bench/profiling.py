@@ -1,0 +1,74 @@
+"""Where the tool's time goes: one ``image --rebuild`` under cProfile, by step.
+
+Steps are read from the profile as the cumulative time of the functions that
+implement them; a step whose function no longer exists reads 0. Interpreter
+start is what the profile cannot see: timed separately as ``python -c pass``.
+"""
+
+from __future__ import annotations
+
+import pstats
+from pathlib import Path
+from typing import Any
+
+from common import BUILD_PY, PYTHON, REPO, median, sh
+
+# step -> (file suffix, function name), summed
+STEPS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("imports (all, incl. lazy)", [("<frozen importlib._bootstrap>", "_find_and_load")]),
+    ("plan: definition + patch parse", [("vllm_hotfix/pipeline.py", "plan")]),
+    ("engine connect + ping", [("vllm_hotfix/engine.py", "connect")]),
+    ("resolve base (inspect)", [("vllm_hotfix/engine.py", "resolve")]),
+    ("probe container create/start/remove", [("vllm_hotfix/engine.py", "box")]),
+    ("probe execs (locate, compile)", [("vllm_hotfix/engine.py", "exec")]),
+    ("probe file reads (get_archive)", [("vllm_hotfix/engine.py", "read")]),
+    ("probe file write (put_archive)", [("vllm_hotfix/engine.py", "write")]),
+    ("GNU patch (dry run + apply)", [("vllm_hotfix/base.py", "apply_in_scratch")]),
+    ("render Dockerfile + context",
+     [("vllm_hotfix/render.py", "render"), ("vllm_hotfix/render.py", "context")]),
+    ("engine build", [("vllm_hotfix/engine.py", "build")]),
+    ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/records.py", "new")]),
+]
+
+
+def _ct(stats: dict[Any, Any], suffix: str, name: str) -> tuple[float, int]:
+    total, calls = 0.0, 0
+    for (filename, _line, func), (_cc, nc, _tt, ct, _callers) in stats.items():
+        if func == name and (filename.endswith(suffix) or filename == suffix):
+            total += ct
+            calls += nc
+    return total, calls
+
+
+def process_start(repeat: int = 5) -> dict[str, float]:
+    bare = [sh([PYTHON, "-c", "pass"]).seconds for _ in range(repeat)]
+    cli = [sh([PYTHON, "-c", "import vllm_hotfix.cli"], env={"PYTHONPATH": str(REPO)}).seconds
+           for _ in range(repeat)]
+    return {"python_bare_s": median(bare), "python_import_cli_s": median(cli)}
+
+
+def profile(root: Path, base_tag: str, ref: str, out: Path) -> dict[str, Any]:
+    """Profile one real build; return the per-step summary."""
+    prof = out / "image-rebuild.prof"
+    run = sh([PYTHON, "-m", "cProfile", "-o", str(prof), str(BUILD_PY), "--root", str(root), "image",
+              "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref], cwd=REPO)
+    st = pstats.Stats(str(prof))
+    raw = st.stats  # type: ignore[attr-defined]
+    total = max(ct for (_f, _l, _n), (_cc, _nc, _tt, ct, _c) in raw.items())
+    steps = []
+    for label, funcs in STEPS:
+        secs, calls = 0.0, 0
+        for suffix, name in funcs:
+            s, c = _ct(raw, suffix, name)
+            secs += s
+            calls += c
+        steps.append({"step": label, "seconds": round(secs, 4), "calls": calls})
+    http_s, http_n = _ct(raw, "requests/sessions.py", "request")
+    return {
+        "wall_s": run.seconds,
+        "profiled_s": total,
+        "steps": steps,
+        "engine_round_trips": http_n,
+        "engine_round_trips_s": round(http_s, 4),
+        "build_steps": sum(1 for ln in run.output.splitlines() if ln.strip().startswith("Step ")),
+    }

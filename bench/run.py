@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""`make bench`: the tool against the manual flow and the engine's floor.
+
+Sections (see bench/README.md):
+  1. full build, tool vs manual vs floor, interleaved rounds
+  2. unchanged rebuild (records), wall time including process start
+  3. growth: base size (~0.2 / 2 / 8 GB) and patch width (1 / 10 / 100 files)
+  4. bytes the image adds over its base vs the bytes of the patched files
+  5. where the tool's time goes (cProfile of one `image --rebuild`)
+
+It reports; it never fails on a number. It exits non-zero only when a step
+could not run at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import flows  # noqa: E402
+import profiling  # noqa: E402
+import synth  # noqa: E402
+from common import (  # noqa: E402
+    BASE_REPO,
+    REPO,
+    STANDIN,
+    BenchError,
+    Cleanup,
+    docker,
+    image_id,
+    image_size,
+    settle,
+    stats,
+    tool,
+)
+
+RESULTS = REPO / "bench" / "results"
+SIZES_GB = (0.2, 2.0, 8.0)
+WIDTHS = (1, 10, 100)
+TARGETS = {
+    "tool_over_manual": 1.0,
+    "tool_over_floor": 1.2,
+    "unchanged_rebuild_s": 0.5,
+    "size_growth_8g_over_0_2g": 1.2,
+    "bytes_slack": 4096,
+}
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def ensure_standin() -> str:
+    found = image_id(STANDIN)
+    if found is None:
+        say(f"{STANDIN} missing: making the stand-in (about a minute)")
+        tool(REPO, "standin", "--version", "0.25.1")
+        found = image_id(STANDIN)
+    if found is None:
+        raise BenchError(f"no {STANDIN} and could not make it")
+    return found
+
+
+def section_full(root: Path, work: Path, cleanup: Cleanup, base_ref: str, rounds: int,
+                 tag: str) -> dict[str, Any]:
+    """1: A (tool), B (manual), C (floor), interleaved; order rotates each round."""
+    site_dir, files = flows.patched_files(root, "v0.25.1")
+    floor_ctx = flows.prepare_floor(work / "floor-v0.25.1", base_ref, site_dir, files)
+    manual_work = flows.prepare_manual(work / "manual", base_ref)
+    order = ["tool", "manual", "floor"]
+    per_round: list[dict[str, Any]] = []
+    sizes: dict[str, int] = {}
+    base_size = image_size(base_ref)
+    for r in range(rounds):
+        times: dict[str, float] = {}
+        hits: dict[str, int] = {}
+        steps: dict[str, int] = {}
+        for flow in order[r % 3:] + order[: r % 3]:
+            ref = f"{BASE_REPO}-out:{flow}-{tag}-{r}"
+            if flow == "tool":
+                t = flows.run_tool(root, "v0.25.1", ref, cleanup)
+            elif flow == "manual":
+                t = flows.run_manual(manual_work, base_ref, ref, cleanup)
+            else:
+                t = flows.run_floor(floor_ctx, ref, cleanup)
+            times[flow], hits[flow], steps[flow] = t.seconds, t.cache_hits, t.steps
+            if r == 0:
+                sizes[flow] = image_size(ref) - base_size
+            cleanup.remove(ref)
+        per_round.append({
+            "round": r + 1,
+            "seconds": times,
+            "cache_hits": hits,
+            "build_steps": steps,
+            "tool_over_manual": times["tool"] / times["manual"],
+            "tool_over_floor": times["tool"] / times["floor"],
+            "manual_over_floor": times["manual"] / times["floor"],
+        })
+        say(f"  round {r + 1}: " + "  ".join(f"{k} {v:.2f}s" for k, v in times.items()))
+    out: dict[str, Any] = {"rounds": per_round}
+    for flow in order:
+        out[flow] = stats([p["seconds"][flow] for p in per_round])
+    for ratio in ("tool_over_manual", "tool_over_floor", "manual_over_floor"):
+        out[ratio] = stats([p[ratio] for p in per_round])
+    payload = sum(len(v) for v in files.values())
+    out["bytes"] = {
+        "patched_sources": sum(len(v) for k, v in files.items() if k.endswith(".py")),
+        "bytecode": sum(len(v) for k, v in files.items() if k.endswith(".pyc")),
+        "patched_plus_bytecode": payload,
+        "added": sizes,
+        "tool_added_minus_payload": sizes.get("tool", 0) - payload,
+        "files": sorted(files),
+    }
+    return out
+
+
+def section_rebuild(root: Path, cleanup: Cleanup, tag: str, repeat: int) -> dict[str, Any]:
+    """2: the second `image` with the same inputs reuses the recorded image."""
+    ref = f"{BASE_REPO}-out:rebuild-{tag}"
+    flows.run_tool(root, "v0.25.1", ref, cleanup)  # the build whose record is reused
+    times = []
+    for _ in range(repeat):
+        settle()
+        r = tool(root, "image", "--base", "v0.25.1", "--no-smoke", "--tag", ref)
+        if not (r.stdout.strip().splitlines() or [''])[-1].startswith(f"reused {ref} "):
+            raise BenchError(f"unchanged rebuild did not reuse:\n{r.output[-1500:]}")
+        times.append(r.seconds)
+    cleanup.remove(ref)
+    return {"wall": stats(times)}
+
+
+def section_growth(root: Path, work: Path, cleanup: Cleanup, standin_id: str, base_ref: str,
+                   reps: int, tag: str, sizes_gb: tuple[float, ...], notes: list[str]) -> dict[str, Any]:
+    """3: tool and floor build time against base size and patch width."""
+    # Bases of each size; made once, then found by label.
+    standin_size = image_size(STANDIN)
+    free = shutil.disk_usage("/").free
+    size_bases: dict[str, str] = {}
+    made: dict[str, float | None] = {}
+    for gb in sizes_gb:
+        name = f"fill-{gb:g}g"
+        want = int(gb * 1024**3)
+        existing = docker("images", "-q", f"{synth.FILLER_REPO}:{name}", check=False).output.strip()
+        if not existing and want * 1.6 + 5 * 1024**3 > free:
+            scaled = max((free - 5 * 1024**3) / 1.6, 0.2 * 1024**3)
+            notes.append(f"disk: {free / 1024**3:.1f} GiB free; {name} scaled down to "
+                         f"{scaled / 1024**3:.1f} GiB")
+            want = int(scaled)
+        ref, seconds = synth.filler(standin_id, name, want, standin_size, notes)
+        made[name] = seconds
+        free = shutil.disk_usage("/").free
+        synth.definition(root, name, synth.FILLER_REPO, "v0.25.1")
+        size_bases[name] = ref
+    # Patch sets of each width against real vllm files of the stand-in.
+    pkg = synth.extract_package(base_ref, Path(tempfile.mkdtemp(dir=work, prefix="pkg-")))
+    chosen = synth.pick_files(pkg, max(WIDTHS))
+    width_bases: dict[str, str] = {}
+    for n in WIDTHS:
+        name = f"n{n}"
+        rels = chosen[:: max(WIDTHS) // n][:n]
+        synth.patch_set(root, pkg, name, rels)
+        synth.definition(root, name, BASE_REPO, name)
+        ref = cleanup.add(f"{BASE_REPO}:{name}")
+        docker("tag", base_ref, ref)
+        width_bases[name] = ref
+    # Floor contexts: the same bytes the tool ships.
+    floors: dict[str, Path] = {}
+    for name, ref in {**size_bases, **width_bases}.items():
+        base_tag = name
+        site_dir, files = flows.patched_files(root, base_tag)
+        floors[name] = flows.prepare_floor(work / f"floor-{name}", ref, site_dir, files)
+    cases = list(size_bases) + list(width_bases)
+    results: dict[str, dict[str, list[float]]] = {c: {"tool": [], "floor": [], "steps": []} for c in cases}
+    hits = 0
+    for rep in range(reps):
+        for case in cases:
+            for flow in (("tool", "floor") if rep % 2 == 0 else ("floor", "tool")):
+                ref = f"{BASE_REPO}-out:{flow}-{case}-{tag}-{rep}"
+                if flow == "tool":
+                    t = flows.run_tool(root, case, ref, cleanup)
+                    results[case]["steps"].append(t.steps)
+                else:
+                    t = flows.run_floor(floors[case], ref, cleanup)
+                hits += t.cache_hits
+                results[case][flow].append(t.seconds)
+                cleanup.remove(ref)
+        say(f"  growth rep {rep + 1}: " + "  ".join(
+            f"{c} {results[c]['tool'][-1]:.2f}/{results[c]['floor'][-1]:.2f}s" for c in cases))
+    out: dict[str, Any] = {"cache_hits": hits, "fillers_made_s": made, "cases": {}}
+    for case in cases:
+        ref = size_bases.get(case) or width_bases[case]
+        out["cases"][case] = {
+            "base_bytes": image_size(ref),
+            "tool": stats(results[case]["tool"]),
+            "floor": stats(results[case]["floor"]),
+            "tool_build_steps": results[case]["steps"][0] if results[case]["steps"] else None,
+        }
+    shutil.rmtree(pkg.parent, ignore_errors=True)
+    return out
+
+
+def verdicts(res: dict[str, Any]) -> list[dict[str, Any]]:
+    full, growth = res["full"], res["growth"]["cases"]
+    small, big = f"fill-{SIZES_GB[0]:g}g", f"fill-{SIZES_GB[-1]:g}g"
+    growth_ratio = growth[big]["tool"]["median"] / growth[small]["tool"]["median"]
+    floor_growth = growth[big]["floor"]["median"] / growth[small]["floor"]["median"]
+    b = full["bytes"]
+    rows = [
+        ("tool / manual <= 1.0", full["tool_over_manual"]["median"], TARGETS["tool_over_manual"],
+         f"{full['tool_over_manual']['median']:.2f} (median of per-round ratios)"),
+        ("tool / floor <= 1.2", full["tool_over_floor"]["median"], TARGETS["tool_over_floor"],
+         f"{full['tool_over_floor']['median']:.2f} (median of per-round ratios)"),
+        ("unchanged rebuild <= 0.5 s", res["rebuild"]["wall"]["median"], TARGETS["unchanged_rebuild_s"],
+         f"{res['rebuild']['wall']['median']:.3f} s"),
+        ("build at 8 GB <= 1.2 x at 0.2 GB", growth_ratio, TARGETS["size_growth_8g_over_0_2g"],
+         f"{growth_ratio:.2f}x (floor: {floor_growth:.2f}x)"),
+        ("bytes added <= files + bytecode + 4 KiB", b["added"].get("tool", 0),
+         b["patched_plus_bytecode"] + TARGETS["bytes_slack"],
+         f"{b['added'].get('tool', 0)} B added vs {b['patched_plus_bytecode']} B payload "
+         f"({b['tool_added_minus_payload']:+d} B)"),
+    ]
+    return [{"target": t, "value": v, "limit": lim, "met": v <= lim, "figure": fig}
+            for t, v, lim, fig in rows]
+
+
+def table(res: dict[str, Any]) -> str:
+    full = res["full"]
+    lines = ["", "== 1. Full build of the v0.25.1 patched image "
+             f"({full['tool']['n']} interleaved rounds, medians; cache hits: "
+             f"{sum(sum(r['cache_hits'].values()) for r in full['rounds'])}) =="]
+    lines.append(f"  {'flow':<8} {'median s':>9} {'min':>7} {'max':>7} {'steps':>6}")
+    for flow in ("tool", "manual", "floor"):
+        s = full[flow]
+        lines.append(f"  {flow:<8} {s['median']:>9.3f} {s['min']:>7.3f} {s['max']:>7.3f} "
+                     f"{full['rounds'][0]['build_steps'][flow]:>6}")
+    lines.append("  per-round ratios: " + "  ".join(
+        f"r{r['round']} t/m {r['tool_over_manual']:.2f} t/f {r['tool_over_floor']:.2f} "
+        f"m/f {r['manual_over_floor']:.2f}" for r in full["rounds"]))
+    lines.append(f"  median ratios: tool/manual {full['tool_over_manual']['median']:.2f}  "
+                 f"tool/floor {full['tool_over_floor']['median']:.2f}  "
+                 f"manual/floor {full['manual_over_floor']['median']:.2f}")
+    reb = res["rebuild"]["wall"]
+    lines.append(f"\n== 2. Unchanged rebuild (records), wall incl. process start: median "
+                 f"{reb['median']:.3f} s (min {reb['min']:.3f}, max {reb['max']:.3f}, n={reb['n']})")
+    lines.append(f"     process start alone: python -c pass {res['start']['python_bare_s']:.3f} s, "
+                 f"+ import vllm_hotfix.cli {res['start']['python_import_cli_s']:.3f} s")
+    g = res["growth"]
+    n = next(iter(g["cases"].values()))["tool"]["n"]
+    lines.append(f"\n== 3. Growth (tool vs floor, medians of {n}"
+                 f"; cache hits: {g['cache_hits']}) ==")
+    lines.append(f"  {'case':<10} {'base GB':>8} {'tool s':>8} {'floor s':>8} {'t/f':>6} {'steps':>6}")
+    for case, c in g["cases"].items():
+        lines.append(f"  {case:<10} {c['base_bytes'] / 1e9:>8.2f} {c['tool']['median']:>8.3f} "
+                     f"{c['floor']['median']:>8.3f} {c['tool']['median'] / c['floor']['median']:>6.2f} "
+                     f"{c['tool_build_steps'] or 0:>6}")
+    b = full["bytes"]
+    lines.append(f"\n== 4. Bytes added over the base: tool {b['added'].get('tool')}  manual "
+                 f"{b['added'].get('manual')}  floor {b['added'].get('floor')};  patched sources "
+                 f"{b['patched_sources']} + bytecode {b['bytecode']} = {b['patched_plus_bytecode']}")
+    p = res["profile"]
+    lines.append(f"\n== 5. Where the tool's time goes (cProfile of one image --rebuild; wall "
+                 f"{p['wall_s']:.3f} s, profiled {p['profiled_s']:.3f} s, {p['engine_round_trips']} engine "
+                 f"round trips {p['engine_round_trips_s']:.3f} s, {p['build_steps']} build steps) ==")
+    bare = res["start"]["python_bare_s"]
+    lines.append(f"  {'interpreter start (python -c pass, unprofiled)':<48} {bare:>7.3f} s")
+    for s in p["steps"]:
+        lines.append(f"  {s['step']:<48} {s['seconds']:>7.3f} s  ({s['calls']} calls)")
+    lines.append("\n== Targets ==")
+    for v in res["verdicts"]:
+        lines.append(f"  [{'met' if v['met'] else 'MISSED':>6}] {v['target']:<42} {v['figure']}")
+    for n in res["notes"]:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of section 1 (>= 5)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per growth case")
+    ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_GB), help="base sizes in GB")
+    ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<date>.json)")
+    args = ap.parse_args(argv)
+    sizes = tuple(float(s) for s in args.sizes.split(","))
+    globals()["SIZES_GB"] = sizes
+    started = time.perf_counter()
+    tag = uuid.uuid4().hex[:8]
+    notes: list[str] = []
+    cleanup = Cleanup()
+    work = Path(tempfile.mkdtemp(prefix="vllm-hotfix-bench-"))
+    root = work / "root"
+    res: dict[str, Any] = {}
+    try:
+        say(f"disk: {shutil.disk_usage('/').free / 1024**3:.1f} GiB free on /; load {os.getloadavg()}")
+        standin_id = ensure_standin()
+        shutil.copytree(REPO / "images", root / "images")
+        shutil.copytree(REPO / "patches", root / "patches")
+        base_ref = flows.bench_base(cleanup, standin_id, "v0.25.1")
+        synth.definition(root, "v0.25.1", BASE_REPO, "v0.25.1")
+        load_before = os.getloadavg()
+        say("== 1. full build: tool / manual / floor")
+        res["full"] = section_full(root, work, cleanup, base_ref, max(args.rounds, 1), tag)
+        say("== 2. unchanged rebuild")
+        res["rebuild"] = section_rebuild(root, cleanup, tag, 5)
+        res["start"] = profiling.process_start()
+        say("== 3. growth: base size and patch width")
+        res["growth"] = section_growth(root, work, cleanup, standin_id, base_ref, args.reps, tag, sizes,
+                                       notes)
+        say("== 5. profile")
+        ref = cleanup.add(f"{BASE_REPO}-out:profile-{tag}")
+        res["profile"] = profiling.profile(root, "v0.25.1", ref, work)
+        cleanup.remove(ref)
+        res["verdicts"] = verdicts(res)
+        others = docker("ps", "-q", check=False).output.split()
+        res["environment"] = {
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "docker": docker("version", "-f", "{{.Server.Version}}").output.strip(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "other_containers_running_at_end": len(others),
+            "fairness": "every flow builds FROM a bench-only base (stand-in + one LABEL) and each run's "
+                        "image is removed with its intermediate layers before the next run; layer-cache "
+                        "hits are counted and reported (expected 0)",
+        }
+        res["notes"] = notes
+        res["bench_wall_s"] = time.perf_counter() - started
+        print(table(res))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = args.out or RESULTS / f"{dt.date.today().isoformat()}.json"
+        out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+        print(f"\nresults: {out.relative_to(REPO) if out.is_relative_to(REPO) else out}  "
+              f"(bench wall {res['bench_wall_s']:.0f} s)")
+        return 0
+    except BenchError as exc:
+        say(f"bench error: {exc}")
+        return 1
+    finally:
+        cleanup.all()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
