@@ -8,6 +8,7 @@ removed before :func:`prepare` returns.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -114,13 +115,13 @@ def read_files(
     """
     with engine.box(image.id, python) as box:
         facts, info = locate_package(box, package, python, ref, image, rels)
-        out: dict[str, bytes | None] = {}
-        for rel in rels:
-            out[rel] = None
-            if info[rel]["kind"] == "file" and info[rel]["real"]:
-                entry = box.read(f"{facts.site_dir}/{rel}")
-                out[rel] = entry.data if entry.kind == "file" else None
-    return facts, out
+    return facts, {rel: _content(info[rel]) for rel in rels}
+
+
+def _content(info: dict) -> bytes | None:
+    """A file's bytes as the locate probe read them (regular files only)."""
+    data = info.get("data_b64")
+    return base64.b64decode(data) if data is not None else None
 
 
 def check_version(facts: BaseFacts, defn: ImageDefinition) -> None:
@@ -181,14 +182,15 @@ def prepare(
         facts, info = locate(box, defn, ref, image, rels)
         check_version(facts, defn)
         check_targets(info, patches, ref, facts.site_dir)
+        # The probe read each file with the image's own Python after checking
+        # it is a regular file reached without links; here the bytes are only
+        # written under the scratch folder, at paths we chose.
         originals: dict[str, tuple[bytes, int]] = {}
         for rel in rels:
-            # Read as a tar member, never through the host's file system, so a
-            # link in the image can't make us write outside the scratch folder.
-            entry = box.read(f"{facts.site_dir}/{rel}")
-            if entry.kind != "file":
-                raise PatchError(f"{facts.site_dir}/{rel} in {ref} is a {entry.kind}, not a regular file", file=rel)
-            originals[rel] = (entry.data, entry.mode)
+            data = _content(info[rel])
+            if data is None:
+                raise PatchError(f"{facts.site_dir}/{rel} in {ref} could not be read as a regular file", file=rel)
+            originals[rel] = (data, int(info[rel]["mode"]))
 
         patched, included = apply_in_scratch(
             patches, {rel: data for rel, (data, _m) in originals.items()}, skip_included=skip_included
@@ -207,7 +209,7 @@ def prepare(
             if "error" in entry:
                 owner = next(p.name for p in applied if rel in p.files)
                 raise PatchError(f"{owner}: patched {rel} does not compile: {entry['error']}", patch=owner, file=rel)
-            bytecode = tuple((pyc, box.read(f"{SCRATCH}/{pyc}").data) for pyc in entry["pycs"])
+            bytecode = tuple((pyc, base64.b64decode(b64)) for pyc, b64 in sorted(entry["pycs"].items()))
             data, mode = originals[rel]
             result.append(
                 PatchedFile(rel, patched[rel], mode & 0o7777, patchlib.sha256_bytes(data), bytecode)

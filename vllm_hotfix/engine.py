@@ -58,17 +58,6 @@ class ExecResult:
     stderr: str
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """One file read out of an image, with what tar says it is."""
-
-    path: str
-    kind: str  # "file", "symlink", "dir", "other"
-    mode: int
-    data: bytes
-    linkname: str = ""
-
-
 def _tuple(value: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(value) if value is not None else None
 
@@ -117,42 +106,6 @@ class Box:
             (out or b"").decode("utf-8", "replace"),
             (err or b"").decode("utf-8", "replace"),
         )
-
-    def read(self, path: str) -> FileEntry:
-        """Read one path out of the container without following links."""
-        try:
-            stream, _stat = self._container.get_archive(path)
-        except docker.errors.NotFound as exc:
-            raise FileNotFoundError(path) from exc
-        buf = io.BytesIO(b"".join(stream))
-        with tarfile.open(fileobj=buf) as tar:
-            member = tar.next()
-            if member is None:
-                raise FileNotFoundError(path)
-            if member.issym() or member.islnk():
-                return FileEntry(path, "symlink", member.mode, b"", member.linkname)
-            if member.isdir():
-                return FileEntry(path, "dir", member.mode, b"")
-            if not member.isreg():
-                return FileEntry(path, "other", member.mode, b"")
-            fh = tar.extractfile(member)
-            data = fh.read() if fh is not None else b""
-            return FileEntry(path, "file", member.mode, data)
-
-    def read_tree(self, path: str) -> dict[str, bytes]:
-        """Regular files under a folder, keyed by path relative to it."""
-        stream, _stat = self._container.get_archive(path)
-        buf = io.BytesIO(b"".join(stream))
-        files: dict[str, bytes] = {}
-        with tarfile.open(fileobj=buf) as tar:
-            for member in tar:
-                if not member.isreg():
-                    continue
-                rel = member.name.split("/", 1)[1] if "/" in member.name else ""
-                fh = tar.extractfile(member)
-                if rel and fh is not None:
-                    files[rel] = fh.read()
-        return files
 
     def write(self, folder: str, files: Mapping[str, bytes]) -> None:
         """Put files (relative path -> bytes) under ``folder``."""

@@ -4,11 +4,12 @@ Usage: python3 compile.py ROOT RELPATH=LEVELS ...
 Compiles ROOT/RELPATH at each optimisation level in LEVELS (e.g. "0,1") with the image's own Python, as
 checked-hash pycs: valid exactly while the source bytes are the ones compiled,
 whatever the file times in the image. Prints one JSON object mapping RELPATH
-to its pyc paths relative to ROOT, or to an error.
+to its pyc paths relative to ROOT with their bytes (base64), or to an error.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
     for arg in rels:
         rel, _, levels = arg.partition("=")
         src = os.path.join(root, rel)
-        pycs = []
+        pycs: dict[str, str] = {}
         try:
             for level in sorted({0, *(int(x) for x in levels.split(",") if x)}):
                 opt = "" if level == 0 else level
@@ -35,7 +36,8 @@ def main(argv: list[str]) -> int:
                     optimize=level,
                     invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH,
                 )
-                pycs.append(os.path.relpath(cfile, root))
+                with open(cfile, "rb") as fh:
+                    pycs[os.path.relpath(cfile, root)] = base64.b64encode(fh.read()).decode("ascii")
             out[rel] = {"pycs": pycs}
         except py_compile.PyCompileError as exc:
             out[rel] = {"error": " ".join(str(exc.msg).split())}

@@ -2,12 +2,15 @@
 
 Usage: python3 locate.py PACKAGE [RELPATH ...]
 RELPATH is relative to the package's parent folder (vllm/models/x.py).
-Prints one JSON object. Never imports the package itself: importing vLLM
+Prints one JSON object; each regular file reached without links comes with
+its bytes (base64), so the caller needs no copy per file. Never imports the
+package itself: importing vLLM
 pulls in torch and CUDA, which a probe must not need.
 """
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
 import importlib.util
 import json
@@ -69,6 +72,9 @@ def main(argv: list[str]) -> int:
         # A symlinked folder on the way would also redirect a COPY.
         info["real"] = os.path.realpath(full) == os.path.normpath(full)
         info["opt_levels"] = bytecode_levels(full)
+        if info["kind"] == "file" and info["real"]:
+            with open(full, "rb") as fh:
+                info["data_b64"] = base64.b64encode(fh.read()).decode("ascii")
         files[rel] = info
     result["files"] = files
     print(json.dumps(result))
