@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Result, cli
 
+from conftest import REPO, Result, cli
 from vllm_hotfix.engine import Engine
 
 CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}

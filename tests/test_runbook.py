@@ -14,8 +14,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Result, cli
 
+from conftest import REPO, Result, cli
 from vllm_hotfix import cli as climod
 from vllm_hotfix.engine import Engine
 

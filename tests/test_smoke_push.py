@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import REPO, cli, derive
 
+from conftest import REPO, cli, derive
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
@@ -111,6 +111,24 @@ def test_unchanged_rebuild_reuses_the_recorded_image(engine: Engine, built: tupl
     assert "inputs unchanged" in r.err
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--rebuild", root=project)
     assert r.rc == 0 and r.out.startswith("built "), r.err
+
+
+def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251: str, project: Path,
+                                                     unique: str) -> None:
+    ref = f"hotfix-test/nosmoke-{unique}:x"
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", root=project)
+    assert r.rc == 0, r.err
+    image_id = r.out.split()[-1]
+    try:
+        [rec] = records.find_by_image(project, image_id)
+        assert rec.data["smoke_status"] is None
+        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+        assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
+        assert "no smoke result recorded yet" in r.err
+        [rec] = records.find_by_image(project, image_id)
+        assert rec.data["smoke_status"] == "pass"
+    finally:
+        engine.untag(ref)
 
 
 def test_smoke_reports_and_tampered_image_fails(engine: Engine, built: tuple[Path, str, str], tmp_path: Path,

@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Result, cli
 
+from conftest import REPO, Result, cli
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
 

@@ -111,8 +111,21 @@ def build_image(
     if not rebuild:
         for rec in records.find_by_inputs(p.root, key):
             if engine.image(rec.image_id) is not None and rec.data.get("smoke_status") != "fail":
-                engine.tag(rec.image_id, p.output_ref)
                 say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
+                if smoke is not None and rec.data.get("smoke_status") != "pass":
+                    # Built earlier with --no-smoke: smoke it now, before it gets the tag.
+                    say(f"==> smoke-testing {rec.image_id[:19]} (no smoke result recorded yet)")
+                    report = smoke(engine, rec.image_id, rec.data)
+                    rec.data["smoke"] = report
+                    rec.data["smoke_status"] = report.get("status")
+                    rec.save()
+                    if report.get("status") == "fail":
+                        raise PipelineError(
+                            f"smoke checks failed for the recorded image {rec.image_id[:19]}: "
+                            + ", ".join(c["name"] for c in report.get("checks", []) if c.get("status") == "fail"),
+                            hint="fix the cause, then build with --rebuild",
+                        )
+                engine.tag(rec.image_id, p.output_ref)
                 return BuildResult(p.output_ref, rec.image_id, True, rec, rec.data.get("smoke"))
 
     say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
