@@ -41,7 +41,7 @@ test: setup services ## Run every test (unit and integration) against the real e
 	$(PYTHON) -m pytest -q
 
 lint: ## ruff and mypy
-	$(PYTHON) -m ruff check vllm_hotfix tests build.py
+	$(PYTHON) -m ruff check vllm_hotfix tests bench build.py
 	$(PYTHON) -m mypy vllm_hotfix
 
 bench: ## Benchmarks: the tool against the manual flow and the floor
