@@ -76,6 +76,15 @@ class Result:
         return lines[-1] if lines else ""
 
 
+def fails(result: Result, *needles: str) -> None:
+    """A failed command: non-zero exit and one `error:` line holding every needle."""
+    assert result.rc != 0, result.err
+    line = result.last_error
+    assert line, f"no error line in:\n{result.err}"
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+
+
 def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600) -> Result:
     """Run `python build.py ...` as a user would."""
     cmd = [sys.executable, str(REPO / "build.py")]

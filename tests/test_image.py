@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Result, cli, derive, make_standin
+from conftest import REPO, cli, derive, fails, make_standin
 from vllm_hotfix.engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -25,14 +25,6 @@ SITE = "/usr/local/lib/python3.12/dist-packages"
 
 def _no_output(engine: Engine, ref: str) -> None:
     assert engine.image(ref) is None, f"{ref} was tagged despite the failure"
-
-
-def _fails(result: Result, *needles: str) -> None:
-    assert result.rc != 0, result.err
-    line = result.last_error
-    assert line, f"no error line in:\n{result.err}"
-    for needle in needles:
-        assert needle in line, f"{needle!r} not in {line!r}"
 
 
 def test_image_builds_patched_files_where_python_imports_them(
@@ -116,7 +108,7 @@ def test_hunk_that_does_not_apply(engine: Engine, base_v0251: str, project: Path
                 "             ))\n         if index_md.num_prefill_tokens > 0:")
     out = f"hotfix-test/bad:{unique}"
     r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
-    _fails(r, PATCH, "hunk #2 (@@ -441,7 +444,7 @@)", INDEXER, "does not apply")
+    fails(r, PATCH, "hunk #2 (@@ -441,7 +444,7 @@)", INDEXER, "does not apply")
     _no_output(engine, out)
 
 
@@ -124,7 +116,7 @@ def test_hunk_that_needs_fuzz(engine: Engine, base_v0251: str, project: Path, un
     _edit_patch(project, " # (decode at [:, :nd], prefill", " # (DECODE at [:, :nd], prefill")
     out = f"hotfix-test/bad:{unique}"
     r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
-    _fails(r, PATCH, "hunk #1", INDEXER, "applies only with fuzz")
+    fails(r, PATCH, "hunk #1", INDEXER, "applies only with fuzz")
     _no_output(engine, out)
 
 
@@ -164,7 +156,7 @@ def test_bad_diffs_are_refused_before_the_engine(
     # No engine needed: validation happens before anything is touched.
     r = cli("image", "--base", "v0.25.1", "--tag", f"hotfix-test/bad:{unique}", "--no-smoke", root=project,
             env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
-    _fails(r, PATCH, *needles)
+    fails(r, PATCH, *needles)
 
 
 def test_patch_for_a_file_the_image_lacks(engine: Engine, base_v0251: str, project: Path, unique: str) -> None:
@@ -172,7 +164,7 @@ def test_patch_for_a_file_the_image_lacks(engine: Engine, base_v0251: str, proje
     (project / "patches/v0.25.1" / PATCH).write_text(text)
     out = f"hotfix-test/bad:{unique}"
     r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
-    _fails(r, PATCH, "has no file", "indexer_v2.py")
+    fails(r, PATCH, "has no file", "indexer_v2.py")
     _no_output(engine, out)
 
 
@@ -196,7 +188,7 @@ def test_target_that_is_not_a_regular_file(
         before = Path("/etc/hostname").read_bytes()
         r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
                 "--no-smoke", root=project)
-        _fails(r, PATCH, word, "refusing to patch")
+        fails(r, PATCH, word, "refusing to patch")
         assert Path("/etc/hostname").read_bytes() == before
         _no_output(engine, out)
     finally:
@@ -206,14 +198,14 @@ def test_target_that_is_not_a_regular_file(
 def test_base_missing_with_pull_never(engine: Engine, project: Path, unique: str) -> None:
     r = cli("image", "--base", "v0.25.1", "--base-repo", f"hotfix-test/absent-{unique}", "--pull", "never",
             "--no-smoke", root=project)
-    _fails(r, f"hotfix-test/absent-{unique}:v0.25.1", "--pull never")
+    fails(r, f"hotfix-test/absent-{unique}:v0.25.1", "--pull never")
 
 
 def test_unreachable_base_fails_fast(engine: Engine, project: Path, unique: str) -> None:
     start = time.monotonic()
     r = cli("image", "--base", "v0.25.1", "--base-repo", f"registry.invalid/absent-{unique}", "--no-smoke",
             root=project, timeout=120)
-    _fails(r, f"registry.invalid/absent-{unique}:v0.25.1", "cannot pull")
+    fails(r, f"registry.invalid/absent-{unique}:v0.25.1", "cannot pull")
     # Not a speed target: a hang would hit the 120 s subprocess timeout above.
     assert time.monotonic() - start < 120
 
@@ -225,7 +217,7 @@ def test_base_whose_vllm_differs_from_its_tag(engine: Engine, project: Path, uni
     try:
         r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
                 "--no-smoke", root=project)
-        _fails(r, f"{repo}:v0.25.1", "installed vllm is 0.26.0", "0.25.1")
+        fails(r, f"{repo}:v0.25.1", "installed vllm is 0.26.0", "0.25.1")
         _no_output(engine, out)
     finally:
         engine.remove_image(f"{repo}:v0.25.1")
@@ -234,10 +226,10 @@ def test_base_whose_vllm_differs_from_its_tag(engine: Engine, project: Path, uni
 def test_no_engine(project: Path) -> None:
     r = cli("image", "--base", "v0.25.1", "--no-smoke", root=project,
             env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
-    _fails(r, "no Docker engine answers")
+    fails(r, "no Docker engine answers")
     assert r.rc == 5
 
 
 def test_unknown_base_tag(project: Path) -> None:
     r = cli("image", "--base", "v9.9.9", "--no-smoke", root=project)
-    _fails(r, "v9.9.9.toml", "no image definition")
+    fails(r, "v9.9.9.toml", "no image definition")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Result, cli
+from conftest import REPO, cli, fails
 from vllm_hotfix.engine import Engine
 
 CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
@@ -111,13 +111,6 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def _fails(r: Result, *needles: str) -> None:
-    assert r.rc != 0, r.err
-    assert r.last_error, f"no error line in:\n{r.err}"
-    for needle in needles:
-        assert needle in r.last_error, f"{needle!r} not in {r.last_error!r}"
-
-
 @pytest.mark.engine
 def test_new_patchset_from_pr_for_a_new_base(engine: Engine, base_v0251: str, fresh: Path, api: str) -> None:
     r = cli(
@@ -180,7 +173,7 @@ def test_new_patchset_from_pr_url_and_from_file_against_the_wheel(
     r = cli(
         "new-patchset", "--base", "v0.25.1", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
     )
-    _fails(r, "already carries this change")
+    fails(r, "already carries this change")
     assert snapshot(fresh) == before
     # From a file on a second base: numbered 0001 there, named from the file.
     r = cli(
@@ -205,7 +198,7 @@ def test_new_patchset_on_a_release_that_ships_it(fresh: Path, api: str) -> None:
         root=fresh,
         env=CACHE,
     )
-    _fails(r, "pull/49149", "vllm 0.27.0 wheel already carries this change")
+    fails(r, "pull/49149", "vllm 0.27.0 wheel already carries this change")
     assert snapshot(fresh) == before
 
 
@@ -235,7 +228,7 @@ def test_new_patchset_bad_input_writes_nothing(
     r = cli(
         "new-patchset", "--base", "v0.25.1", *args, "--api-url", api, "--from-wheel", root=project, env=CACHE
     )
-    _fails(r, *needles)
+    fails(r, *needles)
     assert snapshot(project) == before
 
 
@@ -252,6 +245,6 @@ def test_new_patchset_offline(fresh: Path) -> None:
         root=fresh,
         env={**CACHE, "VLLM_HOTFIX_GITHUB_API": "http://127.0.0.1:9"},
     )
-    _fails(r, "cannot fetch PR #49149", "http://127.0.0.1:9/repos/vllm-project/vllm/pulls/49149")
+    fails(r, "cannot fetch PR #49149", "http://127.0.0.1:9/repos/vllm-project/vllm/pulls/49149")
     assert "--from-file" in r.err
     assert snapshot(fresh) == before

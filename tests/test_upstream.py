@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Result, cli
+from conftest import REPO, Result, cli, fails
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
 
@@ -29,13 +29,6 @@ CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
 def _verdicts(r: Result) -> dict[str, str]:
     assert r.rc == 0, r.err
     return {p["name"]: p["verdict"] for p in json.loads(r.out)["patches"]}
-
-
-def _fails(r: Result, *needles: str) -> None:
-    assert r.rc != 0, r.err
-    assert r.last_error, f"no error line in:\n{r.err}"
-    for needle in needles:
-        assert needle in r.last_error, f"{needle!r} not in {r.last_error!r}"
 
 
 @pytest.mark.engine
@@ -154,7 +147,7 @@ def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
     r = cli(
         "check-upstream", "--patches", "v9.9.9", "--base", "v0.27.0", "--from-wheel", root=project, env=CACHE
     )
-    _fails(r, "patches/v9.9.9/series")
+    fails(r, "patches/v9.9.9/series")
     # A release PyPI cannot give (here: no index reachable) is one clear line.
     r = cli(
         "check-upstream",
@@ -171,7 +164,7 @@ def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
             "PIP_TIMEOUT": "2",
         },
     )
-    _fails(r, "vllm==9.9.9")
+    fails(r, "vllm==9.9.9")
 
 
 @pytest.mark.engine
@@ -188,7 +181,7 @@ def test_check_upstream_missing_image(engine: Engine, project: Path, unique: str
         "never",
         root=project,
     )
-    _fails(r, f"hotfix-test/absent-{unique}:v0.27.0", "--pull never")
+    fails(r, f"hotfix-test/absent-{unique}:v0.27.0", "--pull never")
 
 
 # -- image on a base that already carries patches ----------------------------
@@ -234,7 +227,7 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
             "--no-smoke",
             root=project,
         )
-        _fails(r, names[0], "already present in the base")
+        fails(r, names[0], "already present in the base")
         assert names[1] not in r.last_error and "does not apply" not in r.last_error
         assert "--skip-included" in r.err  # the hint says how to go on
         assert engine.image(out) is None
