@@ -279,28 +279,21 @@ class Engine:
         gpu: bool = False,
         network: str = "none",
         timeout: float = 300,
-        mounts: Sequence[tuple[str, str]] = (),
-        on_start: Callable[[], None] | None = None,
     ) -> ExecResult:
         """Run ``argv`` (entrypoint overridden) and return its output."""
         container = None
         try:
-            kwargs = _gpu_request(gpu)
-            if mounts:
-                kwargs["volumes"] = {src: {"bind": dst, "mode": "ro"} for src, dst in mounts}
             container = self._client.containers.create(
                 image,
                 entrypoint=list(argv[:1]),
                 command=list(argv[1:]),
                 network_mode=network,
                 labels=_labels("smoke"),
-                **kwargs,
+                **_gpu_request(gpu),
             )
             if files:
                 container.put_archive(files_at, tar_bytes(files))
             container.start()
-            if on_start is not None:
-                on_start()
             try:
                 status = container.wait(timeout=timeout)
                 code = int(status.get("StatusCode", 1))

@@ -95,6 +95,14 @@ class Smoke:
         self.root = root
         self.opt = options
         self.say = progress
+        self._gpu_runtime: bool | None = None
+
+    @property
+    def gpu_runtime(self) -> bool:
+        """Whether the engine has an NVIDIA runtime; asked once per smoke run."""
+        if self._gpu_runtime is None:
+            self._gpu_runtime = self.engine.has_gpu_runtime()
+        return self._gpu_runtime
 
     def probe(
         self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: bool = False,
@@ -177,14 +185,14 @@ class Smoke:
         if mode == "off":
             self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
             return
-        if mode == "auto" and not self.engine.has_gpu_runtime():
+        if mode == "auto" and not self.gpu_runtime:
             self.add(report, [{"name": "gpu", "status": "skip",
                                "detail": "the Docker host has no NVIDIA runtime: image is GPU-unverified"}], 0)
             return
         extra = self.patch_checks(image)
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
         checks, info, took = self.probe(image, "gpu_check.py", args, gpu=True, extra=extra, fallback_name="gpu")
-        if mode == "require" and not self.engine.has_gpu_runtime():
+        if mode == "require" and not self.gpu_runtime:
             for c in checks:
                 if c["status"] == "fail":
                     c["detail"] = f"--gpu require, but the Docker host has no NVIDIA runtime ({c['detail']})"
@@ -203,7 +211,7 @@ class Smoke:
         url = f"http://127.0.0.1:{port}"
         command = ["/model", "--port", str(port), *self.opt.serve_args]
         start = time.monotonic()
-        gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.engine.has_gpu_runtime())
+        gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.gpu_runtime)
         try:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
                                      gpu=gpu) as watch:
