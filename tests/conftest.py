@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hotfix import standin
-from vllm_hotfix.engine import Engine, tar_bytes
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.tarball import tar_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 STANDIN_REPO = "vllm/vllm-openai"  # the same name `make demo` uses: identical content

@@ -101,10 +101,13 @@ pull_option = click.option(
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
 @click.option("--skip-included", is_flag=True,
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
+@click.option("--builder", type=click.Choice(pipeline.BUILDERS), default="dockerfile", show_default=True,
+              help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
+                   "layer and config and load them (reproducible image ID).")
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool) -> None:
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, builder: str) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -115,7 +118,7 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     try:
         result = pipeline.build_image(
             obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, smoke=smoke,
-            progress=progress,
+            progress=progress, builder=builder,
         )
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.

@@ -3,6 +3,12 @@
 Nothing else in the package imports ``docker`` or talks to the engine. Every
 container this module starts is removed before the call that started it
 returns, whatever happens.
+
+The Docker SDK (and ``requests`` under it) costs more to import than a reused
+build takes in all, so it is imported on first use. The few calls an
+unchanged rebuild or an assembled build makes (ping, inspect, history, tag,
+load, info) are plain HTTP requests: over the engine's unix socket with the
+standard library when the engine is local, else through the SDK's session.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ import io
 import json
 import logging
 import os
-import tarfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,13 +24,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import docker
-import docker.errors
-import requests.exceptions
-
 from .errors import BaseImageError, BuildError, EngineError, PushError
+from .tarball import tar_bytes
 
 log = logging.getLogger(__name__)
+
+
+class _Lazy:
+    """A module imported on first attribute access (``docker.errors.X`` still reads as usual)."""
+
+    def __init__(self, *names: str) -> None:
+        self._names = names
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        for name in self._names:
+            importlib.import_module(name)
+        return getattr(importlib.import_module(self._names[0]), attr)
+
+
+docker: Any = _Lazy("docker", "docker.errors", "docker.types")
+requests: Any = _Lazy("requests", "requests.exceptions")
 
 PULL_POLICIES = ("missing", "always", "never")
 LOG_TAIL_LINES = 20
@@ -44,6 +64,8 @@ class ImageInfo:
     user: str
     labels: Mapping[str, str] = field(default_factory=dict)
     size: int = 0
+    # The engine's whole answer, for what the fields above leave out.
+    attrs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def digest(self) -> str | None:
@@ -62,8 +84,7 @@ def _tuple(value: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(value) if value is not None else None
 
 
-def _image_info(image: Any) -> ImageInfo:
-    attrs = image.attrs
+def _image_info(attrs: Mapping[str, Any]) -> ImageInfo:
     config = attrs.get("Config") or {}
     return ImageInfo(
         id=attrs["Id"],
@@ -75,6 +96,7 @@ def _image_info(image: Any) -> ImageInfo:
         user=config.get("User") or "",
         labels=dict(config.get("Labels") or {}),
         size=int(attrs.get("Size") or 0),
+        attrs=attrs,
     )
 
 
@@ -112,61 +134,167 @@ class Box:
         self._container.put_archive(folder, tar_bytes(files))
 
 
-def tar_bytes(
-    files: Mapping[str, bytes], modes: Mapping[str, int] | None = None
-) -> bytes:
-    """A deterministic tar: sorted names, root-owned, fixed mtime."""
-    modes = modes or {}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs: set[str] = set()
-        for name in sorted(files):
-            parts = name.split("/")[:-1]
-            for i in range(1, len(parts) + 1):
-                d = "/".join(parts[:i])
-                if d not in dirs:
-                    dirs.add(d)
-                    info = tarfile.TarInfo(d)
-                    info.type = tarfile.DIRTYPE
-                    info.mode = 0o755
-                    info.mtime = 0
-                    tar.addfile(info)
-            info = tarfile.TarInfo(name)
-            info.size = len(files[name])
-            info.mode = modes.get(name, 0o644)
-            info.mtime = 0
-            tar.addfile(info, io.BytesIO(files[name]))
-    return buf.getvalue()
+class _UnixHttp:
+    """HTTP/1.1 to the engine over its unix socket, one kept-alive connection."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._conn: Any = None
+
+    def _connect(self) -> Any:
+        import http.client
+        import socket
+
+        path, timeout = self.path, self.timeout
+
+        class Conn(http.client.HTTPConnection):
+            def connect(self) -> None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    raise
+                self.sock = sock
+
+        return Conn("localhost", timeout=timeout)
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        import http.client
+
+        for attempt in (0, 1):
+            fresh = self._conn is None
+            if fresh:
+                self._conn = self._connect()
+                try:
+                    self._conn.connect()
+                except OSError as exc:
+                    self._conn = None
+                    raise EngineError(
+                        f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
+                        hint="start dockerd (or `make services`), or set DOCKER_HOST",
+                    ) from exc
+            try:
+                self._conn.request(method, path, body=body, headers=dict(headers or {}))
+                resp = self._conn.getresponse()
+                return resp.status, resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                self._conn.close()
+                self._conn = None
+                # A kept-alive connection the engine closed meanwhile: one retry on a new one.
+                if fresh or attempt == 1:
+                    raise EngineError(f"the engine at unix://{self.path} did not answer {method} {path}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
 
 
 class Engine:
     """A connection to one Docker engine."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any = None, *, http: _UnixHttp | None = None, timeout: int = 120) -> None:
+        self._sdk_client = client
+        self._http = http
+        self._timeout = timeout
 
     @classmethod
-    def connect(cls, timeout: int = 120) -> Engine:
-        """Connect through DOCKER_HOST (or the default socket) and ping."""
+    def connect(cls, timeout: int = 120, *, transport: str = "auto") -> Engine:
+        """Connect through DOCKER_HOST (or the default socket) and ping.
+
+        ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
+        uses the SDK for anything else; ``sdk`` always uses the SDK.
+        """
+        host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        if transport == "auto" and host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
+            # No ping: a socket nobody listens on fails the first call at once,
+            # with the same message, and a reused build saves a round trip.
+            return cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout)
         try:
             client = docker.from_env(timeout=timeout)
             client.ping()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             raise EngineError(
                 f"no Docker engine answers ({_short(exc)})",
-                hint="start dockerd (or `make engine`), or set DOCKER_HOST",
+                hint="start dockerd (or `make services`), or set DOCKER_HOST",
             ) from exc
-        return cls(client)
+        return cls(client, timeout=timeout)
+
+    @property
+    def _client(self) -> Any:
+        """The SDK client, made on first use."""
+        if self._sdk_client is None:
+            try:
+                self._sdk_client = docker.from_env(timeout=self._timeout)
+            except docker.errors.DockerException as exc:
+                raise EngineError(f"cannot reach the Docker engine: {_short(exc)}") from exc
+        return self._sdk_client
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """One request to the engine's API (unversioned path: the engine's own version)."""
+        url = path + ("?" + urlencode(params) if params else "")
+        if self._http is not None:
+            return self._http.request(method, url, body, headers)
+        api = self._client.api
+        try:
+            resp = api.request(method, api.base_url + url, data=body, headers=dict(headers or {}),
+                               timeout=self._timeout)
+        except requests.exceptions.RequestException as exc:
+            raise EngineError(f"the engine did not answer {method} {path}: {_short(exc)}") from exc
+        return resp.status_code, resp.content
+
+    def _json(self, method: str, path: str, what: str, **kwargs: Any) -> Any:
+        """The JSON answer of one call, None for 404, EngineError for any other failure."""
+        status, data = self._call(method, path, **kwargs)
+        if status == 404:
+            return None
+        if status >= 300:
+            raise EngineError(f"engine refused to {what}: {_short(Exception(data.decode('utf-8', 'replace')))}")
+        return json.loads(data) if data.strip() else {}
 
     # -- images ------------------------------------------------------------
 
+    def inspect(self, ref: str) -> dict[str, Any] | None:
+        """The engine's description of image ``ref`` (``docker image inspect``), or None."""
+        return self._json("GET", f"/images/{_q(ref)}/json", f"inspect {ref}")  # type: ignore[no-any-return]
+
     def image(self, ref: str) -> ImageInfo | None:
-        try:
-            return _image_info(self._client.images.get(ref))
-        except docker.errors.ImageNotFound:
-            return None
-        except docker.errors.APIError as exc:
-            raise EngineError(f"engine refused to inspect {ref}: {_short(exc)}") from exc
+        attrs = self.inspect(ref)
+        return _image_info(attrs) if attrs is not None else None
+
+    def history(self, image_id: str) -> list[dict[str, Any]]:
+        """The image's history as the engine reports it, oldest first."""
+        found = self._json("GET", f"/images/{_q(image_id)}/history", f"read the history of {image_id}")
+        if found is None:
+            raise EngineError(f"{image_id}: no such image")
+        return list(reversed(found))
+
+    def info(self) -> dict[str, Any]:
+        return self._json("GET", "/info", "describe itself") or {}  # type: ignore[no-any-return]
+
+    def load(self, archive: bytes) -> None:
+        """``docker load`` of a save-format archive; layers the engine has need not be in it."""
+        status, data = self._call("POST", "/images/load", params={"quiet": "1"}, body=archive,
+                                  headers={"Content-Type": "application/x-tar"})
+        messages = []
+        for line in data.decode("utf-8", "replace").splitlines():
+            try:
+                messages.append(json.loads(line))
+            except ValueError:
+                messages.append({"error": line} if status >= 300 else {"stream": line})
+        errors = [str(m.get("error") or m.get("message")) for m in messages if m.get("error") or m.get("message")]
+        if status >= 300 or errors:
+            raise BuildError("the engine refused to load the image: " + ("; ".join(errors) or f"HTTP {status}"),
+                             log_tail=[str(m.get("stream", "")).strip() for m in messages if m.get("stream")])
 
     def resolve(
         self,
@@ -215,7 +343,10 @@ class Engine:
 
     def tag(self, image_id: str, ref: str) -> None:
         repo, tag = split_reference(ref)
-        self._client.api.tag(image_id, repo, tag=tag)
+        status, data = self._call("POST", f"/images/{_q(image_id)}/tag", params={"repo": repo, "tag": tag})
+        if status >= 300:
+            raise EngineError(f"engine refused to tag {image_id} as {ref}: "
+                              f"{_short(Exception(data.decode('utf-8', 'replace')))}")
 
     def untag(self, ref: str) -> None:
         try:
@@ -460,6 +591,20 @@ def _remove_container(container: Any) -> None:
             if attempt == 2:
                 log.warning("could not remove container %s: %s", container.id[:12], _short(exc))
             time.sleep(0.5)
+
+
+def _q(text: str, safe: str = "/:") -> str:
+    """Percent-encode for a URL (as the SDK does for path parameters: "/" and ":" stay).
+
+    Written out rather than taken from urllib.parse, whose import costs a
+    noticeable part of an unchanged rebuild.
+    """
+    keep = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~" + safe)
+    return "".join(c if c in keep else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
+
+
+def urlencode(params: Mapping[str, str]) -> str:
+    return "&".join(f"{_q(k, '')}={_q(v, '')}" for k, v in params.items())
 
 
 def _short(exc: BaseException) -> str:

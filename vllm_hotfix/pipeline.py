@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, records, render
+from . import __version__, base, definitions, records, render, sources
 from . import patches as patchlib
 from .engine import Engine
 from .errors import PipelineError
@@ -21,6 +21,7 @@ from .errors import PipelineError
 log = logging.getLogger(__name__)
 
 SmokeRunner = Callable[[Engine, str, dict[str, Any]], dict[str, Any]]
+BUILDERS = ("dockerfile", "assemble")
 
 
 @dataclass
@@ -83,7 +84,8 @@ def render_only(
     """The Dockerfile ``image`` would build; builds nothing."""
     info = engine.resolve(p.base_ref, pull, progress)
     facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
+        cache=sources.cache_dir(p.root),
     )
     return render.render(p.template, p.definition, facts, files, applied)
 
@@ -97,8 +99,11 @@ def build_image(
     skip_included: bool = False,
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
+    builder: str = "dockerfile",
 ) -> BuildResult:
     say = progress or (lambda _line: None)
+    if builder not in BUILDERS:
+        raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
     say(f"==> resolving base {p.base_ref} (pull policy: {pull})")
     info = engine.resolve(p.base_ref, pull, say)
     say(f"    base {p.base_ref} is {info.id}")
@@ -106,6 +111,9 @@ def build_image(
     if skip_included:
         # Kept out of the key when off, so older records still match.
         key_inputs["skip_included"] = True
+    if builder != "dockerfile":
+        # Equal content, other image ID: a build reuses only its own builder's records.
+        key_inputs["builder"] = builder
     key = records.inputs_key(key_inputs)
 
     if not rebuild:
@@ -130,19 +138,34 @@ def build_image(
 
     say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
     facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
+        cache=sources.cache_dir(p.root),
     )
     skipped = [pt.name for pt in p.patches if pt not in applied]
     if skipped:
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    dockerfile = render.render(p.template, p.definition, facts, files, applied)
-    ctx = render.context(dockerfile, facts, files)
+    image_id = None
+    if builder == "assemble":
+        from . import assemble
 
-    say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-    image_id = engine.build(ctx, lambda line: say("    " + line))
+        say(f"==> assembling {p.output_ref} ({len(files)} patched file(s)) and loading it")
+        try:
+            image_id = assemble.build(engine, facts, files, render.labels(p.definition, facts, files, applied),
+                                      f"vllm-hotfix: {p.definition.tag} patched files and bytecode into "
+                                      f"{facts.site_dir}")
+            say(f"    loaded {image_id}")
+        except assemble.Unsupported as exc:
+            say(f"    {exc}: building from the Dockerfile instead")
+            builder = "dockerfile"
+    if image_id is None:
+        dockerfile = render.render(p.template, p.definition, facts, files, applied)
+        ctx = render.context(dockerfile, facts, files)
+        say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+        image_id = engine.build(ctx, lambda line: say("    " + line))
     meta = {
         "kind": "build",
+        "builder": builder,
         "inputs": key_inputs,
         "inputs_key": key,
         "image_id": image_id,

@@ -15,8 +15,8 @@ from pathlib import Path, PurePosixPath
 from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
-from .engine import tar_bytes
 from .patches import Patch
+from .tarball import tar_bytes
 
 LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"

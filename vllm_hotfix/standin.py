@@ -12,7 +12,6 @@ puts that folder on Debian's Python 3.11 path, and the upstream image's
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -20,18 +19,16 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .engine import Engine, ImageInfo, tar_bytes
+from .engine import Engine, ImageInfo
 from .errors import PipelineError
+from .sources import cache_dir
+from .tarball import tar_bytes
 
 log = logging.getLogger(__name__)
 
 ROOTFS_REF = "vllm-hotfix/standin-rootfs:bookworm"
 SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
 LABEL = "io.vllm-hotfix.standin"
-
-
-def cache_dir(root: Path) -> Path:
-    return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache"))
 
 
 def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:

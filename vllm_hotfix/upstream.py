@@ -18,15 +18,12 @@ wheel, which holds the same ``vllm/**/*.py`` and is a fraction of the size.
 from __future__ import annotations
 
 import logging
-import re
-import tempfile
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, standin
+from . import base, definitions, sources, standin
 from . import patches as patchlib
 from .engine import Engine
 from .errors import UpstreamError
@@ -95,21 +92,6 @@ def set_context(root: Path, patch_set: str, base_tag: str | None = None) -> SetC
     return SetContext(package, python, repository)
 
 
-def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None, dict[str, bytes | None]]:
-    """The files ``rels`` (paths from the package's parent) out of a wheel zip."""
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            names = set(zf.namelist())
-            version = None
-            for name in names:
-                if name.startswith(f"{package}-") and name.endswith(".dist-info/METADATA"):
-                    m = re.search(r"^Version: *(\S+)", zf.read(name).decode("utf-8", "replace"), re.M)
-                    version = m.group(1) if m else None
-            return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
-
-
 def classify_series(
     patches: list[patchlib.Patch], files: dict[str, bytes | None], where: str
 ) -> list[Verdict]:
@@ -119,12 +101,7 @@ def classify_series(
     a later patch may build on an earlier one.
     """
     out: list[Verdict] = []
-    with tempfile.TemporaryDirectory(prefix=base.scratch_prefix()) as tmp:
-        work = Path(tmp)
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+    with sources.scratch_tree(files) as work:
         for patch in patches:
             missing = [rel for rel in patch.files if files.get(rel) is None]
             if missing:
@@ -173,7 +150,7 @@ def check(
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
         wheel = standin.wheel(root, version, say)
-        found, files = wheel_files(wheel, ctx.package, rels)
+        found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
         source = f"wheel {wheel.name}"
@@ -184,7 +161,7 @@ def check(
         ref = f"{base_repo or ctx.repository}:{base_tag}"
         eng = engine()
         info = eng.resolve(ref, pull, say)
-        facts, files = base.read_files(eng, ctx.package, ctx.python, ref, info, rels)
+        facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))
         found = facts.version
         source = f"image {ref} ({info.id})"
         where = ref
