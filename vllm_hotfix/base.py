@@ -129,6 +129,7 @@ def prepare(
                 bytecode[rel] = found
         todo = [rel for rel in rels if rel not in bytecode]
         if todo:
+            log.info("probe: compile %d file(s)", len(todo))
             box = reader.box()
             box.write("/tmp", {f"vllm-hotfix/{rel}": patched[rel] for rel in todo})
             compiled = run_probe(box, defn.python, "compile.py", [SCRATCH] + [f"{rel}={levels[rel]}" for rel in todo],

@@ -189,6 +189,7 @@ class ImageReader:
         known: dict[str, Any] = (data or {}).get("files") or {}
         missing = [rel for rel in rels if rel not in known]
         if data is None or missing:
+            log.info("probe: locate %d file(s) in %s", len(rels if data is None else missing), self.image.id)
             probed = run_probe(self.box(), self.python, "locate.py",
                                [self.package, *(rels if data is None else missing)], self.ref)
             if "error" in probed:
