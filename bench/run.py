@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     image_id,
     image_size,
     settle,
+    sh,
     stats,
     tool,
 )
@@ -340,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {}
     try:
         say(f"disk: {shutil.disk_usage('/').free / 1024**3:.1f} GiB free on /; load {os.getloadavg()}")
+        # As `pip install` does: every tool run then starts from bytecode, also
+        # where PYTHONDONTWRITEBYTECODE is set (each start would otherwise
+        # compile the package from source).
+        sh([sys.executable, "-m", "compileall", "-q", str(REPO / "vllm_hotfix")])
         standin_id = ensure_standin()
         shutil.copytree(REPO / "images", root / "images")
         shutil.copytree(REPO / "patches", root / "patches")

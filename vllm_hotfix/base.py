@@ -19,7 +19,7 @@ from . import patches as patchlib
 from .definitions import ImageDefinition
 from .engine import Engine, ImageInfo
 from .errors import BaseImageError, PatchError
-from .sources import BaseFacts, ImageReader, content, run_probe, scratch_tree
+from .sources import BaseFacts, ImageReader, content, patch_key, run_probe, scratch_tree
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,17 @@ def prepare(
                 raise PatchError(f"{facts.site_dir}/{rel} in {ref} could not be read as a regular file", file=rel)
             originals[rel] = (data, int(info[rel]["mode"]))
 
-        patched, included = apply_in_scratch(
-            patches, {rel: data for rel, (data, _m) in originals.items()}, skip_included=skip_included
-        )
+        sources_in = {rel: data for rel, (data, _m) in originals.items()}
+        # GNU patch is deterministic: the same patches on the same bytes give the
+        # same files. Only successful runs are kept; a failing one runs each time.
+        key = patch_key([(p.name, p.sha256) for p in patches], sources_in, skip_included)
+        found_patched = reader.cached_patched(key)
+        if found_patched is not None:
+            patched, included_names = found_patched
+            included = [p for p in patches if p.name in included_names]
+        else:
+            patched, included = apply_in_scratch(patches, sources_in, skip_included=skip_included)
+            reader.store_patched(key, patched, [p.name for p in included])
         applied = [p for p in patches if p not in included]
         # A file only skipped patches touch is the base's own: nothing to copy.
         rels = [rel for rel in rels if patched[rel] != originals[rel][0]]

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import click
 
-from . import __version__, pipeline, standin
+from . import __version__, pipeline
 from .engine import PULL_POLICIES, Engine
 from .errors import BuildError, NoHotfixNeeded, PipelineError
 
@@ -149,6 +149,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
 @guarded
 def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
+    from . import standin
+
     ref = ref or f"vllm/vllm-openai:v{version}"
     info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version)
     click.echo(f"stand-in {ref} {info.id}")

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BaseImageError, BuildError, EngineError, PushError
-from .tarball import tar_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,65 +130,99 @@ class Box:
 
     def write(self, folder: str, files: Mapping[str, bytes]) -> None:
         """Put files (relative path -> bytes) under ``folder``."""
+        from .tarball import tar_bytes
+
         self._container.put_archive(folder, tar_bytes(files))
 
 
+class _Closed(Exception):
+    """The engine closed a kept-alive connection before answering."""
+
+
 class _UnixHttp:
-    """HTTP/1.1 to the engine over its unix socket, one kept-alive connection."""
+    """HTTP/1.1 to the engine over its unix socket, one kept-alive connection.
+
+    Written out rather than built on http.client, whose import (the email
+    parser with it) costs a noticeable part of an unchanged rebuild. It only
+    needs what the engine sends: a status line, headers, and a body sized by
+    Content-Length, sent chunked, or ended by closing the connection.
+    """
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
         self.timeout = timeout
-        self._conn: Any = None
+        self._sock: Any = None
+        self._file: Any = None
 
-    def _connect(self) -> Any:
-        import http.client
+    def _open(self) -> None:
         import socket
 
-        path, timeout = self.path, self.timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise EngineError(
+                f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
+                hint="start dockerd (or `make services`), or set DOCKER_HOST",
+            ) from exc
+        self._sock, self._file = sock, sock.makefile("rb")
 
-        class Conn(http.client.HTTPConnection):
-            def connect(self) -> None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(timeout)
-                try:
-                    sock.connect(path)
-                except OSError:
-                    sock.close()
-                    raise
-                self.sock = sock
-
-        return Conn("localhost", timeout=timeout)
+    def close(self) -> None:
+        if self._sock is not None:
+            self._file.close()
+            self._sock.close()
+        self._sock = self._file = None
 
     def request(
         self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
-        import http.client
-
+        head = [f"{method} {path} HTTP/1.1", "Host: docker", f"Content-Length: {len(body or b'')}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
         for attempt in (0, 1):
-            fresh = self._conn is None
+            fresh = self._sock is None
             if fresh:
-                self._conn = self._connect()
-                try:
-                    self._conn.connect()
-                except OSError as exc:
-                    self._conn = None
-                    raise EngineError(
-                        f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
-                        hint="start dockerd (or `make services`), or set DOCKER_HOST",
-                    ) from exc
+                self._open()
             try:
-                self._conn.request(method, path, body=body, headers=dict(headers or {}))
-                resp = self._conn.getresponse()
-                return resp.status, resp.read()
-            except (OSError, http.client.HTTPException) as exc:
-                self._conn.close()
-                self._conn = None
+                self._sock.sendall(data)
+                return self._response(method)
+            except (OSError, ValueError, _Closed) as exc:
+                self.close()
                 # A kept-alive connection the engine closed meanwhile: one retry on a new one.
                 if fresh or attempt == 1:
                     raise EngineError(f"the engine at unix://{self.path} did not answer {method} {path}: "
                                       f"{type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
+
+    def _response(self, method: str) -> tuple[int, bytes]:
+        f = self._file
+        status_line = f.readline()
+        if not status_line:
+            raise _Closed("connection closed")
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := f.readline()) not in (b"\r\n", b"\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        body = bytearray()
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            pass
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int(f.readline().split(b";")[0].strip() or b"0", 16):
+                body += f.read(size)
+                f.readline()
+            while f.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+        elif "content-length" in headers:
+            body += f.read(int(headers["content-length"]))
+        else:
+            body += f.read()
+            headers["connection"] = "close"
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, bytes(body)
 
 
 class Engine:
@@ -281,8 +314,11 @@ class Engine:
     def info(self) -> dict[str, Any]:
         return self._json("GET", "/info", "describe itself") or {}  # type: ignore[no-any-return]
 
-    def load(self, archive: bytes) -> None:
-        """``docker load`` of a save-format archive; layers the engine has need not be in it."""
+    def load(self, archive: bytes) -> list[str]:
+        """``docker load`` of a save-format archive; layers the engine has need not be in it.
+
+        Returns what the engine says it loaded (image IDs or names).
+        """
         status, data = self._call("POST", "/images/load", params={"quiet": "1"}, body=archive,
                                   headers={"Content-Type": "application/x-tar"})
         messages = []
@@ -295,6 +331,13 @@ class Engine:
         if status >= 300 or errors:
             raise BuildError("the engine refused to load the image: " + ("; ".join(errors) or f"HTTP {status}"),
                              log_tail=[str(m.get("stream", "")).strip() for m in messages if m.get("stream")])
+        loaded = []
+        for m in messages:
+            text = str(m.get("stream", "")).strip()
+            for prefix in ("Loaded image ID: ", "Loaded image: "):
+                if text.startswith(prefix):
+                    loaded.append(text.removeprefix(prefix))
+        return loaded
 
     def resolve(
         self,
@@ -423,6 +466,8 @@ class Engine:
                 **_gpu_request(gpu),
             )
             if files:
+                from .tarball import tar_bytes
+
                 container.put_archive(files_at, tar_bytes(files))
             container.start()
             try:

@@ -145,15 +145,17 @@ def build_image(
     if skipped:
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    image_id = None
+    image_id = tagged = None
     if builder == "assemble":
         from . import assemble
 
         say(f"==> assembling {p.output_ref} ({len(files)} patched file(s)) and loading it")
         try:
+            # Without smoke tests the tag follows at once: let the load set it.
+            tagged = p.output_ref if smoke is None else None
             image_id = assemble.build(engine, facts, files, render.labels(p.definition, facts, files, applied),
                                       f"vllm-hotfix: {p.definition.tag} patched files and bytecode into "
-                                      f"{facts.site_dir}")
+                                      f"{facts.site_dir}", tag=tagged)
             say(f"    loaded {image_id}")
         except assemble.Unsupported as exc:
             say(f"    {exc}: building from the Dockerfile instead")
@@ -198,7 +200,8 @@ def build_image(
                     f"smoke checks failed for the image built from {p.base_ref}: {', '.join(failed)}",
                     hint="see the report above; the image was removed and nothing was tagged",
                 )
-        engine.tag(image_id, p.output_ref)
+        if tagged is None:
+            engine.tag(image_id, p.output_ref)
     except BaseException:
         # The engine's layer cache can hand back an image that is already
         # tagged elsewhere: only remove what this build alone produced.

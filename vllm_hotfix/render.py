@@ -16,7 +16,6 @@ from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
 from .patches import Patch
-from .tarball import tar_bytes
 
 LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"
@@ -112,6 +111,8 @@ def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes
     Files sit under ``files/`` at their path relative to the site dir (the
     bytecode in its ``__pycache__``), so ``COPY files/ <site_dir>/`` is one layer.
     """
+    from .tarball import tar_bytes  # here: a reused build never makes a context
+
     entries: dict[str, bytes] = {"Dockerfile": dockerfile.encode()}
     modes: dict[str, int] = {}
     for f in files:

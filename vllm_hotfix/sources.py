@@ -31,7 +31,7 @@ from .errors import BaseImageError, UpstreamError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def scratch_prefix() -> str:
@@ -95,6 +95,8 @@ class BaseFacts:
     package_dir: str
     version: str | None
     folders: tuple[Folder, ...] = ()  # "/" excluded, down to site_dir included
+    # The engine's history of the image, oldest first (created, created by, comment, size)
+    history: tuple[Mapping[str, Any], ...] = ()
 
 
 def content(info: Mapping[str, Any]) -> bytes | None:
@@ -125,6 +127,13 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def patch_key(patches: list[tuple[str, str]], originals: Mapping[str, bytes], skip_included: bool) -> str:
+    """What a patch run's result depends on: each patch (name, sha256) in order and each file's bytes."""
+    parts = [f"{n}={h}" for n, h in patches]
+    parts += [f"{rel}={hashlib.sha256(originals[rel]).hexdigest()}" for rel in sorted(originals)]
+    return _key(*parts, f"skip_included={skip_included}")
 
 
 def _key(*parts: str) -> str:
@@ -197,6 +206,8 @@ class ImageReader:
             if data is None:
                 data = {k: v for k, v in probed.items() if k != "files"}
                 data.update(format=CACHE_FORMAT, image_id=self.image.id, package=self.package, python=self.python)
+                keep = ("Created", "CreatedBy", "Comment", "Size")
+                data["history"] = [{k: h.get(k) for k in keep} for h in self.engine.history(self.image.id)]
             for rel, info in probed["files"].items():
                 raw = content(info)
                 if raw is not None:
@@ -216,8 +227,36 @@ class ImageReader:
             package_dir=data["package_dir"],
             version=data.get("version"),
             folders=tuple(Folder(*d) for d in data.get("dirs", ())),
+            history=tuple(data.get("history") or ()),
         )
         return facts, {rel: known[rel] for rel in rels}
+
+    # -- patch results -----------------------------------------------------
+
+    def _patched_path(self, key: str) -> Path | None:
+        return self._folder / "patched" / f"{key}.json" if self._folder else None
+
+    def cached_patched(self, key: str) -> tuple[dict[str, bytes], list[str]] | None:
+        """The files a patch series made of this base's files, and the patches it found included."""
+        path = self._patched_path(key)
+        data = _read_json(path) if path is not None else None
+        if not isinstance(data, dict) or data.get("image_id") != self.image.id or data.get("key") != key:
+            return None
+        files = {rel: base64.b64decode(b64) for rel, b64 in (data.get("files") or {}).items()}
+        if any(hashlib.sha256(b).hexdigest() != (data.get("sha256") or {}).get(rel) for rel, b in files.items()):
+            return None
+        return files, list(data.get("included") or [])
+
+    def store_patched(self, key: str, files: Mapping[str, bytes], included: list[str]) -> None:
+        path = self._patched_path(key)
+        if path is not None:
+            _write_json(path, {
+                "image_id": self.image.id,
+                "key": key,
+                "files": {rel: base64.b64encode(b).decode("ascii") for rel, b in files.items()},
+                "sha256": {rel: hashlib.sha256(b).hexdigest() for rel, b in files.items()},
+                "included": included,
+            })
 
     # -- bytecode ----------------------------------------------------------
 
