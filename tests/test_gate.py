@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import Result, cli, derive, fails
-from test_smoke_push import SITE, Registry, built, registry  # noqa: F401  (fixtures)
+from conftest import Registry, Result, cli, derive, fails
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
