@@ -9,15 +9,18 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
@@ -137,3 +140,71 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def docker_cli(*args: str) -> str:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Registry:
+    """Debian's docker-registry on a free loopback port; with ``user``, behind htpasswd basic auth."""
+
+    def __init__(self, tmp: Path, user: str | None = None, password: str | None = None) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.config = tmp / "registry.yml"
+        auth = ""
+        if user is not None:
+            htpasswd = tmp / "htpasswd"
+            line = subprocess.run(["htpasswd", "-Bbn", user, password or ""], capture_output=True, text=True,
+                                  check=True).stdout
+            htpasswd.write_text(line)
+            auth = f"auth: {{htpasswd: {{realm: hotfix-test, path: {htpasswd}}}}}\n"
+        self.config.write_text(
+            "version: 0.1\nlog: {level: error}\n"
+            f"storage: {{filesystem: {{rootdirectory: {tmp / 'data'}}}}}\n"
+            f"http: {{addr: {self.addr}}}\n" + auth
+        )
+        self.auth = (user, password) if user is not None else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("docker-registry")
+        assert exe, "docker-registry is not installed (apt-get install docker-registry)"
+        self.proc = subprocess.Popen([exe, "serve", str(self.config)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"http://{self.addr}/v2/", timeout=1).status_code in (200, 401):
+                    return
+            except requests.RequestException:
+                time.sleep(0.2)
+        raise RuntimeError("registry did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    reg = Registry(tmp_path)
+    reg.start()
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def built(engine: Engine, base_v0251: str, project: Path, unique: str) -> Iterator[tuple[Path, str, str]]:
+    """A patched image built (and smoke-tested) by the tool, in a project copy."""
+    ref = f"hotfix-test/smoke-{unique}:v0.25.1-m3patch"
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+    assert r.rc == 0, r.err
+    image_id = r.out.split()[-1]
+    yield project, ref, image_id
+    engine.untag(ref)

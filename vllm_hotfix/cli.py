@@ -101,13 +101,14 @@ pull_option = click.option(
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
 @click.option("--skip-included", is_flag=True,
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
+@click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
 @click.option("--builder", type=click.Choice(pipeline.BUILDERS), default="dockerfile", show_default=True,
               help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
                    "layer and config and load them (reproducible image ID).")
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, builder: str) -> None:
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -117,7 +118,7 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         smoke = smokelib.runner(obj.root, progress)
     try:
         result = pipeline.build_image(
-            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, smoke=smoke,
+            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
             progress=progress, builder=builder,
         )
     except NoHotfixNeeded as exc:
@@ -196,11 +197,14 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_path: Path | None,
           serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str, requests_n: int) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
+    from . import records
     from . import smoke as smokelib
+    from .errors import SmokeError, SmokeIncomplete
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n)
+    records.ensure_writable(obj.root)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
-    smokelib.record(obj.root, report)
+    entry = smokelib.record(obj.root, report)
     if report_path:
         smokelib.write_json(report, report_path)
     if junit_path:
@@ -208,8 +212,12 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_pa
     failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
     gpu_note = "GPU-verified" if report["gpu_verified"] else "GPU-unverified"
     if failed:
-        click.secho(f"error: smoke failed for {image_ref}: {', '.join(failed)}", fg="red", err=True)
-        sys.exit(7)
+        raise SmokeError(f"smoke failed for {image_ref}: {', '.join(failed)}", hint=f"verdict: {entry.path}")
+    if report["status"] == records.INCOMPLETE:
+        raise SmokeIncomplete(
+            f"smoke of {image_ref} is incomplete, neither pass nor fail: {'; '.join(report['incomplete'])}",
+            hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
+        )
     click.echo(f"smoke passed {image_ref} {report['image_id']} ({gpu_note}, {report['seconds']:.1f} s)")
 
 
@@ -245,7 +253,9 @@ def serve_check(url: str, model: str | None, report_path: Path | None, concurren
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from . import push as pushlib
+    from . import refs
 
+    refs.check_registry(registry)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
@@ -323,112 +333,54 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
         click.echo(f"wrote {made.definition}")
 
 
-def _build_summary(rec: Any) -> dict[str, Any]:
-    data = rec.data
-    pushes = data.get("pushes") or []
-    last = pushes[-1] if pushes else None
-    return {
-        "created": data.get("created"),
-        "image_id": data.get("image_id"),
-        "output_ref": data.get("output_ref"),
-        "smoke_status": data.get("smoke_status"),
-        "push": {"ref": last.get("ref"), "digest": last.get("digest")} if last else None,
-        "record": rec.path.name,
-    }
-
-
 @main.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
 def list_cmd(obj: Ctx, as_json: bool) -> None:
-    """Each image definition, its patch set, and its last build, smoke and push."""
+    """Each image definition, its patch set, and every build with its newest verdict and pushes."""
     import json
 
-    from . import definitions, records
+    from . import lifecycle
 
-    rows: list[dict[str, Any]] = []
-    for defn in definitions.load_all(obj.root):
-        series = obj.root / "patches" / defn.patch_set / "series"
-        names = [ln.split("#", 1)[0].strip() for ln in series.read_text(encoding="utf-8").splitlines()] \
-            if series.is_file() else []
-        builds = records.builds_for(obj.root, defn.tag)
-        rows.append({
-            "definition": defn.tag,
-            "base": defn.base_ref(),
-            "patch_set": defn.patch_set,
-            "patches": [n for n in names if n],
-            "builds": len(builds),
-            "last_build": _build_summary(builds[0]) if builds else None,
-        })
+    rows = lifecycle.overview(obj.root)
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
     for row in rows:
-        head = (f"{row['definition']}  base {row['base']}  "
-                f"patch set {row['patch_set']} ({len(row['patches'])} patch(es))")
-        last = row["last_build"]
-        if last is None:
-            click.echo(f"{head}  never built")
-            continue
-        push = last["push"]
-        click.echo(
-            f"{head}  last build {last['created']} {last['image_id']} {last['output_ref']}"
-            f"  smoke {last['smoke_status'] or 'not run'}"
-            f"  push {push['ref'] + '@' + str(push['digest']) if push else 'none'}"
-        )
+        click.echo(f"{row['definition']}  base {row['base']}  patch set {row['patch_set']} "
+                   f"({len(row['patches'])} patch(es))  {len(row['builds']) or 'never'} build(s)")
+        for b in row["builds"]:
+            verdict = b["verdict"] or "not judged"
+            if b["verdict"] == "pass":
+                verdict += " (GPU-verified)" if b["gpu_verified"] else " (GPU-unverified)"
+            if b["incomplete_runs"]:
+                verdict += f", {b['incomplete_runs']} later incomplete run(s)"
+            pushes = ", ".join(f"{p['ref']}@{p['digest']}" for p in b["pushes"]) or "none"
+            click.echo(f"  {b['created']}  {b['image_id']}  {b['output_ref']}  smoke {verdict}  push {pushes}")
 
 
 @main.command()
 @base_option
 @click.option("--to", "to_image", default=None,
-              help="Image ID of a recorded build (default: the previous one).")
+              help="Image ID of a recorded build (default: the one before the tag's current image).")
 @click.option("--tag", "output_ref", default=None,
-              help="Reference to move (default: the records' output_ref).")
+              help="Reference to move (default: the newest build's output reference).")
 @click.pass_obj
 @guarded
 def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None) -> None:
-    """Point base TAG's output tag back at the previous recorded build."""
-    import time
+    """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
+    from . import lifecycle
 
-    from . import definitions, records
-
-    defn = definitions.load(obj.root, base_tag)
-    builds = records.builds_for(obj.root, defn.tag)
-    if not builds:
-        raise PipelineError(f"no build records for {defn.tag} under {records.records_dir(obj.root)}",
-                            hint="rollback needs at least two recorded builds (python build.py list)")
-    ref = output_ref or str(builds[0].data.get("output_ref") or defn.output_ref())
-    engine = obj.engine
-    current = engine.image(ref)
-    present = {r.image_id for r in builds if engine.image(r.image_id) is not None}
-    if to_image is not None:
-        want = to_image.removeprefix("sha256:")
-        match = [r for r in builds if r.image_id.removeprefix("sha256:").startswith(want)]
-        if not match:
-            raise PipelineError(f"{to_image}: no build record of {defn.tag} has that image ID")
-        target: records.Record | None = match[0]
-        if match[0].image_id not in present:
-            raise PipelineError(f"{match[0].image_id}: recorded but no longer in the engine")
-    else:
-        target = records.rollback_target(builds, current.id if current else None, present)
-    if target is None:
-        raise PipelineError(
-            f"no earlier build of {defn.tag} to roll {ref} back to "
-            "(none older whose image is still in the engine and whose smoke did not fail)",
-            hint="python build.py list shows the records",
-        )
-    engine.tag(target.image_id, ref)
-    target.data.setdefault("rollbacks", []).append({
-        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ref": ref,
-        "from": current.id if current else None,
-    })
-    target.save()
-    was = current.id if current else "untagged"
-    click.echo(f"rolled back {ref} to {target.image_id} (built {target.data.get('created')}, "
-               f"smoke {target.data.get('smoke_status') or 'not run'}; was {was})")
-    progress(f"push it to move the registry tag too: python build.py push {ref} --registry HOST:PORT/PATH")
+    moved = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
+    target = moved.to
+    if moved.direction == "unchanged":
+        click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
+        return
+    verb = "rolled back" if moved.direction == "back" else "moved forward"
+    click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
+               f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
+    progress(f"push it to move the registry tag too: python build.py push {moved.ref} --registry HOST:PORT/PATH")
 
 
 def run(argv: Sequence[str] | None = None) -> int:

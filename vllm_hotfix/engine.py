@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BaseImageError, BuildError, EngineError, PushError
+from .errors import BaseImageError, BuildError, EngineError, EngineLost, PushError
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ class _Lazy:
         return getattr(importlib.import_module(self._names[0]), attr)
 
 
-docker: Any = _Lazy("docker", "docker.errors", "docker.types")
+docker: Any = _Lazy("docker", "docker.auth", "docker.errors", "docker.types", "docker.utils")
 requests: Any = _Lazy("requests", "requests.exceptions")
+urllib3: Any = _Lazy("urllib3", "urllib3.exceptions")
 
 PULL_POLICIES = ("missing", "always", "never")
 LOG_TAIL_LINES = 20
@@ -100,12 +101,44 @@ def _image_info(attrs: Mapping[str, Any]) -> ImageInfo:
 
 
 def split_reference(ref: str) -> tuple[str, str]:
-    """Split ``repo[:tag]`` into repository and tag (default ``latest``)."""
-    last = ref.rsplit("/", 1)[-1]
-    if ":" in last:
-        repo, tag = ref.rsplit(":", 1)
-        return repo, tag
-    return ref, "latest"
+    """Split ``repo[:tag]`` or ``repo@sha256:...`` into repository and tag or digest.
+
+    docker-py's own parser, so the tool and the SDK never disagree; the tag
+    defaults to ``latest`` as the engine's does.
+    """
+    repo, tag = docker.utils.parse_repository_tag(ref)
+    return repo, tag or "latest"
+
+
+def registry_of(ref: str) -> str:
+    """The registry host a reference names (``docker.io`` for Docker Hub names)."""
+    host, _ = docker.auth.resolve_repository_name(split_reference(ref)[0])
+    return "docker.io" if host == docker.auth.INDEX_NAME else host
+
+
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """Errors the SDK raises when the engine goes away under a call in flight.
+
+    A function, not a constant: naming them imports the SDK, which only a
+    call that used the SDK may pay for (an ``except`` clause evaluates it
+    only when an exception reaches it).
+    """
+    return (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError)
+_AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication required", "denied",
+               "incorrect username or password")
+
+
+def lost(what: str, exc: BaseException) -> EngineLost:
+    return EngineLost(
+        f"{what}: the Docker engine stopped answering ({_short(exc)})",
+        hint="check the engine (docker version); containers and images this run left are removed "
+             "by the next run once it answers",
+    )
+
+
+def auth_refused(message: str) -> bool:
+    low = message.lower()
+    return any(word in low for word in _AUTH_WORDS)
 
 
 class Box:
@@ -385,8 +418,10 @@ class Engine:
             raise BaseImageError(f"cannot pull base image {ref}: {_short(exc)}") from exc
 
     def tag(self, image_id: str, ref: str) -> None:
-        repo, tag = split_reference(ref)
-        status, data = self._call("POST", f"/images/{_q(image_id)}/tag", params={"repo": repo, "tag": tag})
+        # The whole reference as `repo`, no `tag`: the engine parses it with
+        # its own reference grammar (a missing tag is `latest`), and a reused
+        # build needs no SDK import to split it.
+        status, data = self._call("POST", f"/images/{_q(image_id)}/tag", params={"repo": ref})
         if status >= 300:
             raise EngineError(f"engine refused to tag {image_id} as {ref}: "
                               f"{_short(Exception(data.decode('utf-8', 'replace')))}")
@@ -584,14 +619,19 @@ class Engine:
         ref: str,
         progress: Callable[[str], None] | None = None,
     ) -> str:
-        """Push ``ref``; return the manifest digest the registry reported."""
+        """Push ``ref`` with the credentials `docker login` stored; return the manifest digest.
+
+        The SDK reads them the docker way (DOCKER_CONFIG or ~/.docker/config.json,
+        credential helpers included) and hands them to the engine.
+        """
         repo, tag = split_reference(ref)
+        host = registry_of(ref)
         digest: str | None = None
         shown: dict[str, str] = {}
         try:
             for chunk in self._client.api.push(repo, tag=tag, stream=True, decode=True):
                 if "error" in chunk:
-                    raise PushError(f"push of {ref} failed: {chunk['error'].strip()}")
+                    raise _push_error(ref, host, chunk["error"].strip())
                 aux = chunk.get("aux") or {}
                 if "Digest" in aux:
                     digest = aux["Digest"]
@@ -601,12 +641,62 @@ class Engine:
                     shown[layer] = status
                     progress(f"{layer}: {status}".strip(": "))
         except docker.errors.APIError as exc:
-            raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
+            raise _push_error(ref, host, _short(exc)) from exc
+        except _lost_errors() as exc:
+            raise lost(f"push of {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
         if digest is None:
             raise PushError(f"push of {ref} reported no digest")
         return digest
+
+    def registry_digest(self, ref: str) -> str:
+        """The digest the registry holds for ``ref``, asked through the engine.
+
+        The engine uses the same credentials and scheme (TLS or a trusted
+        plain-HTTP registry) as for the push, so this works wherever the push did.
+        """
+        host = registry_of(ref)
+        try:
+            data = self._client.api.inspect_distribution(ref)
+        except docker.errors.APIError as exc:
+            raise _push_error(ref, host, _short(exc), asking=True) from exc
+        except _lost_errors() as exc:
+            raise lost(f"asking {host} for {ref}", exc) from exc
+        except requests.exceptions.RequestException as exc:
+            raise PushError(f"cannot ask {host} for {ref}: {_short(exc)}") from exc
+        digest = (data.get("Descriptor") or {}).get("digest")
+        if not digest:
+            raise PushError(f"{host} gave no digest for {ref}")
+        return str(digest)
+
+    def host_facts(self) -> dict[str, Any]:
+        """What a verdict records about the engine that ran it."""
+        import socket
+
+        try:
+            version = self._client.version()
+        except docker.errors.APIError as exc:
+            raise EngineError(f"engine refused its version: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost("asking the engine its version", exc) from exc
+        return {
+            "hostname": socket.gethostname(),
+            "engine_version": version.get("Version"),
+            "api_version": version.get("ApiVersion"),
+            "os": version.get("Os"),
+            "arch": version.get("Arch"),
+        }
+
+
+def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> PushError:
+    doing = f"asking {host} for {ref}" if asking else f"push of {ref}"
+    if auth_refused(message):
+        return PushError(
+            f"{doing}: registry {host} refused the credentials (not logged in, or wrong login): {message}",
+            hint=f"docker login {host}",
+        )
+    return PushError(f"{doing} failed: {message}")
 
 
 def _gpu_request(gpu: bool) -> dict[str, Any]:
