@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""`make bench`: the tool against the manual flow and the engine's floor.
+"""`make bench`: both builders against the manual flow and the engine's floor.
 
 Sections (see bench/README.md):
-  1. full build, tool vs manual vs floor, interleaved rounds
+  1. full build: assemble (warm and cold facts cache), dockerfile, manual,
+     floor, interleaved rounds; the image ID of every assemble run
   2. unchanged rebuild (records), wall time including process start
   3. growth: base size (~0.2 / 2 / 8 GB) and patch width (1 / 10 / 100 files)
   4. bytes the image adds over its base vs the bytes of the patched files
-  5. where the tool's time goes (cProfile of one `image --rebuild`)
+  5. where the tool's time goes (cProfile of one `image --rebuild --builder assemble`)
 
 It reports; it never fails on a number. It exits non-zero only when a step
 could not run at all.
