@@ -166,16 +166,16 @@ def image_config(
     return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
-def archive(config: bytes, base_layers: Sequence[str], layer: bytes, tag: str | None = None) -> tuple[str, bytes]:
+def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[str, bytes]:
     """(image ID, a save-format archive holding the config and the new layer only).
 
-    ``tag``: a reference the engine gives the image as it loads it.
+    No tag in it: the pipeline tags the image once its record is written.
     """
     image_hex = hashlib.sha256(config).hexdigest()
     layer_hex = hashlib.sha256(layer).hexdigest()
     # Base layers are named but absent: the engine finds them by diff ID.
     paths = [f"{d.removeprefix('sha256:')}/layer.tar" for d in base_layers] + [f"{layer_hex}/layer.tar"]
-    manifest = [{"Config": f"{image_hex}.json", "RepoTags": [tag] if tag else None, "Layers": paths}]
+    manifest = [{"Config": f"{image_hex}.json", "RepoTags": None, "Layers": paths}]
     entries = [
         Entry(f"{image_hex}.json", config, 0o644),
         Entry(layer_hex, None, 0o755),
@@ -191,25 +191,20 @@ def build(
     files: Sequence[PatchedFile],
     labels: Sequence[tuple[str, str]],
     description: str,
-    tag: str | None = None,
 ) -> str:
-    """Assemble and load the image; return its ID (the same for the same inputs).
-
-    ``tag``: tag the image as it loads (one round trip less), for a caller
-    that would tag it right after anyway.
-    """
+    """Assemble and load the image, untagged; return its ID (the same for the same inputs)."""
     base = facts.image.attrs or engine.inspect(facts.image.id)
     if base is None:
         raise BuildError(f"base {facts.ref} ({facts.image.id}) is no longer in the engine")
     layer = write(layer_entries(facts, files))
     diff_id = "sha256:" + hashlib.sha256(layer).hexdigest()
     config = image_config(base, facts.history or engine.history(facts.image.id), diff_id, labels, description)
-    image_id, data = archive(config, (base.get("RootFS") or {}).get("Layers") or [], layer, tag)
+    image_id, data = archive(config, (base.get("RootFS") or {}).get("Layers") or [], layer)
     log.info("loading %s (%d bytes: config %d, layer %d)", image_id, len(data), len(config), len(layer))
     try:
         loaded = engine.load(data)
         # The engine names what it loaded: our ID, or the load did not do what it should.
-        if not ({image_id, tag} & set(loaded)) and engine.image(image_id) is None:
+        if image_id not in loaded and engine.image(image_id) is None:
             raise BuildError(f"the engine loaded the assembled image but does not list {image_id}")
     except BuildError as exc:
         # Asked only now: describing itself is one of the engine's slower calls.

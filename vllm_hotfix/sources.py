@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import tempfile
-import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -307,6 +306,8 @@ def image_files(
 
 def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None, dict[str, bytes | None]]:
     """The files ``rels`` (paths from the package's parent) out of a wheel zip, and its version."""
+    import zipfile  # here: only wheel reads need it
+
     try:
         with zipfile.ZipFile(wheel) as zf:
             names = set(zf.namelist())
