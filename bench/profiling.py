@@ -11,7 +11,7 @@ import pstats
 from pathlib import Path
 from typing import Any
 
-from common import BUILD_PY, PYTHON, REPO, median, sh
+from common import PYTHON, REPO, median, sh
 
 # step -> (file suffix, function name), summed
 STEPS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -55,9 +55,13 @@ def process_start(repeat: int = 5) -> dict[str, float]:
 def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict[str, Any]:
     """Profile one real assembled build (facts cache ``cache``); return the per-step summary."""
     prof = out / "image-rebuild.prof"
-    run = sh([PYTHON, "-m", "cProfile", "-o", str(prof), str(BUILD_PY), "--root", str(root), "image",
-              "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref, "--builder", "assemble"], cwd=REPO,
-             env={"VLLM_HOTFIX_CACHE": str(cache)})
+    # cli.run under the profiler rather than build.py, which leaves with
+    # os._exit before cProfile could write its file.
+    argv = ["--root", str(root), "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref,
+            "--builder", "assemble"]
+    code = (f"import cProfile, sys\nsys.argv = ['build.py', *{argv!r}]\n"
+            f"cProfile.run('import vllm_hotfix.cli as c; c.run()', {str(prof)!r})\n")
+    run = sh([PYTHON, "-c", code], cwd=REPO, env={"VLLM_HOTFIX_CACHE": str(cache), "PYTHONPATH": str(REPO)})
     st = pstats.Stats(str(prof))
     raw = st.stats  # type: ignore[attr-defined]
     total = max(ct for (_f, _l, _n), (_cc, _nc, _tt, ct, _c) in raw.items())

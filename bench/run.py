@@ -334,7 +334,7 @@ def table(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of section 1 (>= 5)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of section 1 (>= 5)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per growth case")
     ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_GB), help="base sizes in GB")
     ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<date>.json)")
