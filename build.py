@@ -13,6 +13,9 @@ if __name__ == "__main__":
     # and sockets in context managers): skip the interpreter's teardown of
     # every module, which costs a measurable part of a quick build.
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a reader that went away (`| head`): nothing more to say to it
+            pass
     os._exit(code)

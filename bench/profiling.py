@@ -47,9 +47,12 @@ def _ct(stats: dict[Any, Any], suffix: str, name: str) -> tuple[float, int]:
 
 def process_start(repeat: int = 5) -> dict[str, float]:
     bare = [sh([PYTHON, "-c", "pass"]).seconds for _ in range(repeat)]
+    # Without site initialization (-S): how much of the start the .pth files
+    # of this Python's site-packages take.
+    nosite = [sh([PYTHON, "-S", "-c", "pass"]).seconds for _ in range(repeat)]
     cli = [sh([PYTHON, "-c", "import vllm_hotfix.cli"], env={"PYTHONPATH": str(REPO)}).seconds
            for _ in range(repeat)]
-    return {"python_bare_s": median(bare), "python_import_cli_s": median(cli)}
+    return {"python_bare_s": median(bare), "python_nosite_s": median(nosite), "python_import_cli_s": median(cli)}
 
 
 def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict[str, Any]:

@@ -298,7 +298,8 @@ def table(res: dict[str, Any]) -> str:
     reb = res["rebuild"]["wall"]
     lines.append(f"\n== 2. Unchanged rebuild (records), wall incl. process start: median "
                  f"{reb['median']:.3f} s (min {reb['min']:.3f}, max {reb['max']:.3f}, n={reb['n']})")
-    lines.append(f"     process start alone: python -c pass {res['start']['python_bare_s']:.3f} s, "
+    lines.append(f"     process start alone: python -c pass {res['start']['python_bare_s']:.3f} s "
+                 f"(python -S, no site initialization: {res['start'].get('python_nosite_s', float('nan')):.3f} s), "
                  f"+ import vllm_hotfix.cli {res['start']['python_import_cli_s']:.3f} s")
     g = res["growth"]
     n = next(iter(g["cases"].values()))["assemble"]["n"]
