@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, records, refs, render
+from . import __version__, base, definitions, expected, leftovers, records, refs, render
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import PipelineError, SmokeError, SmokeIncomplete
@@ -63,6 +63,19 @@ def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: st
     )
 
 
+def tool_fingerprint() -> str:
+    """sha256 over the tool's own code and probe scripts.
+
+    The version string does not change between commits; a changed probe or
+    build step must not reuse an image made by the old one.
+    """
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
     return {
         "definition": p.definition.tag,
@@ -73,6 +86,7 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
         "patches": {pt.name: pt.sha256 for pt in p.patches},
         "template_sha256": hashlib.sha256(p.template.encode()).hexdigest(),
         "tool_version": __version__,
+        "tool_sha256": tool_fingerprint(),
         "output_ref": p.output_ref,
     }
 
@@ -194,7 +208,10 @@ def build_image(
     ctx = render.context(dockerfile, facts, files)
 
     say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-    image_id = engine.build(ctx, lambda line: say("    " + line))
+    pending = leftovers.Pending(p.root)
+    # On failure the engine removes the steps it made; what it cannot (engine
+    # lost, process killed) stays noted in `pending` for the next run to sweep.
+    image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add)
     meta = {
         "inputs": key_inputs,
         "inputs_key": key,
@@ -222,6 +239,14 @@ def build_image(
     except BaseException:
         # The engine's layer cache can hand back an image that is already
         # tagged elsewhere: only remove what this build alone produced.
-        engine.remove_untagged(image_id)
+        removed = True
+        try:
+            engine.remove_untagged(image_id)
+        except PipelineError as exc:
+            removed = False
+            log.debug("left for the next run to sweep: %s", exc)
+        if removed:
+            pending.clear()
         raise
+    pending.clear()
     return BuildResult(p.output_ref, image_id, False, record, smoke_report)
