@@ -37,7 +37,7 @@ smoke: ## Smoke-test an image: make smoke IMAGE=...
 push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1]
 	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG)
 
-demo: setup services ## End to end on this machine: stand-in base, build, smoke, push to a local registry
+demo: setup services ## End to end on a local engine: stand-in base, build, smoke, push to a local registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --base $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified

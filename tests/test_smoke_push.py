@@ -1,7 +1,7 @@
 """Integration tier: smoke inside built images, the serve sweep, the push gate.
 
 Real engine, real registry (Debian's docker-registry on a loopback port the
-test picks), real stand-in images. vLLM cannot run here, so the sweep runs
+test picks), real stand-in images. A stand-in has no vLLM server (no torch), so the sweep runs
 against tests/fake_openai.py, as a host process and as an image's own
 `vllm` entrypoint, healthy and dying at concurrency 2 as the bug did.
 """
@@ -36,7 +36,7 @@ def test_image_runs_smoke_and_records_it(built: tuple[Path, str, str]) -> None:
     names = {c["name"]: c["status"] for c in verdict.data["checks"]}
     assert names["patch-landed"] == "pass"
     assert names["integrity"] == "pass"
-    assert names["gpu"] == "skip"  # no NVIDIA runtime on this host
+    assert names["gpu"] == "skip"  # the test engine offers no GPU
     assert verdict.data["gpu_verified"] is False
     assert verdict.data["expected_from"].startswith("this build: patches/v0.25.1 applied to base")
     assert verdict.data["host"]["engine_version"]

@@ -78,6 +78,7 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 EXIT_CODES = """\b
 Exit codes:
    0  done (also: the base needs no hotfix, nothing built)
+   1  nothing to roll back to (list shows the builds)
    2  image definition (images/<tag>.toml)
    3  patch (malformed, unsafe, does not apply)
    4  base image (missing, unreachable, wrong vLLM version)
