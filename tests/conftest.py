@@ -27,15 +27,25 @@ from vllm_hotfix.engine import Engine
 from vllm_hotfix.tarball import tar_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-STANDIN_REPO = "vllm/vllm-openai"  # the same name `make demo` uses: identical content
+# The tests' own namespace: a test run never tags (or replaces) anything under
+# the real vllm/vllm-openai name on the engine it runs against.
+STANDIN_REPO = "hotfix-test/vllm-openai"
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
 RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")
-def engine() -> Engine:
-    return Engine.connect()
+def engine() -> Iterator[Engine]:
+    eng = Engine.connect()
+    yield eng
+    # Stand-ins the run tagged in its own namespace go; their shared rootfs
+    # layer stays as the tool's cache (vllm-hotfix/standin-rootfs).
+    for version in ("0.25.1", "0.26.0", "0.27.0"):
+        info = eng.image(f"{STANDIN_REPO}:v{version}")
+        if info is not None and standin.LABEL in info.labels:
+            eng.untag(f"{STANDIN_REPO}:v{version}")
+            eng.remove_untagged(info.id, force=False)
 
 
 def make_standin(engine: Engine, version: str, ref: str | None = None, sources: str | None = None) -> str:
@@ -96,6 +106,8 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
         cmd += ["--root", str(root)]
     full_env = dict(os.environ, **(env or {}))
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    # Whatever a test feeds the tool, it answers with its own words, never a Python error dump.
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -105,6 +117,8 @@ def project(tmp_path: Path) -> Path:
     root = tmp_path / "project"
     shutil.copytree(REPO / "images", root / "images")
     shutil.copytree(REPO / "patches", root / "patches")
+    for toml in (root / "images").glob("*.toml"):
+        toml.write_text(toml.read_text().replace('"vllm/vllm-openai"', f'"{STANDIN_REPO}"'))
     return root
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import Registry, Result, cli, derive, fails
+from conftest import STANDIN_REPO, Registry, Result, cli, derive, fails
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
@@ -177,10 +177,10 @@ def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
 def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
     engine: Engine, base_v0251: str, project: Path, unique: str
 ) -> None:
-    r = cli("image", "--base", "v0.25.1", "--tag", "vllm/vllm-openai:v0.25.1", "--pull", "never", "--no-smoke",
+    r = cli("image", "--base", "v0.25.1", "--tag", f"{STANDIN_REPO}:v0.25.1", "--pull", "never", "--no-smoke",
             root=project)
     fails(r, "is the base's own reference")
-    assert engine.image("vllm/vllm-openai:v0.25.1").id == base_v0251  # type: ignore[union-attr]
+    assert engine.image(f"{STANDIN_REPO}:v0.25.1").id == base_v0251  # type: ignore[union-attr]
     foreign = f"hotfix-test/foreign-{unique}:x"
     foreign_id = derive(engine, base_v0251, foreign, "LABEL owner=someone-else")
     try:

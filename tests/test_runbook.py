@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Result, cli
+from conftest import REPO, STANDIN_REPO, Result, cli
 from vllm_hotfix import cli as climod
 from vllm_hotfix.engine import Engine
 
@@ -96,7 +96,7 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
     r = cli("list", root=project)
     assert r.rc == 0, r.err
     assert r.out.startswith(
-        "v0.25.1  base vllm/vllm-openai:v0.25.1  patch set v0.25.1 (1 patch(es))  never build(s)"
+        f"v0.25.1  base {STANDIN_REPO}:v0.25.1  patch set v0.25.1 (1 patch(es))  never built"
     )
     first = _build(project, out)
     # A second, different build: a changed patch header changes the labels.

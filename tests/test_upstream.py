@@ -148,7 +148,7 @@ def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
         "check-upstream", "--patches", "v9.9.9", "--base", "v0.27.0", "--from-wheel", root=project, env=CACHE
     )
     fails(r, "patches/v9.9.9/series")
-    # A release PyPI cannot give (here: no index reachable) is one clear line.
+    # A release PyPI cannot give (no index reachable) is one clear line.
     r = cli(
         "check-upstream",
         "--patches",

@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -191,8 +191,13 @@ def build(
     files: Sequence[PatchedFile],
     labels: Sequence[tuple[str, str]],
     description: str,
+    on_image: Callable[[str], None] | None = None,
 ) -> str:
-    """Assemble and load the image, untagged; return its ID (the same for the same inputs)."""
+    """Assemble and load the image, untagged; return its ID (the same for the same inputs).
+
+    ``on_image`` hears the ID before the load, so a run that dies during it
+    has noted what it may leave behind.
+    """
     base = facts.image.attrs or engine.inspect(facts.image.id)
     if base is None:
         raise BuildError(f"base {facts.ref} ({facts.image.id}) is no longer in the engine")
@@ -201,6 +206,8 @@ def build(
     config = image_config(base, facts.history or engine.history(facts.image.id), diff_id, labels, description)
     image_id, data = archive(config, (base.get("RootFS") or {}).get("Layers") or [], layer)
     log.info("loading %s (%d bytes: config %d, layer %d)", image_id, len(data), len(config), len(layer))
+    if on_image is not None:
+        on_image(image_id)
     try:
         loaded = engine.load(data)
         # The engine names what it loaded: our ID, or the load did not do what it should.

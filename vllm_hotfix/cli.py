@@ -15,13 +15,19 @@ import click
 
 from . import __version__, pipeline
 from .engine import PULL_POLICIES, Engine
-from .errors import BuildError, NoHotfixNeeded, PipelineError
+from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(line: str) -> None:
     click.echo(line, err=True)
+
+
+def _json(data: Any) -> None:
+    import json
+
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 def fail(exc: PipelineError) -> NoReturn:
@@ -43,7 +49,12 @@ class Ctx:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
+            from . import leftovers
+
             self._engine = Engine.connect()
+            # Runs that died (killed, or the engine lost under them) left
+            # containers and images behind: remove them before new work.
+            leftovers.sweep(self._engine, self.root, progress)
         return self._engine
 
 
@@ -64,7 +75,41 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+EXIT_CODES = """\b
+Exit codes:
+   0  done (also: the base needs no hotfix, nothing built)
+   1  nothing to roll back to (list shows the builds)
+   2  image definition (images/<tag>.toml)
+   3  patch (malformed, unsafe, does not apply)
+   4  base image (missing, unreachable, wrong vLLM version)
+   5  Docker engine (unreachable, refused, lost)
+   6  docker build
+   7  smoke check failed
+   8  push (refused by the gate, registry, or login)
+   9  upstream (PR, wheel or release lookup)
+  10  records (build/records not writable)
+  11  smoke incomplete (the host could not run a check)
+  64  usage (unknown option, malformed value)
+ 130  interrupted
+
+\b
+Environment:
+  DOCKER_HOST           engine to use (default: the local socket)
+  DOCKER_CONFIG         where `docker login` stored registry credentials
+  VLLM_HOTFIX_CACHE     wheel and rootfs cache (default: build/cache)
+  VLLM_HOTFIX_RECORDS   the journal folder (default: build/records)
+  VLLM_HOTFIX_RUN_ID    label put on every container a run starts
+  VLLM_HOTFIX_PROBE_TIMEOUT  seconds a probe of the base may take (120)
+  VLLM_HOTFIX_GITHUB_API  GitHub API base URL for new-patchset
+"""
+
+
+def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        logging.getLogger("vllm_hotfix").setLevel(logging.DEBUG)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.option(
     "--root",
     type=click.Path(file_okay=False, path_type=Path),
@@ -72,15 +117,12 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     show_default="the repository",
     help="Folder holding images/ and patches/ (and build/ records).",
 )
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
+              help="Debug logging of the tool (also accepted after the subcommand).")
 @click.version_option(__version__)
 @click.pass_context
-def main(ctx: click.Context, root: Path, verbose: bool) -> None:
+def main(ctx: click.Context, root: Path) -> None:
     """Turn a published vLLM image into a patched, tested, pushed image."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     ctx.obj = Ctx(root.resolve())
 
 
@@ -105,10 +147,11 @@ pull_option = click.option(
 @click.option("--builder", type=click.Choice(pipeline.BUILDERS), default="dockerfile", show_default=True,
               help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
                    "layer and config and load them (reproducible image ID).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
 @click.pass_obj
 @guarded
-def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str) -> None:
+def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None, pull: str, no_smoke: bool,
+          rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -123,10 +166,19 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         )
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
+        if as_json:
+            _json({"result": "no-hotfix-needed", "base": plan.base_ref, "patches": exc.patches})
+            return
         click.echo(f"{plan.base_ref} needs no hotfix: it already carries every patch of "
                    f"{plan.definition.patch_set} ({', '.join(exc.patches)}); nothing built")
         return
     how = "reused" if result.reused else "built"
+    if as_json:
+        _json({"result": how, "ref": result.output_ref, "image_id": result.image_id,
+               "record": result.record.path.name,
+               "smoke": (result.smoke or {}).get("status"),
+               "gpu_verified": bool((result.smoke or {}).get("gpu_verified"))})
+        return
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
 
@@ -225,9 +277,12 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_pa
 @click.option("--url", required=True, help="Base URL of a running OpenAI-compatible server.")
 @click.option("--model", default=None, help="Model name (default: the first /v1/models lists).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
+              help="Seconds to wait for the server's /health before giving up.")
 @with_options(sweep_options)
 @guarded
-def serve_check(url: str, model: str | None, report_path: Path | None, concurrency: str, requests_n: int) -> None:
+def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
+                requests_n: int) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
 
@@ -235,7 +290,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, concurren
     from .errors import SmokeError
 
     levels = sweep.parse_levels(concurrency)
-    sweep.wait_healthy(url.rstrip("/"), 30)
+    progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
+    sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
     result = sweep.sweep(url, model, levels, requests_n, progress=progress)
     if report_path:
         report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -248,9 +304,10 @@ def serve_check(url: str, model: str | None, report_path: Path | None, concurren
 @click.argument("image_ref", metavar="IMAGE")
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from . import push as pushlib
     from . import refs
@@ -258,6 +315,9 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) ->
     refs.check_registry(registry)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+    if as_json:
+        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict})
+        return
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
 
 
@@ -348,8 +408,9 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
     for row in rows:
+        made = f"{len(row['builds'])} build(s)" if row["builds"] else "never built"
         click.echo(f"{row['definition']}  base {row['base']}  patch set {row['patch_set']} "
-                   f"({len(row['patches'])} patch(es))  {len(row['builds']) or 'never'} build(s)")
+                   f"({len(row['patches'])} patch(es))  {made}")
         for b in row["builds"]:
             verdict = b["verdict"] or "not judged"
             if b["verdict"] == "pass":
@@ -366,14 +427,18 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
               help="Image ID of a recorded build (default: the one before the tag's current image).")
 @click.option("--tag", "output_ref", default=None,
               help="Reference to move (default: the newest build's output reference).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
-def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None) -> None:
+def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
     """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
     from . import lifecycle
 
     moved = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
     target = moved.to
+    if as_json:
+        _json({"ref": moved.ref, "image_id": target.image_id, "was": moved.was, "direction": moved.direction})
+        return
     if moved.direction == "unchanged":
         click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
         return
@@ -383,9 +448,34 @@ def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | No
     progress(f"push it to move the registry tag too: python build.py push {moved.ref} --registry HOST:PORT/PATH")
 
 
+def _accept_verbose_anywhere() -> None:
+    for command in main.commands.values():
+        command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                           callback=_verbose, help="Debug logging of the tool."))
+
+
+_accept_verbose_anywhere()
+
+
 def run(argv: Sequence[str] | None = None) -> int:
+    """The process entry point: only here do errors become exit codes."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
     try:
-        main.main(args=list(argv) if argv is not None else None, prog_name="build.py", standalone_mode=True)
+        main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else prog
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        click.echo(f"hint: {where} --help", err=True)
+        return UsageError.exit_code
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.secho("error: interrupted", fg="red", err=True)
+        return 130
+    except click.ClickException as exc:
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        return UsageError.exit_code
     except SystemExit as exc:
-        return int(exc.code or 0)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     return 0

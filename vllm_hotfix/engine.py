@@ -13,18 +13,21 @@ standard library when the engine is local, else through the SDK's session.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
 import os
+import re
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from .errors import BaseImageError, BuildError, EngineError, EngineLost, PushError
+from .errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +144,39 @@ def auth_refused(message: str) -> bool:
     return any(word in low for word in _AUTH_WORDS)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guard(what: str) -> Callable[[F], F]:
+    """Map every SDK or transport error of a call into the tool's error tree.
+
+    ``what`` may name the call's first argument as ``{0}``.
+    """
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except PipelineError:
+                raise
+            except _lost_errors() as exc:
+                raise lost(what.format(*args), exc) from exc
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+                raise EngineError(f"{what.format(*args)}: {_short(exc)}") from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
 class Box:
     """A running throw-away container to read from, write to and exec in."""
 
     def __init__(self, container: Any) -> None:
         self._container = container
 
+    @_guard("running a probe in a container")
     def exec(
         self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120
     ) -> ExecResult:
@@ -155,12 +185,12 @@ class Box:
         full = ["timeout", str(timeout), *cmd]
         result = self._container.exec_run(full, user=user, demux=True)
         out, err = result.output
-        return ExecResult(
-            result.exit_code,
-            (out or b"").decode("utf-8", "replace"),
-            (err or b"").decode("utf-8", "replace"),
-        )
+        stderr = (err or b"").decode("utf-8", "replace")
+        if result.exit_code == 124:
+            stderr += f"\ntimed out after {timeout} s"
+        return ExecResult(result.exit_code, (out or b"").decode("utf-8", "replace"), stderr)
 
+    @_guard("copying files into a container")
     def write(self, folder: str, files: Mapping[str, bytes]) -> None:
         """Put files (relative path -> bytes) under ``folder``."""
         from .tarball import tar_bytes
@@ -186,19 +216,20 @@ class _UnixHttp:
         self.timeout = timeout
         self._sock: Any = None
         self._file: Any = None
+        self._answered = False  # whether this engine ever answered: a failure after that is a lost engine
 
-    def _open(self) -> None:
-        import socket
-
+    def _open(self, what: str) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.path)
         except OSError as exc:
             sock.close()
+            if self._answered:
+                raise lost(what, exc) from exc
             raise EngineError(
                 f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
-                hint="start dockerd (or `make services`), or set DOCKER_HOST",
+                hint="start one (make services), or point DOCKER_HOST at a running engine",
             ) from exc
         self._sock, self._file = sock, sock.makefile("rb")
 
@@ -217,16 +248,17 @@ class _UnixHttp:
         for attempt in (0, 1):
             fresh = self._sock is None
             if fresh:
-                self._open()
+                self._open(f"{method} {path.split('?', 1)[0]}")
             try:
                 self._sock.sendall(data)
-                return self._response(method)
+                answer = self._response(method)
+                self._answered = True
+                return answer
             except (OSError, ValueError, _Closed) as exc:
                 self.close()
                 # A kept-alive connection the engine closed meanwhile: one retry on a new one.
                 if fresh or attempt == 1:
-                    raise EngineError(f"the engine at unix://{self.path} did not answer {method} {path}: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                    raise lost(f"{method} {path.split('?', 1)[0]}", exc) from exc
         raise AssertionError("unreachable")
 
     def _response(self, method: str) -> tuple[int, bytes]:
@@ -261,39 +293,50 @@ class _UnixHttp:
 class Engine:
     """A connection to one Docker engine."""
 
-    def __init__(self, client: Any = None, *, http: _UnixHttp | None = None, timeout: int = 120) -> None:
+    def __init__(self, client: Any = None, *, http: _UnixHttp | None = None, timeout: int = 120,
+                 base_url: str | None = None) -> None:
         self._sdk_client = client
         self._http = http
         self._timeout = timeout
+        self._base_url = base_url
 
     @classmethod
-    def connect(cls, timeout: int = 120, *, transport: str = "auto") -> Engine:
-        """Connect through DOCKER_HOST (or the default socket) and ping.
+    def connect(cls, timeout: int = 120, base_url: str | None = None, *, transport: str = "auto") -> Engine:
+        """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping.
 
         ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
         uses the SDK for anything else; ``sdk`` always uses the SDK.
         """
-        host = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         if transport == "auto" and host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
-            # No ping: a socket nobody listens on fails the first call at once,
-            # with the same message, and a reused build saves a round trip.
-            return cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout)
+            engine = cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout, base_url=host)
+            status, _data = engine._call("GET", "/_ping")
+            if status != 200:
+                raise EngineError(f"no Docker engine answers (unix socket {host}: HTTP {status} to a ping)",
+                                  hint="start one (make services), or point DOCKER_HOST at a running engine")
+            return engine
         try:
-            client = docker.from_env(timeout=timeout)
+            if base_url is not None:
+                client = docker.DockerClient(base_url=base_url, timeout=timeout)
+            else:
+                client = docker.from_env(timeout=timeout)
             client.ping()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             raise EngineError(
                 f"no Docker engine answers ({_short(exc)})",
-                hint="start dockerd (or `make services`), or set DOCKER_HOST",
+                hint="start one (make services), or point DOCKER_HOST at a running engine",
             ) from exc
         return cls(client, timeout=timeout)
 
     @property
     def _client(self) -> Any:
-        """The SDK client, made on first use."""
+        """The SDK client, made on first use (for the same engine as the plain HTTP calls)."""
         if self._sdk_client is None:
             try:
-                self._sdk_client = docker.from_env(timeout=self._timeout)
+                if self._base_url is not None:
+                    self._sdk_client = docker.DockerClient(base_url=self._base_url, timeout=self._timeout)
+                else:
+                    self._sdk_client = docker.from_env(timeout=self._timeout)
             except docker.errors.DockerException as exc:
                 raise EngineError(f"cannot reach the Docker engine: {_short(exc)}") from exc
         return self._sdk_client
@@ -333,6 +376,7 @@ class Engine:
         """The engine's description of image ``ref`` (``docker image inspect``), or None."""
         return self._json("GET", f"/images/{_q(ref)}/json", f"inspect {ref}")  # type: ignore[no-any-return]
 
+    @_guard("inspecting image {0}")
     def image(self, ref: str) -> ImageInfo | None:
         attrs = self.inspect(ref)
         return _image_info(attrs) if attrs is not None else None
@@ -414,9 +458,12 @@ class Engine:
                 f"cannot pull base image {ref}: {_short(exc)}",
                 hint="check the registry is reachable, or load the image and use --pull never",
             ) from exc
+        except _lost_errors() as exc:
+            raise lost(f"pulling {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise BaseImageError(f"cannot pull base image {ref}: {_short(exc)}") from exc
 
+    @_guard("tagging {0}")
     def tag(self, image_id: str, ref: str) -> None:
         # The whole reference as `repo`, no `tag`: the engine parses it with
         # its own reference grammar (a missing tag is `latest`), and a reused
@@ -426,25 +473,28 @@ class Engine:
             raise EngineError(f"engine refused to tag {image_id} as {ref}: "
                               f"{_short(Exception(data.decode('utf-8', 'replace')))}")
 
+    @_guard("removing tag {0}")
     def untag(self, ref: str) -> None:
         try:
             self._client.api.remove_image(ref, noprune=True)
         except docker.errors.NotFound:
             pass
 
-    def remove_image(self, ref: str) -> None:
+    @_guard("removing image {0}")
+    def remove_image(self, ref: str, force: bool = True) -> None:
         try:
-            self._client.api.remove_image(ref, force=True)
+            self._client.api.remove_image(ref, force=force)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
             log.warning("could not remove image %s: %s", ref, _short(exc))
 
-    def remove_untagged(self, image_id: str) -> None:
+    def remove_untagged(self, image_id: str, force: bool = True) -> None:
         info = self.image(image_id)
         if info is not None and not info.tags:
-            self.remove_image(image_id)
+            self.remove_image(image_id, force=force)
 
+    @_guard("importing {0}")
     def import_rootfs(self, tar_path: str, ref: str) -> ImageInfo:
         repo, tag = split_reference(ref)
         self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
@@ -471,9 +521,20 @@ class Engine:
                 labels=_labels("probe"),
             )
             container.start()
+            time.sleep(0.05)
+            container.reload()
+            if container.status != "running":
+                said = container.logs().decode("utf-8", "replace").strip().splitlines()
+                raise BaseImageError(
+                    f"{python} in {image} exited at once ({said[-1] if said else 'no output'}): "
+                    "is it the image's Python interpreter?",
+                    hint="set [package] python in the image definition to the image's Python",
+                )
             yield Box(container)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot run a container of {image}: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost(f"running a container of {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -508,7 +569,7 @@ class Engine:
             try:
                 status = container.wait(timeout=timeout)
                 code = int(status.get("StatusCode", 1))
-            except requests.exceptions.RequestException:
+            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectTimeout):
                 code = 124
             out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
             err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
@@ -517,6 +578,8 @@ class Engine:
             return ExecResult(code, out, err)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot run {argv[0]} in {image}: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost(f"running {argv[0]} in {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -555,6 +618,8 @@ class Engine:
             yield state
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot start {image}: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost(f"serving {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -568,11 +633,33 @@ class Engine:
         runtimes = info.get("Runtimes") or {}
         return "nvidia" in runtimes or "nvidia" in str(info.get("DefaultRuntime", ""))
 
+    @_guard("listing containers")
     def containers_with_role(self, run_id: str | None = None) -> list[str]:
         """Containers this tool started (and, given run_id, that run)."""
         label = f"io.vllm-hotfix.run={run_id}" if run_id else "io.vllm-hotfix.role"
         found = self._client.containers.list(all=True, filters={"label": label})
         return [c.id for c in found]
+
+    @_guard("listing images")
+    def image_ids(self) -> set[str]:
+        """Every image in the engine, intermediate ones included."""
+        return {i["Id"] for i in self._client.api.images(all=True)}
+
+    @_guard("listing containers")
+    def containers_by_owner(self) -> dict[str, list[str]]:
+        """Containers this tool started, grouped by the owner label (host:pid) of the process."""
+        found = self._client.containers.list(all=True, filters={"label": "io.vllm-hotfix.owner"})
+        out: dict[str, list[str]] = {}
+        for c in found:
+            out.setdefault(c.labels.get("io.vllm-hotfix.owner", ""), []).append(c.id)
+        return out
+
+    @_guard("removing container {0}")
+    def remove_container(self, container_id: str) -> None:
+        try:
+            self._client.api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
 
     # -- build and push ----------------------------------------------------
 
@@ -580,9 +667,42 @@ class Engine:
         self,
         context: bytes,
         progress: Callable[[str], None] | None = None,
+        on_image: Callable[[str], None] | None = None,
     ) -> str:
-        """Build an untagged image from a tar context; return its ID."""
+        """Build an untagged image from a tar context; return its ID.
+
+        ``on_image`` hears every image the build commits (each step's and the
+        last), before the build goes on, so a run that dies can be cleaned up
+        after. If the build fails or is interrupted, the images its steps made
+        are removed here, unless other images depend on them.
+        """
         tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        image_id: str | None = None
+        made: list[str] = []
+        try:
+            image_id = self._build(context, tail, made, progress, on_image)
+        except BaseException as exc:
+            self._discard(made)
+            if isinstance(exc, _lost_errors()):
+                raise lost("building the image", exc) from exc
+            raise
+        return image_id
+
+    def _discard(self, made: list[str]) -> None:
+        for step in reversed(made):
+            try:
+                self.remove_untagged(step, force=False)
+            except PipelineError as exc:
+                log.debug("build step %s stays: %s", step[:19], exc)
+
+    def _build(
+        self,
+        context: bytes,
+        tail: deque[str],
+        made: list[str],
+        progress: Callable[[str], None] | None,
+        on_image: Callable[[str], None] | None,
+    ) -> str:
         image_id: str | None = None
         try:
             for chunk in self._client.api.build(
@@ -599,6 +719,11 @@ class Engine:
                     image_id = chunk["aux"]["ID"]
                 text = chunk.get("stream", "")
                 for line in text.splitlines():
+                    step = _STEP_ID.match(line)
+                    if step:
+                        made.append(step.group(1))
+                        if on_image is not None:
+                            on_image(step.group(1))
                     if line.strip():
                         tail.append(line)
                         if progress is not None:
@@ -706,9 +831,17 @@ def _gpu_request(gpu: bool) -> dict[str, Any]:
     return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
 
 
+_STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
+
+
+def owner() -> str:
+    """This process, as container labels and leftover sweeps name it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def _labels(role: str) -> dict[str, str]:
     """Labels for every container we start, so leaks can be found by owner."""
-    labels = {"io.vllm-hotfix.role": role}
+    labels = {"io.vllm-hotfix.role": role, "io.vllm-hotfix.owner": owner()}
     run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
     if run_id:
         labels["io.vllm-hotfix.run"] = run_id

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, records, refs, render, sources
+from . import __version__, base, definitions, expected, leftovers, records, refs, render, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import PipelineError, SmokeError, SmokeIncomplete
@@ -64,6 +64,19 @@ def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: st
     )
 
 
+def tool_fingerprint() -> str:
+    """sha256 over the tool's own code and probe scripts.
+
+    The version string does not change between commits; a changed probe or
+    build step must not reuse an image made by the old one.
+    """
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
     return {
         "definition": p.definition.tag,
@@ -74,6 +87,7 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
         "patches": {pt.name: pt.sha256 for pt in p.patches},
         "template_sha256": hashlib.sha256(p.template.encode()).hexdigest(),
         "tool_version": __version__,
+        "tool_sha256": tool_fingerprint(),
         "output_ref": p.output_ref,
     }
 
@@ -200,6 +214,9 @@ def build_image(
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
     image_id = None
+    pending = leftovers.Pending(p.root)
+    # On failure the engine removes the steps it made; what it cannot (engine
+    # lost, process killed) stays noted in `pending` for the next run to sweep.
     if builder == "assemble":
         from . import assemble
 
@@ -207,7 +224,7 @@ def build_image(
         try:
             image_id = assemble.build(engine, facts, files, render.labels(p.definition, facts, files, applied),
                                       f"vllm-hotfix: {p.definition.tag} patched files and bytecode into "
-                                      f"{facts.site_dir}")
+                                      f"{facts.site_dir}", on_image=pending.add)
             say(f"    loaded {image_id}")
         except assemble.Unsupported as exc:
             say(f"    {exc}: building from the Dockerfile instead")
@@ -216,7 +233,7 @@ def build_image(
         dockerfile = render.render(p.template, p.definition, facts, files, applied)
         ctx = render.context(dockerfile, facts, files)
         say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-        image_id = engine.build(ctx, lambda line: say("    " + line))
+        image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add)
     meta = {
         "builder": builder,
         "inputs": key_inputs,
@@ -245,6 +262,14 @@ def build_image(
     except BaseException:
         # The engine's layer cache can hand back an image that is already
         # tagged elsewhere: only remove what this build alone produced.
-        engine.remove_untagged(image_id)
+        removed = True
+        try:
+            engine.remove_untagged(image_id)
+        except PipelineError as exc:
+            removed = False
+            log.debug("left for the next run to sweep: %s", exc)
+        if removed:
+            pending.clear()
         raise
+    pending.clear()
     return BuildResult(p.output_ref, image_id, False, record, smoke_report)

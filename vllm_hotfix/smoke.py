@@ -97,7 +97,7 @@ def _parse_checks(name: str, stdout: str, stderr: str, code: int) -> tuple[list[
         if isinstance(data, dict) and isinstance(data.get("checks"), list):
             return data["checks"], data.get("info") or {}
     if code == 124:
-        # Neither a pass nor a failure of the image: it never finished here.
+        # Neither a pass nor a failure of the image: it never finished.
         tail = (stderr.strip().splitlines() or [""])[-1]
         return [{"name": name, "status": "incomplete", "detail": f"probe did not finish: {tail}".strip()}], {}
     why = (stderr.strip().splitlines() or [f"exit {code}, no output"])[-1]

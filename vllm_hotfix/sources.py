@@ -55,8 +55,20 @@ def probe_source(name: str) -> str:
     return resources.files("vllm_hotfix.probes").joinpath(name).read_text(encoding="utf-8")
 
 
+def probe_timeout() -> int:
+    """Seconds a probe of the base may take (VLLM_HOTFIX_PROBE_TIMEOUT, default 120)."""
+    try:
+        return max(1, int(os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT", "120")))
+    except ValueError:
+        return 120
+
+
 def run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> dict[str, Any]:
-    result = box.exec([python, "-c", probe_source(script), *args])
+    limit = probe_timeout()
+    result = box.exec([python, "-c", probe_source(script), *args], timeout=limit)
+    if result.exit_code == 124:
+        raise BaseImageError(f"{ref}: probe {script} with {python} timed out after {limit} s",
+                             hint="the image's Python hangs at start; check the image")
     try:
         data = json.loads(result.stdout)
     except ValueError:
@@ -202,6 +214,13 @@ class ImageReader:
                                [self.package, *(rels if data is None else missing)], self.ref)
             if "error" in probed:
                 raise BaseImageError(f"{self.ref}: {probed['error']} with {self.python}")
+            asked = rels if data is None else missing
+            lacking = [k for k in ("python", "cache_tag", "site_dir", "package_dir", "files") if k not in probed]
+            if lacking or not isinstance(probed.get("files"), dict) or set(asked) - set(probed["files"]):
+                raise BaseImageError(
+                    f"{self.ref}: probe locate.py with {self.python} answered without "
+                    f"{', '.join(lacking) or 'every file'}: is it the image's Python interpreter?"
+                )
             if data is None:
                 data = {k: v for k, v in probed.items() if k != "files"}
                 data.update(format=CACHE_FORMAT, image_id=self.image.id, package=self.package, python=self.python)
