@@ -341,6 +341,10 @@ class Engine:
                 raise EngineError(f"cannot reach the Docker engine: {_short(exc)}") from exc
         return self._sdk_client
 
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._sdk_client = client
+
     def _call(
         self,
         method: str,
