@@ -279,3 +279,23 @@ def test_same_image_id_on_a_docker_26_engine(
         if not had_base:
             subprocess.run(["docker", "rmi", ids.get("26.1", "none"), base_v0251], capture_output=True,
                            env={**os.environ, **newer_env})
+
+
+def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
+    engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path
+) -> None:
+    out = f"hotfix-test/as-{unique}:t"
+    _build(project, out, "assemble", tmp_path / "cache")  # fills the facts cache
+    try:
+        for extra in (["--rebuild"], []):
+            r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--builder",
+                    "assemble", *extra, root=project,
+                    env={"VLLM_HOTFIX_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"})
+            assert r.rc == 0, r.err
+            assert r.out.strip().splitlines()[-1].startswith("reused " if not extra else "built "), r.out
+            imported = {line.rsplit("|", 1)[-1].strip() for line in r.err.splitlines()
+                        if line.startswith("import time:")}
+            assert "vllm_hotfix.assemble" in imported or not extra
+            assert not {"docker", "requests", "jinja2", "urllib3"} & imported, sorted(imported)
+    finally:
+        engine.untag(out)

@@ -652,10 +652,12 @@ class Engine:
     @_guard("listing containers")
     def containers_by_owner(self) -> dict[str, list[str]]:
         """Containers this tool started, grouped by the owner label (host:pid) of the process."""
-        found = self._client.containers.list(all=True, filters={"label": "io.vllm-hotfix.owner"})
+        # Plain HTTP: every run asks this first, and most find nothing to do.
+        found = self._json("GET", "/containers/json", "list containers", params={
+            "all": "1", "filters": json.dumps({"label": ["io.vllm-hotfix.owner"]})}) or []
         out: dict[str, list[str]] = {}
         for c in found:
-            out.setdefault(c.labels.get("io.vllm-hotfix.owner", ""), []).append(c.id)
+            out.setdefault((c.get("Labels") or {}).get("io.vllm-hotfix.owner", ""), []).append(c["Id"])
         return out
 
     @_guard("removing container {0}")
