@@ -139,3 +139,31 @@ def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: P
         assert engine.image_ids() - before == set(), "images of the dead run remain"
     finally:
         private[1]._client = engine._client  # later tests use the restarted engine
+
+
+@pytest.mark.parametrize("point", ["==> building", "==> smoke-testing"])
+def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                                   point: str) -> None:
+    eng, engine = private
+    env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1")
+    before = engine.image_ids()
+    out = f"hotfix-test/interrupted-{unique}:x"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
+         "--tag", out, "--pull", "never", "--rebuild"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(point):
+            proc.send_signal(signal.SIGINT)  # Ctrl-C
+            break
+    _, rest = proc.communicate(timeout=300)
+    err = "".join(seen) + rest
+    assert "Traceback" not in err, err
+    assert proc.returncode == 130 and "error: interrupted" in err, err
+    assert engine.image(out) is None
+    assert engine.containers_by_owner() == {}
+    assert engine.image_ids() - before == set(), "the interrupted run left images"
