@@ -216,7 +216,7 @@ class _UnixHttp:
         self.timeout = timeout
         self._sock: Any = None
         self._file: Any = None
-        self._answered = False  # whether this engine ever answered: a failure after that is a lost engine
+        self.answered = False  # whether this engine ever answered: a failure after that is a lost engine
 
     def _open(self, what: str) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -225,7 +225,7 @@ class _UnixHttp:
             sock.connect(self.path)
         except OSError as exc:
             sock.close()
-            if self._answered:
+            if self.answered:
                 raise lost(what, exc) from exc
             raise EngineError(
                 f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
@@ -252,7 +252,7 @@ class _UnixHttp:
             try:
                 self._sock.sendall(data)
                 answer = self._response(method)
-                self._answered = True
+                self.answered = True
                 return answer
             except (OSError, ValueError, _Closed) as exc:
                 self.close()
@@ -337,7 +337,10 @@ class Engine:
                     self._sdk_client = docker.DockerClient(base_url=self._base_url, timeout=self._timeout)
                 else:
                     self._sdk_client = docker.from_env(timeout=self._timeout)
-            except docker.errors.DockerException as exc:
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+                if self._http is not None and self._http.answered:
+                    # It answered the plain HTTP calls of this run: it went away since.
+                    raise lost("reaching the Docker engine", exc) from exc
                 raise EngineError(f"cannot reach the Docker engine: {_short(exc)}") from exc
         return self._sdk_client
 
