@@ -43,7 +43,14 @@ class _Lazy:
 
         for name in self._names:
             importlib.import_module(name)
-        return getattr(importlib.import_module(self._names[0]), attr)
+        module = importlib.import_module(self._names[0])
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            # A first import cut short (Ctrl-C while the SDK loads) can leave the
+            # package without a submodule attribute; an ``except docker.errors.X``
+            # evaluated while that interrupt propagates must still find it.
+            return importlib.import_module(f"{self._names[0]}.{attr}")
 
 
 docker: Any = _Lazy("docker", "docker.auth", "docker.errors", "docker.types", "docker.utils")
