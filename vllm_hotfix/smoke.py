@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, records, sweep
-from .engine import Engine, ImageInfo
+from . import __version__, definitions, gpu_access, records, sweep
+from .engine import Engine, GpuRequest, ImageInfo
 from .errors import DefinitionError, EngineError, SmokeError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ LABEL = "io.vllm-hotfix"
 @dataclass
 class SmokeOptions:
     gpu: str = "auto"
+    gpu_request: str = "auto"
     serve_model: Path | None = None
     serve_args: Sequence[str] = ()
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
@@ -50,6 +51,7 @@ class Report:
     environment: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] | None = None
     gpu_verified: bool = False
+    gpu: dict[str, Any] = field(default_factory=dict)
     started: str = ""
     seconds: float = 0.0
 
@@ -64,6 +66,7 @@ class Report:
             "image_id": self.image_id,
             "status": self.status,
             "gpu_verified": self.gpu_verified,
+            "gpu": self.gpu,
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "checks": self.checks,
@@ -95,17 +98,17 @@ class Smoke:
         self.root = root
         self.opt = options
         self.say = progress
-        self._gpu_runtime: bool | None = None
+        self._access: dict[str, gpu_access.GpuAccess] = {}
 
-    @property
-    def gpu_runtime(self) -> bool:
-        """Whether the engine has an NVIDIA runtime; asked once per smoke run."""
-        if self._gpu_runtime is None:
-            self._gpu_runtime = self.engine.has_gpu_runtime()
-        return self._gpu_runtime
+    def access(self, image: ImageInfo) -> gpu_access.GpuAccess:
+        """The way this image's containers get the GPUs; chosen once per image, then reused."""
+        if image.id not in self._access:
+            self._access[image.id] = gpu_access.choose(self.engine, image.id, self.opt.gpu_request,
+                                                       self.opt.python, self.say)
+        return self._access[image.id]
 
     def probe(
-        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: bool = False,
+        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
         extra: dict[str, bytes] | None = None, fallback_name: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
         files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})}
@@ -181,26 +184,49 @@ class Smoke:
         return report
 
     def gpu(self, report: Report, image: ImageInfo) -> None:
+        """GPU checks through the way that was confirmed to give this image a GPU.
+
+        ``auto``: a host where no way works leaves the image GPU-unverified,
+        with each way's reason. ``require``: that, and every GPU check that
+        skips, fails the image.
+        """
         mode = self.opt.gpu
+        report.gpu = {"mode": mode, "verified": False}
         if mode == "off":
+            report.gpu["why_unverified"] = "--gpu off"
             self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
             return
-        if mode == "auto" and not self.gpu_runtime:
-            self.add(report, [{"name": "gpu", "status": "skip",
-                               "detail": "the Docker host has no NVIDIA runtime: image is GPU-unverified"}], 0)
+        access = self.access(image)
+        report.gpu.update(access.to_dict())
+        if access.chosen is None:
+            why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
+            report.gpu["why_unverified"] = why
+            if mode == "require":
+                check = {"name": "gpu", "status": "fail", "detail": f"--gpu require: {why}"}
+            else:
+                check = {"name": "gpu", "status": "skip", "detail": f"{why}: image is GPU-unverified"}
+            self.add(report, [check], 0)
             return
         extra = self.patch_checks(image)
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
-        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=True, extra=extra, fallback_name="gpu")
-        if mode == "require" and not self.gpu_runtime:
-            for c in checks:
-                if c["status"] == "fail":
-                    c["detail"] = f"--gpu require, but the Docker host has no NVIDIA runtime ({c['detail']})"
+        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
+                                        fallback_name="gpu")
+        skipped = [c for c in checks if c["status"] == "skip"]
+        if mode == "require":
+            for c in skipped:
+                c["status"] = "fail"
+                c["detail"] = f"--gpu require, but the check did not run ({c['detail']})"
         self.add(report, checks, took)
         if info:
             report.environment["gpu"] = info
-        ran = [c for c in checks if c["status"] != "skip"]
-        report.gpu_verified = bool(ran) and all(c["status"] == "pass" for c in ran)
+        failed = [c["name"] for c in checks if c["status"] == "fail"]
+        report.gpu_verified = bool(checks) and not failed and not skipped
+        report.gpu["verified"] = report.gpu_verified
+        if not report.gpu_verified:
+            names = failed or [c["name"] for c in skipped]
+            report.gpu["why_unverified"] = (
+                f"GPU checks {'failed' if failed else 'skipped'} through {access.chosen}: {', '.join(names)}"
+            )
 
     def serve(self, report: Report, image: ImageInfo) -> None:
         model = self.opt.serve_model
@@ -211,7 +237,9 @@ class Smoke:
         url = f"http://127.0.0.1:{port}"
         command = ["/model", "--port", str(port), *self.opt.serve_args]
         start = time.monotonic()
-        gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.gpu_runtime)
+        # The same way the GPU checks used; a host without one serves without a GPU
+        # (and vLLM then fails the sweep, which is the truthful outcome).
+        gpu = None if self.opt.gpu == "off" else self.access(image).chosen
         try:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
                                      gpu=gpu) as watch:
