@@ -41,7 +41,8 @@ WAYS = ("auto", "cdi", "gpus", "runtime")
 PROBE = "vllm-hotfix-probes/gpu_list.py"
 CONFIRM_TIMEOUT = 120
 _YAML_KIND = re.compile(r"^kind:\s*['\"]?([^'\"\s#]+)", re.M)
-_YAML_DEVICE = re.compile(r"^\s*-\s*name:\s*['\"]?([^'\"\s#]+)", re.M)
+# A device's name sits at the list item's own level under the top-level `devices:`.
+_YAML_DEVICE = re.compile(r"^(?:  )?(?:- |  )name:\s*['\"]?([^'\"\s#]+)")
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,25 @@ def cdi_devices(spec_dirs: tuple[str, ...]) -> tuple[list[str], list[str]]:
             else:
                 found = _YAML_KIND.search(text)
                 kind = found.group(1) if found else ""
-                devices = _YAML_DEVICE.findall(text)
+                devices = _yaml_devices(text)
             if kind == CDI_KIND:
                 names += [f"{CDI_KIND}={d}" for d in devices if d and f"{CDI_KIND}={d}" not in names]
     return names, unreadable
+
+
+def _yaml_devices(text: str) -> list[str]:
+    names: list[str] = []
+    inside = False
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line.startswith((" ", "-")):
+            inside = line.startswith("devices:")
+            continue
+        found = _YAML_DEVICE.match(line) if inside else None
+        if found:
+            names.append(found.group(1))
+    return names
 
 
 def candidates(facts: EngineFacts) -> tuple[list[GpuRequest], list[Attempt]]:
