@@ -168,8 +168,15 @@ class Smoke:
         report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
         self.add(report, checks, took)
 
-        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes)")
-        checks, _, took = self.probe(image, "integrity.py", [package, files or "{}"], fallback_name="integrity")
+        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
+        args, extra = [package, files or "{}"], {}
+        base_dev = self.base_deviations(image, package)
+        if base_dev is not None:
+            extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
+            args.append(f"{PROBE_DIR}/base-deviations.json")
+        checks, _, took = self.probe(image, "integrity.py", args, extra=extra, fallback_name="integrity")
+        for c in checks:
+            c.pop("deviations", None)
         self.add(report, checks, took)
 
         self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
@@ -182,6 +189,23 @@ class Smoke:
             self.serve(report, image)
         report.seconds = time.monotonic() - start
         return report
+
+    def base_deviations(self, image: ImageInfo, package: str) -> dict[str, Any] | None:
+        """What the integrity probe finds in the image's base, to judge the image against.
+
+        None (every deviation counts as the image's) when the image names no
+        base or the base is not in the engine.
+        """
+        base_id = image.labels.get(f"{LABEL}.base.id")
+        if not base_id or base_id == image.id:
+            return None
+        base = self.engine.image(base_id)
+        if base is None:
+            self.say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
+            return None
+        checks, _, _ = self.probe(base, "integrity.py", [package, "{}"], fallback_name="integrity")
+        found = next((c.get("deviations") for c in checks if c.get("deviations") is not None), None)
+        return found if isinstance(found, dict) else None
 
     def gpu(self, report: Report, image: ImageInfo) -> None:
         """GPU checks through the way that was confirmed to give this image a GPU.
