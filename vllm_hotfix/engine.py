@@ -14,7 +14,7 @@ import os
 import tarfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,6 +275,19 @@ class Engine:
         info = self.image(ref)
         if info is None:
             raise EngineError(f"imported {tar_path} but {ref} is missing")
+        return info
+
+    def import_stream(self, chunks: Iterable[bytes], ref: str, changes: Sequence[str] = ()) -> ImageInfo:
+        """``docker import`` of a tar stream (e.g. a host's own filesystem), with Dockerfile ``changes``."""
+        repo, tag = split_reference(ref)
+        try:
+            self._client.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes),
+                                          stream_src=True)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EngineError(f"cannot import a filesystem as {ref}: {_short(exc)}") from exc
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported a filesystem but {ref} is missing")
         return info
 
     # -- containers --------------------------------------------------------
