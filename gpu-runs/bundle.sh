@@ -38,13 +38,14 @@ apt-get "${apt_opts[@]}" update -q >/dev/null
 (cd "$tmp/debs" && apt-get "${apt_opts[@]}" download docker.io containerd runc >/dev/null)
 for deb in "$tmp"/debs/*.deb; do dpkg -x "$deb" "$tmp/root"; done
 for b in dockerd containerd containerd-shim-runc-v2 runc; do
-  install -m 0755 "$(find "$tmp/root" -name "$b" -type f | head -1)" "$tmp/engine/$b"
+  install -m 0755 "$(find "$tmp/root" -path "*bin/$b" -type f | head -1)" "$tmp/engine/$b"
 done
 tini=$(command -v tini-static || true)
 [ -n "$tini" ] || { apt-get install -y -q tini >/dev/null; tini=$(command -v tini-static); }
 install -m 0755 "$tini" "$tmp/engine/docker-init"
 strip --strip-unneeded "$tmp"/engine/dockerd "$tmp"/engine/containerd "$tmp"/engine/containerd-shim-runc-v2 2>/dev/null || true
-tar -C "$tmp/engine" -cf - . | xz -T0 -6 >"$out/engine.tar.xz"
+# -9e: a third slower than -6 here, 4 MB less to carry.
+tar -C "$tmp/engine" -cf - . | xz -T0 -9e >"$out/engine.tar.xz"
 
 # vLLM's Python sources with their dist-info (the probes read RECORD and METADATA).
 mkdir -p "$tmp/vllm"
