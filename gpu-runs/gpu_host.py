@@ -37,10 +37,12 @@ DEFAULT_PATHS = ["bin", "sbin", "lib", "lib64", "usr", "etc", "opt/torch"]
 EXCLUDES = ["usr/local/cuda*", "usr/share/doc", "usr/share/man", "var/cache", "*/__pycache__"]
 
 
-def _site(python: str) -> str:
-    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip()
+def _site(python: str) -> tuple[str, str]:
+    """The Python's site-packages and the installation it runs from (a venv's base_prefix)."""
+    code = "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); print(sys.base_prefix)"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    site, prefix = out.stdout.split("\n")[:2]
+    return site, prefix
 
 
 def _chunks(proc: subprocess.Popen[bytes]) -> Iterator[bytes]:
@@ -65,12 +67,15 @@ def base(args: argparse.Namespace) -> int:
     # Not resolved: a venv's python is a link, and the venv is what the base must run.
     python = args.python
     bindir = os.path.dirname(args.python)
-    site = _site(args.python)
+    site, prefix = _site(args.python)
     hostfs = f"{args.ref}-hostfs"
     t0 = time.monotonic()
     stage = engine.image(hostfs)
     if stage is None or args.rebuild:
         paths = [p for p in args.paths if os.path.lexists(os.path.join("/", p))]
+        # The interpreter a venv links to must come along, wherever it is installed.
+        if not any(prefix == f"/{p}" or prefix.startswith(f"/{p}/") for p in paths):
+            paths.append(prefix.lstrip("/"))
         cmd = ["tar", "-C", "/", "-cf", "-", *[f"--exclude={e}" for e in EXCLUDES], *paths]
         print(f"importing the host's {' '.join(paths)} as {hostfs}", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
