@@ -378,9 +378,10 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
 
     # Record what the installed code hands the kernels; the kernels still run.
     seen: dict[str, Any] = {}
+    real_fns: dict[str, Any] = {}
 
     def recording(module: Any, name: str, key: str) -> None:
-        real = getattr(module, name)
+        real = real_fns[name] = getattr(module, name)
 
         def wrapper(*a: Any, **kw: Any) -> Any:
             out = real(*a, **kw)
@@ -414,6 +415,11 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
         # The attention layer's two attributes the impl reads.
         layer = types.SimpleNamespace(layer_name=PREFIX, topk_indices_buffer=buf)
         res["impls"] = [type(indexer.impl).__name__, type(impl).__name__]
+        res["harness"] = [
+            "metadata: vLLM's own metadata dataclasses, filled as its builders fill them for this batch",
+            "forward context: vLLM's create_forward_context / override_forward_context",
+            f"layer: an object holding the two attributes the attention impl reads ({PREFIX})",
+        ]
         ctx = create_forward_context({indexer.index_cache.prefix: index_md, PREFIX: main_md}, vllm_config)
         out_seen = torch.zeros((T, num_heads * hd), **bf16)
         with override_forward_context(ctx):
@@ -450,9 +456,9 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
         stage = "attention with reference indices"
         out_ref = torch.zeros((T, num_heads, hd), **bf16)
         a = seen["decode_read"][0]
-        sa.minimax_m3_sparse_attn_decode(a[0], a[1], ref_d.to(device), *a[3:7], out_ref[:nd], a[8])
+        real_fns["minimax_m3_sparse_attn_decode"](a[0], a[1], ref_d.to(device), *a[3:7], out_ref[:nd], a[8])
         a = seen["prefill_read"][0]
-        sa.minimax_m3_sparse_attn(a[0], a[1], ref_p.to(device), *a[3:10], out_ref[nd:])
+        real_fns["minimax_m3_sparse_attn"](a[0], a[1], ref_p.to(device), *a[3:10], out_ref[nd:])
         sync()
         diff = (out_seen.view(T, num_heads, hd).float() - out_ref.float()).abs()
         tok_bad = (diff.amax(dim=(1, 2)) > ATTN_ATOL).cpu()
@@ -561,6 +567,17 @@ def summarize(rec: dict[str, Any]) -> str:
     )
 
 
+def verdict(kinds: dict[str, str]) -> tuple[str, str]:
+    """(status, lead of the detail) from each scenario's outcome."""
+    if kinds and all(k == "correct" for k in kinds.values()):
+        return "pass", "the installed indexer and sparse attention read back what they wrote: "
+    bad = [s for s, k in kinds.items() if k in ("wrong-rows", "illegal-memory-access")]
+    if bad:
+        return "fail", f"installed code breaks the top-k layout ({', '.join(bad)}): "
+    # Timeouts, faults unrelated to the layout, an environment that cannot run it.
+    return "fail", "inconclusive, neither a pass nor a caught bug: "
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--vllm-src", default=None, help="folder with the wheel's vllm/ sources and dist-info")
@@ -608,14 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec["import"]["indexer_file"], rec["import"]["sparse_attention_file"])
             break
     kinds = {s: r["outcome"] for s, r in runs.items()}
+    status, lead = verdict(kinds)
     detail = "; ".join(f"{s}: {summarize(r)}" for s, r in runs.items())
-    if all(k == "correct" for k in kinds.values()):
-        status, lead = "pass", "the installed indexer and sparse attention read back what they wrote: "
-    elif any(k in ("wrong-rows", "illegal-memory-access") for k in kinds.values()):
-        bad = [s for s, k in kinds.items() if k in ("wrong-rows", "illegal-memory-access")]
-        status, lead = "fail", f"installed code breaks the top-k layout ({', '.join(bad)}): "
-    else:
-        status, lead = "fail", "inconclusive, neither a pass nor a caught bug: "
     check = {"name": name, "status": status, "detail": lead + detail, "data": {"outcomes": kinds, "runs": runs}}
     print(json.dumps({"checks": [check], "info": info}))
     return 1 if status == "fail" else 0
