@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,8 @@ from vllm_hotfix.engine import Engine, tar_bytes  # noqa: E402
 
 # What a GPU host's Python needs at run time; caches and docs are left out.
 DEFAULT_PATHS = ["bin", "sbin", "lib", "lib64", "usr", "etc", "opt/torch"]
-EXCLUDES = ["usr/local/cuda*", "usr/share/doc", "usr/share/man", "var/cache", "*/__pycache__"]
+# Bytecode stays: without it every container would recompile torch on import.
+EXCLUDES = ["usr/local/cuda*", "usr/share/doc", "usr/share/man", "var/cache"]
 
 
 def _site(python: str) -> tuple[str, str]:
@@ -87,13 +89,20 @@ def base(args: argparse.Namespace) -> int:
             return 1
     imported = time.monotonic() - t0
     files = _tree(Path(args.vllm_src), "vllm-src")
-    files.update(_tree(Path(args.wheels), "wheels"))
+    with tempfile.TemporaryDirectory() as extra:
+        # Installed by the host's own pip (same Python as the base), so the image needs
+        # no pip of its own; --target writes each distribution's RECORD as usual.
+        wheels = sorted(str(w) for w in Path(args.wheels).glob("*.whl"))
+        if wheels:
+            subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--disable-pip-version-check", "--target", extra, *wheels], check=True)
+        files.update({k: v for k, v in _tree(Path(extra), "site-extra").items()
+                      if not k.startswith("site-extra/bin/")})
     files["Dockerfile"] = (
         f"FROM {stage.id}\n"
         f"COPY vllm-src/ {site}/\n"
-        "COPY wheels/ /tmp/vllm-hotfix-wheels/\n"
-        f"RUN chmod 1777 /tmp && {python} -m pip install -q --no-index --no-deps --no-compile "
-        "--disable-pip-version-check /tmp/vllm-hotfix-wheels/*.whl && rm -rf /tmp/vllm-hotfix-wheels\n"
+        + (f"COPY site-extra/ {site}/\n" if any(k.startswith("site-extra/") for k in files) else "")
+        + "RUN mkdir -p /tmp && chmod 1777 /tmp\n"
         # The upstream image's entrypoint: anything that forgets to override it fails as there.
         'ENTRYPOINT ["vllm", "serve"]\n'
     ).encode()
