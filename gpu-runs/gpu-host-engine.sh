@@ -108,7 +108,8 @@ if step smoke; then
   log "smoke --gpu require: $PATCHED and $REPO_NAME:$TAG"
   "$PY" build.py smoke "$PATCHED" --gpu require --report "$OUTDIR/patched.json" >"$OUTDIR/smoke-patched.log" 2>&1 &
   p1=$!
-  "$PY" build.py smoke "$REPO_NAME:$TAG" --gpu require --report "$OUTDIR/unpatched.json" \
+  # The base carries no labels: --definition runs the patch set's own checks on it too.
+  "$PY" build.py smoke "$REPO_NAME:$TAG" --gpu require --definition "$TAG" --report "$OUTDIR/unpatched.json" \
     >"$OUTDIR/smoke-unpatched.log" 2>&1 &
   p2=$!
   wait $p1; r1=$?

@@ -154,3 +154,9 @@ def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: st
 def test_bad_gpu_request_is_a_usage_error(tmp_path: Path) -> None:
     r = cli("smoke", "any-image", "--gpu-request", "cuda", root=tmp_path)
     assert r.rc == 2 and "--gpu-request" in r.err
+
+
+def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, tmp_path: Path) -> None:
+    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=REPO)
+    assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err
+    assert "==> smoke 1/5" not in r.err  # refused before any check ran

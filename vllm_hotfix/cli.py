@@ -152,11 +152,12 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-                   requests_n: int, gpu_request: str = "auto") -> Any:
+                   requests_n: int, gpu_request: str = "auto", definition: str | None = None) -> Any:
     from . import smoke as smokelib
     from . import sweep
 
-    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, serve_model=serve_model, serve_args=serve_args,
+    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
+                                 serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n)
 
 
@@ -193,6 +194,9 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
               help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
                    "cdi[:DEVICE], gpus or runtime[:NAME].")
+@click.option("--definition", default=None, metavar="TAG",
+              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
+                   "e.g. on the unpatched base to see them catch the bug.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
@@ -201,12 +205,13 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @with_options(sweep_options)
 @click.pass_obj
 @guarded
-def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, report_path: Path | None, junit_path: Path | None,
-          serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str, requests_n: int) -> None:
+def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
+          requests_n: int) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from . import smoke as smokelib
 
-    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request)
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
     smokelib.record(obj.root, report)
     if report_path:

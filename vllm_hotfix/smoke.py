@@ -34,6 +34,7 @@ LABEL = "io.vllm-hotfix"
 class SmokeOptions:
     gpu: str = "auto"
     gpu_request: str = "auto"
+    definition: str | None = None
     serve_model: Path | None = None
     serve_args: Sequence[str] = ()
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
@@ -133,13 +134,19 @@ class Smoke:
             self.say(f"    {c['status']:<4} {c['name']}: {c['detail']}")
 
     def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
-        """The patch set's own checks, e.g. a GPU regression test for the fix."""
-        tag = image.labels.get(f"{LABEL}.definition")
+        """The patch set's own checks, e.g. a GPU regression test for the fix.
+
+        The set is the one of ``--definition`` if given (so an unpatched base can
+        be shown to fail them), else of the definition the image's label names.
+        """
+        tag = self.opt.definition or image.labels.get(f"{LABEL}.definition")
         if not tag:
             return {}
         try:
             defn = definitions.load(self.root, tag)
-        except DefinitionError:
+        except DefinitionError as exc:
+            if self.opt.definition:
+                raise SmokeError(f"--definition {tag}: {exc}") from exc
             return {}
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
@@ -148,6 +155,7 @@ class Smoke:
         image = self.engine.image(ref)
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
+        self.patch_checks(image)  # a bad --definition is an error before anything runs
         report = Report(ref, image.id, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         start = time.monotonic()
         labels = image.labels
