@@ -384,6 +384,7 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
         real = real_fns[name] = getattr(module, name)
 
         def wrapper(*a: Any, **kw: Any) -> Any:
+            seen[key] = (a, kw, None)  # before the call: a launch that faults is still on record
             out = real(*a, **kw)
             seen[key] = (a, kw, out)
             return out
@@ -474,6 +475,9 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
         res["error"] = f"{stage}: {type(e).__name__}: {str(e).strip()[:500]}"
         res["traceback"] = traceback.format_exc()[-1500:]
         res["ok"] = False
+        res.setdefault("write_views", {k: geometry(seen[k][1]["out"]) for k in ("decode_write", "prefill_write")
+                                       if k in seen and seen[k][1].get("out") is not None})
+        res.setdefault("read_views", {k: geometry(seen[k][0][2]) for k in ("decode_read", "prefill_read") if k in seen})
         return res
     bad_rows = res["decode"]["mismatch"] + res["prefill"]["mismatch"]
     res["ok"] = bad_rows == 0 and res["attention"]["tokens_over_tol"] == 0 and res["attention"]["finite"]
