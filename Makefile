@@ -5,9 +5,11 @@ BASE_REPO ?=
 IMAGE ?= vllm/vllm-openai:$(BASE)-m3patch
 REGISTRY ?= 127.0.0.1:5000/ops
 REPO_FLAG = $(if $(BASE_REPO),--base-repo $(BASE_REPO),)
+# make push ALLOW_GPU_UNVERIFIED=1: push an image smoke-tested on a host without GPUs
+GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup services image render smoke push demo test lint bench clean
+.PHONY: help setup services stop image render smoke push demo test lint bench clean clean-records
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -22,6 +24,9 @@ services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a
 	.ci/services start-cdi-engine
 	.ci/services start-registry
 
+stop: ## Stop the engine and registry that `make services` (or demo/test) started
+	.ci/services stop
+
 image: ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...]
 	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG)
 
@@ -31,10 +36,10 @@ render: ## Print the Dockerfile `image` would build
 smoke: ## Smoke-test an image: make smoke IMAGE=...
 	$(PYTHON) build.py smoke $(IMAGE)
 
-push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path
-	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY)
+push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1]
+	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG)
 
-demo: setup services ## End to end on this machine: stand-in base, build, smoke, push to a local registry
+demo: setup services ## End to end on a local engine: stand-in base, build, smoke, push to a local registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --base $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
@@ -49,5 +54,8 @@ lint: ## ruff and mypy
 bench: ## Benchmarks: the tool against the manual flow and the floor
 	$(PYTHON) bench/run.py
 
-clean: ## Remove build records and caches (not images)
-	rm -rf build .pytest_cache .mypy_cache .ruff_cache
+clean: ## Remove caches (keeps build/records, which push, list and rollback rely on; not images)
+	rm -rf build/cache build/runs .pytest_cache .mypy_cache .ruff_cache
+
+clean-records: ## Delete the journal of builds, verdicts and pushes (asks first)
+	@printf 'delete build/records (every build, verdict and push the tool knows)? [y/N] '; read a; [ "$$a" = y ] && rm -rf build/records || echo kept

@@ -9,29 +9,42 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine, tar_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-STANDIN_REPO = "vllm/vllm-openai"  # the same name `make demo` uses: identical content
+# The tests' own namespace: a test run never tags (or replaces) anything under
+# the real vllm/vllm-openai name on the engine it runs against.
+STANDIN_REPO = "hotfix-test/vllm-openai"
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
 RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")
-def engine() -> Engine:
-    return Engine.connect()
+def engine() -> Iterator[Engine]:
+    eng = Engine.connect()
+    yield eng
+    # Stand-ins the run tagged in its own namespace go; their shared rootfs
+    # layer stays as the tool's cache (vllm-hotfix/standin-rootfs).
+    for version in ("0.25.1", "0.26.0", "0.27.0"):
+        info = eng.image(f"{STANDIN_REPO}:v{version}")
+        if info is not None and standin.LABEL in info.labels:
+            eng.untag(f"{STANDIN_REPO}:v{version}")
+            eng.remove_untagged(info.id, force=False)
 
 
 def make_standin(engine: Engine, version: str, ref: str | None = None, sources: str | None = None) -> str:
@@ -92,6 +105,8 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
         cmd += ["--root", str(root)]
     full_env = dict(os.environ, **(env or {}))
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    # Whatever a test feeds the tool, it answers with its own words, never a Python error dump.
+    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -101,6 +116,8 @@ def project(tmp_path: Path) -> Path:
     root = tmp_path / "project"
     shutil.copytree(REPO / "images", root / "images")
     shutil.copytree(REPO / "patches", root / "patches")
+    for toml in (root / "images").glob("*.toml"):
+        toml.write_text(toml.read_text().replace('"vllm/vllm-openai"', f'"{STANDIN_REPO}"'))
     return root
 
 
@@ -136,3 +153,71 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def docker_cli(*args: str) -> str:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Registry:
+    """Debian's docker-registry on a free loopback port; with ``user``, behind htpasswd basic auth."""
+
+    def __init__(self, tmp: Path, user: str | None = None, password: str | None = None) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.config = tmp / "registry.yml"
+        auth = ""
+        if user is not None:
+            htpasswd = tmp / "htpasswd"
+            line = subprocess.run(["htpasswd", "-Bbn", user, password or ""], capture_output=True, text=True,
+                                  check=True).stdout
+            htpasswd.write_text(line)
+            auth = f"auth: {{htpasswd: {{realm: hotfix-test, path: {htpasswd}}}}}\n"
+        self.config.write_text(
+            "version: 0.1\nlog: {level: error}\n"
+            f"storage: {{filesystem: {{rootdirectory: {tmp / 'data'}}}}}\n"
+            f"http: {{addr: {self.addr}}}\n" + auth
+        )
+        self.auth = (user, password) if user is not None else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("docker-registry")
+        assert exe, "docker-registry is not installed (apt-get install docker-registry)"
+        self.proc = subprocess.Popen([exe, "serve", str(self.config)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"http://{self.addr}/v2/", timeout=1).status_code in (200, 401):
+                    return
+            except requests.RequestException:
+                time.sleep(0.2)
+        raise RuntimeError("registry did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    reg = Registry(tmp_path)
+    reg.start()
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def built(engine: Engine, base_v0251: str, project: Path, unique: str) -> Iterator[tuple[Path, str, str]]:
+    """A patched image built (and smoke-tested) by the tool, in a project copy."""
+    ref = f"hotfix-test/smoke-{unique}:v0.25.1-m3patch"
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+    assert r.rc == 0, r.err
+    image_id = r.out.split()[-1]
+    yield project, ref, image_id
+    engine.untag(ref)

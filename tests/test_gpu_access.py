@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, cli, make_standin
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails, make_standin
 from vllm_hotfix import gpu_access
 from vllm_hotfix.engine import Engine, EngineFacts, GpuRequest
 from vllm_hotfix.errors import SmokeError
@@ -113,10 +115,25 @@ def test_cdi_request_reaches_the_container(cdi_engine: Engine, cdi_base: str) ->
     assert without.stdout.split()[0] == "-"
 
 
-def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi_base: str) -> None:
-    image = cdi_engine.image(cdi_base)
-    assert image is not None
-    report = Smoke(cdi_engine, REPO, SmokeOptions(gpu="auto"), lambda _l: None).run(cdi_base)
+@pytest.fixture(scope="module")
+def cdi_built(cdi_engine: Engine, cdi_base: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """The patch set built by the tool on the CDI engine (its smoke ran with --gpu auto)."""
+    project = tmp_path_factory.mktemp("cdi") / "project"
+    shutil.copytree(REPO / "images", project / "images")
+    shutil.copytree(REPO / "patches", project / "patches")
+    ref = f"hotfix-test/cdi-{uuid.uuid4().hex[:10]}:v0.25.1-m3patch"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
+            root=project, env={"DOCKER_HOST": CDI_HOST})
+    assert r.rc == 0, r.err
+    yield project, ref
+    cdi_engine.untag(ref)
+
+
+def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> None:
+    project, ref = cdi_built
+    report = Smoke(cdi_engine, project, SmokeOptions(gpu="auto"), lambda _l: None).run(ref)
+    assert report.status == "pass", report.checks
     gpu = next(c for c in report.checks if c["name"] == "gpu")
     assert gpu["status"] == "skip" and "GPU-unverified" in gpu["detail"]
     assert report.gpu_verified is False and report.gpu["verified"] is False
@@ -129,15 +146,19 @@ def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi
     assert report.to_dict()["gpu"] == report.gpu
 
 
-def test_require_on_cdi_host_without_cuda_fails(cdi_engine: Engine, cdi_base: str, tmp_path: Path) -> None:
+def test_require_on_cdi_host_without_cuda_fails(cdi_built: tuple[Path, str], tmp_path: Path) -> None:
+    project, ref = cdi_built
     out = tmp_path / "report.json"
-    r = cli("smoke", cdi_base, "--gpu", "require", "--gpu-request", "cdi", "--report", str(out),
-            root=tmp_path, env={"DOCKER_HOST": CDI_HOST})
-    assert r.rc != 0 and "gpu" in r.last_error, r.err
+    r = cli("smoke", ref, "--gpu", "require", "--gpu-request", "cdi", "--report", str(out),
+            root=project, env={"DOCKER_HOST": CDI_HOST})
+    # The host's shortcoming: the run fails, the verdict is incomplete (never a pass, never verified).
+    assert r.rc == 11, r.err
+    assert "--gpu require: no GPU request gave a container of this image a GPU" in r.last_error
+    assert "cdi:nvidia.com/gpu=all: container started but sees no GPU" in r.last_error
     report = json.loads(out.read_text())
     gpu = next(c for c in report["checks"] if c["name"] == "gpu")
-    assert gpu["status"] == "fail" and "--gpu require" in gpu["detail"] and "sees no GPU" in gpu["detail"]
-    assert report["gpu_verified"] is False
+    assert gpu["status"] == "incomplete" and report["status"] == "incomplete"
+    assert report["gpu_verified"] is False and report["gpu"]["verified"] is False
     assert [a["way"] for a in report["gpu"]["tried"]] == ["cdi:nvidia.com/gpu=all"]
 
 
@@ -153,10 +174,11 @@ def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: st
 
 def test_bad_gpu_request_is_a_usage_error(tmp_path: Path) -> None:
     r = cli("smoke", "any-image", "--gpu-request", "cuda", root=tmp_path)
-    assert r.rc == 2 and "--gpu-request" in r.err
+    assert r.rc == 64
+    fails(r, "--gpu-request", "'cuda'", "expected auto, cdi[:DEVICE], gpus or runtime[:NAME]")
 
 
-def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, tmp_path: Path) -> None:
-    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=REPO)
+def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
+    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=project)
     assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err
     assert "==> smoke 1/5" not in r.err  # refused before any check ran

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive, fails, make_standin
+from conftest import REPO, STANDIN_REPO, cli, derive, fails, make_standin
 from vllm_hotfix.engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -44,7 +44,7 @@ def test_image_builds_patched_files_where_python_imports_them(
         # The base's runtime contract is kept.
         assert (info.entrypoint, info.cmd, info.env, info.user) == (base.entrypoint, base.cmd, base.env, base.user)
         labels = info.labels
-        assert labels["org.opencontainers.image.base.name"] == "vllm/vllm-openai:v0.25.1"
+        assert labels["org.opencontainers.image.base.name"] == f"{STANDIN_REPO}:v0.25.1"
         assert labels["io.vllm-hotfix.base.id"] == base.id
         patch_sha = hashlib.sha256((REPO / "patches/v0.25.1" / PATCH).read_bytes()).hexdigest()
         assert json.loads(labels["io.vllm-hotfix.patches"]) == {PATCH: patch_sha}

@@ -173,7 +173,7 @@ def test_new_patchset_from_pr_url_and_from_file_against_the_wheel(
     r = cli(
         "new-patchset", "--base", "v0.25.1", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
     )
-    fails(r, "already carries this change")
+    fails(r, "patch set v0.25.1 already holds this change")
     assert snapshot(fresh) == before
     # From a file on a second base: numbered 0001 there, named from the file.
     r = cli(

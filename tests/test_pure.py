@@ -11,7 +11,7 @@ import pytest
 
 from vllm_hotfix import push, smoke, sweep
 from vllm_hotfix.engine import split_reference
-from vllm_hotfix.errors import PushError, SmokeError
+from vllm_hotfix.errors import UsageError
 from vllm_hotfix.probes import env_report, landed
 
 
@@ -25,8 +25,10 @@ def test_push_target_uses_last_path_part_and_tag() -> None:
     assert push.target_ref("vllm/vllm-openai:v0.25.1-m3patch", "127.0.0.1:5000/ops") == (
         "127.0.0.1:5000/ops/vllm-openai:v0.25.1-m3patch"
     )
-    with pytest.raises(PushError, match="without a scheme"):
+    with pytest.raises(UsageError, match="without a scheme"):
         push.target_ref("a/b:c", "https://registry/x")
+    with pytest.raises(UsageError, match="without a scheme"):
+        push.target_ref("a/b:c", "HTTP://registry.internal/x")
 
 
 def test_transient_errors_are_told_apart() -> None:
@@ -37,7 +39,7 @@ def test_transient_errors_are_told_apart() -> None:
 def test_parse_levels() -> None:
     assert sweep.parse_levels("1,2,4,8,16") == (1, 2, 4, 8, 16)
     for bad in ("", "0,1", "a"):
-        with pytest.raises(SmokeError):
+        with pytest.raises(UsageError):
             sweep.parse_levels(bad)
 
 

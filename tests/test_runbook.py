@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Result, cli
+from conftest import REPO, STANDIN_REPO, Result, cli
 from vllm_hotfix import cli as climod
 from vllm_hotfix.engine import Engine
 
@@ -96,7 +96,7 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
     r = cli("list", root=project)
     assert r.rc == 0, r.err
     assert r.out.startswith(
-        "v0.25.1  base vllm/vllm-openai:v0.25.1  patch set v0.25.1 (1 patch(es))  never built"
+        f"v0.25.1  base {STANDIN_REPO}:v0.25.1  patch set v0.25.1 (1 patch(es))  never built"
     )
     first = _build(project, out)
     # A second, different build: a changed patch header changes the labels.
@@ -107,9 +107,11 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
     try:
         r = cli("list", root=project)
         assert r.rc == 0, r.err
-        assert "last build " in r.out and f"{second} {out}  smoke not run  push none" in r.out
+        assert "2 build(s)" in r.out
+        assert f"{second}  {out}  smoke not judged  push none" in r.out
+        assert f"{first}  {out}  smoke not judged  push none" in r.out
         rows = json.loads(cli("list", "--json", root=project).out)
-        assert rows[0]["builds"] == 2 and rows[0]["last_build"]["image_id"] == second
+        assert [b["image_id"] for b in rows[0]["builds"]] == [second, first]
 
         r = cli("rollback", "--base", "v0.25.1", root=project)
         assert r.rc == 0, r.err
@@ -121,10 +123,14 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
         r = cli("rollback", "--base", "v0.25.1", root=project)
         _fails(r, "no earlier build of v0.25.1")
         assert engine.image(out).id == first  # type: ignore[union-attr]
-        # Forward again, by ID, as `list --json` shows it.
+        # Forward again, by ID, as `list --json` shows it: called forward, not back.
         r = cli("rollback", "--base", "v0.25.1", "--to", second.removeprefix("sha256:")[:12], root=project)
         assert r.rc == 0, r.err
+        assert r.out.startswith(f"moved forward {out} to {second}")
         assert engine.image(out).id == second  # type: ignore[union-attr]
+        # To the image it already names: nothing moves, and it says so.
+        r = cli("rollback", "--base", "v0.25.1", "--to", second, root=project)
+        assert r.rc == 0 and r.out.strip() == f"{out} already points at {second}; nothing moved", r.out
         r = cli("rollback", "--base", "v0.25.1", "--to", "sha256:0123abcd", root=project)
         _fails(r, "sha256:0123abcd", "no build record")
     finally:

@@ -1,7 +1,7 @@
 """Integration tier: smoke inside built images, the serve sweep, the push gate.
 
 Real engine, real registry (Debian's docker-registry on a loopback port the
-test picks), real stand-in images. vLLM cannot run here, so the sweep runs
+test picks), real stand-in images. A stand-in has no vLLM server (no torch), so the sweep runs
 against tests/fake_openai.py, as a host process and as an image's own
 `vllm` entrypoint, healthy and dying at concurrency 2 as the bug did.
 """
@@ -9,20 +9,15 @@ against tests/fake_openai.py, as a host process and as an image's own
 from __future__ import annotations
 
 import json
-import shutil
-import socket
 import subprocess
 import sys
-import threading
-import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import REPO, cli, derive
+from conftest import REPO, Registry, cli, derive, free_port
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
@@ -32,75 +27,22 @@ INDEXER = "vllm/models/minimax_m3/common/indexer.py"
 FAKE = REPO / "tests" / "fake_openai.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Registry:
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.config = tmp / "registry.yml"
-        self.config.write_text(
-            "version: 0.1\nlog: {level: error}\n"
-            f"storage: {{filesystem: {{rootdirectory: {tmp / 'data'}}}}}\n"
-            f"http: {{addr: {self.addr}}}\n"
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = shutil.which("docker-registry")
-        assert exe, "docker-registry is not installed (apt-get install docker-registry)"
-        self.proc = subprocess.Popen([exe, "serve", str(self.config)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if requests.get(f"http://{self.addr}/v2/", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                time.sleep(0.2)
-        raise RuntimeError("registry did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[Registry]:
-    reg = Registry(tmp_path)
-    reg.start()
-    yield reg
-    reg.stop()
-
-
-@pytest.fixture
-def built(engine: Engine, base_v0251: str, project: Path, unique: str) -> Iterator[tuple[Path, str, str]]:
-    """A patched image built (and smoke-tested) by the tool, in a project copy."""
-    ref = f"hotfix-test/smoke-{unique}:v0.25.1-m3patch"
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
-    assert r.rc == 0, r.err
-    image_id = r.out.split()[-1]
-    yield project, ref, image_id
-    engine.untag(ref)
-
-
 def test_image_runs_smoke_and_records_it(built: tuple[Path, str, str]) -> None:
     project, ref, image_id = built
-    [rec] = records.find_by_image(project, image_id)
-    smoke = rec.data["smoke"]
-    assert rec.data["smoke_status"] == "pass"
-    names = {c["name"]: c["status"] for c in smoke["checks"]}
+    [build] = records.builds_of_image(project, image_id)
+    [verdict] = records.verdicts(project, image_id)
+    assert verdict.data["status"] == "pass"
+    names = {c["name"]: c["status"] for c in verdict.data["checks"]}
     assert names["patch-landed"] == "pass"
     assert names["integrity"] == "pass"
-    assert names["gpu"] == "skip"  # no NVIDIA runtime on this host
-    assert smoke["gpu_verified"] is False
-    assert rec.data["inputs"]["patches"]
+    assert names["gpu"] == "skip"  # the test engine offers no GPU
+    assert verdict.data["gpu_verified"] is False
+    assert verdict.data["expected_from"].startswith("this build: patches/v0.25.1 applied to base")
+    assert verdict.data["host"]["engine_version"]
+    assert build.data["inputs"]["patches"]
+    # Written before the tag moved.
+    [tag] = records.tags(project, ref)
+    assert tag.image_id == image_id and tag.seq > build.seq > verdict.seq
 
 
 def test_unchanged_rebuild_reuses_the_recorded_image(engine: Engine, built: tuple[Path, str, str]) -> None:
@@ -120,13 +62,14 @@ def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251:
     assert r.rc == 0, r.err
     image_id = r.out.split()[-1]
     try:
-        [rec] = records.find_by_image(project, image_id)
-        assert rec.data["smoke_status"] is None
+        assert records.verdicts(project, image_id) == []
         r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
         assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
-        assert "no smoke result recorded yet" in r.err
-        [rec] = records.find_by_image(project, image_id)
-        assert rec.data["smoke_status"] == "pass"
+        assert "no smoke verdict on it yet" in r.err
+        [verdict] = records.verdicts(project, image_id)
+        assert verdict.data["status"] == "pass"
+        # Smoke standing alone recomputes the hashes from the patch set and the base.
+        assert verdict.data["expected_from"].startswith("patches/v0.25.1 applied to base")
     finally:
         engine.untag(ref)
 
@@ -180,12 +123,26 @@ def test_stale_bytecode_fails_smoke(engine: Engine, built: tuple[Path, str, str]
         engine.remove_image(stale)
 
 
-def test_gpu_require_without_nvidia_runtime(built: tuple[Path, str, str]) -> None:
-    project, ref, _ = built
+def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, str, str], registry: Registry
+                                                             ) -> None:
+    project, ref, image_id = built
     r = cli("smoke", ref, "--gpu", "require", root=project)
-    assert r.rc != 0 and "gpu" in r.last_error
-    assert "--gpu require: no GPU request gave a container of this image a GPU" in r.err
-    assert 'could not select device driver "" with capabilities: [[gpu]]' in r.err
+    assert r.rc == 11, r.err
+    assert "incomplete, neither pass nor fail" in r.last_error
+    assert "--gpu require: no GPU request gave a container of this image a GPU" in r.last_error
+    assert 'could not select device driver "" with capabilities: [[gpu]]' in r.last_error
+    assert "no NVIDIA runtime registered" in r.last_error
+    newest = records.verdicts(project, image_id)[0]
+    assert newest.data["status"] == "incomplete"
+    # The earlier passing verdict still stands: list shows it, push takes it.
+    rows = json.loads(cli("list", "--json", root=project).out)
+    [build] = [b for b in rows[0]["builds"] if b["image_id"] == image_id]
+    assert build["verdict"] == "pass" and build["incomplete_runs"] == 1
+    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    assert r.rc == 0, r.err
+    # And the next `image` reuses it instead of rebuilding.
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+    assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
 
 
 def _serve(port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -271,8 +228,8 @@ def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], regist
         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}, timeout=10,
     )
     assert resp.status_code == 200 and resp.headers["Docker-Content-Digest"] == digest
-    [rec] = records.find_by_image(project, image_id)
-    assert rec.data["pushes"][-1] == {**rec.data["pushes"][-1], "ref": target, "digest": digest}
+    [pushed] = records.pushes(project, image_id)
+    assert pushed.data["ref"] == target and pushed.data["digest"] == digest
     assert engine.image(target) is None  # the push tag is not left behind
 
 
@@ -283,7 +240,7 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
     derive(engine, image_id, untested, "LABEL extra=1")
     try:
         r = cli("push", untested, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
-        assert r.rc != 0 and "no passing smoke record" in r.last_error and untested in r.last_error
+        assert r.rc == 8 and "no passing smoke verdict" in r.last_error and untested in r.last_error
         assert requests.get(f"http://{registry.addr}/v2/ops/untested-{unique}/tags/list", timeout=5).status_code == 404
     finally:
         engine.remove_image(untested)
@@ -292,14 +249,24 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
 def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_path: Path) -> None:
     project, ref, _ = built
     reg = Registry(tmp_path)  # configured, not started: down when the push starts
-    timer = threading.Timer(2.5, reg.start)
-    timer.start()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "build.py"), "--root", str(project), "push", ref, "--registry",
+         f"{reg.addr}/ops", "--allow-gpu-unverified"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
     try:
-        r = cli("push", ref, "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", root=project)
-        timer.join()
-        assert r.rc == 0, r.err
-        assert "retrying" in r.err
-        assert r.out.startswith(f"pushed {reg.addr}/ops/")
+        assert proc.stderr is not None
+        err = []
+        for line in proc.stderr:
+            err.append(line)
+            if "retrying" in line:
+                reg.start()  # the registry comes back while the tool waits to retry
+                break
+        out, rest = proc.communicate(timeout=300)
+        err.append(rest)
+        assert proc.returncode == 0, "".join(err)
+        assert "transient registry error" in "".join(err)
+        assert out.startswith(f"pushed {reg.addr}/ops/")
     finally:
-        timer.cancel()
+        proc.kill()
         reg.stop()

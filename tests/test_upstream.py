@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Result, cli, fails
-from vllm_hotfix import standin
+from vllm_hotfix import records, standin
 from vllm_hotfix.engine import Engine
 
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
@@ -148,7 +148,7 @@ def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
         "check-upstream", "--patches", "v9.9.9", "--base", "v0.27.0", "--from-wheel", root=project, env=CACHE
     )
     fails(r, "patches/v9.9.9/series")
-    # A release PyPI cannot give (here: no index reachable) is one clear line.
+    # A release PyPI cannot give (no index reachable) is one clear line.
     r = cli(
         "check-upstream",
         "--patches",
@@ -254,7 +254,7 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
         # (A per-patch label of names[0] may be inherited: this base was built with it.)
         assert f"io.vllm-hotfix.patch.{names[1]}" in info.labels
         assert list(json.loads(info.labels["io.vllm-hotfix.files"])) == [SPARSE]  # only what changed
-        record = json.loads(sorted((project / "build/records").glob("*.json"))[-1].read_text())
+        record = records.builds(project)[0].data
         assert list(record["patches_applied"]) == [names[1]]
         assert record["patches_included_upstream"] == [names[0]]
     finally:
@@ -282,7 +282,7 @@ def test_base_carrying_the_whole_set_needs_no_hotfix(
     assert r.rc == 0, r.err
     out = f"hotfix-test/none:{unique}"
     try:
-        records_before = len(list((project / "build/records").glob("*.json")))
+        records_before = len(list((project / "build/records").glob("*/*.json")))
         r = cli(
             "image",
             "--base",
@@ -301,6 +301,6 @@ def test_base_carrying_the_whole_set_needs_no_hotfix(
         assert "needs no hotfix" in r.out and PATCH in r.out
         assert "error" not in r.err
         assert engine.image(out) is None
-        assert len(list((project / "build/records").glob("*.json"))) == records_before
+        assert len(list((project / "build/records").glob("*/*.json"))) == records_before
     finally:
         engine.untag(f"{carrying}:v0.25.1")

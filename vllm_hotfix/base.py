@@ -64,8 +64,20 @@ class PatchedFile:
         return patchlib.sha256_bytes(self.data)
 
 
+def probe_timeout() -> int:
+    """Seconds a probe of the base may take (VLLM_HOTFIX_PROBE_TIMEOUT, default 120)."""
+    try:
+        return max(1, int(os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT", "120")))
+    except ValueError:
+        return 120
+
+
 def _run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> dict:
-    result = box.exec([python, "-c", probe_source(script), *args])
+    limit = probe_timeout()
+    result = box.exec([python, "-c", probe_source(script), *args], timeout=limit)
+    if result.exit_code == 124:
+        raise BaseImageError(f"{ref}: probe {script} with {python} timed out after {limit} s",
+                             hint="the image's Python hangs at start; check the image")
     try:
         data = json.loads(result.stdout)
     except ValueError:
@@ -91,6 +103,12 @@ def locate_package(
     data = _run_probe(box, python, "locate.py", [package, *rels], ref)
     if "error" in data:
         raise BaseImageError(f"{ref}: {data['error']} with {python}")
+    lacking = [k for k in ("python", "cache_tag", "site_dir", "package_dir", "files") if k not in data]
+    if lacking or not isinstance(data.get("files"), dict) or set(rels) - set(data["files"]):
+        raise BaseImageError(
+            f"{ref}: probe locate.py with {python} answered without {', '.join(lacking) or 'every file'}: "
+            "is it the image's Python interpreter?"
+        )
     facts = BaseFacts(
         ref=ref,
         image=image,

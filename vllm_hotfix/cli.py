@@ -15,13 +15,19 @@ import click
 
 from . import __version__, pipeline, standin
 from .engine import PULL_POLICIES, Engine
-from .errors import BuildError, NoHotfixNeeded, PipelineError
+from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(line: str) -> None:
     click.echo(line, err=True)
+
+
+def _json(data: Any) -> None:
+    import json
+
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 def fail(exc: PipelineError) -> NoReturn:
@@ -43,7 +49,12 @@ class Ctx:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
+            from . import leftovers
+
             self._engine = Engine.connect()
+            # Runs that died (killed, or the engine lost under them) left
+            # containers and images behind: remove them before new work.
+            leftovers.sweep(self._engine, self.root, progress)
         return self._engine
 
 
@@ -64,7 +75,41 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+EXIT_CODES = """\b
+Exit codes:
+   0  done (also: the base needs no hotfix, nothing built)
+   1  nothing to roll back to (list shows the builds)
+   2  image definition (images/<tag>.toml)
+   3  patch (malformed, unsafe, does not apply)
+   4  base image (missing, unreachable, wrong vLLM version)
+   5  Docker engine (unreachable, refused, lost)
+   6  docker build
+   7  smoke check failed
+   8  push (refused by the gate, registry, or login)
+   9  upstream (PR, wheel or release lookup)
+  10  records (build/records not writable)
+  11  smoke incomplete (the host could not run a check)
+  64  usage (unknown option, malformed value)
+ 130  interrupted
+
+\b
+Environment:
+  DOCKER_HOST           engine to use (default: the local socket)
+  DOCKER_CONFIG         where `docker login` stored registry credentials
+  VLLM_HOTFIX_CACHE     wheel and rootfs cache (default: build/cache)
+  VLLM_HOTFIX_RECORDS   the journal folder (default: build/records)
+  VLLM_HOTFIX_RUN_ID    label put on every container a run starts
+  VLLM_HOTFIX_PROBE_TIMEOUT  seconds a probe of the base may take (120)
+  VLLM_HOTFIX_GITHUB_API  GitHub API base URL for new-patchset
+"""
+
+
+def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        logging.getLogger("vllm_hotfix").setLevel(logging.DEBUG)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.option(
     "--root",
     type=click.Path(file_okay=False, path_type=Path),
@@ -72,15 +117,12 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     show_default="the repository",
     help="Folder holding images/ and patches/ (and build/ records).",
 )
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
+              help="Debug logging of the tool (also accepted after the subcommand).")
 @click.version_option(__version__)
 @click.pass_context
-def main(ctx: click.Context, root: Path, verbose: bool) -> None:
+def main(ctx: click.Context, root: Path) -> None:
     """Turn a published vLLM image into a patched, tested, pushed image."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     ctx.obj = Ctx(root.resolve())
 
 
@@ -101,10 +143,12 @@ pull_option = click.option(
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
 @click.option("--skip-included", is_flag=True,
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
+@click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool) -> None:
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -114,15 +158,24 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         smoke = smokelib.runner(obj.root, progress)
     try:
         result = pipeline.build_image(
-            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, smoke=smoke,
+            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
             progress=progress,
         )
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
+        if as_json:
+            _json({"result": "no-hotfix-needed", "base": plan.base_ref, "patches": exc.patches})
+            return
         click.echo(f"{plan.base_ref} needs no hotfix: it already carries every patch of "
                    f"{plan.definition.patch_set} ({', '.join(exc.patches)}); nothing built")
         return
     how = "reused" if result.reused else "built"
+    if as_json:
+        _json({"result": how, "ref": result.output_ref, "image_id": result.image_id,
+               "record": result.record.path.name,
+               "smoke": (result.smoke or {}).get("status"),
+               "gpu_verified": bool((result.smoke or {}).get("gpu_verified"))})
+        return
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
 
@@ -209,11 +262,14 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
           requests_n: int) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
+    from . import records
     from . import smoke as smokelib
+    from .errors import SmokeError, SmokeIncomplete
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition)
+    records.ensure_writable(obj.root)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
-    smokelib.record(obj.root, report)
+    entry = smokelib.record(obj.root, report)
     if report_path:
         smokelib.write_json(report, report_path)
     if junit_path:
@@ -221,8 +277,12 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
     failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
     gpu_note = "GPU-verified" if report["gpu_verified"] else "GPU-unverified"
     if failed:
-        click.secho(f"error: smoke failed for {image_ref}: {', '.join(failed)}", fg="red", err=True)
-        sys.exit(7)
+        raise SmokeError(f"smoke failed for {image_ref}: {', '.join(failed)}", hint=f"verdict: {entry.path}")
+    if report["status"] == records.INCOMPLETE:
+        raise SmokeIncomplete(
+            f"smoke of {image_ref} is incomplete, neither pass nor fail: {'; '.join(report['incomplete'])}",
+            hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
+        )
     click.echo(f"smoke passed {image_ref} {report['image_id']} ({gpu_note}, {report['seconds']:.1f} s)")
 
 
@@ -230,9 +290,12 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 @click.option("--url", required=True, help="Base URL of a running OpenAI-compatible server.")
 @click.option("--model", default=None, help="Model name (default: the first /v1/models lists).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
+              help="Seconds to wait for the server's /health before giving up.")
 @with_options(sweep_options)
 @guarded
-def serve_check(url: str, model: str | None, report_path: Path | None, concurrency: str, requests_n: int) -> None:
+def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
+                requests_n: int) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
 
@@ -240,7 +303,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, concurren
     from .errors import SmokeError
 
     levels = sweep.parse_levels(concurrency)
-    sweep.wait_healthy(url.rstrip("/"), 30)
+    progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
+    sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
     result = sweep.sweep(url, model, levels, requests_n, progress=progress)
     if report_path:
         report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -253,14 +317,20 @@ def serve_check(url: str, model: str | None, report_path: Path | None, concurren
 @click.argument("image_ref", metavar="IMAGE")
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from . import push as pushlib
+    from . import refs
 
+    refs.check_registry(registry)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+    if as_json:
+        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict})
+        return
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
 
 
@@ -336,117 +406,89 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
         click.echo(f"wrote {made.definition}")
 
 
-def _build_summary(rec: Any) -> dict[str, Any]:
-    data = rec.data
-    pushes = data.get("pushes") or []
-    last = pushes[-1] if pushes else None
-    return {
-        "created": data.get("created"),
-        "image_id": data.get("image_id"),
-        "output_ref": data.get("output_ref"),
-        "smoke_status": data.get("smoke_status"),
-        "push": {"ref": last.get("ref"), "digest": last.get("digest")} if last else None,
-        "record": rec.path.name,
-    }
-
-
 @main.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
 def list_cmd(obj: Ctx, as_json: bool) -> None:
-    """Each image definition, its patch set, and its last build, smoke and push."""
+    """Each image definition, its patch set, and every build with its newest verdict and pushes."""
     import json
 
-    from . import definitions, records
+    from . import lifecycle
 
-    rows: list[dict[str, Any]] = []
-    for defn in definitions.load_all(obj.root):
-        series = obj.root / "patches" / defn.patch_set / "series"
-        names = [ln.split("#", 1)[0].strip() for ln in series.read_text(encoding="utf-8").splitlines()] \
-            if series.is_file() else []
-        builds = records.builds_for(obj.root, defn.tag)
-        rows.append({
-            "definition": defn.tag,
-            "base": defn.base_ref(),
-            "patch_set": defn.patch_set,
-            "patches": [n for n in names if n],
-            "builds": len(builds),
-            "last_build": _build_summary(builds[0]) if builds else None,
-        })
+    rows = lifecycle.overview(obj.root)
     if as_json:
         click.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
     for row in rows:
-        head = (f"{row['definition']}  base {row['base']}  "
-                f"patch set {row['patch_set']} ({len(row['patches'])} patch(es))")
-        last = row["last_build"]
-        if last is None:
-            click.echo(f"{head}  never built")
-            continue
-        push = last["push"]
-        click.echo(
-            f"{head}  last build {last['created']} {last['image_id']} {last['output_ref']}"
-            f"  smoke {last['smoke_status'] or 'not run'}"
-            f"  push {push['ref'] + '@' + str(push['digest']) if push else 'none'}"
-        )
+        made = f"{len(row['builds'])} build(s)" if row["builds"] else "never built"
+        click.echo(f"{row['definition']}  base {row['base']}  patch set {row['patch_set']} "
+                   f"({len(row['patches'])} patch(es))  {made}")
+        for b in row["builds"]:
+            verdict = b["verdict"] or "not judged"
+            if b["verdict"] == "pass":
+                verdict += " (GPU-verified)" if b["gpu_verified"] else " (GPU-unverified)"
+            if b["incomplete_runs"]:
+                verdict += f", {b['incomplete_runs']} later incomplete run(s)"
+            pushes = ", ".join(f"{p['ref']}@{p['digest']}" for p in b["pushes"]) or "none"
+            click.echo(f"  {b['created']}  {b['image_id']}  {b['output_ref']}  smoke {verdict}  push {pushes}")
 
 
 @main.command()
 @base_option
 @click.option("--to", "to_image", default=None,
-              help="Image ID of a recorded build (default: the previous one).")
+              help="Image ID of a recorded build (default: the one before the tag's current image).")
 @click.option("--tag", "output_ref", default=None,
-              help="Reference to move (default: the records' output_ref).")
+              help="Reference to move (default: the newest build's output reference).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 @guarded
-def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None) -> None:
-    """Point base TAG's output tag back at the previous recorded build."""
-    import time
+def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
+    """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
+    from . import lifecycle
 
-    from . import definitions, records
+    moved = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
+    target = moved.to
+    if as_json:
+        _json({"ref": moved.ref, "image_id": target.image_id, "was": moved.was, "direction": moved.direction})
+        return
+    if moved.direction == "unchanged":
+        click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
+        return
+    verb = "rolled back" if moved.direction == "back" else "moved forward"
+    click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
+               f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
+    progress(f"push it to move the registry tag too: python build.py push {moved.ref} --registry HOST:PORT/PATH")
 
-    defn = definitions.load(obj.root, base_tag)
-    builds = records.builds_for(obj.root, defn.tag)
-    if not builds:
-        raise PipelineError(f"no build records for {defn.tag} under {records.records_dir(obj.root)}",
-                            hint="rollback needs at least two recorded builds (python build.py list)")
-    ref = output_ref or str(builds[0].data.get("output_ref") or defn.output_ref())
-    engine = obj.engine
-    current = engine.image(ref)
-    present = {r.image_id for r in builds if engine.image(r.image_id) is not None}
-    if to_image is not None:
-        want = to_image.removeprefix("sha256:")
-        match = [r for r in builds if r.image_id.removeprefix("sha256:").startswith(want)]
-        if not match:
-            raise PipelineError(f"{to_image}: no build record of {defn.tag} has that image ID")
-        target: records.Record | None = match[0]
-        if match[0].image_id not in present:
-            raise PipelineError(f"{match[0].image_id}: recorded but no longer in the engine")
-    else:
-        target = records.rollback_target(builds, current.id if current else None, present)
-    if target is None:
-        raise PipelineError(
-            f"no earlier build of {defn.tag} to roll {ref} back to "
-            "(none older whose image is still in the engine and whose smoke did not fail)",
-            hint="python build.py list shows the records",
-        )
-    engine.tag(target.image_id, ref)
-    target.data.setdefault("rollbacks", []).append({
-        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "ref": ref,
-        "from": current.id if current else None,
-    })
-    target.save()
-    was = current.id if current else "untagged"
-    click.echo(f"rolled back {ref} to {target.image_id} (built {target.data.get('created')}, "
-               f"smoke {target.data.get('smoke_status') or 'not run'}; was {was})")
-    progress(f"push it to move the registry tag too: python build.py push {ref} --registry HOST:PORT/PATH")
+
+def _accept_verbose_anywhere() -> None:
+    for command in main.commands.values():
+        command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                           callback=_verbose, help="Debug logging of the tool."))
+
+
+_accept_verbose_anywhere()
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    """The process entry point: only here do errors become exit codes."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
     try:
-        main.main(args=list(argv) if argv is not None else None, prog_name="build.py", standalone_mode=True)
+        main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
+    except click.exceptions.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else prog
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        click.echo(f"hint: {where} --help", err=True)
+        return UsageError.exit_code
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.secho("error: interrupted", fg="red", err=True)
+        return 130
+    except click.ClickException as exc:
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        return UsageError.exit_code
     except SystemExit as exc:
-        return int(exc.code or 0)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     return 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import refs
 from .errors import DefinitionError
 
 DEFAULT_REPOSITORY = "vllm/vllm-openai"
@@ -109,12 +110,17 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
     base_tag = values["base"]["tag"]
     if base_tag != tag:
         raise DefinitionError(f"{path}: base.tag is {base_tag!r} but the file is for {tag!r}")
+    repository = values["base"].get("repository", DEFAULT_REPOSITORY)
+    m = refs.REFERENCE.match(repository)
+    if not m or m.group(2) or m.group(3):
+        raise DefinitionError(f"{path}: base.repository {repository!r} is not a repository name "
+                              "(lowercase, no tag or digest, e.g. vllm/vllm-openai)")
     for section, key in (("patches", "set"), ("output", "suffix"), ("package", "name")):
         if not _NAME.match(values[section][key]):
             raise DefinitionError(f"{path}: {section}.{key} {values[section][key]!r} is not a plain name")
     return ImageDefinition(
         tag=tag,
-        base_repository=values["base"].get("repository", DEFAULT_REPOSITORY),
+        base_repository=repository,
         base_tag=base_tag,
         package=values["package"]["name"],
         package_version=values["package"].get("version", version_from_tag(base_tag)),

@@ -7,23 +7,29 @@ returns, whatever happens.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
 import os
+import re
+import socket
 import tarfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import docker
+import docker.auth
 import docker.errors
+import docker.utils
 import requests.exceptions
+import urllib3.exceptions
 
-from .errors import BaseImageError, BuildError, EngineError, PushError
+from .errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +118,64 @@ def _image_info(image: Any) -> ImageInfo:
 
 
 def split_reference(ref: str) -> tuple[str, str]:
-    """Split ``repo[:tag]`` into repository and tag (default ``latest``)."""
-    last = ref.rsplit("/", 1)[-1]
-    if ":" in last:
-        repo, tag = ref.rsplit(":", 1)
-        return repo, tag
-    return ref, "latest"
+    """Split ``repo[:tag]`` or ``repo@sha256:...`` into repository and tag or digest.
+
+    docker-py's own parser, so the tool and the SDK never disagree; the tag
+    defaults to ``latest`` as the engine's does.
+    """
+    repo, tag = docker.utils.parse_repository_tag(ref)
+    return repo, tag or "latest"
+
+
+def registry_of(ref: str) -> str:
+    """The registry host a reference names (``docker.io`` for Docker Hub names)."""
+    host, _ = docker.auth.resolve_repository_name(split_reference(ref)[0])
+    return "docker.io" if host == docker.auth.INDEX_NAME else host
+
+
+# Errors the SDK raises when the engine goes away under a call in flight.
+_LOST = (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError)
+_AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication required", "denied",
+               "incorrect username or password")
+
+
+def lost(what: str, exc: BaseException) -> EngineLost:
+    return EngineLost(
+        f"{what}: the Docker engine stopped answering ({_short(exc)})",
+        hint="check the engine (docker version); containers and images this run left are removed "
+             "by the next run once it answers",
+    )
+
+
+def auth_refused(message: str) -> bool:
+    low = message.lower()
+    return any(word in low for word in _AUTH_WORDS)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _guard(what: str) -> Callable[[F], F]:
+    """Map every SDK or transport error of a call into the tool's error tree.
+
+    ``what`` may name the call's first argument as ``{0}``.
+    """
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except PipelineError:
+                raise
+            except _LOST as exc:
+                raise lost(what.format(*args), exc) from exc
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+                raise EngineError(f"{what.format(*args)}: {_short(exc)}") from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
 
 
 class Box:
@@ -126,6 +184,7 @@ class Box:
     def __init__(self, container: Any) -> None:
         self._container = container
 
+    @_guard("running a probe in a container")
     def exec(
         self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120
     ) -> ExecResult:
@@ -134,12 +193,12 @@ class Box:
         full = ["timeout", str(timeout), *cmd]
         result = self._container.exec_run(full, user=user, demux=True)
         out, err = result.output
-        return ExecResult(
-            result.exit_code,
-            (out or b"").decode("utf-8", "replace"),
-            (err or b"").decode("utf-8", "replace"),
-        )
+        stderr = (err or b"").decode("utf-8", "replace")
+        if result.exit_code == 124:
+            stderr += f"\ntimed out after {timeout} s"
+        return ExecResult(result.exit_code, (out or b"").decode("utf-8", "replace"), stderr)
 
+    @_guard("copying files into a container")
     def write(self, folder: str, files: Mapping[str, bytes]) -> None:
         """Put files (relative path -> bytes) under ``folder``."""
         self._container.put_archive(folder, tar_bytes(files))
@@ -179,20 +238,24 @@ class Engine:
         self._client = client
 
     @classmethod
-    def connect(cls, timeout: int = 120) -> Engine:
-        """Connect through DOCKER_HOST (or the default socket) and ping."""
+    def connect(cls, timeout: int = 120, base_url: str | None = None) -> Engine:
+        """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping."""
         try:
-            client = docker.from_env(timeout=timeout)
+            if base_url is not None:
+                client = docker.DockerClient(base_url=base_url, timeout=timeout)
+            else:
+                client = docker.from_env(timeout=timeout)
             client.ping()
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             raise EngineError(
                 f"no Docker engine answers ({_short(exc)})",
-                hint="start dockerd (or `make engine`), or set DOCKER_HOST",
+                hint="start one (make services), or point DOCKER_HOST at a running engine",
             ) from exc
         return cls(client)
 
     # -- images ------------------------------------------------------------
 
+    @_guard("inspecting image {0}")
     def image(self, ref: str) -> ImageInfo | None:
         try:
             return _image_info(self._client.images.get(ref))
@@ -243,32 +306,38 @@ class Engine:
                 f"cannot pull base image {ref}: {_short(exc)}",
                 hint="check the registry is reachable, or load the image and use --pull never",
             ) from exc
+        except _LOST as exc:
+            raise lost(f"pulling {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise BaseImageError(f"cannot pull base image {ref}: {_short(exc)}") from exc
 
+    @_guard("tagging {0}")
     def tag(self, image_id: str, ref: str) -> None:
         repo, tag = split_reference(ref)
         self._client.api.tag(image_id, repo, tag=tag)
 
+    @_guard("removing tag {0}")
     def untag(self, ref: str) -> None:
         try:
             self._client.api.remove_image(ref, noprune=True)
         except docker.errors.NotFound:
             pass
 
-    def remove_image(self, ref: str) -> None:
+    @_guard("removing image {0}")
+    def remove_image(self, ref: str, force: bool = True) -> None:
         try:
-            self._client.api.remove_image(ref, force=True)
+            self._client.api.remove_image(ref, force=force)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
             log.warning("could not remove image %s: %s", ref, _short(exc))
 
-    def remove_untagged(self, image_id: str) -> None:
+    def remove_untagged(self, image_id: str, force: bool = True) -> None:
         info = self.image(image_id)
         if info is not None and not info.tags:
-            self.remove_image(image_id)
+            self.remove_image(image_id, force=force)
 
+    @_guard("importing {0}")
     def import_rootfs(self, tar_path: str, ref: str) -> ImageInfo:
         repo, tag = split_reference(ref)
         self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
@@ -308,9 +377,20 @@ class Engine:
                 labels=_labels("probe"),
             )
             container.start()
+            time.sleep(0.05)
+            container.reload()
+            if container.status != "running":
+                said = container.logs().decode("utf-8", "replace").strip().splitlines()
+                raise BaseImageError(
+                    f"{python} in {image} exited at once ({said[-1] if said else 'no output'}): "
+                    "is it the image's Python interpreter?",
+                    hint="set [package] python in the image definition to the image's Python",
+                )
             yield Box(container)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot run a container of {image}: {_short(exc)}") from exc
+        except _LOST as exc:
+            raise lost(f"running a container of {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -343,7 +423,7 @@ class Engine:
             try:
                 status = container.wait(timeout=timeout)
                 code = int(status.get("StatusCode", 1))
-            except requests.exceptions.RequestException:
+            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectTimeout):
                 code = 124
             out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
             err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
@@ -352,6 +432,8 @@ class Engine:
             return ExecResult(code, out, err)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot run {argv[0]} in {image}: {_short(exc)}") from exc
+        except _LOST as exc:
+            raise lost(f"running {argv[0]} in {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -390,6 +472,8 @@ class Engine:
             yield state
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot start {image}: {_short(exc)}") from exc
+        except _LOST as exc:
+            raise lost(f"serving {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
@@ -412,11 +496,33 @@ class Engine:
             local=base_url.startswith(("http+unix://", "http+docker://localunixsocket")),
         )
 
+    @_guard("listing containers")
     def containers_with_role(self, run_id: str | None = None) -> list[str]:
         """Containers this tool started (and, given run_id, that run)."""
         label = f"io.vllm-hotfix.run={run_id}" if run_id else "io.vllm-hotfix.role"
         found = self._client.containers.list(all=True, filters={"label": label})
         return [c.id for c in found]
+
+    @_guard("listing images")
+    def image_ids(self) -> set[str]:
+        """Every image in the engine, intermediate ones included."""
+        return {i["Id"] for i in self._client.api.images(all=True)}
+
+    @_guard("listing containers")
+    def containers_by_owner(self) -> dict[str, list[str]]:
+        """Containers this tool started, grouped by the owner label (host:pid) of the process."""
+        found = self._client.containers.list(all=True, filters={"label": "io.vllm-hotfix.owner"})
+        out: dict[str, list[str]] = {}
+        for c in found:
+            out.setdefault(c.labels.get("io.vllm-hotfix.owner", ""), []).append(c.id)
+        return out
+
+    @_guard("removing container {0}")
+    def remove_container(self, container_id: str) -> None:
+        try:
+            self._client.api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
 
     # -- build and push ----------------------------------------------------
 
@@ -424,9 +530,42 @@ class Engine:
         self,
         context: bytes,
         progress: Callable[[str], None] | None = None,
+        on_image: Callable[[str], None] | None = None,
     ) -> str:
-        """Build an untagged image from a tar context; return its ID."""
+        """Build an untagged image from a tar context; return its ID.
+
+        ``on_image`` hears every image the build commits (each step's and the
+        last), before the build goes on, so a run that dies can be cleaned up
+        after. If the build fails or is interrupted, the images its steps made
+        are removed here, unless other images depend on them.
+        """
         tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        image_id: str | None = None
+        made: list[str] = []
+        try:
+            image_id = self._build(context, tail, made, progress, on_image)
+        except BaseException as exc:
+            self._discard(made)
+            if isinstance(exc, _LOST):
+                raise lost("building the image", exc) from exc
+            raise
+        return image_id
+
+    def _discard(self, made: list[str]) -> None:
+        for step in reversed(made):
+            try:
+                self.remove_untagged(step, force=False)
+            except PipelineError as exc:
+                log.debug("build step %s stays: %s", step[:19], exc)
+
+    def _build(
+        self,
+        context: bytes,
+        tail: deque[str],
+        made: list[str],
+        progress: Callable[[str], None] | None,
+        on_image: Callable[[str], None] | None,
+    ) -> str:
         image_id: str | None = None
         try:
             for chunk in self._client.api.build(
@@ -443,6 +582,11 @@ class Engine:
                     image_id = chunk["aux"]["ID"]
                 text = chunk.get("stream", "")
                 for line in text.splitlines():
+                    step = _STEP_ID.match(line)
+                    if step:
+                        made.append(step.group(1))
+                        if on_image is not None:
+                            on_image(step.group(1))
                     if line.strip():
                         tail.append(line)
                         if progress is not None:
@@ -463,14 +607,19 @@ class Engine:
         ref: str,
         progress: Callable[[str], None] | None = None,
     ) -> str:
-        """Push ``ref``; return the manifest digest the registry reported."""
+        """Push ``ref`` with the credentials `docker login` stored; return the manifest digest.
+
+        The SDK reads them the docker way (DOCKER_CONFIG or ~/.docker/config.json,
+        credential helpers included) and hands them to the engine.
+        """
         repo, tag = split_reference(ref)
+        host = registry_of(ref)
         digest: str | None = None
         shown: dict[str, str] = {}
         try:
             for chunk in self._client.api.push(repo, tag=tag, stream=True, decode=True):
                 if "error" in chunk:
-                    raise PushError(f"push of {ref} failed: {chunk['error'].strip()}")
+                    raise _push_error(ref, host, chunk["error"].strip())
                 aux = chunk.get("aux") or {}
                 if "Digest" in aux:
                     digest = aux["Digest"]
@@ -480,12 +629,62 @@ class Engine:
                     shown[layer] = status
                     progress(f"{layer}: {status}".strip(": "))
         except docker.errors.APIError as exc:
-            raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
+            raise _push_error(ref, host, _short(exc)) from exc
+        except _LOST as exc:
+            raise lost(f"push of {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
         if digest is None:
             raise PushError(f"push of {ref} reported no digest")
         return digest
+
+    def registry_digest(self, ref: str) -> str:
+        """The digest the registry holds for ``ref``, asked through the engine.
+
+        The engine uses the same credentials and scheme (TLS or a trusted
+        plain-HTTP registry) as for the push, so this works wherever the push did.
+        """
+        host = registry_of(ref)
+        try:
+            data = self._client.api.inspect_distribution(ref)
+        except docker.errors.APIError as exc:
+            raise _push_error(ref, host, _short(exc), asking=True) from exc
+        except _LOST as exc:
+            raise lost(f"asking {host} for {ref}", exc) from exc
+        except requests.exceptions.RequestException as exc:
+            raise PushError(f"cannot ask {host} for {ref}: {_short(exc)}") from exc
+        digest = (data.get("Descriptor") or {}).get("digest")
+        if not digest:
+            raise PushError(f"{host} gave no digest for {ref}")
+        return str(digest)
+
+    def host_facts(self) -> dict[str, Any]:
+        """What a verdict records about the engine that ran it."""
+        import socket
+
+        try:
+            version = self._client.version()
+        except docker.errors.APIError as exc:
+            raise EngineError(f"engine refused its version: {_short(exc)}") from exc
+        except _LOST as exc:
+            raise lost("asking the engine its version", exc) from exc
+        return {
+            "hostname": socket.gethostname(),
+            "engine_version": version.get("Version"),
+            "api_version": version.get("ApiVersion"),
+            "os": version.get("Os"),
+            "arch": version.get("Arch"),
+        }
+
+
+def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> PushError:
+    doing = f"asking {host} for {ref}" if asking else f"push of {ref}"
+    if auth_refused(message):
+        return PushError(
+            f"{doing}: registry {host} refused the credentials (not logged in, or wrong login): {message}",
+            hint=f"docker login {host}",
+        )
+    return PushError(f"{doing} failed: {message}")
 
 
 def _gpu_request(gpu: GpuRequest | None) -> dict[str, Any]:
@@ -502,9 +701,17 @@ def _gpu_request(gpu: GpuRequest | None) -> dict[str, Any]:
     raise EngineError(f"unknown GPU request way {gpu.way!r}")
 
 
+_STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
+
+
+def owner() -> str:
+    """This process, as container labels and leftover sweeps name it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def _labels(role: str) -> dict[str, str]:
     """Labels for every container we start, so leaks can be found by owner."""
-    labels = {"io.vllm-hotfix.role": role}
+    labels = {"io.vllm-hotfix.role": role, "io.vllm-hotfix.owner": owner()}
     run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
     if run_id:
         labels["io.vllm-hotfix.run"] = run_id

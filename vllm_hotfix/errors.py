@@ -85,6 +85,10 @@ class EngineError(PipelineError):
     exit_code = 5
 
 
+class EngineLost(EngineError):
+    """The engine stopped answering in the middle of an operation."""
+
+
 class BuildError(PipelineError):
     """`docker build` failed; carries the last lines of its output."""
 
@@ -111,3 +115,21 @@ class UpstreamError(PipelineError):
     """Fetching or checking an upstream change failed."""
 
     exit_code = 9
+
+
+class RecordError(PipelineError):
+    """The journal under build/records cannot be written (or read)."""
+
+    exit_code = 10
+
+
+class SmokeIncomplete(SmokeError):
+    """The host, not the image, stopped a smoke run (no usable GPU, engine lost)."""
+
+    exit_code = 11
+
+
+class UsageError(PipelineError):
+    """The command line itself is wrong: an unknown option, a bad value."""
+
+    exit_code = 64

@@ -232,10 +232,17 @@ def create(
                 f"{name}: {where} has no regular file {', '.join(missing)}", patch=name, file=missing[0]
             )
         if existing:
-            try:
-                patchlib.apply_series(existing, work, skip_included=True)
-            except NoHotfixNeeded:
-                pass  # the base carries the whole set so far: judge the new patch alone
+            # Does the set already hold this change? Judge against the bare base first.
+            if patchlib.classify(patch, work)[0] != patchlib.INCLUDED:
+                try:
+                    patchlib.apply_series(existing, work, skip_included=True)
+                except NoHotfixNeeded:
+                    pass  # the base carries the whole set so far: judge the new patch alone
+                if patchlib.classify(patch, work)[0] == patchlib.INCLUDED:
+                    raise UpstreamError(
+                        f"{change.source}: patch set {set_name} already holds this change; nothing added",
+                        hint=f"see {series}",
+                    )
         verdict, out = patchlib.classify(patch, work)
         if verdict == patchlib.INCLUDED:
             raise UpstreamError(

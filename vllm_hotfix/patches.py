@@ -90,14 +90,27 @@ def load_series(root: Path, set_name: str, package: str) -> list[Patch]:
     return [load_patch(series.parent / name, package) for name in names]
 
 
+# A hotfix is a handful of upstream hunks; anything near this size is a
+# mistake (a whole file tree, a binary) and would take minutes to parse.
+MAX_PATCH_BYTES = 4 * 1024 * 1024
+
+
 def load_patch(path: Path, package: str) -> Patch:
     if not path.is_file():
         raise PatchError(f"{path}: listed in series but missing", patch=path.name)
+    size = path.stat().st_size
+    if size > MAX_PATCH_BYTES:
+        raise PatchError(f"{path}: {size / 1e6:.1f} MB is larger than a hotfix patch may be "
+                         f"({MAX_PATCH_BYTES // (1024 * 1024)} MiB)", patch=path.name)
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PatchError(f"{path}: not UTF-8 text", patch=path.name) from exc
+    if "\r\n" in text:
+        line = text[: text.index("\r\n")].count("\n") + 1
+        raise PatchError(f"{path}: line {line} ends in CRLF (Windows line endings); vLLM's sources use LF",
+                         patch=path.name, hint=f"convert it: sed -i 's/\\r$//' {path}")
     files, hunks = validate(text, path.name, package)
     first = re.search(r"^(--- |diff )", text, flags=re.M)
     header = text[: first.start()].strip() if first else ""

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, records, render
+from . import __version__, base, definitions, expected, leftovers, records, refs, render
 from . import patches as patchlib
-from .engine import Engine
-from .errors import PipelineError
+from .engine import Engine, ImageInfo
+from .errors import PipelineError, SmokeError, SmokeIncomplete
 
 log = logging.getLogger(__name__)
 
-SmokeRunner = Callable[[Engine, str, dict[str, Any]], dict[str, Any]]
+# (engine, image ID, the build's own expectation or None) -> smoke report
+SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
 
 
 @dataclass
@@ -40,22 +41,39 @@ class BuildResult:
     output_ref: str
     image_id: str
     reused: bool
-    record: records.Record
+    record: records.Entry
     smoke: dict[str, Any] | None = field(default=None)
 
 
 def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: str | None = None) -> Plan:
     """Load and validate the definition and every patch (no engine needed)."""
+    if base_repo is not None:
+        refs.check_reference(base_repo, "--base-repo")
+    if output_ref is not None:
+        refs.check_reference(output_ref, "--tag", tag_only=True)
     defn = definitions.load(root, base_tag)
     patches = patchlib.load_series(root, defn.patch_set, defn.package)
     return Plan(
         root=root,
         definition=defn,
         patches=patches,
-        base_ref=defn.base_ref(base_repo),
-        output_ref=output_ref or defn.output_ref(base_repo),
+        base_ref=refs.check_reference(defn.base_ref(base_repo), "base"),
+        output_ref=refs.check_reference(output_ref or defn.output_ref(base_repo), "--tag", tag_only=True),
         template=render.template_path(root).read_text(encoding="utf-8"),
     )
+
+
+def tool_fingerprint() -> str:
+    """sha256 over the tool's own code and probe scripts.
+
+    The version string does not change between commits; a changed probe or
+    build step must not reuse an image made by the old one.
+    """
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
@@ -68,6 +86,7 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
         "patches": {pt.name: pt.sha256 for pt in p.patches},
         "template_sha256": hashlib.sha256(p.template.encode()).hexdigest(),
         "tool_version": __version__,
+        "tool_sha256": tool_fingerprint(),
         "output_ref": p.output_ref,
     }
 
@@ -88,6 +107,54 @@ def render_only(
     return render.render(p.template, p.definition, facts, files, applied)
 
 
+def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
+    """Refuse to move a tag that names the base or an image this tool did not make."""
+    if force:
+        return
+    if p.output_ref == p.base_ref:
+        raise PipelineError(f"--tag {p.output_ref} is the base's own reference; refusing to overwrite the base",
+                            hint="choose another --tag (or --force)")
+    existing = engine.image(p.output_ref)
+    if existing is None:
+        return
+    if existing.id == base.id:
+        raise PipelineError(f"--tag {p.output_ref} names the base image {base.id[:19]}; refusing to move it",
+                            hint="choose another --tag (or --force)")
+    ours = existing.id in records.known_images(p.root) or f"{render.LABEL_PREFIX}.definition" in existing.labels
+    if not ours:
+        raise PipelineError(
+            f"--tag {p.output_ref} names image {existing.id[:19]}, which this tool did not build; refusing to move it",
+            hint="choose another --tag, or pass --force to move it anyway",
+        )
+
+
+def _smoke_and_judge(engine: Engine, p: Plan, image_id: str, smoke: SmokeRunner,
+                     want: expected.Expected | None, say: Callable[[str], None]) -> dict[str, Any]:
+    """Run smoke, append its verdict, and raise unless it passed."""
+    say(f"==> smoke-testing {image_id[:19]}")
+    report = smoke(engine, image_id, want)
+    records.append(p.root, "verdict", report)
+    status = report.get("status")
+    if status == records.FAIL:
+        failed = [c["name"] for c in report.get("checks", []) if c.get("status") == "fail"]
+        raise SmokeError(
+            f"smoke checks failed for {image_id[:19]} (built from {p.base_ref}): {', '.join(failed)}",
+            hint="see the report above; nothing was tagged",
+        )
+    if status == records.INCOMPLETE:
+        raise SmokeIncomplete(
+            f"smoke of {image_id[:19]} is incomplete: {'; '.join(report.get('incomplete') or [])}",
+            hint="the host, not the image, stopped a check; nothing was tagged",
+        )
+    return report
+
+
+def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> None:
+    """Journal first, then the tag: an unrecordable move does not happen."""
+    records.append(p.root, "tag", {"ref": p.output_ref, "image_id": image_id, "why": why})
+    engine.tag(image_id, p.output_ref)
+
+
 def build_image(
     engine: Engine,
     p: Plan,
@@ -95,13 +162,16 @@ def build_image(
     pull: str = "missing",
     rebuild: bool = False,
     skip_included: bool = False,
+    force: bool = False,
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BuildResult:
     say = progress or (lambda _line: None)
+    records.ensure_writable(p.root)
     say(f"==> resolving base {p.base_ref} (pull policy: {pull})")
     info = engine.resolve(p.base_ref, pull, say)
     say(f"    base {p.base_ref} is {info.id}")
+    check_output_ref(engine, p, info, force)
     key_inputs = inputs(p, info.id, info.digest)
     if skip_included:
         # Kept out of the key when off, so older records still match.
@@ -109,24 +179,22 @@ def build_image(
     key = records.inputs_key(key_inputs)
 
     if not rebuild:
-        for rec in records.find_by_inputs(p.root, key):
-            if engine.image(rec.image_id) is not None and rec.data.get("smoke_status") != "fail":
-                say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
-                if smoke is not None and rec.data.get("smoke_status") != "pass":
-                    # Built earlier with --no-smoke: smoke it now, before it gets the tag.
-                    say(f"==> smoke-testing {rec.image_id[:19]} (no smoke result recorded yet)")
-                    report = smoke(engine, rec.image_id, rec.data)
-                    rec.data["smoke"] = report
-                    rec.data["smoke_status"] = report.get("status")
-                    rec.save()
-                    if report.get("status") == "fail":
-                        raise PipelineError(
-                            f"smoke checks failed for the recorded image {rec.image_id[:19]}: "
-                            + ", ".join(c["name"] for c in report.get("checks", []) if c.get("status") == "fail"),
-                            hint="fix the cause, then build with --rebuild",
-                        )
-                engine.tag(rec.image_id, p.output_ref)
-                return BuildResult(p.output_ref, rec.image_id, True, rec, rec.data.get("smoke"))
+        for rec in records.builds_with_inputs(p.root, key):
+            if engine.image(rec.image_id) is None:
+                continue
+            judged = records.judgement(p.root, rec.image_id)
+            if judged is not None and judged.data.get("status") == records.FAIL:
+                say(f"    not reusing {rec.image_id[:19]} from {rec.path.name}: its newest smoke verdict "
+                    f"({judged.created}) failed; building again")
+                continue
+            say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
+            report = judged.data if judged is not None else None
+            if smoke is not None and judged is None:
+                # Built earlier with --no-smoke (or only incomplete runs): smoke it before it gets the tag.
+                say("    no smoke verdict on it yet")
+                report = _smoke_and_judge(engine, p, rec.image_id, smoke, None, say)
+            _move_tag(engine, p, rec.image_id, "reused")
+            return BuildResult(p.output_ref, rec.image_id, True, rec, dict(report) if report else None)
 
     say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
     facts, files, applied = base.prepare(
@@ -140,9 +208,11 @@ def build_image(
     ctx = render.context(dockerfile, facts, files)
 
     say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-    image_id = engine.build(ctx, lambda line: say("    " + line))
+    pending = leftovers.Pending(p.root)
+    # On failure the engine removes the steps it made; what it cannot (engine
+    # lost, process killed) stays noted in `pending` for the next run to sweep.
+    image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add)
     meta = {
-        "kind": "build",
         "inputs": key_inputs,
         "inputs_key": key,
         "image_id": image_id,
@@ -156,30 +226,27 @@ def build_image(
             "package_version": facts.version,
         },
         "files": {f.rel: {"sha256": f.sha256, "original_sha256": f.original_sha256} for f in files},
-        "smoke": None,
-        "smoke_status": None,
-        "pushes": [],
         "patches_applied": {pt.name: pt.sha256 for pt in applied},
         "patches_included_upstream": skipped,
     }
     try:
         smoke_report = None
         if smoke is not None:
-            say(f"==> smoke-testing {image_id[:19]}")
-            smoke_report = smoke(engine, image_id, meta)
-            meta["smoke"] = smoke_report
-            meta["smoke_status"] = smoke_report.get("status")
-            if smoke_report.get("status") == "fail":
-                failed = [c["name"] for c in smoke_report.get("checks", []) if c.get("status") == "fail"]
-                raise PipelineError(
-                    f"smoke checks failed for the image built from {p.base_ref}: {', '.join(failed)}",
-                    hint="see the report above; the image was removed and nothing was tagged",
-                )
-        engine.tag(image_id, p.output_ref)
+            want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
+            smoke_report = _smoke_and_judge(engine, p, image_id, smoke, want, say)
+        record = records.append(p.root, "build", meta)
+        _move_tag(engine, p, image_id, "built")
     except BaseException:
         # The engine's layer cache can hand back an image that is already
         # tagged elsewhere: only remove what this build alone produced.
-        engine.remove_untagged(image_id)
+        removed = True
+        try:
+            engine.remove_untagged(image_id)
+        except PipelineError as exc:
+            removed = False
+            log.debug("left for the next run to sweep: %s", exc)
+        if removed:
+            pending.clear()
         raise
-    record = records.new(p.root, meta)
+    pending.clear()
     return BuildResult(p.output_ref, image_id, False, record, smoke_report)

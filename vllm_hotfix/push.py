@@ -1,8 +1,12 @@
 """Push a smoke-tested image to the internal registry, and prove it landed.
 
-The gate: only an image whose exact ID has a passing smoke record may be
-pushed, and a GPU-unverified one only when the caller says so. After the push
-the registry's v2 API must resolve the tag to the digest the engine reported.
+The gate asks the journal, not a mutable record: the newest verdict that
+judged this exact image ID must be a pass (and GPU-verified unless the caller
+allows otherwise). Then, right before the push, the cheap landed check runs
+again on that image ID with hashes recomputed from the patch set and the base
+(never from the image), so an edited journal cannot push wrong files. After
+the push, the engine asks the registry (with the same credentials and scheme)
+which digest the tag resolves to.
 """
 
 from __future__ import annotations
@@ -13,21 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
-from . import records
-from .engine import Engine, split_reference
-from .errors import PushError
+from . import records, refs, smoke
+from .engine import Engine, registry_of, split_reference
+from .errors import PushError, RecordError
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4
-MANIFEST_TYPES = ", ".join([
-    "application/vnd.docker.distribution.manifest.v2+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.oci.image.index.v1+json",
-])
 
 
 @dataclass(frozen=True)
@@ -35,52 +31,39 @@ class Pushed:
     ref: str
     digest: str
     image_id: str
+    verdict: str  # the journal entry that let it through
 
 
 def target_ref(image_ref: str, registry: str) -> str:
     """HOST[:PORT]/PATH + the last part of the image's repository + its tag."""
+    registry = refs.check_registry(registry)
     repo, tag = split_reference(image_ref)
-    registry = registry.rstrip("/")
-    if not registry or registry.startswith(("http://", "https://")):
-        raise PushError(f"--registry {registry!r}: expected HOST[:PORT]/PATH, without a scheme")
-    return f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}"
+    if tag.startswith("sha256:"):
+        raise PushError(f"{image_ref}: push a tagged reference, not a digest")
+    return refs.check_reference(f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}", "push target", tag_only=True)
 
 
-def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.Record:
-    passing = [r for r in records.find_by_image(root, image_id) if r.data.get("smoke_status") == "pass"]
-    if not passing:
+def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.Entry:
+    """The newest verdict that judged this exact image ID, if it lets the image through."""
+    verdict = records.judgement(root, image_id)
+    if verdict is None:
+        pending = records.verdicts(root, image_id)
+        why = f" (its only smoke runs were incomplete: {pending[0].data.get('incomplete')})" if pending else ""
         raise PushError(
-            f"{image_ref} ({image_id[:19]}) has no passing smoke record; refusing to push an untested image",
+            f"{image_ref} ({image_id[:19]}) has no passing smoke verdict{why}; refusing to push an untested image",
             hint=f"run: python build.py smoke {image_ref}",
         )
-    rec = passing[0]
-    if not (rec.data.get("smoke") or {}).get("gpu_verified") and not allow_gpu_unverified:
+    if verdict.data.get("status") != records.PASS:
+        raise PushError(
+            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({verdict.created}); refusing to push",
+            hint=f"see {verdict.path}",
+        )
+    if not verdict.data.get("gpu_verified") and not allow_gpu_unverified:
         raise PushError(
             f"{image_ref} passed smoke without GPU checks (GPU-unverified); refusing to push",
             hint="smoke-test it on a GPU host, or pass --allow-gpu-unverified",
         )
-    return rec
-
-
-def _scheme(host: str) -> str:
-    name = host.split(":", 1)[0]
-    return "http" if name in ("127.0.0.1", "localhost", "::1") else "https"
-
-
-def registry_digest(ref: str, timeout: float = 15) -> str | None:
-    """What the registry's v2 API says the tag resolves to."""
-    repo, tag = split_reference(ref)
-    host, _, name = repo.partition("/")
-    url = f"{_scheme(host)}://{host}/v2/{name}/manifests/{tag}"
-    try:
-        resp = requests.head(url, headers={"Accept": MANIFEST_TYPES}, timeout=timeout)
-    except requests.RequestException as exc:
-        raise PushError(f"cannot ask {url}: {exc}") from exc
-    if resp.status_code == 404:
-        return None
-    if resp.status_code != 200:
-        raise PushError(f"{url} answered HTTP {resp.status_code}")
-    return resp.headers.get("Docker-Content-Digest")
+    return verdict
 
 
 def push(
@@ -93,17 +76,24 @@ def push(
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
 ) -> Pushed:
+    """Gate, re-check the landed files, push, confirm the digest, record the push."""
     say = progress or (lambda _line: None)
+    target = target_ref(image_ref, registry)
     info = engine.image(image_ref)
     if info is None:
         raise PushError(f"image {image_ref} is not in the engine")
-    rec = gate(root, info.id, image_ref, allow_gpu_unverified)
-    target = target_ref(image_ref, registry)
+    verdict = gate(root, info.id, image_ref, allow_gpu_unverified)
+    records.ensure_writable(root)
+    say(f"==> re-checking the patched files of {info.id[:19]} before the push")
+    problem = smoke.landed_problem(engine, root, info)
+    if problem is not None:
+        raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
+                        hint="its verdict does not match its files; rebuild and smoke-test it")
     had_target = engine.image(target)
     engine.tag(info.id, target)
     try:
         digest = _push_with_retries(engine, target, attempts, say)
-        seen = registry_digest(target)
+        seen = engine.registry_digest(target)
         if seen != digest:
             raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
     finally:
@@ -111,11 +101,18 @@ def push(
         # unless it was there before.
         if had_target is None:
             engine.untag(target)
-    rec.data.setdefault("pushes", []).append(
-        {"ref": target, "digest": digest, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    )
-    rec.save()
-    return Pushed(target, digest, info.id)
+    try:
+        records.append(root, "push", {
+            "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
+            "registry": registry_of(target), "verdict": verdict.path.name,
+            "gpu_verified": bool(verdict.data.get("gpu_verified")),
+        })
+    except RecordError as exc:
+        raise RecordError(
+            f"{target} landed in the registry as {digest}, but the push could not be recorded: {exc}",
+            hint="free or fix the records folder; the registry already holds the image",
+        ) from exc
+    return Pushed(target, digest, info.id, verdict.path.name)
 
 
 def _push_with_retries(engine: Engine, target: str, attempts: int, say: Callable[[str], None]) -> str:

@@ -1,9 +1,17 @@
-"""Build records: one JSON file per build under ``build/records/``.
+"""The journal: append-only entries under ``build/records/<kind>/``.
 
-A record holds a build's inputs (base reference and ID, patch hashes,
-template hash, tool version), the image it produced, its smoke results and its
-pushes. Records make rebuilds free (same inputs, image still there), gate the
-push (only smoke-tested images), and tell ops what to roll back to.
+Four kinds of entry, each written once, atomically, under a name no other run
+can choose (nanosecond time + random suffix), and never rewritten:
+
+- ``build``: a build's inputs, the image it produced and the files it patched;
+- ``verdict``: one smoke run's outcome for one exact image ID;
+- ``push``: an image ID landed in a registry under a reference and digest;
+- ``tag``: a local tag moved to an image ID (rollback, or a reused build).
+
+Facts are read by asking: the newest verdict that judged this image ID, every
+push of it, every build of a definition. Parallel runs therefore never lose
+each other's entries (no read-modify-write), and no single field of a mutable
+file decides whether an image may be pushed.
 """
 
 from __future__ import annotations
@@ -13,102 +21,171 @@ import json
 import os
 import tempfile
 import time
+import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import RecordError
+
+KINDS = ("build", "verdict", "push", "tag")
+# Verdict outcomes. `incomplete`: the host, not the image, stopped the run
+# (GPU required but none usable, engine lost, a probe that timed out); such a
+# verdict neither passes nor fails the image.
+PASS, FAIL, INCOMPLETE = "pass", "fail", "incomplete"
+
 
 def records_dir(root: Path) -> Path:
-    return root / "build" / "records"
+    return Path(os.environ.get("VLLM_HOTFIX_RECORDS") or root / "build" / "records")
 
 
-def inputs_key(inputs: dict[str, Any]) -> str:
+def inputs_key(inputs: Mapping[str, Any]) -> str:
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-@dataclass
-class Record:
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
     path: Path
-    data: dict[str, Any]
+    data: Mapping[str, Any]
 
     @property
     def image_id(self) -> str:
         return str(self.data.get("image_id", ""))
 
-    def save(self) -> None:
-        _write_json(self.path, self.data)
+    @property
+    def seq(self) -> int:
+        """Order of writing (nanoseconds since the epoch)."""
+        return int(self.data.get("seq", 0))
+
+    @property
+    def created(self) -> str:
+        return str(self.data.get("created", ""))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: a crash never leaves half a record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
+    """Write one new entry; raise RecordError (nothing written) if it cannot."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown record kind {kind!r}")
+    folder = records_dir(root) / kind
+    seq = time.time_ns()
+    name = f"{seq:020d}-{uuid.uuid4().hex[:12]}.json"
+    full = {"kind": kind, "seq": seq, "created": now_iso(), **data}
+    path = folder / name
+    tmp: str | None = None
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
+            json.dump(full, fh, indent=2, sort_keys=True)
             fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+            fh.flush()
+            os.fsync(fh.fileno())
+        # link() never replaces: a name clash (impossible in practice) fails loudly.
+        os.link(tmp, path)
+    except OSError as exc:
+        raise RecordError(f"cannot write a {kind} record under {folder}: {exc.strerror or exc}") from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return Entry(kind, path, full)
 
 
-def new(root: Path, data: dict[str, Any]) -> Record:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    short = str(data.get("image_id", "")).removeprefix("sha256:")[:12]
-    path = records_dir(root) / f"{stamp}-{short}.json"
-    n = 1
-    while path.exists():
-        n += 1
-        path = records_dir(root) / f"{stamp}-{short}-{n}.json"
-    data = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **data}
-    record = Record(path, data)
-    record.save()
-    return record
-
-
-def load_all(root: Path) -> list[Record]:
-    """Every record, oldest first."""
-    out: list[Record] = []
+def ensure_writable(root: Path) -> None:
+    """Fail early, before any effect, if records cannot be written."""
     folder = records_dir(root)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        try:
+            os.write(fd, b"{}\n" * 64)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as exc:
+        raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
+
+
+def load(root: Path, kind: str) -> list[Entry]:
+    """Every entry of one kind, oldest first."""
+    folder = records_dir(root) / kind
+    out: list[Entry] = []
     if not folder.is_dir():
         return out
-    for path in sorted(folder.glob("*.json")):
+    for path in folder.glob("*.json"):
+        if path.name.startswith("."):
+            continue
         try:
-            out.append(Record(path, json.loads(path.read_text(encoding="utf-8"))))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue  # a foreign or damaged file is not a record
-    return sorted(out, key=lambda r: (str(r.data.get("created", "")), r.path.name))
+            continue  # a foreign or damaged file is not an entry
+        if isinstance(data, dict) and data.get("kind") == kind:
+            out.append(Entry(kind, path, data))
+    return sorted(out, key=lambda e: (e.seq, e.path.name))
 
 
-def find_by_inputs(root: Path, key: str) -> list[Record]:
-    return [r for r in reversed(load_all(root)) if r.data.get("inputs_key") == key]
+def _newest_first(entries: Iterable[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (e.seq, e.path.name), reverse=True)
 
 
-def find_by_image(root: Path, image_id: str) -> list[Record]:
-    return [r for r in reversed(load_all(root)) if r.image_id == image_id]
+# -- builds -------------------------------------------------------------------
 
 
-def builds_for(root: Path, definition: str) -> list[Record]:
-    """Build records of one image definition, newest first."""
-    return [
-        r
-        for r in reversed(load_all(root))
-        if r.data.get("kind", "build") == "build"
-        and (r.data.get("inputs") or {}).get("definition") == definition
-    ]
+def builds(root: Path, definition: str | None = None) -> list[Entry]:
+    """Build entries (of one definition), newest first."""
+    found = load(root, "build")
+    if definition is not None:
+        found = [e for e in found if (e.data.get("inputs") or {}).get("definition") == definition]
+    return _newest_first(found)
 
 
-def rollback_target(builds: list[Record], current_id: str | None, present: set[str]) -> Record | None:
-    """The newest build, older than the one ``current_id`` names, still usable.
+def builds_of_image(root: Path, image_id: str) -> list[Entry]:
+    return [e for e in builds(root) if e.image_id == image_id]
 
-    Usable: its image is still in the engine (``present``) and its smoke
-    checks did not fail. With no current image, the newest usable build.
-    """
-    ids = [r.image_id for r in builds]
-    start = ids.index(current_id) + 1 if current_id in ids else 0
-    for rec in builds[start:]:
-        if rec.image_id != current_id and rec.image_id in present and rec.data.get("smoke_status") != "fail":
-            return rec
-    return None
+
+def builds_with_inputs(root: Path, key: str) -> list[Entry]:
+    return [e for e in builds(root) if e.data.get("inputs_key") == key]
+
+
+# -- verdicts -----------------------------------------------------------------
+
+
+def verdicts(root: Path, image_id: str) -> list[Entry]:
+    """Every verdict on this exact image ID, newest first."""
+    return _newest_first(e for e in load(root, "verdict") if e.image_id == image_id)
+
+
+def judgement(root: Path, image_id: str) -> Entry | None:
+    """The newest verdict that judged the image (pass or fail), if any."""
+    return next((v for v in verdicts(root, image_id) if v.data.get("status") in (PASS, FAIL)), None)
+
+
+# -- pushes and tags ----------------------------------------------------------
+
+
+def pushes(root: Path, image_id: str | None = None) -> list[Entry]:
+    found = load(root, "push")
+    if image_id is not None:
+        found = [e for e in found if e.image_id == image_id]
+    return _newest_first(found)
+
+
+def tags(root: Path, ref: str | None = None) -> list[Entry]:
+    found = load(root, "tag")
+    if ref is not None:
+        found = [e for e in found if e.data.get("ref") == ref]
+    return _newest_first(found)
+
+
+def known_images(root: Path) -> set[str]:
+    """Every image ID the tool built (its own outputs)."""
+    return {e.image_id for e in load(root, "build")}

@@ -19,15 +19,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, gpu_access, records, sweep
+from . import __version__, definitions, expected, gpu_access, records, sweep
 from .engine import Engine, GpuRequest, ImageInfo
-from .errors import DefinitionError, EngineError, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, SmokeError
+from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
 
 GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
-LABEL = "io.vllm-hotfix"
 
 
 @dataclass
@@ -55,10 +55,18 @@ class Report:
     gpu: dict[str, Any] = field(default_factory=dict)
     started: str = ""
     seconds: float = 0.0
+    expected_from: str = ""
+    host: dict[str, Any] = field(default_factory=dict)
 
     @property
     def status(self) -> str:
-        return "fail" if any(c["status"] == "fail" for c in self.checks) else "pass"
+        """fail if a check failed; incomplete if the host kept one from running; else pass."""
+        states = {c["status"] for c in self.checks}
+        if "fail" in states:
+            return records.FAIL
+        if "incomplete" in states:
+            return records.INCOMPLETE
+        return records.PASS
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,8 +74,11 @@ class Report:
             "image": self.image,
             "image_id": self.image_id,
             "status": self.status,
+            "incomplete": [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] == "incomplete"],
             "gpu_verified": self.gpu_verified,
             "gpu": self.gpu,
+            "expected_from": self.expected_from,
+            "host": self.host,
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "checks": self.checks,
@@ -89,6 +100,10 @@ def _parse_checks(name: str, stdout: str, stderr: str, code: int) -> tuple[list[
             continue
         if isinstance(data, dict) and isinstance(data.get("checks"), list):
             return data["checks"], data.get("info") or {}
+    if code == 124:
+        # Neither a pass nor a failure of the image: it never finished.
+        tail = (stderr.strip().splitlines() or [""])[-1]
+        return [{"name": name, "status": "incomplete", "detail": f"probe did not finish: {tail}".strip()}], {}
     why = (stderr.strip().splitlines() or [f"exit {code}, no output"])[-1]
     return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
 
@@ -119,6 +134,9 @@ class Smoke:
                 image.id, [self.opt.python, f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
                 timeout=self.opt.probe_timeout,
             )
+        except EngineLost as exc:
+            took = time.monotonic() - start
+            return [{"name": fallback_name or script, "status": "incomplete", "detail": str(exc)}], {}, took
         except EngineError as exc:
             took = time.monotonic() - start
             return [{"name": fallback_name or script, "status": "fail", "detail": str(exc)}], {}, took
@@ -139,7 +157,7 @@ class Smoke:
         The set is the one of ``--definition`` if given (so an unpatched base can
         be shown to fail them), else of the definition the image's label names.
         """
-        tag = self.opt.definition or image.labels.get(f"{LABEL}.definition")
+        tag = self.opt.definition or image.labels.get(f"{LABEL_PREFIX}.definition")
         if not tag:
             return {}
         try:
@@ -151,24 +169,34 @@ class Smoke:
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
 
-    def run(self, ref: str) -> Report:
+    def expectation(self, image: ImageInfo) -> expected.Expected | str:
+        """What the patched files must be, or why that cannot be known."""
+        try:
+            return expected.for_image(self.engine, self.root, image)
+        except expected.UnknownExpectation as exc:
+            return str(exc)
+
+    def run(self, ref: str, want: expected.Expected | None = None) -> Report:
+        """Smoke-test ``ref``; ``want`` is the build's own expectation when it just built it."""
         image = self.engine.image(ref)
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
         self.patch_checks(image)  # a bad --definition is an error before anything runs
-        report = Report(ref, image.id, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts())
         start = time.monotonic()
-        labels = image.labels
-        package = labels.get(f"{LABEL}.package", "vllm")
 
         self.say(f"==> smoke 1/5: patched files in {ref}")
-        files = labels.get(f"{LABEL}.files")
-        if files is None:
-            self.add(report, [{"name": "patch-landed", "status": "fail",
-                               "detail": f"{ref} has no {LABEL}.files label: not built by this tool"}], 0)
+        found = want if want is not None else self.expectation(image)
+        if isinstance(found, str):
+            package, files_json = image.labels.get(f"{LABEL_PREFIX}.package", "vllm"), "{}"
+            report.expected_from = "unknown"
+            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
         else:
-            version = labels.get(f"{LABEL}.package.version", "")
-            checks, _, took = self.probe(image, "landed.py", [package, version, files], fallback_name="patch-landed")
+            package, files_json = found.package, json.dumps(dict(found.files), sort_keys=True)
+            report.expected_from = found.source
+            self.say(f"    expected hashes: {found.source}")
+            checks, _, took = self.probe(image, "landed.py", [package, found.version, files_json],
+                                         fallback_name="patch-landed")
             self.add(report, checks, took)
 
         self.say("==> smoke 2/5: environment report")
@@ -177,7 +205,7 @@ class Smoke:
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
-        args, extra = [package, files or "{}"], {}
+        args, extra = [package, files_json], {}
         base_dev = self.base_deviations(image, package)
         if base_dev is not None:
             extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
@@ -204,7 +232,7 @@ class Smoke:
         None (every deviation counts as the image's) when the image names no
         base or the base is not in the engine.
         """
-        base_id = image.labels.get(f"{LABEL}.base.id")
+        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id")
         if not base_id or base_id == image.id:
             return None
         base = self.engine.image(base_id)
@@ -219,8 +247,10 @@ class Smoke:
         """GPU checks through the way that was confirmed to give this image a GPU.
 
         ``auto``: a host where no way works leaves the image GPU-unverified,
-        with each way's reason. ``require``: that, and every GPU check that
-        skips, fails the image.
+        with each way's reason. ``require``: a host where none works makes the
+        run fail with an incomplete verdict (the host's shortcoming, not the
+        image's), and a GPU check that skips although a GPU is reachable fails
+        the image.
         """
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
@@ -234,7 +264,8 @@ class Smoke:
             why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
             report.gpu["why_unverified"] = why
             if mode == "require":
-                check = {"name": "gpu", "status": "fail", "detail": f"--gpu require: {why}"}
+                # The host's shortcoming, not the image's: the run fails, the verdict is incomplete.
+                check = {"name": "gpu", "status": "incomplete", "detail": f"--gpu require: {why}"}
             else:
                 check = {"name": "gpu", "status": "skip", "detail": f"{why}: image is GPU-unverified"}
             self.add(report, [check], 0)
@@ -245,6 +276,7 @@ class Smoke:
                                         fallback_name="gpu")
         skipped = [c for c in checks if c["status"] == "skip"]
         if mode == "require":
+            # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
             for c in skipped:
                 c["status"] = "fail"
                 c["detail"] = f"--gpu require, but the check did not run ({c['detail']})"
@@ -301,26 +333,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def record(root: Path, report: dict[str, Any]) -> records.Record:
-    """Attach the smoke result to the image's build record (or start one)."""
-    found = records.find_by_image(root, report["image_id"])
-    if found:
-        rec = found[0]
-        rec.data["smoke"] = report
-        rec.data["smoke_status"] = report["status"]
-        rec.save()
-        return rec
-    return records.new(root, {"kind": "smoke", "image_id": report["image_id"], "output_ref": report["image"],
-                              "smoke": report, "smoke_status": report["status"], "pushes": []})
+def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
+    """The cheap landed check alone: None if the image's patched files are what they must be."""
+    smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), lambda _line: None)
+    found = smoke.expectation(image)
+    if isinstance(found, str):
+        return found
+    checks, _, _ = smoke.probe(image, "landed.py", [found.package, found.version,
+                                                    json.dumps(dict(found.files), sort_keys=True)],
+                               fallback_name="patch-landed")
+    bad = [c for c in checks if c["status"] != "pass"]
+    return f"{bad[0]['name']}: {bad[0]['detail']}" if bad else None
+
+
+def record(root: Path, report: dict[str, Any]) -> records.Entry:
+    """Append the run's verdict on its exact image ID (never rewrites an earlier one)."""
+    return records.append(root, "verdict", report)
 
 
 def runner(
     root: Path, progress: Callable[[str], None], options: SmokeOptions | None = None
-) -> Callable[[Engine, str, dict[str, Any]], dict[str, Any]]:
+) -> Callable[[Engine, str, expected.Expected | None], dict[str, Any]]:
     """The hook `image` calls after a build, before tagging."""
 
-    def run(engine: Engine, image_id: str, _meta: dict[str, Any]) -> dict[str, Any]:
-        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id).to_dict()
+    def run(engine: Engine, image_id: str, want: expected.Expected | None) -> dict[str, Any]:
+        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id, want).to_dict()
 
     return run
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .engine import Engine, ImageInfo, tar_bytes
-from .errors import PipelineError
+from .errors import BaseImageError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:
     found = sorted(folder.glob(f"vllm-{version}-*.whl"))
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PipelineError(f"cannot download vllm=={version} from PyPI: {last}")
+        raise UpstreamError(f"cannot download vllm=={version} from PyPI: {last}",
+                            hint="check the release exists (pip index versions vllm) and PyPI is reachable")
     return found[0]
 
 
@@ -58,7 +59,7 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None]) -> Image
     if info is not None:
         return info
     if shutil.which("mmdebstrap") is None:
-        raise PipelineError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
+        raise BaseImageError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
     folder = cache_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     tar = folder / "rootfs-bookworm.tar"
@@ -72,7 +73,7 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None]) -> Image
         if proc.returncode != 0:
             part.unlink(missing_ok=True)
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise PipelineError(f"mmdebstrap failed: {last}")
+            raise BaseImageError(f"mmdebstrap failed: {last}")
         part.rename(tar)
     progress(f"importing {tar.name} as {ROOTFS_REF}")
     return engine.import_rootfs(str(tar), ROOTFS_REF)
@@ -110,6 +111,11 @@ def make(
     if existing is not None and existing.labels.get(LABEL) == src_version:
         say(f"stand-in {ref} (vllm {src_version}) already present: {existing.id}")
         return existing
+    if existing is not None and LABEL not in existing.labels:
+        raise BaseImageError(
+            f"{ref} is {existing.id[:19]}, which is not a stand-in; refusing to replace it",
+            hint="give the stand-in another name with --ref",
+        )
     base = rootfs(engine, root, say)
     whl = wheel(root, src_version, say)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}

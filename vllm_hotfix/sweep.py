@@ -18,7 +18,7 @@ from typing import Any
 import requests
 import requests.adapters
 
-from .errors import SmokeError
+from .errors import SmokeError, UsageError
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 PROMPT = "Count from one to ten in words, separated by commas."
@@ -60,9 +60,9 @@ def parse_levels(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SmokeError(f"--concurrency {text!r}: expected numbers like 1,2,4,8,16") from None
+        raise UsageError(f"--concurrency {text!r}: expected numbers like 1,2,4,8,16") from None
     if not levels or any(n < 1 for n in levels):
-        raise SmokeError(f"--concurrency {text!r}: levels must be positive")
+        raise UsageError(f"--concurrency {text!r}: levels must be positive")
     return levels
 
 

@@ -1,0 +1,161 @@
+"""Fault tier: the engine dies under a real build, and the tool answers cleanly.
+
+A private Docker engine (its own socket, data and exec roots, containerd
+namespace) is started for this module, so killing it disturbs nothing else.
+At three points of a real `image` run (probing the base, building, smoke) the
+engine is killed with SIGKILL; the run must end with one `error:` line and
+the engine exit code, no Python error dump; after the engine is back, the next
+run removes every container and image the dead run left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, STANDIN_REPO, cli, fails
+from vllm_hotfix import standin
+from vllm_hotfix.engine import Engine
+
+pytestmark = pytest.mark.engine
+
+
+class PrivateEngine:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.sock = root / "docker.sock"
+        self.url = f"unix://{self.sock}"
+        self.pidfile = root / "docker.pid"
+
+    def start(self) -> Engine:
+        exe = shutil.which("dockerd")
+        assert exe, "dockerd is not installed"
+        # A killed engine leaves its pid files behind, and its dead containerd may
+        # linger as a zombie under the pid it names: start afresh from both.
+        self.pidfile.unlink(missing_ok=True)
+        (self.root / "exec" / "containerd" / "containerd.pid").unlink(missing_ok=True)
+        with open(self.root / "dockerd.log", "ab") as log:
+            subprocess.Popen(
+                [exe, "--iptables=false", "--bridge=none", f"--host={self.url}", f"--data-root={self.root / 'data'}",
+                 f"--exec-root={self.root / 'exec'}", f"--pidfile={self.pidfile}",
+                 "--containerd-namespace=hotfix-fault", "--containerd-plugins-namespace=hotfix-fault-plugins"],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return Engine.connect(timeout=30, base_url=self.url)
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    log = (self.root / "dockerd.log").read_text(errors="replace").splitlines()[-15:]
+                    raise AssertionError("the private engine did not start:\n" + "\n".join(log)) from exc
+                time.sleep(0.3)
+
+    def pid(self) -> int:
+        return int(self.pidfile.read_text().strip())
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine: dockerd, then its containerd and shims (found by their paths)."""
+        os.kill(self.pid(), signal.SIGKILL)
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(self.root) in cmdline:
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        try:
+            pid = self.pid()
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateEngine, Engine]]:
+    root = Path(tmp_path_factory.mktemp("engine", numbered=True))
+    eng = PrivateEngine(root)
+    engine = eng.start()
+    standin.make(engine, REPO, "0.25.1", f"{STANDIN_REPO}:v0.25.1", lambda _l: None)
+    yield eng, engine
+    eng.stop()
+    subprocess.run(["umount", "-R", str(root / "data")], capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None]
+                ) -> tuple[int, str]:
+    """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``."""
+    env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
+         "--tag", out, "--pull", "never", "--rebuild"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(point):
+            hit(proc)
+            break
+    _, rest = proc.communicate(timeout=300)
+    err = "".join(seen) + rest
+    assert "Traceback" not in err, err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("point", ["==> checking vllm in the base", "==> building", "==> smoke-testing"])
+def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                               point: str) -> None:
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/fault-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, point, lambda _proc: eng.kill())
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert lines, err
+    assert "the Docker engine stopped answering" in lines[-1] or "incomplete" in lines[-1], err
+    print(f"{point!r}: exit {rc}: {lines[-1]}")
+    assert rc in (5, 11), err
+
+    engine = eng.start()
+    try:
+        # The next run, whatever it is, first removes what the dead run left.
+        r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url})
+        fails(r, "not in the engine")
+        assert engine.containers_by_owner() == {}
+        assert engine.image(out) is None
+        assert engine.image_ids() - before == set(), "images of the dead run remain"
+    finally:
+        private[1]._client = engine._client  # later tests use the restarted engine
+
+
+@pytest.mark.parametrize("point", ["==> building", "==> smoke-testing"])
+def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                                   point: str) -> None:
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/interrupted-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGINT))  # Ctrl-C
+    assert rc == 130 and "error: interrupted" in err, err
+    assert engine.image(out) is None
+    assert engine.containers_by_owner() == {}
+    assert engine.image_ids() - before == set(), "the interrupted run left images"

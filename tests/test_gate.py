@@ -1,0 +1,234 @@
+"""Integration tier: the push gate cannot be fooled, and registries that need a login work.
+
+Real engine, real stand-in images, real registries (one behind htpasswd basic
+auth, with credentials stored by a real `docker login` in a private
+DOCKER_CONFIG). Journal entries are edited here only the way a person with
+write access to build/records could edit them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import STANDIN_REPO, Registry, Result, cli, derive, fails
+from vllm_hotfix import records
+from vllm_hotfix.engine import Engine
+
+pytestmark = pytest.mark.engine
+INDEXER = "vllm/models/minimax_m3/common/indexer.py"
+
+
+@pytest.fixture
+def auth_registry(tmp_path: Path) -> Iterator[Registry]:
+    (tmp_path / "auth").mkdir()
+    reg = Registry(tmp_path / "auth", user="ops", password="s3cret-pw")
+    reg.start()
+    yield reg
+    reg.stop()
+
+
+def edit_entry(path: Path, **changes: object) -> None:
+    """Change a journal entry the way a person with write access to build/records could."""
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def docker_login(reg: Registry, config: Path) -> None:
+    config.mkdir(parents=True, exist_ok=True)
+    assert reg.auth is not None
+    user, password = reg.auth
+    subprocess.run(["docker", "login", reg.addr, "-u", user or "", "--password-stdin"], input=password or "",
+                   text=True, capture_output=True, check=True, env=dict(os.environ, DOCKER_CONFIG=str(config)))
+
+
+def test_push_to_a_registry_that_needs_a_login(built: tuple[Path, str, str], auth_registry: Registry,
+                                               tmp_path: Path) -> None:
+    project, ref, image_id = built
+    dest = f"{auth_registry.addr}/ops"
+
+    # No credentials at all: one line naming the registry, and the login hint.
+    empty = tmp_path / "no-login"
+    empty.mkdir()
+    r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", root=project,
+            env={"DOCKER_CONFIG": str(empty)})
+    fails(r, auth_registry.addr, "refused the credentials")
+    assert r.rc == 8 and f"hint: docker login {auth_registry.addr}" in r.err
+
+    # Stored but wrong (a stale login): same message.
+    wrong = tmp_path / "wrong-login"
+    wrong.mkdir()
+    token = base64.b64encode(b"ops:not-the-password").decode()
+    (wrong / "config.json").write_text(json.dumps({"auths": {auth_registry.addr: {"auth": token}}}))
+    r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", root=project,
+            env={"DOCKER_CONFIG": str(wrong)})
+    fails(r, auth_registry.addr, "refused the credentials")
+    assert "not-the-password" not in r.err + r.out
+    assert records.pushes(project, image_id) == []
+
+    # After `docker login`: lands, is confirmed through the engine, and is recorded.
+    good = tmp_path / "login"
+    docker_login(auth_registry, good)
+    start = time.monotonic()
+    r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", root=project,
+            env={"DOCKER_CONFIG": str(good)})
+    took = time.monotonic() - start
+    assert r.rc == 0, r.err
+    digest = r.out.split()[-1]
+    [entry] = records.pushes(project, image_id)
+    assert entry.data["digest"] == digest
+    print(f"push to the authenticated registry took {took:.2f} s")
+    name = ref.split("/")[-1].split(":")[0]
+    resp = requests.get(f"http://{auth_registry.addr}/v2/ops/{name}/manifests/v0.25.1-m3patch",
+                        auth=("ops", "s3cret-pw"), timeout=10,
+                        headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+    assert resp.status_code == 200 and resp.headers["Docker-Content-Digest"] == digest
+    for path in (project / "build" / "records").rglob("*.json"):
+        assert "s3cret-pw" not in path.read_text()
+
+
+@pytest.mark.parametrize("value", ["ops:s3cret-pw@127.0.0.1:5000/ops", "https://ops:s3cret-pw@host:5000/x"])
+def test_registry_with_credentials_is_refused_without_echo(value: str) -> None:
+    r = cli("push", "vllm/vllm-openai:v0.25.1-m3patch", "--registry", value)
+    fails(r, "--registry holds credentials")
+    assert r.rc == 64
+    assert "s3cret" not in r.err + r.out
+
+
+def test_relabelled_unpatched_image_fails_smoke_and_push(
+    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+) -> None:
+    project, ref, image_id = built
+    info = engine.image(image_id)
+    assert info is not None
+    labels = dict(info.labels)
+    base_id = labels["io.vllm-hotfix.base.id"]
+    # Claim the unpatched file hashes are the expected ones.
+    unpatched = records.builds_of_image(project, image_id)[0].data["files"]
+    labels["io.vllm-hotfix.files"] = json.dumps({rel: v["original_sha256"] for rel, v in unpatched.items()})
+    fake = f"hotfix-test/relabelled-{unique}:x"
+    body = "LABEL " + " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+    fake_id = derive(engine, base_id, fake, body.replace("$", "\\$"))
+    try:
+        r = cli("smoke", fake, root=project)
+        fails(r, "patch-landed")
+        assert r.rc == 7
+        assert "expected " in r.err and "altered after the build" in r.err
+        # Even with the failing verdict edited into a pass, the push re-checks the files.
+        edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
+        r = cli("push", fake, "--registry", f"{registry.addr}/ops", root=project)
+        fails(r, "refusing to push", "patch-landed")
+        assert r.rc == 8
+    finally:
+        engine.remove_image(fake)
+
+
+def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
+    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+) -> None:
+    project, ref, image_id = built
+    verdict = records.verdicts(project, image_id)[0]
+    info = engine.image(image_id)
+    assert info is not None
+    base_id = info.labels["io.vllm-hotfix.base.id"]
+    forged = verdict.path.with_name("99999999999999999999-forged.json")
+    forged.write_bytes(verdict.path.read_bytes())
+    edit_entry(forged, image_id=base_id, gpu_verified=True, status="pass", seq=99999999999999999999)
+    alias = f"hotfix-test/base-alias-{unique}:x"
+    engine.tag(base_id, alias)
+    try:
+        r = cli("push", alias, "--registry", f"{registry.addr}/ops", root=project)
+        fails(r, "refusing to push", "not built by this tool")
+        assert r.rc == 8
+        name = alias.split("/")[1].split(":")[0]
+        assert requests.get(f"http://{registry.addr}/v2/ops/{name}/tags/list", timeout=5).status_code == 404
+    finally:
+        engine.untag(alias)
+
+
+def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
+    engine: Engine, built: tuple[Path, str, str], registry: Registry, tmp_path: Path
+) -> None:
+    project, ref, image_id = built
+    # A second build record for the same image ID (the layer cache hands it back).
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--no-smoke", root=project)
+    assert r.rc == 0 and r.out.split()[-1] == image_id, r.err
+    assert len(records.builds_of_image(project, image_id)) == 2
+    # A later smoke run of that image fails for real: the stand-in has no `vllm serve`.
+    model = tmp_path / "model"
+    model.mkdir()
+    r = cli("smoke", ref, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=project)
+    assert r.rc == 7, r.err
+    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    fails(r, "failed its newest smoke run")
+    # ...and `image` says why it does not reuse it.
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", root=project)
+    assert r.rc == 0, r.err
+    assert "its newest smoke verdict" in r.err and "failed" in r.err
+
+
+def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
+    engine: Engine, base_v0251: str, project: Path, unique: str
+) -> None:
+    r = cli("image", "--base", "v0.25.1", "--tag", f"{STANDIN_REPO}:v0.25.1", "--pull", "never", "--no-smoke",
+            root=project)
+    fails(r, "is the base's own reference")
+    assert engine.image(f"{STANDIN_REPO}:v0.25.1").id == base_v0251  # type: ignore[union-attr]
+    foreign = f"hotfix-test/foreign-{unique}:x"
+    foreign_id = derive(engine, base_v0251, foreign, "LABEL owner=someone-else")
+    try:
+        r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", root=project)
+        fails(r, foreign, "this tool did not build")
+        assert engine.image(foreign).id == foreign_id  # type: ignore[union-attr]
+        r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", "--force",
+                root=project)
+        assert r.rc == 0, r.err
+        assert engine.image(foreign).id != foreign_id  # type: ignore[union-attr]
+    finally:
+        engine.untag(foreign)
+        engine.remove_untagged(foreign_id)
+
+
+def test_unwritable_records_stop_before_any_effect(engine: Engine, base_v0251: str, project: Path,
+                                                   unique: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    out = f"hotfix-test/norecord-{unique}:x"
+    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", root=project,
+            env={"VLLM_HOTFIX_RECORDS": str(blocker / "records")})
+    fails(r, "records folder", "not writable")
+    assert r.rc == 10
+    assert engine.image(out) is None
+
+
+def _parallel(n: int, fn: object) -> list[Result]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, range(n)))  # type: ignore[arg-type]
+
+
+def test_eight_parallel_runs_lose_no_entry(engine: Engine, built: tuple[Path, str, str], registry: Registry,
+                                           unique: str) -> None:
+    project, ref, image_id = built
+    before = {k: len(records.load(project, k)) for k in records.KINDS}
+    builds = _parallel(8, lambda i: cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never",
+                                        "--rebuild", "--no-smoke", root=project))
+    assert all(r.rc == 0 for r in builds), [r.err for r in builds if r.rc]
+    smokes = _parallel(8, lambda i: cli("smoke", ref, root=project))
+    assert all(r.rc == 0 for r in smokes), [r.err for r in smokes if r.rc]
+    pushes = _parallel(8, lambda i: cli("push", ref, "--registry", f"{registry.addr}/ops{i}",
+                                        "--allow-gpu-unverified", root=project))
+    assert all(r.rc == 0 for r in pushes), [r.err for r in pushes if r.rc]
+    after = {k: len(records.load(project, k)) for k in records.KINDS}
+    counts = {k: after[k] - before[k] for k in records.KINDS}
+    print(f"entries added by 8 parallel image, smoke and push runs: {counts}")
+    assert counts["build"] == 8 and counts["verdict"] == 8 and counts["push"] == 8 and counts["tag"] == 8
