@@ -195,13 +195,34 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
+@click.option("--platform", "platform_text", default=None, metavar="LIST",
+              help="linux/amd64, linux/arm64, or both comma-separated (default: the engine's own).")
+@click.option("--publish", default=None, metavar="HOST[:PORT]/PATH",
+              help="Push the stand-ins of every --platform and an index over them to "
+                   "HOST[:PORT]/PATH/vllm-openai:v<version>, as upstream publishes its images.")
 @click.pass_obj
 @guarded
-def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None) -> None:
+def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None,
+                platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
-    ref = ref or f"vllm/vllm-openai:v{version}"
-    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version)
-    click.echo(f"stand-in {ref} {info.id}")
+    from . import platforms, refs
+
+    plats = platforms.parse(platform_text)
+    if publish is not None:
+        where = refs.check_registry(publish)
+        target = refs.check_reference(f"{where}/vllm-openai:v{version}", "--publish", tag_only=True)
+        chosen = plats or [platforms.Platform("linux", "amd64"), platforms.Platform("linux", "arm64")]
+        digest, children = standin.publish(obj.engine, obj.root, version, target, chosen, progress)
+        for plat, child in children.items():
+            click.echo(f"platform {plat} {child}")
+        click.echo(f"published {target} {digest}")
+        return
+    if plats is not None and len(plats) > 1:
+        raise UsageError("--platform with several platforms needs --publish (a local tag names one image)")
+    ref = refs.check_reference(ref or f"vllm/vllm-openai:v{version}", "--ref", tag_only=True)
+    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version,
+                        plat=plats[0] if plats else None)
+    click.echo(f"stand-in {ref} {info.id} {info.os}/{info.architecture}")
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
