@@ -49,6 +49,7 @@ class BaseFacts:
     site_dir: str  # the folder holding the package folder
     package_dir: str
     version: str | None
+    machine: str = ""  # platform.machine() of the image's Python: the architecture that compiled the bytecode
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def locate_package(
         site_dir=data["site_dir"],
         package_dir=data["package_dir"],
         version=data.get("version"),
+        machine=str(data.get("machine") or ""),
     )
     return facts, data["files"]
 

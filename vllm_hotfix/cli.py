@@ -128,6 +128,11 @@ def main(ctx: click.Context, root: Path) -> None:
 
 base_option = click.option("--base", "base_tag", required=True, help="Base image tag, e.g. v0.25.1.")
 repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
+platform_option = click.option(
+    "--platform", "platform_text", default=None, metavar="LIST|all",
+    help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
+         "Default: all when the base is an index in a registry, the engine's own when the base is only local.",
+)
 pull_option = click.option(
     "--pull", type=click.Choice(PULL_POLICIES), default="missing", show_default=True,
     help="When to pull the base from its registry.",
@@ -145,22 +150,32 @@ pull_option = click.option(
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
 @click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
+@platform_option
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool) -> None:
-    """Build the patched image for base TAG."""
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool,
+          platform_text: str | None) -> None:
+    """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
+    from . import platforms
+
+    wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
     if not no_smoke:
         from . import smoke as smokelib
 
         smoke = smokelib.runner(obj.root, progress)
+    options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
+                                   smoke=smoke, progress=progress)
     try:
-        result = pipeline.build_image(
-            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
-            progress=progress,
-        )
+        bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
+                                        progress=progress)
+        if bases is not None:
+            results = pipeline.build_platforms(obj.engine, plan, bases, **options)
+            _report_platforms(plan, results, as_json)
+            return
+        result = pipeline.build_image(obj.engine, plan, **options)
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
         if as_json:
@@ -179,16 +194,45 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
 
+def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], as_json: bool) -> None:
+    if as_json:
+        _json({"result": "built" if any(not r.reused for r in results) else "reused", "ref": plan.output_ref,
+               "platforms": [{"platform": r.platform, "ref": r.output_ref, "image_id": r.image_id,
+                              "reused": r.reused, "record": r.record.path.name,
+                              "smoke": (r.smoke or {}).get("status"),
+                              "gpu_verified": bool((r.smoke or {}).get("gpu_verified"))} for r in results]})
+        return
+    for r in results:
+        click.echo(f"{'reused' if r.reused else 'built'} {r.output_ref} {r.image_id} {r.platform}")
+    names = ",".join(str(r.platform) for r in results)
+    click.echo(f"platforms {plan.output_ref} {names} "
+               f"(push them with an index: push {plan.output_ref} --platform {names} --registry HOST[:PORT]/PATH)")
+
+
 @main.command()
 @base_option
 @repo_option
 @pull_option
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Render for this platform of the base's index (linux/amd64 or linux/arm64).")
 @click.pass_obj
 @guarded
-def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
+def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
     plan = pipeline.plan(obj.root, base_tag, base_repo)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress), nl=False)
+    plat = _one_platform(platform_text)
+    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, platform=plat), nl=False)
+
+
+def _one_platform(text: str | None) -> Any:
+    from . import platforms
+
+    if text is None:
+        return None
+    wanted = platforms.parse(text)
+    if wanted is None or len(wanted) != 1:
+        raise UsageError(f"--platform {text!r}: name one platform here (linux/amd64 or linux/arm64)")
+    return wanted[0]
 
 
 @main.command("standin")

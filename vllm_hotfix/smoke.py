@@ -54,6 +54,7 @@ class Report:
     seconds: float = 0.0
     expected_from: str = ""
     host: dict[str, Any] = field(default_factory=dict)
+    platform: str = ""
 
     @property
     def status(self) -> str:
@@ -75,6 +76,7 @@ class Report:
             "gpu_verified": self.gpu_verified,
             "expected_from": self.expected_from,
             "host": self.host,
+            "platform": self.platform,
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "checks": self.checks,
@@ -171,7 +173,8 @@ class Smoke:
         image = self.engine.image(ref)
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
-        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts())
+        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts(),
+                        platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
 
         self.say(f"==> smoke 1/5: patched files in {ref}")
@@ -212,6 +215,13 @@ class Smoke:
         mode = self.opt.gpu
         if mode == "off":
             self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
+            return
+        if image.architecture and self.engine.arch and image.architecture != self.engine.arch:
+            # An emulated CPU runs no GPU code: only a host of the image's own architecture can verify it.
+            detail = (f"the image is {image.os}/{image.architecture}, the Docker host {self.engine.arch}: "
+                      "GPU checks need a host of the image's architecture")
+            status = "incomplete" if mode == "require" else "skip"
+            self.add(report, [{"name": "gpu", "status": status, "detail": detail}], 0)
             return
         if mode == "auto" and not self.gpu_runtime:
             self.add(report, [{"name": "gpu", "status": "skip",
