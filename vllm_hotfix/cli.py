@@ -365,14 +365,30 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--platform", "platform_text", default=None, metavar="LIST|all",
+              help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
+                   "as IMAGE. Default: IMAGE alone.")
 @click.pass_obj
 @guarded
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
+         platform_text: str | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
+    from . import platforms, refs
     from . import push as pushlib
-    from . import refs
 
     refs.check_registry(registry)
+    if platform_text is not None:
+        plats = platforms.parse(platform_text)
+        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats,
+                                   allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+        if as_json:
+            _json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
+                   "children": index.children})
+            return
+        for child in index.children:
+            click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
+        click.echo(f"pushed index {index.ref} {index.digest}")
+        return
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
     if as_json:
