@@ -404,17 +404,20 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 @pull_option
 @click.option("--from-wheel", is_flag=True, help="Read the release's PyPI wheel instead of its image.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Judge this platform's image (or wheel) of the release: linux/amd64 or linux/arm64.")
 @click.pass_obj
 @guarded
 def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | None, pull: str,
-                   from_wheel: bool, as_json: bool) -> None:
+                   from_wheel: bool, as_json: bool, platform_text: str | None) -> None:
     """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
     import json
 
     from . import upstream
 
     report = upstream.check(obj.root, patch_set, base_tag, engine=lambda: obj.engine, base_repo=base_repo,
-                            pull=pull, from_wheel=from_wheel, progress=progress)
+                            pull=pull, from_wheel=from_wheel, progress=progress,
+                            platform=_one_platform(platform_text))
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
     else:
