@@ -134,12 +134,14 @@ def index_registry(plat_engine: Engine, tmp_path_factory: pytest.TempPathFactory
                "base_repo": f"{reg.addr}/{STANDIN_REPO}"}
     finally:
         reg.stop()
+        # Removing a last reference (not untagging) also prunes the build steps under it.
         for plat in (AMD64, ARM64):
             ref = f"{STANDIN_REPO}:v0.25.1-{plat.suffix}"
             info = plat_engine.image(ref)
-            if info is not None:
-                plat_engine.untag(ref)
-                plat_engine.remove_untagged(info.id, force=False)
+            if info is not None and info.tags == (ref,):
+                plat_engine.remove_image(ref, force=False)
+            elif info is not None:
+                plat_engine.untag(ref)  # the layer cache made it the same image as another name's
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +158,7 @@ def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_
     result = json.loads(r.out)
     yield root, out, result
     for ref in (out, f"{out}-x86_64", f"{out}-aarch64"):
-        info = plat_engine.image(ref)
-        if info is not None:
-            plat_engine.untag(ref)
-    for child in result["platforms"]:
-        plat_engine.remove_untagged(child["image_id"], force=False)
+        plat_engine.remove_image(ref, force=False)
     for digest in (index_registry["children"] or {}).values():  # type: ignore[union-attr]
         plat_engine.remove_image(f"{index_registry['base_repo']}@{digest}", force=False)
 
