@@ -101,6 +101,7 @@ Environment:
   VLLM_HOTFIX_RUN_ID    label put on every container a run starts
   VLLM_HOTFIX_PROBE_TIMEOUT  seconds a probe of the base may take (120)
   VLLM_HOTFIX_GITHUB_API  GitHub API base URL for new-patchset
+  VLLM_HOTFIX_BINFMT_DIR  where the host registers emulators (default /proc/sys/fs/binfmt_misc)
 """
 
 

@@ -34,7 +34,8 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 INDEX_TYPES = (DOCKER_LIST, OCI_INDEX)
 ACCEPT = ", ".join((OCI_INDEX, DOCKER_LIST, OCI_MANIFEST, DOCKER_MANIFEST))
-TIMEOUT = 60
+# (connect, read): a registry that does not answer at all is given up on quickly.
+TIMEOUT = (10, 60)
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,11 @@ class Client:
                 raise self._refused(f"the auth server answered {got.status_code}")
             if not got.ok:
                 raise PushError(f"auth server of {self.host} answered {got.status_code}")
-            body = got.json()
-            token = body.get("token") or body.get("access_token")
+            try:
+                body = got.json()
+            except ValueError:
+                body = None
+            token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
             if not token:
                 raise PushError(f"auth server of {self.host} gave no token")
             return "Authorization", f"Bearer {token}"
