@@ -24,7 +24,7 @@ import requests
 from conftest import REPO, RUN_ID, STANDIN_REPO, Registry, Result, cli, fails
 from vllm_hotfix import platforms, records, registry
 from vllm_hotfix.engine import Engine
-from vllm_hotfix.errors import BaseImageError, UsageError
+from vllm_hotfix.errors import BaseImageError, PushError, UsageError
 from vllm_hotfix.platforms import Platform
 
 AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
@@ -308,3 +308,35 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
     fails(r, "linux/arm64", "no emulator for aarch64")
     assert r.rc == 4 and "qemu-user-static" in r.err
     assert not records.builds(project)
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_registry_client_uses_the_stored_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Basic auth against a real htpasswd registry, with what `docker login` stored; the secret never shown."""
+    (tmp_path / "reg").mkdir()
+    reg = Registry(tmp_path / "reg", user="ops", password="plat-s3cret")
+    reg.start()
+    try:
+        eng = Engine.connect()
+        assert not eng.registry_secure(reg.addr)  # loopback: the engine itself talks plain HTTP to it
+        empty = tmp_path / "no-login"
+        empty.mkdir()
+        monkeypatch.setenv("DOCKER_CONFIG", str(empty))
+        with pytest.raises(PushError, match="refused the credentials") as refused:
+            registry.read_index(eng, f"{reg.addr}/ops/absent:v1")
+        assert refused.value.hint == f"docker login {reg.addr}"
+        login = tmp_path / "login"
+        login.mkdir()
+        subprocess.run(["docker", "login", reg.addr, "-u", "ops", "--password-stdin"], input="plat-s3cret",
+                       text=True, capture_output=True, check=True, env=dict(os.environ, DOCKER_CONFIG=str(login)))
+        monkeypatch.setenv("DOCKER_CONFIG", str(login))
+        assert registry.read_index(eng, f"{reg.addr}/ops/absent:v1") is None  # past the login: a plain 404
+        # Push scope too: the registry reads the index and refuses it for its unknown child, not for the login.
+        kid = registry.Child("sha256:" + "d" * 64, registry.DOCKER_MANIFEST, 10, "linux", "arm64")
+        with pytest.raises(PushError, match="refused the index") as bad:
+            registry.Client(reg.addr, secure=False, credentials=("ops", "plat-s3cret")).put_manifest(
+                "ops/absent", "v1", *registry.index_body([kid]))
+        assert "plat-s3cret" not in str(bad.value)
+    finally:
+        reg.stop()
