@@ -12,7 +12,11 @@ PLATFORM_FLAG = $(if $(PLATFORM),--platform $(PLATFORM),)
 GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup services stop image render smoke push demo test lint bench bench-platforms clean clean-records
+.PHONY: help setup services stop image render smoke push demo demo-platforms test lint bench bench-platforms clean \
+	clean-records
+# The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
+PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
+STANDIN_REGISTRY ?= 127.0.0.1:5000/vllm
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,6 +48,16 @@ demo: setup services ## End to end on a local engine: stand-in base, build, smok
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --base $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
+
+demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from a stand-in index, on a Docker 26.1 engine
+	.ci/services install-cdi-engine
+	.ci/services start-cdi-engine
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE)) \
+		--platform linux/amd64,linux/arm64 --publish $(STANDIN_REGISTRY)
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py image --base $(BASE) --base-repo $(STANDIN_REGISTRY)/vllm-openai \
+		--tag vllm/vllm-openai:$(BASE)-m3patch
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --platform all \
+		--registry $(REGISTRY) --allow-gpu-unverified
 
 test: setup services ## Run every test (unit and integration) against the real engine and registry
 	$(PYTHON) -m pytest -q

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, Registry, Result, cli, fails
+from conftest import REPO, RUN_ID, STANDIN_REPO, Registry, cli, fails
 from vllm_hotfix import platforms, records, registry
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import BaseImageError, PushError, UsageError
@@ -116,8 +116,8 @@ def plat_engine() -> Iterator[Engine]:
     assert not leaks, f"containers left behind on {PLAT_HOST}: {leaks}"
 
 
-def pcli(*args: str, root: Path | None = None, env: dict[str, str] | None = None) -> Result:
-    return cli(*args, root=root, env={"DOCKER_HOST": PLAT_HOST, **(env or {})}, timeout=1200)
+# Every command of these tests talks to the platform-aware engine.
+PENV = {"DOCKER_HOST": PLAT_HOST}
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,8 @@ def index_registry(plat_engine: Engine, tmp_path_factory: pytest.TempPathFactory
     reg = Registry(tmp_path_factory.mktemp("platform-registry"))
     reg.start()
     try:
-        r = pcli("standin", "--version", "0.25.1", "--platform", "linux/amd64,linux/arm64",
-                 "--publish", f"{reg.addr}/{STANDIN_REPO.split('/')[0]}")
+        r = cli("standin", "--version", "0.25.1", "--platform", "linux/amd64,linux/arm64",
+                "--publish", f"{reg.addr}/{STANDIN_REPO.split('/')[0]}", env=PENV, timeout=1200)
         assert r.rc == 0, r.err
         children = {line.split()[1]: line.split()[2] for line in r.out.splitlines() if line.startswith("platform ")}
         yield {"registry": reg, "index": r.out.split()[-1], "children": children,
@@ -152,8 +152,8 @@ def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_
     for folder in ("images", "patches"):
         subprocess.run(["cp", "-r", str(REPO / folder), str(root / folder)], check=True)
     out = f"hotfix-test/platforms-{RUN_ID[-8:]}:v0.25.1-m3patch"
-    r = pcli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
-             "--json", root=root)
+    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
+            "--json", root=root, env=PENV, timeout=1200)
     assert r.rc == 0, r.err
     result = json.loads(r.out)
     yield root, out, result
@@ -241,8 +241,8 @@ def test_push_puts_an_index_over_both_platforms(plat_engine: Engine, index_regis
     root, out, result = built_both
     reg = index_registry["registry"]
     assert isinstance(reg, Registry)
-    r = pcli("push", out, "--platform", "all", "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", "--json",
-             root=root)
+    r = cli("push", out, "--platform", "all", "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", "--json",
+            root=root, env=PENV, timeout=1200)
     assert r.rc == 0, r.err
     note = json.loads(r.out)
     name = out.split("/", 1)[1].split(":")[0]
@@ -285,10 +285,11 @@ def test_gate_refuses_the_index_when_one_platform_failed(plat_engine: Engine, in
     # A later smoke run of the arm64 image fails for real: the stand-in has no `vllm serve`.
     model = tmp_path / "model"
     model.mkdir()
-    r = pcli("smoke", arm, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=root)
+    r = cli("smoke", arm, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=root,
+            env=PENV, timeout=1200)
     assert r.rc == 7, r.err
-    r = pcli("push", out, "--platform", "all", "--registry", f"{reg.addr}/refused", "--allow-gpu-unverified",
-             root=root)
+    r = cli("push", out, "--platform", "all", "--registry", f"{reg.addr}/refused", "--allow-gpu-unverified",
+            root=root, env=PENV, timeout=1200)
     fails(r, "linux/arm64", "failed its newest smoke run")
     assert r.rc == 8
     # Nothing reached the registry: neither the amd64 child nor an index.
@@ -302,9 +303,9 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
                                               tmp_path: Path) -> None:
     empty = tmp_path / "binfmt"
     empty.mkdir()
-    r = pcli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
-             "linux/arm64", "--tag", "hotfix-test/no-emulator:v1", root=project,
-             env={"VLLM_HOTFIX_BINFMT_DIR": str(empty)})
+    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
+            "linux/arm64", "--tag", "hotfix-test/no-emulator:v1", root=project,
+            env={**PENV, "VLLM_HOTFIX_BINFMT_DIR": str(empty)}, timeout=1200)
     fails(r, "linux/arm64", "no emulator for aarch64")
     assert r.rc == 4 and "qemu-user-static" in r.err
     assert not records.builds(project)

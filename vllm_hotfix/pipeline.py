@@ -292,6 +292,11 @@ def platform_bases(
     local = engine.image(p.base_ref)
     if not asked and (pull == "never" or (local is not None and pull != "always")):
         return None
+    if not asked and engine.api_version < platforms.MIN_API:
+        # An engine that loses other platforms still builds its own, as it always did.
+        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
+            "--platform all needs Docker 26.1 or newer")
+        return None
     try:
         found = registry.read_index(engine, p.base_ref) if pull != "never" else None
     except PipelineError as exc:
