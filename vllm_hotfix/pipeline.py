@@ -303,7 +303,7 @@ def platform_bases(
         if asked and wanted is not None and local is None:
             raise BaseImageError(f"cannot read {p.base_ref} from its registry to find its platforms: {exc}") \
                 from exc
-        say(f"    cannot read {p.base_ref} from its registry ({exc}); using the engine's copy")
+        say(f"    cannot read {p.base_ref} from its registry ({exc}); building for one platform")
         found = None
     if found is None or not found.is_index:
         return _single(engine, p, wanted, local, found is not None)

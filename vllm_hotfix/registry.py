@@ -14,6 +14,7 @@ never appear in messages.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -107,20 +108,22 @@ class Client:
             if self._credentials is None:
                 raise self._refused("no login stored")
             user, password = self._credentials
-            return "Authorization", requests.auth._basic_auth_str(user, password)
+            pair = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+            return "Authorization", f"Basic {pair}"
         if scheme == "bearer":
             params = dict(_CHALLENGE.findall(challenge))
             realm = params.pop("realm", "")
             if not realm:
                 raise PushError(f"registry {self.host} asked for a token without saying where to get it")
             params["scope"] = scope
-            auth = None
-            if self._credentials is not None and self._credentials[0] != "<token>":
-                auth = self._credentials
-            elif self._credentials is not None:
-                params["refresh_token"] = self._credentials[1]
             try:
-                got = self._session.get(realm, params=params, auth=auth, timeout=TIMEOUT)
+                if self._credentials is not None and self._credentials[0] == "<token>":
+                    # An identity token is exchanged by the OAuth2 refresh-token grant, as the docker client does.
+                    form = {**params, "grant_type": "refresh_token", "refresh_token": self._credentials[1],
+                            "client_id": "vllm-hotfix"}
+                    got = self._session.post(realm, data=form, timeout=TIMEOUT)
+                else:
+                    got = self._session.get(realm, params=params, auth=self._credentials, timeout=TIMEOUT)
             except requests.RequestException as exc:
                 raise PushError(f"cannot get a token for {self.host} from its auth server: "
                                 f"{type(exc).__name__}") from exc
