@@ -23,10 +23,12 @@ help: ## List the targets
 
 setup: ## Install system packages (docker.io, docker-registry, mmdebstrap) and the tool
 	.ci/services install
+	.ci/services install-cdi-engine
 	$(PYTHON) -m pip install -q -e '.[test]'
 
-services: ## Start a local Docker engine and registry unless they already answer
+services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a registry unless they answer
 	.ci/services start-engine
+	.ci/services start-cdi-engine
 	.ci/services start-registry
 
 stop: ## Stop the engine and registry that `make services` (or demo/test) started

@@ -127,16 +127,16 @@ def index_registry(plat_engine: Engine, tmp_path_factory: pytest.TempPathFactory
     reg.start()
     try:
         r = cli("standin", "--version", "0.25.1", "--platform", "linux/amd64,linux/arm64",
-                "--publish", f"{reg.addr}/{STANDIN_REPO.split('/')[0]}", env=PENV, timeout=1200)
+                "--publish", f"{reg.addr}/{STANDIN_REPO}", env=PENV, timeout=1200)
         assert r.rc == 0, r.err
         children = {line.split()[1]: line.split()[2] for line in r.out.splitlines() if line.startswith("platform ")}
         yield {"registry": reg, "index": r.out.split()[-1], "children": children,
-               "base_repo": f"{reg.addr}/{STANDIN_REPO}"}
+               "base_repo": f"{reg.addr}/{STANDIN_REPO}/vllm-openai"}
     finally:
         reg.stop()
         # Removing a last reference (not untagging) also prunes the build steps under it.
         for plat in (AMD64, ARM64):
-            ref = f"{STANDIN_REPO}:v0.25.1-{plat.suffix}"
+            ref = f"{STANDIN_REPO}/vllm-openai:v0.25.1-{plat.suffix}"  # what --publish made locally
             info = plat_engine.image(ref)
             if info is not None and info.tags == (ref,):
                 plat_engine.remove_image(ref, force=False)

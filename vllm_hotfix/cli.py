@@ -271,12 +271,23 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-                   requests_n: int) -> Any:
+                   requests_n: int, gpu_request: str = "auto", definition: str | None = None) -> Any:
     from . import smoke as smokelib
     from . import sweep
 
-    return smokelib.SmokeOptions(gpu=gpu, serve_model=serve_model, serve_args=serve_args,
+    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
+                                 serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n)
+
+
+def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from . import gpu_access
+    from .errors import SmokeError
+
+    try:
+        return gpu_access.parse_request(value)
+    except SmokeError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 sweep_options = [
@@ -298,7 +309,13 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @main.command()
 @click.argument("image_ref", metavar="IMAGE")
 @click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
-              help="Run GPU checks: where the host has an NVIDIA runtime, always, or never.")
+              help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
+@click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
+              help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
+                   "cdi[:DEVICE], gpus or runtime[:NAME].")
+@click.option("--definition", default=None, metavar="TAG",
+              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
+                   "e.g. on the unpatched base to see them catch the bug.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
@@ -307,14 +324,15 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @with_options(sweep_options)
 @click.pass_obj
 @guarded
-def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_path: Path | None,
-          serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str, requests_n: int) -> None:
+def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
+          requests_n: int) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from . import records
     from . import smoke as smokelib
     from .errors import SmokeError, SmokeIncomplete
 
-    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n)
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition)
     records.ensure_writable(obj.root)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
     entry = smokelib.record(obj.root, report)

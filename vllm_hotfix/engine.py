@@ -18,7 +18,7 @@ import socket
 import tarfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,6 +59,39 @@ class ImageInfo:
     def digest(self) -> str | None:
         """The registry digest (``name@sha256:...``) if the image has one."""
         return self.repo_digests[0] if self.repo_digests else None
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """How a container asks the engine for GPUs; chosen elsewhere, passed through here.
+
+    ``cdi``: a CDI device (``device``, e.g. ``nvidia.com/gpu=all``; engine API >= 1.44 with
+    the ``cdi`` feature). ``gpus``: the capability request of ``docker run --gpus all``.
+    ``runtime``: a registered OCI runtime (``runtime``, e.g. ``nvidia``) with every GPU visible.
+    """
+
+    way: str
+    device: str = ""
+    runtime: str = ""
+
+    def __str__(self) -> str:
+        if self.way == "cdi":
+            return f"cdi:{self.device}"
+        if self.way == "runtime":
+            return f"runtime:{self.runtime}"
+        return self.way
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine says about itself that bears on GPU access."""
+
+    server_version: str
+    api_version: str
+    cdi_spec_dirs: tuple[str, ...]
+    runtimes: tuple[str, ...]
+    default_runtime: str
+    local: bool
 
 
 @dataclass(frozen=True)
@@ -336,6 +369,19 @@ class Engine:
             raise EngineError(f"imported {tar_path} but {ref} is missing")
         return info
 
+    def import_stream(self, chunks: Iterable[bytes], ref: str, changes: Sequence[str] = ()) -> ImageInfo:
+        """``docker import`` of a tar stream (e.g. a host's own filesystem), with Dockerfile ``changes``."""
+        repo, tag = split_reference(ref)
+        try:
+            self._client.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes),
+                                          stream_src=True)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EngineError(f"cannot import a filesystem as {ref}: {_short(exc)}") from exc
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported a filesystem but {ref} is missing")
+        return info
+
     # -- containers --------------------------------------------------------
 
     @contextmanager
@@ -390,7 +436,7 @@ class Engine:
         *,
         files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp",
-        gpu: bool = False,
+        gpu: GpuRequest | None = None,
         network: str = "none",
         timeout: float = 300,
     ) -> ExecResult:
@@ -433,7 +479,7 @@ class Engine:
         command: Sequence[str],
         *,
         mounts: Sequence[tuple[str, str]] = (),
-        gpu: bool = False,
+        gpu: GpuRequest | None = None,
     ) -> Iterator[Callable[[], tuple[bool, str]]]:
         """Start the image's own entrypoint with ``command`` on host network.
 
@@ -466,14 +512,23 @@ class Engine:
             if container is not None:
                 _remove_container(container)
 
-    def has_gpu_runtime(self) -> bool:
-        """Whether the engine knows an NVIDIA runtime (``--gpus`` would work)."""
+    def facts(self) -> EngineFacts:
+        """Version, CDI spec folders (API >= 1.44 lists them) and registered runtimes."""
         try:
             info = self._client.info()
-        except docker.errors.APIError:
-            return False
-        runtimes = info.get("Runtimes") or {}
-        return "nvidia" in runtimes or "nvidia" in str(info.get("DefaultRuntime", ""))
+            version = self._client.version()
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EngineError(f"engine refused `docker info`: {_short(exc)}") from exc
+        base_url = str(getattr(self._client.api, "base_url", ""))
+        return EngineFacts(
+            server_version=str(version.get("Version", "")),
+            api_version=str(version.get("ApiVersion", "")),
+            cdi_spec_dirs=tuple(info.get("CDISpecDirs") or ()),
+            runtimes=tuple(sorted(info.get("Runtimes") or {})),
+            default_runtime=str(info.get("DefaultRuntime") or ""),
+            # Spec files can be read only where the engine's files are ours to read.
+            local=base_url.startswith(("http+unix://", "http+docker://localunixsocket")),
+        )
 
     @_guard("listing containers")
     def containers_with_role(self, run_id: str | None = None) -> list[str]:
@@ -663,7 +718,8 @@ class Engine:
     @property
     def local(self) -> bool:
         """Whether the engine runs on this machine (reached through a unix socket)."""
-        return str(self._client.api.base_url).startswith("http+docker://")
+        # docker-py names a unix socket (and a Windows named pipe) so; ssh:// and tcp:// are other hosts.
+        return str(self._client.api.base_url) in ("http+docker://localhost", "http+docker://localnpipe")
 
     @_guard("asking the engine for {0}")
     def registry_secure(self, host: str) -> bool:
@@ -742,11 +798,18 @@ def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> P
     return PushError(f"{doing} failed: {message}")
 
 
-def _gpu_request(gpu: bool) -> dict[str, Any]:
-    """Create-time arguments that ask for every GPU (`docker run --gpus all`)."""
-    if not gpu:
+def _gpu_request(gpu: GpuRequest | None) -> dict[str, Any]:
+    """Create-time arguments for ``gpu``: a plain translation, the choice is made by the caller."""
+    if gpu is None:
         return {}
-    return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+    if gpu.way == "cdi":
+        return {"device_requests": [docker.types.DeviceRequest(driver="cdi", device_ids=gpu.device.split(","))]}
+    if gpu.way == "gpus":
+        return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+    if gpu.way == "runtime":
+        # The NVIDIA runtime exposes GPUs by this variable; CUDA images set it, others may not.
+        return {"runtime": gpu.runtime, "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}
+    raise EngineError(f"unknown GPU request way {gpu.way!r}")
 
 
 _EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
