@@ -101,6 +101,7 @@ Environment:
   VLLM_HOTFIX_RUN_ID    label put on every container a run starts
   VLLM_HOTFIX_PROBE_TIMEOUT  seconds a probe of the base may take (120)
   VLLM_HOTFIX_GITHUB_API  GitHub API base URL for new-patchset
+  VLLM_HOTFIX_BINFMT_DIR  where the host registers emulators (default /proc/sys/fs/binfmt_misc)
 """
 
 
@@ -128,6 +129,11 @@ def main(ctx: click.Context, root: Path) -> None:
 
 base_option = click.option("--base", "base_tag", required=True, help="Base image tag, e.g. v0.25.1.")
 repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
+platform_option = click.option(
+    "--platform", "platform_text", default=None, metavar="LIST|all",
+    help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
+         "Default: all when the base is an index in a registry, the engine's own when the base is only local.",
+)
 pull_option = click.option(
     "--pull", type=click.Choice(PULL_POLICIES), default="missing", show_default=True,
     help="When to pull the base from its registry.",
@@ -148,22 +154,32 @@ pull_option = click.option(
               help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
                    "layer and config and load them (reproducible image ID).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
+@platform_option
 @click.pass_obj
 @guarded
-def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None, pull: str, no_smoke: bool,
-          rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool) -> None:
-    """Build the patched image for base TAG."""
+def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
+          platform_text: str | None) -> None:
+    """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
+    from . import platforms
+
+    wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
     if not no_smoke:
         from . import smoke as smokelib
 
         smoke = smokelib.runner(obj.root, progress)
+    options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
+                                   smoke=smoke, progress=progress, builder=builder)
     try:
-        result = pipeline.build_image(
-            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
-            progress=progress, builder=builder,
-        )
+        bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
+                                        progress=progress)
+        if bases is not None:
+            results = pipeline.build_platforms(obj.engine, plan, bases, **options)
+            _report_platforms(plan, results, as_json)
+            return
+        result = pipeline.build_image(obj.engine, plan, **options)
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
         if as_json:
@@ -182,31 +198,79 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
 
+def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], as_json: bool) -> None:
+    if as_json:
+        _json({"result": "built" if any(not r.reused for r in results) else "reused", "ref": plan.output_ref,
+               "platforms": [{"platform": r.platform, "ref": r.output_ref, "image_id": r.image_id,
+                              "reused": r.reused, "record": r.record.path.name,
+                              "smoke": (r.smoke or {}).get("status"),
+                              "gpu_verified": bool((r.smoke or {}).get("gpu_verified"))} for r in results]})
+        return
+    for r in results:
+        click.echo(f"{'reused' if r.reused else 'built'} {r.output_ref} {r.image_id} {r.platform}")
+    names = ",".join(str(r.platform) for r in results)
+    click.echo(f"platforms {plan.output_ref} {names} "
+               f"(push them with an index: push {plan.output_ref} --platform {names} --registry HOST[:PORT]/PATH)")
+
+
 @main.command()
 @base_option
 @repo_option
 @pull_option
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Render for this platform of the base's index (linux/amd64 or linux/arm64).")
 @click.pass_obj
 @guarded
-def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
+def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
     plan = pipeline.plan(obj.root, base_tag, base_repo)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress), nl=False)
+    plat = _one_platform(platform_text)
+    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, platform=plat), nl=False)
+
+
+def _one_platform(text: str | None) -> Any:
+    from . import platforms
+
+    if text is None:
+        return None
+    wanted = platforms.parse(text)
+    if wanted is None or len(wanted) != 1:
+        raise UsageError(f"--platform {text!r}: name one platform here (linux/amd64 or linux/arm64)")
+    return wanted[0]
 
 
 @main.command("standin")
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
+@click.option("--platform", "platform_text", default=None, metavar="LIST",
+              help="linux/amd64, linux/arm64, or both comma-separated (default: the engine's own).")
+@click.option("--publish", default=None, metavar="HOST[:PORT]/PATH",
+              help="Push the stand-ins of every --platform and an index over them to "
+                   "HOST[:PORT]/PATH/vllm-openai:v<version>, as upstream publishes its images.")
 @click.pass_obj
 @guarded
-def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None) -> None:
+def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None,
+                platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
-    from . import standin
+    from . import platforms, refs, standin
 
-    ref = ref or f"vllm/vllm-openai:v{version}"
-    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version)
-    click.echo(f"stand-in {ref} {info.id}")
+    plats = platforms.parse(platform_text)
+    if publish is not None:
+        where = refs.check_registry(publish)
+        target = refs.check_reference(f"{where}/vllm-openai:v{version}", "--publish", tag_only=True)
+        chosen = plats or [platforms.Platform("linux", "amd64"), platforms.Platform("linux", "arm64")]
+        digest, children = standin.publish(obj.engine, obj.root, version, target, chosen, progress)
+        for plat, child in children.items():
+            click.echo(f"platform {plat} {child}")
+        click.echo(f"published {target} {digest}")
+        return
+    if plats is not None and len(plats) > 1:
+        raise UsageError("--platform with several platforms needs --publish (a local tag names one image)")
+    ref = refs.check_reference(ref or f"vllm/vllm-openai:v{version}", "--ref", tag_only=True)
+    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version,
+                        plat=plats[0] if plats else None)
+    click.echo(f"stand-in {ref} {info.id} {info.os}/{info.architecture}")
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
@@ -323,14 +387,30 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--platform", "platform_text", default=None, metavar="LIST|all",
+              help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
+                   "as IMAGE. Default: IMAGE alone.")
 @click.pass_obj
 @guarded
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
+         platform_text: str | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
+    from . import platforms, refs
     from . import push as pushlib
-    from . import refs
 
     refs.check_registry(registry)
+    if platform_text is not None:
+        plats = platforms.parse(platform_text)
+        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats,
+                                   allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+        if as_json:
+            _json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
+                   "children": index.children})
+            return
+        for child in index.children:
+            click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
+        click.echo(f"pushed index {index.ref} {index.digest}")
+        return
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
     if as_json:
@@ -346,17 +426,20 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 @pull_option
 @click.option("--from-wheel", is_flag=True, help="Read the release's PyPI wheel instead of its image.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Judge this platform's image (or wheel) of the release: linux/amd64 or linux/arm64.")
 @click.pass_obj
 @guarded
 def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | None, pull: str,
-                   from_wheel: bool, as_json: bool) -> None:
+                   from_wheel: bool, as_json: bool, platform_text: str | None) -> None:
     """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
     import json
 
     from . import upstream
 
     report = upstream.check(obj.root, patch_set, base_tag, engine=lambda: obj.engine, base_repo=base_repo,
-                            pull=pull, from_wheel=from_wheel, progress=progress)
+                            pull=pull, from_wheel=from_wheel, progress=progress,
+                            platform=_one_platform(platform_text))
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
     else:

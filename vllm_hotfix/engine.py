@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -76,6 +77,9 @@ class ImageInfo:
     size: int = 0
     # The engine's whole answer, for what the fields above leave out.
     attrs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    os: str = "linux"
+    architecture: str = ""
+    variant: str = ""
 
     @property
     def digest(self) -> str | None:
@@ -140,6 +144,9 @@ def _image_info(attrs: Mapping[str, Any]) -> ImageInfo:
         labels=dict(config.get("Labels") or {}),
         size=int(attrs.get("Size") or 0),
         attrs=attrs,
+        os=str(attrs.get("Os") or "linux"),
+        architecture=str(attrs.get("Architecture") or ""),
+        variant=str(attrs.get("Variant") or ""),
     )
 
 
@@ -468,6 +475,7 @@ class Engine:
         ref: str,
         policy: str = "missing",
         progress: Callable[[str], None] | None = None,
+        platform: str | None = None,
     ) -> ImageInfo:
         """Find ``ref`` in the engine, pulling only as ``policy`` says."""
         if policy not in PULL_POLICIES:
@@ -480,17 +488,19 @@ class Engine:
                 f"base image {ref} is not in the engine and --pull never forbids pulling",
                 hint=f"load it (docker pull/load {ref}) or use --pull missing",
             )
-        self.pull(ref, progress)
+        self.pull(ref, progress, platform)
         pulled = self.image(ref)
         if pulled is None:
             raise BaseImageError(f"pulled {ref} but the engine does not list it")
         return pulled
 
-    def pull(self, ref: str, progress: Callable[[str], None] | None = None) -> None:
+    def pull(self, ref: str, progress: Callable[[str], None] | None = None, platform: str | None = None) -> None:
+        """Pull ``ref`` (of one ``platform`` when given; only engines from API 1.32 take it)."""
         repo, tag = split_reference(ref)
         shown: dict[str, str] = {}
+        extra = {"platform": platform} if platform else {}
         try:
-            for chunk in self._client.api.pull(repo, tag=tag, stream=True, decode=True):
+            for chunk in self._client.api.pull(repo, tag=tag, stream=True, decode=True, **extra):
                 if "error" in chunk:
                     raise BaseImageError(f"cannot pull base image {ref}: {chunk['error']}")
                 status = chunk.get("status", "")
@@ -542,9 +552,22 @@ class Engine:
             self.remove_image(image_id, force=force)
 
     @_guard("importing {0}")
-    def import_rootfs(self, tar_path: str, ref: str) -> ImageInfo:
+    def import_rootfs(self, tar_path: str, ref: str, platform: str | None = None) -> ImageInfo:
+        """Import a root file system tar as ``ref``; ``platform`` says which one it is.
+
+        The SDK's import call has no platform parameter; the engine's API has
+        had one since 1.32 (Docker 20.10 accepts it but records its own).
+        """
         repo, tag = split_reference(ref)
-        self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
+        if platform is None:
+            self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
+        else:
+            api = self._client.api
+            with open(tar_path, "rb") as fh:
+                res = api._post(api._url("/images/create"), data=fh,
+                                params={"fromSrc": "-", "repo": repo, "tag": tag, "platform": platform},
+                                headers={"Content-Type": "application/tar"}, timeout=None)
+                api._raise_for_status(res)
         info = self.image(ref)
         if info is None:
             raise EngineError(f"imported {tar_path} but {ref} is missing")
@@ -585,6 +608,12 @@ class Engine:
             container.reload()
             if container.status != "running":
                 said = container.logs().decode("utf-8", "replace").strip().splitlines()
+                if said and "exec format error" in said[-1]:
+                    raise BaseImageError(
+                        f"{image} is for another CPU architecture and the engine's host cannot run it "
+                        f"({said[-1]})",
+                        hint=_EMULATOR_HINT,
+                    )
                 raise BaseImageError(
                     f"{python} in {image} exited at once ({said[-1] if said else 'no output'}): "
                     "is it the image's Python interpreter?",
@@ -592,6 +621,11 @@ class Engine:
                 )
             yield Box(container)
         except docker.errors.APIError as exc:
+            if "exec format error" in _short(exc):
+                raise BaseImageError(
+                    f"{image} is for another CPU architecture and the engine's host cannot run it ({_short(exc)})",
+                    hint=_EMULATOR_HINT,
+                ) from exc
             raise EngineError(f"cannot run a container of {image}: {_short(exc)}") from exc
         except _lost_errors() as exc:
             raise lost(f"running a container of {image}", exc) from exc
@@ -866,6 +900,61 @@ class Engine:
             raise PushError(f"{host} gave no digest for {ref}")
         return str(digest)
 
+    @functools.cached_property
+    def _version(self) -> dict[str, Any]:
+        try:
+            return dict(self._client.version())
+        except docker.errors.APIError as exc:
+            raise EngineError(f"engine refused its version: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost("asking the engine its version", exc) from exc
+
+    @property
+    def arch(self) -> str:
+        """The engine host's own architecture (amd64, arm64)."""
+        return str(self._version.get("Arch") or "")
+
+    @property
+    def api_version(self) -> tuple[int, int]:
+        major, _, minor = str(self._version.get("ApiVersion") or "0.0").partition(".")
+        return int(major or 0), int(minor or 0)
+
+    @property
+    def version_text(self) -> str:
+        return f"Docker {self._version.get('Version', '?')}, API {self._version.get('ApiVersion', '?')}"
+
+    @property
+    def local(self) -> bool:
+        """Whether the engine runs on this machine (reached through a unix socket)."""
+        # docker-py names a unix socket (and a Windows named pipe) so; ssh:// and tcp:// are other hosts.
+        return str(self._client.api.base_url) in ("http+docker://localhost", "http+docker://localnpipe")
+
+    @_guard("asking the engine for {0}")
+    def registry_secure(self, host: str) -> bool:
+        """Whether the engine talks TLS to ``host`` (False: a registry it trusts over plain HTTP).
+
+        The engine's own answer: its insecure-registries list and CIDRs, which
+        hold 127.0.0.0/8 by default.
+        """
+        config = (self._client.info() or {}).get("RegistryConfig") or {}
+        index = (config.get("IndexConfigs") or {}).get(host)
+        if index is not None:
+            return bool(index.get("Secure", True))
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        name = name.strip("[]")
+        try:
+            addresses = {ipaddress.ip_address(name)}
+        except ValueError:
+            try:
+                addresses = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(name, None)}
+            except OSError:
+                return True
+        for cidr in config.get("InsecureRegistryCIDRs") or []:
+            net = ipaddress.ip_network(cidr, strict=False)
+            if addresses and all(a in net for a in addresses):
+                return False
+        return True
+
     def host_facts(self) -> dict[str, Any]:
         """What a verdict records about the engine that ran it."""
         import socket
@@ -883,6 +972,28 @@ class Engine:
             "os": version.get("Os"),
             "arch": version.get("Arch"),
         }
+
+
+def registry_credentials(host: str) -> tuple[str, str] | None:
+    """The login `docker login HOST` stored, as (username, password-or-token), or None.
+
+    Read the docker way: DOCKER_CONFIG or ~/.docker/config.json, credential
+    stores and helpers included. An identity token is returned with the
+    username ``<token>``, as the credential helpers spell it.
+    """
+    try:
+        found = docker.auth.load_config().resolve_authconfig(host)
+    except docker.errors.DockerException as exc:
+        raise PushError(f"cannot read the stored login for {host}: {_short(exc)}",
+                        hint=f"docker login {host}") from exc
+    if not found:
+        return None
+    data = {str(k).lower(): v for k, v in dict(found).items()}
+    if data.get("identitytoken"):
+        return "<token>", str(data["identitytoken"])
+    if data.get("username") is None and data.get("password") is None:
+        return None
+    return str(data.get("username") or ""), str(data.get("password") or "")
 
 
 def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> PushError:
@@ -908,6 +1019,9 @@ def _gpu_request(gpu: GpuRequest | None) -> dict[str, Any]:
         return {"runtime": gpu.runtime, "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}
     raise EngineError(f"unknown GPU request way {gpu.way!r}")
 
+
+_EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
+                  "apt-get install qemu-user-static binfmt-support")
 
 _STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
 

@@ -57,6 +57,7 @@ class Report:
     seconds: float = 0.0
     expected_from: str = ""
     host: dict[str, Any] = field(default_factory=dict)
+    platform: str = ""
 
     @property
     def status(self) -> str:
@@ -79,6 +80,7 @@ class Report:
             "gpu": self.gpu,
             "expected_from": self.expected_from,
             "host": self.host,
+            "platform": self.platform,
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "checks": self.checks,
@@ -182,7 +184,8 @@ class Smoke:
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
         self.patch_checks(image)  # a bad --definition is an error before anything runs
-        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts())
+        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts(),
+                        platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
 
         self.say(f"==> smoke 1/5: patched files in {ref}")
@@ -257,6 +260,14 @@ class Smoke:
         if mode == "off":
             report.gpu["why_unverified"] = "--gpu off"
             self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
+            return
+        if image.architecture and self.engine.arch and image.architecture != self.engine.arch:
+            # An emulated CPU runs no GPU code: only a host of the image's own architecture can verify it.
+            why = (f"the image is {image.os}/{image.architecture}, the Docker host {self.engine.arch}: "
+                   "GPU checks need a host of the image's architecture")
+            report.gpu["why_unverified"] = why
+            status = "incomplete" if mode == "require" else "skip"
+            self.add(report, [{"name": "gpu", "status": status, "detail": why}], 0)
             return
         access = self.access(image)
         report.gpu.update(access.to_dict())

@@ -105,6 +105,7 @@ class BaseFacts:
     site_dir: str  # the folder holding the package folder
     package_dir: str
     version: str | None
+    machine: str = ""  # platform.machine() of the image's Python: the architecture that compiled the bytecode
     folders: tuple[Folder, ...] = ()  # "/" excluded, down to site_dir included
     # The engine's history of the image, oldest first (created, created by, comment, size)
     history: tuple[Mapping[str, Any], ...] = ()
@@ -244,6 +245,7 @@ class ImageReader:
             site_dir=data["site_dir"],
             package_dir=data["package_dir"],
             version=data.get("version"),
+            machine=str(data.get("machine") or ""),
             folders=tuple(Folder(*d) for d in data.get("dirs", ())),
             history=tuple(data.get("history") or ()),
         )

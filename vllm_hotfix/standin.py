@@ -19,8 +19,10 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .engine import Engine, ImageInfo
-from .errors import BaseImageError, UpstreamError
+from . import platforms, registry
+from .engine import Engine, ImageInfo, split_reference
+from .errors import BaseImageError, PushError, UpstreamError
+from .platforms import Platform
 from .sources import cache_dir
 from .tarball import tar_bytes
 
@@ -31,18 +33,24 @@ SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
 LABEL = "io.vllm-hotfix.standin"
 
 
-def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:
-    """The real vLLM wheel from PyPI, downloaded once into the cache."""
+def wheel(root: Path, version: str, progress: Callable[[str], None], plat: Platform | None = None) -> Path:
+    """The real vLLM wheel of ``plat`` (default: this machine's) from PyPI, downloaded once into the cache."""
+    machine = plat.machine if plat is not None else _host_machine()
     folder = cache_dir(root) / "wheels"
-    found = sorted(folder.glob(f"vllm-{version}-*.whl"))
+    pattern = f"vllm-{version}-*_{machine}.whl"
+    found = sorted(folder.glob(pattern))
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    progress(f"downloading vllm=={version} wheel from PyPI (about 250-310 MB)")
+    progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(folder), f"vllm=={version}"]
+    if plat is not None:
+        # pip picks the running machine's wheel unless told otherwise; abi3 wheels fit any CPython 3.
+        cmd += ["--platform", plat.wheel_tag, "--implementation", "cp", "--python-version", "3.12",
+                "--abi", "abi3"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(f"vllm-{version}-*.whl"))
+    found = sorted(folder.glob(pattern))
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise UpstreamError(f"cannot download vllm=={version} from PyPI: {last}",
@@ -50,30 +58,46 @@ def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:
     return found[0]
 
 
-def rootfs(engine: Engine, root: Path, progress: Callable[[str], None]) -> ImageInfo:
-    """The bookworm+python3 root image, made once with mmdebstrap."""
-    info = engine.image(ROOTFS_REF)
-    if info is not None:
+def _host_machine() -> str:
+    import platform as pyplatform
+
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(pyplatform.machine(), pyplatform.machine())
+
+
+def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Platform | None = None) -> ImageInfo:
+    """The bookworm+python3 root image (of ``plat``; default the engine's own), made once with mmdebstrap.
+
+    The root file system tar is cached per Debian architecture; another
+    architecture's is made under emulation (minutes, not seconds).
+    """
+    ref = ROOTFS_REF if plat is None else f"{ROOTFS_REF}-{plat.debian_arch}"
+    info = engine.image(ref)
+    if info is not None and (plat is None or info.architecture == plat.architecture):
         return info
     if shutil.which("mmdebstrap") is None:
         raise BaseImageError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
     folder = cache_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     tar = folder / "rootfs-bookworm.tar"
+    cmd = ["mmdebstrap", "--quiet", "--variant=essential", "--include=python3"]
+    if plat is not None:
+        # The tar made without --architectures is this machine's own.
+        own = plat.machine == _host_machine() and tar.exists()
+        tar = tar if own else folder / f"rootfs-bookworm-{plat.debian_arch}.tar"
+        cmd.append(f"--architectures={plat.debian_arch}")
     if not tar.exists():
-        progress("making a Debian bookworm root file system with python3 (mmdebstrap, ~20-60 s)")
+        slow = plat is not None and plat.machine != _host_machine()
+        progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 "
+                 f"(mmdebstrap, {'several minutes under emulation' if slow else '~20-60 s'})")
         part = tar.with_suffix(".part.tar")
-        proc = subprocess.run(
-            ["mmdebstrap", "--quiet", "--variant=essential", "--include=python3", "bookworm", str(part)],
-            capture_output=True, text=True,
-        )
+        proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
         if proc.returncode != 0:
             part.unlink(missing_ok=True)
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise BaseImageError(f"mmdebstrap failed: {last}")
         part.rename(tar)
-    progress(f"importing {tar.name} as {ROOTFS_REF}")
-    return engine.import_rootfs(str(tar), ROOTFS_REF)
+    progress(f"importing {tar.name} as {ref}")
+    return engine.import_rootfs(str(tar), ref, str(plat) if plat is not None else None)
 
 
 def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
@@ -96,16 +120,21 @@ def make(
     progress: Callable[[str], None] | None = None,
     *,
     sources_version: str | None = None,
+    plat: Platform | None = None,
 ) -> ImageInfo:
     """Build a stand-in of vLLM ``version`` and tag it ``ref``.
 
     ``sources_version`` builds from another release's wheel (a base whose
-    installed vLLM differs from its tag, for tests).
+    installed vLLM differs from its tag, for tests). ``plat`` builds one of
+    another platform, from that architecture's Debian and vLLM wheel.
     """
     say = progress or log.info
     src_version = sources_version or version
+    if plat is not None:
+        platforms.require_engine(engine, plat)
     existing = engine.image(ref)
-    if existing is not None and existing.labels.get(LABEL) == src_version:
+    same_platform = existing is not None and (plat is None or existing.architecture == plat.architecture)
+    if existing is not None and existing.labels.get(LABEL) == src_version and same_platform:
         say(f"stand-in {ref} (vllm {src_version}) already present: {existing.id}")
         return existing
     if existing is not None and LABEL not in existing.labels:
@@ -113,8 +142,8 @@ def make(
             f"{ref} is {existing.id[:19]}, which is not a stand-in; refusing to replace it",
             hint="give the stand-in another name with --ref",
         )
-    base = rootfs(engine, root, say)
-    whl = wheel(root, src_version, say)
+    base = rootfs(engine, root, say, plat)
+    whl = wheel(root, src_version, say, plat)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}
     files["vllm-standin.pth"] = (SITE_DIR + "\n").encode()
     files["Dockerfile"] = (
@@ -129,4 +158,47 @@ def make(
     engine.tag(image_id, ref)
     info = engine.image(ref)
     assert info is not None
+    if plat is not None and info.architecture != plat.architecture:
+        raise BaseImageError(f"stand-in {ref} came out {info.os}/{info.architecture}, not {plat}: "
+                             f"the engine ({engine.version_text}) lost the base's platform")
     return info
+
+
+def publish(
+    engine: Engine,
+    root: Path,
+    version: str,
+    target: str,
+    plats: list[Platform],
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, str]]:
+    """Publish stand-ins of ``version`` as an index over ``plats`` at ``target`` (HOST[:PORT]/PATH:TAG).
+
+    As upstream does: each platform's image under ``TAG-<machine>``, then the
+    index under ``TAG``. Returns the index digest and each platform's digest.
+    """
+    say = progress or log.info
+    repo, tag = split_reference(target)
+    registry.split_repo(repo)
+    local_repo = repo.split("/", 1)[1]
+    entries: list[tuple[str, str, str, str]] = []
+    digests: dict[str, str] = {}
+    for plat in plats:
+        local = f"{local_repo}:{tag}-{plat.suffix}"
+        info = make(engine, root, version, local, say, plat=plat)
+        child = f"{repo}:{tag}-{plat.suffix}"
+        had = engine.image(child)
+        engine.tag(info.id, child)
+        try:
+            say(f"==> pushing {child}")
+            digest = engine.push(child)
+        finally:
+            if had is None:
+                engine.untag(child)
+        entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
+        digests[str(plat)] = digest
+    if not entries:
+        raise PushError("no platform to publish")
+    index_digest, _ = registry.put_index(engine, f"{repo}:{tag}", entries)
+    say(f"==> {repo}:{tag} is an index over {', '.join(digests)}: {index_digest}")
+    return index_digest, digests

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, sources, standin
+from . import base, definitions, platforms, registry, sources, standin
 from . import patches as patchlib
-from .engine import Engine
-from .errors import UpstreamError
+from .engine import Engine, split_reference
+from .errors import PipelineError, UpstreamError
+from .platforms import Platform
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,26 @@ def classify_series(
     return out
 
 
+def platform_base(engine: Engine, ref: str, plat: Platform, pull: str) -> str:
+    """``ref``'s image for ``plat``: its index entry by digest, or ``ref`` itself when it is not an index."""
+    platforms.require_engine(engine, plat)
+    if pull == "never":
+        return ref
+    try:
+        found = registry.read_index(engine, ref)
+    except PipelineError as exc:
+        if engine.image(ref) is None:
+            raise UpstreamError(f"cannot read {ref} from its registry: {exc}") from exc
+        return ref
+    if found is None or not found.is_index:
+        return ref
+    repo, _ = split_reference(ref)
+    for child in registry.children(found):
+        if platforms.of(child.os, child.architecture, child.variant) == plat:
+            return f"{repo}@{child.digest}"
+    raise UpstreamError(f"{ref} is an index without a {plat} image")
+
+
 def check(
     root: Path,
     patch_set: str,
@@ -138,8 +159,9 @@ def check(
     pull: str = "missing",
     from_wheel: bool = False,
     progress: Progress | None = None,
+    platform: Platform | None = None,
 ) -> Report:
-    """Classify every patch of ``patch_set`` against release ``base_tag``.
+    """Classify every patch of ``patch_set`` against release ``base_tag`` (its ``platform`` image or wheel).
 
     ``engine`` is a factory, so that ``from_wheel`` never needs a Docker engine.
     """
@@ -149,7 +171,7 @@ def check(
     rels = base.touched_files(patches)
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
-        wheel = standin.wheel(root, version, say)
+        wheel = standin.wheel(root, version, say, platform)
         found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
@@ -160,7 +182,11 @@ def check(
             raise UpstreamError("check-upstream needs a Docker engine unless --from-wheel")
         ref = f"{base_repo or ctx.repository}:{base_tag}"
         eng = engine()
-        info = eng.resolve(ref, pull, say)
+        if platform is not None:
+            ref = platform_base(eng, ref, platform, pull)
+        info = eng.resolve(ref, pull, say, str(platform) if platform else None)
+        if platform is not None and platforms.of(info.os, info.architecture) != platform:
+            raise UpstreamError(f"{ref} is {info.os}/{info.architecture}, not {platform}")
         facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))
         found = facts.version
         source = f"image {ref} ({info.id})"

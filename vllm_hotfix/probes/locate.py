@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import stat
 import sys
 
@@ -53,6 +54,8 @@ def main(argv: list[str]) -> int:
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "cache_tag": sys.implementation.cache_tag,
+        # The architecture this interpreter runs as (aarch64 under emulation too).
+        "machine": platform.machine(),
     }
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
