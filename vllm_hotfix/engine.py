@@ -725,7 +725,6 @@ class Engine:
             version = self._client.version()
         except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
             raise EngineError(f"engine refused `docker info`: {_short(exc)}") from exc
-        base_url = str(getattr(self._client.api, "base_url", ""))
         return EngineFacts(
             server_version=str(version.get("Version", "")),
             api_version=str(version.get("ApiVersion", "")),
@@ -733,7 +732,7 @@ class Engine:
             runtimes=tuple(sorted(info.get("Runtimes") or {})),
             default_runtime=str(info.get("DefaultRuntime") or ""),
             # Spec files can be read only where the engine's files are ours to read.
-            local=base_url.startswith(("http+unix://", "http+docker://localunixsocket")),
+            local=self.local,
         )
 
     @_guard("listing containers")
