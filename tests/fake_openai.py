@@ -69,16 +69,18 @@ def main(argv: list[str]) -> int:
                     print("vllm.v1.engine.exceptions.EngineDeadError", flush=True)
                     os._exit(1)
                 time.sleep(args.delay)
-                n = int(body.get("max_tokens", 16))
-                self.reply(200, {
-                    "id": "cmpl-test", "object": "chat.completion", "model": body.get("model"),
-                    "choices": [{"index": 0, "finish_reason": "length",
-                                 "message": {"role": "assistant", "content": "one, two, three"}}],
-                    "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
-                })
             finally:
+                # Done before the reply is sent: a client that gets its answer and
+                # sends the next request at once must not find this one still counted.
                 with LOCK:
                     IN_FLIGHT -= 1
+            n = int(body.get("max_tokens", 16))
+            self.reply(200, {
+                "id": "cmpl-test", "object": "chat.completion", "model": body.get("model"),
+                "choices": [{"index": 0, "finish_reason": "length",
+                             "message": {"role": "assistant", "content": "one, two, three"}}],
+                "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
+            })
 
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"fake server for {model_name} on 127.0.0.1:{args.port}", flush=True)

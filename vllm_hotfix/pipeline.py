@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, leftovers, platforms, records, refs, registry, render, sources
+from . import __version__, base, definitions, expected, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
@@ -320,6 +320,8 @@ def platform_bases(
         say(f"    the engine ({engine.version_text}) builds for its own platform only; "
             "--platform all needs Docker 26.1 or newer")
         return None
+    from . import registry  # here: an ordinary build never asks a registry (nor imports requests)
+
     try:
         found = registry.read_index(engine, p.base_ref) if pull != "never" else None
     except PipelineError as exc:
