@@ -89,6 +89,7 @@ Exit codes:
    9  upstream (PR, wheel or release lookup)
   10  records (build/records not writable)
   11  smoke incomplete (the host could not run a check)
+  12  pins (pins.txt, its wheels and hashes, pip check after pinning)
   64  usage (unknown option, malformed value)
  130  interrupted
 
@@ -126,7 +127,8 @@ def main(ctx: click.Context, root: Path) -> None:
     ctx.obj = Ctx(root.resolve())
 
 
-base_option = click.option("--base", "base_tag", required=True, help="Base image tag, e.g. v0.25.1.")
+base_option = click.option("--base", "base_tag", required=True,
+                           help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
 repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
 pull_option = click.option(
     "--pull", type=click.Choice(PULL_POLICIES), default="missing", show_default=True,
@@ -145,10 +147,13 @@ pull_option = click.option(
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
 @click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool) -> None:
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool,
+          wheelhouse: Path | None) -> None:
     """Build the patched image for base TAG."""
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
@@ -159,7 +164,7 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     try:
         result = pipeline.build_image(
             obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
-            progress=progress,
+            progress=progress, wheelhouse=wheelhouse,
         )
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
@@ -195,12 +200,15 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
+@click.option("--deps", type=click.Choice(standin.DEPS_MODES), default=None,
+              help="Add nvidia-cutlass-dsl 4.5.2 (sub-wheels unpacked serially or as in a race) and "
+                   "quack-kernels 0.6.5, as on an SM100 host.")
 @click.pass_obj
 @guarded
-def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None) -> None:
+def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
     ref = ref or f"vllm/vllm-openai:v{version}"
-    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version)
+    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version, deps=deps)
     click.echo(f"stand-in {ref} {info.id}")
 
 

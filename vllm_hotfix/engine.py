@@ -476,8 +476,14 @@ class Engine:
         context: bytes,
         progress: Callable[[str], None] | None = None,
         on_image: Callable[[str], None] | None = None,
+        *,
+        buildargs: Mapping[str, str] | None = None,
+        network: str | None = None,
     ) -> str:
         """Build an untagged image from a tar context; return its ID.
+
+        ``buildargs`` fill the Dockerfile's ARGs; ``network`` is the network
+        mode of its RUN steps (``host`` lets them reach a server on loopback).
 
         ``on_image`` hears every image the build commits (each step's and the
         last), before the build goes on, so a run that dies can be cleaned up
@@ -488,7 +494,7 @@ class Engine:
         image_id: str | None = None
         made: list[str] = []
         try:
-            image_id = self._build(context, tail, made, progress, on_image)
+            image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
         except BaseException as exc:
             self._discard(made)
             if isinstance(exc, _LOST):
@@ -510,6 +516,8 @@ class Engine:
         made: list[str],
         progress: Callable[[str], None] | None,
         on_image: Callable[[str], None] | None,
+        buildargs: dict[str, str],
+        network: str | None,
     ) -> str:
         image_id: str | None = None
         try:
@@ -519,6 +527,8 @@ class Engine:
                 rm=True,
                 forcerm=True,
                 decode=True,
+                buildargs=buildargs or None,
+                network_mode=network,
             ):
                 if "error" in chunk:
                     tail.append(chunk["error"].rstrip())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, leftovers, records, refs, render
+from . import __version__, base, definitions, expected, leftovers, pins, records, refs, render, standin
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import PipelineError, SmokeError, SmokeIncomplete
@@ -34,6 +34,7 @@ class Plan:
     base_ref: str
     output_ref: str
     template: str
+    pinset: pins.PinSet | None = None
 
 
 @dataclass
@@ -60,6 +61,7 @@ def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: st
         base_ref=refs.check_reference(defn.base_ref(base_repo), "base"),
         output_ref=refs.check_reference(output_ref or defn.output_ref(base_repo), "--tag", tag_only=True),
         template=render.template_path(root).read_text(encoding="utf-8"),
+        pinset=pins.load(root, defn.patch_set, defn.package),
     )
 
 
@@ -88,7 +90,17 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
         "tool_version": __version__,
         "tool_sha256": tool_fingerprint(),
         "output_ref": p.output_ref,
+        # Only when there are pins, so that records of sets without them still match.
+        **({"pins_sha256": p.pinset.sha256} if p.pinset is not None else {}),
     }
+
+
+def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | None, say: Callable[[str], None],
+          *, wheels: bool = True) -> pins.Prepared | None:
+    if p.pinset is None:
+        return None
+    return pins.prepare(engine, p.pinset, facts.image.id, facts.python, wheelhouse=wheelhouse,
+                        cache=standin.cache_dir(p.root) / "pin-wheels", say=say, wheels=wheels)
 
 
 def render_only(
@@ -99,12 +111,13 @@ def render_only(
     *,
     skip_included: bool = False,
 ) -> str:
-    """The Dockerfile ``image`` would build; builds nothing."""
+    """The Dockerfile ``image`` would build; builds nothing (and fetches no wheel)."""
     info = engine.resolve(p.base_ref, pull, progress)
     facts, files, applied = base.prepare(
         engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
     )
-    return render.render(p.template, p.definition, facts, files, applied)
+    pinned = _pins(engine, p, facts, None, progress or (lambda _line: None), wheels=False)
+    return render.render(p.template, p.definition, facts, files, applied, pinned)
 
 
 def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
@@ -165,6 +178,7 @@ def build_image(
     force: bool = False,
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
+    wheelhouse: Path | None = None,
 ) -> BuildResult:
     say = progress or (lambda _line: None)
     records.ensure_writable(p.root)
@@ -204,14 +218,19 @@ def build_image(
     if skipped:
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    dockerfile = render.render(p.template, p.definition, facts, files, applied)
+    pinned = _pins(engine, p, facts, wheelhouse, say)
+    dockerfile = render.render(p.template, p.definition, facts, files, applied, pinned)
     ctx = render.context(dockerfile, facts, files)
 
     say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
     pending = leftovers.Pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
-    image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add)
+    # Pins: the wheels are served on loopback for the RUN step, which needs the
+    # host's network to reach them; nothing else in the build uses a network.
+    with pins.serve(pinned) as buildargs:
+        image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
+                                buildargs=buildargs, network="host" if pinned is not None else None)
     meta = {
         "inputs": key_inputs,
         "inputs_key": key,
@@ -230,6 +249,9 @@ def build_image(
         "patches_included_upstream": skipped,
     }
     try:
+        if pinned is not None:
+            say(f"==> checking the pins in {image_id[:19]}")
+            meta["pins"] = pins.verify(engine, image_id, pinned, facts.python, say)
         smoke_report = None
         if smoke is not None:
             want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
