@@ -188,12 +188,14 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
 @base_option
 @repo_option
 @pull_option
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @click.pass_obj
 @guarded
-def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str) -> None:
+def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
     plan = pipeline.plan(obj.root, base_tag, base_repo)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress), nl=False)
+    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse), nl=False)
 
 
 @main.command("standin")
@@ -347,6 +349,8 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
     else:
         for v in report.verdicts:
             click.echo(f"{v.patch}: {v.verdict} ({v.detail})")
+        for judged in report.pins:
+            click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
     if included and len(included) == len(report.verdicts):
         progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
@@ -370,17 +374,35 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
 @repo_option
 @pull_option
 @click.option("--from-wheel", is_flag=True, help="Check against the release's PyPI wheel, not its image.")
+@click.option("--pin", "pin_specs", multiple=True, metavar="NAME==VERSION",
+              help="Add a line to the set's pins.txt with the hashes of the wheels that fit the image (repeatable).")
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Take --pin wheels from this folder instead of downloading them.")
 @click.pass_obj
 @guarded
 def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None, title: str | None,
                  api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
-                 from_wheel: bool) -> None:
-    """Add an upstream PR (or a diff file) as the next patch of base TAG's set."""
+                 from_wheel: bool, pin_specs: tuple[str, ...], wheelhouse: Path | None) -> None:
+    """Add an upstream PR (or a diff file) as the next patch of base TAG's set, or pins with --pin."""
     from . import newpatch
     from .errors import UpstreamError
 
+    if pin_specs and (pr is not None or diff_file is not None):
+        raise UsageError("--pin goes alone: add the patch and the pins in two runs")
+    if pin_specs:
+        from . import definitions, pins
+
+        defn = definitions.load(obj.root, base_tag)
+        ref = defn.base_ref(base_repo)
+        info = obj.engine.resolve(ref, pull, progress)
+        state = pins.probe(obj.engine, info.id, defn.python, [])
+        if not state.tags:
+            raise pins.PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")
+        written = pins.add(obj.root, defn.patch_set, defn.package, pin_specs, state, wheelhouse, progress)
+        click.echo(f"pinned {', '.join(pin_specs)} in {written} (wheels for {pins.describe_image(state)})")
+        return
     if (pr is None) == (diff_file is None):
-        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE")
+        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:

@@ -105,6 +105,13 @@ class PinSet:
         return [p.name for p in self.pins]
 
 
+def cache(root: Path) -> Path:
+    """Where downloaded pinned wheels are kept (under VLLM_HOTFIX_CACHE, default build/cache)."""
+    import os
+
+    return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache")) / "pin-wheels"
+
+
 def path_of(root: Path, patch_set: str) -> Path:
     return root / "patches" / patch_set / PINS_FILE
 
@@ -244,15 +251,17 @@ class Complaint:
     kind: str  # missing, conflict or other
     requirer: str
     requirement: str
+    spec: str = ""  # the requirement as the requirer states it
 
     @property
     def key(self) -> tuple[str, ...]:
-        # A missing distribution is the base's gap whoever requires it; a
-        # conflict is per requirer, whatever versions the line names.
+        # A missing distribution is the base's gap whoever requires it. A
+        # conflict is the same one while the same requirer states the same
+        # requirement, whichever version of it is installed.
         if self.kind == "missing":
             return ("missing", self.requirement)
         if self.kind == "conflict":
-            return ("conflict", self.requirer, self.requirement)
+            return ("conflict", self.requirer, self.spec)
         return ("other", re.sub(r"\d[\w.+!-]*", "N", self.line))
 
 
@@ -262,7 +271,8 @@ def parse_complaint(line: str) -> Complaint:
         return Complaint(line, "missing", canonical(m.group(1)), canonical(_name_of(m.group(3))))
     m = _CONFLICT.match(line)
     if m:
-        return Complaint(line, "conflict", canonical(m.group(1)), canonical(_name_of(m.group(3))))
+        return Complaint(line, "conflict", canonical(m.group(1)), canonical(_name_of(m.group(3))),
+                         m.group(3).replace(" ", ""))
     return Complaint(line, "other", "", "")
 
 
@@ -667,3 +677,30 @@ def pin_line(spec: str, state: ImageState, cache: Path, wheelhouse: Path | None,
     hashes = sorted({sha256_file(p) for p in fitting})
     tail = "".join(f" \\\n    --hash=sha256:{h}" for h in hashes)
     return f"{pin.spelled}=={pin.version}{tail}\n"
+
+
+def add(root: Path, patch_set: str, package: str, specs: Sequence[str], state: ImageState,
+        wheelhouse: Path | None, say: Progress) -> Path:
+    """Append a hash-checked line per ``NAME==VERSION`` to the set's pins.txt, all or nothing."""
+    path = path_of(root, patch_set)
+    if not path.parent.is_dir():
+        raise PinError(f"patches/{patch_set}: no such patch set")
+    current = load(root, patch_set, package)
+    taken = {p.name: p for p in current.pins} if current is not None else {}
+    lines = []
+    for spec in specs:
+        m = _REQ.match(spec.strip())
+        if m and canonical(m.group(1)) in taken:
+            raise PinError(f"--pin {spec}: {path} already pins it ({taken[canonical(m.group(1))].where})")
+        if m and canonical(m.group(1)) == canonical(package):
+            raise PinError(f"--pin {spec}: a hotfix patches {package}, it does not replace it")
+        lines.append(pin_line(spec, state, cache(root), wheelhouse, say))
+    old = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    text = old + "".join(lines)
+    parse(text, path, patch_set)  # what is written must load
+    part = path.with_name(path.name + ".part")
+    part.write_text(text, encoding="utf-8")
+    part.replace(path)
+    return path

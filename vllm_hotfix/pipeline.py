@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, leftovers, pins, records, refs, render, standin
+from . import __version__, base, definitions, expected, leftovers, pins, records, refs, render
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import PipelineError, SmokeError, SmokeIncomplete
@@ -95,12 +95,12 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
     }
 
 
-def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | None, say: Callable[[str], None],
-          *, wheels: bool = True) -> pins.Prepared | None:
+def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | None, say: Callable[[str], None]
+          ) -> pins.Prepared | None:
     if p.pinset is None:
         return None
     return pins.prepare(engine, p.pinset, facts.image.id, facts.python, wheelhouse=wheelhouse,
-                        cache=standin.cache_dir(p.root) / "pin-wheels", say=say, wheels=wheels)
+                        cache=pins.cache(p.root), say=say)
 
 
 def render_only(
@@ -110,13 +110,14 @@ def render_only(
     progress: Callable[[str], None] | None = None,
     *,
     skip_included: bool = False,
+    wheelhouse: Path | None = None,
 ) -> str:
-    """The Dockerfile ``image`` would build; builds nothing (and fetches no wheel)."""
+    """The Dockerfile ``image`` would build; builds nothing (pinned wheels are fetched: they are inputs)."""
     info = engine.resolve(p.base_ref, pull, progress)
     facts, files, applied = base.prepare(
         engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
     )
-    pinned = _pins(engine, p, facts, None, progress or (lambda _line: None), wheels=False)
+    pinned = _pins(engine, p, facts, wheelhouse, progress or (lambda _line: None))
     return render.render(p.template, p.definition, facts, files, applied, pinned)
 
 

@@ -19,9 +19,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, expected, records, sweep
+from . import __version__, definitions, expected, pins, records, sweep
 from .engine import Engine, ImageInfo
-from .errors import DefinitionError, EngineError, EngineLost, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,14 @@ class Smoke:
 
     def probe(
         self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: bool = False,
-        extra: dict[str, bytes] | None = None, fallback_name: str | None = None,
+        extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})}
+        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image."""
+        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})} if run is None else dict(extra or {})
         start = time.monotonic()
         try:
             res = self.engine.run(
-                image.id, [self.opt.python, f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
+                image.id, [self.opt.python, run or f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
                 timeout=self.opt.probe_timeout,
             )
         except EngineLost as exc:
@@ -188,14 +189,20 @@ class Smoke:
                                          fallback_name="patch-landed")
             self.add(report, checks, took)
 
+        pinset = None if isinstance(found, str) else self.pinset(report, found)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+
         self.say("==> smoke 2/5: environment report")
-        checks, _, took = self.probe(image, "env_report.py", [], fallback_name="env-report")
+        checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
         report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes)")
-        checks, _, took = self.probe(image, "integrity.py", [package, files_json], fallback_name="integrity")
+        checks, _, took = self.probe(image, "integrity.py", [package, files_json, *pinned], fallback_name="integrity")
         self.add(report, checks, took)
+        if pinset is not None:
+            self.say(f"==> smoke 3/5: pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
+            self.pins(report, image, pinset)
 
         self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
         self.gpu(report, image)
@@ -207,6 +214,38 @@ class Smoke:
             self.serve(report, image)
         report.seconds = time.monotonic() - start
         return report
+
+    def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
+        """The pins of the image's definition, from its patch set on disk (never from labels)."""
+        try:
+            defn = definitions.load(self.root, found.definition)
+            return pins.load(self.root, defn.patch_set, defn.package)
+        except (DefinitionError, PinError) as exc:
+            self.add(report, [{"name": "pins", "status": "fail", "detail": str(exc)}], 0)
+            return None
+
+    def pins(self, report: Report, image: ImageInfo, pinset: pins.PinSet) -> None:
+        """Versions and files against pins.txt and its wheels, an import per module, the set's CPU checks."""
+        cache = pins.cache(self.root)
+        spec = []
+        for pin in pinset.pins:
+            record = None
+            for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
+                parsed = pins.wheel_tags(path.name)
+                if parsed and parsed[:2] == (pin.name, pin.version) and pins.sha256_file(path) in pin.hashes:
+                    record = pins.wheel_record(path)
+                    break
+            spec.append({"name": pin.spelled, "version": pin.version, "record": record})
+        extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}
+        checks, _, took = self.probe(image, "pins_check.py", [f"{PROBE_DIR}/pins.json"], extra=extra,
+                                     fallback_name="pins")
+        self.add(report, checks, took)
+        folder = pinset.path.parent / "checks" / "cpu"
+        for script in sorted(folder.glob("*.py")):
+            extra = {f"vllm-hotfix-probes/checks/{script.name}": script.read_bytes()}
+            checks, _, took = self.probe(image, script.name, [], extra=extra, fallback_name=f"check:{script.stem}",
+                                         run=f"{PROBE_DIR}/checks/{script.name}")
+            self.add(report, checks, took)
 
     def gpu(self, report: Report, image: ImageInfo) -> None:
         mode = self.opt.gpu

@@ -100,8 +100,8 @@ def judge_shared(claims: dict[str, list[tuple[str, str]]], on_disk: dict[str, st
             failures.append(f"{count} path(s) claimed with different content by {' and '.join(names)} are a mix "
                             f"({split}; e.g. {os.path.basename(example)}): unpacked at the same time")
         else:
-            holder = next(iter(by_holder))
-            notes.append(f"{count} path(s) claimed by {' and '.join(names)} consistently hold {holder}'s content "
+            winner = next(iter(by_holder))
+            notes.append(f"{count} path(s) claimed by {' and '.join(names)} consistently hold {winner}'s content "
                          "(installed after the other)")
     return failures, notes, lost
 

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     names = {canonical(n) for n in json.loads(argv[0])}
     pip_version, tag_list = pip_facts()
     out: dict[str, object] = {
-        "python": "%d.%d" % sys.version_info[:2],
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "implementation": sys.implementation.name,
         "pip": pip_version,
         "tags": tag_list,
