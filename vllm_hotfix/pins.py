@@ -431,9 +431,6 @@ def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cach
                            hint="put the wheel there, or leave out --wheelhouse to download it")
         digest = sha256_file(best)
         if digest not in pin.hashes:
-            if wheelhouse is None:
-                # A cached download that fails its pin is not kept for the next run.
-                best.unlink(missing_ok=True)
             raise PinError(f"{pinset.path}: {pin.where}: wheel {best.name} has sha256 {digest}, not one the pin "
                            "lists", pin=pin.name,
                            hint="a wrong hash in pins.txt or a different wheel than the one pinned; "
