@@ -156,4 +156,5 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
 
 
 def load_all(root: Path) -> list[ImageDefinition]:
-    return [load(root, p.stem) for p in sorted((root / "images").glob("*.toml"))]
+    # By name, so that a variant (v0.25.1-sm100) comes after its base's definition (v0.25.1).
+    return [load(root, p.stem) for p in sorted((root / "images").glob("*.toml"), key=lambda p: p.stem)]
