@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,13 +101,10 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateE
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.mark.parametrize("point", ["==> checking vllm in the base", "==> building", "==> smoke-testing"])
-def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
-                               point: str) -> None:
-    eng, engine = private
+def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None]
+                ) -> tuple[int, str]:
+    """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``."""
     env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1")
-    before = engine.image_ids()
-    out = f"hotfix-test/fault-{unique}:x"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
          "--tag", out, "--pull", "never", "--rebuild"],
@@ -118,16 +115,26 @@ def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: P
     for line in proc.stderr:
         seen.append(line)
         if line.startswith(point):
-            eng.kill()
+            hit(proc)
             break
-    rest_out, rest_err = proc.communicate(timeout=300)
-    err = "".join(seen) + rest_err
+    _, rest = proc.communicate(timeout=300)
+    err = "".join(seen) + rest
     assert "Traceback" not in err, err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("point", ["==> checking vllm in the base", "==> building", "==> smoke-testing"])
+def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                               point: str) -> None:
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/fault-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, point, lambda _proc: eng.kill())
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert lines, err
     assert "the Docker engine stopped answering" in lines[-1] or "incomplete" in lines[-1], err
-    print(f"{point!r}: exit {proc.returncode}: {lines[-1]}")
-    assert proc.returncode in (5, 11), err
+    print(f"{point!r}: exit {rc}: {lines[-1]}")
+    assert rc in (5, 11), err
 
     engine = eng.start()
     try:
@@ -139,3 +146,16 @@ def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: P
         assert engine.image_ids() - before == set(), "images of the dead run remain"
     finally:
         private[1]._client = engine._client  # later tests use the restarted engine
+
+
+@pytest.mark.parametrize("point", ["==> building", "==> smoke-testing"])
+def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                                   point: str) -> None:
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/interrupted-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGINT))  # Ctrl-C
+    assert rc == 130 and "error: interrupted" in err, err
+    assert engine.image(out) is None
+    assert engine.containers_by_owner() == {}
+    assert engine.image_ids() - before == set(), "the interrupted run left images"

@@ -37,6 +37,13 @@ def auth_registry(tmp_path: Path) -> Iterator[Registry]:
     reg.stop()
 
 
+def edit_entry(path: Path, **changes: object) -> None:
+    """Change a journal entry the way a person with write access to build/records could."""
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
 def docker_login(reg: Registry, config: Path) -> None:
     config.mkdir(parents=True, exist_ok=True)
     assert reg.auth is not None
@@ -118,10 +125,7 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
         assert r.rc == 7
         assert "expected " in r.err and "altered after the build" in r.err
         # Even with the failing verdict edited into a pass, the push re-checks the files.
-        verdict = records.verdicts(project, fake_id)[0]
-        data = json.loads(verdict.path.read_text())
-        data.update(status="pass", gpu_verified=True)
-        verdict.path.write_text(json.dumps(data))
+        edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
         r = cli("push", fake, "--registry", f"{registry.addr}/ops", root=project)
         fails(r, "refusing to push", "patch-landed")
         assert r.rc == 8
@@ -137,10 +141,9 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
     info = engine.image(image_id)
     assert info is not None
     base_id = info.labels["io.vllm-hotfix.base.id"]
-    data = json.loads(verdict.path.read_text())
-    data.update(image_id=base_id, gpu_verified=True, status="pass")
     forged = verdict.path.with_name("99999999999999999999-forged.json")
-    forged.write_text(json.dumps({**data, "seq": 99999999999999999999}))
+    forged.write_bytes(verdict.path.read_bytes())
+    edit_entry(forged, image_id=base_id, gpu_verified=True, status="pass", seq=99999999999999999999)
     alias = f"hotfix-test/base-alias-{unique}:x"
     engine.tag(base_id, alias)
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -247,14 +246,24 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
 def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_path: Path) -> None:
     project, ref, _ = built
     reg = Registry(tmp_path)  # configured, not started: down when the push starts
-    timer = threading.Timer(2.5, reg.start)
-    timer.start()
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "build.py"), "--root", str(project), "push", ref, "--registry",
+         f"{reg.addr}/ops", "--allow-gpu-unverified"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
     try:
-        r = cli("push", ref, "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", root=project)
-        timer.join()
-        assert r.rc == 0, r.err
-        assert "retrying" in r.err
-        assert r.out.startswith(f"pushed {reg.addr}/ops/")
+        assert proc.stderr is not None
+        err = []
+        for line in proc.stderr:
+            err.append(line)
+            if "retrying" in line:
+                reg.start()  # the registry comes back while the tool waits to retry
+                break
+        out, rest = proc.communicate(timeout=300)
+        err.append(rest)
+        assert proc.returncode == 0, "".join(err)
+        assert "transient registry error" in "".join(err)
+        assert out.startswith(f"pushed {reg.addr}/ops/")
     finally:
-        timer.cancel()
+        proc.kill()
         reg.stop()

@@ -21,11 +21,9 @@ from . import definitions, records
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import DefinitionError, PatchError, PipelineError, SmokeError
+from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
-
-LABEL_PREFIX = "io.vllm-hotfix"
-
 
 @dataclass(frozen=True)
 class Expected:

@@ -22,12 +22,12 @@ from typing import Any
 from . import __version__, definitions, expected, pins, records, sweep
 from .engine import Engine, ImageInfo
 from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
+from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
 
 GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
-LABEL = "io.vllm-hotfix"
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Smoke:
 
     def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
         """The patch set's own checks, e.g. a GPU regression test for the fix."""
-        tag = image.labels.get(f"{LABEL}.definition")
+        tag = image.labels.get(f"{LABEL_PREFIX}.definition")
         if not tag:
             return {}
         try:
@@ -178,7 +178,7 @@ class Smoke:
         self.say(f"==> smoke 1/5: patched files in {ref}")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
-            package, files_json = image.labels.get(f"{LABEL}.package", "vllm"), "{}"
+            package, files_json = image.labels.get(f"{LABEL_PREFIX}.package", "vllm"), "{}"
             report.expected_from = "unknown"
             self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
         else:
