@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, cli, fails
+from conftest import REPO, STANDIN_REPO, Registry, cli, fails
 from vllm_hotfix import definitions, pins, records, standin
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import DefinitionError, PinError
@@ -120,6 +120,18 @@ def test_release_requirements_judge_each_pin() -> None:
                    "nvidia-cuda-nvdisasm": "unconstrained"}
 
 
+def test_pins_need_an_engine_on_this_machine() -> None:
+    from types import SimpleNamespace
+
+    def engine_at(url: str) -> Engine:
+        return Engine(SimpleNamespace(api=SimpleNamespace(base_url=url)))
+
+    assert engine_at("http+docker://localhost").is_local
+    assert engine_at("http://127.0.0.1:2375").is_local
+    assert not engine_at("http://10.1.2.3:2376").is_local
+    assert not engine_at("http+docker://ssh").is_local
+
+
 def test_a_variant_file_must_be_named_for_its_base_and_variant(tmp_path: Path) -> None:
     text = (REPO / "images" / f"{SM100}.toml").read_text()
     (tmp_path / "images").mkdir()
@@ -183,8 +195,9 @@ def _added_layers(image: str, base: str) -> list[tuple[str, bytes]]:
 
 
 @pytest.mark.engine
+@pytest.mark.registry
 def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
-        engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str) -> None:
+        engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str, registry: Registry) -> None:
     ref = f"hotfix-test/sm100-{unique}:v0.25.1-m3patch-sm100"
     base_repo = RACE.split(":")[0]
     r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", root=project)
@@ -244,6 +257,14 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
                     if member.isfile() and member.size > 4096:
                         data = layer.extractfile(member).read()  # type: ignore[union-attr]
                         assert hashlib.sha256(data).hexdigest() not in wheel_hashes, f"{name}: {member.name}"
+
+        # What the pins must be is pins.txt's, read again at push time: once it
+        # names another version, the image it no longer describes is not pushed.
+        pin_file = project / "patches" / SM100 / "pins.txt"
+        pin_file.write_text(pin_file.read_text().replace("quack-kernels==0.6.4", "quack-kernels==0.6.3"))
+        refused = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        fails(refused, "refusing to push", "pins: quack-kernels is 0.6.4 in the image", "pins 0.6.3")
+        assert refused.rc == 8
     finally:
         engine.untag(ref)
         engine.remove_untagged(image_id)

@@ -220,6 +220,21 @@ class Engine:
             ) from exc
         return cls(client)
 
+    @property
+    def address(self) -> str:
+        return str(getattr(self._client.api, "base_url", ""))
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the engine runs on this machine, so its host-network builds reach our loopback."""
+        url = self.address
+        if url.startswith("http+docker://"):
+            # The SDK's name for a local socket or pipe; "ssh" is a remote machine.
+            return not url.endswith("://ssh")
+        from urllib.parse import urlparse
+
+        return urlparse(url).hostname in ("localhost", "127.0.0.1", "::1")
+
     # -- images ------------------------------------------------------------
 
     @_guard("inspecting image {0}")

@@ -492,6 +492,10 @@ def prepare(engine: Engine, pinset: PinSet, image_id: str, python: str, *, wheel
     """Read the base's side (versions, tags, ``pip check``) and, with ``wheels``, find every wheel."""
     say(f"==> {len(pinset.pins)} pin(s) from {pinset.path.parent.name}/{PINS_FILE}: reading the base's "
         "distributions and pip check")
+    if wheels and not engine.is_local:
+        raise PinError(f"{pinset.path}: pins are installed from wheels served on this machine's loopback, which "
+                       f"the engine at {engine.address} cannot reach",
+                       hint="build patch sets with pins on the engine's own machine (unset DOCKER_HOST)")
     state = probe(engine, image_id, python, pinset.names)
     if state.pip is None:
         raise PinError(f"{pinset.path}: base {image_id[:19]} has no pip for {python}; pins need pip inside "

@@ -322,7 +322,27 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
                                                     json.dumps(dict(found.files), sort_keys=True)],
                                fallback_name="patch-landed")
     bad = [c for c in checks if c["status"] != "pass"]
-    return f"{bad[0]['name']}: {bad[0]['detail']}" if bad else None
+    if bad:
+        return f"{bad[0]['name']}: {bad[0]['detail']}"
+    return pins_problem(engine, root, image, found)
+
+
+def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
+    """None if every distribution the definition's pins.txt names has its pinned version, once."""
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    if pinset is None:
+        return None
+    state = pins.probe(engine, image.id, defn.python, pinset.names)
+    for pin in pinset.pins:
+        have = sorted(c.version for c in state.dists.get(pin.name) or ())
+        if have != [pin.version]:
+            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image, but "
+                    f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+    return None
 
 
 def record(root: Path, report: dict[str, Any]) -> records.Entry:
