@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, Registry, cli, fails
+from conftest import REPO, STANDIN_REPO, Registry, Result, cli, fails
 from vllm_hotfix import definitions, pins, records, standin
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import DefinitionError, PinError
@@ -398,6 +398,20 @@ def test_new_patchset_pin_writes_the_hash_of_the_wheel_that_fits(engine: Engine,
 
 def test_check_upstream_says_a_newer_release_contradicts_the_pins(tmp_path: Path) -> None:
     r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--from-wheel")
+    _contradicts(r)
+
+
+@pytest.mark.engine
+def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v0270: str, project: Path) -> None:
+    r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--pull", "never", "--json", root=project)
+    assert r.rc == 0, r.err
+    judged = {j["pin"]: j["verdict"] for j in json.loads(r.out)["pins"]}
+    assert judged["quack-kernels==0.6.4"] == "contradicts"
+    assert judged["nvidia-cutlass-dsl==4.6.2"] == "contradicts"
+    assert judged["nvidia-cuda-nvdisasm==13.3.73"] == "unconstrained"
+
+
+def _contradicts(r: Result) -> None:
     assert r.rc == 0, r.err
     assert "pin quack-kernels==0.6.4: contradicts (vllm 0.27.0 requires quack-kernels ==0.6.1)" in r.out
     assert "pin nvidia-cutlass-dsl==4.6.2: contradicts (vllm 0.27.0 requires nvidia-cutlass-dsl ==4.6.0)" in r.out
