@@ -5,28 +5,37 @@ BASE_REPO ?=
 IMAGE ?= vllm/vllm-openai:$(BASE)-m3patch
 REGISTRY ?= 127.0.0.1:5000/ops
 REPO_FLAG = $(if $(BASE_REPO),--base-repo $(BASE_REPO),)
+# make image PLATFORM=all / make push PLATFORM=all: every platform of the base, pushed under one index
+PLATFORM ?=
+PLATFORM_FLAG = $(if $(PLATFORM),--platform $(PLATFORM),)
 # make push ALLOW_GPU_UNVERIFIED=1: push an image smoke-tested on a host without GPUs
 GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup services stop image render smoke push demo test lint bench clean clean-records
+.PHONY: help setup services stop image render smoke push demo demo-platforms test lint bench bench-platforms clean \
+	clean-records
+# The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
+PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
+STANDIN_REGISTRY ?= 127.0.0.1:5000/vllm
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 setup: ## Install system packages (docker.io, docker-registry, mmdebstrap) and the tool
 	.ci/services install
+	.ci/services install-cdi-engine
 	$(PYTHON) -m pip install -q -e '.[test]'
 
-services: ## Start a local Docker engine and registry unless they already answer
+services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a registry unless they answer
 	.ci/services start-engine
+	.ci/services start-cdi-engine
 	.ci/services start-registry
 
 stop: ## Stop the engine and registry that `make services` (or demo/test) started
 	.ci/services stop
 
-image: ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...]
-	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG)
+image: ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all]
+	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG)
 
 render: ## Print the Dockerfile `image` would build
 	$(PYTHON) build.py render --base $(BASE) $(REPO_FLAG)
@@ -34,13 +43,23 @@ render: ## Print the Dockerfile `image` would build
 smoke: ## Smoke-test an image: make smoke IMAGE=...
 	$(PYTHON) build.py smoke $(IMAGE)
 
-push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1]
-	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG)
+push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
+	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG)
 
 demo: setup services ## End to end on a local engine: stand-in base, build, smoke, push to a local registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --base $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
+
+demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from a stand-in index, on a Docker 26.1 engine
+	.ci/services install-cdi-engine
+	.ci/services start-cdi-engine
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE)) \
+		--platform linux/amd64,linux/arm64 --publish $(STANDIN_REGISTRY)
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py image --base $(BASE) --base-repo $(STANDIN_REGISTRY)/vllm-openai \
+		--tag vllm/vllm-openai:$(BASE)-m3patch
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --platform all \
+		--registry $(REGISTRY) --allow-gpu-unverified
 
 test: setup services ## Run every test (unit and integration) against the real engine and registry
 	$(PYTHON) -m pytest -q
@@ -57,3 +76,6 @@ clean: ## Remove caches (keeps build/records, which push, list and rollback rely
 
 clean-records: ## Delete the journal of builds, verdicts and pushes (asks first)
 	@printf 'delete build/records (every build, verdict and push the tool knows)? [y/N] '; read a; [ "$$a" = y ] && rm -rf build/records || echo kept
+
+bench-platforms: ## Wall time of image + push, one platform vs two, on stand-ins (needs a 26.1 engine + qemu)
+	$(PYTHON) bench/platforms.py

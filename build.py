@@ -1,9 +1,21 @@
 #!/usr/bin/env python3
 """Entry point: `python build.py --help`. All logic lives in vllm_hotfix/."""
 
+import logging
+import os
 import sys
 
 from vllm_hotfix.cli import run
 
 if __name__ == "__main__":
-    sys.exit(run())
+    code = run()
+    # Everything the run opened is closed by now (containers, scratch folders
+    # and sockets in context managers): skip the interpreter's teardown of
+    # every module, which costs a measurable part of a quick build.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a reader that went away (`| head`): nothing more to say to it
+            pass
+    os._exit(code)

@@ -69,8 +69,8 @@ def docker(*args: str, check: bool = True, cwd: Path | None = None) -> Run:
     return sh(["docker", *args], check=check, cwd=cwd)
 
 
-def tool(root: Path, *args: str, check: bool = True) -> Run:
-    return sh([PYTHON, str(BUILD_PY), "--root", str(root), *args], check=check)
+def tool(root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> Run:
+    return sh([PYTHON, str(BUILD_PY), "--root", str(root), *args], check=check, env=env)
 
 
 def settle() -> None:

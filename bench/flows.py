@@ -1,6 +1,10 @@
-"""The three ways to make the patched image, each timed as one command.
+"""The ways to make the patched image, each timed as one command.
 
-* tool:   ``python build.py image --base TAG --no-smoke --rebuild --tag REF``
+* dockerfile: ``python build.py image --base TAG --no-smoke --rebuild --tag REF``
+  (the default builder: the engine builds the rendered Dockerfile)
+* assemble: the same with ``--builder assemble`` (layer and config written by
+  the tool, loaded into the engine); ``assemble-cold`` runs it with an empty
+  facts cache, so the probe container runs as on a base never seen before
 * manual: the seed article's shell steps (docker create, docker cp of the
   touched files, docker rm, ``patch -p1 --forward``, ``docker build`` of a
   hand-written FROM/COPY Dockerfile)
@@ -49,19 +53,25 @@ class Timed:
     cache_hits: int
     steps: int
     ref: str
+    image_id: str = ""
 
 
-def _timed(flow: str, run: Run, ref: str) -> Timed:
-    return Timed(flow, run.seconds, cache_hits(run.output), build_steps(run.output), ref)
+def _timed(flow: str, run: Run, ref: str, image_id: str = "") -> Timed:
+    return Timed(flow, run.seconds, cache_hits(run.output), build_steps(run.output), ref, image_id)
 
 
-def run_tool(root: Path, base_tag: str, ref: str, cleanup: Cleanup) -> Timed:
+def run_tool(root: Path, base_tag: str, ref: str, cleanup: Cleanup, *, builder: str = "dockerfile",
+             cache: Path | None = None, flow: str | None = None) -> Timed:
+    """One `image --rebuild`; ``cache``: the facts cache folder (a fresh one makes the run cold)."""
     settle()
     cleanup.add(ref)
-    r = tool(root, "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref)
-    if not (r.stdout.strip().splitlines() or [''])[-1].startswith(f"built {ref} "):
+    env = {"VLLM_HOTFIX_CACHE": str(cache)} if cache is not None else None
+    r = tool(root, "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref, "--builder", builder,
+             env=env)
+    last = (r.stdout.strip().splitlines() or [''])[-1]
+    if not last.startswith(f"built {ref} "):
         raise BenchError(f"tool did not build {ref}:\n{r.output[-2000:]}")
-    return _timed("tool", r, ref)
+    return _timed(flow or builder, r, ref, last.split()[-1])
 
 
 MANUAL_SCRIPT = """set -e

@@ -11,7 +11,7 @@ import pstats
 from pathlib import Path
 from typing import Any
 
-from common import BUILD_PY, PYTHON, REPO, median, sh
+from common import PYTHON, REPO, median, sh
 
 # step -> (file suffix, function name), summed
 STEPS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -23,10 +23,15 @@ STEPS: list[tuple[str, list[tuple[str, str]]]] = [
     ("probe execs (locate, compile)", [("vllm_hotfix/engine.py", "exec")]),
     ("probe file reads (get_archive)", [("vllm_hotfix/engine.py", "read")]),
     ("probe file write (put_archive)", [("vllm_hotfix/engine.py", "write")]),
+    ("facts cache (read, check)", [("vllm_hotfix/sources.py", "_cached")]),
     ("GNU patch (dry run + apply)", [("vllm_hotfix/base.py", "apply_in_scratch")]),
     ("render Dockerfile + context",
      [("vllm_hotfix/render.py", "render"), ("vllm_hotfix/render.py", "context")]),
-    ("engine build", [("vllm_hotfix/engine.py", "build")]),
+    ("engine build (dockerfile builder)", [("vllm_hotfix/engine.py", "build")]),
+    ("assemble: layer + config + archive", [("vllm_hotfix/tarball.py", "write"),
+                                            ("vllm_hotfix/assemble.py", "image_config")]),
+    ("engine history (base)", [("vllm_hotfix/engine.py", "history")]),
+    ("engine load", [("vllm_hotfix/engine.py", "load")]),
     ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/records.py", "new")]),
 ]
 
@@ -42,16 +47,24 @@ def _ct(stats: dict[Any, Any], suffix: str, name: str) -> tuple[float, int]:
 
 def process_start(repeat: int = 5) -> dict[str, float]:
     bare = [sh([PYTHON, "-c", "pass"]).seconds for _ in range(repeat)]
+    # Without site initialization (-S): how much of the start the .pth files
+    # of this Python's site-packages take.
+    nosite = [sh([PYTHON, "-S", "-c", "pass"]).seconds for _ in range(repeat)]
     cli = [sh([PYTHON, "-c", "import vllm_hotfix.cli"], env={"PYTHONPATH": str(REPO)}).seconds
            for _ in range(repeat)]
-    return {"python_bare_s": median(bare), "python_import_cli_s": median(cli)}
+    return {"python_bare_s": median(bare), "python_nosite_s": median(nosite), "python_import_cli_s": median(cli)}
 
 
-def profile(root: Path, base_tag: str, ref: str, out: Path) -> dict[str, Any]:
-    """Profile one real build; return the per-step summary."""
+def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict[str, Any]:
+    """Profile one real assembled build (facts cache ``cache``); return the per-step summary."""
     prof = out / "image-rebuild.prof"
-    run = sh([PYTHON, "-m", "cProfile", "-o", str(prof), str(BUILD_PY), "--root", str(root), "image",
-              "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref], cwd=REPO)
+    # cli.run under the profiler rather than build.py, which leaves with
+    # os._exit before cProfile could write its file.
+    argv = ["--root", str(root), "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref,
+            "--builder", "assemble"]
+    code = (f"import cProfile, sys\nsys.argv = ['build.py', *{argv!r}]\n"
+            f"cProfile.run('import vllm_hotfix.cli as c; c.run()', {str(prof)!r})\n")
+    run = sh([PYTHON, "-c", code], cwd=REPO, env={"VLLM_HOTFIX_CACHE": str(cache), "PYTHONPATH": str(REPO)})
     st = pstats.Stats(str(prof))
     raw = st.stats  # type: ignore[attr-defined]
     total = max(ct for (_f, _l, _n), (_cc, _nc, _tt, ct, _c) in raw.items())
@@ -63,7 +76,10 @@ def profile(root: Path, base_tag: str, ref: str, out: Path) -> dict[str, Any]:
             secs += s
             calls += c
         steps.append({"step": label, "seconds": round(secs, 4), "calls": calls})
-    http_s, http_n = _ct(raw, "requests/sessions.py", "request")
+    # Engine round trips: plain HTTP on a local socket, or the SDK's session.
+    http_s, http_n = _ct(raw, "vllm_hotfix/engine.py", "_call")
+    sdk_s, sdk_n = _ct(raw, "requests/sessions.py", "request")
+    http_s, http_n = http_s + sdk_s, http_n + sdk_n
     return {
         "wall_s": run.seconds,
         "profiled_s": total,

@@ -23,12 +23,15 @@ import pytest
 import requests
 
 from vllm_hotfix import standin
-from vllm_hotfix.engine import Engine, tar_bytes
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.tarball import tar_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-# The tests' own namespace: a test run never tags (or replaces) anything under
-# the real vllm/vllm-openai name on the engine it runs against.
-STANDIN_REPO = "hotfix-test/vllm-openai"
+# The tests' own namespace, one per run: a test run never tags (or replaces)
+# anything under the real vllm/vllm-openai name on the engine it runs against,
+# and two runs on one engine never untag each other's stand-ins.
+STANDIN_REPO = "hotfix-test/vllm-openai-" + os.environ.setdefault(
+    "VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
 RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")

@@ -314,6 +314,18 @@ def test_a_wrong_hash_is_named_before_anything_is_built(engine: Engine, sm100_ba
 
 
 @pytest.mark.engine
+def test_the_assemble_builder_refuses_a_pinned_set_before_any_work(engine: Engine, sm100_bases: dict[str, str],
+                                                                   project: Path, unique: str) -> None:
+    _one_pin_set(project, _quack())
+    ref = f"hotfix-test/pins-asm-{unique}:x"
+    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+            "--builder", "assemble", root=project)
+    fails(r, "pins.txt", "--builder assemble cannot")
+    assert "resolving base" not in r.err
+    _nothing_left(engine, ref, r.err)
+
+
+@pytest.mark.engine
 def test_a_missing_wheel_is_named(engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str,
                                   tmp_path: Path) -> None:
     _one_pin_set(project, _quack())

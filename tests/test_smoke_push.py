@@ -128,7 +128,10 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     project, ref, image_id = built
     r = cli("smoke", ref, "--gpu", "require", root=project)
     assert r.rc == 11, r.err
-    assert "incomplete, neither pass nor fail" in r.last_error and "no NVIDIA runtime" in r.last_error
+    assert "incomplete, neither pass nor fail" in r.last_error
+    assert "--gpu require: no GPU request gave a container of this image a GPU" in r.last_error
+    assert 'could not select device driver "" with capabilities: [[gpu]]' in r.last_error
+    assert "no NVIDIA runtime registered" in r.last_error
     newest = records.verdicts(project, image_id)[0]
     assert newest.data["status"] == "incomplete"
     # The earlier passing verdict still stands: list shows it, push takes it.

@@ -2,53 +2,30 @@
 from, the files the patches touch; then patch them and compile their bytecode
 with the image's own Python.
 
-All of it happens in one throw-away container and one scratch folder, both
-removed before :func:`prepare` returns.
+All of it happens in at most one throw-away container (none when the facts
+cache of this base answers everything, see :mod:`sources`) and one scratch
+folder, both removed before :func:`prepare` returns.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from . import patches as patchlib
 from .definitions import ImageDefinition
-from .engine import Box, Engine, ImageInfo
+from .engine import Engine, ImageInfo
 from .errors import BaseImageError, PatchError
+from .sources import BaseFacts, ImageReader, content, patch_key, run_probe, scratch_tree
 
 log = logging.getLogger(__name__)
 
 SCRATCH = "/tmp/vllm-hotfix"
 
-
-def scratch_prefix() -> str:
-    """Scratch folders carry the run's ID (tests set one) so leaks can be traced."""
-    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID", "")
-    return f"vllm-hotfix-scratch-{run_id + '-' if run_id else ''}"
-
-
-def probe_source(name: str) -> str:
-    return resources.files("vllm_hotfix.probes").joinpath(name).read_text(encoding="utf-8")
-
-
-@dataclass(frozen=True)
-class BaseFacts:
-    """What the base image says about itself, by its own Python."""
-
-    ref: str
-    image: ImageInfo
-    python: str
-    python_version: str
-    cache_tag: str
-    site_dir: str  # the folder holding the package folder
-    package_dir: str
-    version: str | None
+__all__ = ["BaseFacts", "PatchedFile", "prepare", "apply_in_scratch", "touched_files"]
 
 
 @dataclass(frozen=True)
@@ -62,84 +39,6 @@ class PatchedFile:
     @property
     def sha256(self) -> str:
         return patchlib.sha256_bytes(self.data)
-
-
-def probe_timeout() -> int:
-    """Seconds a probe of the base may take (VLLM_HOTFIX_PROBE_TIMEOUT, default 120)."""
-    try:
-        return max(1, int(os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT", "120")))
-    except ValueError:
-        return 120
-
-
-def _run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> dict:
-    limit = probe_timeout()
-    result = box.exec([python, "-c", probe_source(script), *args], timeout=limit)
-    if result.exit_code == 124:
-        raise BaseImageError(f"{ref}: probe {script} with {python} timed out after {limit} s",
-                             hint="the image's Python hangs at start; check the image")
-    try:
-        data = json.loads(result.stdout)
-    except ValueError:
-        err = (result.stderr or result.stdout).strip().splitlines()
-        raise BaseImageError(
-            f"{ref}: probe {script} failed in the image with {python}: "
-            f"{err[-1] if err else 'exit ' + str(result.exit_code)}"
-        ) from None
-    if not isinstance(data, dict):
-        raise BaseImageError(f"{ref}: probe {script} printed no JSON object")
-    return data
-
-
-def locate(
-    box: Box, defn: ImageDefinition, ref: str, image: ImageInfo, rels: list[str]
-) -> tuple[BaseFacts, dict]:
-    return locate_package(box, defn.package, defn.python, ref, image, rels)
-
-
-def locate_package(
-    box: Box, package: str, python: str, ref: str, image: ImageInfo, rels: list[str]
-) -> tuple[BaseFacts, dict]:
-    data = _run_probe(box, python, "locate.py", [package, *rels], ref)
-    if "error" in data:
-        raise BaseImageError(f"{ref}: {data['error']} with {python}")
-    lacking = [k for k in ("python", "cache_tag", "site_dir", "package_dir", "files") if k not in data]
-    if lacking or not isinstance(data.get("files"), dict) or set(rels) - set(data["files"]):
-        raise BaseImageError(
-            f"{ref}: probe locate.py with {python} answered without {', '.join(lacking) or 'every file'}: "
-            "is it the image's Python interpreter?"
-        )
-    facts = BaseFacts(
-        ref=ref,
-        image=image,
-        python=python,
-        python_version=data["python"],
-        cache_tag=data["cache_tag"],
-        site_dir=data["site_dir"],
-        package_dir=data["package_dir"],
-        version=data.get("version"),
-    )
-    return facts, data["files"]
-
-
-def read_files(
-    engine: Engine, package: str, python: str, ref: str, image: ImageInfo, rels: list[str]
-) -> tuple[BaseFacts, dict[str, bytes | None]]:
-    """The files ``rels`` as the image's Python would import them, no version check.
-
-    A path that is missing, or is not a regular file reached without links,
-    reads as None: for a question like "does this release carry the patch?"
-    that is an answer (it does not), not an error.
-    """
-    with engine.box(image.id, python) as box:
-        facts, info = locate_package(box, package, python, ref, image, rels)
-    return facts, {rel: _content(info[rel]) for rel in rels}
-
-
-def _content(info: dict) -> bytes | None:
-    """A file's bytes as the locate probe read them (regular files only)."""
-    data = info.get("data_b64")
-    return base64.b64decode(data) if data is not None else None
 
 
 def check_version(facts: BaseFacts, defn: ImageDefinition) -> None:
@@ -189,15 +88,19 @@ def prepare(
     patches: list[patchlib.Patch],
     *,
     skip_included: bool = False,
+    cache: Path | None = None,
 ) -> tuple[BaseFacts, list[PatchedFile], list[patchlib.Patch]]:
     """Probe the base, patch the touched files, compile fresh bytecode.
 
     Returns the base's facts, the files that changed and the patches applied
     (all of them, unless ``skip_included`` let the base's own copies stand).
+    With a ``cache`` folder, what the base said of itself and the bytecode of
+    each patched source are kept per base image ID: a probe container starts
+    only for a file never read or a source never compiled on this base.
     """
     rels = touched_files(patches)
-    with engine.box(image.id, defn.python) as box:
-        facts, info = locate(box, defn, ref, image, rels)
+    with ImageReader(engine, image, ref, defn.package, defn.python, cache) as reader:
+        facts, info = reader.locate(rels)
         check_version(facts, defn)
         check_targets(info, patches, ref, facts.site_dir)
         # The probe read each file with the image's own Python after checking
@@ -205,32 +108,55 @@ def prepare(
         # written under the scratch folder, at paths we chose.
         originals: dict[str, tuple[bytes, int]] = {}
         for rel in rels:
-            data = _content(info[rel])
+            data = content(info[rel])
             if data is None:
                 raise PatchError(f"{facts.site_dir}/{rel} in {ref} could not be read as a regular file", file=rel)
             originals[rel] = (data, int(info[rel]["mode"]))
 
-        patched, included = apply_in_scratch(
-            patches, {rel: data for rel, (data, _m) in originals.items()}, skip_included=skip_included
-        )
+        sources_in = {rel: data for rel, (data, _m) in originals.items()}
+        # GNU patch is deterministic: the same patches on the same bytes give the
+        # same files. Only successful runs are kept; a failing one runs each time.
+        key = patch_key([(p.name, p.sha256) for p in patches], sources_in, skip_included)
+        found_patched = reader.cached_patched(key)
+        if found_patched is not None:
+            patched, included_names = found_patched
+            included = [p for p in patches if p.name in included_names]
+        else:
+            patched, included = apply_in_scratch(patches, sources_in, skip_included=skip_included)
+            reader.store_patched(key, patched, [p.name for p in included])
         applied = [p for p in patches if p not in included]
         # A file only skipped patches touch is the base's own: nothing to copy.
         rels = [rel for rel in rels if patched[rel] != originals[rel][0]]
         log.info("patched %d file(s) with %d patch(es)", len(rels), len(applied))
 
-        box.write("/tmp", {f"vllm-hotfix/{rel}": data for rel, data in patched.items()})
-        args = [SCRATCH] + [f"{rel}={','.join(map(str, info[rel]['opt_levels']))}" for rel in rels]
-        compiled = _run_probe(box, defn.python, "compile.py", args, ref)
+        levels = {rel: ",".join(map(str, info[rel]["opt_levels"])) for rel in rels}
+        bytecode: dict[str, dict[str, bytes]] = {}
+        for rel in rels:
+            found = reader.cached_bytecode(rel, patched[rel], levels[rel])
+            if found is not None:
+                bytecode[rel] = found
+        todo = [rel for rel in rels if rel not in bytecode]
+        if todo:
+            log.info("probe: compile %d file(s)", len(todo))
+            box = reader.box()
+            box.write("/tmp", {f"vllm-hotfix/{rel}": patched[rel] for rel in todo})
+            compiled = run_probe(box, defn.python, "compile.py", [SCRATCH] + [f"{rel}={levels[rel]}" for rel in todo],
+                                 ref)
+            for rel in todo:
+                entry: dict[str, Any] = compiled.get(rel, {})
+                if "error" in entry:
+                    owner = next(p.name for p in applied if rel in p.files)
+                    raise PatchError(f"{owner}: patched {rel} does not compile: {entry['error']}", patch=owner,
+                                     file=rel)
+                bytecode[rel] = {pyc: base64.b64decode(b64) for pyc, b64 in entry["pycs"].items()}
+                reader.store_bytecode(rel, patched[rel], levels[rel], bytecode[rel])
+        log.info("probe containers started: %d", reader.containers)
         result = []
         for rel in rels:
-            entry = compiled.get(rel, {})
-            if "error" in entry:
-                owner = next(p.name for p in applied if rel in p.files)
-                raise PatchError(f"{owner}: patched {rel} does not compile: {entry['error']}", patch=owner, file=rel)
-            bytecode = tuple((pyc, base64.b64decode(b64)) for pyc, b64 in sorted(entry["pycs"].items()))
             data, mode = originals[rel]
             result.append(
-                PatchedFile(rel, patched[rel], mode & 0o7777, patchlib.sha256_bytes(data), bytecode)
+                PatchedFile(rel, patched[rel], mode & 0o7777, patchlib.sha256_bytes(data),
+                            tuple(sorted(bytecode[rel].items())))
             )
     return facts, result, applied
 
@@ -242,10 +168,6 @@ def apply_in_scratch(
 
     Returns the patched files and the patches the files already carried.
     """
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
-        work = Path(tmp)
-        for rel, data in files.items():
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            (work / rel).write_bytes(data)
+    with scratch_tree(files) as work:
         included = patchlib.apply_series(patches, work, skip_included=skip_included)
         return {rel: (work / rel).read_bytes() for rel in files}, included

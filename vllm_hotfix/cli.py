@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import click
 
-from . import __version__, pipeline, standin
+from . import __version__, pipeline
 from .engine import PULL_POLICIES, Engine
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
@@ -102,6 +102,7 @@ Environment:
   VLLM_HOTFIX_RUN_ID    label put on every container a run starts
   VLLM_HOTFIX_PROBE_TIMEOUT  seconds a probe of the base may take (120)
   VLLM_HOTFIX_GITHUB_API  GitHub API base URL for new-patchset
+  VLLM_HOTFIX_BINFMT_DIR  where the host registers emulators (default /proc/sys/fs/binfmt_misc)
 """
 
 
@@ -130,6 +131,11 @@ def main(ctx: click.Context, root: Path) -> None:
 base_option = click.option("--base", "base_tag", required=True,
                            help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
 repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
+platform_option = click.option(
+    "--platform", "platform_text", default=None, metavar="LIST|all",
+    help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
+         "Default: all when the base is an index in a registry, the engine's own when the base is only local.",
+)
 pull_option = click.option(
     "--pull", type=click.Choice(PULL_POLICIES), default="missing", show_default=True,
     help="When to pull the base from its registry.",
@@ -146,26 +152,38 @@ pull_option = click.option(
 @click.option("--skip-included", is_flag=True,
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
 @click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
+@click.option("--builder", type=click.Choice(pipeline.BUILDERS), default="dockerfile", show_default=True,
+              help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
+                   "layer and config and load them (reproducible image ID).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
+@platform_option
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
-          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, as_json: bool,
-          wheelhouse: Path | None) -> None:
-    """Build the patched image for base TAG."""
+          pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
+          wheelhouse: Path | None, platform_text: str | None) -> None:
+    """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
+    from . import platforms
+
+    wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     smoke = None
     if not no_smoke:
         from . import smoke as smokelib
 
         smoke = smokelib.runner(obj.root, progress)
+    options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
+                                   smoke=smoke, progress=progress, builder=builder, wheelhouse=wheelhouse)
     try:
-        result = pipeline.build_image(
-            obj.engine, plan, pull=pull, rebuild=rebuild, skip_included=skip_included, force=force, smoke=smoke,
-            progress=progress, wheelhouse=wheelhouse,
-        )
+        bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
+                                        progress=progress)
+        if bases is not None:
+            results = pipeline.build_platforms(obj.engine, plan, bases, **options)
+            _report_platforms(plan, results, as_json)
+            return
+        result = pipeline.build_image(obj.engine, plan, **options)
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
         if as_json:
@@ -184,43 +202,108 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     click.echo(f"{how} {result.output_ref} {result.image_id}")
 
 
+def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], as_json: bool) -> None:
+    if as_json:
+        _json({"result": "built" if any(not r.reused for r in results) else "reused", "ref": plan.output_ref,
+               "platforms": [{"platform": r.platform, "ref": r.output_ref, "image_id": r.image_id,
+                              "reused": r.reused, "record": r.record.path.name,
+                              "smoke": (r.smoke or {}).get("status"),
+                              "gpu_verified": bool((r.smoke or {}).get("gpu_verified"))} for r in results]})
+        return
+    for r in results:
+        click.echo(f"{'reused' if r.reused else 'built'} {r.output_ref} {r.image_id} {r.platform}")
+    names = ",".join(str(r.platform) for r in results)
+    click.echo(f"platforms {plan.output_ref} {names} "
+               f"(push them with an index: push {plan.output_ref} --platform {names} --registry HOST[:PORT]/PATH)")
+
+
 @main.command()
 @base_option
 @repo_option
 @pull_option
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Render for this platform of the base's index (linux/amd64 or linux/arm64).")
 @click.pass_obj
 @guarded
-def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None) -> None:
+def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
+           platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
     plan = pipeline.plan(obj.root, base_tag, base_repo)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse), nl=False)
+    plat = _one_platform(platform_text)
+    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat), nl=False)
+
+
+def _one_platform(text: str | None) -> Any:
+    from . import platforms
+
+    if text is None:
+        return None
+    wanted = platforms.parse(text)
+    if wanted is None or len(wanted) != 1:
+        raise UsageError(f"--platform {text!r}: name one platform here (linux/amd64 or linux/arm64)")
+    return wanted[0]
 
 
 @main.command("standin")
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
-@click.option("--deps", type=click.Choice(standin.DEPS_MODES), default=None,
+# Spelled out here (standin.DEPS_MODES) so that the CLI does not import standin at start.
+@click.option("--deps", type=click.Choice(("race", "serial")), default=None,
               help="Add nvidia-cutlass-dsl 4.5.2 (sub-wheels unpacked serially or as in a race) and "
                    "quack-kernels 0.6.5, as on an SM100 host.")
+@click.option("--platform", "platform_text", default=None, metavar="LIST",
+              help="linux/amd64, linux/arm64, or both comma-separated (default: the engine's own).")
+@click.option("--publish", default=None, metavar="HOST[:PORT]/PATH",
+              help="Push the stand-ins of every --platform and an index over them to "
+                   "HOST[:PORT]/PATH/vllm-openai:v<version>, as upstream publishes its images.")
 @click.pass_obj
 @guarded
-def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None) -> None:
+def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None,
+                platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
-    ref = ref or f"vllm/vllm-openai:v{version}"
-    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version, deps=deps)
-    click.echo(f"stand-in {ref} {info.id}")
+    from . import platforms, refs, standin
+
+    plats = platforms.parse(platform_text)
+    if publish is not None:
+        if deps is not None:
+            raise UsageError("--deps is for a local stand-in; --publish makes plain ones")
+        where = refs.check_registry(publish)
+        target = refs.check_reference(f"{where}/vllm-openai:v{version}", "--publish", tag_only=True)
+        chosen = plats or [platforms.Platform("linux", "amd64"), platforms.Platform("linux", "arm64")]
+        digest, children = standin.publish(obj.engine, obj.root, version, target, chosen, progress)
+        for plat, child in children.items():
+            click.echo(f"platform {plat} {child}")
+        click.echo(f"published {target} {digest}")
+        return
+    if plats is not None and len(plats) > 1:
+        raise UsageError("--platform with several platforms needs --publish (a local tag names one image)")
+    ref = refs.check_reference(ref or f"vllm/vllm-openai:v{version}", "--ref", tag_only=True)
+    info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version,
+                        plat=plats[0] if plats else None, deps=deps)
+    click.echo(f"stand-in {ref} {info.id} {info.os}/{info.architecture}")
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-                   requests_n: int) -> Any:
+                   requests_n: int, gpu_request: str = "auto", definition: str | None = None) -> Any:
     from . import smoke as smokelib
     from . import sweep
 
-    return smokelib.SmokeOptions(gpu=gpu, serve_model=serve_model, serve_args=serve_args,
+    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
+                                 serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n)
+
+
+def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from . import gpu_access
+    from .errors import SmokeError
+
+    try:
+        return gpu_access.parse_request(value)
+    except SmokeError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 sweep_options = [
@@ -242,7 +325,13 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @main.command()
 @click.argument("image_ref", metavar="IMAGE")
 @click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
-              help="Run GPU checks: where the host has an NVIDIA runtime, always, or never.")
+              help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
+@click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
+              help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
+                   "cdi[:DEVICE], gpus or runtime[:NAME].")
+@click.option("--definition", default=None, metavar="TAG",
+              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
+                   "e.g. on the unpatched base to see them catch the bug.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
@@ -251,14 +340,15 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @with_options(sweep_options)
 @click.pass_obj
 @guarded
-def smoke(obj: Ctx, image_ref: str, gpu: str, report_path: Path | None, junit_path: Path | None,
-          serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str, requests_n: int) -> None:
+def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
+          requests_n: int) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from . import records
     from . import smoke as smokelib
     from .errors import SmokeError, SmokeIncomplete
 
-    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n)
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition)
     records.ensure_writable(obj.root)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
     entry = smokelib.record(obj.root, report)
@@ -310,14 +400,30 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--platform", "platform_text", default=None, metavar="LIST|all",
+              help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
+                   "as IMAGE. Default: IMAGE alone.")
 @click.pass_obj
 @guarded
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
+         platform_text: str | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
+    from . import platforms, refs
     from . import push as pushlib
-    from . import refs
 
     refs.check_registry(registry)
+    if platform_text is not None:
+        plats = platforms.parse(platform_text)
+        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats,
+                                   allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+        if as_json:
+            _json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
+                   "children": index.children})
+            return
+        for child in index.children:
+            click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
+        click.echo(f"pushed index {index.ref} {index.digest}")
+        return
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
                           allow_gpu_unverified=allow_gpu_unverified, progress=progress)
     if as_json:
@@ -333,17 +439,20 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 @pull_option
 @click.option("--from-wheel", is_flag=True, help="Read the release's PyPI wheel instead of its image.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of lines.")
+@click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
+              help="Judge this platform's image (or wheel) of the release: linux/amd64 or linux/arm64.")
 @click.pass_obj
 @guarded
 def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | None, pull: str,
-                   from_wheel: bool, as_json: bool) -> None:
+                   from_wheel: bool, as_json: bool, platform_text: str | None) -> None:
     """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
     import json
 
     from . import upstream
 
     report = upstream.check(obj.root, patch_set, base_tag, engine=lambda: obj.engine, base_repo=base_repo,
-                            pull=pull, from_wheel=from_wheel, progress=progress)
+                            pull=pull, from_wheel=from_wheel, progress=progress,
+                            platform=_one_platform(platform_text))
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, sort_keys=True))
     else:

@@ -3,35 +3,60 @@
 Nothing else in the package imports ``docker`` or talks to the engine. Every
 container this module starts is removed before the call that started it
 returns, whatever happens.
+
+The Docker SDK (and ``requests`` under it) costs more to import than a reused
+build takes in all, so it is imported on first use. The few calls an
+unchanged rebuild or an assembled build makes (ping, inspect, history, tag,
+load, info) are plain HTTP requests: over the engine's unix socket with the
+standard library when the engine is local, else through the SDK's session.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import ipaddress
 import json
 import logging
 import os
 import re
 import socket
-import tarfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import docker
-import docker.auth
-import docker.errors
-import docker.utils
-import requests.exceptions
-import urllib3.exceptions
-
 from .errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
 
 log = logging.getLogger(__name__)
+
+
+class _Lazy:
+    """A module imported on first attribute access (``docker.errors.X`` still reads as usual)."""
+
+    def __init__(self, *names: str) -> None:
+        self._names = names
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        for name in self._names:
+            importlib.import_module(name)
+        module = importlib.import_module(self._names[0])
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            # A first import cut short (Ctrl-C while the SDK loads) can leave the
+            # package without a submodule attribute; an ``except docker.errors.X``
+            # evaluated while that interrupt propagates must still find it.
+            return importlib.import_module(f"{self._names[0]}.{attr}")
+
+
+docker: Any = _Lazy("docker", "docker.auth", "docker.errors", "docker.types", "docker.utils")
+requests: Any = _Lazy("requests", "requests.exceptions")
+urllib3: Any = _Lazy("urllib3", "urllib3.exceptions")
 
 PULL_POLICIES = ("missing", "always", "never")
 LOG_TAIL_LINES = 20
@@ -50,11 +75,49 @@ class ImageInfo:
     user: str
     labels: Mapping[str, str] = field(default_factory=dict)
     size: int = 0
+    # The engine's whole answer, for what the fields above leave out.
+    attrs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    os: str = "linux"
+    architecture: str = ""
+    variant: str = ""
 
     @property
     def digest(self) -> str | None:
         """The registry digest (``name@sha256:...``) if the image has one."""
         return self.repo_digests[0] if self.repo_digests else None
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """How a container asks the engine for GPUs; chosen elsewhere, passed through here.
+
+    ``cdi``: a CDI device (``device``, e.g. ``nvidia.com/gpu=all``; engine API >= 1.44 with
+    the ``cdi`` feature). ``gpus``: the capability request of ``docker run --gpus all``.
+    ``runtime``: a registered OCI runtime (``runtime``, e.g. ``nvidia``) with every GPU visible.
+    """
+
+    way: str
+    device: str = ""
+    runtime: str = ""
+
+    def __str__(self) -> str:
+        if self.way == "cdi":
+            return f"cdi:{self.device}"
+        if self.way == "runtime":
+            return f"runtime:{self.runtime}"
+        return self.way
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine says about itself that bears on GPU access."""
+
+    server_version: str
+    api_version: str
+    cdi_spec_dirs: tuple[str, ...]
+    runtimes: tuple[str, ...]
+    default_runtime: str
+    local: bool
 
 
 @dataclass(frozen=True)
@@ -68,8 +131,7 @@ def _tuple(value: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(value) if value is not None else None
 
 
-def _image_info(image: Any) -> ImageInfo:
-    attrs = image.attrs
+def _image_info(attrs: Mapping[str, Any]) -> ImageInfo:
     config = attrs.get("Config") or {}
     return ImageInfo(
         id=attrs["Id"],
@@ -81,6 +143,10 @@ def _image_info(image: Any) -> ImageInfo:
         user=config.get("User") or "",
         labels=dict(config.get("Labels") or {}),
         size=int(attrs.get("Size") or 0),
+        attrs=attrs,
+        os=str(attrs.get("Os") or "linux"),
+        architecture=str(attrs.get("Architecture") or ""),
+        variant=str(attrs.get("Variant") or ""),
     )
 
 
@@ -100,8 +166,14 @@ def registry_of(ref: str) -> str:
     return "docker.io" if host == docker.auth.INDEX_NAME else host
 
 
-# Errors the SDK raises when the engine goes away under a call in flight.
-_LOST = (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError)
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    """Errors the SDK raises when the engine goes away under a call in flight.
+
+    A function, not a constant: naming them imports the SDK, which only a
+    call that used the SDK may pay for (an ``except`` clause evaluates it
+    only when an exception reaches it).
+    """
+    return (requests.exceptions.ConnectionError, urllib3.exceptions.ProtocolError)
 _AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication required", "denied",
                "incorrect username or password")
 
@@ -135,7 +207,7 @@ def _guard(what: str) -> Callable[[F], F]:
                 return fn(self, *args, **kwargs)
             except PipelineError:
                 raise
-            except _LOST as exc:
+            except _lost_errors() as exc:
                 raise lost(what.format(*args), exc) from exc
             except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
                 raise EngineError(f"{what.format(*args)}: {_short(exc)}") from exc
@@ -168,45 +240,128 @@ class Box:
     @_guard("copying files into a container")
     def write(self, folder: str, files: Mapping[str, bytes]) -> None:
         """Put files (relative path -> bytes) under ``folder``."""
+        from .tarball import tar_bytes
+
         self._container.put_archive(folder, tar_bytes(files))
 
 
-def tar_bytes(
-    files: Mapping[str, bytes], modes: Mapping[str, int] | None = None
-) -> bytes:
-    """A deterministic tar: sorted names, root-owned, fixed mtime."""
-    modes = modes or {}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs: set[str] = set()
-        for name in sorted(files):
-            parts = name.split("/")[:-1]
-            for i in range(1, len(parts) + 1):
-                d = "/".join(parts[:i])
-                if d not in dirs:
-                    dirs.add(d)
-                    info = tarfile.TarInfo(d)
-                    info.type = tarfile.DIRTYPE
-                    info.mode = 0o755
-                    info.mtime = 0
-                    tar.addfile(info)
-            info = tarfile.TarInfo(name)
-            info.size = len(files[name])
-            info.mode = modes.get(name, 0o644)
-            info.mtime = 0
-            tar.addfile(info, io.BytesIO(files[name]))
-    return buf.getvalue()
+class _Closed(Exception):
+    """The engine closed a kept-alive connection before answering."""
+
+
+class _UnixHttp:
+    """HTTP/1.1 to the engine over its unix socket, one kept-alive connection.
+
+    Written out rather than built on http.client, whose import (the email
+    parser with it) costs a noticeable part of an unchanged rebuild. It only
+    needs what the engine sends: a status line, headers, and a body sized by
+    Content-Length, sent chunked, or ended by closing the connection.
+    """
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: Any = None
+        self._file: Any = None
+        self.answered = False  # whether this engine ever answered: a failure after that is a lost engine
+
+    def _open(self, what: str) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            if self.answered:
+                raise lost(what, exc) from exc
+            raise EngineError(
+                f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
+                hint="start one (make services), or point DOCKER_HOST at a running engine",
+            ) from exc
+        self._sock, self._file = sock, sock.makefile("rb")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._file.close()
+            self._sock.close()
+        self._sock = self._file = None
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        head = [f"{method} {path} HTTP/1.1", "Host: docker", f"Content-Length: {len(body or b'')}"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        for attempt in (0, 1):
+            fresh = self._sock is None
+            if fresh:
+                self._open(f"{method} {path.split('?', 1)[0]}")
+            try:
+                self._sock.sendall(data)
+                answer = self._response(method)
+                self.answered = True
+                return answer
+            except (OSError, ValueError, _Closed) as exc:
+                self.close()
+                # A kept-alive connection the engine closed meanwhile: one retry on a new one.
+                if fresh or attempt == 1:
+                    raise lost(f"{method} {path.split('?', 1)[0]}", exc) from exc
+        raise AssertionError("unreachable")
+
+    def _response(self, method: str) -> tuple[int, bytes]:
+        f = self._file
+        status_line = f.readline()
+        if not status_line:
+            raise _Closed("connection closed")
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := f.readline()) not in (b"\r\n", b"\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        body = bytearray()
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            pass
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int(f.readline().split(b";")[0].strip() or b"0", 16):
+                body += f.read(size)
+                f.readline()
+            while f.readline() not in (b"\r\n", b"\n", b""):
+                pass  # trailers
+        elif "content-length" in headers:
+            body += f.read(int(headers["content-length"]))
+        else:
+            body += f.read()
+            headers["connection"] = "close"
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, bytes(body)
 
 
 class Engine:
     """A connection to one Docker engine."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self, client: Any = None, *, http: _UnixHttp | None = None, timeout: int = 120,
+                 base_url: str | None = None) -> None:
+        self._sdk_client = client
+        self._http = http
+        self._timeout = timeout
+        self._base_url = base_url
 
     @classmethod
-    def connect(cls, timeout: int = 120, base_url: str | None = None) -> Engine:
-        """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping."""
+    def connect(cls, timeout: int = 120, base_url: str | None = None, *, transport: str = "auto") -> Engine:
+        """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping.
+
+        ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
+        uses the SDK for anything else; ``sdk`` always uses the SDK.
+        """
+        host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        if transport == "auto" and host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
+            engine = cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout, base_url=host)
+            status, _data = engine._call("GET", "/_ping")
+            if status != 200:
+                raise EngineError(f"no Docker engine answers (unix socket {host}: HTTP {status} to a ping)",
+                                  hint="start one (make services), or point DOCKER_HOST at a running engine")
+            return engine
         try:
             if base_url is not None:
                 client = docker.DockerClient(base_url=base_url, timeout=timeout)
@@ -218,7 +373,56 @@ class Engine:
                 f"no Docker engine answers ({_short(exc)})",
                 hint="start one (make services), or point DOCKER_HOST at a running engine",
             ) from exc
-        return cls(client)
+        return cls(client, timeout=timeout)
+
+    @property
+    def _client(self) -> Any:
+        """The SDK client, made on first use (for the same engine as the plain HTTP calls)."""
+        if self._sdk_client is None:
+            try:
+                if self._base_url is not None:
+                    self._sdk_client = docker.DockerClient(base_url=self._base_url, timeout=self._timeout)
+                else:
+                    self._sdk_client = docker.from_env(timeout=self._timeout)
+            except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+                if self._http is not None and self._http.answered:
+                    # It answered the plain HTTP calls of this run: it went away since.
+                    raise lost("reaching the Docker engine", exc) from exc
+                raise EngineError(f"cannot reach the Docker engine: {_short(exc)}") from exc
+        return self._sdk_client
+
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._sdk_client = client
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """One request to the engine's API (unversioned path: the engine's own version)."""
+        url = path + ("?" + urlencode(params) if params else "")
+        if self._http is not None:
+            return self._http.request(method, url, body, headers)
+        api = self._client.api
+        try:
+            resp = api.request(method, api.base_url + url, data=body, headers=dict(headers or {}),
+                               timeout=self._timeout)
+        except requests.exceptions.RequestException as exc:
+            raise EngineError(f"the engine did not answer {method} {path}: {_short(exc)}") from exc
+        return resp.status_code, resp.content
+
+    def _json(self, method: str, path: str, what: str, **kwargs: Any) -> Any:
+        """The JSON answer of one call, None for 404, EngineError for any other failure."""
+        status, data = self._call(method, path, **kwargs)
+        if status == 404:
+            return None
+        if status >= 300:
+            raise EngineError(f"engine refused to {what}: {_short(Exception(data.decode('utf-8', 'replace')))}")
+        return json.loads(data) if data.strip() else {}
 
     @property
     def address(self) -> str:
@@ -237,20 +441,56 @@ class Engine:
 
     # -- images ------------------------------------------------------------
 
+    def inspect(self, ref: str) -> dict[str, Any] | None:
+        """The engine's description of image ``ref`` (``docker image inspect``), or None."""
+        return self._json("GET", f"/images/{_q(ref)}/json", f"inspect {ref}")  # type: ignore[no-any-return]
+
     @_guard("inspecting image {0}")
     def image(self, ref: str) -> ImageInfo | None:
-        try:
-            return _image_info(self._client.images.get(ref))
-        except docker.errors.ImageNotFound:
-            return None
-        except docker.errors.APIError as exc:
-            raise EngineError(f"engine refused to inspect {ref}: {_short(exc)}") from exc
+        attrs = self.inspect(ref)
+        return _image_info(attrs) if attrs is not None else None
+
+    def history(self, image_id: str) -> list[dict[str, Any]]:
+        """The image's history as the engine reports it, oldest first."""
+        found = self._json("GET", f"/images/{_q(image_id)}/history", f"read the history of {image_id}")
+        if found is None:
+            raise EngineError(f"{image_id}: no such image")
+        return list(reversed(found))
+
+    def info(self) -> dict[str, Any]:
+        return self._json("GET", "/info", "describe itself") or {}  # type: ignore[no-any-return]
+
+    def load(self, archive: bytes) -> list[str]:
+        """``docker load`` of a save-format archive; layers the engine has need not be in it.
+
+        Returns what the engine says it loaded (image IDs or names).
+        """
+        status, data = self._call("POST", "/images/load", params={"quiet": "1"}, body=archive,
+                                  headers={"Content-Type": "application/x-tar"})
+        messages = []
+        for line in data.decode("utf-8", "replace").splitlines():
+            try:
+                messages.append(json.loads(line))
+            except ValueError:
+                messages.append({"error": line} if status >= 300 else {"stream": line})
+        errors = [str(m.get("error") or m.get("message")) for m in messages if m.get("error") or m.get("message")]
+        if status >= 300 or errors:
+            raise BuildError("the engine refused to load the image: " + ("; ".join(errors) or f"HTTP {status}"),
+                             log_tail=[str(m.get("stream", "")).strip() for m in messages if m.get("stream")])
+        loaded = []
+        for m in messages:
+            text = str(m.get("stream", "")).strip()
+            for prefix in ("Loaded image ID: ", "Loaded image: "):
+                if text.startswith(prefix):
+                    loaded.append(text.removeprefix(prefix))
+        return loaded
 
     def resolve(
         self,
         ref: str,
         policy: str = "missing",
         progress: Callable[[str], None] | None = None,
+        platform: str | None = None,
     ) -> ImageInfo:
         """Find ``ref`` in the engine, pulling only as ``policy`` says."""
         if policy not in PULL_POLICIES:
@@ -263,17 +503,19 @@ class Engine:
                 f"base image {ref} is not in the engine and --pull never forbids pulling",
                 hint=f"load it (docker pull/load {ref}) or use --pull missing",
             )
-        self.pull(ref, progress)
+        self.pull(ref, progress, platform)
         pulled = self.image(ref)
         if pulled is None:
             raise BaseImageError(f"pulled {ref} but the engine does not list it")
         return pulled
 
-    def pull(self, ref: str, progress: Callable[[str], None] | None = None) -> None:
+    def pull(self, ref: str, progress: Callable[[str], None] | None = None, platform: str | None = None) -> None:
+        """Pull ``ref`` (of one ``platform`` when given; only engines from API 1.32 take it)."""
         repo, tag = split_reference(ref)
         shown: dict[str, str] = {}
+        extra = {"platform": platform} if platform else {}
         try:
-            for chunk in self._client.api.pull(repo, tag=tag, stream=True, decode=True):
+            for chunk in self._client.api.pull(repo, tag=tag, stream=True, decode=True, **extra):
                 if "error" in chunk:
                     raise BaseImageError(f"cannot pull base image {ref}: {chunk['error']}")
                 status = chunk.get("status", "")
@@ -288,15 +530,20 @@ class Engine:
                 f"cannot pull base image {ref}: {_short(exc)}",
                 hint="check the registry is reachable, or load the image and use --pull never",
             ) from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"pulling {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise BaseImageError(f"cannot pull base image {ref}: {_short(exc)}") from exc
 
     @_guard("tagging {0}")
     def tag(self, image_id: str, ref: str) -> None:
-        repo, tag = split_reference(ref)
-        self._client.api.tag(image_id, repo, tag=tag)
+        # The whole reference as `repo`, no `tag`: the engine parses it with
+        # its own reference grammar (a missing tag is `latest`), and a reused
+        # build needs no SDK import to split it.
+        status, data = self._call("POST", f"/images/{_q(image_id)}/tag", params={"repo": ref})
+        if status >= 300:
+            raise EngineError(f"engine refused to tag {image_id} as {ref}: "
+                              f"{_short(Exception(data.decode('utf-8', 'replace')))}")
 
     @_guard("removing tag {0}")
     def untag(self, ref: str) -> None:
@@ -320,12 +567,38 @@ class Engine:
             self.remove_image(image_id, force=force)
 
     @_guard("importing {0}")
-    def import_rootfs(self, tar_path: str, ref: str) -> ImageInfo:
+    def import_rootfs(self, tar_path: str, ref: str, platform: str | None = None) -> ImageInfo:
+        """Import a root file system tar as ``ref``; ``platform`` says which one it is.
+
+        The SDK's import call has no platform parameter; the engine's API has
+        had one since 1.32 (Docker 20.10 accepts it but records its own).
+        """
         repo, tag = split_reference(ref)
-        self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
+        if platform is None:
+            self._client.api.import_image_from_file(tar_path, repository=repo, tag=tag)
+        else:
+            api = self._client.api
+            with open(tar_path, "rb") as fh:
+                res = api._post(api._url("/images/create"), data=fh,
+                                params={"fromSrc": "-", "repo": repo, "tag": tag, "platform": platform},
+                                headers={"Content-Type": "application/tar"}, timeout=None)
+                api._raise_for_status(res)
         info = self.image(ref)
         if info is None:
             raise EngineError(f"imported {tar_path} but {ref} is missing")
+        return info
+
+    def import_stream(self, chunks: Iterable[bytes], ref: str, changes: Sequence[str] = ()) -> ImageInfo:
+        """``docker import`` of a tar stream (e.g. a host's own filesystem), with Dockerfile ``changes``."""
+        repo, tag = split_reference(ref)
+        try:
+            self._client.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes),
+                                          stream_src=True)
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EngineError(f"cannot import a filesystem as {ref}: {_short(exc)}") from exc
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported a filesystem but {ref} is missing")
         return info
 
     # -- containers --------------------------------------------------------
@@ -350,6 +623,12 @@ class Engine:
             container.reload()
             if container.status != "running":
                 said = container.logs().decode("utf-8", "replace").strip().splitlines()
+                if said and "exec format error" in said[-1]:
+                    raise BaseImageError(
+                        f"{image} is for another CPU architecture and the engine's host cannot run it "
+                        f"({said[-1]})",
+                        hint=_EMULATOR_HINT,
+                    )
                 raise BaseImageError(
                     f"{python} in {image} exited at once ({said[-1] if said else 'no output'}): "
                     "is it the image's Python interpreter?",
@@ -357,8 +636,13 @@ class Engine:
                 )
             yield Box(container)
         except docker.errors.APIError as exc:
+            if "exec format error" in _short(exc):
+                raise BaseImageError(
+                    f"{image} is for another CPU architecture and the engine's host cannot run it ({_short(exc)})",
+                    hint=_EMULATOR_HINT,
+                ) from exc
             raise EngineError(f"cannot run a container of {image}: {_short(exc)}") from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"running a container of {image}", exc) from exc
         finally:
             if container is not None:
@@ -371,7 +655,7 @@ class Engine:
         *,
         files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp",
-        gpu: bool = False,
+        gpu: GpuRequest | None = None,
         network: str = "none",
         timeout: float = 300,
     ) -> ExecResult:
@@ -387,6 +671,8 @@ class Engine:
                 **_gpu_request(gpu),
             )
             if files:
+                from .tarball import tar_bytes
+
                 container.put_archive(files_at, tar_bytes(files))
             container.start()
             try:
@@ -401,7 +687,7 @@ class Engine:
             return ExecResult(code, out, err)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot run {argv[0]} in {image}: {_short(exc)}") from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"running {argv[0]} in {image}", exc) from exc
         finally:
             if container is not None:
@@ -414,7 +700,7 @@ class Engine:
         command: Sequence[str],
         *,
         mounts: Sequence[tuple[str, str]] = (),
-        gpu: bool = False,
+        gpu: GpuRequest | None = None,
     ) -> Iterator[Callable[[], tuple[bool, str]]]:
         """Start the image's own entrypoint with ``command`` on host network.
 
@@ -441,20 +727,28 @@ class Engine:
             yield state
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot start {image}: {_short(exc)}") from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"serving {image}", exc) from exc
         finally:
             if container is not None:
                 _remove_container(container)
 
-    def has_gpu_runtime(self) -> bool:
-        """Whether the engine knows an NVIDIA runtime (``--gpus`` would work)."""
+    def facts(self) -> EngineFacts:
+        """Version, CDI spec folders (API >= 1.44 lists them) and registered runtimes."""
         try:
             info = self._client.info()
-        except docker.errors.APIError:
-            return False
-        runtimes = info.get("Runtimes") or {}
-        return "nvidia" in runtimes or "nvidia" in str(info.get("DefaultRuntime", ""))
+            version = self._client.version()
+        except (docker.errors.APIError, requests.exceptions.RequestException) as exc:
+            raise EngineError(f"engine refused `docker info`: {_short(exc)}") from exc
+        return EngineFacts(
+            server_version=str(version.get("Version", "")),
+            api_version=str(version.get("ApiVersion", "")),
+            cdi_spec_dirs=tuple(info.get("CDISpecDirs") or ()),
+            runtimes=tuple(sorted(info.get("Runtimes") or {})),
+            default_runtime=str(info.get("DefaultRuntime") or ""),
+            # Spec files can be read only where the engine's files are ours to read.
+            local=self.local,
+        )
 
     @_guard("listing containers")
     def containers_with_role(self, run_id: str | None = None) -> list[str]:
@@ -471,10 +765,12 @@ class Engine:
     @_guard("listing containers")
     def containers_by_owner(self) -> dict[str, list[str]]:
         """Containers this tool started, grouped by the owner label (host:pid) of the process."""
-        found = self._client.containers.list(all=True, filters={"label": "io.vllm-hotfix.owner"})
+        # Plain HTTP: every run asks this first, and most find nothing to do.
+        found = self._json("GET", "/containers/json", "list containers", params={
+            "all": "1", "filters": json.dumps({"label": ["io.vllm-hotfix.owner"]})}) or []
         out: dict[str, list[str]] = {}
         for c in found:
-            out.setdefault(c.labels.get("io.vllm-hotfix.owner", ""), []).append(c.id)
+            out.setdefault((c.get("Labels") or {}).get("io.vllm-hotfix.owner", ""), []).append(c["Id"])
         return out
 
     @_guard("removing container {0}")
@@ -512,7 +808,7 @@ class Engine:
             image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
         except BaseException as exc:
             self._discard(made)
-            if isinstance(exc, _LOST):
+            if isinstance(exc, _lost_errors()):
                 raise lost("building the image", exc) from exc
             raise
         return image_id
@@ -600,7 +896,7 @@ class Engine:
                     progress(f"{layer}: {status}".strip(": "))
         except docker.errors.APIError as exc:
             raise _push_error(ref, host, _short(exc)) from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"push of {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise PushError(f"push of {ref} failed: {_short(exc)}") from exc
@@ -619,7 +915,7 @@ class Engine:
             data = self._client.api.inspect_distribution(ref)
         except docker.errors.APIError as exc:
             raise _push_error(ref, host, _short(exc), asking=True) from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost(f"asking {host} for {ref}", exc) from exc
         except requests.exceptions.RequestException as exc:
             raise PushError(f"cannot ask {host} for {ref}: {_short(exc)}") from exc
@@ -627,6 +923,61 @@ class Engine:
         if not digest:
             raise PushError(f"{host} gave no digest for {ref}")
         return str(digest)
+
+    @functools.cached_property
+    def _version(self) -> dict[str, Any]:
+        try:
+            return dict(self._client.version())
+        except docker.errors.APIError as exc:
+            raise EngineError(f"engine refused its version: {_short(exc)}") from exc
+        except _lost_errors() as exc:
+            raise lost("asking the engine its version", exc) from exc
+
+    @property
+    def arch(self) -> str:
+        """The engine host's own architecture (amd64, arm64)."""
+        return str(self._version.get("Arch") or "")
+
+    @property
+    def api_version(self) -> tuple[int, int]:
+        major, _, minor = str(self._version.get("ApiVersion") or "0.0").partition(".")
+        return int(major or 0), int(minor or 0)
+
+    @property
+    def version_text(self) -> str:
+        return f"Docker {self._version.get('Version', '?')}, API {self._version.get('ApiVersion', '?')}"
+
+    @property
+    def local(self) -> bool:
+        """Whether the engine runs on this machine (reached through a unix socket)."""
+        # docker-py names a unix socket (and a Windows named pipe) so; ssh:// and tcp:// are other hosts.
+        return str(self._client.api.base_url) in ("http+docker://localhost", "http+docker://localnpipe")
+
+    @_guard("asking the engine for {0}")
+    def registry_secure(self, host: str) -> bool:
+        """Whether the engine talks TLS to ``host`` (False: a registry it trusts over plain HTTP).
+
+        The engine's own answer: its insecure-registries list and CIDRs, which
+        hold 127.0.0.0/8 by default.
+        """
+        config = (self._client.info() or {}).get("RegistryConfig") or {}
+        index = (config.get("IndexConfigs") or {}).get(host)
+        if index is not None:
+            return bool(index.get("Secure", True))
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        name = name.strip("[]")
+        try:
+            addresses = {ipaddress.ip_address(name)}
+        except ValueError:
+            try:
+                addresses = {ipaddress.ip_address(a[4][0]) for a in socket.getaddrinfo(name, None)}
+            except OSError:
+                return True
+        for cidr in config.get("InsecureRegistryCIDRs") or []:
+            net = ipaddress.ip_network(cidr, strict=False)
+            if addresses and all(a in net for a in addresses):
+                return False
+        return True
 
     def host_facts(self) -> dict[str, Any]:
         """What a verdict records about the engine that ran it."""
@@ -636,7 +987,7 @@ class Engine:
             version = self._client.version()
         except docker.errors.APIError as exc:
             raise EngineError(f"engine refused its version: {_short(exc)}") from exc
-        except _LOST as exc:
+        except _lost_errors() as exc:
             raise lost("asking the engine its version", exc) from exc
         return {
             "hostname": socket.gethostname(),
@@ -645,6 +996,28 @@ class Engine:
             "os": version.get("Os"),
             "arch": version.get("Arch"),
         }
+
+
+def registry_credentials(host: str) -> tuple[str, str] | None:
+    """The login `docker login HOST` stored, as (username, password-or-token), or None.
+
+    Read the docker way: DOCKER_CONFIG or ~/.docker/config.json, credential
+    stores and helpers included. An identity token is returned with the
+    username ``<token>``, as the credential helpers spell it.
+    """
+    try:
+        found = docker.auth.load_config().resolve_authconfig(host)
+    except docker.errors.DockerException as exc:
+        raise PushError(f"cannot read the stored login for {host}: {_short(exc)}",
+                        hint=f"docker login {host}") from exc
+    if not found:
+        return None
+    data = {str(k).lower(): v for k, v in dict(found).items()}
+    if data.get("identitytoken"):
+        return "<token>", str(data["identitytoken"])
+    if data.get("username") is None and data.get("password") is None:
+        return None
+    return str(data.get("username") or ""), str(data.get("password") or "")
 
 
 def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> PushError:
@@ -657,12 +1030,22 @@ def _push_error(ref: str, host: str, message: str, *, asking: bool = False) -> P
     return PushError(f"{doing} failed: {message}")
 
 
-def _gpu_request(gpu: bool) -> dict[str, Any]:
-    """Create-time arguments that ask for every GPU (`docker run --gpus all`)."""
-    if not gpu:
+def _gpu_request(gpu: GpuRequest | None) -> dict[str, Any]:
+    """Create-time arguments for ``gpu``: a plain translation, the choice is made by the caller."""
+    if gpu is None:
         return {}
-    return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+    if gpu.way == "cdi":
+        return {"device_requests": [docker.types.DeviceRequest(driver="cdi", device_ids=gpu.device.split(","))]}
+    if gpu.way == "gpus":
+        return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+    if gpu.way == "runtime":
+        # The NVIDIA runtime exposes GPUs by this variable; CUDA images set it, others may not.
+        return {"runtime": gpu.runtime, "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}
+    raise EngineError(f"unknown GPU request way {gpu.way!r}")
 
+
+_EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
+                  "apt-get install qemu-user-static binfmt-support")
 
 _STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
 
@@ -692,6 +1075,20 @@ def _remove_container(container: Any) -> None:
             if attempt == 2:
                 log.warning("could not remove container %s: %s", container.id[:12], _short(exc))
             time.sleep(0.5)
+
+
+def _q(text: str, safe: str = "/:") -> str:
+    """Percent-encode for a URL (as the SDK does for path parameters: "/" and ":" stay).
+
+    Written out rather than taken from urllib.parse, whose import costs a
+    noticeable part of an unchanged rebuild.
+    """
+    keep = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~" + safe)
+    return "".join(c if c in keep else "".join(f"%{b:02X}" for b in c.encode()) for c in text)
+
+
+def urlencode(params: Mapping[str, str]) -> str:
+    return "&".join(f"{_q(k, '')}={_q(v, '')}" for k, v in params.items())
 
 
 def _short(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import base as baselib
-from . import definitions, records
+from . import definitions, records, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
 from .errors import DefinitionError, PatchError, PipelineError, SmokeError
@@ -78,7 +78,8 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
 
     rels = baselib.touched_files(patches)
     try:
-        facts, originals = baselib.read_files(engine, defn.package, defn.python, base_id, base_image, rels)
+        facts, originals = sources.image_files(engine, defn.package, defn.python, base_id, base_image, rels,
+                                               sources.cache_dir(root))
         missing = [rel for rel, data in originals.items() if data is None]
         if missing:
             raise UnknownExpectation(f"base {base_id[:19]} has no regular file {missing[0]}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from pathlib import Path
 import requests
 import unidiff
 
-from . import base, definitions, standin, upstream
+from . import base, definitions, sources, standin
 from . import patches as patchlib
 from .engine import Engine
 from .errors import BaseImageError, NoHotfixNeeded, PatchError, UpstreamError
@@ -203,7 +202,7 @@ def create(
     rels = list(dict.fromkeys([*base.touched_files(existing), *files]))
     if from_wheel:
         whl = standin.wheel(root, version, say)
-        found, contents = upstream.wheel_files(whl, package, rels)
+        found, contents = sources.wheel_files(whl, package, rels)
         where = f"the {package} {version} wheel"
     else:
         if engine is None:
@@ -211,19 +210,18 @@ def create(
         ref = f"{repository}:{tag}"
         eng = engine()
         info = eng.resolve(ref, pull, say)
-        facts, contents = base.read_files(eng, package, defn.python if defn else "python3", ref, info, rels)
+        facts, contents = sources.image_files(eng, package, defn.python if defn else "python3", ref, info, rels,
+                                              sources.cache_dir(root))
         found, where = facts.version, ref
     if found != version:
         raise BaseImageError(f"{where}: installed {package} is {found or 'unknown'}, not {version}")
 
-    with tempfile.TemporaryDirectory(prefix=base.scratch_prefix()) as tmp:
-        work = Path(tmp) / "tree"
-        for rel, data in contents.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+    # The tree under tree/, the staged patch beside it (never inside what it patches).
+    with sources.scratch_tree({f"tree/{rel}": data for rel, data in contents.items()}) as tmp:
+        work = tmp / "tree"
+        work.mkdir(exist_ok=True)
         text = _header(change, set_name, version, dropped, where) + diff
-        staged = Path(tmp) / name
+        staged = tmp / name
         staged.write_text(text, encoding="utf-8")
         patch = patchlib.load_patch(staged, package)
         missing = [rel for rel in patch.files if contents.get(rel) is None]

@@ -9,19 +9,34 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, leftovers, pins, records, refs, render
+from . import (
+    __version__,
+    base,
+    definitions,
+    expected,
+    leftovers,
+    pins,
+    platforms,
+    records,
+    refs,
+    registry,
+    render,
+    sources,
+)
 from . import patches as patchlib
-from .engine import Engine, ImageInfo
-from .errors import PipelineError, SmokeError, SmokeIncomplete
+from .engine import Engine, ImageInfo, split_reference
+from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
+from .platforms import Platform
 
 log = logging.getLogger(__name__)
 
 # (engine, image ID, the build's own expectation or None) -> smoke report
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
+BUILDERS = ("dockerfile", "assemble")
 
 
 @dataclass
@@ -44,6 +59,7 @@ class BuildResult:
     reused: bool
     record: records.Entry
     smoke: dict[str, Any] | None = field(default=None)
+    platform: str | None = None
 
 
 def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: str | None = None) -> Plan:
@@ -111,11 +127,23 @@ def render_only(
     *,
     skip_included: bool = False,
     wheelhouse: Path | None = None,
+    platform: Platform | None = None,
+    builder: str = "dockerfile",
 ) -> str:
-    """The Dockerfile ``image`` would build; builds nothing (pinned wheels are fetched: they are inputs)."""
-    info = engine.resolve(p.base_ref, pull, progress)
+    """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
+
+    Pinned wheels are fetched: they are inputs.
+    """
+    pins.check_builder(p.pinset, builder)
+    if platform is not None:
+        platforms.require_engine(engine, platform)
+        bases = platform_bases(engine, p, [platform], pull, asked=True, progress=progress)
+        assert bases is not None
+        p = replace(p, base_ref=bases[platform])
+    info = engine.resolve(p.base_ref, pull, progress, str(platform) if platform else None)
     facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
+        cache=sources.cache_dir(p.root),
     )
     pinned = _pins(engine, p, facts, wheelhouse, progress or (lambda _line: None))
     return render.render(p.template, p.definition, facts, files, applied, pinned)
@@ -180,17 +208,32 @@ def build_image(
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
     wheelhouse: Path | None = None,
+    builder: str = "dockerfile",
+    platform: Platform | None = None,
 ) -> BuildResult:
+    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be."""
     say = progress or (lambda _line: None)
+    if builder not in BUILDERS:
+        raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
+    # Before any work: a patch set with pins needs pip in a RUN step, which only the Dockerfile build has.
+    pins.check_builder(p.pinset, builder)
     records.ensure_writable(p.root)
-    say(f"==> resolving base {p.base_ref} (pull policy: {pull})")
-    info = engine.resolve(p.base_ref, pull, say)
-    say(f"    base {p.base_ref} is {info.id}")
+    say(f"==> resolving base {p.base_ref} (pull policy: {pull}{', ' + str(platform) if platform else ''})")
+    info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
+    say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
+    if platform is not None and platforms.of(info.os, info.architecture) != platform:
+        raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")
     check_output_ref(engine, p, info, force)
     key_inputs = inputs(p, info.id, info.digest)
+    if platform is not None:
+        # Kept out of the key when not asked for, so older records still match.
+        key_inputs["platform"] = str(platform)
     if skip_included:
         # Kept out of the key when off, so older records still match.
         key_inputs["skip_included"] = True
+    if builder != "dockerfile":
+        # Equal content, other image ID: a build reuses only its own builder's records.
+        key_inputs["builder"] = builder
     key = records.inputs_key(key_inputs)
 
     if not rebuild:
@@ -209,30 +252,46 @@ def build_image(
                 say("    no smoke verdict on it yet")
                 report = _smoke_and_judge(engine, p, rec.image_id, smoke, None, say)
             _move_tag(engine, p, rec.image_id, "reused")
-            return BuildResult(p.output_ref, rec.image_id, True, rec, dict(report) if report else None)
+            return BuildResult(p.output_ref, rec.image_id, True, rec, dict(report) if report else None,
+                               str(platform) if platform else None)
 
     say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
     facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
+        cache=sources.cache_dir(p.root),
     )
     skipped = [pt.name for pt in p.patches if pt not in applied]
     if skipped:
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
     pinned = _pins(engine, p, facts, wheelhouse, say)
-    dockerfile = render.render(p.template, p.definition, facts, files, applied, pinned)
-    ctx = render.context(dockerfile, facts, files)
-
-    say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+    image_id = None
     pending = leftovers.Pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
-    # Pins: the wheels are served on loopback for the RUN step, which needs the
-    # host's network to reach them; nothing else in the build uses a network.
-    with pins.serve(pinned) as buildargs:
-        image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
-                                buildargs=buildargs, network="host" if pinned is not None else None)
+    if builder == "assemble":
+        from . import assemble
+
+        say(f"==> assembling {p.output_ref} ({len(files)} patched file(s)) and loading it")
+        try:
+            image_id = assemble.build(engine, facts, files, render.labels(p.definition, facts, files, applied),
+                                      f"vllm-hotfix: {p.definition.tag} patched files and bytecode into "
+                                      f"{facts.site_dir}", on_image=pending.add)
+            say(f"    loaded {image_id}")
+        except assemble.Unsupported as exc:
+            say(f"    {exc}: building from the Dockerfile instead")
+            builder = "dockerfile"
+    if image_id is None:
+        dockerfile = render.render(p.template, p.definition, facts, files, applied, pinned)
+        ctx = render.context(dockerfile, facts, files)
+        say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+        # Pins: the wheels are served on loopback for the RUN step, which needs the
+        # host's network to reach them; nothing else in the build uses a network.
+        with pins.serve(pinned) as buildargs:
+            image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
+                                    buildargs=buildargs, network="host" if pinned is not None else None)
     meta = {
+        "builder": builder,
         "inputs": key_inputs,
         "inputs_key": key,
         "image_id": image_id,
@@ -243,8 +302,11 @@ def build_image(
             "digest": info.digest,
             "site_dir": facts.site_dir,
             "python": facts.python_version,
+            "machine": facts.machine,
             "package_version": facts.version,
+            "platform": f"{info.os}/{info.architecture}",
         },
+        "platform": str(platform) if platform else f"{info.os}/{info.architecture}",
         "files": {f.rel: {"sha256": f.sha256, "original_sha256": f.original_sha256} for f in files},
         "patches_applied": {pt.name: pt.sha256 for pt in applied},
         "patches_included_upstream": skipped,
@@ -272,4 +334,99 @@ def build_image(
             pending.clear()
         raise
     pending.clear()
-    return BuildResult(p.output_ref, image_id, False, record, smoke_report)
+    return BuildResult(p.output_ref, image_id, False, record, smoke_report, str(platform) if platform else None)
+
+
+def child_ref(ref: str, plat: Platform) -> str:
+    """Upstream's naming: ``TAG-x86_64`` / ``TAG-aarch64`` beside the index ``TAG``."""
+    repo, tag = split_reference(ref)
+    return refs.check_reference(f"{repo}:{tag}-{plat.suffix}", "platform tag", tag_only=True)
+
+
+def platform_bases(
+    engine: Engine, p: Plan, wanted: list[Platform] | None, pull: str, *, asked: bool,
+    progress: Callable[[str], None] | None = None,
+) -> dict[Platform, str] | None:
+    """Each platform's base, by digest in the base's index; None: the single-platform build of old.
+
+    Without ``--platform`` (``asked`` False) a base already in the engine is
+    built for the engine's platform alone, as before; otherwise the
+    registry's answer decides: every platform of an index (or those
+    ``wanted``), or the one image a plain manifest names.
+    """
+    say = progress or (lambda _line: None)
+    local = engine.image(p.base_ref)
+    if not asked and (pull == "never" or (local is not None and pull != "always")):
+        return None
+    if not asked and engine.api_version < platforms.MIN_API:
+        # An engine that loses other platforms still builds its own, as it always did.
+        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
+            "--platform all needs Docker 26.1 or newer")
+        return None
+    try:
+        found = registry.read_index(engine, p.base_ref) if pull != "never" else None
+    except PipelineError as exc:
+        if asked and wanted is not None and local is None:
+            raise BaseImageError(f"cannot read {p.base_ref} from its registry to find its platforms: {exc}") \
+                from exc
+        say(f"    cannot read {p.base_ref} from its registry ({exc}); building for one platform")
+        found = None
+    if found is None or not found.is_index:
+        return _single(engine, p, wanted, local, found is not None)
+    repo, _ = split_reference(p.base_ref)
+    offered: dict[Platform, str] = {}
+    for child in registry.children(found):
+        plat = platforms.of(child.os, child.architecture, child.variant)
+        if plat is not None and plat not in offered:
+            offered[plat] = f"{repo}@{child.digest}"
+    chosen = wanted if wanted is not None else list(offered)
+    lacking = [str(w) for w in chosen if w not in offered]
+    if lacking:
+        raise BaseImageError(f"base {p.base_ref} is an index over {', '.join(map(str, offered)) or 'nothing'}; "
+                             f"it has no {', '.join(lacking)} image")
+    say(f"    base {p.base_ref} is an index ({found.digest}); building for {', '.join(map(str, chosen))}")
+    return {plat: offered[plat] for plat in chosen}
+
+
+def _single(engine: Engine, p: Plan, wanted: list[Platform] | None, local: ImageInfo | None,
+            in_registry: bool) -> dict[Platform, str] | None:
+    """A base that is one image: build for its platform, if that is what was asked."""
+    if wanted is None:
+        return None
+    if len(wanted) > 1:
+        where = "a single image in its registry" if in_registry else "not an index in a registry"
+        raise BaseImageError(f"base {p.base_ref} is {where}: it has no image for each of "
+                             f"{', '.join(map(str, wanted))}",
+                             hint="build one platform at a time from per-platform bases (--base-repo), "
+                                  "or publish an index")
+    if local is not None and platforms.of(local.os, local.architecture) != wanted[0]:
+        raise BaseImageError(f"base {p.base_ref} in the engine is {local.os}/{local.architecture}, "
+                             f"not {wanted[0]}")
+    return {wanted[0]: p.base_ref}
+
+
+def build_platforms(
+    engine: Engine,
+    p: Plan,
+    bases: dict[Platform, str],
+    *,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> list[BuildResult]:
+    """One hotfix image per platform, each from that platform's base, tagged ``OUTPUT-<machine>``.
+
+    The plain output tag then names the engine's own platform's image (an
+    engine's local tag names one image; the registry's index names them all).
+    """
+    say = progress or (lambda _line: None)
+    for plat in bases:
+        platforms.require_engine(engine, plat)
+    results = []
+    for plat, ref in bases.items():
+        say(f"==> platform {plat}")
+        child = replace(p, base_ref=ref, output_ref=child_ref(p.output_ref, plat))
+        results.append(build_image(engine, child, progress=progress, platform=plat, **options))
+    own = next((r for plat, r in zip(bases, results, strict=True) if plat == platforms.native(engine)), None)
+    if own is not None and len(results) > 1:
+        _move_tag(engine, p, own.image_id, f"platform {own.platform} of a multi-platform build")
+    return results

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import records, refs, smoke
-from .engine import Engine, registry_of, split_reference
+from . import platforms, records, refs, registry, smoke
+from .engine import Engine, ImageInfo, registry_of, split_reference
 from .errors import PushError, RecordError
+from .platforms import Platform
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +90,7 @@ def push(
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
-    had_target = engine.image(target)
-    engine.tag(info.id, target)
-    try:
-        digest = _push_with_retries(engine, target, attempts, say)
-        seen = engine.registry_digest(target)
-        if seen != digest:
-            raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
-    finally:
-        # The registry tag exists only to name the push; don't leave it behind
-        # unless it was there before.
-        if had_target is None:
-            engine.untag(target)
+    digest = _push_one(engine, info, target, attempts, say)
     try:
         records.append(root, "push", {
             "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
@@ -113,6 +103,117 @@ def push(
             hint="free or fix the records folder; the registry already holds the image",
         ) from exc
     return Pushed(target, digest, info.id, verdict.path.name)
+
+
+def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: Callable[[str], None]) -> str:
+    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest."""
+    had_target = engine.image(target)
+    engine.tag(info.id, target)
+    try:
+        digest = _push_with_retries(engine, target, attempts, say)
+        seen = engine.registry_digest(target)
+        if seen != digest:
+            raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
+    finally:
+        # The registry tag exists only to name the push; don't leave it behind
+        # unless it was there before.
+        if had_target is None:
+            engine.untag(target)
+    return digest
+
+
+@dataclass(frozen=True)
+class PushedIndex:
+    ref: str
+    digest: str
+    media_type: str
+    children: list[dict[str, str]]  # platform, image_id, ref, digest, verdict
+
+
+def platform_images(engine: Engine, image_ref: str, plats: list[Platform] | None) -> list[tuple[Platform, ImageInfo]]:
+    """Each platform's image, ``IMAGE-<machine>`` as `image --platform` tagged it (None: every one present)."""
+    from .pipeline import child_ref
+
+    repo, tag = split_reference(image_ref)
+    if tag.startswith("sha256:"):
+        raise PushError(f"{image_ref}: push a tagged reference, not a digest")
+    wanted = plats if plats is not None else [platforms.Platform("linux", a) for a in ("amd64", "arm64")]
+    found: list[tuple[Platform, ImageInfo]] = []
+    for plat in wanted:
+        ref = child_ref(image_ref, plat)
+        info = engine.image(ref)
+        if info is None:
+            if plats is None:
+                continue
+            raise PushError(f"no {plat} image {ref} in the engine",
+                            hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
+        if platforms.of(info.os, info.architecture) != plat:
+            raise PushError(f"{ref} is {info.os}/{info.architecture}, not {plat}; refusing to list it as {plat}")
+        found.append((plat, info))
+    if not found:
+        raise PushError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
+                        hint="build them with: python build.py image --base TAG --platform all")
+    return found
+
+
+def push_index(
+    engine: Engine,
+    root: Path,
+    image_ref: str,
+    registry_path: str,
+    plats: list[Platform] | None,
+    *,
+    allow_gpu_unverified: bool = False,
+    attempts: int = ATTEMPTS,
+    progress: Callable[[str], None] | None = None,
+) -> PushedIndex:
+    """Push each platform's image as ``TAG-<machine>`` and one index over them as ``TAG``.
+
+    Every platform's image must pass the gate (and the landed re-check)
+    before anything is pushed: an index is never put over an untested image.
+    """
+    say = progress or (lambda _line: None)
+    from .pipeline import child_ref
+
+    target = target_ref(image_ref, registry_path)
+    found = platform_images(engine, image_ref, plats)
+    verdicts = {}
+    for plat, info in found:
+        verdicts[plat] = gate(root, info.id, f"{child_ref(image_ref, plat)} ({plat})", allow_gpu_unverified)
+    records.ensure_writable(root)
+    for plat, info in found:
+        say(f"==> re-checking the patched files of {info.id[:19]} ({plat}) before the push")
+        problem = smoke.landed_problem(engine, root, info)
+        if problem is not None:
+            raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
+                            hint="its verdict does not match its files; rebuild and smoke-test it")
+    repo, _ = split_reference(target)
+    children: list[dict[str, str]] = []
+    entries: list[tuple[str, str, str, str]] = []
+    for plat, info in found:
+        child_target = child_ref(target, plat)
+        digest = _push_one(engine, info, child_target, attempts, say)
+        children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
+                         "verdict": verdicts[plat].path.name,
+                         "gpu_verified": str(bool(verdicts[plat].data.get("gpu_verified"))).lower()})
+        entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
+    say(f"==> putting the index {target} over {', '.join(c['platform'] for c in children)}")
+    index_digest, index = registry.put_index(engine, target, entries)
+    seen = engine.registry_digest(target)
+    if seen != index_digest:
+        raise PushError(f"registry resolves {target} to {seen}, not the index put there ({index_digest})")
+    try:
+        records.append(root, "push", {
+            "image": image_ref, "ref": target, "digest": index_digest, "media_type": index.media_type,
+            "registry": registry_of(target), "children": children,
+            "image_ids": [c["image_id"] for c in children],
+        })
+    except RecordError as exc:
+        raise RecordError(
+            f"{target} landed in the registry as index {index_digest}, but the push could not be recorded: {exc}",
+            hint="free or fix the records folder; the registry already holds the images and the index",
+        ) from exc
+    return PushedIndex(target, index_digest, index.media_type, children)
 
 
 def _push_with_retries(engine: Engine, target: str, attempts: int, say: Callable[[str], None]) -> str:

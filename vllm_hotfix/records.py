@@ -175,7 +175,8 @@ def judgement(root: Path, image_id: str) -> Entry | None:
 def pushes(root: Path, image_id: str | None = None) -> list[Entry]:
     found = load(root, "push")
     if image_id is not None:
-        found = [e for e in found if e.image_id == image_id]
+        # An index push names each platform's image among its children.
+        found = [e for e in found if e.image_id == image_id or image_id in (e.data.get("image_ids") or ())]
     return _newest_first(found)
 
 

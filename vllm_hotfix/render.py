@@ -15,7 +15,6 @@ from pathlib import Path, PurePosixPath
 from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
-from .engine import tar_bytes
 from .patches import Patch
 from .pins import BUILD_ARG, Prepared
 
@@ -121,6 +120,8 @@ def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes
     Files sit under ``files/`` at their path relative to the site dir (the
     bytecode in its ``__pycache__``), so ``COPY files/ <site_dir>/`` is one layer.
     """
+    from .tarball import tar_bytes  # here: a reused build never makes a context
+
     entries: dict[str, bytes] = {"Dockerfile": dockerfile.encode()}
     modes: dict[str, int] = {}
     for f in files:

@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, expected, pins, records, sweep
-from .engine import Engine, ImageInfo
+from . import __version__, definitions, expected, gpu_access, pins, records, sweep
+from .engine import Engine, GpuRequest, ImageInfo
 from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
 from .render import LABEL_PREFIX
 
@@ -33,6 +33,8 @@ PROBE_DIR = "/tmp/vllm-hotfix-probes"
 @dataclass
 class SmokeOptions:
     gpu: str = "auto"
+    gpu_request: str = "auto"
+    definition: str | None = None
     serve_model: Path | None = None
     serve_args: Sequence[str] = ()
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
@@ -50,10 +52,12 @@ class Report:
     environment: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] | None = None
     gpu_verified: bool = False
+    gpu: dict[str, Any] = field(default_factory=dict)
     started: str = ""
     seconds: float = 0.0
     expected_from: str = ""
     host: dict[str, Any] = field(default_factory=dict)
+    platform: str = ""
 
     @property
     def status(self) -> str:
@@ -73,8 +77,10 @@ class Report:
             "status": self.status,
             "incomplete": [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] == "incomplete"],
             "gpu_verified": self.gpu_verified,
+            "gpu": self.gpu,
             "expected_from": self.expected_from,
             "host": self.host,
+            "platform": self.platform,
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "checks": self.checks,
@@ -110,17 +116,17 @@ class Smoke:
         self.root = root
         self.opt = options
         self.say = progress
-        self._gpu_runtime: bool | None = None
+        self._access: dict[str, gpu_access.GpuAccess] = {}
 
-    @property
-    def gpu_runtime(self) -> bool:
-        """Whether the engine has an NVIDIA runtime; asked once per smoke run."""
-        if self._gpu_runtime is None:
-            self._gpu_runtime = self.engine.has_gpu_runtime()
-        return self._gpu_runtime
+    def access(self, image: ImageInfo) -> gpu_access.GpuAccess:
+        """The way this image's containers get the GPUs; chosen once per image, then reused."""
+        if image.id not in self._access:
+            self._access[image.id] = gpu_access.choose(self.engine, image.id, self.opt.gpu_request,
+                                                       self.opt.python, self.say)
+        return self._access[image.id]
 
     def probe(
-        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: bool = False,
+        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
         extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
         """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image."""
@@ -149,13 +155,19 @@ class Smoke:
             self.say(f"    {c['status']:<4} {c['name']}: {c['detail']}")
 
     def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
-        """The patch set's own checks, e.g. a GPU regression test for the fix."""
-        tag = image.labels.get(f"{LABEL_PREFIX}.definition")
+        """The patch set's own checks, e.g. a GPU regression test for the fix.
+
+        The set is the one of ``--definition`` if given (so an unpatched base can
+        be shown to fail them), else of the definition the image's label names.
+        """
+        tag = self.opt.definition or image.labels.get(f"{LABEL_PREFIX}.definition")
         if not tag:
             return {}
         try:
             defn = definitions.load(self.root, tag)
-        except DefinitionError:
+        except DefinitionError as exc:
+            if self.opt.definition:
+                raise SmokeError(f"--definition {tag}: {exc}") from exc
             return {}
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
@@ -172,7 +184,9 @@ class Smoke:
         image = self.engine.image(ref)
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
-        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts())
+        self.patch_checks(image)  # a bad --definition is an error before anything runs
+        report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts(),
+                        platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
 
         self.say(f"==> smoke 1/5: patched files in {ref}")
@@ -197,8 +211,15 @@ class Smoke:
         report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
         self.add(report, checks, took)
 
-        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes)")
-        checks, _, took = self.probe(image, "integrity.py", [package, files_json, *pinned], fallback_name="integrity")
+        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
+        args, extra = [package, files_json], {}
+        base_dev = self.base_deviations(image, package, pinned)
+        if base_dev is not None:
+            extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
+            args += ["--base", f"{PROBE_DIR}/base-deviations.json"]
+        checks, _, took = self.probe(image, "integrity.py", [*args, *pinned], extra=extra, fallback_name="integrity")
+        for c in checks:
+            c.pop("deviations", None)
         self.add(report, checks, took)
         if pinset is not None:
             self.say(f"==> smoke 3/5: pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
@@ -247,31 +268,79 @@ class Smoke:
                                          run=f"{PROBE_DIR}/checks/{script.name}")
             self.add(report, checks, took)
 
+    def base_deviations(self, image: ImageInfo, package: str, roots: Sequence[str] = ()) -> dict[str, Any] | None:
+        """What the integrity probe finds in the image's base, to judge the image against.
+
+        None (every deviation counts as the image's) when the image names no
+        base or the base is not in the engine.
+        """
+        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id")
+        if not base_id or base_id == image.id:
+            return None
+        base = self.engine.image(base_id)
+        if base is None:
+            self.say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
+            return None
+        checks, _, _ = self.probe(base, "integrity.py", [package, "{}", *roots], fallback_name="integrity")
+        found = next((c.get("deviations") for c in checks if c.get("deviations") is not None), None)
+        return found if isinstance(found, dict) else None
+
     def gpu(self, report: Report, image: ImageInfo) -> None:
+        """GPU checks through the way that was confirmed to give this image a GPU.
+
+        ``auto``: a host where no way works leaves the image GPU-unverified,
+        with each way's reason. ``require``: a host where none works makes the
+        run fail with an incomplete verdict (the host's shortcoming, not the
+        image's), and a GPU check that skips although a GPU is reachable fails
+        the image.
+        """
         mode = self.opt.gpu
+        report.gpu = {"mode": mode, "verified": False}
         if mode == "off":
+            report.gpu["why_unverified"] = "--gpu off"
             self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
             return
-        if mode == "auto" and not self.gpu_runtime:
-            self.add(report, [{"name": "gpu", "status": "skip",
-                               "detail": "the Docker host has no NVIDIA runtime: image is GPU-unverified"}], 0)
+        if image.architecture and self.engine.arch and image.architecture != self.engine.arch:
+            # An emulated CPU runs no GPU code: only a host of the image's own architecture can verify it.
+            why = (f"the image is {image.os}/{image.architecture}, the Docker host {self.engine.arch}: "
+                   "GPU checks need a host of the image's architecture")
+            report.gpu["why_unverified"] = why
+            status = "incomplete" if mode == "require" else "skip"
+            self.add(report, [{"name": "gpu", "status": status, "detail": why}], 0)
             return
-        if mode == "require" and not self.gpu_runtime:
-            # The host's shortcoming, not the image's: the verdict is incomplete.
-            self.add(report, [{"name": "gpu", "status": "incomplete",
-                               "detail": "--gpu require, but the Docker host has no NVIDIA runtime"}], 0)
+        access = self.access(image)
+        report.gpu.update(access.to_dict())
+        if access.chosen is None:
+            why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
+            report.gpu["why_unverified"] = why
+            if mode == "require":
+                # The host's shortcoming, not the image's: the run fails, the verdict is incomplete.
+                check = {"name": "gpu", "status": "incomplete", "detail": f"--gpu require: {why}"}
+            else:
+                check = {"name": "gpu", "status": "skip", "detail": f"{why}: image is GPU-unverified"}
+            self.add(report, [check], 0)
             return
         extra = self.patch_checks(image)
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
-        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=True, extra=extra, fallback_name="gpu")
-        if mode == "require" and checks and all(c["status"] == "skip" for c in checks):
-            checks.append({"name": "gpu", "status": "fail",
-                           "detail": "--gpu require, but every GPU check was skipped"})
+        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
+                                        fallback_name="gpu")
+        skipped = [c for c in checks if c["status"] == "skip"]
+        if mode == "require":
+            # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
+            for c in skipped:
+                c["status"] = "fail"
+                c["detail"] = f"--gpu require, but the check did not run ({c['detail']})"
         self.add(report, checks, took)
         if info:
             report.environment["gpu"] = info
-        ran = [c for c in checks if c["status"] != "skip"]
-        report.gpu_verified = bool(ran) and all(c["status"] == "pass" for c in ran)
+        failed = [c["name"] for c in checks if c["status"] == "fail"]
+        report.gpu_verified = bool(checks) and not failed and not skipped
+        report.gpu["verified"] = report.gpu_verified
+        if not report.gpu_verified:
+            names = failed or [c["name"] for c in skipped]
+            report.gpu["why_unverified"] = (
+                f"GPU checks {'failed' if failed else 'skipped'} through {access.chosen}: {', '.join(names)}"
+            )
 
     def serve(self, report: Report, image: ImageInfo) -> None:
         model = self.opt.serve_model
@@ -282,7 +351,9 @@ class Smoke:
         url = f"http://127.0.0.1:{port}"
         command = ["/model", "--port", str(port), *self.opt.serve_args]
         start = time.monotonic()
-        gpu = self.opt.gpu == "require" or (self.opt.gpu == "auto" and self.gpu_runtime)
+        # The same way the GPU checks used; a host without one serves without a GPU
+        # (and vLLM then fails the sweep, which is the truthful outcome).
+        gpu = None if self.opt.gpu == "off" else self.access(image).chosen
         try:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
                                      gpu=gpu) as watch:

@@ -22,8 +22,6 @@ at once can: some with one sub-wheel's content, some with the other's.
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -31,8 +29,12 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .engine import Engine, ImageInfo, tar_bytes
-from .errors import BaseImageError, UpstreamError
+from . import platforms, registry
+from .engine import Engine, ImageInfo, split_reference
+from .errors import BaseImageError, PushError, UpstreamError
+from .platforms import Platform
+from .sources import cache_dir
+from .tarball import tar_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +57,24 @@ SM100_DEPS = (
 )
 
 
-def cache_dir(root: Path) -> Path:
-    return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache"))
-
-
-def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:
-    """The real vLLM wheel from PyPI, downloaded once into the cache."""
+def wheel(root: Path, version: str, progress: Callable[[str], None], plat: Platform | None = None) -> Path:
+    """The real vLLM wheel of ``plat`` (default: this machine's) from PyPI, downloaded once into the cache."""
+    machine = plat.machine if plat is not None else _host_machine()
     folder = cache_dir(root) / "wheels"
-    found = sorted(folder.glob(f"vllm-{version}-*.whl"))
+    pattern = f"vllm-{version}-*_{machine}.whl"
+    found = sorted(folder.glob(pattern))
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
-    progress(f"downloading vllm=={version} wheel from PyPI (about 250-310 MB)")
+    progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(folder), f"vllm=={version}"]
+    if plat is not None:
+        # pip picks the running machine's wheel unless told otherwise; abi3 wheels fit any CPython 3.
+        cmd += ["--platform", plat.wheel_tag, "--implementation", "cp", "--python-version", "3.12",
+                "--abi", "abi3"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(f"vllm-{version}-*.whl"))
+    found = sorted(folder.glob(pattern))
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise UpstreamError(f"cannot download vllm=={version} from PyPI: {last}",
@@ -78,30 +82,46 @@ def wheel(root: Path, version: str, progress: Callable[[str], None]) -> Path:
     return found[0]
 
 
-def rootfs(engine: Engine, root: Path, progress: Callable[[str], None]) -> ImageInfo:
-    """The bookworm+python3 root image, made once with mmdebstrap."""
-    info = engine.image(ROOTFS_REF)
-    if info is not None:
+def _host_machine() -> str:
+    import platform as pyplatform
+
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(pyplatform.machine(), pyplatform.machine())
+
+
+def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Platform | None = None) -> ImageInfo:
+    """The bookworm+python3 root image (of ``plat``; default the engine's own), made once with mmdebstrap.
+
+    The root file system tar is cached per Debian architecture; another
+    architecture's is made under emulation (minutes, not seconds).
+    """
+    ref = ROOTFS_REF if plat is None else f"{ROOTFS_REF}-{plat.debian_arch}"
+    info = engine.image(ref)
+    if info is not None and (plat is None or info.architecture == plat.architecture):
         return info
     if shutil.which("mmdebstrap") is None:
         raise BaseImageError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
     folder = cache_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
     tar = folder / f"rootfs-{ROOTFS}.tar"
+    cmd = ["mmdebstrap", "--quiet", "--variant=essential", f"--include={ROOTFS_PACKAGES}"]
+    if plat is not None:
+        # The tar made without --architectures is this machine's own.
+        own = plat.machine == _host_machine() and tar.exists()
+        tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
+        cmd.append(f"--architectures={plat.debian_arch}")
     if not tar.exists():
-        progress("making a Debian bookworm root file system with python3 and pip (mmdebstrap, ~30-90 s)")
+        slow = plat is not None and plat.machine != _host_machine()
+        progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 and pip "
+                 f"(mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
         part = tar.with_suffix(".part.tar")
-        proc = subprocess.run(
-            ["mmdebstrap", "--quiet", "--variant=essential", f"--include={ROOTFS_PACKAGES}", "bookworm", str(part)],
-            capture_output=True, text=True,
-        )
+        proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
         if proc.returncode != 0:
             part.unlink(missing_ok=True)
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise BaseImageError(f"mmdebstrap failed: {last}")
         part.rename(tar)
-    progress(f"importing {tar.name} as {ROOTFS_REF}")
-    return engine.import_rootfs(str(tar), ROOTFS_REF)
+    progress(f"importing {tar.name} as {ref}")
+    return engine.import_rootfs(str(tar), ref, str(plat) if plat is not None else None)
 
 
 def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
@@ -116,28 +136,34 @@ def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
     return out
 
 
-def dep_wheel(root: Path, name: str, version: str, progress: Callable[[str], None]) -> Path:
-    """A dependency's real wheel for the stand-in's Python (3.11) on this machine, cached."""
+def dep_wheel(root: Path, name: str, version: str, progress: Callable[[str], None], machine: str) -> Path:
+    """A dependency's real wheel for the stand-in's Python (3.11) on ``machine``, cached."""
     folder = cache_dir(root) / "wheels"
     stem = name.replace("-", "_")
-    found = sorted(folder.glob(f"{stem}-{version}-*.whl"))
+
+    def cached() -> list[Path]:
+        return sorted(p for p in folder.glob(f"{stem}-{version}-*.whl")
+                      if p.name.endswith(f"_{machine}.whl") or p.name.endswith("-any.whl"))
+
+    found = cached()
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
     progress(f"downloading {name}=={version} from PyPI")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-q", "-d", str(folder), "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-           "--abi", "abi3", "--abi", "none", "--platform", f"manylinux_2_28_{platform.machine()}",
+           "--abi", "abi3", "--abi", "none", "--platform", f"manylinux_2_28_{machine}",
            f"{name}=={version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(f"{stem}-{version}-*.whl"))
+    found = cached()
     if proc.returncode != 0 or not found:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise UpstreamError(f"cannot download {name}=={version} from PyPI: {last}")
     return found[0]
 
 
-def unpack_deps(root: Path, mode: str, progress: Callable[[str], None]) -> dict[str, bytes]:
+def unpack_deps(root: Path, mode: str, progress: Callable[[str], None], plat: Platform | None = None
+                ) -> dict[str, bytes]:
     """The SM100 dependencies unpacked as ``mode`` says, by path under the site dir."""
     if mode not in DEPS_MODES:
         raise BaseImageError(f"unknown stand-in deps mode {mode!r} (one of {', '.join(DEPS_MODES)})")
@@ -145,7 +171,8 @@ def unpack_deps(root: Path, mode: str, progress: Callable[[str], None]) -> dict[
     owner: dict[str, bytes] = {}  # first unpack of a shared path, for the race
     shared: list[str] = []
     for name, version in SM100_DEPS:
-        with zipfile.ZipFile(dep_wheel(root, name, version, progress)) as zf:
+        machine = plat.machine if plat is not None else _host_machine()
+        with zipfile.ZipFile(dep_wheel(root, name, version, progress, machine)) as zf:
             for item in zf.namelist():
                 if item.endswith("/"):
                     continue
@@ -171,17 +198,22 @@ def make(
     *,
     sources_version: str | None = None,
     deps: str | None = None,
+    plat: Platform | None = None,
 ) -> ImageInfo:
     """Build a stand-in of vLLM ``version`` and tag it ``ref``.
 
     ``sources_version`` builds from another release's wheel (a base whose
     installed vLLM differs from its tag, for tests); ``deps`` adds the SM100
-    dependencies (see the module's docstring).
+    dependencies (see the module's docstring). ``plat`` builds one of another
+    platform, from that architecture's Debian, vLLM wheel and dependencies.
     """
     say = progress or log.info
     src_version = sources_version or version
+    if plat is not None:
+        platforms.require_engine(engine, plat)
     existing = engine.image(ref)
-    if (existing is not None and existing.labels.get(LABEL) == src_version
+    same_platform = existing is not None and (plat is None or existing.architecture == plat.architecture)
+    if (existing is not None and existing.labels.get(LABEL) == src_version and same_platform
             and existing.labels.get(LABEL_ROOTFS) == ROOTFS and existing.labels.get(LABEL_DEPS, "") == (deps or "")):
         say(f"stand-in {ref} (vllm {src_version}) already present: {existing.id}")
         return existing
@@ -190,11 +222,11 @@ def make(
             f"{ref} is {existing.id[:19]}, which is not a stand-in; refusing to replace it",
             hint="give the stand-in another name with --ref",
         )
-    base = rootfs(engine, root, say)
-    whl = wheel(root, src_version, say)
+    base = rootfs(engine, root, say, plat)
+    whl = wheel(root, src_version, say, plat)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}
     if deps is not None:
-        files.update({f"site/{k}": v for k, v in unpack_deps(root, deps, say).items()})
+        files.update({f"site/{k}": v for k, v in unpack_deps(root, deps, say, plat).items()})
     files["vllm-standin.pth"] = (SITE_DIR + "\n").encode()
     files["Dockerfile"] = (
         f"FROM {base.id}\n"
@@ -209,4 +241,47 @@ def make(
     engine.tag(image_id, ref)
     info = engine.image(ref)
     assert info is not None
+    if plat is not None and info.architecture != plat.architecture:
+        raise BaseImageError(f"stand-in {ref} came out {info.os}/{info.architecture}, not {plat}: "
+                             f"the engine ({engine.version_text}) lost the base's platform")
     return info
+
+
+def publish(
+    engine: Engine,
+    root: Path,
+    version: str,
+    target: str,
+    plats: list[Platform],
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, str]]:
+    """Publish stand-ins of ``version`` as an index over ``plats`` at ``target`` (HOST[:PORT]/PATH:TAG).
+
+    As upstream does: each platform's image under ``TAG-<machine>``, then the
+    index under ``TAG``. Returns the index digest and each platform's digest.
+    """
+    say = progress or log.info
+    repo, tag = split_reference(target)
+    registry.split_repo(repo)
+    local_repo = repo.split("/", 1)[1]
+    entries: list[tuple[str, str, str, str]] = []
+    digests: dict[str, str] = {}
+    for plat in plats:
+        local = f"{local_repo}:{tag}-{plat.suffix}"
+        info = make(engine, root, version, local, say, plat=plat)
+        child = f"{repo}:{tag}-{plat.suffix}"
+        had = engine.image(child)
+        engine.tag(info.id, child)
+        try:
+            say(f"==> pushing {child}")
+            digest = engine.push(child)
+        finally:
+            if had is None:
+                engine.untag(child)
+        entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
+        digests[str(plat)] = digest
+    if not entries:
+        raise PushError("no platform to publish")
+    index_digest, _ = registry.put_index(engine, f"{repo}:{tag}", entries)
+    say(f"==> {repo}:{tag} is an index over {', '.join(digests)}: {index_digest}")
+    return index_digest, digests

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, pins, standin
+from . import base, definitions, pins, platforms, registry, sources, standin
 from . import patches as patchlib
-from .engine import Engine
-from .errors import UpstreamError
+from .engine import Engine, split_reference
+from .errors import PipelineError, UpstreamError
+from .platforms import Platform
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +97,6 @@ def set_context(root: Path, patch_set: str, base_tag: str | None = None) -> SetC
     return SetContext(package, python, repository)
 
 
-def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None, dict[str, bytes | None]]:
-    """The files ``rels`` (paths from the package's parent) out of a wheel zip."""
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            names = set(zf.namelist())
-            version = None
-            for name in names:
-                if name.startswith(f"{package}-") and name.endswith(".dist-info/METADATA"):
-                    m = re.search(r"^Version: *(\S+)", zf.read(name).decode("utf-8", "replace"), re.M)
-                    version = m.group(1) if m else None
-            return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
-
-
 def classify_series(
     patches: list[patchlib.Patch], files: dict[str, bytes | None], where: str
 ) -> list[Verdict]:
@@ -122,12 +106,7 @@ def classify_series(
     a later patch may build on an earlier one.
     """
     out: list[Verdict] = []
-    with tempfile.TemporaryDirectory(prefix=base.scratch_prefix()) as tmp:
-        work = Path(tmp)
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+    with sources.scratch_tree(files) as work:
         for patch in patches:
             missing = [rel for rel in patch.files if files.get(rel) is None]
             if missing:
@@ -154,6 +133,26 @@ def classify_series(
     return out
 
 
+def platform_base(engine: Engine, ref: str, plat: Platform, pull: str) -> str:
+    """``ref``'s image for ``plat``: its index entry by digest, or ``ref`` itself when it is not an index."""
+    platforms.require_engine(engine, plat)
+    if pull == "never":
+        return ref
+    try:
+        found = registry.read_index(engine, ref)
+    except PipelineError as exc:
+        if engine.image(ref) is None:
+            raise UpstreamError(f"cannot read {ref} from its registry: {exc}") from exc
+        return ref
+    if found is None or not found.is_index:
+        return ref
+    repo, _ = split_reference(ref)
+    for child in registry.children(found):
+        if platforms.of(child.os, child.architecture, child.variant) == plat:
+            return f"{repo}@{child.digest}"
+    raise UpstreamError(f"{ref} is an index without a {plat} image")
+
+
 def check(
     root: Path,
     patch_set: str,
@@ -164,8 +163,9 @@ def check(
     pull: str = "missing",
     from_wheel: bool = False,
     progress: Progress | None = None,
+    platform: Platform | None = None,
 ) -> Report:
-    """Classify every patch of ``patch_set`` against release ``base_tag``.
+    """Classify every patch of ``patch_set`` against release ``base_tag`` (its ``platform`` image or wheel).
 
     ``engine`` is a factory, so that ``from_wheel`` never needs a Docker engine.
     """
@@ -175,8 +175,8 @@ def check(
     rels = base.touched_files(patches)
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
-        wheel = standin.wheel(root, version, say)
-        found, files = wheel_files(wheel, ctx.package, rels)
+        wheel = standin.wheel(root, version, say, platform)
+        found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
         source = f"wheel {wheel.name}"
@@ -187,8 +187,12 @@ def check(
             raise UpstreamError("check-upstream needs a Docker engine unless --from-wheel")
         ref = f"{base_repo or ctx.repository}:{base_tag}"
         eng = engine()
-        info = eng.resolve(ref, pull, say)
-        facts, files = base.read_files(eng, ctx.package, ctx.python, ref, info, rels)
+        if platform is not None:
+            ref = platform_base(eng, ref, platform, pull)
+        info = eng.resolve(ref, pull, say, str(platform) if platform else None)
+        if platform is not None and platforms.of(info.os, info.architecture) != platform:
+            raise UpstreamError(f"{ref} is {info.os}/{info.architecture}, not {platform}")
+        facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))
         found = facts.version
         source = f"image {ref} ({info.id})"
         where = ref

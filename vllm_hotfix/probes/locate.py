@@ -3,7 +3,9 @@
 Usage: python3 locate.py PACKAGE [RELPATH ...]
 RELPATH is relative to the package's parent folder (vllm/models/x.py).
 Prints one JSON object; each regular file reached without links comes with
-its bytes (base64), so the caller needs no copy per file. Never imports the
+its bytes (base64), so the caller needs no copy per file. The folders from
+/ down to the package's parent come with their mode, owner and time: a layer
+that puts files below them must restate them unchanged. Never imports the
 package itself: importing vLLM
 pulls in torch and CUDA, which a probe must not need.
 """
@@ -15,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import stat
 import sys
 
@@ -51,6 +54,8 @@ def main(argv: list[str]) -> int:
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "cache_tag": sys.implementation.cache_tag,
+        # The architecture this interpreter runs as (aarch64 under emulation too).
+        "machine": platform.machine(),
     }
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -61,6 +66,14 @@ def main(argv: list[str]) -> int:
     parent = os.path.dirname(package_dir)
     result["package_dir"] = package_dir
     result["site_dir"] = parent
+    # realpath above: every folder on the way is a real folder, not a link.
+    dirs = []
+    path = "/"
+    for part in parent.strip("/").split("/"):
+        path = os.path.join(path, part)
+        st = os.lstat(path)
+        dirs.append([path, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, int(st.st_mtime)])
+    result["dirs"] = dirs
     try:
         result["version"] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Run the GPU probes on a GPU machine (no Docker, no vLLM install needed) and
-# write their outputs plus a summary record to OUTDIR.
+# Run the GPU probes directly on a GPU host's Python (no Docker, no vLLM install
+# needed) and write their outputs plus a summary record to OUTDIR. The same
+# probes inside the built images, through the host's engine: gpu-host-engine.sh.
 #
-#   bash gpu-runs/run_on_device.sh [OUTDIR]        # OUTDIR defaults to $OUT, else ./gpu-out
+#   bash gpu-runs/gpu-host-direct.sh [OUTDIR]        # OUTDIR defaults to ./gpu-out
 #
 # Needs python3 with torch (+ triton) and a CUDA GPU. vLLM 0.25.1's Python
 # sources come from .vllm-src/vllm-0.25.1-py.tar.gz (see docs/gpu-verification.md
 # for how to make it), or from an already unpacked tree in $VLLM_SRC_DIR.
 set -u
 cd "$(dirname "$0")/.."
-OUTDIR=${1:-${OUT:-./gpu-out}}
+OUTDIR=${1:-./gpu-out}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
 VSRC=${VLLM_SRC_DIR:-/tmp/vllm-src-0.25.1}
@@ -72,25 +73,12 @@ rec = {
 }
 reg = {}
 for c in gpu.get("checks", []):
-    if c.get("name", "").startswith("topk-layout-"):
-        variant = "patched" if c["name"] == "topk-layout-patched" else "unpatched"
-        per = {}
-        for scen, r in (c.get("data") or {}).items():
-            if not isinstance(r, dict) or scen in ("script", "seconds", "script_info"):
-                continue
-            res = r.get("result", {})
-            per[scen] = {
-                k: res.get(k)
-                for k in ("ok", "shape", "write_views", "read_views", "overlapping_write_rows",
-                          "decode", "prefill", "attention", "read_out_of_bounds", "error")
-                if k in res
-            }
-            for k in ("fault", "error", "seconds", "returncode"):
-                if k in r:
-                    per[scen]["worker_" + k] = r[k]
-        reg[variant] = {"check": c["name"], "status": c.get("status"), "scenarios": per}
-        if (c.get("data") or {}).get("script_info"):
-            reg["info"] = c["data"]["script_info"]
+    if c.get("name") == "topk-layout":
+        data = c.get("data") or {}
+        reg = {"status": c.get("status"), "outcomes": data.get("outcomes"),
+               "scenarios": {s: {k: (r.get("result") or {}).get(k) for k in
+                                 ("impls", "write_views", "read_views", "decode", "prefill", "attention", "error")}
+                             for s, r in (data.get("runs") or {}).items()}}
 rec["regression_pr49149"] = reg
 with open(os.path.join(out, "record.json"), "w") as f:
     json.dump(rec, f, indent=2)

@@ -1,0 +1,184 @@
+"""GPU access without a GPU: every request path, on real engines.
+
+The CDI-capable engine (Docker 26.1, started by `.ci/services start-cdi-engine`
+on its own socket) has a CDI spec defining `nvidia.com/gpu=all` over
+/dev/zero, as `nvidia-ctk cdi generate` would over the real device nodes. It
+proves the CDI request reaches the container, and that a container without
+CUDA is reported GPU-unverified (auto) or a failure (require), never verified.
+The distribution's 20.10 engine shows what a host without CDI says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails, make_standin
+from vllm_hotfix import gpu_access
+from vllm_hotfix.engine import Engine, EngineFacts, GpuRequest
+from vllm_hotfix.errors import SmokeError
+from vllm_hotfix.smoke import Smoke, SmokeOptions
+
+CDI_HOST = os.environ.get("CDI_DOCKER_HOST", "unix:///run/vllm-hotfix-cdi/docker.sock")
+ENV_PROBE = ["python3", "-c", "import os; print(os.environ.get('VLLM_HOTFIX_CDI_DEVICE', '-')); "
+             "print(os.path.exists('/dev/zero'))"]
+
+
+@pytest.fixture(scope="module")
+def cdi_engine() -> Iterator[Engine]:
+    saved = os.environ.get("DOCKER_HOST")
+    os.environ["DOCKER_HOST"] = CDI_HOST
+    try:
+        eng = Engine.connect(timeout=30)
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"no CDI-capable engine on {CDI_HOST} ({exc}): run `.ci/services start-cdi-engine`")
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+    yield eng
+    leaks = eng.containers_with_role(RUN_ID)
+    assert not leaks, f"containers left behind on the CDI engine: {leaks}"
+
+
+@pytest.fixture(scope="module")
+def cdi_base(cdi_engine: Engine) -> str:
+    """The vLLM 0.25.1 stand-in (Python, vLLM sources, no CUDA) in the CDI engine."""
+    return make_standin(cdi_engine, "0.25.1")
+
+
+# -- pure logic --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["auto", "cdi", "cdi:nvidia.com/gpu=0", "gpus", "runtime", "runtime:nvidia-legacy"])
+def test_parse_request_accepts(text: str) -> None:
+    assert gpu_access.parse_request(text) == text
+
+
+@pytest.mark.parametrize("text", ["", "cuda", "gpus:all", "cdi:", "cdi:nvidia.com/gpu", "runtime:", "auto:x"])
+def test_parse_request_rejects(text: str) -> None:
+    with pytest.raises(SmokeError, match="--gpu-request"):
+        gpu_access.parse_request(text)
+
+
+def test_cdi_devices_read_json_and_nvidia_ctk_yaml(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps({"cdiVersion": "0.6.0", "kind": "vendor.com/fpga",
+                                                 "devices": [{"name": "all"}]}))
+    (tmp_path / "nvidia.yaml").write_text(
+        "---\ncdiVersion: 0.5.0\ncontainerEdits:\n  deviceNodes:\n  - path: /dev/nvidiactl\n"
+        "devices:\n- containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n  name: \"0\"\n"
+        "- name: all\n  containerEdits: {}\nkind: nvidia.com/gpu\n")
+    names, unreadable = gpu_access.cdi_devices((str(tmp_path), str(tmp_path / "absent")))
+    assert names == ["nvidia.com/gpu=0", "nvidia.com/gpu=all"]
+    assert unreadable == [str(tmp_path / "absent")]
+
+
+def _facts(**kw: object) -> EngineFacts:
+    base: dict[str, object] = dict(server_version="26.1.5", api_version="1.45", cdi_spec_dirs=(),
+                                   runtimes=("runc",), default_runtime="runc", local=True)
+    base.update(kw)
+    return EngineFacts(**base)  # type: ignore[arg-type]
+
+
+def test_candidates_follow_what_the_engine_offers(tmp_path: Path) -> None:
+    ways, ruled_out = gpu_access.candidates(_facts(api_version="1.41", server_version="20.10.24"))
+    assert [str(w) for w in ways] == ["gpus"]
+    assert {a.way for a in ruled_out} == {"cdi", "runtime:nvidia"} and not any(a.tried for a in ruled_out)
+
+    (tmp_path / "nvidia.json").write_text(json.dumps({"kind": "nvidia.com/gpu", "devices": [{"name": "all"}]}))
+    ways, _ = gpu_access.candidates(_facts(cdi_spec_dirs=(str(tmp_path),), runtimes=("nvidia", "runc")))
+    assert [str(w) for w in ways] == ["cdi:nvidia.com/gpu=all", "gpus", "runtime:nvidia"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ways, ruled_out = gpu_access.candidates(_facts(cdi_spec_dirs=(str(empty),)))
+    assert [str(w) for w in ways] == ["gpus"]
+    assert "defines a nvidia.com/gpu device" in ruled_out[0].detail
+
+
+# -- real engines --------------------------------------------------------------
+
+
+def test_cdi_request_reaches_the_container(cdi_engine: Engine, cdi_base: str) -> None:
+    facts = cdi_engine.facts()
+    assert facts.cdi_spec_dirs, f"engine {facts.server_version} lists no CDI spec folders"
+    with_cdi = cdi_engine.run(cdi_base, ENV_PROBE, gpu=GpuRequest("cdi", device="nvidia.com/gpu=all"), timeout=60)
+    assert with_cdi.stdout.split() == ["nvidia.com/gpu=all", "True"], with_cdi
+    without = cdi_engine.run(cdi_base, ENV_PROBE, timeout=60)
+    assert without.stdout.split()[0] == "-"
+
+
+@pytest.fixture(scope="module")
+def cdi_built(cdi_engine: Engine, cdi_base: str,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """The patch set built by the tool on the CDI engine (its smoke ran with --gpu auto)."""
+    project = tmp_path_factory.mktemp("cdi") / "project"
+    shutil.copytree(REPO / "images", project / "images")
+    shutil.copytree(REPO / "patches", project / "patches")
+    ref = f"hotfix-test/cdi-{uuid.uuid4().hex[:10]}:v0.25.1-m3patch"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
+            root=project, env={"DOCKER_HOST": CDI_HOST})
+    assert r.rc == 0, r.err
+    yield project, ref
+    cdi_engine.untag(ref)
+
+
+def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> None:
+    project, ref = cdi_built
+    report = Smoke(cdi_engine, project, SmokeOptions(gpu="auto"), lambda _l: None).run(ref)
+    assert report.status == "pass", report.checks
+    gpu = next(c for c in report.checks if c["name"] == "gpu")
+    assert gpu["status"] == "skip" and "GPU-unverified" in gpu["detail"]
+    assert report.gpu_verified is False and report.gpu["verified"] is False
+    tried = {a["way"]: a for a in report.gpu["tried"]}
+    # CDI was offered, tried first, reached the container, and found no driver there.
+    assert report.gpu["tried"][0]["way"] == "cdi:nvidia.com/gpu=all"
+    assert tried["cdi:nvidia.com/gpu=all"]["tried"] and "sees no GPU" in tried["cdi:nvidia.com/gpu=all"]["detail"]
+    assert "could not select device driver" in tried["gpus"]["detail"]
+    assert report.gpu["way"] is None and "cdi:nvidia.com/gpu=all" in report.gpu["why_unverified"]
+    assert report.to_dict()["gpu"] == report.gpu
+
+
+def test_require_on_cdi_host_without_cuda_fails(cdi_built: tuple[Path, str], tmp_path: Path) -> None:
+    project, ref = cdi_built
+    out = tmp_path / "report.json"
+    r = cli("smoke", ref, "--gpu", "require", "--gpu-request", "cdi", "--report", str(out),
+            root=project, env={"DOCKER_HOST": CDI_HOST})
+    # The host's shortcoming: the run fails, the verdict is incomplete (never a pass, never verified).
+    assert r.rc == 11, r.err
+    assert "--gpu require: no GPU request gave a container of this image a GPU" in r.last_error
+    assert "cdi:nvidia.com/gpu=all: container started but sees no GPU" in r.last_error
+    report = json.loads(out.read_text())
+    gpu = next(c for c in report["checks"] if c["name"] == "gpu")
+    assert gpu["status"] == "incomplete" and report["status"] == "incomplete"
+    assert report["gpu_verified"] is False and report["gpu"]["verified"] is False
+    assert [a["way"] for a in report["gpu"]["tried"]] == ["cdi:nvidia.com/gpu=all"]
+
+
+def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: str, tmp_path: Path) -> None:
+    r = cli("smoke", base_v0251, "--gpu", "require", "--gpu-request", "runtime:nvidia", "--report",
+            str(tmp_path / "r.json"), root=tmp_path)
+    assert r.rc != 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    [attempt] = report["gpu"]["tried"]
+    assert attempt["way"] == "runtime:nvidia" and attempt["tried"] and not attempt["ok"]
+    assert "nvidia" in attempt["detail"]
+
+
+def test_bad_gpu_request_is_a_usage_error(tmp_path: Path) -> None:
+    r = cli("smoke", "any-image", "--gpu-request", "cuda", root=tmp_path)
+    assert r.rc == 64
+    fails(r, "--gpu-request", "'cuda'", "expected auto, cdi[:DEVICE], gpus or runtime[:NAME]")
+
+
+def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
+    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=project)
+    assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err
+    assert "==> smoke 1/5" not in r.err  # refused before any check ran

@@ -1,0 +1,343 @@
+"""Every platform of the base: x86_64 and aarch64 hotfix images under one index.
+
+Integration tests run on a Docker engine that keeps local images' platforms
+(26.1, API 1.45; Debian 12's 20.10 does not) with qemu registered for the
+other architecture, against a real registry on a free loopback port holding a
+two-platform stand-in index (Debian bookworm of each architecture plus the
+real vLLM wheel of each). The engine is VLLM_HOTFIX_PLATFORM_ENGINE, else
+CDI_DOCKER_HOST, else the socket `.ci/services start-cdi-engine` uses. Without
+it (or without the emulator) these tests are skipped, unless
+VLLM_HOTFIX_REQUIRE_PLATFORM_ENGINE is set (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import REPO, RUN_ID, STANDIN_REPO, Registry, cli, fails
+from vllm_hotfix import platforms, records, registry
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.errors import BaseImageError, PushError, UsageError
+from vllm_hotfix.platforms import Platform
+
+AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
+PLAT_HOST = (os.environ.get("VLLM_HOTFIX_PLATFORM_ENGINE") or os.environ.get("CDI_DOCKER_HOST")
+             or "unix:///run/vllm-hotfix-cdi/docker.sock")
+SITE = "/usr/local/lib/python3.12/dist-packages"
+PATCHED = {"vllm/models/minimax_m3/common/indexer.py", "vllm/models/minimax_m3/common/sparse_attention.py"}
+
+
+# -- pure logic ----------------------------------------------------------------
+
+
+def test_platform_lists_parse_and_refuse() -> None:
+    assert platforms.parse("linux/amd64,linux/arm64") == [AMD64, ARM64]
+    assert platforms.parse("linux/arm64/v8, linux/arm64") == [ARM64]
+    assert platforms.parse("all") is None and platforms.parse(None) is None
+    assert [p.suffix for p in (AMD64, ARM64)] == ["x86_64", "aarch64"]
+    for bad in ("linux/s390x", "windows/amd64", "arm64", "linux/amd64,,linux/arm64"):
+        with pytest.raises(UsageError):
+            platforms.parse(bad)
+
+
+def test_index_media_type_follows_the_children_and_skips_attestations() -> None:
+    docker_kids = [registry.Child("sha256:" + "a" * 64, registry.DOCKER_MANIFEST, 10, "linux", "amd64")]
+    media, body = registry.index_body(docker_kids)
+    assert media == registry.DOCKER_LIST and json.loads(body)["mediaType"] == media
+    oci_kids = [registry.Child("sha256:" + "b" * 64, registry.OCI_MANIFEST, 10, "linux", "arm64")]
+    media, body = registry.index_body(oci_kids)
+    assert media == registry.OCI_INDEX
+    doc = json.loads(body)
+    doc["manifests"].append({"mediaType": registry.OCI_MANIFEST, "digest": "sha256:" + "c" * 64, "size": 5,
+                             "platform": {"architecture": "unknown", "os": "unknown"}})
+    index = registry.Manifest(registry.OCI_INDEX, "sha256:x", json.dumps(doc).encode())
+    assert [(c.architecture, c.digest) for c in registry.children(index)] == [("arm64", "sha256:" + "b" * 64)]
+
+
+def test_emulator_check_reads_the_hosts_binfmt_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_HOTFIX_BINFMT_DIR", str(tmp_path))
+    platforms.check_runnable(AMD64, "amd64", True)  # native: nothing to emulate
+    with pytest.raises(BaseImageError, match="no emulator for aarch64"):
+        platforms.check_runnable(ARM64, "amd64", True)
+    (tmp_path / "qemu-aarch64").write_text("disabled\ninterpreter /usr/libexec/qemu-binfmt/aarch64-binfmt-P\n")
+    with pytest.raises(BaseImageError):
+        platforms.check_runnable(ARM64, "amd64", True)
+    (tmp_path / "qemu-aarch64").write_text("enabled\ninterpreter /usr/libexec/qemu-binfmt/aarch64-binfmt-P\n")
+    platforms.check_runnable(ARM64, "amd64", True)
+
+
+def test_unknown_platform_is_a_usage_error() -> None:
+    r = cli("image", "--base", "v0.25.1", "--platform", "linux/s390x")
+    fails(r, "linux/s390x")
+    assert r.rc == 64
+
+
+@pytest.mark.engine
+def test_an_api_141_engine_is_refused_for_another_platform(project: Path, unique: str, tmp_path: Path) -> None:
+    """The distribution's 20.10 engine would record amd64 for an arm64 image: refuse before any work."""
+    eng = Engine.connect()
+    if eng.api_version >= platforms.MIN_API:
+        pytest.skip(f"the default engine is {eng.version_text}; this test is about older ones")
+    r = cli("render", "--base", "v0.25.1", "--platform", "linux/arm64", "--pull", "never", root=project)
+    fails(r, "linux/arm64", "mishandles")
+    assert r.rc == 5
+
+
+# -- a real two-platform index on a platform-aware engine ----------------------
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("VLLM_HOTFIX_REQUIRE_PLATFORM_ENGINE"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def plat_engine() -> Iterator[Engine]:
+    try:
+        eng = Engine.connect(timeout=300, base_url=PLAT_HOST)
+    except Exception as exc:  # noqa: BLE001 - any failure to connect means "not here"
+        _unavailable(f"no Docker engine on {PLAT_HOST} ({exc}); start one: .ci/services install-cdi-engine "
+                     "start-cdi-engine (or set VLLM_HOTFIX_PLATFORM_ENGINE)")
+    if eng.api_version < platforms.MIN_API:
+        _unavailable(f"{PLAT_HOST} is {eng.version_text}; platform tests need API 1.45 or newer")
+    other = ARM64 if eng.arch == "amd64" else AMD64
+    if not platforms.emulator_registered(other):
+        _unavailable(f"no emulator for {other.machine} registered in binfmt_misc: .ci/services install")
+    yield eng
+    leaks = eng.containers_with_role(RUN_ID)
+    assert not leaks, f"containers left behind on {PLAT_HOST}: {leaks}"
+
+
+# Every command of these tests talks to the platform-aware engine.
+PENV = {"DOCKER_HOST": PLAT_HOST}
+
+
+@pytest.fixture(scope="module")
+def index_registry(plat_engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """A registry holding a two-platform stand-in index of v0.25.1, published by the tool."""
+    reg = Registry(tmp_path_factory.mktemp("platform-registry"))
+    reg.start()
+    try:
+        r = cli("standin", "--version", "0.25.1", "--platform", "linux/amd64,linux/arm64",
+                "--publish", f"{reg.addr}/{STANDIN_REPO}", env=PENV, timeout=1200)
+        assert r.rc == 0, r.err
+        children = {line.split()[1]: line.split()[2] for line in r.out.splitlines() if line.startswith("platform ")}
+        yield {"registry": reg, "index": r.out.split()[-1], "children": children,
+               "base_repo": f"{reg.addr}/{STANDIN_REPO}/vllm-openai"}
+    finally:
+        reg.stop()
+        # Removing a last reference (not untagging) also prunes the build steps under it.
+        for plat in (AMD64, ARM64):
+            ref = f"{STANDIN_REPO}/vllm-openai:v0.25.1-{plat.suffix}"  # what --publish made locally
+            info = plat_engine.image(ref)
+            if info is not None and info.tags == (ref,):
+                plat_engine.remove_image(ref, force=False)
+            elif info is not None:
+                plat_engine.untag(ref)  # the layer cache made it the same image as another name's
+
+
+@pytest.fixture(scope="module")
+def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[Path, str, dict[str, object]]]:
+    """`image --base v0.25.1` from the index, in a project copy of its own."""
+    root = tmp_path_factory.mktemp("platform-project")
+    for folder in ("images", "patches"):
+        subprocess.run(["cp", "-r", str(REPO / folder), str(root / folder)], check=True)
+    out = f"hotfix-test/platforms-{RUN_ID[-8:]}:v0.25.1-m3patch"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
+            "--json", root=root, env=PENV, timeout=1200)
+    assert r.rc == 0, r.err
+    result = json.loads(r.out)
+    yield root, out, result
+    for ref in (out, f"{out}-x86_64", f"{out}-aarch64"):
+        plat_engine.remove_image(ref, force=False)
+    for digest in (index_registry["children"] or {}).values():  # type: ignore[union-attr]
+        plat_engine.remove_image(f"{index_registry['base_repo']}@{digest}", force=False)
+
+
+# Lists every file of the vLLM package (path -> sha256) and, for each given
+# source, what its cached bytecode says: flags, source hash, magic, and this
+# interpreter's own magic and machine.
+TREE = r"""
+import hashlib, importlib.util, json, os, platform, sys
+site, rels = sys.argv[1], sys.argv[2:]
+files = {}
+for d, _, names in os.walk(os.path.join(site, "vllm")):
+    for n in names:
+        p = os.path.join(d, n)
+        files[os.path.relpath(p, site)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+pycs = {}
+for rel in rels:
+    src = open(os.path.join(site, rel), "rb").read()
+    pyc = importlib.util.cache_from_source(os.path.join(site, rel))
+    data = open(pyc, "rb").read()
+    pycs[rel] = {"magic_ok": data[:4] == importlib.util.MAGIC_NUMBER,
+                 "flags": int.from_bytes(data[4:8], "little"),
+                 "hash_ok": data[8:16] == importlib.util.source_hash(src)}
+print(json.dumps({"files": files, "pycs": pycs, "machine": platform.machine()}))
+"""
+
+
+def tree(engine: Engine, image: str, rels: list[str]) -> dict[str, object]:
+    res = engine.run(image, ["python3", "-c", TREE, SITE, *rels], timeout=300)
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_image_builds_every_platform_of_the_index(plat_engine: Engine, index_registry: dict[str, object],
+                                                  built_both: tuple[Path, str, dict[str, object]]) -> None:
+    root, out, result = built_both
+    kids = {c["platform"]: c for c in result["platforms"]}  # type: ignore[union-attr,index]
+    assert set(kids) == {"linux/amd64", "linux/arm64"}
+    children = index_registry["children"]
+    for plat in (AMD64, ARM64):
+        kid = kids[str(plat)]
+        assert kid["ref"] == f"{out}-{plat.suffix}" and kid["smoke"] == "pass"
+        info = plat_engine.image(kid["ref"])
+        assert info is not None and info.id == kid["image_id"]
+        # The base's platform, in the built image's config.
+        assert (info.os, info.architecture) == (plat.os, plat.architecture)
+        build = records.builds_of_image(root, info.id)[0].data
+        base = build["base"]
+        assert base["ref"] == f"{index_registry['base_repo']}@{children[str(plat)]}"  # type: ignore[index]
+        assert base["platform"] == str(plat)
+        # The base's own Python (aarch64 under emulation) located, patched and compiled.
+        assert base["machine"] == plat.machine
+        assert set(build["files"]) == PATCHED
+        # Exactly the patched files (and their fresh bytecode) differ from the base.
+        mine = tree(plat_engine, info.id, sorted(PATCHED))
+        theirs = tree(plat_engine, base["id"], [])
+        assert mine["machine"] == theirs["machine"] == plat.machine
+        changed = {rel for rel in set(mine["files"]) | set(theirs["files"])  # type: ignore[arg-type]
+                   if mine["files"].get(rel) != theirs["files"].get(rel)}  # type: ignore[union-attr]
+        assert {rel for rel in changed if not rel.endswith(".pyc")} == PATCHED
+        assert {os.path.dirname(os.path.dirname(rel)) for rel in changed if rel.endswith(".pyc")} == \
+            {os.path.dirname(rel) for rel in PATCHED}
+        for rel in PATCHED:
+            assert mine["files"][rel] == build["files"][rel]["sha256"]  # type: ignore[index]
+            assert mine["files"][rel] != build["files"][rel]["original_sha256"]  # type: ignore[index]
+            pyc = mine["pycs"][rel]  # type: ignore[index]
+            # That interpreter's magic, checked-hash bytecode of exactly the patched source.
+            assert pyc["magic_ok"] and pyc["hash_ok"] and pyc["flags"] & 1
+    # The plain tag names the engine's own platform's image.
+    own = plat_engine.image(out)
+    assert own is not None and own.id == kids[f"linux/{plat_engine.arch}"]["image_id"]
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_push_puts_an_index_over_both_platforms(plat_engine: Engine, index_registry: dict[str, object],
+                                                built_both: tuple[Path, str, dict[str, object]]) -> None:
+    root, out, result = built_both
+    reg = index_registry["registry"]
+    assert isinstance(reg, Registry)
+    r = cli("push", out, "--platform", "all", "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", "--json",
+            root=root, env=PENV, timeout=1200)
+    assert r.rc == 0, r.err
+    note = json.loads(r.out)
+    name = out.split("/", 1)[1].split(":")[0]
+    tag = out.rsplit(":", 1)[1]
+    assert note["ref"] == f"{reg.addr}/ops/{name}:{tag}"
+    got = requests.get(f"http://{reg.addr}/v2/ops/{name}/manifests/{tag}", timeout=10,
+                       headers={"Accept": registry.ACCEPT})
+    assert got.status_code == 200
+    assert registry.sha256(got.content) == note["digest"] == got.headers["Docker-Content-Digest"]
+    index = got.json()
+    assert index["mediaType"] == note["media_type"] == registry.DOCKER_LIST
+    listed = {f"{m['platform']['os']}/{m['platform']['architecture']}": m["digest"] for m in index["manifests"]}
+    reported = {c["platform"]: c["digest"] for c in note["children"]}
+    assert listed == reported and set(listed) == {"linux/amd64", "linux/arm64"}
+    for child in note["children"]:
+        # Each child also stands under upstream's per-platform tag, with the digest the note gives.
+        ctag = child["ref"].rsplit(":", 1)[1]
+        assert ctag == f"{tag}-{Platform('linux', child['platform'].split('/')[1]).suffix}"
+        head = requests.get(f"http://{reg.addr}/v2/ops/{name}/manifests/{ctag}", timeout=10,
+                            headers={"Accept": registry.DOCKER_MANIFEST})
+        assert head.headers["Docker-Content-Digest"] == child["digest"]
+        config = requests.get(f"http://{reg.addr}/v2/ops/{name}/blobs/{head.json()['config']['digest']}",
+                              timeout=10).json()
+        assert f"{config['os']}/{config['architecture']}" == child["platform"]
+    # The journal's push entry: each child digest and the index digest.
+    entry = records.pushes(root, note["children"][1]["image_id"])[0].data
+    assert entry["digest"] == note["digest"]
+    assert {c["platform"]: c["digest"] for c in entry["children"]} == reported
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_gate_refuses_the_index_when_one_platform_failed(plat_engine: Engine, index_registry: dict[str, object],
+                                                          built_both: tuple[Path, str, dict[str, object]],
+                                                          tmp_path: Path) -> None:
+    root, out, result = built_both
+    reg = index_registry["registry"]
+    assert isinstance(reg, Registry)
+    arm = f"{out}-aarch64"
+    # A later smoke run of the arm64 image fails for real: the stand-in has no `vllm serve`.
+    model = tmp_path / "model"
+    model.mkdir()
+    r = cli("smoke", arm, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=root,
+            env=PENV, timeout=1200)
+    assert r.rc == 7, r.err
+    r = cli("push", out, "--platform", "all", "--registry", f"{reg.addr}/refused", "--allow-gpu-unverified",
+            root=root, env=PENV, timeout=1200)
+    fails(r, "linux/arm64", "failed its newest smoke run")
+    assert r.rc == 8
+    # Nothing reached the registry: neither the amd64 child nor an index.
+    name = out.split("/", 1)[1].split(":")[0]
+    assert requests.get(f"http://{reg.addr}/v2/refused/{name}/tags/list", timeout=5).status_code == 404
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object], project: Path,
+                                              tmp_path: Path) -> None:
+    empty = tmp_path / "binfmt"
+    empty.mkdir()
+    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
+            "linux/arm64", "--tag", "hotfix-test/no-emulator:v1", root=project,
+            env={**PENV, "VLLM_HOTFIX_BINFMT_DIR": str(empty)}, timeout=1200)
+    fails(r, "linux/arm64", "no emulator for aarch64")
+    assert r.rc == 4 and "qemu-user-static" in r.err
+    assert not records.builds(project)
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_registry_client_uses_the_stored_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Basic auth against a real htpasswd registry, with what `docker login` stored; the secret never shown."""
+    (tmp_path / "reg").mkdir()
+    reg = Registry(tmp_path / "reg", user="ops", password="plat-s3cret")
+    reg.start()
+    try:
+        eng = Engine.connect()
+        assert not eng.registry_secure(reg.addr)  # loopback: the engine itself talks plain HTTP to it
+        empty = tmp_path / "no-login"
+        empty.mkdir()
+        monkeypatch.setenv("DOCKER_CONFIG", str(empty))
+        with pytest.raises(PushError, match="refused the credentials") as refused:
+            registry.read_index(eng, f"{reg.addr}/ops/absent:v1")
+        assert refused.value.hint == f"docker login {reg.addr}"
+        login = tmp_path / "login"
+        login.mkdir()
+        subprocess.run(["docker", "login", reg.addr, "-u", "ops", "--password-stdin"], input="plat-s3cret",
+                       text=True, capture_output=True, check=True, env=dict(os.environ, DOCKER_CONFIG=str(login)))
+        monkeypatch.setenv("DOCKER_CONFIG", str(login))
+        assert registry.read_index(eng, f"{reg.addr}/ops/absent:v1") is None  # past the login: a plain 404
+        # Push scope too: the registry reads the index and refuses it for its unknown child, not for the login.
+        kid = registry.Child("sha256:" + "d" * 64, registry.DOCKER_MANIFEST, 10, "linux", "arm64")
+        with pytest.raises(PushError, match="refused the index") as bad:
+            registry.Client(reg.addr, secure=False, credentials=("ops", "plat-s3cret")).put_manifest(
+                "ops/absent", "v1", *registry.index_body([kid]))
+        assert "plat-s3cret" not in str(bad.value)
+    finally:
+        reg.stop()
