@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STANDIN_REPO, cli, derive, fails, free_port
+from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine, split_reference
 
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
@@ -158,7 +159,7 @@ def test_unknown_release_from_the_wheel_is_an_upstream_error(tmp_path: Path) -> 
 @pytest.mark.engine
 def test_standin_never_replaces_an_image_that_is_not_one(engine: Engine, base_v0251: str, unique: str) -> None:
     ref = f"hotfix-test/precious-{unique}:v1"
-    rootfs = "vllm-hotfix/standin-rootfs:bookworm"  # present once any stand-in exists; has no stand-in label
+    rootfs = standin.ROOTFS_REF  # present once any stand-in exists; has no stand-in label
     engine.tag(rootfs, ref)
     try:
         r = cli("standin", "--version", "0.25.1", "--ref", ref, env=CACHE)

@@ -89,6 +89,7 @@ Exit codes:
    9  upstream (PR, wheel or release lookup)
   10  records (build/records not writable)
   11  smoke incomplete (the host could not run a check)
+  12  pins (pins.txt, its wheels and hashes, pip check after pinning)
   64  usage (unknown option, malformed value)
  130  interrupted
 
@@ -127,7 +128,8 @@ def main(ctx: click.Context, root: Path) -> None:
     ctx.obj = Ctx(root.resolve())
 
 
-base_option = click.option("--base", "base_tag", required=True, help="Base image tag, e.g. v0.25.1.")
+base_option = click.option("--base", "base_tag", required=True,
+                           help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
 repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
 platform_option = click.option(
     "--platform", "platform_text", default=None, metavar="LIST|all",
@@ -154,12 +156,14 @@ pull_option = click.option(
               help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
                    "layer and config and load them (reproducible image ID).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @platform_option
 @click.pass_obj
 @guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
-          platform_text: str | None) -> None:
+          wheelhouse: Path | None, platform_text: str | None) -> None:
     """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
     from . import platforms
 
@@ -171,7 +175,7 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
 
         smoke = smokelib.runner(obj.root, progress)
     options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
-                                   smoke=smoke, progress=progress, builder=builder)
+                                   smoke=smoke, progress=progress, builder=builder, wheelhouse=wheelhouse)
     try:
         bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
                                         progress=progress)
@@ -217,15 +221,18 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 @base_option
 @repo_option
 @pull_option
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
               help="Render for this platform of the base's index (linux/amd64 or linux/arm64).")
 @click.pass_obj
 @guarded
-def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, platform_text: str | None) -> None:
+def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
+           platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = _one_platform(platform_text)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, platform=plat), nl=False)
+    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat), nl=False)
 
 
 def _one_platform(text: str | None) -> Any:
@@ -243,6 +250,10 @@ def _one_platform(text: str | None) -> Any:
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
+# Spelled out here (standin.DEPS_MODES) so that the CLI does not import standin at start.
+@click.option("--deps", type=click.Choice(("race", "serial")), default=None,
+              help="Add nvidia-cutlass-dsl 4.5.2 (sub-wheels unpacked serially or as in a race) and "
+                   "quack-kernels 0.6.5, as on an SM100 host.")
 @click.option("--platform", "platform_text", default=None, metavar="LIST",
               help="linux/amd64, linux/arm64, or both comma-separated (default: the engine's own).")
 @click.option("--publish", default=None, metavar="HOST[:PORT]/PATH",
@@ -250,13 +261,15 @@ def _one_platform(text: str | None) -> Any:
                    "HOST[:PORT]/PATH/vllm-openai:v<version>, as upstream publishes its images.")
 @click.pass_obj
 @guarded
-def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None,
+def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None,
                 platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
     from . import platforms, refs, standin
 
     plats = platforms.parse(platform_text)
     if publish is not None:
+        if deps is not None:
+            raise UsageError("--deps is for a local stand-in; --publish makes plain ones")
         where = refs.check_registry(publish)
         target = refs.check_reference(f"{where}/vllm-openai:v{version}", "--publish", tag_only=True)
         chosen = plats or [platforms.Platform("linux", "amd64"), platforms.Platform("linux", "arm64")]
@@ -269,7 +282,7 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
         raise UsageError("--platform with several platforms needs --publish (a local tag names one image)")
     ref = refs.check_reference(ref or f"vllm/vllm-openai:v{version}", "--ref", tag_only=True)
     info = standin.make(obj.engine, obj.root, version, ref, progress, sources_version=sources_version,
-                        plat=plats[0] if plats else None)
+                        plat=plats[0] if plats else None, deps=deps)
     click.echo(f"stand-in {ref} {info.id} {info.os}/{info.architecture}")
 
 
@@ -445,6 +458,8 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
     else:
         for v in report.verdicts:
             click.echo(f"{v.patch}: {v.verdict} ({v.detail})")
+        for judged in report.pins:
+            click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
     if included and len(included) == len(report.verdicts):
         progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
@@ -468,17 +483,35 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
 @repo_option
 @pull_option
 @click.option("--from-wheel", is_flag=True, help="Check against the release's PyPI wheel, not its image.")
+@click.option("--pin", "pin_specs", multiple=True, metavar="NAME==VERSION",
+              help="Add a line to the set's pins.txt with the hashes of the wheels that fit the image (repeatable).")
+@click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Take --pin wheels from this folder instead of downloading them.")
 @click.pass_obj
 @guarded
 def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None, title: str | None,
                  api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
-                 from_wheel: bool) -> None:
-    """Add an upstream PR (or a diff file) as the next patch of base TAG's set."""
+                 from_wheel: bool, pin_specs: tuple[str, ...], wheelhouse: Path | None) -> None:
+    """Add an upstream PR (or a diff file) as the next patch of base TAG's set, or pins with --pin."""
     from . import newpatch
     from .errors import UpstreamError
 
+    if pin_specs and (pr is not None or diff_file is not None):
+        raise UsageError("--pin goes alone: add the patch and the pins in two runs")
+    if pin_specs:
+        from . import definitions, pins
+
+        defn = definitions.load(obj.root, base_tag)
+        ref = defn.base_ref(base_repo)
+        info = obj.engine.resolve(ref, pull, progress)
+        state = pins.probe(obj.engine, info.id, defn.python, [])
+        if not state.tags:
+            raise pins.PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")
+        written = pins.add(obj.root, defn.patch_set, defn.package, pin_specs, state, wheelhouse, progress)
+        click.echo(f"pinned {', '.join(pin_specs)} in {written} (wheels for {pins.describe_image(state)})")
+        return
     if (pr is None) == (diff_file is None):
-        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE")
+        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:

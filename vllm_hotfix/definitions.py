@@ -16,6 +16,15 @@ changes. Example::
 
     [output]
     suffix = "m3patch"
+
+A variant for some hosts only (another patch set for the same base) is its own
+file, ``images/<base tag>-<variant>.toml``, with::
+
+    [variant]
+    name = "sm100"
+    hosts = "NVIDIA SM100 (Blackwell) GPUs"   # who should use it, in words
+
+and is built with ``--base <base tag>-<variant>``.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "package": {"name": (str, True), "version": (str, False), "python": (str, False)},
     "patches": {"set": (str, True)},
     "output": {"suffix": (str, True)},
+    "variant": {"name": (str, True), "hosts": (str, False)},
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -52,6 +62,8 @@ class ImageDefinition:
     patch_set: str
     suffix: str
     path: Path
+    variant: str | None = None
+    hosts: str | None = None
 
     def base_ref(self, repository: str | None = None) -> str:
         return f"{repository or self.base_repository}:{self.base_tag}"
@@ -99,6 +111,8 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
             if key not in keys:
                 raise DefinitionError(f"{path}: unknown key {section}.{key}")
         values[section] = {}
+        if section == "variant" and section not in data:
+            continue
         for key, (typ, required) in keys.items():
             if key not in table:
                 if required:
@@ -108,8 +122,16 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
                 raise DefinitionError(f"{path}: {section}.{key} must be a non-empty string")
             values[section][key] = table[key]
     base_tag = values["base"]["tag"]
-    if base_tag != tag:
-        raise DefinitionError(f"{path}: base.tag is {base_tag!r} but the file is for {tag!r}")
+    variant = values["variant"].get("name")
+    if variant is not None and not _NAME.match(variant):
+        raise DefinitionError(f"{path}: variant.name {variant!r} is not a plain name")
+    want = f"{base_tag}-{variant}" if variant is not None else base_tag
+    if want != tag:
+        raise DefinitionError(
+            f"{path}: base.tag is {base_tag!r}"
+            + (f" and variant.name {variant!r}" if variant is not None else "")
+            + f", so the file must be images/{want}.toml, not for {tag!r}"
+        )
     repository = values["base"].get("repository", DEFAULT_REPOSITORY)
     m = refs.REFERENCE.match(repository)
     if not m or m.group(2) or m.group(3):
@@ -128,8 +150,11 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
         patch_set=values["patches"]["set"],
         suffix=values["output"]["suffix"],
         path=path,
+        variant=variant,
+        hosts=values["variant"].get("hosts"),
     )
 
 
 def load_all(root: Path) -> list[ImageDefinition]:
-    return [load(root, p.stem) for p in sorted((root / "images").glob("*.toml"))]
+    # By name, so that a variant (v0.25.1-sm100) comes after its base's definition (v0.25.1).
+    return [load(root, p.stem) for p in sorted((root / "images").glob("*.toml"), key=lambda p: p.stem)]

@@ -424,6 +424,21 @@ class Engine:
             raise EngineError(f"engine refused to {what}: {_short(Exception(data.decode('utf-8', 'replace')))}")
         return json.loads(data) if data.strip() else {}
 
+    @property
+    def address(self) -> str:
+        return str(getattr(self._client.api, "base_url", ""))
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the engine runs on this machine, so its host-network builds reach our loopback."""
+        url = self.address
+        if url.startswith("http+docker://"):
+            # The SDK's name for a local socket or pipe; "ssh" is a remote machine.
+            return not url.endswith("://ssh")
+        from urllib.parse import urlparse
+
+        return urlparse(url).hostname in ("localhost", "127.0.0.1", "::1")
+
     # -- images ------------------------------------------------------------
 
     def inspect(self, ref: str) -> dict[str, Any] | None:
@@ -772,8 +787,14 @@ class Engine:
         context: bytes,
         progress: Callable[[str], None] | None = None,
         on_image: Callable[[str], None] | None = None,
+        *,
+        buildargs: Mapping[str, str] | None = None,
+        network: str | None = None,
     ) -> str:
         """Build an untagged image from a tar context; return its ID.
+
+        ``buildargs`` fill the Dockerfile's ARGs; ``network`` is the network
+        mode of its RUN steps (``host`` lets them reach a server on loopback).
 
         ``on_image`` hears every image the build commits (each step's and the
         last), before the build goes on, so a run that dies can be cleaned up
@@ -784,7 +805,7 @@ class Engine:
         image_id: str | None = None
         made: list[str] = []
         try:
-            image_id = self._build(context, tail, made, progress, on_image)
+            image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
         except BaseException as exc:
             self._discard(made)
             if isinstance(exc, _lost_errors()):
@@ -806,6 +827,8 @@ class Engine:
         made: list[str],
         progress: Callable[[str], None] | None,
         on_image: Callable[[str], None] | None,
+        buildargs: dict[str, str],
+        network: str | None,
     ) -> str:
         image_id: str | None = None
         try:
@@ -815,6 +838,8 @@ class Engine:
                 rm=True,
                 forcerm=True,
                 decode=True,
+                buildargs=buildargs or None,
+                network_mode=network,
             ):
                 if "error" in chunk:
                     tail.append(chunk["error"].rstrip())

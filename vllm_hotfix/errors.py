@@ -129,6 +129,16 @@ class SmokeIncomplete(SmokeError):
     exit_code = 11
 
 
+class PinError(PipelineError):
+    """A patch set's pins.txt, its wheels, their hashes, or what installing them did to the image."""
+
+    exit_code = 12
+
+    def __init__(self, message: str, *, pin: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.pin = pin
+
+
 class UsageError(PipelineError):
     """The command line itself is wrong: an unknown option, a bad value."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__, base, definitions, expected, leftovers, platforms, records, refs, render, sources
+from . import __version__, base, definitions, expected, leftovers, pins, platforms, records, refs, render, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
@@ -36,6 +36,7 @@ class Plan:
     base_ref: str
     output_ref: str
     template: str
+    pinset: pins.PinSet | None = None
 
 
 @dataclass
@@ -63,6 +64,7 @@ def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: st
         base_ref=refs.check_reference(defn.base_ref(base_repo), "base"),
         output_ref=refs.check_reference(output_ref or defn.output_ref(base_repo), "--tag", tag_only=True),
         template=render.template_path(root).read_text(encoding="utf-8"),
+        pinset=pins.load(root, defn.patch_set, defn.package),
     )
 
 
@@ -91,7 +93,17 @@ def inputs(p: Plan, base_id: str, base_digest: str | None) -> dict[str, Any]:
         "tool_version": __version__,
         "tool_sha256": tool_fingerprint(),
         "output_ref": p.output_ref,
+        # Only when there are pins, so that records of sets without them still match.
+        **({"pins_sha256": p.pinset.sha256} if p.pinset is not None else {}),
     }
+
+
+def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | None, say: Callable[[str], None]
+          ) -> pins.Prepared | None:
+    if p.pinset is None:
+        return None
+    return pins.prepare(engine, p.pinset, facts.image.id, facts.python, wheelhouse=wheelhouse,
+                        cache=pins.cache(p.root), say=say)
 
 
 def render_only(
@@ -101,9 +113,15 @@ def render_only(
     progress: Callable[[str], None] | None = None,
     *,
     skip_included: bool = False,
+    wheelhouse: Path | None = None,
     platform: Platform | None = None,
+    builder: str = "dockerfile",
 ) -> str:
-    """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing."""
+    """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
+
+    Pinned wheels are fetched: they are inputs.
+    """
+    pins.check_builder(p.pinset, builder)
     if platform is not None:
         platforms.require_engine(engine, platform)
         bases = platform_bases(engine, p, [platform], pull, asked=True, progress=progress)
@@ -114,7 +132,8 @@ def render_only(
         engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
         cache=sources.cache_dir(p.root),
     )
-    return render.render(p.template, p.definition, facts, files, applied)
+    pinned = _pins(engine, p, facts, wheelhouse, progress or (lambda _line: None))
+    return render.render(p.template, p.definition, facts, files, applied, pinned)
 
 
 def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
@@ -175,6 +194,7 @@ def build_image(
     force: bool = False,
     smoke: SmokeRunner | None = None,
     progress: Callable[[str], None] | None = None,
+    wheelhouse: Path | None = None,
     builder: str = "dockerfile",
     platform: Platform | None = None,
 ) -> BuildResult:
@@ -182,6 +202,8 @@ def build_image(
     say = progress or (lambda _line: None)
     if builder not in BUILDERS:
         raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
+    # Before any work: a patch set with pins needs pip in a RUN step, which only the Dockerfile build has.
+    pins.check_builder(p.pinset, builder)
     records.ensure_writable(p.root)
     say(f"==> resolving base {p.base_ref} (pull policy: {pull}{', ' + str(platform) if platform else ''})")
     info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
@@ -229,6 +251,7 @@ def build_image(
     if skipped:
         say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
+    pinned = _pins(engine, p, facts, wheelhouse, say)
     image_id = None
     pending = leftovers.Pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
@@ -246,10 +269,14 @@ def build_image(
             say(f"    {exc}: building from the Dockerfile instead")
             builder = "dockerfile"
     if image_id is None:
-        dockerfile = render.render(p.template, p.definition, facts, files, applied)
+        dockerfile = render.render(p.template, p.definition, facts, files, applied, pinned)
         ctx = render.context(dockerfile, facts, files)
         say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-        image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add)
+        # Pins: the wheels are served on loopback for the RUN step, which needs the
+        # host's network to reach them; nothing else in the build uses a network.
+        with pins.serve(pinned) as buildargs:
+            image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
+                                    buildargs=buildargs, network="host" if pinned is not None else None)
     meta = {
         "builder": builder,
         "inputs": key_inputs,
@@ -272,6 +299,9 @@ def build_image(
         "patches_included_upstream": skipped,
     }
     try:
+        if pinned is not None:
+            say(f"==> checking the pins in {image_id[:19]}")
+            meta["pins"] = pins.verify(engine, image_id, pinned, facts.python, say)
         smoke_report = None
         if smoke is not None:
             want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})

@@ -16,6 +16,7 @@ from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
 from .patches import Patch
+from .pins import BUILD_ARG, Prepared
 
 LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"
@@ -45,7 +46,8 @@ def _label_value(value: str) -> str:
 
 
 def labels(
-    defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch]
+    defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch],
+    pins: Prepared | None = None,
 ) -> list[tuple[str, str]]:
     p = LABEL_PREFIX
     items = {
@@ -64,6 +66,8 @@ def labels(
     }
     for pt in patches:
         items[f"{p}.patch.{pt.name}"] = pt.sha256
+    if pins is not None:
+        items.update(pins.labels(p))
     return sorted(items.items())
 
 
@@ -86,6 +90,7 @@ def render(
     base: BaseFacts,
     files: list[PatchedFile],
     patches: list[Patch],
+    pins: Prepared | None = None,
 ) -> str:
     import jinja2  # here, not at module level: a reused build never renders
 
@@ -101,7 +106,11 @@ def render(
         files=copies(base, files),
         context_dir=CONTEXT_DIR,
         site_dir=base.site_dir,
-        labels=labels(defn, base, files, patches),
+        labels=labels(defn, base, files, patches, pins),
+        pins=pins.entries() if pins is not None else [],
+        pin_file=f"patches/{pins.pinset.patch_set}/pins.txt" if pins is not None else "",
+        pin_arg=BUILD_ARG,
+        python=base.python,
     )
 
 

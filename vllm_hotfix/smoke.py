@@ -19,9 +19,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, expected, gpu_access, records, sweep
+from . import __version__, definitions, expected, gpu_access, pins, records, sweep
 from .engine import Engine, GpuRequest, ImageInfo
-from .errors import DefinitionError, EngineError, EngineLost, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
 from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
@@ -127,13 +127,14 @@ class Smoke:
 
     def probe(
         self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
-        extra: dict[str, bytes] | None = None, fallback_name: str | None = None,
+        extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})}
+        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image."""
+        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})} if run is None else dict(extra or {})
         start = time.monotonic()
         try:
             res = self.engine.run(
-                image.id, [self.opt.python, f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
+                image.id, [self.opt.python, run or f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
                 timeout=self.opt.probe_timeout,
             )
         except EngineLost as exc:
@@ -202,21 +203,27 @@ class Smoke:
                                          fallback_name="patch-landed")
             self.add(report, checks, took)
 
+        pinset = None if isinstance(found, str) else self.pinset(report, found)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+
         self.say("==> smoke 2/5: environment report")
-        checks, _, took = self.probe(image, "env_report.py", [], fallback_name="env-report")
+        checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
         report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
         args, extra = [package, files_json], {}
-        base_dev = self.base_deviations(image, package)
+        base_dev = self.base_deviations(image, package, pinned)
         if base_dev is not None:
             extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
-            args.append(f"{PROBE_DIR}/base-deviations.json")
-        checks, _, took = self.probe(image, "integrity.py", args, extra=extra, fallback_name="integrity")
+            args += ["--base", f"{PROBE_DIR}/base-deviations.json"]
+        checks, _, took = self.probe(image, "integrity.py", [*args, *pinned], extra=extra, fallback_name="integrity")
         for c in checks:
             c.pop("deviations", None)
         self.add(report, checks, took)
+        if pinset is not None:
+            self.say(f"==> smoke 3/5: pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
+            self.pins(report, image, pinset)
 
         self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
         self.gpu(report, image)
@@ -229,7 +236,39 @@ class Smoke:
         report.seconds = time.monotonic() - start
         return report
 
-    def base_deviations(self, image: ImageInfo, package: str) -> dict[str, Any] | None:
+    def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
+        """The pins of the image's definition, from its patch set on disk (never from labels)."""
+        try:
+            defn = definitions.load(self.root, found.definition)
+            return pins.load(self.root, defn.patch_set, defn.package)
+        except (DefinitionError, PinError) as exc:
+            self.add(report, [{"name": "pins", "status": "fail", "detail": str(exc)}], 0)
+            return None
+
+    def pins(self, report: Report, image: ImageInfo, pinset: pins.PinSet) -> None:
+        """Versions and files against pins.txt and its wheels, an import per module, the set's CPU checks."""
+        cache = pins.cache(self.root)
+        spec = []
+        for pin in pinset.pins:
+            record = None
+            for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
+                parsed = pins.wheel_tags(path.name)
+                if parsed and parsed[:2] == (pin.name, pin.version) and pins.sha256_file(path) in pin.hashes:
+                    record = pins.wheel_record(path)
+                    break
+            spec.append({"name": pin.spelled, "version": pin.version, "record": record})
+        extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}
+        checks, _, took = self.probe(image, "pins_check.py", [f"{PROBE_DIR}/pins.json"], extra=extra,
+                                     fallback_name="pins")
+        self.add(report, checks, took)
+        folder = pinset.path.parent / "checks" / "cpu"
+        for script in sorted(folder.glob("*.py")):
+            extra = {f"vllm-hotfix-probes/checks/{script.name}": script.read_bytes()}
+            checks, _, took = self.probe(image, script.name, [], extra=extra, fallback_name=f"check:{script.stem}",
+                                         run=f"{PROBE_DIR}/checks/{script.name}")
+            self.add(report, checks, took)
+
+    def base_deviations(self, image: ImageInfo, package: str, roots: Sequence[str] = ()) -> dict[str, Any] | None:
         """What the integrity probe finds in the image's base, to judge the image against.
 
         None (every deviation counts as the image's) when the image names no
@@ -242,7 +281,7 @@ class Smoke:
         if base is None:
             self.say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
             return None
-        checks, _, _ = self.probe(base, "integrity.py", [package, "{}"], fallback_name="integrity")
+        checks, _, _ = self.probe(base, "integrity.py", [package, "{}", *roots], fallback_name="integrity")
         found = next((c.get("deviations") for c in checks if c.get("deviations") is not None), None)
         return found if isinstance(found, dict) else None
 
@@ -354,7 +393,27 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
                                                     json.dumps(dict(found.files), sort_keys=True)],
                                fallback_name="patch-landed")
     bad = [c for c in checks if c["status"] != "pass"]
-    return f"{bad[0]['name']}: {bad[0]['detail']}" if bad else None
+    if bad:
+        return f"{bad[0]['name']}: {bad[0]['detail']}"
+    return pins_problem(engine, root, image, found)
+
+
+def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
+    """None if every distribution the definition's pins.txt names has its pinned version, once."""
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    if pinset is None:
+        return None
+    state = pins.probe(engine, image.id, defn.python, pinset.names)
+    for pin in pinset.pins:
+        have = sorted(c.version for c in state.dists.get(pin.name) or ())
+        if have != [pin.version]:
+            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image, but "
+                    f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+    return None
 
 
 def record(root: Path, report: dict[str, Any]) -> records.Entry:

@@ -6,7 +6,17 @@ has them (``/usr/local/lib/python3.12/dist-packages``), a ``.pth`` file that
 puts that folder on Debian's Python 3.11 path, and the upstream image's
 ``ENTRYPOINT ["vllm", "serve"]``. ``importlib.metadata.version("vllm")`` and
 ``find_spec("vllm")`` answer as in the real image; importing vllm does not
-(no torch), and nothing here needs it to.
+(no torch), and nothing here needs it to. Debian's pip is there too, as pip
+is in the upstream image, so that pinned distributions can be installed.
+
+With ``deps`` the stand-in also carries what the upstream 0.25.1 image ships
+for the SM100 attention path, from the real wheels: nvidia-cutlass-dsl 4.5.2
+with its two sub-wheels (``-libs-base`` and ``-libs-cu13``, which claim 180
+paths in common, 99 of them with different content) and quack-kernels 0.6.5
+(whose ``quack.activation`` lacks ``sub_packed_f32x2``). ``deps="serial"``
+unpacks the sub-wheels one after the other, ``-libs-cu13`` last, as upstream's
+workaround did; ``deps="race"`` leaves the shared paths as two unpacks running
+at once can: some with one sub-wheel's content, some with the other's.
 """
 
 from __future__ import annotations
@@ -28,9 +38,23 @@ from .tarball import tar_bytes
 
 log = logging.getLogger(__name__)
 
-ROOTFS_REF = "vllm-hotfix/standin-rootfs:bookworm"
+# The root file system carries Debian's pip; a new name, so that a cached one
+# without pip (made before) is never reused for it.
+ROOTFS = "bookworm-pip"
+ROOTFS_REF = f"vllm-hotfix/standin-rootfs:{ROOTFS}"
+ROOTFS_PACKAGES = "python3,python3-pip"
 SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
 LABEL = "io.vllm-hotfix.standin"
+LABEL_ROOTFS = "io.vllm-hotfix.standin.rootfs"
+LABEL_DEPS = "io.vllm-hotfix.standin.deps"
+DEPS_MODES = ("race", "serial")
+# (name, version) in the order they are unpacked; the two sub-wheels share paths.
+SM100_DEPS = (
+    ("nvidia-cutlass-dsl-libs-base", "4.5.2"),
+    ("nvidia-cutlass-dsl-libs-cu13", "4.5.2"),
+    ("nvidia-cutlass-dsl", "4.5.2"),
+    ("quack-kernels", "0.6.5"),
+)
 
 
 def wheel(root: Path, version: str, progress: Callable[[str], None], plat: Platform | None = None) -> Path:
@@ -78,17 +102,17 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
         raise BaseImageError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
     folder = cache_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
-    tar = folder / "rootfs-bookworm.tar"
-    cmd = ["mmdebstrap", "--quiet", "--variant=essential", "--include=python3"]
+    tar = folder / f"rootfs-{ROOTFS}.tar"
+    cmd = ["mmdebstrap", "--quiet", "--variant=essential", f"--include={ROOTFS_PACKAGES}"]
     if plat is not None:
         # The tar made without --architectures is this machine's own.
         own = plat.machine == _host_machine() and tar.exists()
-        tar = tar if own else folder / f"rootfs-bookworm-{plat.debian_arch}.tar"
+        tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
         cmd.append(f"--architectures={plat.debian_arch}")
     if not tar.exists():
         slow = plat is not None and plat.machine != _host_machine()
-        progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 "
-                 f"(mmdebstrap, {'several minutes under emulation' if slow else '~20-60 s'})")
+        progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 and pip "
+                 f"(mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
         part = tar.with_suffix(".part.tar")
         proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
         if proc.returncode != 0:
@@ -112,6 +136,59 @@ def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
     return out
 
 
+def dep_wheel(root: Path, name: str, version: str, progress: Callable[[str], None], machine: str) -> Path:
+    """A dependency's real wheel for the stand-in's Python (3.11) on ``machine``, cached."""
+    folder = cache_dir(root) / "wheels"
+    stem = name.replace("-", "_")
+
+    def cached() -> list[Path]:
+        return sorted(p for p in folder.glob(f"{stem}-{version}-*.whl")
+                      if p.name.endswith(f"_{machine}.whl") or p.name.endswith("-any.whl"))
+
+    found = cached()
+    if found:
+        return found[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    progress(f"downloading {name}=={version} from PyPI")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-q", "-d", str(folder), "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+           "--abi", "abi3", "--abi", "none", "--platform", f"manylinux_2_28_{machine}",
+           f"{name}=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = cached()
+    if proc.returncode != 0 or not found:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UpstreamError(f"cannot download {name}=={version} from PyPI: {last}")
+    return found[0]
+
+
+def unpack_deps(root: Path, mode: str, progress: Callable[[str], None], plat: Platform | None = None
+                ) -> dict[str, bytes]:
+    """The SM100 dependencies unpacked as ``mode`` says, by path under the site dir."""
+    if mode not in DEPS_MODES:
+        raise BaseImageError(f"unknown stand-in deps mode {mode!r} (one of {', '.join(DEPS_MODES)})")
+    out: dict[str, bytes] = {}
+    owner: dict[str, bytes] = {}  # first unpack of a shared path, for the race
+    shared: list[str] = []
+    for name, version in SM100_DEPS:
+        machine = plat.machine if plat is not None else _host_machine()
+        with zipfile.ZipFile(dep_wheel(root, name, version, progress, machine)) as zf:
+            for item in zf.namelist():
+                if item.endswith("/"):
+                    continue
+                data = zf.read(item)
+                if item in out and out[item] != data:
+                    shared.append(item)
+                    owner.setdefault(item, out[item])
+                out[item] = data
+    if mode == "race":
+        # Two unpacks at once: which one wrote a shared path last is a coin
+        # toss per file; every other one here, so the outcome is the same each time.
+        for item in sorted(shared)[::2]:
+            out[item] = owner[item]
+    return out
+
+
 def make(
     engine: Engine,
     root: Path,
@@ -120,13 +197,15 @@ def make(
     progress: Callable[[str], None] | None = None,
     *,
     sources_version: str | None = None,
+    deps: str | None = None,
     plat: Platform | None = None,
 ) -> ImageInfo:
     """Build a stand-in of vLLM ``version`` and tag it ``ref``.
 
     ``sources_version`` builds from another release's wheel (a base whose
-    installed vLLM differs from its tag, for tests). ``plat`` builds one of
-    another platform, from that architecture's Debian and vLLM wheel.
+    installed vLLM differs from its tag, for tests); ``deps`` adds the SM100
+    dependencies (see the module's docstring). ``plat`` builds one of another
+    platform, from that architecture's Debian, vLLM wheel and dependencies.
     """
     say = progress or log.info
     src_version = sources_version or version
@@ -134,7 +213,8 @@ def make(
         platforms.require_engine(engine, plat)
     existing = engine.image(ref)
     same_platform = existing is not None and (plat is None or existing.architecture == plat.architecture)
-    if existing is not None and existing.labels.get(LABEL) == src_version and same_platform:
+    if (existing is not None and existing.labels.get(LABEL) == src_version and same_platform
+            and existing.labels.get(LABEL_ROOTFS) == ROOTFS and existing.labels.get(LABEL_DEPS, "") == (deps or "")):
         say(f"stand-in {ref} (vllm {src_version}) already present: {existing.id}")
         return existing
     if existing is not None and LABEL not in existing.labels:
@@ -145,12 +225,15 @@ def make(
     base = rootfs(engine, root, say, plat)
     whl = wheel(root, src_version, say, plat)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}
+    if deps is not None:
+        files.update({f"site/{k}": v for k, v in unpack_deps(root, deps, say, plat).items()})
     files["vllm-standin.pth"] = (SITE_DIR + "\n").encode()
     files["Dockerfile"] = (
         f"FROM {base.id}\n"
         f"COPY site/ {SITE_DIR}/\n"
         "COPY vllm-standin.pth /usr/lib/python3/dist-packages/\n"
-        f'LABEL {LABEL}="{src_version}"\n'
+        f'LABEL {LABEL}="{src_version}" {LABEL_ROOTFS}="{ROOTFS}"'
+        + (f' {LABEL_DEPS}="{deps}"' if deps else "") + "\n"
         'ENTRYPOINT ["vllm", "serve"]\n'
     ).encode()
     say(f"building stand-in {ref} from the vllm {src_version} wheel ({len(files)} files)")

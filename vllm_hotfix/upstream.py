@@ -17,13 +17,15 @@ wheel, which holds the same ``vllm/**/*.py`` and is a fraction of the size.
 
 from __future__ import annotations
 
+import functools
 import logging
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, platforms, registry, sources, standin
+from . import base, definitions, pins, platforms, registry, sources, standin
 from . import patches as patchlib
 from .engine import Engine, split_reference
 from .errors import PipelineError, UpstreamError
@@ -50,6 +52,7 @@ class Report:
     package: str
     package_version: str | None
     verdicts: tuple[Verdict, ...]
+    pins: tuple[dict[str, str], ...] = ()
 
     def by_verdict(self, verdict: str) -> list[str]:
         return [v.patch for v in self.verdicts if v.verdict == verdict]
@@ -65,6 +68,7 @@ class Report:
                 {"name": v.patch, "verdict": v.verdict, "files": list(v.files), "detail": v.detail}
                 for v in self.verdicts
             ],
+            "pins": list(self.pins),
         }
 
 
@@ -177,6 +181,7 @@ def check(
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
         source = f"wheel {wheel.name}"
         where = f"{ctx.package} {version} (wheel)"
+        requires_of = functools.partial(wheel_requires, wheel, ctx.package)
     else:
         if engine is None:
             raise UpstreamError("check-upstream needs a Docker engine unless --from-wheel")
@@ -191,6 +196,34 @@ def check(
         found = facts.version
         source = f"image {ref} ({info.id})"
         where = ref
+        requires_of = functools.partial(image_requires, eng, info.id, ctx)
     say(f"==> {len(patches)} patch(es) of {patch_set} against {ctx.package} {found or '?'} from {source}")
     verdicts = classify_series(patches, files, where)
-    return Report(patch_set, base_tag, source, ctx.package, found, tuple(verdicts))
+    pinset = pins.load(root, patch_set, ctx.package)
+    judged: list[dict[str, str]] = []
+    if pinset is not None:
+        judged = pins.judge_release(pinset, requires_of(), f"{ctx.package} {found or base_tag}")
+    return Report(patch_set, base_tag, source, ctx.package, found, tuple(verdicts), tuple(judged))
+
+
+def wheel_requires(wheel: Path, package: str) -> list[str]:
+    """The ``Requires-Dist`` lines of a release's wheel."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1), None)
+        if meta is None:
+            raise UpstreamError(f"{wheel.name}: no METADATA")
+        text = zf.read(meta).decode("utf-8", "replace")
+    return [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
+
+
+def image_requires(engine: Engine, image_id: str, ctx: SetContext) -> list[str]:
+    """The requirements the release's installed package declares, read by the image's own Python."""
+    import json
+
+    code = f"import importlib.metadata as m, json; print(json.dumps(m.requires({ctx.package!r}) or []))"
+    res = engine.run(image_id, [ctx.python, "-c", code], timeout=120)
+    try:
+        found = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise UpstreamError(f"{image_id[:19]}: cannot read {ctx.package}'s requirements") from None
+    return [str(x) for x in found]

@@ -1,6 +1,7 @@
 """Environment report probe: versions, GPUs and known-bad dependency combinations.
 
-Run inside a container as ``python3 env_report.py``. Prints one JSON object
+Run inside a container as ``python3 env_report.py [NAME ...]`` (NAMEs: more
+distributions to report, e.g. the ones a patch set pins). Prints one JSON object
 ``{"checks": [...], "info": {...}}`` on stdout; exit code 1 when a check fails.
 Stdlib only at top level: torch and quack are imported lazily, if present.
 
@@ -226,8 +227,9 @@ def driver_version() -> str | None:
         return None
 
 
-def collect() -> dict[str, Any]:
-    versions = {n: dist_version(n) for n in PACKAGES}
+def collect(extra: list[str] | None = None) -> dict[str, Any]:
+    names = PACKAGES + [n for n in extra or [] if n not in PACKAGES]
+    versions = {n: dist_version(n) for n in names}
     cuda, cuda_src = cuda_runtime_version()
     gpu_list, gpu_src = gpus()
     return {
@@ -242,11 +244,13 @@ def collect() -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(extra: list[str] | None = None) -> int:
     checks: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    extra = extra or []
     try:
-        info = collect()
+        info = collect(extra)
+        pinned = ", ".join(f"{n} {info['packages'][n]}" for n in extra)
         checks.append(
             {
                 "name": "env-report",
@@ -255,6 +259,7 @@ def main() -> int:
                     f"python {info['python']}, cuda {info['cuda_runtime']}, "
                     f"torch {info['packages']['torch']}, "
                     f"vllm {info['packages']['vllm']}, {len(info['gpus'])} GPU(s)"
+                    + (f"; pinned: {pinned}" if pinned else "")
                 ),
                 "data": info,
             }
@@ -309,7 +314,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        sys.exit(main(sys.argv[1:]))
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001

@@ -1,0 +1,1 @@
+../../v0.25.1/checks/gpu_topk_layout.py

@@ -1,0 +1,432 @@
+"""Patch sets that pin Python distributions (patches/<set>/pins.txt).
+
+Pure tests of the pin file, pip check judging and wheel tags; integration
+tests that build the SM100 example variant from real PyPI wheels on a stand-in
+that carries vLLM 0.25.1's own nvidia-cutlass-dsl 4.5.2 sub-wheels and
+quack-kernels 0.6.5, and every bad input: one `error:` line, nothing left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, STANDIN_REPO, Registry, Result, cli, fails
+from vllm_hotfix import definitions, pins, records, standin
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.errors import DefinitionError, PinError
+
+SM100 = "v0.25.1-sm100"
+QUACK_HASH = "e77c5d1f1299b0b38487fe8737df6c6975daa16bca7f7eb883bd1a74d09e7e78"
+RACE = f"{STANDIN_REPO}-sm100-race:v0.25.1"
+SERIAL = f"{STANDIN_REPO}-sm100-serial:v0.25.1"
+
+
+# -- pure -------------------------------------------------------------------------------
+
+
+def test_example_pin_file_loads_in_order_with_its_accepted_conflict() -> None:
+    pinset = pins.load(REPO, SM100, "vllm")
+    assert pinset is not None
+    assert pinset.names[-2:] == ["nvidia-cutlass-dsl", "quack-kernels"]
+    quack = pinset.pins[-1]
+    assert (quack.version, quack.hashes) == ("0.6.4", (QUACK_HASH,))
+    assert [(a.requirer, a.requirement) for a in pinset.accepts] == [("vllm", "nvidia-cutlass-dsl")]
+    assert pins.load(REPO, "v0.25.1", "vllm") is None  # the default set pins nothing
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("quack-kernels>=0.6.4 --hash=sha256:" + "a" * 64 + "\n", "line 1: 'quack-kernels>=0.6.4' is not NAME==VERSION"),
+    ("quack-kernels==0.6.4\n", "line 1: quack-kernels==0.6.4 has no --hash"),
+    ("quack-kernels==0.6.4 --hash=md5:abc\n", "unexpected '--hash=md5:abc'"),
+    ("a==1 --hash=sha256:" + "a" * 64 + "\nA==2 --hash=sha256:" + "b" * 64 + "\n", "line 2: A is pinned twice"),
+    ("# accept: vllm nvidia\na==1 --hash=sha256:" + "a" * 64 + "\n", "line 1: malformed accept comment"),
+    ("# only a comment\n", "pins nothing"),
+    ("a==1 --hash=sha256:" + "a" * 64 + "\r\n", "CR line endings"),
+])
+def test_bad_pin_files_name_the_line(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(PinError) as err:
+        pins.parse(text, tmp_path / "pins.txt")
+    assert needle in str(err.value) and str(tmp_path / "pins.txt") in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_pinning_the_patched_package_itself_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "patches" / "x"
+    folder.mkdir(parents=True)
+    (folder / "pins.txt").write_text("vllm==0.27.0 --hash=sha256:" + "a" * 64 + "\n")
+    with pytest.raises(PinError, match="pins vllm itself"):
+        pins.load(tmp_path, "x", "vllm")
+
+
+def test_pip_check_complaints_old_new_and_accepted() -> None:
+    before = [pins.parse_complaint(x) for x in (
+        "vllm 0.25.1 requires torch, which is not installed.",
+        "quack-kernels 0.6.5 has requirement nvidia-cutlass-dsl>=4.7, but you have nvidia-cutlass-dsl 4.5.2.",
+    )]
+    after = [pins.parse_complaint(x) for x in (
+        "vllm 0.25.1 requires torch, which is not installed.",
+        "quack-kernels 0.6.4 requires torch, which is not installed.",  # torch was missing already
+        "vllm 0.25.1 has requirement nvidia-cutlass-dsl[cu13]==4.5.2, but you have nvidia-cutlass-dsl 4.6.2.",
+        "quack-kernels 0.6.4 has requirement nvidia-cutlass-dsl==4.6.2, but you have nvidia-cutlass-dsl 4.5.2.",
+        "foo 1.0 requires bar, which is not installed.",
+    )]
+    accepts = [pins.Accept("vllm", "nvidia-cutlass-dsl", "deliberate", 9)]
+    out = pins.judge_complaints(before, after, accepts)
+    assert len(out.base_only) == 2
+    assert [c for c, _ in out.accepted] == [after[2].line]
+    # A requirement stated anew is a new complaint, even if the same pair was unhappy before.
+    assert list(out.added) == [after[3].line, after[4].line]
+
+
+def test_wheel_tags_decide_what_fits() -> None:
+    tags = ["cp311-cp311-manylinux_2_36_x86_64", "cp311-abi3-manylinux_2_28_x86_64",
+            "py3-none-manylinux_2_17_x86_64", "py3-none-any"]
+    name, version, found = pins.wheel_tags(
+        "nvidia_cuda_nvdisasm-13.3.73-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl") or ("", "", set())
+    assert (name, version) == ("nvidia-cuda-nvdisasm", "13.3.73") and "py3-none-manylinux_2_17_x86_64" in found
+    paths = [Path("x-1-cp312-cp312-manylinux_2_28_x86_64.whl"), Path("x-1-cp311-cp311-manylinux_2_28_aarch64.whl")]
+    assert pins._best_fit(paths, tags) is None
+    assert pins._best_fit([*paths, Path("x-1-py3-none-any.whl")], tags) == Path("x-1-py3-none-any.whl")
+
+
+def test_a_builder_that_cannot_run_pip_refuses_pins() -> None:
+    pinset = pins.load(REPO, SM100, "vllm")
+    pins.check_builder(pinset, "dockerfile")
+    pins.check_builder(None, "assemble")
+    with pytest.raises(PinError) as err:
+        pins.check_builder(pinset, "assemble")
+    assert "--builder assemble cannot" in str(err.value) and "pins.txt" in str(err.value)
+
+
+def test_release_requirements_judge_each_pin() -> None:
+    pinset = pins.parse("quack-kernels==0.6.4 --hash=sha256:" + "a" * 64 + "\n"
+                        "nvidia-cutlass-dsl==4.6.0 --hash=sha256:" + "b" * 64 + "\n"
+                        "einops==0.8.1 --hash=sha256:" + "c" * 64 + "\n"
+                        "nvidia-cuda-nvdisasm==13.3.73 --hash=sha256:" + "d" * 64 + "\n", Path("pins.txt"))
+    got = {j["pin"].split("==")[0]: j["verdict"] for j in pins.judge_release(pinset, [
+        "quack-kernels==0.6.1", "nvidia-cutlass-dsl[cu13]==4.6.0", "einops>=0.8", "torch==2.13.0",
+        'pytest; extra == "dev"'], "vllm 0.27.0")}
+    assert got == {"quack-kernels": "contradicts", "nvidia-cutlass-dsl": "included", "einops": "allowed",
+                   "nvidia-cuda-nvdisasm": "unconstrained"}
+
+
+def test_pins_need_an_engine_on_this_machine() -> None:
+    from types import SimpleNamespace
+
+    def engine_at(url: str) -> Engine:
+        return Engine(SimpleNamespace(api=SimpleNamespace(base_url=url)))
+
+    assert engine_at("http+docker://localhost").is_local
+    assert engine_at("http://127.0.0.1:2375").is_local
+    assert not engine_at("http://10.1.2.3:2376").is_local
+    assert not engine_at("http+docker://ssh").is_local
+
+
+def test_a_variant_file_must_be_named_for_its_base_and_variant(tmp_path: Path) -> None:
+    text = (REPO / "images" / f"{SM100}.toml").read_text()
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "v0.25.1-blackwell.toml").write_text(text)
+    with pytest.raises(DefinitionError, match="must be images/v0.25.1-sm100.toml"):
+        definitions.load(tmp_path, "v0.25.1-blackwell")
+    defn = definitions.load(REPO, SM100)
+    assert (defn.base_tag, defn.variant, defn.patch_set) == ("v0.25.1", "sm100", SM100)
+    assert defn.output_ref() == "vllm/vllm-openai:v0.25.1-m3patch-sm100"
+
+
+# -- against a real engine ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sm100_bases(engine: Engine) -> Iterator[dict[str, str]]:
+    made = {}
+    for mode, ref in (("race", RACE), ("serial", SERIAL)):
+        made[mode] = standin.make(engine, REPO, "0.25.1", ref, lambda _l: None, deps=mode).id
+    yield made
+    for ref in (RACE, SERIAL):
+        info = engine.image(ref)
+        if info is not None and standin.LABEL in info.labels:
+            engine.untag(ref)
+            engine.remove_untagged(info.id, force=False)
+
+
+def _integrity(engine: Engine, image: str) -> dict:
+    script = (REPO / "vllm_hotfix" / "probes" / "integrity.py").read_bytes()
+    res = engine.run(image, ["python3", "/tmp/integrity.py", "vllm", "{}"], files={"integrity.py": script})
+    return json.loads(res.stdout)["checks"][0]
+
+
+@pytest.mark.engine
+def test_integrity_fails_the_sub_wheel_race_and_passes_the_serial_install(engine: Engine,
+                                                                        sm100_bases: dict[str, str]) -> None:
+    race = _integrity(engine, sm100_bases["race"])
+    assert race["status"] == "fail"
+    assert "claimed with different content by nvidia-cutlass-dsl-libs-base and nvidia-cutlass-dsl-libs-cu13" \
+        in race["detail"] and "are a mix" in race["detail"]
+    serial = _integrity(engine, sm100_bases["serial"])
+    assert serial["status"] == "pass", serial["detail"]
+    assert "consistently hold nvidia-cutlass-dsl-libs-cu13's content" in serial["detail"]
+    # vllm requires nvidia-cutlass-dsl[cu13]: the extra's sub-wheel is covered.
+    assert "nvidia-cutlass-dsl-libs-cu13" in serial["data"]["distributions"]
+
+
+def _added_layers(image: str, base: str) -> list[tuple[str, bytes]]:
+    """(layer name, layer tar) of each layer ``image`` has on top of ``base``."""
+    def layers(ref: str) -> list[str]:
+        return json.loads(subprocess.run(["docker", "image", "inspect", ref], capture_output=True, text=True,
+                                         check=True).stdout)[0]["RootFS"]["Layers"]
+    below = len(layers(base))
+    saved = subprocess.run(["docker", "save", image], capture_output=True, check=True).stdout
+    out = []
+    with tarfile.open(fileobj=io.BytesIO(saved)) as outer:
+        manifest = json.load(outer.extractfile("manifest.json"))  # type: ignore[arg-type]
+        for name in manifest[0]["Layers"][below:]:
+            out.append((name, outer.extractfile(name).read()))  # type: ignore[union-attr]
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.registry
+def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
+        engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str, registry: Registry) -> None:
+    ref = f"hotfix-test/sm100-{unique}:v0.25.1-m3patch-sm100"
+    base_repo = RACE.split(":")[0]
+    r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", root=project)
+    assert r.rc == 0, r.err
+    image_id = r.out.split()[-1]
+    try:
+        info = engine.image(ref)
+        assert info is not None and info.id == image_id
+        pinned = json.loads(info.labels["io.vllm-hotfix.pins"])
+        assert pinned["quack-kernels"]["before"] == "0.6.5" and pinned["quack-kernels"]["after"] == "0.6.4"
+        assert pinned["quack-kernels"]["sha256"] == QUACK_HASH
+        assert pinned["nvidia-cutlass-dsl-libs-cu13"]["before"] == "4.5.2"
+        assert json.loads(info.labels["io.vllm-hotfix.pins.accepted"])[0]["requirer"] == "vllm"
+
+        build = records.builds_of_image(project, image_id)[0].data["pins"]
+        assert build["pip_check"]["added"] == []
+        assert [a["complaint"] for a in build["pip_check"]["accepted"]] == [
+            "vllm 0.25.1 has requirement nvidia-cutlass-dsl[cu13]==4.5.2, but you have nvidia-cutlass-dsl 4.6.2."]
+        verdict = records.judgement(project, image_id)
+        assert verdict is not None and verdict.data["status"] == "pass"
+        checks = {c["name"]: c for c in verdict.data["checks"]}
+        assert checks["quack-activation-sub-packed-f32x2"]["status"] == "pass"
+        assert checks["integrity"]["status"] == "pass"
+        assert checks["pin:quack-kernels"]["status"] == "pass"
+        assert "quack-kernels 0.6.4" in checks["env-report"]["detail"]
+
+        # Independently of the tool: the old versions' files are gone, and pip
+        # check names nothing missing that the base had, nor a new conflict
+        # other than the accepted one.
+        # (pip leaves the emptied folders; no file of the old versions stays.)
+        gone = engine.run(image_id, ["sh", "-c", (
+            "ls -d /usr/local/lib/python3*/dist-packages/*-0.6.5.dist-info "
+            "/usr/local/lib/python3*/dist-packages/*-4.5.2.dist-info 2>/dev/null; "
+            "find /usr/local/lib/python3*/dist-packages/nvidia_cutlass_dsl/python_packages -type f")])
+        assert gone.stdout.strip() == ""
+
+        def complaints(image: str) -> tuple[set[str], set[str]]:
+            out = engine.run(image, ["python3", "-m", "pip", "check"]).stdout.splitlines()
+            missing = {m.group(1) for ln in out if (m := re.match(r".* requires (\S+), which is not installed", ln))}
+            conflicts = {re.sub(r", but you have .*", "", ln.split(" ", 2)[2]) + " " + ln.split()[0]
+                         for ln in out if "has requirement" in ln}
+            return missing, conflicts
+        missing_before, conflicts_before = complaints(sm100_bases["race"])
+        missing_after, conflicts_after = complaints(image_id)
+        assert {re.sub(r"[-_.]+", "-", m).lower() for m in missing_after} <= \
+            {re.sub(r"[-_.]+", "-", m).lower() for m in missing_before} | {"nvidia-cutlass-dsl"}, missing_after
+        assert conflicts_after - conflicts_before == {"has requirement nvidia-cutlass-dsl[cu13]==4.5.2 vllm"}
+
+        # No layer the build added holds a wheel, by name or by content.
+        wheel_hashes = {w.get("sha256") for w in pinned.values()}
+        layers = _added_layers(image_id, sm100_bases["race"])
+        assert len(layers) == 2  # the pins' RUN and the patched files' COPY
+        for name, blob in layers:
+            with tarfile.open(fileobj=io.BytesIO(blob)) as layer:
+                for member in layer.getmembers():
+                    assert not member.name.endswith(".whl"), f"{name}: {member.name}"
+                    if member.isfile() and member.size > 4096:
+                        data = layer.extractfile(member).read()  # type: ignore[union-attr]
+                        assert hashlib.sha256(data).hexdigest() not in wheel_hashes, f"{name}: {member.name}"
+
+        # What the pins must be is pins.txt's, read again at push time: once it
+        # names another version, the image it no longer describes is not pushed.
+        pin_file = project / "patches" / SM100 / "pins.txt"
+        pin_file.write_text(pin_file.read_text().replace("quack-kernels==0.6.4", "quack-kernels==0.6.3"))
+        refused = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        fails(refused, "refusing to push", "pins: quack-kernels is 0.6.4 in the image", "pins 0.6.3")
+        assert refused.rc == 8
+    finally:
+        engine.untag(ref)
+        engine.remove_untagged(image_id)
+
+
+@pytest.mark.engine
+def test_render_shows_the_pin_step_without_a_loopback_address(engine: Engine, sm100_bases: dict[str, str],
+                                                               project: Path) -> None:
+    args = ("render", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never")
+    first, again = cli(*args, root=project), cli(*args, root=project)
+    assert first.rc == 0, first.err
+    assert first.out == again.out
+    text = first.out
+    assert "ARG VLLM_HOTFIX_WHEELS" in text
+    assert "#   quack-kernels 0.6.5 -> 0.6.4 (quack_kernels-0.6.4-py3-none-any.whl)" in text
+    assert text.count("--no-deps --force-reinstall --require-hashes") == 7
+    assert "127.0.0.1" not in text
+    assert text.index("RUN ") < text.index("COPY files/")
+
+
+def _one_pin_set(project: Path, text: str) -> None:
+    (project / "patches" / SM100 / "pins.txt").write_text(text)
+
+
+def _quack(hash_: str = QUACK_HASH, extra: str = "") -> str:
+    return f"quack-kernels==0.6.4 \\\n    --hash=sha256:{hash_}\n{extra}"
+
+
+def _nothing_left(engine: Engine, ref: str, err: str) -> None:
+    assert engine.image(ref) is None, f"{ref} was tagged despite the failure"
+    built = re.findall(r"Successfully built ([0-9a-f]{12})", err)
+    for image_id in built:
+        assert engine.image(image_id) is None, f"image {image_id} of the failed build is still there"
+
+
+@pytest.mark.engine
+def test_a_wrong_hash_is_named_before_anything_is_built(engine: Engine, sm100_bases: dict[str, str],
+                                                        project: Path, unique: str) -> None:
+    _one_pin_set(project, _quack("0" * 64))
+    ref = f"hotfix-test/pins-bad-{unique}:x"
+    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+            root=project)
+    fails(r, "pins.txt", "line 1: quack-kernels==0.6.4", "has sha256 " + QUACK_HASH, "not one the pin lists")
+    assert r.rc == 12
+    assert "Step 1/" not in r.err
+    _nothing_left(engine, ref, r.err)
+
+
+@pytest.mark.engine
+def test_the_assemble_builder_refuses_a_pinned_set_before_any_work(engine: Engine, sm100_bases: dict[str, str],
+                                                                   project: Path, unique: str) -> None:
+    _one_pin_set(project, _quack())
+    ref = f"hotfix-test/pins-asm-{unique}:x"
+    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+            "--builder", "assemble", root=project)
+    fails(r, "pins.txt", "--builder assemble cannot")
+    assert "resolving base" not in r.err
+    _nothing_left(engine, ref, r.err)
+
+
+@pytest.mark.engine
+def test_a_missing_wheel_is_named(engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str,
+                                  tmp_path: Path) -> None:
+    _one_pin_set(project, _quack())
+    house = tmp_path / "wheels"
+    house.mkdir()
+    ref = f"hotfix-test/pins-bad-{unique}:x"
+    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+            "--wheelhouse", str(house), root=project)
+    fails(r, "line 1: quack-kernels==0.6.4", f"no wheel in {house}")
+    assert r.rc == 12
+    _nothing_left(engine, ref, r.err)
+
+
+@pytest.mark.engine
+def test_a_wheel_for_another_python_is_refused(engine: Engine, sm100_bases: dict[str, str], project: Path,
+                                               unique: str, tmp_path: Path) -> None:
+    house = tmp_path / "wheels"
+    # The real wheel for CPython 3.12: the stand-in's Python is 3.11.
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
+                          "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
+                          "--platform", "manylinux_2_28_x86_64", "-d", str(house),
+                          "nvidia-cutlass-dsl-libs-base==4.6.2"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    example = (REPO / "patches" / SM100 / "pins.txt").read_text()
+    block = re.search(r"^nvidia-cutlass-dsl-libs-base==4\.6\.2(?: \\\n\s+--hash=sha256:[0-9a-f]{64})+", example,
+                      re.M)
+    assert block is not None
+    _one_pin_set(project, block.group(0) + "\n")
+    ref = f"hotfix-test/pins-bad-{unique}:x"
+    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+            "--wheelhouse", str(house), root=project)
+    fails(r, "nvidia-cutlass-dsl-libs-base==4.6.2", "no wheel fits the image (Python 3.11",
+          "nvidia_cutlass_dsl_libs_base-4.6.2-cp312-cp312-manylinux_2_28_x86_64.whl")
+    assert r.rc == 12
+    _nothing_left(engine, ref, r.err)
+
+
+@pytest.mark.engine
+def test_a_pin_that_breaks_a_requirement_fails_unless_accepted(engine: Engine, sm100_bases: dict[str, str],
+                                                               project: Path, unique: str) -> None:
+    # quack-kernels 0.6.4 alone needs nvidia-cutlass-dsl 4.6.2; the base has 4.5.2.
+    _one_pin_set(project, _quack())
+    ref = f"hotfix-test/pins-bad-{unique}:x"
+    base_repo = RACE.split(":")[0]
+    r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
+            root=project)
+    fails(r, "pins.txt: the pins break a requirement",
+          "quack-kernels 0.6.4 has requirement nvidia-cutlass-dsl==4.6.2, but you have nvidia-cutlass-dsl 4.5.2")
+    assert r.rc == 12
+    assert re.findall(r"Successfully built ([0-9a-f]{12})", r.err), "the check must run on a built image"
+    _nothing_left(engine, ref, r.err)
+
+    _one_pin_set(project, _quack(extra="# accept: quack-kernels -> nvidia-cutlass-dsl: tested together here\n"))
+    ok = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
+             root=project)
+    assert ok.rc == 0, ok.err
+    try:
+        accepted = json.loads(engine.image(ref).labels["io.vllm-hotfix.pins.accepted"])  # type: ignore[union-attr]
+        assert accepted == [{"requirer": "quack-kernels", "requirement": "nvidia-cutlass-dsl",
+                             "reason": "tested together here"}]
+        assert "accepted by pins.txt: quack-kernels 0.6.4 has requirement" in ok.err
+    finally:
+        engine.untag(ref)
+        engine.remove_untagged(ok.out.split()[-1])
+
+
+@pytest.mark.engine
+def test_new_patchset_pin_writes_the_hash_of_the_wheel_that_fits(engine: Engine, sm100_bases: dict[str, str],
+                                                                 project: Path) -> None:
+    path = project / "patches" / SM100 / "pins.txt"
+    path.unlink()
+    r = cli("new-patchset", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
+            "--pin", "quack-kernels==0.6.4", root=project)
+    assert r.rc == 0, r.err
+    assert "Python 3.11" in r.out
+    assert path.read_text() == f"quack-kernels==0.6.4 \\\n    --hash=sha256:{QUACK_HASH}\n"
+    again = cli("new-patchset", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
+                "--pin", "quack-kernels==0.6.5", root=project)
+    fails(again, "already pins it (line 1")
+    assert path.read_text().count("quack-kernels") == 1
+
+
+def test_check_upstream_says_a_newer_release_contradicts_the_pins(tmp_path: Path) -> None:
+    r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--from-wheel")
+    _contradicts(r)
+
+
+@pytest.mark.engine
+def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v0270: str, project: Path) -> None:
+    r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--pull", "never", "--json", root=project)
+    assert r.rc == 0, r.err
+    judged = {j["pin"]: j["verdict"] for j in json.loads(r.out)["pins"]}
+    assert judged["quack-kernels==0.6.4"] == "contradicts"
+    assert judged["nvidia-cutlass-dsl==4.6.2"] == "contradicts"
+    assert judged["nvidia-cuda-nvdisasm==13.3.73"] == "unconstrained"
+
+
+def _contradicts(r: Result) -> None:
+    assert r.rc == 0, r.err
+    assert "pin quack-kernels==0.6.4: contradicts (vllm 0.27.0 requires quack-kernels ==0.6.1)" in r.out
+    assert "pin nvidia-cutlass-dsl==4.6.2: contradicts (vllm 0.27.0 requires nvidia-cutlass-dsl ==4.6.0)" in r.out
+    assert "0001-minimax-m3-topk-buffer-layout.patch: included" in r.out
+
+
