@@ -17,12 +17,12 @@
 # PY_VERSION (default 3.12) is the GPU host's Python version, for the wheels.
 # VLLM_WHEEL defaults to the wheel in the tool's cache (build.py standin fetches it).
 set -euo pipefail
-out=${1:?usage: bundle.sh DIR [VLLM_WHEEL]}
+dest=${1:?usage: bundle.sh DIR [VLLM_WHEEL]}
 here=$(cd "$(dirname "$0")/.." && pwd)
 wheel=${2:-$(ls "${VLLM_HOTFIX_CACHE:-$here/build/cache}"/wheels/vllm-0.25.1-*.whl 2>/dev/null | head -1)}
 [ -f "$wheel" ] || { echo "no vLLM 0.25.1 wheel (give one, or run: python3 build.py standin --version 0.25.1)" >&2; exit 2; }
 PY=${PYTHON:-python3}
-mkdir -p "$out/wheels/tool" "$out/wheels/base"
+mkdir -p "$dest/wheels/tool" "$dest/wheels/base"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
@@ -45,12 +45,12 @@ tini=$(command -v tini-static || true)
 install -m 0755 "$tini" "$tmp/engine/docker-init"
 strip --strip-unneeded "$tmp"/engine/dockerd "$tmp"/engine/containerd "$tmp"/engine/containerd-shim-runc-v2 2>/dev/null || true
 # -9e: a third slower than -6 here, 4 MB less to carry.
-tar -C "$tmp/engine" -cf - . | xz -T0 -9e >"$out/engine.tar.xz"
+tar -C "$tmp/engine" -cf - . | xz -T0 -9e >"$dest/engine.tar.xz"
 
 # vLLM's Python sources with their dist-info (the probes read RECORD and METADATA).
 mkdir -p "$tmp/vllm"
 (cd "$tmp/vllm" && unzip -q "$wheel" 'vllm/*.py' 'vllm-*.dist-info/*')
-tar -C "$tmp/vllm" -czf "$out/vllm-src.tar.gz" .
+tar -C "$tmp/vllm" -czf "$dest/vllm-src.tar.gz" .
 
 # Wheels for the GPU host's Python (3.12 on x86_64 unless PY_VERSION says otherwise).
 pyget() {
@@ -58,14 +58,14 @@ pyget() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$@"
 }
-pyget "$out/wheels/tool" docker==7.1.0 unidiff==0.7.5
+pyget "$dest/wheels/tool" docker==7.1.0 unidiff==0.7.5
 # Measured against a GPU host whose Python has torch, triton, transformers, numpy,
 # aiohttp, requests, psutil, pillow, einops, cloudpickle, uvloop, py-cpuinfo and
 # prometheus-client: importing the indexer and sparse attention, and building a
 # VllmConfig, needs these as well.
-pyget "$out/wheels/base" annotated-types==0.8.0 cachetools==8.0.2 cbor2==6.3.0 httpcore2==2.16.2 httpx2==2.16.2 \
+pyget "$dest/wheels/base" annotated-types==0.8.0 cachetools==8.0.2 cbor2==6.3.0 httpcore2==2.16.2 httpx2==2.16.2 \
   jiter==0.19.0 msgspec==0.23.0 openai==3.57.0 openai-harmony==0.0.8 pybase64==1.5.1 pydantic==2.14.4 \
   pydantic_core==2.50.5 pyzmq==27.3.0 sniffio==1.3.1 truststore==0.10.5 typing-inspection==0.4.5
 
-git -C "$here" archive --format=tar.gz -o "$(cd "$out" && pwd)/repo.tar.gz" HEAD
-du -sh "$out"/* "$out"/wheels/* | sed 's/^/  /'
+git -C "$here" archive --format=tar.gz -o "$(cd "$dest" && pwd)/repo.tar.gz" HEAD
+du -sh "$dest"/* "$dest"/wheels/* | sed 's/^/  /'
