@@ -5,7 +5,7 @@
 * assemble: the same with ``--builder assemble`` (layer and config written by
   the tool, loaded into the engine); ``assemble-cold`` runs it with an empty
   facts cache, so the probe container runs as on a base never seen before
-* manual: the seed article's shell steps (docker create, docker cp of the
+* manual: the incident report's manual shell steps (docker create, docker cp of the
   touched files, docker rm, ``patch -p1 --forward``, ``docker build`` of a
   hand-written FROM/COPY Dockerfile)
 * floor:  ``docker build`` of FROM base + one COPY of already-patched files
@@ -86,7 +86,7 @@ docker rm -f "$CID" >/dev/null
 cd src
 patch -p1 --forward -i ../m3_topk_fix.patch
 cd ..
-docker build -t "$OUT" .
+docker build -t "$TARGET" .
 """
 
 MANUAL_DOCKERFILE = """FROM {base}
@@ -111,7 +111,7 @@ def run_manual(work: Path, base_ref: str, ref: str, cleanup: Cleanup) -> Timed:
     shutil.rmtree(work / "src", ignore_errors=True)
     settle()
     cleanup.add(ref)
-    r = sh(["bash", str(work / "manual.sh")], env={"WORK": str(work), "BASE": base_ref, "OUT": ref})
+    r = sh(["bash", str(work / "manual.sh")], env={"WORK": str(work), "BASE": base_ref, "TARGET": ref})
     if "Successfully tagged" not in r.output:
         raise BenchError(f"manual flow did not build {ref}:\n{r.output[-2000:]}")
     return _timed("manual", r, ref)
