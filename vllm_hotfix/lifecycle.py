@@ -39,15 +39,17 @@ class Build:
 
 def builds(root: Path, definition: str) -> list[Build]:
     """Distinct images built for ``definition``, newest build first."""
+    # Each kind of entry is read once, not once per build.
+    all_verdicts, all_pushes = records.load(root, "verdict"), records.load(root, "push")
     out: list[Build] = []
     seen: set[str] = set()
     for entry in records.builds(root, definition):
         if entry.image_id in seen:
             continue
         seen.add(entry.image_id)
-        judged = records.judgement(root, entry.image_id)
+        judged = records.judgement(root, entry.image_id, all_verdicts)
         newer_incomplete = [
-            v for v in records.verdicts(root, entry.image_id)
+            v for v in records.verdicts(root, entry.image_id, all_verdicts)
             if v.data.get("status") == records.INCOMPLETE and (judged is None or v.seq > judged.seq)
         ]
         out.append(Build(
@@ -60,7 +62,7 @@ def builds(root: Path, definition: str) -> list[Build]:
             incomplete_runs=len(newer_incomplete),
             pushes=tuple(
                 {"ref": str(p.data.get("ref")), "digest": str(p.data.get("digest")), "at": p.created}
-                for p in records.pushes(root, entry.image_id)
+                for p in records.pushes(root, entry.image_id, all_pushes)
             ),
         ))
     return out

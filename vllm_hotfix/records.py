@@ -159,21 +159,22 @@ def builds_with_inputs(root: Path, key: str) -> list[Entry]:
 # -- verdicts -----------------------------------------------------------------
 
 
-def verdicts(root: Path, image_id: str) -> list[Entry]:
-    """Every verdict on this exact image ID, newest first."""
-    return _newest_first(e for e in load(root, "verdict") if e.image_id == image_id)
+def verdicts(root: Path, image_id: str, loaded: list[Entry] | None = None) -> list[Entry]:
+    """Every verdict on this exact image ID, newest first (``loaded``: verdicts already read)."""
+    every = load(root, "verdict") if loaded is None else loaded
+    return _newest_first(e for e in every if e.image_id == image_id)
 
 
-def judgement(root: Path, image_id: str) -> Entry | None:
+def judgement(root: Path, image_id: str, loaded: list[Entry] | None = None) -> Entry | None:
     """The newest verdict that judged the image (pass or fail), if any."""
-    return next((v for v in verdicts(root, image_id) if v.data.get("status") in (PASS, FAIL)), None)
+    return next((v for v in verdicts(root, image_id, loaded) if v.data.get("status") in (PASS, FAIL)), None)
 
 
 # -- pushes and tags ----------------------------------------------------------
 
 
-def pushes(root: Path, image_id: str | None = None) -> list[Entry]:
-    found = load(root, "push")
+def pushes(root: Path, image_id: str | None = None, loaded: list[Entry] | None = None) -> list[Entry]:
+    found = load(root, "push") if loaded is None else loaded
     if image_id is not None:
         # An index push names each platform's image among its children.
         found = [e for e in found if e.image_id == image_id or image_id in (e.data.get("image_ids") or ())]
