@@ -1,6 +1,6 @@
 """Helpers for running the pipeline on a GPU host through its own Docker engine.
 
-    python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...]
+    python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...] [--cuda]
     python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--timings RUN_LOG]
 
 ``base`` makes a GPU base image from the host's own filesystem (its Python,
@@ -8,7 +8,11 @@ torch and Triton, its system libraries) by ``tar`` piped to ``docker import``,
 then adds vLLM's sources with their dist-info to that Python's site-packages
 and installs the given wheels there, without a network. The imported
 filesystem stays tagged ``REF-hostfs`` so a later base (e.g. with the full
-vLLM wheel) can start from it.
+vLLM wheel) can start from it. The console scripts of the distributions in
+--vllm-src (``vllm``, the entrypoint) are written into the Python's bin folder.
+With --cuda the host's CUDA toolkit (the folder holding ``nvcc``) comes along
+and CUDA_HOME names it, as in the upstream image, where FlashInfer compiles its
+kernels at first use.
 
 ``record`` folds two smoke reports (``build.py smoke --report``) into the run
 record committed under gpu-runs/.
@@ -31,7 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_hotfix.engine import Engine, tar_bytes  # noqa: E402
+from vllm_hotfix.engine import Engine  # noqa: E402
+from vllm_hotfix.tarball import tar_bytes  # noqa: E402
 
 # What a GPU host's Python needs at run time; caches and docs are left out.
 DEFAULT_PATHS = ["bin", "sbin", "lib", "lib64", "usr", "etc", "opt/torch"]
@@ -64,6 +69,37 @@ def _tree(folder: Path, prefix: str) -> dict[str, bytes]:
     return files
 
 
+def _cuda_root() -> str | None:
+    """The CUDA toolkit folder holding the host's nvcc (through links), or None."""
+    import shutil
+
+    for candidate in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if candidate and os.path.isfile(os.path.join(candidate, "bin", "nvcc")):
+            return os.path.realpath(candidate)
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+
+
+def _console_scripts(src: Path, python: str) -> dict[str, bytes]:
+    """bin/NAME launchers for the console_scripts of every dist-info under src."""
+    import configparser
+
+    scripts: dict[str, bytes] = {}
+    for ep in sorted(src.glob("*.dist-info/entry_points.txt")):
+        cp = configparser.ConfigParser(delimiters=("=",))
+        cp.optionxform = str  # type: ignore[assignment,method-assign]
+        cp.read_string(ep.read_text(encoding="utf-8"))
+        if not cp.has_section("console_scripts"):
+            continue
+        for name, target in cp.items("console_scripts"):
+            module, _, attr = target.strip().partition(":")
+            scripts[name] = (
+                f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
+                f"sys.exit({attr}())\n"
+            ).encode()
+    return scripts
+
+
 def base(args: argparse.Namespace) -> int:
     engine = Engine.connect(timeout=1800)
     # Not resolved: a venv's python is a link, and the venv is what the base must run.
@@ -71,14 +107,21 @@ def base(args: argparse.Namespace) -> int:
     bindir = os.path.dirname(args.python)
     site, prefix = _site(args.python)
     hostfs = f"{args.ref}-hostfs"
+    cuda = _cuda_root() if args.cuda else None
+    if args.cuda and cuda is None:
+        print("error: --cuda: no nvcc on this host (CUDA_HOME, /usr/local/cuda, PATH)", file=sys.stderr)
+        return 1
+    excludes = [e for e in EXCLUDES if not (cuda and e.startswith("usr/local/cuda"))]
     t0 = time.monotonic()
     stage = engine.image(hostfs)
     if stage is None or args.rebuild:
         paths = [p for p in args.paths if os.path.lexists(os.path.join("/", p))]
+        if cuda and not any(cuda == f"/{p}" or cuda.startswith(f"/{p}/") for p in paths):
+            paths.append(cuda.lstrip("/"))
         # The interpreter a venv links to must come along, wherever it is installed.
         if not any(prefix == f"/{p}" or prefix.startswith(f"/{p}/") for p in paths):
             paths.append(prefix.lstrip("/"))
-        cmd = ["tar", "-C", "/", "-cf", "-", *[f"--exclude={e}" for e in EXCLUDES], *paths]
+        cmd = ["tar", "-C", "/", "-cf", "-", *[f"--exclude={e}" for e in excludes], *paths]
         print(f"importing the host's {' '.join(paths)} as {hostfs}", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         path_env = f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -98,10 +141,20 @@ def base(args: argparse.Namespace) -> int:
                             "--disable-pip-version-check", "--target", extra, *wheels], check=True)
         files.update({k: v for k, v in _tree(Path(extra), "site-extra").items()
                       if not k.startswith("site-extra/bin/")})
+    scripts = _console_scripts(Path(args.vllm_src), python)
+    files.update({f"scripts/{name}": body for name, body in scripts.items()})
+    env = [
+        # Hosts whose GPUs others share keep NVLink multicast off in every program.
+        "NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
+    ]
+    if cuda:
+        env += [f"CUDA_HOME={cuda}", f"PATH={bindir}:{cuda}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
     files["Dockerfile"] = (
         f"FROM {stage.id}\n"
         f"COPY vllm-src/ {site}/\n"
         + (f"COPY site-extra/ {site}/\n" if any(k.startswith("site-extra/") for k in files) else "")
+        + (f"COPY scripts/ {bindir}/\nRUN chmod 0755 {' '.join(f'{bindir}/{n}' for n in scripts)}\n" if scripts else "")
+        + "".join(f"ENV {e.split('=', 1)[0]}={e.split('=', 1)[1]}\n" for e in env)
         + "RUN mkdir -p /tmp && chmod 1777 /tmp\n"
         # The upstream image's entrypoint: anything that forgets to override it fails as there.
         'ENTRYPOINT ["vllm", "serve"]\n'
@@ -126,6 +179,25 @@ def _image(report: dict[str, Any]) -> dict[str, Any]:
         "checks": [{"name": c.get("name"), "status": c.get("status"), "detail": c.get("detail")}
                    for c in report.get("checks", [])],
         "topk_layout": _topk(report),
+        "serve": _serve(report),
+    }
+
+
+def _serve(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The serve sweep: per level latency and throughput, and how the server ended."""
+    check = next((c for c in report.get("checks", []) if c.get("name") == "serve-sweep"), None)
+    if check is None:
+        return None
+    sweep = report.get("sweep") or {}
+    return {
+        "status": check.get("status"),
+        "detail": check.get("detail"),
+        "seconds": check.get("seconds"),
+        "model": sweep.get("model"),
+        "failed_level": sweep.get("failed_level"),
+        "levels": sweep.get("levels"),
+        "server_log_tail": (check.get("data") or {}).get("server_log")
+        or (sweep.get("server_log") or "").splitlines()[-40:],
     }
 
 
@@ -178,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--python", default=sys.executable, help="the host Python the base runs (default: this one)")
     b.add_argument("--paths", nargs="+", default=DEFAULT_PATHS, help="top-level paths of / to import")
     b.add_argument("--rebuild", action="store_true", help="import the filesystem again even if REF-hostfs exists")
+    b.add_argument("--cuda", action="store_true", help="bring the host's CUDA toolkit (nvcc) and set CUDA_HOME")
     r = sub.add_parser("record", help="fold two smoke reports into a run record")
     r.add_argument("out")
     r.add_argument("--patched", required=True)

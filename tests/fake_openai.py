@@ -2,11 +2,12 @@
 """A tiny OpenAI-compatible server for testing the serve sweep.
 
 Usage (the same argv shape as `vllm serve`):
-    fake_openai.py serve MODEL --port N [--die-at-concurrency K]
+    fake_openai.py serve MODEL --port N [--die-at-concurrency K] [--prompt-log FILE]
 
 With --die-at-concurrency K the process dies the moment K requests are in
 flight at once, printing the error vLLM 0.25.1 printed for the MiniMax-M3
 top-k layout bug: single requests work, concurrent ones kill the server.
+With --prompt-log FILE it appends each request's message length to FILE.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--die-at-concurrency", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.05)
+    ap.add_argument("--prompt-log", default=None)
     args = ap.parse_args(argv)
     model_name = args.model
 
@@ -59,6 +61,9 @@ def main(argv: list[str]) -> int:
                 self.reply(404, {"error": "not found"})
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if args.prompt_log:
+                with LOCK, open(args.prompt_log, "a", encoding="utf-8") as fh:
+                    fh.write(f"{sum(len(m.get('content', '')) for m in body.get('messages', []))}\n")
             with LOCK:
                 IN_FLIGHT += 1
                 now = IN_FLIGHT

@@ -153,7 +153,7 @@ def _serve(port: int, *extra: str) -> subprocess.Popen[bytes]:
 
 def test_serve_check_healthy_server(tmp_path: Path) -> None:
     port = free_port()
-    proc = _serve(port)
+    proc = _serve(port, "--prompt-log", str(tmp_path / "prompts.txt"))
     try:
         r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,2,4,8,16",
                 "--requests", "32", "--report", str(tmp_path / "s.json"))
@@ -164,6 +164,11 @@ def test_serve_check_healthy_server(tmp_path: Path) -> None:
             assert lv["successes"] == 32 and lv["failures"] == 0
             assert lv["p50_s"] <= lv["p95_s"]
             assert lv["output_tokens_per_s"] > 0
+        # Requests of a level differ in length (sequences with different numbers of KV
+        # blocks in one batch), from a few dozen characters to a few thousand.
+        lengths = [int(x) for x in (tmp_path / "prompts.txt").read_text().split()]
+        assert len(lengths) == 5 * 32
+        assert len(set(lengths)) >= 4 and min(lengths) < 100 and max(lengths) > 4000
     finally:
         proc.kill()
         proc.wait()

@@ -59,7 +59,7 @@ requests: Any = _Lazy("requests", "requests.exceptions")
 urllib3: Any = _Lazy("urllib3", "urllib3.exceptions")
 
 PULL_POLICIES = ("missing", "always", "never")
-LOG_TAIL_LINES = 20
+LOG_TAIL_LINES = 50
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ The bug this project was born from crashed vLLM at concurrency >= 2 while
 single requests worked, so each level sends N chat completions at that
 concurrency and any failed request, or a server that died, fails the sweep
 naming the level.
+
+The requests of a level differ in length, as production traffic does: the
+bug needed sequences with different numbers of KV blocks in one batch (one
+sequence's top-k block indices read for another's), which a run of identical
+short prompts never produces.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ from .errors import SmokeError, UsageError
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 PROMPT = "Count from one to ten in words, separated by commas."
+# Request i of a level carries the prompt's context repeated PROMPT_REPEATS[i % len]
+# times: a few dozen to a few thousand tokens, whatever the tokenizer.
+PROMPT_REPEATS = (1, 40, 8, 80)
+CONTEXT = "The quick brown fox jumps over the lazy dog while the band plays on. "
+
+
+def prompt(i: int) -> str:
+    """The i-th request's message: the same question after a context of varying length."""
+    return CONTEXT * (PROMPT_REPEATS[i % len(PROMPT_REPEATS)] - 1) + PROMPT
 
 # (running, last log lines); None when nothing watches the server process.
 Watcher = Callable[[], tuple[bool, str]]
@@ -107,13 +121,14 @@ def first_model(url: str) -> str:
         raise SmokeError(f"cannot list models at {url}/v1/models: {exc}") from exc
 
 
-def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int) -> tuple[float, int]:
+def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int,
+         i: int = 0) -> tuple[float, int]:
     start = time.monotonic()
     resp = session.post(
         f"{url}/v1/chat/completions",
         json={
             "model": model,
-            "messages": [{"role": "user", "content": PROMPT}],
+            "messages": [{"role": "user", "content": prompt(i)}],
             "max_tokens": max_tokens,
             "temperature": 0,
         },
@@ -139,7 +154,7 @@ def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, ma
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        futures = [pool.submit(_one, session, url, model, timeout, max_tokens) for _ in range(n)]
+        futures = [pool.submit(_one, session, url, model, timeout, max_tokens, i) for i in range(n)]
         for fut in futures:
             try:
                 elapsed, toks = fut.result()

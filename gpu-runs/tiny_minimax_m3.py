@@ -1,0 +1,228 @@
+"""Write a tiny MiniMax-M3 checkpoint that vLLM serves without any download.
+
+    python3 gpu-runs/tiny_minimax_m3.py OUT_DIR [--layers 2] [--seed 0]
+
+The model is vLLM's own MiniMax-M3 text backbone (architecture
+``MiniMaxM3SparseForCausalLM``, config ``model_type`` ``minimax_m3_vl`` with a
+``text_config``), shrunk to small widths while keeping what the #49149 bug
+needs: every layer runs the sparse "index" attention branch (lightning indexer
++ top-k block selection + block-sparse attention, the common Triton path on
+Hopper), with 4 index heads (= KV heads) of dim 128, 16 top-k blocks of 128
+tokens, init 0 / local 1, as in the released model. With more than one index
+head, a top-k buffer written token-major and read head-major (the bug) sends
+the attention to wrong blocks as soon as two sequences decode in one step.
+The first layer has the dense MLP, the others a sigmoid-routed MoE with a
+shared expert, like the released model's leading dense layers.
+
+Weights are random (float32 in safetensors; vLLM casts them to the serving
+dtype), named as the released checkpoint names them, so that vLLM's own
+``load_weights`` maps them (q/k/v/index_q/index_k -> fused qkv_proj,
+gate/up -> gate_up_proj, experts' w1/w2/w3). The tokenizer is byte-level BPE
+over the 256 byte symbols with no merges, written by the ``tokenizers``
+library, with a small chat template: it needs no download.
+
+Needs numpy, safetensors and tokenizers (a GPU host with torch has them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# The released model's attention geometry, which the index kernels are written for.
+HEAD_DIM = 128
+KV_HEADS = 4  # index heads must equal KV heads (MinimaxM3QKVParallelLinearWithIndexer)
+Q_HEADS = 8
+INDEX_DIM = 128  # index head size must equal the main head size
+TOPK_BLOCKS = 16
+BLOCK = 128
+# Widths shrunk from 6144 / 3072 / 12288 / 128 experts.
+HIDDEN = 256
+EXPERT_INTER = 128
+DENSE_INTER = 256
+EXPERTS = 8
+TOP_K = 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 320  # 256 byte symbols + specials, padded to a multiple of 64
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def config(layers: int) -> dict:
+    text = {
+        "model_type": "minimax_m3_text",
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": EXPERT_INTER,
+        "dense_intermediate_size": DENSE_INTER,
+        "shared_intermediate_size": EXPERT_INTER,
+        "num_hidden_layers": layers,
+        "num_attention_heads": Q_HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "use_gemma_norm": True,
+        "attention_output_gate": False,
+        "rope_theta": 5000000,
+        "rotary_dim": HEAD_DIM // 2,
+        "partial_rotary_factor": 0.5,
+        "hidden_act": "swigluoai",
+        "swiglu_alpha": 1.702,
+        "swiglu_beta": 1.0,
+        "swiglu_limit": 7.0,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_head",
+        "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "n_shared_experts": 1,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "routed_scaling_factor": 2.0,
+        "num_mtp_modules": 0,
+        "moe_layer_freq": [0] + [1] * (layers - 1),
+        "sparse_attention_config": {
+            "use_sparse_attention": True,
+            "sparse_index_dim": INDEX_DIM,
+            "sparse_num_index_heads": KV_HEADS,
+            "sparse_topk_blocks": TOPK_BLOCKS,
+            "sparse_block_size": BLOCK,
+            "sparse_disable_index_value": [1] * layers,
+            "sparse_score_type": "max",
+            "sparse_init_block": 0,
+            "sparse_local_block": 1,
+            "sparse_attention_freq": [1] * layers,
+        },
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    return {
+        "model_type": "minimax_m3_vl",
+        "architectures": ["MiniMaxM3SparseForCausalLM"],
+        "text_config": text,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+
+
+def weights(layers: int, seed: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int, scale: float = 0.02) -> "np.ndarray":
+        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+
+    def ones(n: int) -> "np.ndarray":
+        # Gemma-style RMSNorm multiplies by (1 + weight): zeros keep the scale at one.
+        return np.zeros((n,), dtype=np.float32)
+
+    lm_head = w(VOCAB, HIDDEN)
+    # Only byte symbols are ever the most likely token: no end-of-text, so every
+    # request generates its max_tokens and sequences stay in flight together.
+    lm_head[: len(SPECIALS)] = 0
+    lm_head[len(SPECIALS) + 256:] = 0
+    t: dict = {
+        "model.embed_tokens.weight": w(VOCAB, HIDDEN, scale=1.0),
+        "model.norm.weight": ones(HIDDEN),
+        "lm_head.weight": lm_head,
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = ones(HIDDEN)
+        t[f"{p}.post_attention_layernorm.weight"] = ones(HIDDEN)
+        a = f"{p}.self_attn"
+        t[f"{a}.q_proj.weight"] = w(Q_HEADS * HEAD_DIM, HIDDEN)
+        t[f"{a}.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[f"{a}.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        t[f"{a}.o_proj.weight"] = w(HIDDEN, Q_HEADS * HEAD_DIM)
+        t[f"{a}.q_norm.weight"] = ones(HEAD_DIM)
+        t[f"{a}.k_norm.weight"] = ones(HEAD_DIM)
+        # Large index projections spread the index scores, so top-k picks differ by head.
+        t[f"{a}.index_q_proj.weight"] = w(KV_HEADS * INDEX_DIM, HIDDEN, scale=0.2)
+        t[f"{a}.index_k_proj.weight"] = w(INDEX_DIM, HIDDEN, scale=0.2)
+        t[f"{a}.index_q_norm.weight"] = ones(INDEX_DIM)
+        t[f"{a}.index_k_norm.weight"] = ones(INDEX_DIM)
+        if i == 0:
+            m = f"{p}.mlp"
+            t[f"{m}.gate_proj.weight"] = w(DENSE_INTER, HIDDEN)
+            t[f"{m}.up_proj.weight"] = w(DENSE_INTER, HIDDEN)
+            t[f"{m}.down_proj.weight"] = w(HIDDEN, DENSE_INTER)
+            continue
+        m = f"{p}.block_sparse_moe"
+        t[f"{m}.gate.weight"] = w(EXPERTS, HIDDEN, scale=0.2)
+        t[f"{m}.e_score_correction_bias"] = np.zeros((EXPERTS,), dtype=np.float32)
+        for e in range(EXPERTS):
+            t[f"{m}.experts.{e}.w1.weight"] = w(EXPERT_INTER, HIDDEN)
+            t[f"{m}.experts.{e}.w3.weight"] = w(EXPERT_INTER, HIDDEN)
+            t[f"{m}.experts.{e}.w2.weight"] = w(HIDDEN, EXPERT_INTER)
+        t[f"{m}.shared_experts.gate_proj.weight"] = w(EXPERT_INTER, HIDDEN)
+        t[f"{m}.shared_experts.up_proj.weight"] = w(EXPERT_INTER, HIDDEN)
+        t[f"{m}.shared_experts.down_proj.weight"] = w(HIDDEN, EXPERT_INTER)
+    return t
+
+
+def tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols
+    vocab = {sym: i for i, sym in enumerate(SPECIALS)}
+    for sym in sorted(alphabet):
+        vocab.setdefault(sym, len(vocab))
+    # Pad with unused symbols up to the model's vocabulary, so every id decodes.
+    while len(vocab) < VOCAB:
+        vocab[f"<|unused_{len(vocab)}|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS + [s for s in vocab if s.startswith("<|unused_")])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 8192,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (first dense MLP, the rest MoE)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers must be at least 1")
+    from safetensors.numpy import save_file
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(config(args.layers), indent=1) + "\n")
+    (args.out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}) + "\n")
+    tensors = weights(args.layers, args.seed)
+    save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    (args.out / "model.safetensors").chmod(0o644)
+    tokenizer(args.out)
+    size = sum(v.nbytes for v in tensors.values())
+    print(f"wrote {args.out}: MiniMaxM3SparseForCausalLM, {args.layers} layer(s), {len(tensors)} tensors, "
+          f"{size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
