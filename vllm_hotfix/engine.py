@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import io
-import ipaddress
 import json
 import logging
 import os
@@ -960,6 +959,8 @@ class Engine:
         The engine's own answer: its insecure-registries list and CIDRs, which
         hold 127.0.0.0/8 by default.
         """
+        import ipaddress  # here: only a push asks
+
         config = (self._client.info() or {}).get("RegistryConfig") or {}
         index = (config.get("IndexConfigs") or {}).get(host)
         if index is not None:
