@@ -146,7 +146,8 @@ def render_only(
     _check_builder(p, builder)
     if platform is not None:
         platforms.require_engine(engine, platform)
-        bases = platform_bases(engine, p, [platform], pull, asked=True, progress=progress)
+        bases = platform_bases(engine, p, [platform], pull, asked=True, local=engine.image(p.base_ref),
+                               progress=progress)
         assert bases is not None
         p = replace(p, base_ref=bases[platform])
     info = engine.resolve(p.base_ref, pull, progress, str(platform) if platform else None)
@@ -228,8 +229,13 @@ def build_image(
     wheelhouse: Path | None = None,
     builder: str = "dockerfile",
     platform: Platform | None = None,
+    base_info: ImageInfo | None = None,
 ) -> BuildResult:
-    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be."""
+    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be.
+
+    ``base_info``: the base as the caller just found it in the engine (not asked
+    again unless ``pull`` is ``always``).
+    """
     say = progress or (lambda _line: None)
     if builder not in BUILDERS:
         raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
@@ -237,7 +243,10 @@ def build_image(
     _check_builder(p, builder)
     records.ensure_writable(p.root)
     say(f"==> resolving base {p.base_ref} (pull policy: {pull}{', ' + str(platform) if platform else ''})")
-    info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
+    if base_info is not None and pull != "always":
+        info = base_info
+    else:
+        info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")
@@ -284,7 +293,7 @@ def build_image(
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
     pinned = _pins(engine, p, facts, wheelhouse, say)
     image_id = None
-    pending = leftovers.Pending(p.root)
+    pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
     if builder == "assemble":
@@ -367,17 +376,17 @@ def child_ref(ref: str, plat: Platform) -> str:
 
 def platform_bases(
     engine: Engine, p: Plan, wanted: list[Platform] | None, pull: str, *, asked: bool,
-    progress: Callable[[str], None] | None = None,
+    local: ImageInfo | None, progress: Callable[[str], None] | None = None,
 ) -> dict[Platform, str] | None:
     """Each platform's base, by digest in the base's index; None: the single-platform build of old.
 
     Without ``--platform`` (``asked`` False) a base already in the engine is
     built for the engine's platform alone, as before; otherwise the
     registry's answer decides: every platform of an index (or those
-    ``wanted``), or the one image a plain manifest names.
+    ``wanted``), or the one image a plain manifest names. ``local``: the
+    base as the engine has it (``engine.image``), None if it has not.
     """
     say = progress or (lambda _line: None)
-    local = engine.image(p.base_ref)
     if not asked and (pull == "never" or (local is not None and pull != "always")):
         return None
     if not asked and engine.api_version < platforms.MIN_API:
