@@ -12,14 +12,16 @@
   (and the same fresh bytecode the tool ships), the least the engine can do.
 
 Fairness: every flow builds FROM a bench-only base (the stand-in plus one
-LABEL), so no image outside the bench shares its layer cache, and the image a
-run produced is removed (with its intermediate layers) before the next run.
+small layer of this run's own and a LABEL), so no image outside the run shares
+its layer cache or its layers, and the image a run produced is removed (with
+its intermediate layers) before the next run.
 Each run's output is checked for "Using cache"; the count is reported.
 """
 
 from __future__ import annotations
 
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -159,8 +161,17 @@ def patched_files(root: Path, base_tag: str) -> tuple[str, dict[str, bytes]]:
 
 
 def bench_base(cleanup: Cleanup, standin: str, tag: str) -> str:
-    """The stand-in plus one LABEL: same files, an ID no other image builds on."""
+    """The stand-in plus one small layer of this run's own and a LABEL: an ID and layers no image outside it shares.
+
+    A LABEL alone gives a new image ID over the stand-in's very layers, and the
+    engine keeps layers by their chain (the layer and every layer under it): an
+    image anyone built FROM the stand-in with the same patched files (the
+    Dockerfile builder's COPY layer is the assembled one, byte for byte) would
+    hand every assembled load an existing layer, which the load then does not
+    write. The file naming this run makes the chain new.
+    """
     ref = cleanup.add(f"{BASE_REPO}:{tag}")
-    build_stdin(f"FROM {standin}\nLABEL {LABEL}.base={tag}\n", ref)
+    build_stdin(f"FROM {standin}\nRUN echo {uuid.uuid4().hex} > /etc/vllm-hotfix-bench-base\n"
+                f"LABEL {LABEL}.base={tag}\n", ref, "--network", "none")
     return ref
 

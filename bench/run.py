@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
             "other_containers_running_at_end": len(others),
-            "fairness": "every flow builds FROM a bench-only base (stand-in + one LABEL) and each run's "
-                        "image is removed with its intermediate layers before the next run; layer-cache "
-                        "hits are counted and reported (expected 0)",
+            "fairness": "every flow builds FROM a bench-only base (stand-in + one layer of this run's own + "
+                        "one LABEL) and each run's image is removed with its intermediate layers before the "
+                        "next run; layer-cache hits are counted and reported (expected 0)",
         }
         res["notes"] = notes
         res["bench_wall_s"] = time.perf_counter() - started

@@ -297,5 +297,9 @@ def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
                         if line.startswith("import time:")}
             assert "vllm_hotfix.assemble" in imported or not extra
             assert not {"docker", "requests", "jinja2", "urllib3"} & imported, sorted(imported)
+            # A set without pins, a run without smoke: no HTTP server, no pins, no expectations.
+            assert not {"http.server", "vllm_hotfix.pins", "vllm_hotfix.expected"} & imported, sorted(imported)
+            # A run that ends normally leaves no note of leftovers for the next one.
+            assert not list((project / "build" / "runs").glob("*.json"))
     finally:
         engine.untag(out)

@@ -10,9 +10,11 @@ run removes every container and image the dead run left.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, cli, fails
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
 
@@ -159,3 +161,27 @@ def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], projec
     assert engine.image(out) is None
     assert engine.containers_by_owner() == {}
     assert engine.image_ids() - before == set(), "the interrupted run left images"
+
+
+def test_sweep_follows_notes(engine: Engine, base_v0251: str, project: Path, unique: str) -> None:
+    """A dead run's note under build/runs makes the next run remove its containers; no note, no sweep."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    owner = f"{socket.gethostname()}:{gone.pid}"  # a process of this host that is gone
+    container = engine._client.containers.create(
+        base_v0251, entrypoint=["true"], network_mode="none",
+        labels={"io.vllm-hotfix.role": "probe", "io.vllm-hotfix.owner": owner, "io.vllm-hotfix.run": RUN_ID})
+    try:
+        # No note of that run: the next run does not look for its leftovers.
+        fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project), "not in the engine")
+        assert container.id in engine.containers_by_owner().get(owner, [])
+        note = project / "build" / "runs" / f"{owner.replace(':', '-')}.json"
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(json.dumps({"owner": owner, "images": [], "containers": 1}))
+        r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project)
+        fails(r, "not in the engine")
+        assert "removed leftovers of interrupted runs: 1 container(s)" in r.err, r.err
+        assert owner not in engine.containers_by_owner()
+        assert not note.exists()
+    finally:
+        engine.remove_container(container.id)

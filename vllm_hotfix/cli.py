@@ -51,10 +51,13 @@ class Ctx:
         if self._engine is None:
             from . import leftovers
 
-            self._engine = Engine.connect()
+            # No ping: the first real call says just as clearly that no engine answers.
+            self._engine = Engine.connect(ping=False)
             # Runs that died (killed, or the engine lost under them) left
-            # containers and images behind: remove them before new work.
+            # containers and images behind, and notes saying so: remove them
+            # before new work, and note this run's own containers the same way.
             leftovers.sweep(self._engine, self.root, progress)
+            leftovers.watch(self._engine, self.root)
         return self._engine
 
 
@@ -177,13 +180,14 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
                                    smoke=smoke, progress=progress, builder=builder, wheelhouse=wheelhouse)
     try:
+        local = obj.engine.image(plan.base_ref)
         bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
-                                        progress=progress)
+                                        local=local, progress=progress)
         if bases is not None:
             results = pipeline.build_platforms(obj.engine, plan, bases, **options)
             _report_platforms(plan, results, as_json)
             return
-        result = pipeline.build_image(obj.engine, plan, **options)
+        result = pipeline.build_image(obj.engine, plan, base_info=local, **options)
     except NoHotfixNeeded as exc:
         # Not a failure: nothing to build, nothing tagged.
         if as_json:

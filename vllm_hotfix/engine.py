@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import io
-import ipaddress
 import json
 import logging
 import os
@@ -346,17 +345,29 @@ class Engine:
         self._http = http
         self._timeout = timeout
         self._base_url = base_url
+        # Told +1 before each container this engine starts for us and -1 once it is
+        # removed, so that a run that dies can leave a note for the next (leftovers.py).
+        self.on_container: Callable[[int], None] | None = None
+
+    def _containers(self, change: int) -> None:
+        if self.on_container is not None:
+            self.on_container(change)
 
     @classmethod
-    def connect(cls, timeout: int = 120, base_url: str | None = None, *, transport: str = "auto") -> Engine:
+    def connect(cls, timeout: int = 120, base_url: str | None = None, *, transport: str = "auto",
+                ping: bool = True) -> Engine:
         """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping.
 
         ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
         uses the SDK for anything else; ``sdk`` always uses the SDK.
+        ``ping=False`` skips the ping on a local socket: the first real call
+        then fails with the same error if no engine answers there.
         """
         host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         if transport == "auto" and host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
             engine = cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout, base_url=host)
+            if not ping:
+                return engine
             status, _data = engine._call("GET", "/_ping")
             if status != 200:
                 raise EngineError(f"no Docker engine answers (unix socket {host}: HTTP {status} to a ping)",
@@ -612,6 +623,7 @@ class Engine:
         """
         container = None
         try:
+            self._containers(+1)
             container = self._client.containers.create(
                 image,
                 entrypoint=[python, "-c", "import time; time.sleep(3600)"],
@@ -645,8 +657,8 @@ class Engine:
         except _lost_errors() as exc:
             raise lost(f"running a container of {image}", exc) from exc
         finally:
-            if container is not None:
-                _remove_container(container)
+            if container is not None and _remove_container(container):
+                self._containers(-1)
 
     def run(
         self,
@@ -662,6 +674,7 @@ class Engine:
         """Run ``argv`` (entrypoint overridden) and return its output."""
         container = None
         try:
+            self._containers(+1)
             container = self._client.containers.create(
                 image,
                 entrypoint=list(argv[:1]),
@@ -690,8 +703,8 @@ class Engine:
         except _lost_errors() as exc:
             raise lost(f"running {argv[0]} in {image}", exc) from exc
         finally:
-            if container is not None:
-                _remove_container(container)
+            if container is not None and _remove_container(container):
+                self._containers(-1)
 
     @contextmanager
     def service(
@@ -709,6 +722,7 @@ class Engine:
         container = None
         try:
             kwargs = _gpu_request(gpu)
+            self._containers(+1)
             container = self._client.containers.create(
                 image,
                 command=list(command),
@@ -730,8 +744,8 @@ class Engine:
         except _lost_errors() as exc:
             raise lost(f"serving {image}", exc) from exc
         finally:
-            if container is not None:
-                _remove_container(container)
+            if container is not None and _remove_container(container):
+                self._containers(-1)
 
     def facts(self) -> EngineFacts:
         """Version, CDI spec folders (API >= 1.44 lists them) and registered runtimes."""
@@ -960,6 +974,8 @@ class Engine:
         The engine's own answer: its insecure-registries list and CIDRs, which
         hold 127.0.0.0/8 by default.
         """
+        import ipaddress  # here: only a push asks
+
         config = (self._client.info() or {}).get("RegistryConfig") or {}
         index = (config.get("IndexConfigs") or {}).get(host)
         if index is not None:
@@ -1064,17 +1080,19 @@ def _labels(role: str) -> dict[str, str]:
     return labels
 
 
-def _remove_container(container: Any) -> None:
+def _remove_container(container: Any) -> bool:
+    """Remove it; False if it may still be there (the next run's sweep then finds it)."""
     for attempt in range(3):
         try:
             container.remove(force=True)
-            return
+            return True
         except docker.errors.NotFound:
-            return
+            return True
         except docker.errors.APIError as exc:
             if attempt == 2:
                 log.warning("could not remove container %s: %s", container.id[:12], _short(exc))
             time.sleep(0.5)
+    return False
 
 
 def _q(text: str, safe: str = "/:") -> str:

@@ -1,12 +1,15 @@
 """What a run that died leaves in the engine, found and removed by the next run.
 
-Every container the tool starts is labelled with its owner (``host:pid``), and
-every image a build commits is noted, before the build goes on, in a small
-file under ``build/runs/`` named for the process. A run that ends normally
-removes what it made (or tags it) and deletes its note. A run that was killed,
-or that lost the engine, cannot; so each run first sweeps: containers whose
-owner process on this host is gone are removed, and the untagged images noted
-by dead processes are removed once the engine answers again.
+Every container the tool starts is labelled with its owner (``host:pid``).
+Before a run starts a container, and before a build commits an image, the
+run says so in a small note under ``build/runs/`` named for the process; it
+updates the note as it removes containers and tags or removes images, and
+deletes it once nothing is left. A run that ends normally therefore leaves no
+note. A run that was killed, or that lost the engine, leaves its note behind;
+so each run first looks for notes of processes on this host that are gone,
+and only then asks the engine: it removes the containers whose owner process
+is gone and the untagged images those notes name. A run that finds no such
+note does not ask the engine at all.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .engine import Engine, owner
 from .errors import PipelineError
@@ -44,11 +48,16 @@ def _dead_here(owner_label: str) -> bool:
 
 
 class Pending:
-    """This process's note of images it made and has not yet tagged or removed."""
+    """This process's note: images it made and has not yet tagged or removed, containers not yet removed.
+
+    One per process and root (:func:`pending`), shared by every build and
+    container of the run, since they all write the same file.
+    """
 
     def __init__(self, root: Path) -> None:
         self.path = runs_dir(root) / f"{owner().replace(':', '-')}.json"
         self.images: list[str] = []
+        self.containers = 0  # started and not known to be removed
 
     def add(self, image_id: str) -> None:
         self.images.append(image_id)
@@ -61,40 +70,82 @@ class Pending:
         self._write()
 
     def clear(self) -> None:
+        """Every image noted so far was tagged or removed."""
         self.images = []
+        self._write()
+
+    def container(self, change: int) -> None:
+        """+1 before a container is created, -1 once it is removed (:attr:`Engine.on_container`)."""
+        self.containers = max(0, self.containers + change)
         self._write()
 
     def _write(self) -> None:
         try:
-            if not self.images:
+            if not self.images and not self.containers:
                 self.path.unlink(missing_ok=True)
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"owner": owner(), "images": self.images}) + "\n", encoding="utf-8")
+            tmp.write_text(json.dumps({"owner": owner(), "images": self.images, "containers": self.containers})
+                           + "\n", encoding="utf-8")
             os.replace(tmp, self.path)
         except OSError as exc:
             # Cleanup bookkeeping must never fail the run itself.
             log.debug("cannot write %s: %s", self.path, exc)
 
 
-def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Remove containers and untagged images of dead runs; return how many of each."""
-    containers = images = 0
+_NOTES: dict[tuple[Path, str], Pending] = {}
+
+
+def pending(root: Path) -> Pending:
+    """This process's note for ``root`` (made on first use)."""
+    key = (root, owner())  # the owner too: a forked child is another process
+    if key not in _NOTES:
+        _NOTES[key] = Pending(root)
+    return _NOTES[key]
+
+
+def watch(engine: Engine, root: Path) -> None:
+    """Note in ``root`` every container ``engine`` starts until it is removed."""
+    engine.on_container = pending(root).container
+
+
+def dead_notes(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Notes left by processes of this host that are gone (unreadable ones included, as empty)."""
+    folder = runs_dir(root)
     try:
-        for label, ids in engine.containers_by_owner().items():
-            if _dead_here(label):
-                for cid in ids:
-                    engine.remove_container(cid)
-                    containers += 1
-        folder = runs_dir(root)
-        for note in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            try:
-                data = json.loads(note.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue
-            if not _dead_here(str(data.get("owner", ""))):
-                continue
+        names = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    except OSError:
+        return []
+    found = []
+    for note in names:
+        try:
+            data = json.loads(note.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and _dead_here(str(data.get("owner", ""))):
+            found.append((note, data))
+    return found
+
+
+def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """Remove containers and untagged images of dead runs; return how many of each.
+
+    Asks the engine only when a dead run's note is found.
+    """
+    containers = images = 0
+    notes = dead_notes(root)
+    if not notes:
+        return 0, 0
+    try:
+        # A note without the count was written before containers were counted: look anyway.
+        if any(data.get("containers", 1) for _note, data in notes):
+            for label, ids in engine.containers_by_owner().items():
+                if _dead_here(label):
+                    for cid in ids:
+                        engine.remove_container(cid)
+                        containers += 1
+        for note, data in notes:
             for image_id in reversed(data.get("images") or []):
                 if engine.image(image_id) is not None:
                     engine.remove_untagged(str(image_id), force=False)

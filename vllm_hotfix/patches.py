@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -32,6 +31,7 @@ from .errors import (
 NEEDED = "needed"
 INCLUDED = "included"
 CONFLICTS = "conflicts"
+PINS_FILE = "pins.txt"  # beside the series: see pins.py
 
 _FAILED = re.compile(r"^Hunk #(\d+) FAILED at (\d+)")
 _FUZZ = re.compile(r"^Hunk #(\d+) succeeded at (\d+) with fuzz (\d+)")
@@ -68,6 +68,11 @@ def sha256_bytes(data: bytes) -> str:
 
 def series_path(root: Path, set_name: str) -> Path:
     return root / "patches" / set_name / "series"
+
+
+def pins_path(root: Path, set_name: str) -> Path:
+    """The set's pinned distributions, if it has any (read by :mod:`pins`)."""
+    return root / "patches" / set_name / PINS_FILE
 
 
 def load_series(root: Path, set_name: str, package: str) -> list[Patch]:
@@ -189,6 +194,8 @@ def _patch(workdir: Path, patch: Patch, *args: str) -> tuple[int, str]:
     # Messages are parsed: keep them in English; POSIXLY_CORRECT changes them.
     env = {k: v for k, v in os.environ.items() if k != "POSIXLY_CORRECT"}
     env["LC_ALL"] = "C"
+    import subprocess  # here: a build whose patch results are cached runs no GNU patch
+
     try:
         proc = subprocess.run(
             cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=60

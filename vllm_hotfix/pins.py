@@ -25,15 +25,10 @@ step over loopback and never copied into the image.
 from __future__ import annotations
 
 import hashlib
-import html
-import http.server
 import json
 import logging
 import re
-import subprocess
 import sys
-import threading
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,10 +37,10 @@ from typing import Any
 
 from .engine import Engine
 from .errors import PinError
+from .patches import PINS_FILE, pins_path
 
 log = logging.getLogger(__name__)
 
-PINS_FILE = "pins.txt"
 BUILD_ARG = "VLLM_HOTFIX_WHEELS"
 _REQ = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
 _HASH = re.compile(r"^--hash=sha256:([0-9a-f]{64})$")
@@ -113,7 +108,7 @@ def cache(root: Path) -> Path:
 
 
 def path_of(root: Path, patch_set: str) -> Path:
-    return root / "patches" / patch_set / PINS_FILE
+    return pins_path(root, patch_set)
 
 
 def load(root: Path, patch_set: str, package: str) -> PinSet | None:
@@ -397,6 +392,8 @@ def download(pin: Pin, state: ImageState, folder: Path, say: Progress) -> None:
     cmd.append(f"{pin.spelled}=={pin.version}")
     say(f"    downloading {pin.spelled}=={pin.version} for {describe_image(state)} "
         f"({len(interpreters)} interpreter, {len(platforms)} platform tag(s))")
+    import subprocess  # here: only a download runs pip
+
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()] or ["no output"]
@@ -442,6 +439,7 @@ def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cach
 def wheel_record(path: Path) -> dict[str, str]:
     """path -> urlsafe-b64 sha256 of every hashed file in a wheel's RECORD."""
     import csv
+    import zipfile
 
     with zipfile.ZipFile(path) as zf:
         name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
@@ -512,60 +510,17 @@ def prepare(engine: Engine, pinset: PinSet, image_id: str, python: str, *, wheel
     return prepared
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    routes: Mapping[str, Path | bytes] = {}
-
-    def do_GET(self) -> None:  # noqa: N802  (the name http.server calls)
-        item = self.routes.get(self.path.split("?", 1)[0])
-        if item is None:
-            self.send_error(404)
-            return
-        data = item if isinstance(item, bytes) else None
-        size = len(data) if data is not None else item.stat().st_size  # type: ignore[union-attr]
-        self.send_response(200)
-        self.send_header("Content-Length", str(size))
-        self.send_header("Content-Type", "text/html" if self.path.endswith("/") else "application/octet-stream")
-        self.end_headers()
-        if data is not None:
-            self.wfile.write(data)
-            return
-        with item.open("rb") as fh:  # type: ignore[union-attr]
-            while block := fh.read(1 << 20):
-                self.wfile.write(block)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("wheel server: " + format, *args)
-
-
-def routes(prepared: Prepared) -> dict[str, Path | bytes]:
-    """What the loopback server answers: an index of the wheels, the wheels, one requirement file per pin."""
-    out: dict[str, Path | bytes] = {}
-    links = []
-    for w in prepared.wheels:
-        out[f"/wheels/{w.filename}"] = w.path
-        links.append(f'<a href="{html.escape(w.filename)}#sha256={w.sha256}">{html.escape(w.filename)}</a><br>')
-    out["/wheels/"] = ("<html><body>\n" + "\n".join(links) + "\n</body></html>\n").encode()
-    for entry, pin in zip(prepared.entries(), prepared.pinset.pins, strict=True):
-        out[f"/req/{entry['req']}"] = pin.requirement().encode()
-    return out
-
-
 @contextmanager
 def serve(prepared: Prepared | None) -> Iterator[dict[str, str]]:
     """Serve the wheels on 127.0.0.1 for the length of a build; yields its build arguments."""
     if prepared is None:
         yield {}
         return
-    handler = type("WheelHandler", (_Handler,), {"routes": routes(prepared)})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, name="wheel-server", daemon=True)
-    thread.start()
-    try:
-        yield {BUILD_ARG: f"http://127.0.0.1:{server.server_address[1]}"}
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    # Here: the HTTP server (and the email and TLS modules under it) only for a build with pins.
+    from . import wheelserver
+
+    with wheelserver.serve(prepared) as address:
+        yield {BUILD_ARG: address}
 
 
 # -- after the build --------------------------------------------------------------------

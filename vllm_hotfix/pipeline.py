@@ -9,15 +9,19 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import __version__, base, definitions, expected, leftovers, pins, platforms, records, refs, render, sources
+from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
 from .platforms import Platform
+
+if TYPE_CHECKING:
+    from . import expected, pins
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,24 @@ def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: st
         base_ref=refs.check_reference(defn.base_ref(base_repo), "base"),
         output_ref=refs.check_reference(output_ref or defn.output_ref(base_repo), "--tag", tag_only=True),
         template=render.template_path(root).read_text(encoding="utf-8"),
-        pinset=pins.load(root, defn.patch_set, defn.package),
+        pinset=_load_pins(root, defn),
     )
+
+
+def _load_pins(root: Path, defn: definitions.ImageDefinition) -> pins.PinSet | None:
+    # Most sets pin nothing: then the pins module is not even imported.
+    if not patchlib.pins_path(root, defn.patch_set).is_file():
+        return None
+    from . import pins
+
+    return pins.load(root, defn.patch_set, defn.package)
+
+
+def _check_builder(p: Plan, builder: str) -> None:
+    if p.pinset is not None:
+        from . import pins
+
+        pins.check_builder(p.pinset, builder)
 
 
 def tool_fingerprint() -> str:
@@ -102,6 +122,8 @@ def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | Non
           ) -> pins.Prepared | None:
     if p.pinset is None:
         return None
+    from . import pins
+
     return pins.prepare(engine, p.pinset, facts.image.id, facts.python, wheelhouse=wheelhouse,
                         cache=pins.cache(p.root), say=say)
 
@@ -121,10 +143,11 @@ def render_only(
 
     Pinned wheels are fetched: they are inputs.
     """
-    pins.check_builder(p.pinset, builder)
+    _check_builder(p, builder)
     if platform is not None:
         platforms.require_engine(engine, platform)
-        bases = platform_bases(engine, p, [platform], pull, asked=True, progress=progress)
+        bases = platform_bases(engine, p, [platform], pull, asked=True, local=engine.image(p.base_ref),
+                               progress=progress)
         assert bases is not None
         p = replace(p, base_ref=bases[platform])
     info = engine.resolve(p.base_ref, pull, progress, str(platform) if platform else None)
@@ -134,6 +157,15 @@ def render_only(
     )
     pinned = _pins(engine, p, facts, wheelhouse, progress or (lambda _line: None))
     return render.render(p.template, p.definition, facts, files, applied, pinned)
+
+
+def _serve(pinned: pins.Prepared | None) -> AbstractContextManager[dict[str, str]]:
+    """The pinned wheels on loopback for the build (its build arguments); nothing to serve without pins."""
+    if pinned is None:
+        return nullcontext({})
+    from . import pins
+
+    return pins.serve(pinned)
 
 
 def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
@@ -197,16 +229,24 @@ def build_image(
     wheelhouse: Path | None = None,
     builder: str = "dockerfile",
     platform: Platform | None = None,
+    base_info: ImageInfo | None = None,
 ) -> BuildResult:
-    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be."""
+    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be.
+
+    ``base_info``: the base as the caller just found it in the engine (not asked
+    again unless ``pull`` is ``always``).
+    """
     say = progress or (lambda _line: None)
     if builder not in BUILDERS:
         raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
     # Before any work: a patch set with pins needs pip in a RUN step, which only the Dockerfile build has.
-    pins.check_builder(p.pinset, builder)
+    _check_builder(p, builder)
     records.ensure_writable(p.root)
     say(f"==> resolving base {p.base_ref} (pull policy: {pull}{', ' + str(platform) if platform else ''})")
-    info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
+    if base_info is not None and pull != "always":
+        info = base_info
+    else:
+        info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")
@@ -253,7 +293,7 @@ def build_image(
     say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
     pinned = _pins(engine, p, facts, wheelhouse, say)
     image_id = None
-    pending = leftovers.Pending(p.root)
+    pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
     if builder == "assemble":
@@ -274,7 +314,7 @@ def build_image(
         say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
         # Pins: the wheels are served on loopback for the RUN step, which needs the
         # host's network to reach them; nothing else in the build uses a network.
-        with pins.serve(pinned) as buildargs:
+        with _serve(pinned) as buildargs:
             image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
                                     buildargs=buildargs, network="host" if pinned is not None else None)
     meta = {
@@ -300,10 +340,14 @@ def build_image(
     }
     try:
         if pinned is not None:
+            from . import pins
+
             say(f"==> checking the pins in {image_id[:19]}")
             meta["pins"] = pins.verify(engine, image_id, pinned, facts.python, say)
         smoke_report = None
         if smoke is not None:
+            from . import expected  # here: only a smoked build states what its image must hold
+
             want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
             smoke_report = _smoke_and_judge(engine, p, image_id, smoke, want, say)
         record = records.append(p.root, "build", meta)
@@ -332,17 +376,17 @@ def child_ref(ref: str, plat: Platform) -> str:
 
 def platform_bases(
     engine: Engine, p: Plan, wanted: list[Platform] | None, pull: str, *, asked: bool,
-    progress: Callable[[str], None] | None = None,
+    local: ImageInfo | None, progress: Callable[[str], None] | None = None,
 ) -> dict[Platform, str] | None:
     """Each platform's base, by digest in the base's index; None: the single-platform build of old.
 
     Without ``--platform`` (``asked`` False) a base already in the engine is
     built for the engine's platform alone, as before; otherwise the
     registry's answer decides: every platform of an index (or those
-    ``wanted``), or the one image a plain manifest names.
+    ``wanted``), or the one image a plain manifest names. ``local``: the
+    base as the engine has it (``engine.image``), None if it has not.
     """
     say = progress or (lambda _line: None)
-    local = engine.image(p.base_ref)
     if not asked and (pull == "never" or (local is not None and pull != "always")):
         return None
     if not asked and engine.api_version < platforms.MIN_API:

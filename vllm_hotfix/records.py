@@ -21,7 +21,6 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +74,8 @@ def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
         raise ValueError(f"unknown record kind {kind!r}")
     folder = records_dir(root) / kind
     seq = time.time_ns()
-    name = f"{seq:020d}-{uuid.uuid4().hex[:12]}.json"
+    # 48 random bits, as uuid4().hex[:12] gave (os.urandom: no uuid import, which loads `platform`).
+    name = f"{seq:020d}-{os.urandom(6).hex()}.json"
     full = {"kind": kind, "seq": seq, "created": now_iso(), **data}
     path = folder / name
     tmp: str | None = None

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
 from .patches import Patch
-from .pins import BUILD_ARG, Prepared
+
+if TYPE_CHECKING:
+    from .pins import Prepared
 
 LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"
@@ -93,6 +96,8 @@ def render(
     pins: Prepared | None = None,
 ) -> str:
     import jinja2  # here, not at module level: a reused build never renders
+
+    from .pins import BUILD_ARG
 
     env = jinja2.Environment(
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
