@@ -77,6 +77,10 @@ with open(spec_path, "w") as fh:
 print(f"  cdi spec {spec_path}: nvidia.com/gpu=all over {', '.join(nodes) or 'no device node'}")
 PYEOF
   echo "{\"features\": {\"cdi\": true}, \"cdi-spec-dirs\": [\"$WORK/cdi\"]}" >"$WORK/daemon.json"
+  # An engine killed with its host session leaves its pid file: clear it unless that process lives.
+  if [ -f "$WORK/dockerd.pid" ] && ! kill -0 "$(cat "$WORK/dockerd.pid")" 2>/dev/null; then
+    rm -f "$WORK/dockerd.pid"
+  fi
   log "starting dockerd ($("$ENGINE/dockerd" --version))"
   PATH=$ENGINE:$PATH setsid "$ENGINE/dockerd" --config-file "$WORK/daemon.json" --host "$DOCKER_HOST" \
     --data-root "$WORK/data" --exec-root "$WORK/exec" --pidfile "$WORK/dockerd.pid" \
