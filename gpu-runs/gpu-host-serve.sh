@@ -19,15 +19,16 @@
 #           model and flashinfer.norm inside the base, with the GPU (a report,
 #           not a gate: it names a missing module before a server start would)
 #   model   gpu-runs/tiny_minimax_m3.py writes the tiny model
-#   smoke   build.py smoke --gpu require --serve-model on both images, side by
-#           side on the one GPU (each vLLM takes SERVE_MEM of its memory)
+#   smoke   build.py smoke --gpu require --serve-model on the images SMOKE_IMAGES
+#           names (default: patched unpatched), one after the other
 #   record  OUTDIR/record.json (gpu_host.py record)
 # Each step skips what an earlier run on the same host already did.
 #
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
 # (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), CONCURRENCY (1,2,4,8,16),
 # REQUESTS (32 per level), SERVE_ARGS (extra `vllm serve` arguments),
-# SMOKE_TIMEOUT (seconds for each smoke, default 500; the tool cleans up on TERM).
+# SMOKE_IMAGES (patched unpatched), SMOKE_TIMEOUT (seconds for each smoke, default
+# 500; the tool cleans up on TERM).
 set -u
 PARTS=$(cd "${1:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}" && pwd)
 mkdir -p "${2:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}"
@@ -122,21 +123,27 @@ fi
 if step smoke; then
   # --enforce-eager: no torch.compile and no CUDA graph capture at start-up (the
   # bug is in the kernels' buffer layout, which eager mode runs the same way).
-  serve=(--serve-model "$MODEL" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
+  # --min-tokens 32: the tiny model cannot stop early (its end-of-text logit is never the
+  # largest), so a shorter reply means its attention read garbage and went NaN.
+  serve=(--serve-model "$MODEL" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}"
+         --min-tokens 32)
   for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.3}" ${SERVE_ARGS:-}; do
     serve+=(--serve-arg="$a")
   done
-  log "smoke --gpu require ${serve[*]}: $PATCHED and $REPO_NAME:$TAG"
   T=${SMOKE_TIMEOUT:-500}
-  timeout "$T" "$PY" build.py smoke "$PATCHED" --gpu require "${serve[@]}" --report "$OUTDIR/patched.json" \
-    >"$OUTDIR/smoke-patched.log" 2>&1 &
-  p1=$!
-  timeout "$T" "$PY" build.py smoke "$REPO_NAME:$TAG" --gpu require --definition "$TAG" "${serve[@]}" \
-    --report "$OUTDIR/unpatched.json" >"$OUTDIR/smoke-unpatched.log" 2>&1 &
-  p2=$!
-  wait $p1; r1=$?
-  wait $p2; r2=$?
-  log "smoke exit codes: patched $r1, unpatched $r2"
+  # One after the other: a vLLM server measures the GPU's free memory while it
+  # starts, and another process allocating or freeing meanwhile upsets that.
+  for which in ${SMOKE_IMAGES:-patched unpatched}; do
+    case $which in
+      patched) ref=$PATCHED; extra=() ;;
+      unpatched) ref=$REPO_NAME:$TAG; extra=(--definition "$TAG") ;;
+      *) die "SMOKE_IMAGES: patched and/or unpatched, not $which" ;;
+    esac
+    log "smoke $ref --gpu require ${serve[*]}"
+    timeout "$T" "$PY" build.py smoke "$ref" --gpu require "${extra[@]}" "${serve[@]}" \
+      --report "$OUTDIR/$which.json" >"$OUTDIR/smoke-$which.log" 2>&1
+    log "smoke $which: exit code $?"
+  done
 fi
 
 if step record; then

@@ -9,8 +9,12 @@ needs: every layer runs the sparse "index" attention branch (lightning indexer
 + top-k block selection + block-sparse attention, the common Triton path on
 Hopper), with 4 index heads (= KV heads) of dim 128, 16 top-k blocks of 128
 tokens, init 0 / local 1, as in the released model. With more than one index
-head, a top-k buffer written token-major and read head-major (the bug) sends
-the attention to wrong blocks as soon as two sequences decode in one step.
+head, the kernels address the token-major [tokens, 4, 16] top-k buffer as
+head-major (the bug), so (head h, token t) shares its slot with (h + 1, t - 4):
+in any step with five or more query tokens one token's top-k overwrites
+another's, across sequences as soon as two share a step (two prefills, a
+prefill next to decodes, or five or more decodes; up to four decodes alone
+do not collide).
 The first layer has the dense MLP, the others a sigmoid-routed MoE with a
 shared expert, like the released model's leading dense layers.
 
@@ -34,7 +38,7 @@ from pathlib import Path
 # The released model's attention geometry, which the index kernels are written for.
 HEAD_DIM = 128
 KV_HEADS = 4  # index heads must equal KV heads (MinimaxM3QKVParallelLinearWithIndexer)
-Q_HEADS = 8
+Q_HEADS = 64  # 16 query heads per KV head, as the released model has on one GPU
 INDEX_DIM = 128  # index head size must equal the main head size
 TOPK_BLOCKS = 16
 BLOCK = 128

@@ -2,11 +2,15 @@
 """A tiny OpenAI-compatible server for testing the serve sweep.
 
 Usage (the same argv shape as `vllm serve`):
-    fake_openai.py serve MODEL --port N [--die-at-concurrency K] [--prompt-log FILE]
+    fake_openai.py serve MODEL --port N [--die-at-concurrency K] [--short-at-concurrency K]
+                         [--prompt-log FILE]
 
 With --die-at-concurrency K the process dies the moment K requests are in
 flight at once, printing the error vLLM 0.25.1 printed for the MiniMax-M3
 top-k layout bug: single requests work, concurrent ones kill the server.
+With --short-at-concurrency K it stays up but answers a request that had K or
+more in flight with a one-token reply, as a model whose attention read garbage
+does (NaN, then end of text at once).
 With --prompt-log FILE it appends each request's message length to FILE.
 """
 
@@ -30,6 +34,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("model")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--die-at-concurrency", type=int, default=0)
+    ap.add_argument("--short-at-concurrency", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
     args = ap.parse_args(argv)
@@ -80,9 +85,12 @@ def main(argv: list[str]) -> int:
                 with LOCK:
                     IN_FLIGHT -= 1
             n = int(body.get("max_tokens", 16))
+            finish = "length"
+            if args.short_at_concurrency and now >= args.short_at_concurrency:
+                n, finish = 1, "stop"
             self.reply(200, {
                 "id": "cmpl-test", "object": "chat.completion", "model": body.get("model"),
-                "choices": [{"index": 0, "finish_reason": "length",
+                "choices": [{"index": 0, "finish_reason": finish,
                              "message": {"role": "assistant", "content": "one, two, three"}}],
                 "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
             })

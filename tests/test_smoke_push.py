@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, cli, derive, free_port
+from conftest import REPO, Registry, cli, derive, fails, free_port
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
@@ -182,6 +182,32 @@ def test_serve_check_server_dying_at_concurrency_2() -> None:
         assert r.rc != 0
         assert "serve sweep failed at concurrency 2" in r.last_error
         assert "concurrency   1:    8/8" in r.err  # single requests worked
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_check_short_replies_fail_with_min_tokens(tmp_path: Path) -> None:
+    """A server that survives the bug but answers concurrent requests with one token."""
+    port = free_port()
+    proc = _serve(port, "--short-at-concurrency", "2")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        # Without --min-tokens a short reply is still a reply: the sweep passes, and says how short.
+        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8",
+                "--report", str(tmp_path / "plain.json"))
+        assert r.rc == 0, r.err
+        levels = json.loads((tmp_path / "plain.json").read_text())["levels"]
+        assert levels[0]["shortest_reply_tokens"] == 32 and levels[0]["finish_reasons"] == {"length": 8}
+        assert levels[1]["shortest_reply_tokens"] == 1 and levels[1]["finish_reasons"].get("stop", 0) >= 1
+        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8", "--min-tokens", "32",
+                "--report", str(tmp_path / "strict.json"))
+        assert r.rc != 0
+        assert "serve sweep failed at concurrency 2" in r.last_error
+        assert "reply of 1 completion token(s), every reply must have at least 32 (finish_reason stop)" in r.last_error
+        assert "concurrency   1:    8/8" in r.err
+        r = cli("serve-check", "--url", url, "--min-tokens", "33")
+        fails(r, "--min-tokens 33: must be between 1 and the 32 tokens a request asks for")
     finally:
         proc.kill()
         proc.wait()

@@ -291,13 +291,16 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-                   requests_n: int, gpu_request: str = "auto", definition: str | None = None) -> Any:
+                   requests_n: int, gpu_request: str = "auto", definition: str | None = None,
+                   min_tokens: int | None = None) -> Any:
     from . import smoke as smokelib
     from . import sweep
 
+    sweep.check_min_tokens(min_tokens)
     return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
                                  serve_model=serve_model, serve_args=serve_args,
-                                 levels=sweep.parse_levels(concurrency), requests=requests_n)
+                                 levels=sweep.parse_levels(concurrency), requests=requests_n,
+                                 min_tokens=min_tokens)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -314,6 +317,9 @@ sweep_options = [
     click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="Concurrency levels."),
     click.option("--requests", "requests_n", type=click.IntRange(1), default=32, show_default=True,
                  help="Requests per level."),
+    click.option("--min-tokens", type=int, default=None,
+                 help="Fail a request whose reply has fewer completion tokens (each asks for 32): for a model "
+                      "that cannot stop early, where a short reply means it went wrong."),
 ]
 
 
@@ -346,13 +352,14 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @guarded
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-          requests_n: int) -> None:
+          requests_n: int, min_tokens: int | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from . import records
     from . import smoke as smokelib
     from .errors import SmokeError, SmokeIncomplete
 
-    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition)
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
+                             min_tokens)
     records.ensure_writable(obj.root)
     report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
     entry = smokelib.record(obj.root, report)
@@ -381,7 +388,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 @with_options(sweep_options)
 @guarded
 def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
-                requests_n: int) -> None:
+                requests_n: int, min_tokens: int | None) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
 
@@ -389,9 +396,10 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     from .errors import SmokeError
 
     levels = sweep.parse_levels(concurrency)
+    sweep.check_min_tokens(min_tokens)
     progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
-    result = sweep.sweep(url, model, levels, requests_n, progress=progress)
+    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, progress=progress)
     if report_path:
         report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     if not result.ok:

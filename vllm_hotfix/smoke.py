@@ -39,6 +39,7 @@ class SmokeOptions:
     serve_args: Sequence[str] = ()
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
     requests: int = 32
+    min_tokens: int | None = None
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
@@ -358,7 +359,8 @@ class Smoke:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
                                      gpu=gpu) as watch:
                 sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
-                result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch, progress=self.say)
+                result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
+                                     min_tokens=self.opt.min_tokens, progress=self.say)
         except (SmokeError, EngineError) as exc:
             lines = str(exc).splitlines()
             self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
@@ -368,6 +370,8 @@ class Smoke:
         took = time.monotonic() - start
         if result.ok:
             detail = f"levels {','.join(map(str, self.opt.levels))}: every request succeeded"
+            if self.opt.min_tokens is not None:
+                detail += f", every reply at least {self.opt.min_tokens} token(s)"
             self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
         else:
             tail = result.server_log.strip().splitlines()[-5:]

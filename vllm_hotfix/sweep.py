@@ -9,6 +9,13 @@ The requests of a level differ in length, as production traffic does: the
 bug needed sequences with different numbers of KV blocks in one batch (one
 sequence's top-k block indices read for another's), which a run of identical
 short prompts never produces.
+
+A server can also survive such a bug and answer wrongly: a sequence whose
+attention read garbage turns to NaN and stops at once. With ``min_tokens`` set
+(for a model that cannot stop early, such as a test model whose end-of-text
+logit is never the largest), a reply with fewer completion tokens fails its
+request too. Each level reports its replies' shortest length and finish reasons
+either way.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import requests.adapters
 from .errors import SmokeError, UsageError
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
+MAX_TOKENS = 32  # completion tokens each request asks for
 PROMPT = "Count from one to ten in words, separated by commas."
 # Request i of a level carries the prompt's context repeated PROMPT_REPEATS[i % len]
 # times: a few dozen to a few thousand tokens, whatever the tokenizer.
@@ -51,6 +59,8 @@ class Level:
     p95_s: float | None = None
     output_tokens_per_s: float | None = None
     wall_s: float = 0.0
+    shortest_reply_tokens: int | None = None
+    finish_reasons: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
 
@@ -78,6 +88,11 @@ def parse_levels(text: str) -> tuple[int, ...]:
     if not levels or any(n < 1 for n in levels):
         raise UsageError(f"--concurrency {text!r}: levels must be positive")
     return levels
+
+
+def check_min_tokens(min_tokens: int | None, max_tokens: int = MAX_TOKENS) -> None:
+    if min_tokens is not None and not 1 <= min_tokens <= max_tokens:
+        raise UsageError(f"--min-tokens {min_tokens}: must be between 1 and the {max_tokens} tokens a request asks for")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -121,8 +136,12 @@ def first_model(url: str) -> str:
         raise SmokeError(f"cannot list models at {url}/v1/models: {exc}") from exc
 
 
+class ShortReply(Exception):
+    """A reply with fewer completion tokens than the sweep was told every reply has."""
+
+
 def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int,
-         i: int = 0) -> tuple[float, int]:
+         i: int = 0) -> tuple[float, int, str]:
     start = time.monotonic()
     resp = session.post(
         f"{url}/v1/chat/completions",
@@ -140,10 +159,12 @@ def _one(session: requests.Session, url: str, model: str, timeout: float, max_to
     body = resp.json()
     if not body.get("choices"):
         raise RuntimeError("response has no choices")
-    return elapsed, int((body.get("usage") or {}).get("completion_tokens", 0))
+    finish = str(body["choices"][0].get("finish_reason"))
+    return elapsed, int((body.get("usage") or {}).get("completion_tokens", 0)), finish
 
 
-def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int) -> Level:
+def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
+              min_tokens: int | None = None) -> Level:
     level = Level(concurrency, n)
     latencies: list[float] = []
     tokens = 0
@@ -157,7 +178,13 @@ def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, ma
         futures = [pool.submit(_one, session, url, model, timeout, max_tokens, i) for i in range(n)]
         for fut in futures:
             try:
-                elapsed, toks = fut.result()
+                elapsed, toks, finish = fut.result()
+                level.finish_reasons[finish] = level.finish_reasons.get(finish, 0) + 1
+                if level.shortest_reply_tokens is None or toks < level.shortest_reply_tokens:
+                    level.shortest_reply_tokens = toks
+                if min_tokens is not None and toks < min_tokens:
+                    raise ShortReply(f"reply of {toks} completion token(s), every reply must have "
+                                     f"at least {min_tokens} (finish_reason {finish})")
                 latencies.append(elapsed)
                 tokens += toks
                 level.successes += 1
@@ -181,15 +208,20 @@ def sweep(
     *,
     watch: Watcher | None = None,
     timeout: float = 120,
-    max_tokens: int = 32,
+    max_tokens: int = MAX_TOKENS,
+    min_tokens: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SweepResult:
-    """Run every level in order; stop at the first failing one."""
+    """Run every level in order; stop at the first failing one.
+
+    ``min_tokens``: every reply must carry at least this many completion tokens.
+    """
+    check_min_tokens(min_tokens, max_tokens)
     url = url.rstrip("/")
     model = model or first_model(url)
     result = SweepResult(url, model, [])
     for c in levels:
-        level = run_level(url, model, c, n, timeout, max_tokens)
+        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens)
         result.levels.append(level)
         alive = True
         if watch is not None:
@@ -210,9 +242,10 @@ def format_level(level: Level) -> str:
         return f"{v * 1000:7.1f}" if v is not None else "      -"
 
     tps = f"{level.output_tokens_per_s:8.1f}" if level.output_tokens_per_s is not None else "       -"
+    shortest = "-" if level.shortest_reply_tokens is None else str(level.shortest_reply_tokens)
     return (
         f"    concurrency {level.concurrency:>3}: {level.successes:>4}/{level.requests:<4} ok  "
-        f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s"
+        f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s  shortest reply {shortest} tok"
     )
 
 
