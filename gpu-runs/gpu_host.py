@@ -81,7 +81,12 @@ def _cuda_root() -> str | None:
 
 
 def _console_scripts(src: Path, python: str) -> dict[str, bytes]:
-    """bin/NAME launchers for the console_scripts of every dist-info under src."""
+    """bin/NAME launchers for the console_scripts of every dist-info under src.
+
+    As pip writes them, with the ``__main__`` guard: vLLM starts its engine core
+    with multiprocessing's spawn, whose child imports the launcher again and
+    must not run the command a second time.
+    """
     import configparser
 
     scripts: dict[str, bytes] = {}
@@ -94,8 +99,8 @@ def _console_scripts(src: Path, python: str) -> dict[str, bytes]:
         for name, target in cp.items("console_scripts"):
             module, _, attr = target.strip().partition(":")
             scripts[name] = (
-                f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n"
-                f"sys.exit({attr}())\n"
+                f"#!{python}\nimport sys\nfrom {module} import {attr.split('.')[0]}\n\n"
+                f"if __name__ == \"__main__\":\n    sys.exit({attr}())\n"
             ).encode()
     return scripts
 
@@ -148,7 +153,8 @@ def base(args: argparse.Namespace) -> int:
         "NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
     ]
     if cuda:
-        env += [f"CUDA_HOME={cuda}", f"PATH={bindir}:{cuda}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        system_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        env += [f"CUDA_HOME={cuda}", f"PATH={bindir}:{cuda}/bin:{system_path}"]
     files["Dockerfile"] = (
         f"FROM {stage.id}\n"
         f"COPY vllm-src/ {site}/\n"

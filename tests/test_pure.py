@@ -43,6 +43,36 @@ def test_parse_levels() -> None:
             sweep.parse_levels(bad)
 
 
+# The end of a real vLLM 0.25.1 server log (unpatched MiniMax-M3, concurrency 8): the
+# engine core's death, then one access line per request the dead engine refused.
+DEAD_SERVER_LOG = """\
+(EngineCore pid=114)   File "/usr/lib/python3.12/multiprocessing/process.py", line 108, in run
+(EngineCore pid=114)     self._target(*self._args, **self._kwargs)
+(EngineCore pid=114)   File "/opt/torch/.venv/lib/python3.12/site-packages/torch/accelerator/__init__.py", line 263
+(EngineCore pid=114)     torch._C._accelerator_synchronizeDevice(device_index)
+(EngineCore pid=114) torch.AcceleratorError: CUDA error: an illegal memory access was encountered
+(EngineCore pid=114) CUDA kernel errors might be asynchronously reported at some other API call.
+(EngineCore pid=114) For debugging consider passing CUDA_LAUNCH_BLOCKING=1
+""" + "".join(f'(APIServer pid=1) INFO:     127.0.0.1:{32900 + i} - "POST /v1/chat/completions HTTP/1.1" '
+              '500 Internal Server Error\n' for i in range(80))
+
+
+def test_server_log_condensed_to_its_cause() -> None:
+    kept = sweep.condense(DEAD_SERVER_LOG).splitlines()
+    assert len(kept) == 7 and "Internal Server Error" not in "".join(kept)
+    assert kept[4].endswith("illegal memory access was encountered")
+    assert len(sweep.condense(DEAD_SERVER_LOG, lines=3).splitlines()) == 3
+    cause = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    assert sweep.cause(DEAD_SERVER_LOG) == cause
+    assert sweep.cause("INFO: started\nINFO: ready\n") is None
+    result = sweep.SweepResult("http://x", "m", [sweep.Level(8, 32, successes=3, failures=29,
+                                                              errors=["HTTP 500: EngineCore encountered an issue"])],
+                               failed_level=8, server_log=sweep.condense(DEAD_SERVER_LOG))
+    assert sweep.failure_message(result) == (
+        "serve sweep failed at concurrency 8: 29/32 requests failed (HTTP 500: EngineCore encountered an issue); "
+        "server: torch.AcceleratorError: CUDA error: an illegal memory access was encountered")
+
+
 def test_percentiles() -> None:
     values = [float(i) for i in range(1, 101)]
     assert sweep.percentile(values, 50) == pytest.approx(50.5)

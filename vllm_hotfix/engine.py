@@ -59,6 +59,9 @@ urllib3: Any = _Lazy("urllib3", "urllib3.exceptions")
 
 PULL_POLICIES = ("missing", "always", "never")
 LOG_TAIL_LINES = 50
+# A server's log as its watcher reads it: enough to reach past a flood of request
+# lines to the error that killed it (the caller condenses it, sweep.condense).
+SERVICE_LOG_LINES = 2000
 
 
 @dataclass(frozen=True)
@@ -717,7 +720,7 @@ class Engine:
     ) -> Iterator[Callable[[], tuple[bool, str]]]:
         """Start the image's own entrypoint with ``command`` on host network.
 
-        Yields a function returning (still running, last log lines).
+        Yields a function returning (still running, its last SERVICE_LOG_LINES log lines).
         """
         container = None
         try:
@@ -735,7 +738,7 @@ class Engine:
 
             def state() -> tuple[bool, str]:
                 container.reload()
-                logs = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", "replace")
+                logs = container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace")
                 return container.status == "running", logs
 
             yield state

@@ -374,7 +374,7 @@ class Smoke:
                 detail += f", every reply at least {self.opt.min_tokens} token(s)"
             self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
         else:
-            tail = result.server_log.strip().splitlines()[-5:]
+            tail = result.server_log.strip().splitlines()[-12:]
             self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": sweep.failure_message(result),
                                "data": {"server_log": tail}}], took)
             for line in tail:

@@ -20,6 +20,7 @@ either way.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,29 @@ def prompt(i: int) -> str:
 
 # (running, last log lines); None when nothing watches the server process.
 Watcher = Callable[[], tuple[bool, str]]
+
+LOG_LINES = 50  # server log lines a report keeps
+# One line per request in the server's access log: left out of reports, where
+# hundreds of "500 Internal Server Error" lines would push out the reason.
+_ACCESS = re.compile(r'"(?:GET|POST|PUT|DELETE|HEAD) \S+ HTTP/[0-9.]+" \d{3}')
+# "torch.AcceleratorError: CUDA error: ...", "RuntimeError: ...", after any "(EngineCore pid=9) " prefix.
+_ERROR = re.compile(r"^(?:\([^)]*\)\s*)?((?:[\w.]*(?:Error|Exception)|error): .+)$")
+
+
+def condense(logs: str, lines: int = LOG_LINES) -> str:
+    """The last ``lines`` lines of a server log that are not per-request access lines."""
+    kept = [ln for ln in logs.splitlines() if not _ACCESS.search(ln)]
+    return "\n".join(kept[-lines:])
+
+
+def cause(logs: str) -> str | None:
+    """The last error line of a server log ("torch.AcceleratorError: CUDA error: ..."), if any."""
+    found = None
+    for ln in logs.splitlines():
+        m = _ERROR.match(ln.strip())
+        if m and not _ACCESS.search(ln):
+            found = m.group(1).strip()
+    return found
 
 
 @dataclass
@@ -117,10 +141,12 @@ def wait_healthy(
         if watch is not None:
             running, logs = watch()
             if not running:
-                raise SmokeError(f"server exited before {url}/health answered; last log lines:\n{logs}")
+                why = cause(logs)
+                raise SmokeError(f"server exited before {url}/health answered{': ' + why if why else ''}; "
+                                 f"last log lines:\n{condense(logs)}")
         now = time.monotonic()
         if now > end:
-            logs = watch()[1] if watch is not None else ""
+            logs = condense(watch()[1]) if watch is not None else ""
             raise SmokeError(f"{url}/health did not answer within {deadline_s:.0f} s\n{logs}".rstrip())
         if progress is not None and now - last_note > 10:
             progress(f"    waiting for {url}/health ({end - now:.0f} s left)")
@@ -226,7 +252,7 @@ def sweep(
         alive = True
         if watch is not None:
             alive, logs = watch()
-            result.server_log = logs
+            result.server_log = condense(logs)
         if progress is not None:
             progress(format_level(level) + ("" if alive else "  (server died)"))
         if level.failures or not alive:
@@ -252,7 +278,8 @@ def format_level(level: Level) -> str:
 def failure_message(result: SweepResult) -> str:
     level = next(lv for lv in result.levels if lv.concurrency == result.failed_level)
     why = level.errors[0] if level.errors else "unknown error"
+    server = cause(result.server_log)
     return (
         f"serve sweep failed at concurrency {result.failed_level}: "
-        f"{level.failures}/{level.requests} requests failed ({why})"
+        f"{level.failures}/{level.requests} requests failed ({why})" + (f"; server: {server}" if server else "")
     )
