@@ -219,6 +219,21 @@ def _guard(what: str) -> Callable[[F], F]:
     return deco
 
 
+class Served:
+    """A container started by :meth:`Engine.service`: whether it runs, and its log when asked."""
+
+    def __init__(self, container: Any) -> None:
+        self._container = container
+
+    def running(self) -> bool:
+        self._container.reload()
+        return bool(self._container.status == "running")
+
+    def logs(self) -> str:
+        """Its last SERVICE_LOG_LINES lines."""
+        return str(self._container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace"))
+
+
 class Box:
     """A running throw-away container to read from, write to and exec in."""
 
@@ -717,11 +732,8 @@ class Engine:
         *,
         mounts: Sequence[tuple[str, str]] = (),
         gpu: GpuRequest | None = None,
-    ) -> Iterator[Callable[[], tuple[bool, str]]]:
-        """Start the image's own entrypoint with ``command`` on host network.
-
-        Yields a function returning (still running, its last SERVICE_LOG_LINES log lines).
-        """
+    ) -> Iterator[Served]:
+        """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""
         container = None
         try:
             kwargs = _gpu_request(gpu)
@@ -735,13 +747,7 @@ class Engine:
                 **kwargs,
             )
             container.start()
-
-            def state() -> tuple[bool, str]:
-                container.reload()
-                logs = container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace")
-                return container.status == "running", logs
-
-            yield state
+            yield Served(container)
         except docker.errors.APIError as exc:
             raise EngineError(f"cannot start {image}: {_short(exc)}") from exc
         except _lost_errors() as exc:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import requests
 import requests.adapters
@@ -46,8 +46,15 @@ def prompt(i: int) -> str:
     """The i-th request's message: the same question after a context of varying length."""
     return CONTEXT * (PROMPT_REPEATS[i % len(PROMPT_REPEATS)] - 1) + PROMPT
 
-# (running, last log lines); None when nothing watches the server process.
-Watcher = Callable[[], tuple[bool, str]]
+
+
+class Watcher(Protocol):
+    """The server process, as whoever started it sees it (None where nobody does)."""
+
+    def running(self) -> bool: ...
+
+    def logs(self) -> str: ...  # its last log lines, asked for only when a report needs them
+
 
 LOG_LINES = 50  # server log lines a report keeps
 # One line per request in the server's access log: left out of reports, where
@@ -138,15 +145,14 @@ def wait_healthy(
                 return
         except requests.RequestException:
             pass
-        if watch is not None:
-            running, logs = watch()
-            if not running:
-                why = cause(logs)
-                raise SmokeError(f"server exited before {url}/health answered{': ' + why if why else ''}; "
-                                 f"last log lines:\n{condense(logs)}")
+        if watch is not None and not watch.running():
+            logs = watch.logs()
+            why = cause(logs)
+            raise SmokeError(f"server exited before {url}/health answered{': ' + why if why else ''}; "
+                             f"last log lines:\n{condense(logs)}")
         now = time.monotonic()
         if now > end:
-            logs = condense(watch()[1]) if watch is not None else ""
+            logs = condense(watch.logs()) if watch is not None else ""
             raise SmokeError(f"{url}/health did not answer within {deadline_s:.0f} s\n{logs}".rstrip())
         if progress is not None and now - last_note > 10:
             progress(f"    waiting for {url}/health ({end - now:.0f} s left)")
@@ -249,10 +255,7 @@ def sweep(
     for c in levels:
         level = run_level(url, model, c, n, timeout, max_tokens, min_tokens)
         result.levels.append(level)
-        alive = True
-        if watch is not None:
-            alive, logs = watch()
-            result.server_log = condense(logs)
+        alive = watch.running() if watch is not None else True
         if progress is not None:
             progress(format_level(level) + ("" if alive else "  (server died)"))
         if level.failures or not alive:
@@ -260,6 +263,8 @@ def sweep(
             if not alive and not level.errors:
                 level.errors.append("server process exited")
             break
+    if watch is not None:
+        result.server_log = condense(watch.logs())
     return result
 
 
