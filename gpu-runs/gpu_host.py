@@ -39,6 +39,7 @@ from vllm_hotfix.engine import Engine  # noqa: E402
 from vllm_hotfix.tarball import tar_bytes  # noqa: E402
 
 # What a GPU host's Python needs at run time; caches and docs are left out.
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_PATHS = ["bin", "sbin", "lib", "lib64", "usr", "etc", "opt/torch"]
 # Bytecode stays: without it every container would recompile torch on import.
 EXCLUDES = ["usr/local/cuda*", "usr/share/doc", "usr/share/man", "var/cache"]
@@ -129,7 +130,7 @@ def base(args: argparse.Namespace) -> int:
         cmd = ["tar", "-C", "/", "-cf", "-", *[f"--exclude={e}" for e in excludes], *paths]
         print(f"importing the host's {' '.join(paths)} as {hostfs}", flush=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        path_env = f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        path_env = f"{bindir}:{SYSTEM_PATH}"
         stage = engine.import_stream(_chunks(proc), hostfs, changes=[f"ENV PATH={path_env}"])
         # tar exits 1 when a file changed while read (logs, /etc/mtab): not fatal here.
         if proc.wait() not in (0, 1):
@@ -153,8 +154,7 @@ def base(args: argparse.Namespace) -> int:
         "NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
     ]
     if cuda:
-        system_path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-        env += [f"CUDA_HOME={cuda}", f"PATH={bindir}:{cuda}/bin:{system_path}"]
+        env += [f"CUDA_HOME={cuda}", f"PATH={bindir}:{cuda}/bin:{SYSTEM_PATH}"]
     files["Dockerfile"] = (
         f"FROM {stage.id}\n"
         f"COPY vllm-src/ {site}/\n"
