@@ -32,15 +32,21 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .base import BaseFacts, PatchedFile
-from .engine import Engine
 from .errors import BuildError
-from .tarball import Entry, write
+from .tarball import BLOCK, RECORD, Entry, member, write
+
+if TYPE_CHECKING:
+    from .base import BaseFacts, PatchedFile
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
+
+# How `image` can build: the engine builds the rendered Dockerfile (the default),
+# or this module writes the image and the engine loads it.
+BUILDERS = ("dockerfile", "assemble")
 
 # Fields of the base's runtime config an image carries (OCI image config and
 # Docker's extensions). Anything else the engine reports (Hostname, Image,
@@ -166,10 +172,29 @@ def image_config(
     return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
+# Every archive this builder loads begins with the same member, an empty file
+# the engine ignores: so the load can be opened before the rest is known
+# (prepare). NOTHING completes LEAD into an archive that loads nothing.
+LEAD = member(Entry("vllm-hotfix", b"", 0o644))
+_EMPTY_MANIFEST = member(Entry("manifest.json", b"[]", 0o644))
+NOTHING = _EMPTY_MANIFEST + b"\0" * (2 * BLOCK + -(len(LEAD) + len(_EMPTY_MANIFEST) + 2 * BLOCK) % RECORD)
+
+
+def prepare(engine: Engine) -> None:
+    """Open the load an assembled build ends with, so that the engine readies it meanwhile.
+
+    Called before the rest of the build's modules are even imported: the
+    engine's unpacker starts while they load. A build that ends up loading
+    nothing (reused, failed) completes it with NOTHING when the engine closes.
+    """
+    engine.start_load(LEAD, NOTHING)
+
+
 def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[str, bytes]:
     """(image ID, a save-format archive holding the config and the new layer only).
 
     No tag in it: the pipeline tags the image once its record is written.
+    The archive starts with LEAD.
     """
     image_hex = hashlib.sha256(config).hexdigest()
     layer_hex = hashlib.sha256(layer).hexdigest()
@@ -182,7 +207,7 @@ def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[st
         Entry(f"{layer_hex}/layer.tar", layer, 0o644),
         Entry("manifest.json", json.dumps(manifest, separators=(",", ":")).encode(), 0o644),
     ]
-    return f"sha256:{image_hex}", write(entries)
+    return f"sha256:{image_hex}", LEAD + write(entries)
 
 
 def build(

@@ -9,13 +9,17 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from . import __version__, pipeline
+from . import __version__
+from .assemble import BUILDERS
 from .engine import PULL_POLICIES, Engine
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
+
+if TYPE_CHECKING:
+    from . import pipeline
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +49,10 @@ class Ctx:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._engine: Engine | None = None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
     @property
     def engine(self) -> Engine:
@@ -129,6 +137,7 @@ def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
 def main(ctx: click.Context, root: Path) -> None:
     """Turn a published vLLM image into a patched, tested, pushed image."""
     ctx.obj = Ctx(root.resolve())
+    ctx.call_on_close(ctx.obj.close)
 
 
 base_option = click.option("--base", "base_tag", required=True,
@@ -155,7 +164,7 @@ pull_option = click.option(
 @click.option("--skip-included", is_flag=True,
               help="Leave out patches the base already carries (upstream shipped them) instead of stopping.")
 @click.option("--force", is_flag=True, help="Move --tag even if it names the base or an image this tool did not make.")
-@click.option("--builder", type=click.Choice(pipeline.BUILDERS), default="dockerfile", show_default=True,
+@click.option("--builder", type=click.Choice(BUILDERS), default="dockerfile", show_default=True,
               help="dockerfile: the engine builds the rendered Dockerfile; assemble: write the same image's "
                    "layer and config and load them (reproducible image ID).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the last line.")
@@ -168,7 +177,12 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None) -> None:
     """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
-    from . import platforms
+    if builder == "assemble":
+        # Before the pipeline's modules load: the engine readies the load meanwhile.
+        from . import assemble
+
+        assemble.prepare(obj.engine)
+    from . import pipeline, platforms
 
     wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
@@ -234,6 +248,8 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
            platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
+    from . import pipeline
+
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = _one_platform(platform_text)
     click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat), nl=False)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
+from .assemble import BUILDERS
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
 from .platforms import Platform
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 
 # (engine, image ID, the build's own expectation or None) -> smoke report
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
-BUILDERS = ("dockerfile", "assemble")
 
 
 @dataclass
