@@ -18,6 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_PY = REPO / "build.py"
+MACHINE_PYTHON = sys.executable
+# The interpreter the tool runs under: run.py points it at tool_venv()'s (or --python).
 PYTHON = sys.executable
 SITE = "/usr/local/lib/python3.12/dist-packages"
 STANDIN = "vllm/vllm-openai:v0.25.1"
@@ -69,8 +71,28 @@ def docker(*args: str, check: bool = True, cwd: Path | None = None) -> Run:
     return sh(["docker", *args], check=check, cwd=cwd)
 
 
-def tool(root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None) -> Run:
-    return sh([PYTHON, str(BUILD_PY), "--root", str(root), *args], check=check, env=env)
+def tool(root: Path, *args: str, check: bool = True, env: dict[str, str] | None = None,
+         python: str | None = None) -> Run:
+    return sh([python or PYTHON, str(BUILD_PY), "--root", str(root), *args], check=check, env=env)
+
+
+def tool_venv(where: Path) -> str:
+    """A virtual environment to run the tool in, as a user's own install would: its interpreter.
+
+    It sees the packages installed for the machine's Python (the tool's
+    dependencies) through one path file, but runs none of the start-up hooks
+    (.pth files) other packages put into the machine's site-packages, which
+    every start of the machine's Python pays for.
+    """
+    import site
+
+    sh([MACHINE_PYTHON, "-m", "venv", "--without-pip", str(where)])
+    python = str(where / "bin" / "python")
+    purelib = sh([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    dirs = [d for d in [*site.getsitepackages(), site.getusersitepackages()] if Path(d).is_dir()]
+    (Path(purelib) / "machine-packages.pth").write_text("".join(f"{d}\n" for d in dirs))
+    sh([python, "-c", "import click, jinja2, unidiff, docker"])  # the tool's dependencies are found
+    return python
 
 
 def settle() -> None:

@@ -63,13 +63,13 @@ def _timed(flow: str, run: Run, ref: str, image_id: str = "") -> Timed:
 
 
 def run_tool(root: Path, base_tag: str, ref: str, cleanup: Cleanup, *, builder: str = "dockerfile",
-             cache: Path | None = None, flow: str | None = None) -> Timed:
+             cache: Path | None = None, flow: str | None = None, python: str | None = None) -> Timed:
     """One `image --rebuild`; ``cache``: the facts cache folder (a fresh one makes the run cold)."""
     settle()
     cleanup.add(ref)
     env = {"VLLM_HOTFIX_CACHE": str(cache)} if cache is not None else None
     r = tool(root, "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref, "--builder", builder,
-             env=env)
+             env=env, python=python)
     last = (r.stdout.strip().splitlines() or [''])[-1]
     if not last.startswith(f"built {ref} "):
         raise BenchError(f"tool did not build {ref}:\n{r.output[-2000:]}")

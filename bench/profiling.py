@@ -11,7 +11,8 @@ import pstats
 from pathlib import Path
 from typing import Any
 
-from common import PYTHON, REPO, median, sh
+import common
+from common import MACHINE_PYTHON, REPO, median, sh
 
 # step -> (file suffix, function name), summed
 STEPS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -46,13 +47,16 @@ def _ct(stats: dict[Any, Any], suffix: str, name: str) -> tuple[float, int]:
 
 
 def process_start(repeat: int = 5) -> dict[str, float]:
-    bare = [sh([PYTHON, "-c", "pass"]).seconds for _ in range(repeat)]
+    python = common.PYTHON
+    bare = [sh([python, "-c", "pass"]).seconds for _ in range(repeat)]
     # Without site initialization (-S): how much of the start the .pth files
     # of this Python's site-packages take.
-    nosite = [sh([PYTHON, "-S", "-c", "pass"]).seconds for _ in range(repeat)]
-    cli = [sh([PYTHON, "-c", "import vllm_hotfix.cli"], env={"PYTHONPATH": str(REPO)}).seconds
+    nosite = [sh([python, "-S", "-c", "pass"]).seconds for _ in range(repeat)]
+    machine = [sh([MACHINE_PYTHON, "-c", "pass"]).seconds for _ in range(repeat)]
+    cli = [sh([python, "-c", "import vllm_hotfix.cli"], env={"PYTHONPATH": str(REPO)}).seconds
            for _ in range(repeat)]
-    return {"python_bare_s": median(bare), "python_nosite_s": median(nosite), "python_import_cli_s": median(cli)}
+    return {"python_bare_s": median(bare), "python_nosite_s": median(nosite), "python_import_cli_s": median(cli),
+            "machine_python_bare_s": median(machine)}
 
 
 def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict[str, Any]:
@@ -64,7 +68,7 @@ def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict
             "--builder", "assemble"]
     code = (f"import cProfile, sys\nsys.argv = ['build.py', *{argv!r}]\n"
             f"cProfile.run('import vllm_hotfix.cli as c; c.run()', {str(prof)!r})\n")
-    run = sh([PYTHON, "-c", code], cwd=REPO, env={"VLLM_HOTFIX_CACHE": str(cache), "PYTHONPATH": str(REPO)})
+    run = sh([common.PYTHON, "-c", code], cwd=REPO, env={"VLLM_HOTFIX_CACHE": str(cache), "PYTHONPATH": str(REPO)})
     st = pstats.Stats(str(prof))
     raw = st.stats  # type: ignore[attr-defined]
     total = max(ct for (_f, _l, _n), (_cc, _nc, _tt, ct, _c) in raw.items())

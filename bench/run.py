@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
+import common  # noqa: E402
 import flows  # noqa: E402
 import profiling  # noqa: E402
 import synth  # noqa: E402
@@ -78,8 +79,8 @@ def ensure_standin() -> str:
     return found
 
 
-FLOWS = ("assemble", "dockerfile", "assemble-cold", "manual", "floor")
-TOOLS = ("assemble", "dockerfile", "assemble-cold")
+FLOWS = ("assemble", "dockerfile", "assemble-cold", "manual", "floor", "assemble-sys")
+TOOLS = ("assemble", "dockerfile", "assemble-cold", "assemble-sys")
 
 
 def section_full(root: Path, work: Path, cleanup: Cleanup, base_ref: str, rounds: int,
@@ -110,8 +111,9 @@ def section_full(root: Path, work: Path, cleanup: Cleanup, base_ref: str, rounds
             ref = f"{BASE_REPO}-out:{flow}-{tag}-{r}"
             if flow in TOOLS:
                 cache = work / f"facts-cold-{r}" if flow == "assemble-cold" else warm
+                # assemble-sys: the same as assemble, under the machine's own Python.
                 t = flows.run_tool(root, "v0.25.1", ref, cleanup, builder=flow.split("-")[0], cache=cache,
-                                   flow=flow)
+                                   flow=flow, python=common.MACHINE_PYTHON if flow == "assemble-sys" else None)
                 ids[flow].append(t.image_id)
             elif flow == "manual":
                 t = flows.run_manual(manual_work, base_ref, ref, cleanup)
@@ -147,7 +149,7 @@ def section_full(root: Path, work: Path, cleanup: Cleanup, base_ref: str, rounds
 
 
 RATIOS = (("assemble", "manual"), ("assemble", "floor"), ("dockerfile", "manual"), ("dockerfile", "floor"),
-          ("manual", "floor"))
+          ("manual", "floor"), ("assemble-sys", "floor"))
 
 
 def section_rebuild(root: Path, cleanup: Cleanup, tag: str, repeat: int) -> dict[str, Any]:
@@ -299,7 +301,8 @@ def table(res: dict[str, Any]) -> str:
     lines.append(f"\n== 2. Unchanged rebuild (records), wall incl. process start: median "
                  f"{reb['median']:.3f} s (min {reb['min']:.3f}, max {reb['max']:.3f}, n={reb['n']})")
     lines.append(f"     process start alone: python -c pass {res['start']['python_bare_s']:.3f} s "
-                 f"(python -S, no site initialization: {res['start'].get('python_nosite_s', float('nan')):.3f} s), "
+                 f"(python -S, no site initialization: {res['start'].get('python_nosite_s', float('nan')):.3f} s; "
+                 f"the machine's python: {res['start'].get('machine_python_bare_s', float('nan')):.3f} s), "
                  f"+ import vllm_hotfix.cli {res['start']['python_import_cli_s']:.3f} s")
     g = res["growth"]
     n = next(iter(g["cases"].values()))["assemble"]["n"]
@@ -339,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="repetitions per growth case")
     ap.add_argument("--sizes", default=",".join(f"{s:g}" for s in SIZES_GB), help="base sizes in GB")
     ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<date>.json)")
+    ap.add_argument("--python", default="venv",
+                    help="the tool's interpreter: venv (a virtual environment over the machine's packages, "
+                         "the default), machine (this Python), or a path")
     args = ap.parse_args(argv)
     sizes = tuple(float(s) for s in args.sizes.split(","))
     globals()["SIZES_GB"] = sizes
@@ -355,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         # where PYTHONDONTWRITEBYTECODE is set (each start would otherwise
         # compile the package from source).
         sh([sys.executable, "-m", "compileall", "-q", str(REPO / "vllm_hotfix")])
+        if args.python == "venv":
+            common.PYTHON = common.tool_venv(work / "venv")
+        elif args.python != "machine":
+            common.PYTHON = args.python
+        res["python"] = {"tool": common.PYTHON, "machine": common.MACHINE_PYTHON}
         standin_id = ensure_standin()
         shutil.copytree(REPO / "images", root / "images")
         shutil.copytree(REPO / "patches", root / "patches")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import assemble, pipeline
+from vllm_hotfix import assemble, pipeline, tarball
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import BuildError
 
@@ -303,3 +303,66 @@ def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
             assert not list((project / "build" / "runs").glob("*.json"))
     finally:
         engine.untag(out)
+
+
+def _small_archive(engine: Engine, base_ref: str, unique: str) -> tuple[str, bytes]:
+    """An assembled image of one new file over the base: (image ID, archive)."""
+    base = engine.inspect(base_ref)
+    assert base is not None
+    layer = tarball.write([tarball.Entry(f"hotfix-test-{unique}", unique.encode(), 0o644)])
+    config = assemble.image_config(base, engine.history(base["Id"]), "sha256:" + hashlib.sha256(layer).hexdigest(),
+                                   [("io.vllm-hotfix.test", unique)], "test layer")
+    return assemble.archive(config, base["RootFS"]["Layers"], layer)
+
+
+def test_load_opened_early_loads_the_archive(engine: Engine, base_v0251: str, unique: str) -> None:
+    image_id, data = _small_archive(engine, base_v0251, unique)
+    eng = Engine.connect(ping=False)
+    try:
+        eng.start_load(assemble.LEAD, assemble.NOTHING)
+        assert image_id in eng.load(data)
+        assert engine.image(image_id) is not None
+        # Opened, then given an archive that does not start with its lead:
+        # it is completed empty and the archive goes in a load of its own.
+        engine.remove_image(image_id)
+        eng.start_load(assemble.LEAD, assemble.NOTHING)
+        assert image_id in eng.load(data[len(assemble.LEAD):])
+        assert engine.image(image_id) is not None
+    finally:
+        eng.close()
+        engine.remove_image(image_id)
+
+
+def test_an_unused_early_load_loads_nothing(engine: Engine) -> None:
+    # What completes an unused load is an archive that loads nothing, and the engine takes it as such.
+    before = set(_ids())
+    assert engine.load(assemble.LEAD + assemble.NOTHING) == []
+    assert set(_ids()) == before
+
+
+def _ids() -> list[str]:
+    return subprocess.run(["docker", "images", "-aq", "--no-trunc"], capture_output=True, text=True,
+                          check=True).stdout.split()
+
+
+@pytest.mark.parametrize(("argv", "opened"), [
+    (["image", "--base", "v0.25.1", "--builder", "assemble"], True),
+    (["--root", "x", "image", "--builder=assemble", "--base", "v0.25.1"], True),
+    (["image", "--base", "v0.25.1"], False),
+    (["render", "--base", "v0.25.1", "--builder", "assemble"], False),
+    (["image", "--builder", "dockerfile", "--tag", "assemble"], False),
+])
+def test_head_start_opens_a_load_only_for_an_assembled_build(engine: Engine, argv: list[str], opened: bool) -> None:
+    from vllm_hotfix import engine as engine_module
+
+    try:
+        assemble.head_start(argv)
+        assert bool(engine_module._opened_early) is opened
+        if opened:
+            # The run's engine takes it over.
+            eng = Engine.connect(ping=False)
+            eng.start_load(assemble.LEAD, assemble.NOTHING)
+            assert not engine_module._opened_early
+            eng.close()
+    finally:
+        engine_module.close_early_loads()

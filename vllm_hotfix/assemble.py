@@ -190,6 +190,21 @@ def prepare(engine: Engine) -> None:
     engine.start_load(LEAD, NOTHING)
 
 
+def head_start(argv: Sequence[str]) -> None:
+    """:func:`prepare` for a command line that asks for an assembled build, before the CLI loads.
+
+    The entry script calls this first: Python's start, the CLI's and the
+    pipeline's imports are then what the engine's unpacker starts beside.
+    It only reads the command line; a wrong guess costs an empty load.
+    """
+    args = list(argv)
+    if "image" in args and ("--builder=assemble" in args or ["--builder", "assemble"] in
+                            [args[i:i + 2] for i in range(len(args) - 1)]):
+        from .engine import open_load_early
+
+        open_load_early(LEAD, NOTHING)
+
+
 def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[str, bytes]:
     """(image ID, a save-format archive holding the config and the new layer only).
 

@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from .assemble import BUILDERS
-from .engine import PULL_POLICIES, Engine
+from .engine import PULL_POLICIES, Engine, close_early_loads
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
 if TYPE_CHECKING:
@@ -623,6 +623,13 @@ def run(argv: Sequence[str] | None = None) -> int:
     """The process entry point: only here do errors become exit codes."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
+    try:
+        return _run(argv, prog)
+    finally:
+        close_early_loads()
+
+
+def _run(argv: Sequence[str] | None, prog: str) -> int:
     try:
         main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
     except click.exceptions.UsageError as exc:

@@ -396,6 +396,37 @@ class _PendingLoad:
             self._http.close()
 
 
+# Loads opened before the run's Engine existed (open_load_early), by socket
+# path: the first Engine.start_load on that socket with the same lead takes
+# its one over; close_early_loads completes any left.
+_opened_early: dict[str, _PendingLoad] = {}
+
+
+def _local_socket(base_url: str | None = None) -> str | None:
+    """The engine's unix socket path when it is spoken to directly (no TLS), else None."""
+    host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
+        return host.removeprefix("unix://")
+    return None
+
+
+def open_load_early(lead: bytes, nothing: bytes, timeout: float = 120) -> None:
+    """:meth:`Engine.start_load` before any Engine exists: the tool's own start overlaps the engine's."""
+    path = _local_socket()
+    if path is None or path in _opened_early:
+        return
+    try:
+        _opened_early[path] = _PendingLoad.open(path, timeout, lead, nothing)
+    except PipelineError as exc:
+        log.debug("no load opened early: %s", exc)
+
+
+def close_early_loads() -> None:
+    """Complete every early load no Engine took over, so that it loads nothing."""
+    while _opened_early:
+        _opened_early.popitem()[1].cancel()
+
+
 def _chunk(data: bytes) -> bytes:
     """One chunk of a chunked HTTP body (the empty one ends the body)."""
     return b"%x\r\n" % len(data) + data + b"\r\n"
@@ -437,14 +468,14 @@ class Engine:
         ``ping=False`` skips the ping on a local socket: the first real call
         then fails with the same error if no engine answers there.
         """
-        host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-        if transport == "auto" and host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
-            engine = cls(http=_UnixHttp(host.removeprefix("unix://"), timeout), timeout=timeout, base_url=host)
+        path = _local_socket(base_url) if transport == "auto" else None
+        if path is not None:
+            engine = cls(http=_UnixHttp(path, timeout), timeout=timeout, base_url=f"unix://{path}")
             if not ping:
                 return engine
             status, _data = engine._call("GET", "/_ping")
             if status != 200:
-                raise EngineError(f"no Docker engine answers (unix socket {host}: HTTP {status} to a ping)",
+                raise EngineError(f"no Docker engine answers (unix socket unix://{path}: HTTP {status} to a ping)",
                                   hint="start one (make services), or point DOCKER_HOST at a running engine")
             return engine
         try:
@@ -558,6 +589,12 @@ class Engine:
         """
         if self._http is None or self._pending_load is not None:
             return
+        early = _opened_early.pop(self._http.path, None)
+        if early is not None and early.lead == lead:
+            self._pending_load = early
+            return
+        if early is not None:
+            early.cancel()
         try:
             self._pending_load = _PendingLoad.open(self._http.path, self._timeout, lead, nothing)
         except PipelineError as exc:
