@@ -5,11 +5,11 @@ import os
 import sys
 
 if __name__ == "__main__":
-    from vllm_hotfix import assemble
+    from vllm_hotfix import early_load
 
     # An assembled build ends in a load into the engine: open it now, so that
     # the engine readies it while the rest of the tool is imported.
-    assemble.head_start(sys.argv[1:])
+    early_load.head_start(sys.argv[1:])
 
     import logging
 

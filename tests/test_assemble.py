@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import assemble, pipeline, tarball
+from vllm_hotfix import assemble, early_load, engine_http, pipeline, tarball
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import BuildError
 
@@ -319,14 +319,14 @@ def test_load_opened_early_loads_the_archive(engine: Engine, base_v0251: str, un
     image_id, data = _small_archive(engine, base_v0251, unique)
     eng = Engine.connect(ping=False)
     try:
-        eng.start_load(assemble.LEAD, assemble.NOTHING)
+        eng.start_load(early_load.LEAD, early_load.NOTHING)
         assert image_id in eng.load(data)
         assert engine.image(image_id) is not None
         # Opened, then given an archive that does not start with its lead:
         # it is completed empty and the archive goes in a load of its own.
         engine.remove_image(image_id)
-        eng.start_load(assemble.LEAD, assemble.NOTHING)
-        assert image_id in eng.load(data[len(assemble.LEAD):])
+        eng.start_load(early_load.LEAD, early_load.NOTHING)
+        assert image_id in eng.load(data[len(early_load.LEAD):])
         assert engine.image(image_id) is not None
     finally:
         eng.close()
@@ -336,7 +336,7 @@ def test_load_opened_early_loads_the_archive(engine: Engine, base_v0251: str, un
 def test_an_unused_early_load_loads_nothing(engine: Engine) -> None:
     # What completes an unused load is an archive that loads nothing, and the engine takes it as such.
     before = set(_ids())
-    assert engine.load(assemble.LEAD + assemble.NOTHING) == []
+    assert engine.load(early_load.LEAD + early_load.NOTHING) == []
     assert set(_ids()) == before
 
 
@@ -353,16 +353,14 @@ def _ids() -> list[str]:
     (["image", "--builder", "dockerfile", "--tag", "assemble"], False),
 ])
 def test_head_start_opens_a_load_only_for_an_assembled_build(engine: Engine, argv: list[str], opened: bool) -> None:
-    from vllm_hotfix import engine as engine_module
-
     try:
-        assemble.head_start(argv)
-        assert bool(engine_module._opened_early) is opened
+        early_load.head_start(argv)
+        assert bool(engine_http.opened_early) is opened
         if opened:
             # The run's engine takes it over.
             eng = Engine.connect(ping=False)
-            eng.start_load(assemble.LEAD, assemble.NOTHING)
-            assert not engine_module._opened_early
+            eng.start_load(early_load.LEAD, early_load.NOTHING)
+            assert not engine_http.opened_early
             eng.close()
     finally:
-        engine_module.close_early_loads()
+        engine_http.close_early_loads()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import assemble, push, smoke, sweep, tarball
+from vllm_hotfix import assemble, early_load, push, smoke, sweep, tarball
 from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.probes import env_report, landed
@@ -185,8 +185,8 @@ def test_tar_writer_writes_what_tarfile_writes(seed: int) -> None:
 
 def test_archive_starts_with_the_lead_and_nothing_completes_it() -> None:
     _id, data = assemble.archive(b"{}", ["sha256:" + "a" * 64], tarball.write([tarball.Entry("f", b"1", 0o644)]))
-    assert data.startswith(assemble.LEAD)
-    with tarfile.open(fileobj=io.BytesIO(assemble.LEAD + assemble.NOTHING)) as tar:
+    assert data.startswith(early_load.LEAD)
+    with tarfile.open(fileobj=io.BytesIO(early_load.LEAD + early_load.NOTHING)) as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
     assert members == {"vllm-hotfix": b"", "manifest.json": b"[]"}
-    assert len(assemble.LEAD + assemble.NOTHING) % tarball.RECORD == 0
+    assert len(early_load.LEAD + early_load.NOTHING) % tarball.RECORD == 0

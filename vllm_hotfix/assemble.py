@@ -35,8 +35,9 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .early_load import LEAD, NOTHING
 from .errors import BuildError
-from .tarball import BLOCK, RECORD, Entry, member, write
+from .tarball import Entry, write
 
 if TYPE_CHECKING:
     from .base import BaseFacts, PatchedFile
@@ -172,44 +173,21 @@ def image_config(
     return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
-# Every archive this builder loads begins with the same member, an empty file
-# the engine ignores: so the load can be opened before the rest is known
-# (prepare). NOTHING completes LEAD into an archive that loads nothing.
-LEAD = member(Entry("vllm-hotfix", b"", 0o644))
-_EMPTY_MANIFEST = member(Entry("manifest.json", b"[]", 0o644))
-NOTHING = _EMPTY_MANIFEST + b"\0" * (2 * BLOCK + -(len(LEAD) + len(_EMPTY_MANIFEST) + 2 * BLOCK) % RECORD)
-
-
 def prepare(engine: Engine) -> None:
-    """Open the load an assembled build ends with, so that the engine readies it meanwhile.
+    """Open the load an assembled build ends with (or take over the one :mod:`early_load` opened).
 
-    Called before the rest of the build's modules are even imported: the
-    engine's unpacker starts while they load. A build that ends up loading
-    nothing (reused, failed) completes it with NOTHING when the engine closes.
+    Called before the pipeline's modules are imported: the engine readies
+    the load meanwhile. A build that ends up loading nothing (reused, failed)
+    completes it with NOTHING when the engine closes.
     """
     engine.start_load(LEAD, NOTHING)
-
-
-def head_start(argv: Sequence[str]) -> None:
-    """:func:`prepare` for a command line that asks for an assembled build, before the CLI loads.
-
-    The entry script calls this first: Python's start, the CLI's and the
-    pipeline's imports are then what the engine's unpacker starts beside.
-    It only reads the command line; a wrong guess costs an empty load.
-    """
-    args = list(argv)
-    if "image" in args and ("--builder=assemble" in args or ["--builder", "assemble"] in
-                            [args[i:i + 2] for i in range(len(args) - 1)]):
-        from .engine import open_load_early
-
-        open_load_early(LEAD, NOTHING)
 
 
 def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[str, bytes]:
     """(image ID, a save-format archive holding the config and the new layer only).
 
     No tag in it: the pipeline tags the image once its record is written.
-    The archive starts with LEAD.
+    The archive starts with LEAD (:mod:`early_load`).
     """
     image_hex = hashlib.sha256(config).hexdigest()
     layer_hex = hashlib.sha256(layer).hexdigest()

@@ -15,7 +15,8 @@ import click
 
 from . import __version__
 from .assemble import BUILDERS
-from .engine import PULL_POLICIES, Engine, close_early_loads
+from .engine import PULL_POLICIES, Engine
+from .engine_http import close_early_loads
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
 if TYPE_CHECKING:

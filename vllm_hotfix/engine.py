@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
+from .engine_http import PendingLoad, UnixHttp, local_socket, lost, opened_early
+from .errors import BaseImageError, BuildError, EngineError, PipelineError, PushError
 
 log = logging.getLogger(__name__)
 
@@ -180,14 +181,6 @@ _AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication requ
                "incorrect username or password")
 
 
-def lost(what: str, exc: BaseException) -> EngineLost:
-    return EngineLost(
-        f"{what}: the Docker engine stopped answering ({_short(exc)})",
-        hint="check the engine (docker version); containers and images this run left are removed "
-             "by the next run once it answers",
-    )
-
-
 def auth_refused(message: str) -> bool:
     low = message.lower()
     return any(word in low for word in _AUTH_WORDS)
@@ -262,180 +255,10 @@ class Box:
         self._container.put_archive(folder, tar_bytes(files))
 
 
-class _Closed(Exception):
-    """The engine closed a kept-alive connection before answering."""
-
-
-class _UnixHttp:
-    """HTTP/1.1 to the engine over its unix socket, one kept-alive connection.
-
-    Written out rather than built on http.client, whose import (the email
-    parser with it) costs a noticeable part of an unchanged rebuild. It only
-    needs what the engine sends: a status line, headers, and a body sized by
-    Content-Length, sent chunked, or ended by closing the connection.
-    """
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path = path
-        self.timeout = timeout
-        self._sock: Any = None
-        self._file: Any = None
-        self.answered = False  # whether this engine ever answered: a failure after that is a lost engine
-
-    def _open(self, what: str) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.path)
-        except OSError as exc:
-            sock.close()
-            if self.answered:
-                raise lost(what, exc) from exc
-            raise EngineError(
-                f"no Docker engine answers (unix://{self.path}: {exc.strerror or exc})",
-                hint="start one (make services), or point DOCKER_HOST at a running engine",
-            ) from exc
-        self._sock, self._file = sock, sock.makefile("rb")
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._file.close()
-            self._sock.close()
-        self._sock = self._file = None
-
-    def request(
-        self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None
-    ) -> tuple[int, bytes]:
-        head = [f"{method} {path} HTTP/1.1", "Host: docker", f"Content-Length: {len(body or b'')}"]
-        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
-        for attempt in (0, 1):
-            fresh = self._sock is None
-            if fresh:
-                self._open(f"{method} {path.split('?', 1)[0]}")
-            try:
-                self._sock.sendall(data)
-                answer = self._response(method)
-                self.answered = True
-                return answer
-            except (OSError, ValueError, _Closed) as exc:
-                self.close()
-                # A kept-alive connection the engine closed meanwhile: one retry on a new one.
-                if fresh or attempt == 1:
-                    raise lost(f"{method} {path.split('?', 1)[0]}", exc) from exc
-        raise AssertionError("unreachable")
-
-    def _response(self, method: str) -> tuple[int, bytes]:
-        f = self._file
-        status_line = f.readline()
-        if not status_line:
-            raise _Closed("connection closed")
-        status = int(status_line.split()[1])
-        headers: dict[str, str] = {}
-        while (line := f.readline()) not in (b"\r\n", b"\n", b""):
-            key, _, value = line.decode("latin-1").partition(":")
-            headers[key.strip().lower()] = value.strip()
-        body = bytearray()
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            pass
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
-            while size := int(f.readline().split(b";")[0].strip() or b"0", 16):
-                body += f.read(size)
-                f.readline()
-            while f.readline() not in (b"\r\n", b"\n", b""):
-                pass  # trailers
-        elif "content-length" in headers:
-            body += f.read(int(headers["content-length"]))
-        else:
-            body += f.read()
-            headers["connection"] = "close"
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return status, bytes(body)
-
-
-class _PendingLoad:
-    """A ``POST /images/load`` whose archive is sent in two parts: ``lead`` now, the rest later.
-
-    The body goes chunked, so its length need not be known when it opens.
-    """
-
-    def __init__(self, http: _UnixHttp, lead: bytes, nothing: bytes) -> None:
-        self._http, self.lead, self._nothing = http, lead, nothing
-
-    @classmethod
-    def open(cls, path: str, timeout: float, lead: bytes, nothing: bytes) -> _PendingLoad:
-        http = _UnixHttp(path, timeout)
-        http._open("POST /images/load")
-        head = ("POST /images/load?quiet=1 HTTP/1.1\r\nHost: docker\r\nContent-Type: application/x-tar\r\n"
-                "Transfer-Encoding: chunked\r\n\r\n").encode("latin-1")
-        try:
-            http._sock.sendall(head + _chunk(lead))
-        except OSError as exc:
-            http.close()
-            raise lost("POST /images/load", exc) from exc
-        return cls(http, lead, nothing)
-
-    def finish(self, rest: bytes) -> tuple[int, bytes]:
-        """Send the rest of the archive and read the engine's answer."""
-        try:
-            self._http._sock.sendall(_chunk(rest) + _chunk(b""))
-            return self._http._response("POST")
-        except (OSError, ValueError, _Closed) as exc:
-            raise lost("POST /images/load", exc) from exc
-        finally:
-            self._http.close()
-
-    def cancel(self) -> None:
-        """Complete the archive so that it loads nothing; the answer is not waited for."""
-        try:
-            self._http._sock.sendall(_chunk(self._nothing) + _chunk(b""))
-        except OSError:
-            pass  # the engine went away: it has nothing of ours either
-        finally:
-            self._http.close()
-
-
-# Loads opened before the run's Engine existed (open_load_early), by socket
-# path: the first Engine.start_load on that socket with the same lead takes
-# its one over; close_early_loads completes any left.
-_opened_early: dict[str, _PendingLoad] = {}
-
-
-def _local_socket(base_url: str | None = None) -> str | None:
-    """The engine's unix socket path when it is spoken to directly (no TLS), else None."""
-    host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-    if host.startswith("unix://") and not os.environ.get("DOCKER_TLS_VERIFY"):
-        return host.removeprefix("unix://")
-    return None
-
-
-def open_load_early(lead: bytes, nothing: bytes, timeout: float = 120) -> None:
-    """:meth:`Engine.start_load` before any Engine exists: the tool's own start overlaps the engine's."""
-    path = _local_socket()
-    if path is None or path in _opened_early:
-        return
-    try:
-        _opened_early[path] = _PendingLoad.open(path, timeout, lead, nothing)
-    except PipelineError as exc:
-        log.debug("no load opened early: %s", exc)
-
-
-def close_early_loads() -> None:
-    """Complete every early load no Engine took over, so that it loads nothing."""
-    while _opened_early:
-        _opened_early.popitem()[1].cancel()
-
-
-def _chunk(data: bytes) -> bytes:
-    """One chunk of a chunked HTTP body (the empty one ends the body)."""
-    return b"%x\r\n" % len(data) + data + b"\r\n"
-
-
 class Engine:
     """A connection to one Docker engine."""
 
-    def __init__(self, client: Any = None, *, http: _UnixHttp | None = None, timeout: int = 120,
+    def __init__(self, client: Any = None, *, http: UnixHttp | None = None, timeout: int = 120,
                  base_url: str | None = None) -> None:
         self._sdk_client = client
         self._http = http
@@ -444,7 +267,7 @@ class Engine:
         # Told +1 before each container this engine starts for us and -1 once it is
         # removed, so that a run that dies can leave a note for the next (leftovers.py).
         self.on_container: Callable[[int], None] | None = None
-        self._pending_load: _PendingLoad | None = None
+        self._pending_load: PendingLoad | None = None
 
     def close(self) -> None:
         """Let go of the engine: a load opened by :meth:`start_load` and never used loads nothing."""
@@ -468,9 +291,9 @@ class Engine:
         ``ping=False`` skips the ping on a local socket: the first real call
         then fails with the same error if no engine answers there.
         """
-        path = _local_socket(base_url) if transport == "auto" else None
+        path = local_socket(base_url) if transport == "auto" else None
         if path is not None:
-            engine = cls(http=_UnixHttp(path, timeout), timeout=timeout, base_url=f"unix://{path}")
+            engine = cls(http=UnixHttp(path, timeout), timeout=timeout, base_url=f"unix://{path}")
             if not ping:
                 return engine
             status, _data = engine._call("GET", "/_ping")
@@ -589,14 +412,14 @@ class Engine:
         """
         if self._http is None or self._pending_load is not None:
             return
-        early = _opened_early.pop(self._http.path, None)
+        early = opened_early.pop(self._http.path, None)
         if early is not None and early.lead == lead:
             self._pending_load = early
             return
         if early is not None:
             early.cancel()
         try:
-            self._pending_load = _PendingLoad.open(self._http.path, self._timeout, lead, nothing)
+            self._pending_load = PendingLoad.open(self._http.path, self._timeout, lead, nothing)
         except PipelineError as exc:
             # Only a head start: the run's own calls report an engine that is not there.
             log.debug("no load opened early: %s", exc)
