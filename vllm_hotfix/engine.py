@@ -24,11 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .engine_http import PendingLoad, UnixHttp, local_socket, lost, opened_early
 from .errors import BaseImageError, BuildError, EngineError, PipelineError, PushError
+from .structs import field, struct
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ LOG_TAIL_LINES = 50
 SERVICE_LOG_LINES = 2000
 
 
-@dataclass(frozen=True)
+@struct
 class ImageInfo:
     """What the pipeline needs to know about an image in the engine."""
 
@@ -90,7 +90,7 @@ class ImageInfo:
         return self.repo_digests[0] if self.repo_digests else None
 
 
-@dataclass(frozen=True)
+@struct
 class GpuRequest:
     """How a container asks the engine for GPUs; chosen elsewhere, passed through here.
 
@@ -111,7 +111,7 @@ class GpuRequest:
         return self.way
 
 
-@dataclass(frozen=True)
+@struct
 class EngineFacts:
     """What the engine says about itself that bears on GPU access."""
 
@@ -123,7 +123,7 @@ class EngineFacts:
     local: bool
 
 
-@dataclass(frozen=True)
+@struct
 class ExecResult:
     exit_code: int
     stdout: str

@@ -10,7 +10,6 @@ import hashlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from .assemble import BUILDERS
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
 from .platforms import Platform
+from .structs import field, replace, struct
 
 if TYPE_CHECKING:
     from . import expected, pins
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
 
 
-@dataclass
+@struct(frozen=False)
 class Plan:
     """Everything known before the engine is touched."""
 
@@ -43,7 +43,7 @@ class Plan:
     pinset: pins.PinSet | None = None
 
 
-@dataclass
+@struct(frozen=False)
 class BuildResult:
     output_ref: str
     image_id: str

@@ -19,14 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import RecordError
+from .structs import struct
 
 KINDS = ("build", "verdict", "push", "tag")
 # Verdict outcomes. `incomplete`: the host, not the image, stopped the run
@@ -48,7 +47,7 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-@dataclass(frozen=True)
+@struct
 class Entry:
     kind: str
     path: Path
@@ -68,6 +67,12 @@ class Entry:
         return str(self.data.get("created", ""))
 
 
+def _new_file(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """A new file (O_EXCL, mode 0600) only this process writes: tempfile.mkstemp, without its import."""
+    path = str(folder / f"{prefix}{os.getpid()}-{os.urandom(6).hex()}{suffix}")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), path
+
+
 def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     """Write one new entry; raise RecordError (nothing written) if it cannot."""
     if kind not in KINDS:
@@ -81,7 +86,7 @@ def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     tmp: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+        fd, tmp = _new_file(folder, ".tmp-", ".json")
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(full, fh, indent=2, sort_keys=True)
             fh.write("\n")
@@ -105,7 +110,7 @@ def ensure_writable(root: Path) -> None:
     folder = records_dir(root)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        fd, tmp = _new_file(folder, ".probe-")
         try:
             os.write(fd, b"{}\n" * 64)
         finally:

@@ -17,16 +17,14 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .engine import Box, Engine, ImageInfo
 from .errors import BaseImageError, UpstreamError
+from .structs import struct
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +40,8 @@ def scratch_prefix() -> str:
 @contextmanager
 def scratch_tree(files: Mapping[str, bytes | None]) -> Iterator[Path]:
     """A temp folder holding ``files`` (None: absent) at their relative paths; removed after."""
+    import tempfile  # here: a build whose facts and patch results are cached makes no scratch tree
+
     with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
         work = Path(tmp)
         for rel, data in files.items():
@@ -52,6 +52,8 @@ def scratch_tree(files: Mapping[str, bytes | None]) -> Iterator[Path]:
 
 
 def probe_source(name: str) -> str:
+    from importlib import resources  # here: only a probe needs its script
+
     return resources.files("vllm_hotfix.probes").joinpath(name).read_text(encoding="utf-8")
 
 
@@ -82,7 +84,7 @@ def run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> 
     return data
 
 
-@dataclass(frozen=True)
+@struct
 class Folder:
     """A folder of the base above the package, as a layer must restate it."""
 
@@ -93,7 +95,7 @@ class Folder:
     mtime: int
 
 
-@dataclass(frozen=True)
+@struct
 class BaseFacts:
     """What the base image says about itself, by its own Python."""
 
@@ -123,6 +125,8 @@ def cache_dir(root: Path) -> Path:
 
 def _write_json(path: Path, data: Any) -> None:
     """Atomically: a reader never sees half a file, two writers never mix."""
+    import tempfile  # here: only a first probe of a base writes the cache
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
