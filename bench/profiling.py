@@ -83,7 +83,9 @@ def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict
     # Engine round trips: plain HTTP on a local socket, or the SDK's session.
     http_s, http_n = _ct(raw, "vllm_hotfix/engine.py", "_call")
     sdk_s, sdk_n = _ct(raw, "requests/sessions.py", "request")
-    http_s, http_n = http_s + sdk_s, http_n + sdk_n
+    # A load opened ahead (engine_http.PendingLoad) is finished outside _call.
+    early_s, early_n = _ct(raw, "vllm_hotfix/engine_http.py", "finish")
+    http_s, http_n = http_s + sdk_s + early_s, http_n + sdk_n + early_n
     return {
         "wall_s": run.seconds,
         "profiled_s": total,
