@@ -1,14 +1,14 @@
 """The one seam to the container engine.
 
-Nothing else in the package imports ``docker`` or talks to the engine. Every
-container this module starts is removed before the call that started it
-returns, whatever happens.
+Nothing else in the package imports ``docker`` or talks to the engine, but
+this module's own transport, :mod:`engine_http`. Every container this module
+starts is removed before the call that started it returns, whatever happens.
 
 The Docker SDK (and ``requests`` under it) costs more to import than a reused
 build takes in all, so it is imported on first use. The few calls an
 unchanged rebuild or an assembled build makes (ping, inspect, history, tag,
-load, info) are plain HTTP requests: over the engine's unix socket with the
-standard library when the engine is local, else through the SDK's session.
+load, info) are plain HTTP requests: over the engine's unix socket
+(:mod:`engine_http`) when the engine is local, else through the SDK's session.
 """
 
 from __future__ import annotations

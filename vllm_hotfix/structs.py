@@ -12,7 +12,8 @@ What it supports is what those classes use: fields from annotations, in
 order, with defaults or ``field(default_factory=..., compare=..., repr=...)``;
 frozen (the default) or not; equality and, when frozen, hashing over the
 compared fields; ``replace``. Type checkers see it as a dataclass
-(``dataclass_transform``).
+(``dataclass_transform``). Modules a build does not import (pins, smoke,
+push, upstream, ...) keep ``dataclasses``, whose extras (``asdict``) some use.
 """
 
 from __future__ import annotations
