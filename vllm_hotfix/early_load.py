@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .engine_http import open_load_early
-from .tarball import BLOCK, RECORD, Entry, member
+from .tarball import Entry, end, member
 
 LEAD = member(Entry("vllm-hotfix", b"", 0o644))
 _EMPTY_MANIFEST = member(Entry("manifest.json", b"[]", 0o644))
-NOTHING = _EMPTY_MANIFEST + b"\0" * (2 * BLOCK + -(len(LEAD) + len(_EMPTY_MANIFEST) + 2 * BLOCK) % RECORD)
+NOTHING = _EMPTY_MANIFEST + end(len(LEAD) + len(_EMPTY_MANIFEST))
 
 
 def assembles(argv: Sequence[str]) -> bool:

@@ -418,11 +418,7 @@ class Engine:
             return
         if early is not None:
             early.cancel()
-        try:
-            self._pending_load = PendingLoad.open(self._http.path, self._timeout, lead, nothing)
-        except PipelineError as exc:
-            # Only a head start: the run's own calls report an engine that is not there.
-            log.debug("no load opened early: %s", exc)
+        self._pending_load = PendingLoad.try_open(self._http.path, self._timeout, lead, nothing)
 
     def load(self, archive: bytes) -> list[str]:
         """``docker load`` of a save-format archive; layers the engine has need not be in it.

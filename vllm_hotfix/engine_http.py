@@ -126,6 +126,15 @@ class PendingLoad:
         self._http, self.lead, self._nothing = http, lead, nothing
 
     @classmethod
+    def try_open(cls, path: str, timeout: float, lead: bytes, nothing: bytes) -> PendingLoad | None:
+        """:meth:`open`, or None where the engine does not take it: only a head start, the run's
+        own calls then report an engine that is not there."""
+        try:
+            return cls.open(path, timeout, lead, nothing)
+        except PipelineError:
+            return None
+
+    @classmethod
     def open(cls, path: str, timeout: float, lead: bytes, nothing: bytes) -> PendingLoad:
         http = UnixHttp(path, timeout)
         http._open("POST /images/load")
@@ -177,10 +186,9 @@ def open_load_early(lead: bytes, nothing: bytes, timeout: float = 120) -> None:
     path = local_socket()
     if path is None or path in opened_early:
         return
-    try:
-        opened_early[path] = PendingLoad.open(path, timeout, lead, nothing)
-    except PipelineError:
-        pass  # only a head start: the run's own calls report an engine that is not there
+    pending = PendingLoad.try_open(path, timeout, lead, nothing)
+    if pending is not None:
+        opened_early[path] = pending
 
 
 def close_early_loads() -> None:

@@ -106,8 +106,12 @@ def member(e: Entry) -> bytes:
 def write(entries: Iterable[Entry]) -> bytes:
     """An archive of ``entries``, parents before children, sorted by path."""
     body = b"".join(member(e) for e in sorted(entries, key=lambda e: e.name.split("/")))
-    body += b"\0" * (2 * BLOCK)  # end of archive
-    return body + b"\0" * (-len(body) % RECORD)
+    return body + end(len(body))
+
+
+def end(length: int) -> bytes:
+    """What ends an archive whose members take ``length`` bytes: two zero blocks, then zeros to a whole record."""
+    return b"\0" * (2 * BLOCK + -(length + 2 * BLOCK) % RECORD)
 
 
 def tar_bytes(files: Mapping[str, bytes], modes: Mapping[str, int] | None = None) -> bytes:
