@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import assemble, early_load, engine_http, pipeline, tarball
+from vllm_hotfix import assemble, pipeline, tarball
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import BuildError
 
@@ -315,52 +315,9 @@ def _small_archive(engine: Engine, base_ref: str, unique: str) -> tuple[str, byt
     return assemble.archive(config, base["RootFS"]["Layers"], layer)
 
 
-def test_load_opened_early_loads_the_archive(engine: Engine, base_v0251: str, unique: str) -> None:
-    image_id, data = _small_archive(engine, base_v0251, unique)
-    eng = Engine.connect(ping=False)
-    try:
-        eng.start_load(early_load.LEAD, early_load.NOTHING)
-        assert image_id in eng.load(data)
-        assert engine.image(image_id) is not None
-        # Opened, then given an archive that does not start with its lead:
-        # it is completed empty and the archive goes in a load of its own.
-        engine.remove_image(image_id)
-        eng.start_load(early_load.LEAD, early_load.NOTHING)
-        assert image_id in eng.load(data[len(early_load.LEAD):])
-        assert engine.image(image_id) is not None
-    finally:
-        eng.close()
-        engine.remove_image(image_id)
-
-
-def test_an_unused_early_load_loads_nothing(engine: Engine) -> None:
-    # What completes an unused load is an archive that loads nothing, and the engine takes it as such.
-    before = set(_ids())
-    assert engine.load(early_load.LEAD + early_load.NOTHING) == []
-    assert set(_ids()) == before
 
 
 def _ids() -> list[str]:
     return subprocess.run(["docker", "images", "-aq", "--no-trunc"], capture_output=True, text=True,
                           check=True).stdout.split()
 
-
-@pytest.mark.parametrize(("argv", "opened"), [
-    (["image", "--base", "v0.25.1", "--builder", "assemble"], True),
-    (["--root", "x", "image", "--builder=assemble", "--base", "v0.25.1"], True),
-    (["image", "--base", "v0.25.1"], False),
-    (["render", "--base", "v0.25.1", "--builder", "assemble"], False),
-    (["image", "--builder", "dockerfile", "--tag", "assemble"], False),
-])
-def test_head_start_opens_a_load_only_for_an_assembled_build(engine: Engine, argv: list[str], opened: bool) -> None:
-    try:
-        early_load.head_start(argv)
-        assert bool(engine_http.opened_early) is opened
-        if opened:
-            # The run's engine takes it over.
-            eng = Engine.connect(ping=False)
-            eng.start_load(early_load.LEAD, early_load.NOTHING)
-            assert not engine_http.opened_early
-            eng.close()
-    finally:
-        engine_http.close_early_loads()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import assemble, early_load, push, smoke, structs, sweep, tarball
+from vllm_hotfix import push, smoke, sweep, tarball
 from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.probes import env_report, landed
@@ -182,51 +182,3 @@ def test_tar_writer_writes_what_tarfile_writes(seed: int) -> None:
                 for m in tar}
     assert back == {e.name: (e.data is None, e.mode, e.data) for e in entries}
 
-
-def test_archive_starts_with_the_lead_and_nothing_completes_it() -> None:
-    _id, data = assemble.archive(b"{}", ["sha256:" + "a" * 64], tarball.write([tarball.Entry("f", b"1", 0o644)]))
-    assert data.startswith(early_load.LEAD)
-    with tarfile.open(fileobj=io.BytesIO(early_load.LEAD + early_load.NOTHING)) as tar:
-        members = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
-    assert members == {"vllm-hotfix": b"", "manifest.json": b"[]"}
-    assert len(early_load.LEAD + early_load.NOTHING) % tarball.RECORD == 0
-
-
-@structs.struct
-class _Point:
-    x: int
-    y: int = 0
-    tags: tuple[str, ...] = structs.field(default_factory=tuple)
-    note: str = structs.field(default="", compare=False, repr=False)
-
-
-@structs.struct(frozen=False)
-class _Mutable:
-    a: int
-    b: list[int] = structs.field(default_factory=list)
-
-
-def test_struct_behaves_as_a_dataclass_would() -> None:
-    p = _Point(1, tags=("k",))
-    assert (p.x, p.y, p.tags, p.note) == (1, 0, ("k",), "")
-    assert p == _Point(x=1, y=0, tags=("k",), note="ignored in eq") and p != _Point(2)
-    assert hash(_Point(1, 2)) == hash(_Point(1, 2, note="x"))
-    assert repr(p) == "_Point(x=1, y=0, tags=('k',))"
-    assert _Mutable(1).b is not _Mutable(1).b  # a factory per instance
-    with pytest.raises(structs.FrozenError):
-        p.x = 3  # type: ignore[misc]
-    with pytest.raises(AttributeError):
-        del p.y  # type: ignore[misc]
-    assert structs.replace(p, y=5) == _Point(1, 5, ("k",)) and p.y == 0
-    for bad in (lambda: _Point(), lambda: _Point(1, 2, {}, "", 5), lambda: _Point(1, z=2),  # type: ignore[call-arg]
-                lambda: _Point(1, x=1)):  # type: ignore[misc]
-        with pytest.raises(TypeError):
-            bad()
-    m = _Mutable(1)
-    m.a = 2
-    m.b.append(3)
-    assert m == _Mutable(2, [3])
-    with pytest.raises(TypeError):
-        hash(m)
-    with pytest.raises(TypeError, match="without a default follows"):
-        structs.struct(type("Bad", (), {"__annotations__": {"a": "int", "b": "int"}, "a": 1}))

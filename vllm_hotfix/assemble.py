@@ -35,7 +35,6 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .early_load import LEAD, NOTHING
 from .errors import BuildError
 from .tarball import Entry, write
 
@@ -173,21 +172,10 @@ def image_config(
     return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
-def prepare(engine: Engine) -> None:
-    """Open the load an assembled build ends with (or take over the one :mod:`early_load` opened).
-
-    Called before the pipeline's modules are imported: the engine readies
-    the load meanwhile. A build that ends up loading nothing (reused, failed)
-    completes it with NOTHING when the engine closes.
-    """
-    engine.start_load(LEAD, NOTHING)
-
-
 def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[str, bytes]:
     """(image ID, a save-format archive holding the config and the new layer only).
 
     No tag in it: the pipeline tags the image once its record is written.
-    The archive starts with LEAD (:mod:`early_load`).
     """
     image_hex = hashlib.sha256(config).hexdigest()
     layer_hex = hashlib.sha256(layer).hexdigest()
@@ -200,7 +188,7 @@ def archive(config: bytes, base_layers: Sequence[str], layer: bytes) -> tuple[st
         Entry(f"{layer_hex}/layer.tar", layer, 0o644),
         Entry("manifest.json", json.dumps(manifest, separators=(",", ":")).encode(), 0o644),
     ]
-    return f"sha256:{image_hex}", LEAD + write(entries)
+    return f"sha256:{image_hex}", write(entries)
 
 
 def build(

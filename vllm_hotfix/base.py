@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ from .definitions import ImageDefinition
 from .engine import Engine, ImageInfo
 from .errors import BaseImageError, PatchError
 from .sources import BaseFacts, ImageReader, content, patch_key, run_probe, scratch_tree
-from .structs import struct
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ SCRATCH = "/tmp/vllm-hotfix"
 __all__ = ["BaseFacts", "PatchedFile", "prepare", "apply_in_scratch", "touched_files"]
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class PatchedFile:
     rel: str  # relative to site_dir, e.g. vllm/models/.../indexer.py
     data: bytes

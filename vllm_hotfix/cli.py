@@ -16,7 +16,6 @@ import click
 from . import __version__
 from .assemble import BUILDERS
 from .engine import PULL_POLICIES, Engine
-from .engine_http import close_early_loads
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
 
 if TYPE_CHECKING:
@@ -178,11 +177,6 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None) -> None:
     """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
-    if builder == "assemble":
-        # Before the pipeline's modules load: the engine readies the load meanwhile.
-        from . import assemble
-
-        assemble.prepare(obj.engine)
     from . import pipeline, platforms
 
     wanted = platforms.parse(platform_text)
@@ -624,10 +618,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     """The process entry point: only here do errors become exit codes."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
-    try:
-        return _run(argv, prog)
-    finally:
-        close_early_loads()
+    return _run(argv, prog)
 
 
 def _run(argv: Sequence[str] | None, prog: str) -> int:

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import refs
 from .errors import DefinitionError
-from .structs import struct
 
 DEFAULT_REPOSITORY = "vllm/vllm-openai"
 
@@ -51,7 +51,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class ImageDefinition:
     tag: str
     base_repository: str

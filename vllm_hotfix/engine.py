@@ -24,11 +24,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .engine_http import PendingLoad, UnixHttp, local_socket, lost, opened_early
+from .engine_http import UnixHttp, local_socket, lost
 from .errors import BaseImageError, BuildError, EngineError, PipelineError, PushError
-from .structs import field, struct
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ LOG_TAIL_LINES = 50
 SERVICE_LOG_LINES = 2000
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class ImageInfo:
     """What the pipeline needs to know about an image in the engine."""
 
@@ -90,7 +90,7 @@ class ImageInfo:
         return self.repo_digests[0] if self.repo_digests else None
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class GpuRequest:
     """How a container asks the engine for GPUs; chosen elsewhere, passed through here.
 
@@ -111,7 +111,7 @@ class GpuRequest:
         return self.way
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What the engine says about itself that bears on GPU access."""
 
@@ -123,7 +123,7 @@ class EngineFacts:
     local: bool
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class ExecResult:
     exit_code: int
     stdout: str
@@ -267,13 +267,9 @@ class Engine:
         # Told +1 before each container this engine starts for us and -1 once it is
         # removed, so that a run that dies can leave a note for the next (leftovers.py).
         self.on_container: Callable[[int], None] | None = None
-        self._pending_load: PendingLoad | None = None
 
     def close(self) -> None:
-        """Let go of the engine: a load opened by :meth:`start_load` and never used loads nothing."""
-        pending, self._pending_load = self._pending_load, None
-        if pending is not None:
-            pending.cancel()
+        """Let go of the engine."""
         if self._http is not None:
             self._http.close()
 
@@ -399,41 +395,13 @@ class Engine:
     def info(self) -> dict[str, Any]:
         return self._json("GET", "/info", "describe itself") or {}  # type: ignore[no-any-return]
 
-    def start_load(self, lead: bytes, nothing: bytes) -> None:
-        """Open a ``docker load`` now, for an archive that will begin with ``lead``.
-
-        The engine unpacks an archive in a process of its own, which takes it
-        longer to start (tens of milliseconds) than the unpacking; opened
-        early, that start overlaps the caller's remaining work. The next
-        :meth:`load` of an archive beginning with ``lead`` finishes this one.
-        ``nothing``: what completes ``lead`` into an archive that loads
-        nothing, sent if no such load comes (:meth:`close`). Only for a local
-        engine spoken to directly; elsewhere this does nothing.
-        """
-        if self._http is None or self._pending_load is not None:
-            return
-        early = opened_early.pop(self._http.path, None)
-        if early is not None and early.lead == lead:
-            self._pending_load = early
-            return
-        if early is not None:
-            early.cancel()
-        self._pending_load = PendingLoad.try_open(self._http.path, self._timeout, lead, nothing)
-
     def load(self, archive: bytes) -> list[str]:
         """``docker load`` of a save-format archive; layers the engine has need not be in it.
 
         Returns what the engine says it loaded (image IDs or names).
         """
-        pending, self._pending_load = self._pending_load, None
-        if pending is not None and archive.startswith(pending.lead):
-            status, data = pending.finish(archive[len(pending.lead):])
-            self._http.answered = True  # type: ignore[union-attr]
-        else:
-            if pending is not None:
-                pending.cancel()
-            status, data = self._call("POST", "/images/load", params={"quiet": "1"}, body=archive,
-                                      headers={"Content-Type": "application/x-tar"})
+        status, data = self._call("POST", "/images/load", params={"quiet": "1"}, body=archive,
+                                  headers={"Content-Type": "application/x-tar"})
         messages = []
         for line in data.decode("utf-8", "replace").splitlines():
             try:

@@ -1,9 +1,7 @@
-"""The engine's plain HTTP transport: requests over its local unix socket, and loads opened early.
+"""The engine's plain HTTP transport: requests over its local unix socket.
 
 Part of the one seam to the engine (:mod:`engine` speaks through it when the
-engine is local). It imports nothing but ``os`` and ``socket``, so that the
-entry script can open an assembled build's load before the rest of the tool
-is even imported (:mod:`early_load`).
+engine is local).
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import EngineError, EngineLost, PipelineError
+from .errors import EngineError, EngineLost
 
 
 def lost(what: str, exc: BaseException) -> EngineLost:
@@ -116,63 +114,6 @@ class UnixHttp:
         return status, bytes(body)
 
 
-class PendingLoad:
-    """A ``POST /images/load`` whose archive is sent in two parts: ``lead`` now, the rest later.
-
-    The body goes chunked, so its length need not be known when it opens.
-    """
-
-    def __init__(self, http: UnixHttp, lead: bytes, nothing: bytes) -> None:
-        self._http, self.lead, self._nothing = http, lead, nothing
-
-    @classmethod
-    def try_open(cls, path: str, timeout: float, lead: bytes, nothing: bytes) -> PendingLoad | None:
-        """:meth:`open`, or None where the engine does not take it: only a head start, the run's
-        own calls then report an engine that is not there."""
-        try:
-            return cls.open(path, timeout, lead, nothing)
-        except PipelineError:
-            return None
-
-    @classmethod
-    def open(cls, path: str, timeout: float, lead: bytes, nothing: bytes) -> PendingLoad:
-        http = UnixHttp(path, timeout)
-        http._open("POST /images/load")
-        head = ("POST /images/load?quiet=1 HTTP/1.1\r\nHost: docker\r\nContent-Type: application/x-tar\r\n"
-                "Transfer-Encoding: chunked\r\n\r\n").encode("latin-1")
-        try:
-            http._sock.sendall(head + chunk(lead))
-        except OSError as exc:
-            http.close()
-            raise lost("POST /images/load", exc) from exc
-        return cls(http, lead, nothing)
-
-    def finish(self, rest: bytes) -> tuple[int, bytes]:
-        """Send the rest of the archive and read the engine's answer."""
-        try:
-            self._http._sock.sendall(chunk(rest) + chunk(b""))
-            return self._http._response("POST")
-        except (OSError, ValueError, Closed) as exc:
-            raise lost("POST /images/load", exc) from exc
-        finally:
-            self._http.close()
-
-    def cancel(self) -> None:
-        """Complete the archive so that it loads nothing; the answer is not waited for."""
-        try:
-            self._http._sock.sendall(chunk(self._nothing) + chunk(b""))
-        except OSError:
-            pass  # the engine went away: it has nothing of ours either
-        finally:
-            self._http.close()
-
-
-# Loads opened before the run's Engine existed (open_load_early), by socket
-# path: the first Engine.start_load on that socket with the same lead takes
-# its one over; close_early_loads completes any left.
-opened_early: dict[str, PendingLoad] = {}
-
-
 def local_socket(base_url: str | None = None) -> str | None:
     """The engine's unix socket path when it is spoken to directly (no TLS), else None."""
     host = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
@@ -180,23 +121,3 @@ def local_socket(base_url: str | None = None) -> str | None:
         return host.removeprefix("unix://")
     return None
 
-
-def open_load_early(lead: bytes, nothing: bytes, timeout: float = 120) -> None:
-    """:meth:`Engine.start_load` before any Engine exists: the tool's own start overlaps the engine's."""
-    path = local_socket()
-    if path is None or path in opened_early:
-        return
-    pending = PendingLoad.try_open(path, timeout, lead, nothing)
-    if pending is not None:
-        opened_early[path] = pending
-
-
-def close_early_loads() -> None:
-    """Complete every early load no Engine took over, so that it loads nothing."""
-    while opened_early:
-        opened_early.popitem()[1].cancel()
-
-
-def chunk(data: bytes) -> bytes:
-    """One chunk of a chunked HTTP body (the empty one ends the body)."""
-    return b"%x\r\n" % len(data) + data + b"\r\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import unidiff
@@ -26,7 +27,6 @@ from .errors import (
     PatchError,
     PatchNeedsFuzz,
 )
-from .structs import struct
 
 NEEDED = "needed"
 INCLUDED = "included"
@@ -38,14 +38,14 @@ _FUZZ = re.compile(r"^Hunk #(\d+) succeeded at (\d+) with fuzz (\d+)")
 _FILE = re.compile(r"^(?:checking|patching) file (.+)$")
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class Hunk:
     file: str
     number: int  # 1-based within its file, as GNU patch counts
     header: str  # "@@ -424,6 +424,9 @@"
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class Patch:
     name: str
     path: Path

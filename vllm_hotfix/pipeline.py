@@ -10,6 +10,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,6 @@ from .assemble import BUILDERS
 from .engine import Engine, ImageInfo, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
 from .platforms import Platform
-from .structs import field, replace, struct
 
 if TYPE_CHECKING:
     from . import expected, pins
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
 
 
-@struct(frozen=False)
+@dataclass(slots=True)
 class Plan:
     """Everything known before the engine is touched."""
 
@@ -43,7 +43,7 @@ class Plan:
     pinset: pins.PinSet | None = None
 
 
-@struct(frozen=False)
+@dataclass(slots=True)
 class BuildResult:
     output_ref: str
     image_id: str

@@ -10,14 +10,14 @@ runs under emulation (qemu registered in the host's ``binfmt_misc``).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .engine import Engine
 from .errors import BaseImageError, EngineError, UsageError
-from .structs import struct
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class Platform:
     os: str
     architecture: str  # the OCI name: amd64, arm64

@@ -21,11 +21,11 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import RecordError
-from .structs import struct
 
 KINDS = ("build", "verdict", "push", "tag")
 # Verdict outcomes. `incomplete`: the host, not the image, stopped the run
@@ -47,7 +47,7 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class Entry:
     kind: str
     path: Path

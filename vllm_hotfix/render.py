@@ -9,6 +9,7 @@ untouched: the template only adds COPY and LABEL instructions.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,6 @@ from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
 from .patches import Patch
-from .structs import struct
 
 if TYPE_CHECKING:
     from .pins import Prepared
@@ -30,7 +30,7 @@ TEMPLATE_NAME = "Dockerfile.j2"
 CONTEXT_DIR = "files"
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class FileCopy:
     rel: str
     dest: str  # the file's path in the image

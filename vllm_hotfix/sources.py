@@ -19,12 +19,12 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .engine import Box, Engine, ImageInfo
 from .errors import BaseImageError, UpstreamError
-from .structs import struct
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> 
     return data
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class Folder:
     """A folder of the base above the package, as a layer must restate it."""
 
@@ -95,7 +95,7 @@ class Folder:
     mtime: int
 
 
-@struct
+@dataclass(frozen=True, slots=True)
 class BaseFacts:
     """What the base image says about itself, by its own Python."""
 
