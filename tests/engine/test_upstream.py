@@ -31,7 +31,6 @@ def _verdicts(r: Result) -> dict[str, str]:
     return {p["name"]: p["verdict"] for p in json.loads(r.out)["patches"]}
 
 
-@pytest.mark.engine
 @pytest.mark.parametrize(
     "tag, fixture, expected",
     [
@@ -92,7 +91,6 @@ def _break_hunk_2(project: Path) -> None:
     path.write_text(text.replace(old, "             ))\n         if index_md.num_prefill_tokens > 0:", 1))
 
 
-@pytest.mark.engine
 @pytest.mark.parametrize("tag, fixture", [("v0.25.1", "base_v0251"), ("v0.27.0", "base_v0270")])
 def test_check_upstream_conflicts(
     request: pytest.FixtureRequest, engine: Engine, project: Path, tag: str, fixture: str
@@ -143,31 +141,6 @@ def test_check_upstream_two_patch_set_per_release(project: Path) -> None:
         assert _verdicts(r) == {names[0]: expected, names[1]: expected}, tag
 
 
-def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
-    r = cli(
-        "check-upstream", "--patches", "v9.9.9", "--base", "v0.27.0", "--from-wheel", root=project, env=CACHE
-    )
-    fails(r, "patches/v9.9.9/series")
-    # A release PyPI cannot give (no index reachable) is one clear line.
-    r = cli(
-        "check-upstream",
-        "--patches",
-        "v0.25.1",
-        "--base",
-        "v9.9.9",
-        "--from-wheel",
-        root=project,
-        env={
-            "VLLM_HOTFIX_CACHE": str(tmp_path / "cache"),
-            "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-            "PIP_RETRIES": "0",
-            "PIP_TIMEOUT": "2",
-        },
-    )
-    fails(r, "vllm==9.9.9")
-
-
-@pytest.mark.engine
 def test_check_upstream_missing_image(engine: Engine, project: Path, unique: str) -> None:
     r = cli(
         "check-upstream",
@@ -184,10 +157,6 @@ def test_check_upstream_missing_image(engine: Engine, project: Path, unique: str
     fails(r, f"hotfix-test/absent-{unique}:v0.27.0", "--pull never")
 
 
-# -- image on a base that already carries patches ----------------------------
-
-
-@pytest.mark.engine
 def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path: Path, unique: str) -> None:
     # A 0.25.1 base that carries only the first patch: built with a set of it alone.
     only_first = tmp_path / "first"
@@ -262,7 +231,6 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
         engine.untag(f"{carrying}:v0.25.1")
 
 
-@pytest.mark.engine
 @pytest.mark.parametrize("flags", [(), ("--skip-included",)])
 def test_base_carrying_the_whole_set_needs_no_hotfix(
     engine: Engine, base_v0251: str, project: Path, unique: str, flags: tuple[str, ...]

@@ -1,4 +1,4 @@
-"""Unit tier: pure pieces of smoke, sweep, push and the probes (no engine)."""
+"""Pure pieces of smoke, sweep, push and the probes."""
 
 from __future__ import annotations
 
@@ -181,4 +181,3 @@ def test_tar_writer_writes_what_tarfile_writes(seed: int) -> None:
         back = {m.name: (m.isdir(), m.mode, tar.extractfile(m).read() if m.isfile() else None)  # type: ignore[union-attr]
                 for m in tar}
     assert back == {e.name: (e.data is None, e.mode, e.data) for e in entries}
-

@@ -1,9 +1,9 @@
-"""Integration tier: smoke inside built images, the serve sweep, the push gate.
+"""Smoke inside built images, the serve sweep through an image's entrypoint, the push gate.
 
 Real engine, real registry (Debian's docker-registry on a loopback port the
-test picks), real stand-in images. A stand-in has no vLLM server (no torch), so the sweep runs
-against tests/fake_openai.py, as a host process and as an image's own
-`vllm` entrypoint, healthy and dying at concurrency 2 as the bug did.
+test picks), real stand-in images. A stand-in has no vLLM server (no torch), so
+the sweep runs against tests/fake_openai.py as the image's own `vllm`
+entrypoint, healthy and dying at concurrency 2 as the bug did.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, cli, derive, fails, free_port
+from conftest import REPO, Registry, cli, derive
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
-pytestmark = pytest.mark.engine
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -145,74 +144,6 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
 
 
-def _serve(port: int, *extra: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "test-model", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc
-
-
-def test_serve_check_healthy_server(tmp_path: Path) -> None:
-    port = free_port()
-    proc = _serve(port, "--prompt-log", str(tmp_path / "prompts.txt"))
-    try:
-        r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,2,4,8,16",
-                "--requests", "32", "--report", str(tmp_path / "s.json"))
-        assert r.rc == 0, r.err
-        data = json.loads((tmp_path / "s.json").read_text())
-        assert [lv["concurrency"] for lv in data["levels"]] == [1, 2, 4, 8, 16]
-        for lv in data["levels"]:
-            assert lv["successes"] == 32 and lv["failures"] == 0
-            assert lv["p50_s"] <= lv["p95_s"]
-            assert lv["output_tokens_per_s"] > 0
-        # Requests of a level differ in length (sequences with different numbers of KV
-        # blocks in one batch), from a few dozen characters to a few thousand.
-        lengths = [int(x) for x in (tmp_path / "prompts.txt").read_text().split()]
-        assert len(lengths) == 5 * 32
-        assert len(set(lengths)) >= 4 and min(lengths) < 100 and max(lengths) > 4000
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_serve_check_server_dying_at_concurrency_2() -> None:
-    port = free_port()
-    proc = _serve(port, "--die-at-concurrency", "2")
-    try:
-        r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--requests", "8")
-        assert r.rc != 0
-        assert "serve sweep failed at concurrency 2" in r.last_error
-        assert "concurrency   1:    8/8" in r.err  # single requests worked
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_serve_check_short_replies_fail_with_min_tokens(tmp_path: Path) -> None:
-    """A server that survives the bug but answers concurrent requests with one token."""
-    port = free_port()
-    proc = _serve(port, "--short-at-concurrency", "2")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        # Without --min-tokens a short reply is still a reply: the sweep passes, and says how short.
-        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8",
-                "--report", str(tmp_path / "plain.json"))
-        assert r.rc == 0, r.err
-        levels = json.loads((tmp_path / "plain.json").read_text())["levels"]
-        assert levels[0]["shortest_reply_tokens"] == 32 and levels[0]["finish_reasons"] == {"length": 8}
-        assert levels[1]["shortest_reply_tokens"] == 1 and levels[1]["finish_reasons"].get("stop", 0) >= 1
-        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8", "--min-tokens", "32",
-                "--report", str(tmp_path / "strict.json"))
-        assert r.rc != 0
-        assert "serve sweep failed at concurrency 2" in r.last_error
-        assert "reply of 1 completion token(s), every reply must have at least 32 (finish_reason stop)" in r.last_error
-        assert "concurrency   1:    8/8" in r.err
-        r = cli("serve-check", "--url", url, "--min-tokens", "33")
-        fails(r, "--min-tokens 33: must be between 1 and the 32 tokens a request asks for")
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.mark.parametrize("die", [False, True])
 def test_smoke_serve_sweep_uses_the_image_entrypoint(
     engine: Engine, built: tuple[Path, str, str], tmp_path: Path, unique: str, die: bool
@@ -301,3 +232,9 @@ def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_p
     finally:
         proc.kill()
         reg.stop()
+
+
+def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
+    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=project)
+    assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err
+    assert "==> smoke 1/5" not in r.err  # refused before any check ran
