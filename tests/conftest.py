@@ -50,6 +50,18 @@ NO_ENGINE = "unix:///nonexistent/docker.sock"
 NO_INDEX = "http://127.0.0.1:9/simple"
 
 
+# Every engine a session may use: the default one and the platform-aware 26.1 one.
+ENGINES = tuple(dict.fromkeys([
+    os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock",
+    os.environ.get("VLLM_HOTFIX_PLATFORM_ENGINE") or os.environ.get("CDI_DOCKER_HOST")
+    or "unix:///run/vllm-hotfix-cdi/docker.sock",
+]))
+# The tool's own cache, kept on purpose across runs (as build/cache is): the
+# stand-ins' Debian root file systems, made once per engine with mmdebstrap.
+KEPT_REPOSITORIES = (standin.ROOTFS_REF.split(":")[0],)
+RUN_LABEL = "io.vllm-hotfix.run"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its tier, the folder it sits in under tests/."""
     here = Path(__file__).resolve().parent
@@ -59,6 +71,81 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests belong in a tier folder ({', '.join(TIERS)})")
         item.add_marker(getattr(pytest.mark, tier))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What an engine holds: top-level images (with their tags) and containers."""
+
+    images: dict[str, tuple[str, ...]]
+    containers: dict[str, str]
+
+
+def engine_state(url: str) -> EngineState | None:
+    """The images and containers of the engine at ``url``; None where no engine answers there."""
+    import docker  # only sessions that reach engines pay for the SDK
+
+    try:
+        client = docker.DockerClient(base_url=url, timeout=30)
+        images = client.api.images()
+        containers = client.api.containers(all=True)
+    except Exception:  # noqa: BLE001 - an engine that is not there holds nothing of ours
+        return None
+    return EngineState(
+        images={i["Id"]: tuple(t for t in i.get("RepoTags") or () if t != "<none>:<none>") for i in images},
+        # Containers another run of the tool or of this suite started (labelled with its run ID) are its own.
+        containers={c["Id"]: f"{(c.get('Names') or ['?'])[0].lstrip('/')} ({c.get('Image')}, {c.get('Status')})"
+                    for c in containers if (c.get("Labels") or {}).get(RUN_LABEL, RUN_ID) == RUN_ID},
+    )
+
+
+def leftovers(url: str, before: EngineState) -> list[str]:
+    """What the engine at ``url`` holds now and did not before the session: images, tags, containers."""
+    after = engine_state(url)
+    if after is None:
+        return [f"{url}: the engine no longer answers"]
+    out = []
+    for image_id, tags in sorted(after.images.items()):
+        new_tags = [t for t in tags if t not in before.images.get(image_id, ())
+                    and not t.startswith(tuple(f"{r}:" for r in KEPT_REPOSITORIES))]
+        if image_id not in before.images and not tags:
+            out.append(f"{url}: untagged image {image_id}")
+        elif new_tags:
+            out.append(f"{url}: tag {', '.join(new_tags)} on {image_id}")
+    out += [f"{url}: container {cid[:12]} {what}" for cid, what in sorted(after.containers.items())
+            if cid not in before.containers]
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Before the first test: what each engine holds, where the session reaches any engine at all."""
+    if all(item.get_closest_marker("unit") is not None for item in session.items):
+        return
+    states = {url: engine_state(url) for url in ENGINES}
+    session.config.stash[ENGINES_BEFORE] = {url: s for url, s in states.items() if s is not None}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session fails if it left an image, tag or container on any engine it used."""
+    before = session.config.stash.get(ENGINES_BEFORE, {})
+    left = [line for url, state in before.items() for line in leftovers(url, state)]
+    session.config.stash[LEFT] = left
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    left = terminalreporter.config.stash.get(LEFT, [])
+    if left:
+        terminalreporter.section("left behind on the engines", sep="=", red=True, bold=True)
+        for line in left:
+            terminalreporter.write_line(line)
+
+
+ENGINES_BEFORE = pytest.StashKey[dict[str, EngineState]]()
+LEFT = pytest.StashKey[list[str]]()
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +162,12 @@ def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
 def engine() -> Iterator[Engine]:
     eng = Engine.connect()
     yield eng
-    # Stand-ins the run tagged in its own namespace go; their shared rootfs
-    # layer stays as the tool's cache (vllm-hotfix/standin-rootfs).
+    drop_standins(eng)
+
+
+def drop_standins(eng: Engine) -> None:
+    """Untag the stand-ins this run tagged in its own namespace; their shared
+    rootfs layer stays as the tool's cache (vllm-hotfix/standin-rootfs)."""
     for version in ("0.25.1", "0.26.0", "0.27.0"):
         info = eng.image(f"{STANDIN_REPO}:v{version}")
         if info is not None and standin.LABEL in info.labels:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import REPO, cli, fails, snapshot
+from conftest import REPO, STANDIN_REPO, cli, fails, snapshot
 from github_api import PRS, SLUG, TITLE
 from vllm_hotfix.engine import Engine
 
@@ -25,6 +25,9 @@ def test_new_patchset_from_pr_for_a_new_base(engine: Engine, base_v0251: str, fr
         "49149",
         "--api-url",
         api,
+        # The run's own stand-in, never whatever the engine holds as vllm/vllm-openai.
+        "--base-repo",
+        STANDIN_REPO,
         "--pull",
         "never",
         root=fresh,

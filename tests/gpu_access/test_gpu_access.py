@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, cli, make_standin
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin
 from vllm_hotfix.engine import Engine, GpuRequest
 from vllm_hotfix.smoke import Smoke, SmokeOptions
 
@@ -47,9 +47,10 @@ def cdi_engine() -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module")
-def cdi_base(cdi_engine: Engine) -> str:
+def cdi_base(cdi_engine: Engine) -> Iterator[str]:
     """The vLLM 0.25.1 stand-in (Python, vLLM sources, no CUDA) in the CDI engine."""
-    return make_standin(cdi_engine, "0.25.1")
+    yield make_standin(cdi_engine, "0.25.1")
+    drop_standins(cdi_engine)
 
 
 def test_cdi_request_reaches_the_container(cdi_engine: Engine, cdi_base: str) -> None:

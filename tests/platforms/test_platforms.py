@@ -118,8 +118,6 @@ def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_
 # interpreter's own magic and machine.
 TREE = r"""
 import hashlib, importlib.util, json, os, platform, sys
-
-AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
 site, rels = sys.argv[1], sys.argv[2:]
 files = {}
 for d, _, names in os.walk(os.path.join(site, "vllm")):
