@@ -121,15 +121,13 @@ def test_release_requirements_judge_each_pin() -> None:
 
 
 def test_pins_need_an_engine_on_this_machine() -> None:
-    from types import SimpleNamespace
-
     def engine_at(url: str) -> Engine:
-        return Engine(SimpleNamespace(api=SimpleNamespace(base_url=url)))
+        return Engine(base_url=url)
 
-    assert engine_at("http+docker://localhost").is_local
-    assert engine_at("http://127.0.0.1:2375").is_local
-    assert not engine_at("http://10.1.2.3:2376").is_local
-    assert not engine_at("http+docker://ssh").is_local
+    assert engine_at("unix:///var/run/docker.sock").local
+    assert engine_at("tcp://127.0.0.1:2375").local
+    assert not engine_at("tcp://10.1.2.3:2376").local
+    assert not engine_at("ssh://builder@10.1.2.3").local
 
 
 def test_a_variant_file_must_be_named_for_its_base_and_variant(tmp_path: Path) -> None:

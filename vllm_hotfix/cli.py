@@ -15,8 +15,9 @@ import click
 
 from . import __version__
 from .assemble import BUILDERS
-from .engine import PULL_POLICIES, Engine
+from .engine import Engine
 from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
+from .pulling import PULL_POLICIES, resolve
 
 if TYPE_CHECKING:
     from . import pipeline
@@ -526,7 +527,7 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
 
         defn = definitions.load(obj.root, base_tag)
         ref = defn.base_ref(base_repo)
-        info = obj.engine.resolve(ref, pull, progress)
+        info = resolve(obj.engine, ref, pull, progress)
         state = pins.probe(obj.engine, info.id, defn.python, [])
         if not state.tags:
             raise pins.PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")

@@ -19,9 +19,8 @@ from pathlib import Path
 from . import base as baselib
 from . import definitions, records, sources
 from . import patches as patchlib
-from .engine import Engine, ImageInfo
+from .engine import Engine, ImageInfo, labels
 from .errors import DefinitionError, PatchError, PipelineError, SmokeError
-from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,8 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
     else:
         # Labels only choose which definition and base to recompute from; the
         # hashes themselves come from the patch set and the base's own files.
-        tag = image.labels.get(f"{LABEL_PREFIX}.definition", "")
-        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id", "")
+        tag = image.labels.get(labels.DEFINITION, "")
+        base_id = image.labels.get(labels.BASE_ID, "")
         how = "the image's labels"
     if not tag or not base_id:
         raise UnknownExpectation(

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .engine import Engine, owner
+from .engine import Engine
+from .engine.labels import owner
 from .errors import PipelineError
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ from . import base, definitions, sources, standin
 from . import patches as patchlib
 from .engine import Engine
 from .errors import BaseImageError, NoHotfixNeeded, PatchError, UpstreamError
+from .pulling import resolve
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def create(
             raise UpstreamError("new-patchset needs a Docker engine unless --from-wheel")
         ref = f"{repository}:{tag}"
         eng = engine()
-        info = eng.resolve(ref, pull, say)
+        info = resolve(eng, ref, pull, say)
         facts, contents = sources.image_files(eng, package, defn.python if defn else "python3", ref, info, rels,
                                               sources.cache_dir(root))
         found, where = facts.version, ref

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import Engine
+from .engine import labels as label_keys
 from .errors import PinError
 from .patches import PINS_FILE, pins_path
 
@@ -476,12 +477,12 @@ class Prepared:
             })
         return out
 
-    def labels(self, prefix: str) -> dict[str, str]:
+    def labels(self) -> dict[str, str]:
         pins = {e["name"]: {k: e[k] for k in ("before", "after", "wheel", "sha256")} for e in self.entries()}
         return {
-            f"{prefix}.pins": json.dumps(pins, sort_keys=True),
-            f"{prefix}.pins.sha256": self.pinset.sha256,
-            f"{prefix}.pins.accepted": json.dumps([a.as_dict() for a in self.pinset.accepts], sort_keys=True),
+            label_keys.PINS: json.dumps(pins, sort_keys=True),
+            label_keys.PINS_SHA256: self.pinset.sha256,
+            label_keys.PINS_ACCEPTED: json.dumps([a.as_dict() for a in self.pinset.accepts], sort_keys=True),
         }
 
 
@@ -490,7 +491,7 @@ def prepare(engine: Engine, pinset: PinSet, image_id: str, python: str, *, wheel
     """Read the base's side (versions, tags, ``pip check``) and, with ``wheels``, find every wheel."""
     say(f"==> {len(pinset.pins)} pin(s) from {pinset.path.parent.name}/{PINS_FILE}: reading the base's "
         "distributions and pip check")
-    if wheels and not engine.is_local:
+    if wheels and not engine.local:
         raise PinError(f"{pinset.path}: pins are installed from wheels served on this machine's loopback, which "
                        f"the engine at {engine.address} cannot reach",
                        hint="build patch sets with pins on the engine's own machine (unset DOCKER_HOST)")

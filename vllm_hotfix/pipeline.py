@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
 from .assemble import BUILDERS
-from .engine import Engine, ImageInfo, split_reference
+from .engine import Engine, ImageInfo, labels, split_reference
 from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
 from .platforms import Platform
+from .pulling import resolve
 
 if TYPE_CHECKING:
     from . import expected, pins
@@ -150,7 +151,7 @@ def render_only(
                                progress=progress)
         assert bases is not None
         p = replace(p, base_ref=bases[platform])
-    info = engine.resolve(p.base_ref, pull, progress, str(platform) if platform else None)
+    info = resolve(engine, p.base_ref, pull, progress, str(platform) if platform else None)
     facts, files, applied = base.prepare(
         engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
         cache=sources.cache_dir(p.root),
@@ -181,7 +182,7 @@ def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> N
     if existing.id == base.id:
         raise PipelineError(f"--tag {p.output_ref} names the base image {base.id[:19]}; refusing to move it",
                             hint="choose another --tag (or --force)")
-    ours = existing.id in records.known_images(p.root) or f"{render.LABEL_PREFIX}.definition" in existing.labels
+    ours = existing.id in records.known_images(p.root) or labels.DEFINITION in existing.labels
     if not ours:
         raise PipelineError(
             f"--tag {p.output_ref} names image {existing.id[:19]}, which this tool did not build; refusing to move it",
@@ -246,7 +247,7 @@ def build_image(
     if base_info is not None and pull != "always":
         info = base_info
     else:
-        info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
+        info = resolve(engine, p.base_ref, pull, say, str(platform) if platform else None)
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, definitions, expected, gpu_access, pins, records, sweep
-from .engine import Engine, GpuRequest, ImageInfo
+from .engine import Engine, GpuRequest, ImageInfo, labels
 from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
-from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ class Smoke:
         The set is the one of ``--definition`` if given (so an unpatched base can
         be shown to fail them), else of the definition the image's label names.
         """
-        tag = self.opt.definition or image.labels.get(f"{LABEL_PREFIX}.definition")
+        tag = self.opt.definition or image.labels.get(labels.DEFINITION)
         if not tag:
             return {}
         try:
@@ -193,7 +192,7 @@ class Smoke:
         self.say(f"==> smoke 1/5: patched files in {ref}")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
-            package, files_json = image.labels.get(f"{LABEL_PREFIX}.package", "vllm"), "{}"
+            package, files_json = image.labels.get(labels.PACKAGE, "vllm"), "{}"
             report.expected_from = "unknown"
             self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
         else:
@@ -275,7 +274,7 @@ class Smoke:
         None (every deviation counts as the image's) when the image names no
         base or the base is not in the engine.
         """
-        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id")
+        base_id = image.labels.get(labels.BASE_ID)
         if not base_id or base_id == image.id:
             return None
         base = self.engine.image(base_id)

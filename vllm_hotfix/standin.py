@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import platforms, registry
-from .engine import Engine, ImageInfo, split_reference
+from .engine import Engine, ImageInfo, labels, split_reference
 from .errors import BaseImageError, PushError, UpstreamError
 from .platforms import Platform
 from .sources import cache_dir
@@ -44,9 +44,7 @@ ROOTFS = "bookworm-pip"
 ROOTFS_REF = f"vllm-hotfix/standin-rootfs:{ROOTFS}"
 ROOTFS_PACKAGES = "python3,python3-pip"
 SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
-LABEL = "io.vllm-hotfix.standin"
-LABEL_ROOTFS = "io.vllm-hotfix.standin.rootfs"
-LABEL_DEPS = "io.vllm-hotfix.standin.deps"
+LABEL, LABEL_ROOTFS, LABEL_DEPS = labels.STANDIN, labels.STANDIN_ROOTFS, labels.STANDIN_DEPS
 DEPS_MODES = ("race", "serial")
 # (name, version) in the order they are unpacked; the two sub-wheels share paths.
 SM100_DEPS = (

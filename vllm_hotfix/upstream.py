@@ -30,6 +30,7 @@ from . import patches as patchlib
 from .engine import Engine, split_reference
 from .errors import PipelineError, UpstreamError
 from .platforms import Platform
+from .pulling import resolve
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ def check(
         eng = engine()
         if platform is not None:
             ref = platform_base(eng, ref, platform, pull)
-        info = eng.resolve(ref, pull, say, str(platform) if platform else None)
+        info = resolve(eng, ref, pull, say, str(platform) if platform else None)
         if platform is not None and platforms.of(info.os, info.architecture) != platform:
             raise UpstreamError(f"{ref} is {info.os}/{info.architecture}, not {platform}")
         facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))
