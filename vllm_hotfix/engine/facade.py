@@ -235,11 +235,17 @@ class Engine:
             raise refusal(operation, status, data)
 
     def remove_image(self, ref: str, force: bool = True) -> None:
-        """Remove ``ref``; an image that is gone already, or that others still use, is no error."""
-        status, data = self.request("DELETE", f"/images/{_q(ref)}", f"removing image {ref}",
-                                    params={"force": "1" if force else "0"})
-        if status >= 300 and status != 404:
-            log.warning("could not remove image %s: %s", ref, short(data) or f"HTTP {status}")
+        """Remove ``ref``; an image that is gone already, or that others still use (409), is no error.
+
+        Any other refusal is (an engine shutting down answers 500): the caller
+        then keeps the image in its note for the next run to remove.
+        """
+        operation = f"removing image {ref}"
+        status, data = self.request("DELETE", f"/images/{_q(ref)}", operation, params={"force": "1" if force else "0"})
+        if status == 409:
+            log.warning("could not remove image %s: %s", ref, short(data))
+        elif status >= 300 and status != 404:
+            raise refusal(operation, status, data)
 
     def remove_untagged(self, image_id: str, force: bool = True) -> None:
         info = self.image(image_id)
