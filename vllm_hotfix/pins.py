@@ -18,7 +18,6 @@ from __future__ import annotations
 import html
 import json
 import logging
-import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from .pinfile import Accept, Pin
 from .pinfile import PinSet as PinSet
 from .pinfile import check_builder as check_builder
 from .pinfile import load as load
+from .sources import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ Progress = Callable[[str], None]
 
 def cache(root: Path) -> Path:
     """Where downloaded pinned wheels are kept (under VLLM_HOTFIX_CACHE, default build/cache)."""
-    return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache")) / "pin-wheels"
+    return cache_dir(root) / "pin-wheels"
 
 
 # -- the image's side ----------------------------------------------------------------
