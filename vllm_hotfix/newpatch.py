@@ -22,7 +22,7 @@ from pathlib import Path
 import requests
 import unidiff
 
-from . import base, definitions, sources, standin
+from . import base, definitions, sources, wheels
 from . import patches as patchlib
 from .engine import Engine
 from .errors import BaseImageError, NoHotfixNeeded, PatchError, UpstreamError
@@ -201,7 +201,7 @@ def create(
     files, _hunks = patchlib.validate(diff, name, package)
     rels = list(dict.fromkeys([*base.touched_files(existing), *files]))
     if from_wheel:
-        whl = standin.wheel(root, version, say)
+        whl = wheels.release(root, version, say)
         found, contents = sources.wheel_files(whl, package, rels)
         where = f"the {package} {version} wheel"
     else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_atomic
 from .errors import RecordError
 
 KINDS = ("build", "verdict", "push", "tag")
@@ -83,25 +84,9 @@ def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     name = f"{seq:020d}-{os.urandom(6).hex()}.json"
     full = {"kind": kind, "seq": seq, "created": now_iso(), **data}
     path = folder / name
-    tmp: str | None = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_file(folder, ".tmp-", ".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(full, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        # link() never replaces: a name clash (impossible in practice) fails loudly.
-        os.link(tmp, path)
-    except OSError as exc:
-        raise RecordError(f"cannot write a {kind} record under {folder}: {exc.strerror or exc}") from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    text = json.dumps(full, indent=2, sort_keys=True) + "\n"
+    # Exclusive: an entry is never rewritten, and a name clash (impossible in practice) fails loudly.
+    write_atomic(path, text, exclusive=True, mode=0o600, error=RecordError)
     return Entry(kind, path, full)
 
 

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, expected, gpu_access, pins, records, sweep
+from . import __version__, definitions, expected, gpu_access, pins, records, sweep, wheels
 from .engine import Engine, GpuRequest, ImageInfo
 from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
 from .render import LABEL_PREFIX
@@ -253,9 +253,8 @@ class Smoke:
         for pin in pinset.pins:
             record = None
             for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
-                parsed = pins.wheel_tags(path.name)
-                if parsed and parsed[:2] == (pin.name, pin.version) and pins.sha256_file(path) in pin.hashes:
-                    record = pins.wheel_record(path)
+                if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
+                    record = wheels.record(path)
                     break
             spec.append({"name": pin.spelled, "version": pin.version, "record": record})
         extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}

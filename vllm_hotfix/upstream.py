@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, pins, platforms, registry, sources, standin
+from . import base, definitions, pins, platforms, registry, sources, wheels
 from . import patches as patchlib
 from .engine import Engine, split_reference
 from .errors import PipelineError, UpstreamError
@@ -175,7 +175,7 @@ def check(
     rels = base.touched_files(patches)
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
-        wheel = standin.wheel(root, version, say, platform)
+        wheel = wheels.release(root, version, say, platform)
         found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
