@@ -20,7 +20,7 @@ from . import base as baselib
 from . import definitions, records, sources
 from . import patches as patchlib
 from .engine import Engine, ImageInfo
-from .errors import DefinitionError, PatchError, PipelineError, SmokeError
+from .errors import DefinitionError, PatchError, PipelineError, UnknownExpectation
 from .render import LABEL_PREFIX
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,6 @@ class Expected:
     version: str
     definition: str
     source: str
-
-
-class UnknownExpectation(SmokeError):
-    """The tool cannot tell what the image's patched files must be."""
 
 
 def from_build(defn: definitions.ImageDefinition, base_id: str, version: str | None,
