@@ -183,6 +183,13 @@ class UsageError(PipelineError):
     meaning = "usage (unknown option, malformed value)"
 
 
+class Malformed(ValueError):
+    """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
+
+    Not a PipelineError: the reader turns it into one that names where the value came from.
+    """
+
+
 class ShortReply(Exception):
     """A sweep reply with fewer completion tokens than every reply must have (counted as a failed request)."""
 

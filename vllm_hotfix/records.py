@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RecordError
-from .verdicts import Malformed, Verdict
+from .errors import Malformed, RecordError
+from .verdicts import Verdict
 
 KINDS = ("build", "verdict", "push", "tag")
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from . import definitions, expected, gpu_access, pins, records, sweep
 from .engine import Engine, GpuRequest, ImageInfo
-from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, Malformed, PinError, SmokeError
 from .render import LABEL_PREFIX
-from .verdicts import Check, Malformed, Status, Verdict, judge
+from .verdicts import Check, Status, Verdict, judge
 
 log = logging.getLogger(__name__)
 

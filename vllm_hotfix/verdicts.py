@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from . import __version__
-from .errors import SmokeError, SmokeIncomplete
+from .errors import Malformed, SmokeError, SmokeIncomplete
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,6 @@ class Status(StrEnum):
 
 # What a whole run can come to; a skipped check alone never decides a run.
 VERDICT_STATUSES = (Status.PASS, Status.FAIL, Status.INCOMPLETE)
-
-
-class Malformed(ValueError):
-    """A value that does not have the shape of a check or a verdict (what is wrong, in words)."""
 
 
 def _status(value: object, allowed: Sequence[Status], what: str) -> Status:
@@ -146,7 +142,7 @@ class Verdict:
             "host": dict(self.host),
             "platform": self.platform,
             "started": self.started,
-            "seconds": round(self.seconds, 3),
+            "seconds": self.seconds,
             "checks": [c.to_dict() for c in self.checks],
             "environment": dict(self.environment),
             "sweep": dict(self.sweep) if self.sweep is not None else None,
@@ -217,7 +213,8 @@ def judge(
     return Verdict(
         image=image, image_id=image_id, status=status, checks=tuple(checks),
         gpu_verified=gpu_verified, platform=platform, started=started,
-        seconds=seconds, expected_from=expected_from, gpu=dict(gpu or {}), host=dict(host or {}),
+        # Rounded as the report keeps it, so a verdict read back equals the one written.
+        seconds=round(seconds, 3), expected_from=expected_from, gpu=dict(gpu or {}), host=dict(host or {}),
         environment=dict(environment or {}), sweep=sweep,
     )
 
