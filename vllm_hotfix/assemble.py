@@ -99,6 +99,13 @@ class AssembleBuilder:
         return image_id
 
 
+def known_builder(name: str) -> str:
+    """``name`` if a builder has it; else Refused (a value that did not come through the CLI's choice)."""
+    if name not in BUILDERS:
+        raise Refused(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
+    return name
+
+
 def builder(name: str) -> Builder:
     """The builder called ``name`` (one of BUILDERS): the one place a name becomes a builder."""
     # render (and the base and engine modules below it) is imported only once a build is chosen:
@@ -106,9 +113,7 @@ def builder(name: str) -> Builder:
     from .render import DockerfileBuilder
 
     known: dict[str, type[Builder]] = {"dockerfile": DockerfileBuilder, "assemble": AssembleBuilder}
-    if name not in known:
-        raise Refused(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
-    return known[name]()
+    return known[known_builder(name)]()
 
 # Fields of the base's runtime config an image carries (OCI image config and
 # Docker's extensions). Anything else the engine reports (Hostname, Image,

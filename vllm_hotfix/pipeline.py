@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
-from .assemble import BUILDERS, BuildJob, builder
+from .assemble import BuildJob, builder, known_builder
 from .engine import PULL_POLICIES, Engine, ImageInfo, split_reference
 from .errors import AssembleUnsupported, BaseImageError, PipelineError, Refused, UsageError
 from .platforms import Platform, child_ref
@@ -52,8 +52,7 @@ class BuildOptions:
     def __post_init__(self) -> None:
         if self.pull not in PULL_POLICIES:
             raise UsageError(f"pull policy {self.pull!r} is not one of {', '.join(PULL_POLICIES)}")
-        if self.builder not in BUILDERS:
-            raise Refused(f"unknown builder {self.builder!r} (one of {', '.join(BUILDERS)})")
+        known_builder(self.builder)
 
     @property
     def say(self) -> Callable[[str], None]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import definitions, expected, gpu_access, pins, records, sweep
 from .engine import Engine, GpuRequest, ImageInfo
-from .errors import DefinitionError, EngineError, EngineLost, Malformed, PinError, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, Malformed, PinError, SmokeError, UnknownExpectation
 from .render import LABEL_PREFIX
 from .verdicts import Check, Status, Verdict, judge
 
@@ -174,7 +174,7 @@ class Smoke:
         """What the patched files must be, or why that cannot be known."""
         try:
             return expected.for_image(self.engine, self.root, image)
-        except expected.UnknownExpectation as exc:
+        except UnknownExpectation as exc:
             return str(exc)
 
     def run(self, ref: str, want: expected.Expected | None = None) -> Verdict:
