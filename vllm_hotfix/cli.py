@@ -2,6 +2,8 @@
 
 Only this module prints errors, and only :func:`_run` turns them into an exit
 code (the table in ``--help`` is made from errors.py, so it names every one).
+It is long because it declares the options of ten commands; each command's
+body only calls the library and prints what comes back.
 """
 
 from __future__ import annotations
