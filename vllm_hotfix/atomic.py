@@ -17,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from .errors import PipelineError
+from .errors import PipelineError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def write_atomic(
     *,
     exclusive: bool = False,
     mode: int = 0o666,
-    error: type[PipelineError] = PipelineError,
+    error: type[PipelineError] = StorageError,
 ) -> None:
     """Write ``data`` (str as UTF-8) to ``path``: the old content or all of the new, never part of it.
 

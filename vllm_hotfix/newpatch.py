@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import unidiff
 from . import base, definitions, sources, wheels
 from . import patches as patchlib
 from .engine import Engine
-from .errors import BaseImageError, NoHotfixNeeded, PatchError, UpstreamError
+from .errors import BaseImageError, PatchError, PinError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,40 @@ class Created:
     definition: Path | None
     dropped: list[str] = field(default_factory=list)
     where: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """What ``new-patchset --pin`` wrote: the pins file, and the image the wheels were chosen for."""
+
+    path: Path
+    image: str  # the Python and platform the wheels were chosen for
+
+
+def add_pins(
+    root: Path,
+    base_tag: str,
+    specs: Sequence[str],
+    engine: Callable[[], Engine],
+    *,
+    base_repo: str | None = None,
+    pull: str = "missing",
+    wheelhouse: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Pinned:
+    """Add ``NAME==VERSION`` lines, with the hashes of the wheels that fit the base, to the set's pins.txt."""
+    from . import pins  # here: only --pin needs the pins machinery
+
+    say = progress or (lambda _line: None)
+    defn = definitions.load(root, base_tag)
+    ref = defn.base_ref(base_repo)
+    eng = engine()
+    info = eng.resolve(ref, pull, say)
+    state = pins.probe(eng, info.id, defn.python, [])
+    if not state.tags:
+        raise PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")
+    written = pins.add(root, defn.patch_set, defn.package, specs, state, wheelhouse, say)
+    return Pinned(written, pins.describe_image(state))
 
 
 def api_url(option: str | None = None) -> str:
@@ -232,10 +266,8 @@ def create(
         if existing:
             # Does the set already hold this change? Judge against the bare base first.
             if patchlib.classify(patch, work)[0] != patchlib.INCLUDED:
-                try:
-                    patchlib.apply_series(existing, work, skip_included=True)
-                except NoHotfixNeeded:
-                    pass  # the base carries the whole set so far: judge the new patch alone
+                # A base that carries the whole set so far is left as it is: the new patch is judged alone.
+                patchlib.apply_series(existing, work, skip_included=True)
                 if patchlib.classify(patch, work)[0] == patchlib.INCLUDED:
                     raise UpstreamError(
                         f"{change.source}: patch set {set_name} already holds this change; nothing added",

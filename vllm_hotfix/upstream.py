@@ -57,6 +57,11 @@ class Report:
     def by_verdict(self, verdict: str) -> list[str]:
         return [v.patch for v in self.verdicts if v.verdict == verdict]
 
+    @property
+    def needs_hotfix(self) -> bool:
+        """False when the release carries every patch of the set: run it unpatched."""
+        return not self.verdicts or len(self.by_verdict(patchlib.INCLUDED)) < len(self.verdicts)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "patch_set": self.patch_set,

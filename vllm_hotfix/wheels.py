@@ -25,7 +25,7 @@ from packaging.tags import parse_tag
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .errors import PipelineError, UpstreamError
+from .errors import PinError, PipelineError, UpstreamError
 from .sources import cache_dir
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def record(path: Path) -> dict[str, str]:
     with zipfile.ZipFile(path) as zf:
         name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
         if name is None:
-            raise PipelineError(f"{path}: no RECORD; not a wheel")
+            raise PinError(f"{path}: no RECORD; not a wheel")
         rows = csv.reader(zf.read(name).decode("utf-8").splitlines())
         return {r[0]: r[1][len("sha256="):] for r in rows if len(r) >= 2 and r[1].startswith("sha256=")}
 
