@@ -12,7 +12,7 @@ PLATFORM_FLAG = $(if $(PLATFORM),--platform $(PLATFORM),)
 GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup services stop image render smoke push demo demo-platforms test lint bench bench-platforms clean \
+.PHONY: help setup services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms clean \
 	clean-records
 # The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
 PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
@@ -61,8 +61,11 @@ demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from 
 	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --platform all \
 		--registry $(REGISTRY) --allow-gpu-unverified
 
-test: setup services ## Run every test (unit and integration) against the real engine and registry
-	$(PYTHON) -m pytest -q
+test: setup services ## Run every tier (unit, engine, platforms, gpu_access) against real engines and registries
+	$(PYTHON) -m pytest -v --durations=15 tests
+
+unit: ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
+	$(PYTHON) -m pytest -q tests/unit
 
 lint: ## ruff and mypy
 	$(PYTHON) -m ruff check vllm_hotfix tests bench build.py

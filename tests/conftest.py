@@ -1,5 +1,12 @@
 """Shared fixtures: a real engine, real stand-in bases, and leak checks.
 
+Tests live in tier folders, by what they need, and are marked by folder:
+unit/ (no engine, no registry, no network: `make unit`), engine/ (the default
+Docker engine, registries on loopback ports, PyPI wheels), platforms/ (a
+Docker 26.1 engine that keeps platforms, with qemu) and gpu_access/ (CDI and
+GPU request paths). Importing this file connects to nothing: engine fixtures
+connect only when a test asks for them.
+
 Nothing here mocks the engine. Stand-in bases are made once per machine from
 the real vLLM wheels (see vllm_hotfix/standin.py) and reused across runs.
 """
@@ -22,6 +29,7 @@ from pathlib import Path
 import pytest
 import requests
 
+import github_api
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.tarball import tar_bytes
@@ -35,6 +43,32 @@ STANDIN_REPO = "hotfix-test/vllm-openai-" + os.environ.setdefault(
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
 RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
+TIERS = ("unit", "engine", "platforms", "gpu_access")
+# Where a unit test's engine and package index would be: nowhere, so a unit
+# test that reaches for either fails at once instead of passing slowly.
+NO_ENGINE = "unix:///nonexistent/docker.sock"
+NO_INDEX = "http://127.0.0.1:9/simple"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, the folder it sits in under tests/."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        parts = item.path.resolve().relative_to(here).parts
+        tier = parts[0] if len(parts) > 1 else ""
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests belong in a tier folder ({', '.join(TIERS)})")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests, and the CLIs they spawn, see no engine and no package index."""
+    if request.node.get_closest_marker("unit") is not None:
+        monkeypatch.setenv("DOCKER_HOST", NO_ENGINE)
+        monkeypatch.setenv("PIP_INDEX_URL", NO_INDEX)
+        monkeypatch.setenv("PIP_RETRIES", "0")
+        monkeypatch.setenv("PIP_TIMEOUT", "2")
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +156,25 @@ def project(tmp_path: Path) -> Path:
     for toml in (root / "images").glob("*.toml"):
         toml.write_text(toml.read_text().replace('"vllm/vllm-openai"', f'"{STANDIN_REPO}"'))
     return root
+
+
+@pytest.fixture
+def fresh(project: Path) -> Path:
+    """A project copy with no definition and no patch set for v0.25.1."""
+    (project / "images/v0.25.1.toml").unlink()
+    shutil.rmtree(project / "patches/v0.25.1")
+    return project
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def api() -> Iterator[str]:
+    """The GitHub API stand-in (tests/github_api.py), for the whole session."""
+    with github_api.serve() as url:
+        yield url
 
 
 @pytest.fixture

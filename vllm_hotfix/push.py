@@ -20,14 +20,14 @@ from pathlib import Path
 from . import platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
 from .errors import PushError, RecordError
-from .platforms import Platform
+from .platforms import Platform, child_ref
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Pushed:
     ref: str
     digest: str
@@ -44,27 +44,27 @@ def target_ref(image_ref: str, registry: str) -> str:
     return refs.check_reference(f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}", "push target", tag_only=True)
 
 
-def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.Entry:
+def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
     """The newest verdict that judged this exact image ID, if it lets the image through."""
-    verdict = records.judgement(root, image_id)
-    if verdict is None:
+    entry = records.judgement(root, image_id)
+    if entry is None:
         pending = records.verdicts(root, image_id)
-        why = f" (its only smoke runs were incomplete: {pending[0].data.get('incomplete')})" if pending else ""
+        why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
         raise PushError(
             f"{image_ref} ({image_id[:19]}) has no passing smoke verdict{why}; refusing to push an untested image",
             hint=f"run: python build.py smoke {image_ref}",
         )
-    if verdict.data.get("status") != records.PASS:
+    if not entry.verdict.passed:
         raise PushError(
-            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({verdict.created}); refusing to push",
-            hint=f"see {verdict.path}",
+            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({entry.created}); refusing to push",
+            hint=f"see {entry.path}",
         )
-    if not verdict.data.get("gpu_verified") and not allow_gpu_unverified:
+    if not entry.verdict.gpu_verified and not allow_gpu_unverified:
         raise PushError(
             f"{image_ref} passed smoke without GPU checks (GPU-unverified); refusing to push",
             hint="smoke-test it on a GPU host, or pass --allow-gpu-unverified",
         )
-    return verdict
+    return entry
 
 
 def push(
@@ -95,7 +95,7 @@ def push(
         records.append(root, "push", {
             "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
             "registry": registry_of(target), "verdict": verdict.path.name,
-            "gpu_verified": bool(verdict.data.get("gpu_verified")),
+            "gpu_verified": verdict.verdict.gpu_verified,
         })
     except RecordError as exc:
         raise RecordError(
@@ -122,7 +122,7 @@ def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: 
     return digest
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PushedIndex:
     ref: str
     digest: str
@@ -132,8 +132,6 @@ class PushedIndex:
 
 def platform_images(engine: Engine, image_ref: str, plats: list[Platform] | None) -> list[tuple[Platform, ImageInfo]]:
     """Each platform's image, ``IMAGE-<machine>`` as `image --platform` tagged it (None: every one present)."""
-    from .pipeline import child_ref
-
     repo, tag = split_reference(image_ref)
     if tag.startswith("sha256:"):
         raise PushError(f"{image_ref}: push a tagged reference, not a digest")
@@ -173,8 +171,6 @@ def push_index(
     before anything is pushed: an index is never put over an untested image.
     """
     say = progress or (lambda _line: None)
-    from .pipeline import child_ref
-
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, image_ref, plats)
     verdicts = {}
@@ -195,7 +191,7 @@ def push_index(
         digest = _push_one(engine, info, child_target, attempts, say)
         children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
                          "verdict": verdicts[plat].path.name,
-                         "gpu_verified": str(bool(verdicts[plat].data.get("gpu_verified"))).lower()})
+                         "gpu_verified": str(verdicts[plat].verdict.gpu_verified).lower()})
         entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
     say(f"==> putting the index {target} over {', '.join(c['platform'] for c in children)}")
     index_digest, index = registry.put_index(engine, target, entries)

@@ -9,6 +9,8 @@ untouched: the template only adds COPY and LABEL instructions.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -20,6 +22,8 @@ from .engine import labels as keys
 from .patches import Patch
 
 if TYPE_CHECKING:
+    from .assemble import BuildJob
+    from .engine import Engine
     from .pins import Prepared
 
 TEMPLATE_NAME = "Dockerfile.j2"
@@ -134,3 +138,32 @@ def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes
         for pyc_rel, data in f.bytecode:
             entries[f"{CONTEXT_DIR}/{PurePosixPath(pyc_rel)}"] = data
     return tar_bytes(entries, modes)
+
+
+@contextmanager
+def _served(pinned: Prepared | None) -> Iterator[dict[str, str]]:
+    """The pinned wheels on loopback for the build (its build arguments); nothing to serve without pins."""
+    if pinned is None:
+        yield {}
+        return
+    from .pins import serve  # here: most patch sets pin nothing
+
+    with serve(pinned) as buildargs:
+        yield buildargs
+
+
+class DockerfileBuilder:
+    """The engine builds the rendered Dockerfile from a context of the patched files."""
+
+    name = "dockerfile"
+
+    def build(self, engine: Engine, job: BuildJob) -> str:
+        files = list(job.files)
+        dockerfile = render(job.template, job.definition, job.facts, files, list(job.applied), job.pinned)
+        ctx = context(dockerfile, job.facts, files)
+        job.say(f"==> building {job.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+        # Pins: the wheels are served on loopback for the RUN step, which needs the
+        # host's network to reach them; nothing else in the build uses a network.
+        with _served(job.pinned) as buildargs:
+            return engine.build(ctx, lambda line: job.say("    " + line), on_image=job.on_image,
+                                buildargs=buildargs, network="host" if job.pinned is not None else None)

@@ -4,6 +4,10 @@ Each check is a probe script (vllm_hotfix/probes/, plus the patch set's own
 checks in patches/<set>/checks/) run with the image's Python, entrypoint
 overridden, under a timeout, in a container that is always removed. The serve
 sweep instead starts the image's own entrypoint (`vllm serve`).
+
+A probe's JSON comes from inside the image: each check it reports becomes a
+typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
+failing check), and a run ends in one :func:`~vllm_hotfix.verdicts.judge`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__, definitions, expected, gpu_access, pins, records, sweep
+from . import definitions, expected, gpu_access, pins, records, sweep, wheels
 from .engine import Engine, GpuRequest, ImageInfo, labels
-from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
+from .errors import DefinitionError, EngineError, EngineLost, Malformed, PinError, SmokeError, UnknownExpectation
+from .verdicts import Check, Status, Verdict, judge
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +34,7 @@ GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SmokeOptions:
     gpu: str = "auto"
     gpu_request: str = "auto"
@@ -44,11 +49,13 @@ class SmokeOptions:
     serve_timeout: float = 900
 
 
-@dataclass
+@dataclass(slots=True)
 class Report:
+    """What a run gathers as it goes; :meth:`verdict` judges it once, at the end."""
+
     image: str
     image_id: str
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] | None = None
     gpu_verified: bool = False
@@ -59,34 +66,21 @@ class Report:
     host: dict[str, Any] = field(default_factory=dict)
     platform: str = ""
 
-    @property
-    def status(self) -> str:
-        """fail if a check failed; incomplete if the host kept one from running; else pass."""
-        states = {c["status"] for c in self.checks}
-        if "fail" in states:
-            return records.FAIL
-        if "incomplete" in states:
-            return records.INCOMPLETE
-        return records.PASS
+    def verdict(self) -> Verdict:
+        return judge(self.image, self.image_id, self.checks, gpu_verified=self.gpu_verified,
+                     platform=self.platform, started=self.started, seconds=self.seconds,
+                     expected_from=self.expected_from, gpu=self.gpu, host=self.host,
+                     environment=self.environment, sweep=self.sweep)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "tool_version": __version__,
-            "image": self.image,
-            "image_id": self.image_id,
-            "status": self.status,
-            "incomplete": [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] == "incomplete"],
-            "gpu_verified": self.gpu_verified,
-            "gpu": self.gpu,
-            "expected_from": self.expected_from,
-            "host": self.host,
-            "platform": self.platform,
-            "started": self.started,
-            "seconds": round(self.seconds, 3),
-            "checks": self.checks,
-            "environment": self.environment,
-            "sweep": self.sweep,
-        }
+
+def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
+    """A probe's check as a typed Check; a malformed one is the probe's failing check."""
+    try:
+        check = Check.from_dict(raw)
+    except Malformed as exc:
+        name = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
+        return Check(name or probe, Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+    return Check(check.name, check.status, check.detail, seconds, check.data)
 
 
 def _probe(name: str) -> bytes:
@@ -101,7 +95,11 @@ def _parse_checks(name: str, stdout: str, stderr: str, code: int) -> tuple[list[
         except ValueError:
             continue
         if isinstance(data, dict) and isinstance(data.get("checks"), list):
-            return data["checks"], data.get("info") or {}
+            info = data.get("info")
+            checks = [c if isinstance(c, dict) else {"name": name, "status": "fail",
+                                                     "detail": f"malformed check {c!r:.80}"}
+                      for c in data["checks"]]
+            return checks, info if isinstance(info, dict) else {}
     if code == 124:
         # Neither a pass nor a failure of the image: it never finished.
         tail = (stderr.strip().splitlines() or [""])[-1]
@@ -147,12 +145,11 @@ class Smoke:
         checks, info = _parse_checks(fallback_name or script, res.stdout, res.stderr, res.exit_code)
         return checks, info, took
 
-    def add(self, report: Report, checks: list[dict[str, Any]], took: float) -> None:
-        for c in checks:
-            c.setdefault("detail", "")
-            c["seconds"] = round(took / max(len(checks), 1), 3)
+    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe") -> None:
+        for raw in checks:
+            c = as_check(raw, round(took / max(len(checks), 1), 3), probe)
             report.checks.append(c)
-            self.say(f"    {c['status']:<4} {c['name']}: {c['detail']}")
+            self.say(f"    {c.status.value:<4} {c.name}: {c.detail}")
 
     def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
         """The patch set's own checks, e.g. a GPU regression test for the fix.
@@ -176,10 +173,10 @@ class Smoke:
         """What the patched files must be, or why that cannot be known."""
         try:
             return expected.for_image(self.engine, self.root, image)
-        except expected.UnknownExpectation as exc:
+        except UnknownExpectation as exc:
             return str(exc)
 
-    def run(self, ref: str, want: expected.Expected | None = None) -> Report:
+    def run(self, ref: str, want: expected.Expected | None = None) -> Verdict:
         """Smoke-test ``ref``; ``want`` is the build's own expectation when it just built it."""
         image = self.engine.image(ref)
         if image is None:
@@ -208,7 +205,8 @@ class Smoke:
 
         self.say("==> smoke 2/5: environment report")
         checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
-        report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
+        data = next((c.get("data") for c in checks if c.get("name") == "env-report"), None)
+        report.environment = dict(data) if isinstance(data, dict) else {}
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
@@ -234,7 +232,7 @@ class Smoke:
         else:
             self.serve(report, image)
         report.seconds = time.monotonic() - start
-        return report
+        return report.verdict()
 
     def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
         """The pins of the image's definition, from its patch set on disk (never from labels)."""
@@ -252,9 +250,8 @@ class Smoke:
         for pin in pinset.pins:
             record = None
             for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
-                parsed = pins.wheel_tags(path.name)
-                if parsed and parsed[:2] == (pin.name, pin.version) and pins.sha256_file(path) in pin.hashes:
-                    record = pins.wheel_record(path)
+                if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
+                    record = wheels.record(path)
                     break
             spec.append({"name": pin.spelled, "version": pin.version, "record": record})
         extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}
@@ -324,20 +321,21 @@ class Smoke:
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
         checks, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
                                         fallback_name="gpu")
-        skipped = [c for c in checks if c["status"] == "skip"]
+        skipped = [c for c in checks if c.get("status") == "skip"]
         if mode == "require":
             # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
             for c in skipped:
                 c["status"] = "fail"
-                c["detail"] = f"--gpu require, but the check did not run ({c['detail']})"
+                c["detail"] = f"--gpu require, but the check did not run ({c.get('detail', '')})"
         self.add(report, checks, took)
         if info:
             report.environment["gpu"] = info
-        failed = [c["name"] for c in checks if c["status"] == "fail"]
+        # Anything but pass or skip (a fail, a probe that timed out, a malformed check) leaves it unverified.
+        failed = [str(c.get("name")) for c in checks if c.get("status") not in ("pass", "skip")]
         report.gpu_verified = bool(checks) and not failed and not skipped
         report.gpu["verified"] = report.gpu_verified
         if not report.gpu_verified:
-            names = failed or [c["name"] for c in skipped]
+            names = failed or [str(c.get("name")) for c in skipped]
             report.gpu["why_unverified"] = (
                 f"GPU checks {'failed' if failed else 'skipped'} through {access.chosen}: {', '.join(names)}"
             )
@@ -395,9 +393,9 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
     checks, _, _ = smoke.probe(image, "landed.py", [found.package, found.version,
                                                     json.dumps(dict(found.files), sort_keys=True)],
                                fallback_name="patch-landed")
-    bad = [c for c in checks if c["status"] != "pass"]
+    bad = [c for c in (as_check(raw, 0, "patch-landed") for raw in checks) if c.status is not Status.PASS]
     if bad:
-        return f"{bad[0]['name']}: {bad[0]['detail']}"
+        return f"{bad[0].name}: {bad[0].detail}"
     return pins_problem(engine, root, image, found)
 
 
@@ -419,43 +417,38 @@ def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.E
     return None
 
 
-def record(root: Path, report: dict[str, Any]) -> records.Entry:
-    """Append the run's verdict on its exact image ID (never rewrites an earlier one)."""
-    return records.append(root, "verdict", report)
-
-
 def runner(
     root: Path, progress: Callable[[str], None], options: SmokeOptions | None = None
-) -> Callable[[Engine, str, expected.Expected | None], dict[str, Any]]:
+) -> Callable[[Engine, str, expected.Expected | None], Verdict]:
     """The hook `image` calls after a build, before tagging."""
 
-    def run(engine: Engine, image_id: str, want: expected.Expected | None) -> dict[str, Any]:
-        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id, want).to_dict()
+    def run(engine: Engine, image_id: str, want: expected.Expected | None) -> Verdict:
+        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id, want)
 
     return run
 
 
-def write_json(report: dict[str, Any], path: Path) -> None:
+def write_json(verdict: Verdict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_junit(report: dict[str, Any], path: Path) -> None:
-    checks = report["checks"]
+def write_junit(verdict: Verdict, path: Path) -> None:
+    checks = verdict.checks
     suite = ET.Element(
         "testsuite",
-        name=f"smoke {report['image']}",
+        name=f"smoke {verdict.image}",
         tests=str(len(checks)),
-        failures=str(sum(c["status"] == "fail" for c in checks)),
-        skipped=str(sum(c["status"] == "skip" for c in checks)),
-        time=f"{report['seconds']:.3f}",
+        failures=str(sum(c.status is Status.FAIL for c in checks)),
+        skipped=str(sum(c.status is Status.SKIP for c in checks)),
+        time=f"{verdict.seconds:.3f}",
     )
     for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="smoke", name=c["name"], time=f"{c.get('seconds', 0):.3f}")
-        if c["status"] == "fail":
-            ET.SubElement(case, "failure", message=c.get("detail", "")).text = json.dumps(c.get("data", {}))[:4000]
-        elif c["status"] == "skip":
-            ET.SubElement(case, "skipped", message=c.get("detail", ""))
+        case = ET.SubElement(suite, "testcase", classname="smoke", name=c.name, time=f"{c.seconds:.3f}")
+        if c.status is Status.FAIL:
+            ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
+        elif c.status is Status.SKIP:
+            ET.SubElement(case, "skipped", message=c.detail)
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 

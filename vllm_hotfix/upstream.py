@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, pins, platforms, registry, sources, standin
+from . import base, definitions, pins, platforms, registry, sources, wheels
 from . import patches as patchlib
 from .engine import Engine, split_reference
 from .errors import PipelineError, UpstreamError
@@ -57,6 +57,11 @@ class Report:
 
     def by_verdict(self, verdict: str) -> list[str]:
         return [v.patch for v in self.verdicts if v.verdict == verdict]
+
+    @property
+    def needs_hotfix(self) -> bool:
+        """False when the release carries every patch of the set: run it unpatched."""
+        return not self.verdicts or len(self.by_verdict(patchlib.INCLUDED)) < len(self.verdicts)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -176,7 +181,7 @@ def check(
     rels = base.touched_files(patches)
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
-        wheel = standin.wheel(root, version, say, platform)
+        wheel = wheels.release(root, version, say, platform)
         found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")

@@ -1,4 +1,4 @@
-"""Unit tier: definitions and patch validation, no engine."""
+"""Definitions and patch validation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from vllm_hotfix import definitions, patches
 from vllm_hotfix.errors import DefinitionError, PatchError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_shipped_definition_loads() -> None:

@@ -1,9 +1,9 @@
-"""Integration tier: smoke inside built images, the serve sweep, the push gate.
+"""Smoke inside built images, the serve sweep through an image's entrypoint, the push gate.
 
 Real engine, real registry (Debian's docker-registry on a loopback port the
-test picks), real stand-in images. A stand-in has no vLLM server (no torch), so the sweep runs
-against tests/fake_openai.py, as a host process and as an image's own
-`vllm` entrypoint, healthy and dying at concurrency 2 as the bug did.
+test picks), real stand-in images. A stand-in has no vLLM server (no torch), so
+the sweep runs against tests/fake_openai.py as the image's own `vllm`
+entrypoint, healthy and dying at concurrency 2 as the bug did.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, cli, derive, fails, free_port
+from conftest import REPO, Registry, cli, derive
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.verdicts import Status
 
-pytestmark = pytest.mark.engine
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -31,14 +31,14 @@ def test_image_runs_smoke_and_records_it(built: tuple[Path, str, str]) -> None:
     project, ref, image_id = built
     [build] = records.builds_of_image(project, image_id)
     [verdict] = records.verdicts(project, image_id)
-    assert verdict.data["status"] == "pass"
-    names = {c["name"]: c["status"] for c in verdict.data["checks"]}
-    assert names["patch-landed"] == "pass"
-    assert names["integrity"] == "pass"
-    assert names["gpu"] == "skip"  # the test engine offers no GPU
-    assert verdict.data["gpu_verified"] is False
-    assert verdict.data["expected_from"].startswith("this build: patches/v0.25.1 applied to base")
-    assert verdict.data["host"]["engine_version"]
+    assert verdict.verdict.status is Status.PASS
+    names = {c.name: c.status for c in verdict.verdict.checks}
+    assert names["patch-landed"] is Status.PASS
+    assert names["integrity"] is Status.PASS
+    assert names["gpu"] is Status.SKIP  # the test engine offers no GPU
+    assert verdict.verdict.gpu_verified is False
+    assert verdict.verdict.expected_from.startswith("this build: patches/v0.25.1 applied to base")
+    assert verdict.verdict.host["engine_version"]
     assert build.data["inputs"]["patches"]
     # Written before the tag moved.
     [tag] = records.tags(project, ref)
@@ -67,9 +67,9 @@ def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251:
         assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
         assert "no smoke verdict on it yet" in r.err
         [verdict] = records.verdicts(project, image_id)
-        assert verdict.data["status"] == "pass"
+        assert verdict.verdict.status is Status.PASS
         # Smoke standing alone recomputes the hashes from the patch set and the base.
-        assert verdict.data["expected_from"].startswith("patches/v0.25.1 applied to base")
+        assert verdict.verdict.expected_from.startswith("patches/v0.25.1 applied to base")
     finally:
         engine.untag(ref)
 
@@ -133,7 +133,7 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     assert 'could not select device driver "" with capabilities: [[gpu]]' in r.last_error
     assert "no NVIDIA runtime registered" in r.last_error
     newest = records.verdicts(project, image_id)[0]
-    assert newest.data["status"] == "incomplete"
+    assert newest.verdict.status is Status.INCOMPLETE
     # The earlier passing verdict still stands: list shows it, push takes it.
     rows = json.loads(cli("list", "--json", root=project).out)
     [build] = [b for b in rows[0]["builds"] if b["image_id"] == image_id]
@@ -143,74 +143,6 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     # And the next `image` reuses it instead of rebuilding.
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
-
-
-def _serve(port: int, *extra: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "test-model", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc
-
-
-def test_serve_check_healthy_server(tmp_path: Path) -> None:
-    port = free_port()
-    proc = _serve(port, "--prompt-log", str(tmp_path / "prompts.txt"))
-    try:
-        r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--concurrency", "1,2,4,8,16",
-                "--requests", "32", "--report", str(tmp_path / "s.json"))
-        assert r.rc == 0, r.err
-        data = json.loads((tmp_path / "s.json").read_text())
-        assert [lv["concurrency"] for lv in data["levels"]] == [1, 2, 4, 8, 16]
-        for lv in data["levels"]:
-            assert lv["successes"] == 32 and lv["failures"] == 0
-            assert lv["p50_s"] <= lv["p95_s"]
-            assert lv["output_tokens_per_s"] > 0
-        # Requests of a level differ in length (sequences with different numbers of KV
-        # blocks in one batch), from a few dozen characters to a few thousand.
-        lengths = [int(x) for x in (tmp_path / "prompts.txt").read_text().split()]
-        assert len(lengths) == 5 * 32
-        assert len(set(lengths)) >= 4 and min(lengths) < 100 and max(lengths) > 4000
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_serve_check_server_dying_at_concurrency_2() -> None:
-    port = free_port()
-    proc = _serve(port, "--die-at-concurrency", "2")
-    try:
-        r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--requests", "8")
-        assert r.rc != 0
-        assert "serve sweep failed at concurrency 2" in r.last_error
-        assert "concurrency   1:    8/8" in r.err  # single requests worked
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def test_serve_check_short_replies_fail_with_min_tokens(tmp_path: Path) -> None:
-    """A server that survives the bug but answers concurrent requests with one token."""
-    port = free_port()
-    proc = _serve(port, "--short-at-concurrency", "2")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        # Without --min-tokens a short reply is still a reply: the sweep passes, and says how short.
-        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8",
-                "--report", str(tmp_path / "plain.json"))
-        assert r.rc == 0, r.err
-        levels = json.loads((tmp_path / "plain.json").read_text())["levels"]
-        assert levels[0]["shortest_reply_tokens"] == 32 and levels[0]["finish_reasons"] == {"length": 8}
-        assert levels[1]["shortest_reply_tokens"] == 1 and levels[1]["finish_reasons"].get("stop", 0) >= 1
-        r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8", "--min-tokens", "32",
-                "--report", str(tmp_path / "strict.json"))
-        assert r.rc != 0
-        assert "serve sweep failed at concurrency 2" in r.last_error
-        assert "reply of 1 completion token(s), every reply must have at least 32 (finish_reason stop)" in r.last_error
-        assert "concurrency   1:    8/8" in r.err
-        r = cli("serve-check", "--url", url, "--min-tokens", "33")
-        fails(r, "--min-tokens 33: must be between 1 and the 32 tokens a request asks for")
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize("die", [False, True])
@@ -301,3 +233,9 @@ def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_p
     finally:
         proc.kill()
         reg.stop()
+
+
+def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
+    r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=project)
+    assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err
+    assert "==> smoke 1/5" not in r.err  # refused before any check ran

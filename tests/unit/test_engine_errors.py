@@ -145,6 +145,15 @@ def test_a_refused_create_counts_no_container(vanished: tuple[Engine, list[int]]
     assert changes == [+1, -1]
 
 
+
+def test_no_engine_at_the_socket_is_one_line_not_a_lost_engine() -> None:
+    engine = Engine.connect(base_url="unix:///nonexistent/docker.sock", ping=False)
+    with pytest.raises(EngineError) as caught:
+        engine.image("x")
+    assert not isinstance(caught.value, EngineLost)
+    assert str(caught.value) == "no Docker engine answers (unix:///nonexistent/docker.sock: No such file or directory)"
+
+
 # -- the transport's deadline -----------------------------------------------------------
 
 

@@ -28,8 +28,6 @@ from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine, labels
 
-pytestmark = pytest.mark.engine
-
 
 class PrivateEngine:
     def __init__(self, root: Path) -> None:

@@ -18,7 +18,6 @@ import pytest
 from conftest import cli, derive
 from vllm_hotfix.engine import Engine
 
-pytestmark = pytest.mark.engine
 SITE = "/usr/local/lib/python3.12/dist-packages"
 UNTOUCHED = "vllm/envs.py"  # in RECORD, not touched by the patch set
 

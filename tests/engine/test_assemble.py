@@ -11,20 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from conftest import cli, fails
-from vllm_hotfix import assemble, pipeline, tarball
+from conftest import cli
+from vllm_hotfix import pipeline
 from vllm_hotfix.engine import Engine
-from vllm_hotfix.errors import BuildError
-
-pytestmark = pytest.mark.engine
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
@@ -143,7 +137,9 @@ def test_assembled_image_id_is_the_same_on_every_run(
         assert "probe containers started: 0" in err2, err2
         sdk = Engine.connect(transport="sdk")
         plan = pipeline.plan(project, "v0.25.1", output_ref=out)
-        third = pipeline.build_image(sdk, plan, pull="never", rebuild=True, builder="assemble").image_id
+        built = pipeline.build_image(sdk, plan, pipeline.BuildOptions(pull="never", rebuild=True, builder="assemble"))
+        assert isinstance(built, pipeline.BuildResult)
+        third = built.image_id
         assert first == second == third
 
         # The ID is the hash of the config, and the config holds nothing of
@@ -188,99 +184,6 @@ def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
         engine.untag(out)
 
 
-def test_containerd_image_store_is_named_as_the_reason() -> None:
-    # The engine here keeps the classic store; only the answer of a
-    # containerd-store engine's /info is stood in for.
-    class Info:
-        def __init__(self, status: list[list[str]]) -> None:
-            self.status = status
-
-        def info(self) -> dict[str, Any]:
-            return {"DriverStatus": self.status}
-
-    assert assemble.supported(Info([["driver-type", "io.containerd.snapshotter.v1"]])) is not None  # type: ignore[arg-type]
-    assert assemble.supported(Info([["Backing Filesystem", "extfs"]])) is None  # type: ignore[arg-type]
-
-
-def _hist(*entries: tuple[str, int]) -> list[dict[str, Any]]:
-    return [{"Created": 1700000000 + i, "CreatedBy": by, "Comment": "", "Size": size}
-            for i, (by, size) in enumerate(entries)]
-
-
-def test_base_history_marks_the_entries_that_made_layers() -> None:
-    hist = _hist(("", 100), ("/bin/sh -c #(nop)  ENV A=1", 0), ("/bin/sh -c touch /x", 0),
-                 ("/bin/sh -c #(nop) COPY dir:abc in /opt ", 20), ("LABEL a=b", 0))
-    out = assemble.base_history(hist, 3, "base")
-    assert [bool(h.get("empty_layer")) for h in out] == [False, True, False, False, True]
-    assert out[0]["created"] == "2023-11-14T22:13:20Z" and "created_by" not in out[0]
-    # Every zero-size entry made a layer.
-    assert not any(h.get("empty_layer") for h in assemble.base_history(hist, 5, "base"))
-    # Two candidates for one layer: refuse rather than guess.
-    hist2 = _hist(("", 100), ("RUN a", 0), ("RUN b", 0), ("ENV x", 0))
-    with pytest.raises(BuildError, match="history entries"):
-        assemble.base_history(hist2, 2, "base")
-
-
-def test_unknown_builder_is_refused(project: Path) -> None:
-    r = cli("image", "--base", "v0.25.1", "--no-smoke", "--builder", "kaniko", root=project)
-    fails(r, "--builder", "'kaniko' is not one of 'dockerfile', 'assemble'")
-    assert r.rc == 64
-
-
-# A Docker 26.1 engine beside the 20.10 one (`.ci/services start-cdi-engine`).
-NEWER_HOST = os.environ.get("CDI_DOCKER_HOST", "unix:///run/vllm-hotfix-cdi/docker.sock")
-
-
-def test_same_image_id_on_a_docker_26_engine(
-    engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path
-) -> None:
-    newer_env = {"DOCKER_HOST": NEWER_HOST}
-    version = subprocess.run(["docker", "version", "-f", "{{.Server.Version}}"], capture_output=True, text=True,
-                             env={**os.environ, **newer_env})
-    if version.returncode != 0:
-        pytest.fail(f"no Docker engine on {NEWER_HOST}: run `.ci/services start-cdi-engine`")
-    assert version.stdout.startswith("26."), version.stdout
-    old_env = {"DOCKER_HOST": os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"}
-    # The same base in both engines, by ID, under a name only this test uses.
-    repo = f"hotfix-test/base-{unique}"
-    had_base = subprocess.run(["docker", "image", "inspect", base_v0251], capture_output=True,
-                              env={**os.environ, **newer_env}).returncode == 0
-    saved = tmp_path / "base.tar"
-    subprocess.run(["docker", "save", "-o", str(saved), base_v0251], check=True, capture_output=True,
-                   env={**os.environ, **old_env})
-    subprocess.run(["docker", "load", "-i", str(saved)], check=True, capture_output=True,
-                   env={**os.environ, **newer_env})
-    saved.unlink()
-    out = f"hotfix-test/as-{unique}:t"
-    ids = {}
-    try:
-        for name, env in (("20.10", old_env), ("26.1", newer_env)):
-            subprocess.run(["docker", "tag", base_v0251, f"{repo}:v0.25.1"], check=True, env={**os.environ, **env})
-            r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
-                    "--no-smoke", "--builder", "assemble", root=project,
-                    env={**env, "VLLM_HOTFIX_CACHE": str(tmp_path / f"cache-{name}")})
-            assert r.rc == 0, r.err
-            ids[name] = r.out.strip().splitlines()[-1].split()[-1]
-        assert ids["20.10"] == ids["26.1"]
-        # And it works there: the image's Python sees the patched file.
-        check = subprocess.run(
-            ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", out, "-c",
-             f"import hashlib; print(hashlib.sha256(open('{SITE}/vllm/models/minimax_m3/common/indexer.py', "
-             "'rb').read()).hexdigest())"],
-            capture_output=True, text=True, env={**os.environ, **newer_env})
-        assert check.returncode == 0, check.stderr
-        labels = engine.image(ids["20.10"])
-        assert labels is not None
-        assert check.stdout.strip() == json.loads(labels.labels["io.vllm-hotfix.files"])[
-            "vllm/models/minimax_m3/common/indexer.py"]
-    finally:
-        for env in (old_env, newer_env):
-            subprocess.run(["docker", "rmi", out, f"{repo}:v0.25.1"], capture_output=True, env={**os.environ, **env})
-        if not had_base:
-            subprocess.run(["docker", "rmi", ids.get("26.1", "none"), base_v0251], capture_output=True,
-                           env={**os.environ, **newer_env})
-
-
 def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
     engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path
 ) -> None:
@@ -303,21 +206,3 @@ def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
             assert not list((project / "build" / "runs").glob("*.json"))
     finally:
         engine.untag(out)
-
-
-def _small_archive(engine: Engine, base_ref: str, unique: str) -> tuple[str, bytes]:
-    """An assembled image of one new file over the base: (image ID, archive)."""
-    base = engine.inspect(base_ref)
-    assert base is not None
-    layer = tarball.write([tarball.Entry(f"hotfix-test-{unique}", unique.encode(), 0o644)])
-    config = assemble.image_config(base, engine.history(base["Id"]), "sha256:" + hashlib.sha256(layer).hexdigest(),
-                                   [("io.vllm-hotfix.test", unique)], "test layer")
-    return assemble.archive(config, base["RootFS"]["Layers"], layer)
-
-
-
-
-def _ids() -> list[str]:
-    return subprocess.run(["docker", "images", "-aq", "--no-trunc"], capture_output=True, text=True,
-                          check=True).stdout.split()
-

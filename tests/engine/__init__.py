@@ -1,0 +1,1 @@
+"""Integration tier: a real Docker engine, real registries, real PyPI wheels."""

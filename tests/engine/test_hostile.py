@@ -1,0 +1,80 @@
+"""Hostile images and releases: one `error:` line, the documented exit code, nothing left behind.
+
+The inputs are real images built on top of the stand-in base, and a release
+PyPI does not have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, cli, derive, fails
+from vllm_hotfix import standin
+from vllm_hotfix.engine import Engine
+
+CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
+
+
+def _definition_python(project: Path, python: str) -> None:
+    toml = project / "images/v0.25.1.toml"
+    toml.write_text(toml.read_text().replace('name = "vllm"', f'name = "vllm"\npython = "{python}"'))
+
+
+FAKE_PY = b"""#!/bin/sh
+# Answers like a broken interpreter: keeps the probe container alive, prints {} to probes.
+case "$2" in *time.sleep*) exec python3 "$@";; esac
+echo '{}'
+"""
+HANGING_PY = b"""#!/bin/sh
+case "$2" in *time.sleep*) exec python3 "$@";; esac
+sleep 3600
+"""
+
+
+@pytest.mark.parametrize("python, script, needle", [
+    ("sh", None, "exited at once"),
+    ("/usr/local/bin/fakepy", FAKE_PY, "answered without python"),
+    ("/usr/local/bin/fakepy", HANGING_PY, "timed out after 3 s"),
+])
+def test_base_whose_python_misbehaves(engine: Engine, base_v0251: str, project: Path, unique: str,
+                                      python: str, script: bytes | None, needle: str) -> None:
+    repo = f"hotfix-test/oddpython-{unique}"
+    if script is not None:
+        derive(engine, base_v0251, f"{repo}:v0.25.1", "COPY fakepy /usr/local/bin/fakepy", {"fakepy": script},
+               {"fakepy": 0o755})
+    else:
+        engine.tag(base_v0251, f"{repo}:v0.25.1")
+    _definition_python(project, python)
+    try:
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", f"{repo}:out", "--pull", "never",
+                root=project, env={"VLLM_HOTFIX_PROBE_TIMEOUT": "3"})
+        fails(r, needle)
+        assert r.rc == 4
+        assert engine.image(f"{repo}:out") is None
+    finally:
+        info = engine.image(f"{repo}:v0.25.1")
+        engine.untag(f"{repo}:v0.25.1")
+        if info is not None and script is not None:
+            engine.remove_untagged(info.id)
+
+
+def test_unknown_release_from_the_wheel_is_an_upstream_error(tmp_path: Path) -> None:
+    r = cli("check-upstream", "--patches", "v0.25.1", "--base", "v0.99.0", "--from-wheel",
+            env={"VLLM_HOTFIX_CACHE": str(tmp_path / "cache")})
+    fails(r, "cannot download vllm==0.99.0")
+    assert r.rc == 9
+
+
+def test_standin_never_replaces_an_image_that_is_not_one(engine: Engine, base_v0251: str, unique: str) -> None:
+    ref = f"hotfix-test/precious-{unique}:v1"
+    rootfs = standin.ROOTFS_REF  # present once any stand-in exists; has no stand-in label
+    engine.tag(rootfs, ref)
+    try:
+        r = cli("standin", "--version", "0.25.1", "--ref", ref, env=CACHE)
+        fails(r, ref, "not a stand-in")
+        assert r.rc == 4
+        assert engine.image(ref).id == engine.image(rootfs).id  # type: ignore[union-attr]
+    finally:
+        engine.untag(ref)

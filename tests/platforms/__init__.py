@@ -1,0 +1,1 @@
+"""Platforms tier: a Docker 26.1 engine that keeps images' platforms, qemu for the other one."""

@@ -1,0 +1,1 @@
+"""Unit tier: pure logic and the CLI's refusals; no engine, no registry, no network."""

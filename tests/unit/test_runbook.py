@@ -1,0 +1,84 @@
+"""docs/runbook.md: every command in it is one the test suite runs.
+
+The commands are taken from the runbook's code blocks; each must name a real
+subcommand and real options, and some test (in any tier) must call the CLI
+with that subcommand and (at least) those options.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Result, cli
+from vllm_hotfix import cli as climod
+
+RUNBOOK = REPO / "docs" / "runbook.md"
+
+
+def runbook_commands() -> list[list[str]]:
+    """`python build.py ...` lines of indented or fenced code blocks."""
+    out = []
+    in_fence = False
+    for line in RUNBOOK.read_text(encoding="utf-8").splitlines():
+        if line.strip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        code = in_fence or line.startswith("    ")
+        text = line.strip()
+        if code and text.startswith("python build.py "):
+            out.append(shlex.split(text)[2:])
+    return out
+
+
+def _sub_and_flags(args: list[str]) -> tuple[str, set[str]]:
+    if args[:1] == ["--root"]:
+        args = args[2:]
+    return args[0], {a for a in args[1:] if a.startswith("--")}
+
+
+@functools.cache  # one parse of every test file, not one per runbook command
+def exercised() -> list[tuple[str, set[str]]]:
+    """(subcommand, options) of every `cli(...)` call with literal arguments in tests/, every tier."""
+    calls = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "cli" and node.args:
+                words = [a.value for a in node.args
+                         if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                if words and isinstance(node.args[0], ast.Constant):
+                    calls.append(_sub_and_flags(words))
+    return calls
+
+
+def test_runbook_has_commands() -> None:
+    subs = {_sub_and_flags(c)[0] for c in runbook_commands()}
+    expected = {"image", "smoke", "push", "list", "rollback", "check-upstream", "new-patchset"}
+    assert expected <= subs
+
+
+@pytest.mark.parametrize("args", runbook_commands(), ids=lambda a: " ".join(a))
+def test_runbook_command_is_real_and_exercised(args: list[str]) -> None:
+    sub, flags = _sub_and_flags(args)
+    command = climod.main.commands.get(sub)
+    assert command is not None, f"runbook names unknown command {sub!r}"
+    known = {opt for param in command.params for opt in getattr(param, "opts", [])}
+    assert flags <= known, f"{sub}: unknown options {flags - known}"
+    assert any(s == sub and flags <= f for s, f in exercised()), (
+        f"no test runs `{sub}` with {sorted(flags)}"
+    )
+
+
+def _fails(r: Result, *needles: str) -> None:
+    assert r.rc != 0, r.err
+    for needle in needles:
+        assert needle in r.last_error, f"{needle!r} not in {r.last_error!r}"
+
+
+def test_rollback_without_records(project: Path) -> None:
+    r = cli("rollback", "--base", "v0.25.1", root=project)
+    _fails(r, "no build records for v0.25.1")
