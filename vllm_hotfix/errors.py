@@ -143,3 +143,33 @@ class UsageError(PipelineError):
     """The command line itself is wrong: an unknown option, a bad value."""
 
     exit_code = 64
+
+
+class AttestationError(PipelineError):
+    """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
+
+    exit_code = 20
+
+
+class AttestationMissing(AttestationError):
+    """No signed verdict is attached to the image (or none was given)."""
+
+    exit_code = 21
+
+
+class AttestationWrongKey(AttestationError):
+    """Signed verdicts exist, but none with the given key."""
+
+    exit_code = 22
+
+
+class AttestationTampered(AttestationError):
+    """A signed verdict whose signature does not match its content, or which is malformed."""
+
+    exit_code = 23
+
+
+class AttestationMismatch(AttestationError):
+    """A valid signed verdict about another image, or one that does not pass what was required."""
+
+    exit_code = 24
