@@ -188,6 +188,41 @@ class UsageError(PipelineError):
     meaning = "usage (unknown option, malformed value)"
 
 
+class AttestationError(PipelineError):
+    """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
+
+    exit_code = 20
+    meaning = "signed verdicts: a key that cannot be used, or an attestation that cannot be read or written"
+
+
+class AttestationMissing(AttestationError):
+    """No signed verdict is attached to the image (or none was given)."""
+
+    exit_code = 21
+    meaning = "no signed verdict for the image (none attached, or none given)"
+
+
+class AttestationWrongKey(AttestationError):
+    """Signed verdicts exist, but none with the given key."""
+
+    exit_code = 22
+    meaning = "signed verdicts exist, but none made with the given key"
+
+
+class AttestationTampered(AttestationError):
+    """A signed verdict whose signature does not match its content, or which is malformed."""
+
+    exit_code = 23
+    meaning = "a signed verdict whose signature does not match its content, or malformed"
+
+
+class AttestationMismatch(AttestationError):
+    """A valid signed verdict about another image, or one that does not pass what was required."""
+
+    exit_code = 24
+    meaning = "a valid signed verdict about another image, or one that does not pass what was required"
+
+
 class Malformed(ValueError):
     """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
 
