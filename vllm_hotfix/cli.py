@@ -339,20 +339,34 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
               help="Model folder to serve with the image's own entrypoint for the sweep.")
 @click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
+@click.option("--sign-key", default=None, metavar="KEY",
+              help="Sign the verdict with this ECDSA P-256 private key (PEM file, or env:NAME); kept in the journal "
+                   "and attached beside the image when it is pushed.")
+@click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
-          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-          requests_n: int, min_tokens: int | None) -> None:
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
+          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from . import records, verdicts
+    from . import attest, records, signing, verdicts
     from . import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens)
+    if attestation_path is not None and sign_key is None:
+        raise UsageError("--attestation needs --sign-key")
+    if sign_key is not None:
+        signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
     records.ensure_writable(obj.root)
     verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
     entry = records.append_verdict(obj.root, verdict)
+    if sign_key is not None and verdict.judged:
+        info = obj.engine.image(verdict.image_id)
+        if info is not None:
+            signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
+            progress(f"==> signed verdict: {signed}")
     if report_path:
         smokelib.write_json(verdict, report_path)
     if junit_path:
@@ -400,18 +414,25 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
                    "as IMAGE. Default: IMAGE alone.")
+@click.option("--require-attestation", default=None, metavar="PUBKEY",
+              help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
+                   "env:NAME) instead of the local journal's verdict.")
+@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
+                                 "attached beside the image.")
 @click.pass_obj
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
-         platform_text: str | None) -> None:
+         platform_text: str | None, require_attestation: str | None, attestation_path: Path | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from . import platforms, refs
     from . import push as pushlib
 
     refs.check_registry(registry)
+    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
     if platform_text is not None:
         plats = platforms.parse(platform_text)
-        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats,
-                                   allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
+                                   progress=progress)
         if as_json:
             _json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
                    "children": index.children})
@@ -420,12 +441,38 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
             click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
         click.echo(f"pushed index {index.ref} {index.digest}")
         return
-    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
-                          allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
     if as_json:
-        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict})
+        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,
+               "attestations": list(pushed.attestations)})
         return
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
+
+
+@main.command()
+@click.argument("ref", metavar="REF")
+@click.option("--key", "key", required=True, metavar="PUBKEY",
+              help="The public key the verdict must be signed with (PEM file, or env:NAME).")
+@click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
+              help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
+@click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool, as_json: bool) -> None:
+    """Check the signed smoke verdict attached to REF in its registry."""
+    from . import attest, refs
+
+    refs.check_reference(ref, "image")
+    products = [p.strip() for p in require_gpu.split(",") if p.strip()]
+    digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
+                                     gpu_products=products)
+    devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
+    if as_json:
+        _json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "status": accepted.report.get("status"),
+               "gpu_verified": accepted.gpu_verified, "devices": devices, "source": accepted.source})
+        return
+    click.echo(f"verified {ref} {digest}: signed pass by key {accepted.key_id[:12]} "
+               f"({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
 
 
 @main.command("check-upstream")
