@@ -599,10 +599,14 @@ def provenance(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     told = True
     for scenario, rec in runs.items():
         imp = rec.get("import")
-        if not isinstance(imp, dict):
+        if not isinstance(imp, dict) or "indexer_file" not in imp:
+            # It never got as far as loading the code under test: no evidence of what that code is.
             told = False
-            why = rec.get("timeout") or rec.get("fault") or rec.get("error") or "no record"
-            stubs.append(f"{scenario}: no record of what it imported ({str(why)[:160]})")
+            why = rec.get("timeout") or rec.get("error") or rec.get("fault") or "no record"
+            stubs.append(f"{scenario}: did not get to load vLLM's code ({str(why)[:160]})")
+            if isinstance(imp, dict):
+                errors.update(imp.get("import_errors") or {})
+                stubs += [s for s in imp.get("stubs") or [] if s not in stubs]
             continue
         stubs += [s for s in imp.get("stubs") or [] if s not in stubs]
         stubs += [s for s in (rec.get("result") or {}).get("stubs") or [] if s not in stubs]
