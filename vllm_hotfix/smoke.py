@@ -17,16 +17,25 @@ import logging
 import socket
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import definitions, expected, gpu_access, pins, records, sweep, wheels
+from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
 from .engine import Engine, GpuRequest, ImageInfo, labels
-from .errors import DefinitionError, EngineError, EngineLost, Malformed, PinError, SmokeError, UnknownExpectation
-from .verdicts import Check, Status, Verdict, judge
+from .errors import (
+    DefinitionError,
+    EngineError,
+    EngineLost,
+    Malformed,
+    PatchError,
+    PinError,
+    SmokeError,
+    UnknownExpectation,
+)
+from .verdicts import Check, Status, Verdict, judge, judge_gpu
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +89,22 @@ def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
     except Malformed as exc:
         name = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
         return Check(name or probe, Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
-    return Check(check.name, check.status, check.detail, seconds, check.data)
+    return Check(check.name, check.status, check.detail, seconds, check.data, check.ran_against, check.stubs,
+                 check.import_errors)
+
+
+def modules_of(files: Iterable[str]) -> list[str]:
+    """Dotted module names of the Python files among ``files`` (paths from site-packages), sorted."""
+    out: set[str] = set()
+    for path in files:
+        parts = PurePosixPath(path).parts
+        if not parts or not parts[-1].endswith(".py"):
+            continue
+        stem = parts[-1][: -len(".py")]
+        names = list(parts[:-1]) + ([] if stem == "__init__" else [stem])
+        if names and all(n.isidentifier() for n in names):
+            out.add(".".join(names))
+    return sorted(out)
 
 
 def _probe(name: str) -> bytes:
@@ -146,28 +170,47 @@ class Smoke:
         return checks, info, took
 
     def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe") -> None:
-        for raw in checks:
-            c = as_check(raw, round(took / max(len(checks), 1), 3), probe)
+        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks])
+
+    def record(self, report: Report, checks: Sequence[Check]) -> None:
+        for c in checks:
             report.checks.append(c)
             self.say(f"    {c.status.value:<4} {c.name}: {c.detail}")
 
-    def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
-        """The patch set's own checks, e.g. a GPU regression test for the fix.
+    def definition(self, image: ImageInfo) -> definitions.ImageDefinition | None:
+        """The definition whose patch set the image is judged by.
 
-        The set is the one of ``--definition`` if given (so an unpatched base can
-        be shown to fail them), else of the definition the image's label names.
+        The one of ``--definition`` if given (so an unpatched base can be shown
+        to fail its checks), else the one the image's label names.
         """
         tag = self.opt.definition or image.labels.get(labels.DEFINITION)
         if not tag:
-            return {}
+            return None
         try:
-            defn = definitions.load(self.root, tag)
+            return definitions.load(self.root, tag)
         except DefinitionError as exc:
             if self.opt.definition:
                 raise SmokeError(f"--definition {tag}: {exc}") from exc
+            return None
+
+    def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
+        """The patch set's own checks, e.g. a GPU regression test for the fix."""
+        defn = self.definition(image)
+        if defn is None:
             return {}
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
+
+    def patch_modules(self, image: ImageInfo) -> list[str]:
+        """The modules of the image the patch set touches: each must import for the GPU checks to count."""
+        defn = self.definition(image)
+        if defn is None:
+            return []
+        try:
+            series = patches.load_series(self.root, defn.patch_set, defn.package)
+        except PatchError as exc:
+            raise SmokeError(f"patches/{defn.patch_set}: {exc}") from exc
+        return modules_of(f for patch in series for f in patch.files)
 
     def expectation(self, image: ImageInfo) -> expected.Expected | str:
         """What the patched files must be, or why that cannot be known."""
@@ -288,8 +331,12 @@ class Smoke:
         ``auto``: a host where no way works leaves the image GPU-unverified,
         with each way's reason. ``require``: a host where none works makes the
         run fail with an incomplete verdict (the host's shortcoming, not the
-        image's), and a GPU check that skips although a GPU is reachable fails
-        the image.
+        image's). Once a GPU is reachable, the checks are judged by
+        :func:`~vllm_hotfix.verdicts.judge_gpu`: only a check that ran against
+        the image's own code counts, every module the patch set touches must
+        import (tried in the base too, to name the base's failures as the
+        base's), and under ``require`` whatever keeps the image from being
+        GPU-verified fails it.
         """
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
@@ -318,27 +365,41 @@ class Smoke:
             self.add(report, [check], 0)
             return
         extra = self.patch_checks(image)
+        modules = self.patch_modules(image)
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
-        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
-                                        fallback_name="gpu")
-        skipped = [c for c in checks if c.get("status") == "skip"]
-        if mode == "require":
-            # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
-            for c in skipped:
-                c["status"] = "fail"
-                c["detail"] = f"--gpu require, but the check did not run ({c.get('detail', '')})"
-        self.add(report, checks, took)
+        if modules:
+            args += ["--modules", *modules]
+        raw, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
+                                     fallback_name="gpu")
+        checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
         if info:
             report.environment["gpu"] = info
-        # Anything but pass or skip (a fail, a probe that timed out, a malformed check) leaves it unverified.
-        failed = [str(c.get("name")) for c in checks if c.get("status") not in ("pass", "skip")]
-        report.gpu_verified = bool(checks) and not failed and not skipped
-        report.gpu["verified"] = report.gpu_verified
-        if not report.gpu_verified:
-            names = failed or [str(c.get("name")) for c in skipped]
-            report.gpu["why_unverified"] = (
-                f"GPU checks {'failed' if failed else 'skipped'} through {access.chosen}: {', '.join(names)}"
-            )
+        unimportable = sorted({m for c in checks for m in c.import_errors})
+        base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
+        judged = judge_gpu(checks, require=mode == "require", base_import_errors=base_errors)
+        self.record(report, judged.checks)
+        report.gpu_verified = judged.verified
+        report.gpu["verified"] = judged.verified
+        if judged.not_real:
+            report.gpu["not_real"] = list(judged.not_real)
+        if not judged.verified:
+            report.gpu["why_unverified"] = f"GPU checks through {access.chosen}: {judged.why_unverified}"
+
+    def base_import_errors(self, image: ImageInfo, modules: Sequence[str], gpu: GpuRequest) -> dict[str, str] | None:
+        """Which of ``modules`` the image's base cannot import either (same GPU request); None: base unknown."""
+        base_id = image.labels.get(labels.BASE_ID)
+        base = self.engine.image(base_id) if base_id and base_id != image.id else None
+        if base is None:
+            self.say("    the image's base is not in the engine: every import failure counts as the image's")
+            return None
+        self.say(f"    importing {len(modules)} module(s) in the base {base_id[:19] if base_id else ''} too")
+        raw, _, _ = self.probe(base, "gpu_check.py", ["--imports-only", "--modules", *modules], gpu=gpu,
+                               fallback_name="model-imports")
+        found = [as_check(c, 0, "model-imports") for c in raw]
+        if not any(c.name == "model-imports" and c.status in (Status.PASS, Status.FAIL) for c in found):
+            self.say(f"    the base's imports gave no answer ({'; '.join(c.detail for c in found)[:200]})")
+            return None
+        return {m: e for c in found for m, e in c.import_errors.items()}
 
     def serve(self, report: Report, image: ImageInfo) -> None:
         model = self.opt.serve_model

@@ -58,21 +58,63 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], defa
     raise Malformed(f"{key!r} is {type(value).__name__} {value!r:.80}, not {'/'.join(k.__name__ for k in kinds)}")
 
 
+# What a check ran against when a stand-in replaced the real code (``ran_against``).
+STUB = "stub"
+
+
+def _strings(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    """``raw[key]`` as a tuple of strings (absent or null: empty); raise :class:`Malformed` otherwise."""
+    items = _typed(raw, key, list, None) or []
+    if not all(isinstance(item, str) for item in items):
+        raise Malformed(f"{key!r} holds something other than strings: {items!r:.80}")
+    return tuple(items)
+
+
+def _import_errors(raw: Mapping[str, Any]) -> dict[str, str]:
+    errors = _typed(raw, "import_errors", dict, None) or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in errors.items()):
+        raise Malformed(f"'import_errors' is not module -> error text: {errors!r:.80}")
+    return dict(errors)
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One smoke check's outcome."""
+    """One smoke check's outcome.
+
+    ``ran_against`` is what the check exercised: the image's own code, named
+    (``"vllm"``, ``"torch"``), or :data:`STUB` when the check replaced some of
+    it with a stand-in; empty when the check does not say. ``stubs`` names each
+    stand-in; ``import_errors`` each module of the image the check could not
+    import, with the error. A GPU check counts towards GPU-verified only when
+    it ran against the real code (:attr:`real`) and imported all it needed.
+    """
 
     name: str
     status: Status
     detail: str = ""
     seconds: float = 0.0
     data: Any = None  # the probe's JSON facts for the report (a mapping, as a rule)
+    ran_against: str = ""
+    stubs: tuple[str, ...] = ()
+    import_errors: Mapping[str, str] = field(default_factory=dict)  # module -> why it did not import
+
+    @property
+    def real(self) -> bool:
+        """Whether the check says it ran against the image's own code, with nothing standing in."""
+        return bool(self.ran_against) and self.ran_against != STUB and not self.stubs and not self.import_errors
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "status": self.status.value, "detail": self.detail,
                                "seconds": self.seconds}
         if self.data is not None:
             out["data"] = self.data
+        # Only when said, so that entries of checks that never said read back unchanged.
+        if self.ran_against:
+            out["ran_against"] = self.ran_against
+        if self.stubs:
+            out["stubs"] = list(self.stubs)
+        if self.import_errors:
+            out["import_errors"] = dict(self.import_errors)
         return out
 
     @classmethod
@@ -89,6 +131,9 @@ class Check:
             detail=_typed(raw, "detail", str, ""),
             seconds=float(_typed(raw, "seconds", (int, float), 0.0)),
             data=raw.get("data"),
+            ran_against=_typed(raw, "ran_against", str, ""),
+            stubs=_strings(raw, "stubs"),
+            import_errors=_import_errors(raw),
         )
 
 
@@ -219,10 +264,92 @@ def judge(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class GpuJudgement:
+    """What a run's GPU checks amount to: the checks as judged, and whether they verify the image."""
+
+    checks: tuple[Check, ...]
+    verified: bool
+    why_unverified: str = ""  # one line; empty when verified
+    # Each stand-in or unimportable module, named, the base's marked as such.
+    not_real: tuple[str, ...] = ()
+
+
+def _short(error: str) -> str:
+    return error.strip().splitlines()[0][:200] if error.strip() else "no reason given"
+
+
+def judge_gpu(
+    checks: Sequence[Check], *, require: bool, base_import_errors: Mapping[str, str] | None = None
+) -> GpuJudgement:
+    """Judge the GPU checks of a run in which a GPU was confirmed reachable.
+
+    Only a check that ran against the image's own code counts: one that says
+    it ran against a stub, lists stand-ins, or does not say what it ran
+    against is no evidence. Under ``require`` such a check fails, as does one
+    that skipped; otherwise it becomes a skip and the image stays
+    GPU-unverified. A module of the image that a check could not import fails
+    the check whatever the mode: the image cannot run that code on this host.
+    ``base_import_errors`` (the same modules imported in the image's base;
+    None when the base was not probed) tells an import the base could not do
+    either, named as the base's, from one the image broke.
+    """
+    judged: list[Check] = []
+    not_real: list[str] = []
+    for c in checks:
+        problems: list[str] = []
+        broken = False
+        for module, error in sorted(c.import_errors.items()):
+            if base_import_errors is not None and module in base_import_errors:
+                words = f"{module} does not import ({_short(error)}), in the base too: the base's deviation"
+            else:
+                broken = True
+                tail = "its base imports it" if base_import_errors is not None else "the base was not probed"
+                words = f"{module} does not import in the image ({_short(error)}); {tail}"
+            problems.append(words)
+            not_real.append(words)
+        if c.ran_against == STUB or c.stubs:
+            stubs = "; ".join(c.stubs) or "it reported ran_against=stub"
+            problems.append(f"ran against a stub, not the image's code: {stubs}")
+            not_real += [f"{c.name}: {stub}" for stub in c.stubs] or [f"{c.name}: ran against a stub"]
+        elif not c.ran_against and c.status is Status.PASS:
+            problems.append("does not say whether it ran against the image's code or a stub (ran_against)")
+            not_real.append(f"{c.name}: ran_against not reported")
+        status, detail = c.status, c.detail
+        if broken or (problems and c.status is Status.FAIL):
+            status = Status.FAIL
+            detail = f"{'; '.join(problems)} (the check said {c.status.value}: {c.detail})"
+        elif problems and c.status is not Status.INCOMPLETE:
+            status = Status.FAIL if require else Status.SKIP
+            lead = "--gpu require, but no GPU evidence" if require else "not counted, image GPU-unverified"
+            detail = f"{lead}: {'; '.join(problems)} (the check said {c.status.value}: {c.detail})"
+        elif c.status is Status.SKIP and require:
+            # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
+            status = Status.FAIL
+            detail = f"--gpu require, but the check did not run ({c.detail})"
+        judged.append(Check(c.name, status, detail, c.seconds, c.data, c.ran_against, c.stubs, c.import_errors))
+    bad = [c for c in judged if c.status is not Status.PASS]
+    verified = bool(judged) and not bad
+    why = ""
+    if not verified:
+        if not judged:
+            why = "no GPU check reported"
+        else:
+            why = "; ".join(f"{c.name} {c.status.value}" for c in bad)
+            if not_real:
+                why += f" ({'; '.join(not_real)})"
+    return GpuJudgement(tuple(judged), verified, why, tuple(not_real))
+
+
 def require_pass(verdict: Verdict, subject: str, *, fail_hint: str, incomplete_hint: str) -> None:
     """Raise unless the verdict is a pass: SmokeError (the image failed) or SmokeIncomplete (the host)."""
     if verdict.status is Status.FAIL:
-        raise SmokeError(f"smoke failed for {subject}: {', '.join(verdict.failed)}", hint=fail_hint)
+        message = f"smoke failed for {subject}: {', '.join(verdict.failed)}"
+        not_real = verdict.gpu.get("not_real")
+        if isinstance(not_real, list) and not_real:
+            # What kept the GPU checks from counting, on the one line a person reads.
+            message += f"; not GPU-verified: {'; '.join(map(str, not_real))}"
+        raise SmokeError(message, hint=fail_hint)
     if verdict.status is Status.INCOMPLETE:
         raise SmokeIncomplete(
             f"smoke of {subject} is incomplete, neither pass nor fail: {'; '.join(verdict.incomplete)}",
