@@ -116,3 +116,8 @@ def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str]
     assert r.rc == 20 and "garbage.pub: not a PEM public key" in r.err
     r = cli("smoke", ref, "--sign-key", "env:HOTFIX_NO_SUCH_KEY", root=project)
     assert r.rc == 20 and "$HOTFIX_NO_SUCH_KEY" in r.err
+    # A run the host could not finish (no GPU here) judged nothing, so nothing is signed.
+    key, _pub = _keys(tmp_path, "gpu")
+    envelope = tmp_path / "gpu.dsse.json"
+    r = cli("smoke", ref, "--gpu", "require", "--sign-key", key, "--attestation", str(envelope), root=project)
+    assert r.rc == 11 and not envelope.exists(), r.err
