@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_hotfix.engine import labels
+
 REPO = Path(__file__).resolve().parent.parent
 BUILD_PY = REPO / "build.py"
 MACHINE_PYTHON = sys.executable
@@ -26,7 +28,7 @@ STANDIN = "vllm/vllm-openai:v0.25.1"
 BENCH_REPO = "vllm-hotfix-bench"  # every image the bench makes lives under this name
 FILLER_REPO = f"{BENCH_REPO}/filler"
 BASE_REPO = f"{BENCH_REPO}/base"
-LABEL = "io.vllm-hotfix.bench"
+LABEL = labels.BENCH
 
 
 class BenchError(RuntimeError):

@@ -145,10 +145,11 @@ def patched_files(root: Path, base_tag: str) -> tuple[str, dict[str, bytes]]:
     """
     from vllm_hotfix import base, pipeline
     from vllm_hotfix.engine import Engine
+    from vllm_hotfix.pulling import resolve
 
     engine = Engine.connect()
     plan = pipeline.plan(root, base_tag)
-    info = engine.resolve(plan.base_ref, "never")
+    info = resolve(engine, plan.base_ref, "never")
     # prepare() returns (facts, files, ...): later versions add items at the end.
     prepared = base.prepare(engine, plan.definition, plan.base_ref, info, plan.patches)
     facts, patched = prepared[0], prepared[1]

@@ -81,11 +81,9 @@ def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict
             calls += c
         steps.append({"step": label, "seconds": round(secs, 4), "calls": calls})
     # Engine round trips: plain HTTP on a local socket, or the SDK's session.
-    http_s, http_n = _ct(raw, "vllm_hotfix/engine.py", "_call")
+    http_s, http_n = _ct(raw, "vllm_hotfix/engine/transport.py", "request")
     sdk_s, sdk_n = _ct(raw, "requests/sessions.py", "request")
-    # A load opened ahead (engine_http.PendingLoad) is finished outside _call.
-    early_s, early_n = _ct(raw, "vllm_hotfix/engine_http.py", "finish")
-    http_s, http_n = http_s + sdk_s + early_s, http_n + sdk_n + early_n
+    http_s, http_n = http_s + sdk_s, http_n + sdk_n
     return {
         "wall_s": run.seconds,
         "profiled_s": total,

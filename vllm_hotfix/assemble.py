@@ -20,7 +20,7 @@ image ID on every run and every machine.
 
 Engines that keep images in containerd's store cannot load a manifest that
 leaves out layers: when a load fails, :func:`supported` says whether that
-is why (:class:`Unsupported`), and the pipeline then builds from the
+is why (:class:`~vllm_hotfix.errors.AssembleUnsupported`), and the pipeline then builds from the
 Dockerfile instead.
 """
 
@@ -31,22 +31,89 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import __version__
-from .errors import BuildError
+from .errors import AssembleUnsupported, BuildError, Refused
 from .tarball import Entry, write
 
 if TYPE_CHECKING:
     from .base import BaseFacts, PatchedFile
+    from .definitions import ImageDefinition
     from .engine import Engine
+    from .patches import Patch
+    from .pins import Prepared
 
 log = logging.getLogger(__name__)
 
 # How `image` can build: the engine builds the rendered Dockerfile (the default),
 # or this module writes the image and the engine loads it.
 BUILDERS = ("dockerfile", "assemble")
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class BuildJob:
+    """What every builder is given: the base, the patched files, and what to call the result."""
+
+    definition: ImageDefinition
+    facts: BaseFacts
+    files: Sequence[PatchedFile]
+    applied: Sequence[Patch]
+    template: str
+    output_ref: str
+    pinned: Prepared | None = None
+    on_image: Callable[[str], None] | None = None  # hears the image ID as soon as it is known
+    say: Callable[[str], None] = _quiet
+
+
+class Builder(Protocol):
+    """One way to turn a :class:`BuildJob` into an untagged image in the engine."""
+
+    name: str
+
+    def build(self, engine: Engine, job: BuildJob) -> str:
+        """The new image's ID; BuildError (AssembleUnsupported: try another builder) if none."""
+        ...
+
+
+class AssembleBuilder:
+    """Write the layer and config the Dockerfile build would make, and load them."""
+
+    name = "assemble"
+
+    def build(self, engine: Engine, job: BuildJob) -> str:
+        from .render import labels
+
+        job.say(f"==> assembling {job.output_ref} ({len(job.files)} patched file(s)) and loading it")
+        image_id = build(engine, job.facts, job.files,
+                         labels(job.definition, job.facts, list(job.files), list(job.applied)),
+                         f"vllm-hotfix: {job.definition.tag} patched files and bytecode into {job.facts.site_dir}",
+                         on_image=job.on_image)
+        job.say(f"    loaded {image_id}")
+        return image_id
+
+
+def known_builder(name: str) -> str:
+    """``name`` if a builder has it; else Refused (a value that did not come through the CLI's choice)."""
+    if name not in BUILDERS:
+        raise Refused(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
+    return name
+
+
+def builder(name: str) -> Builder:
+    """The builder called ``name`` (one of BUILDERS): the one place a name becomes a builder."""
+    # render (and the base and engine modules below it) is imported only once a build is chosen:
+    # the CLI reads BUILDERS from here at start.
+    from .render import DockerfileBuilder
+
+    known: dict[str, type[Builder]] = {"dockerfile": DockerfileBuilder, "assemble": AssembleBuilder}
+    return known[known_builder(name)]()
 
 # Fields of the base's runtime config an image carries (OCI image config and
 # Docker's extensions). Anything else the engine reports (Hostname, Image,
@@ -58,10 +125,6 @@ CONFIG_FIELDS = (
 # History entries whose instruction only changes the config, never the files.
 _METADATA = {"ENV", "LABEL", "ARG", "CMD", "ENTRYPOINT", "EXPOSE", "USER", "VOLUME", "STOPSIGNAL",
              "HEALTHCHECK", "SHELL", "ONBUILD", "MAINTAINER"}
-
-
-class Unsupported(BuildError):
-    """The engine cannot load an assembled image; the Dockerfile builder can still build it."""
 
 
 def supported(engine: Engine) -> str | None:
@@ -223,6 +286,6 @@ def build(
         # Asked only now: describing itself is one of the engine's slower calls.
         why_not = supported(engine)
         if why_not:
-            raise Unsupported(why_not) from exc
+            raise AssembleUnsupported(why_not) from exc
         raise
     return image_id

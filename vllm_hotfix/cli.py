@@ -1,22 +1,27 @@
-"""The command line: parse, call the library, map its errors to exit codes.
+"""The command line: parse, call the library, print; map its errors to exit codes.
 
-Only this module ends the process or prints errors.
+Only this module prints errors, and only :func:`_run` turns them into an exit
+code (the table in ``--help`` is made from errors.py, so it names every one).
+It is long because it declares the options of ten commands; each command's
+body only calls the library and prints what comes back.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import __version__
 from .assemble import BUILDERS
-from .engine import PULL_POLICIES, Engine
-from .errors import BuildError, NoHotfixNeeded, PipelineError, UsageError
+from .engine import Engine
+from .errors import EXIT_INTERRUPTED, BuildError, PipelineError, UsageError, exit_table
+from .pulling import PULL_POLICIES
 
 if TYPE_CHECKING:
     from . import pipeline
@@ -34,7 +39,8 @@ def _json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
-def fail(exc: PipelineError) -> NoReturn:
+def report_error(exc: PipelineError) -> int:
+    """One red line (after the build's last lines), a hint if there is one; the error's exit code."""
     if isinstance(exc, BuildError) and exc.log_tail:
         click.echo("last lines of the build output:", err=True)
         for line in exc.log_tail:
@@ -42,7 +48,7 @@ def fail(exc: PipelineError) -> NoReturn:
     click.secho(f"error: {exc}", fg="red", err=True)
     if exc.hint:
         click.echo(f"hint: {exc.hint}", err=True)
-    sys.exit(exc.exit_code)
+    return exc.exit_code
 
 
 class Ctx:
@@ -69,41 +75,7 @@ class Ctx:
         return self._engine
 
 
-def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn library errors into one red line and the error's exit code."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except PipelineError as exc:
-            fail(exc)
-        except KeyboardInterrupt:
-            click.secho("error: interrupted", fg="red", err=True)
-            sys.exit(130)
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
-
-
-EXIT_CODES = """\b
-Exit codes:
-   0  done (also: the base needs no hotfix, nothing built)
-   1  nothing to roll back to (list shows the builds)
-   2  image definition (images/<tag>.toml)
-   3  patch (malformed, unsafe, does not apply)
-   4  base image (missing, unreachable, wrong vLLM version)
-   5  Docker engine (unreachable, refused, lost)
-   6  docker build
-   7  smoke check failed
-   8  push (refused by the gate, registry, or login)
-   9  upstream (PR, wheel or release lookup)
-  10  records (build/records not writable)
-  11  smoke incomplete (the host could not run a check)
-  12  pins (pins.txt, its wheels and hashes, pip check after pinning)
-  64  usage (unknown option, malformed value)
- 130  interrupted
-
+EXIT_CODES = "\b\nExit codes:\n" + "".join(f"{code:>4}  {meaning}\n" for code, meaning in exit_table()) + """
 \b
 Environment:
   DOCKER_HOST           engine to use (default: the local socket)
@@ -172,7 +144,6 @@ pull_option = click.option(
               help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @platform_option
 @click.pass_obj
-@guarded
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None) -> None:
@@ -186,42 +157,50 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         from . import smoke as smokelib
 
         smoke = smokelib.runner(obj.root, progress)
-    options: dict[str, Any] = dict(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
-                                   smoke=smoke, progress=progress, builder=builder, wheelhouse=wheelhouse)
-    try:
-        local = obj.engine.image(plan.base_ref)
-        bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
-                                        local=local, progress=progress)
-        if bases is not None:
-            results = pipeline.build_platforms(obj.engine, plan, bases, **options)
+    options = pipeline.BuildOptions(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
+                                    builder=builder, wheelhouse=wheelhouse, smoke=smoke, progress=progress)
+    local = obj.engine.image(plan.base_ref)
+    bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
+                                    local=local, progress=progress)
+    if bases is not None:
+        results = pipeline.build_platforms(obj.engine, plan, bases, options)
+        if isinstance(results, pipeline.NoHotfix):
+            _report_no_hotfix(results, as_json)
+        else:
             _report_platforms(plan, results, as_json)
-            return
-        result = pipeline.build_image(obj.engine, plan, base_info=local, **options)
-    except NoHotfixNeeded as exc:
-        # Not a failure: nothing to build, nothing tagged.
-        if as_json:
-            _json({"result": "no-hotfix-needed", "base": plan.base_ref, "patches": exc.patches})
-            return
-        click.echo(f"{plan.base_ref} needs no hotfix: it already carries every patch of "
-                   f"{plan.definition.patch_set} ({', '.join(exc.patches)}); nothing built")
+        return
+    result = pipeline.build_image(obj.engine, plan, options, base_info=local)
+    if isinstance(result, pipeline.NoHotfix):
+        _report_no_hotfix(result, as_json)
         return
     how = "reused" if result.reused else "built"
     if as_json:
         _json({"result": how, "ref": result.output_ref, "image_id": result.image_id,
-               "record": result.record.path.name,
-               "smoke": (result.smoke or {}).get("status"),
-               "gpu_verified": bool((result.smoke or {}).get("gpu_verified"))})
+               "record": result.record.path.name, **_smoke_facts(result)})
         return
     click.echo(f"{how} {result.output_ref} {result.image_id}")
+
+
+def _smoke_facts(result: pipeline.BuildResult) -> dict[str, Any]:
+    verdict = result.smoke
+    return {"smoke": verdict.status.value if verdict else None,
+            "gpu_verified": bool(verdict and verdict.gpu_verified)}
+
+
+def _report_no_hotfix(result: pipeline.NoHotfix, as_json: bool) -> None:
+    """Not a failure: nothing to build, nothing tagged."""
+    if as_json:
+        _json({"result": "no-hotfix-needed", "base": result.base_ref, "patches": list(result.patches)})
+        return
+    click.echo(result.message())
 
 
 def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], as_json: bool) -> None:
     if as_json:
         _json({"result": "built" if any(not r.reused for r in results) else "reused", "ref": plan.output_ref,
                "platforms": [{"platform": r.platform, "ref": r.output_ref, "image_id": r.image_id,
-                              "reused": r.reused, "record": r.record.path.name,
-                              "smoke": (r.smoke or {}).get("status"),
-                              "gpu_verified": bool((r.smoke or {}).get("gpu_verified"))} for r in results]})
+                              "reused": r.reused, "record": r.record.path.name, **_smoke_facts(r)}
+                             for r in results]})
         return
     for r in results:
         click.echo(f"{'reused' if r.reused else 'built'} {r.output_ref} {r.image_id} {r.platform}")
@@ -239,7 +218,6 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 @click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
               help="Render for this platform of the base's index (linux/amd64 or linux/arm64).")
 @click.pass_obj
-@guarded
 def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
            platform_text: str | None) -> None:
     """Print the Dockerfile `image` would build; build nothing."""
@@ -247,7 +225,11 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = _one_platform(platform_text)
-    click.echo(pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat), nl=False)
+    dockerfile = pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat)
+    if isinstance(dockerfile, pipeline.NoHotfix):
+        progress(dockerfile.message())
+        return
+    click.echo(dockerfile, nl=False)
 
 
 def _one_platform(text: str | None) -> Any:
@@ -275,7 +257,6 @@ def _one_platform(text: str | None) -> Any:
               help="Push the stand-ins of every --platform and an index over them to "
                    "HOST[:PORT]/PATH/vllm-openai:v<version>, as upstream publishes its images.")
 @click.pass_obj
-@guarded
 def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None,
                 platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
@@ -358,36 +339,44 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
               help="Model folder to serve with the image's own entrypoint for the sweep.")
 @click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
+@click.option("--sign-key", default=None, metavar="KEY",
+              help="Sign the verdict with this ECDSA P-256 private key (PEM file, or env:NAME); kept in the journal "
+                   "and attached beside the image when it is pushed.")
+@click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
 @with_options(sweep_options)
 @click.pass_obj
-@guarded
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
-          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
-          requests_n: int, min_tokens: int | None) -> None:
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
+          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from . import records
+    from . import attest, records, signing, verdicts
     from . import smoke as smokelib
-    from .errors import SmokeError, SmokeIncomplete
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens)
+    if attestation_path is not None and sign_key is None:
+        raise UsageError("--attestation needs --sign-key")
+    if sign_key is not None:
+        signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
     records.ensure_writable(obj.root)
-    report = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref).to_dict()
-    entry = smokelib.record(obj.root, report)
+    verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
+    entry = records.append_verdict(obj.root, verdict)
+    if sign_key is not None and verdict.judged:
+        info = obj.engine.image(verdict.image_id)
+        if info is not None:
+            signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
+            progress(f"==> signed verdict: {signed}")
     if report_path:
-        smokelib.write_json(report, report_path)
+        smokelib.write_json(verdict, report_path)
     if junit_path:
-        smokelib.write_junit(report, junit_path)
-    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
-    gpu_note = "GPU-verified" if report["gpu_verified"] else "GPU-unverified"
-    if failed:
-        raise SmokeError(f"smoke failed for {image_ref}: {', '.join(failed)}", hint=f"verdict: {entry.path}")
-    if report["status"] == records.INCOMPLETE:
-        raise SmokeIncomplete(
-            f"smoke of {image_ref} is incomplete, neither pass nor fail: {'; '.join(report['incomplete'])}",
-            hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
-        )
-    click.echo(f"smoke passed {image_ref} {report['image_id']} ({gpu_note}, {report['seconds']:.1f} s)")
+        smokelib.write_junit(verdict, junit_path)
+    verdicts.require_pass(
+        verdict, image_ref, fail_hint=f"verdict: {entry.path}",
+        incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
+    )
+    gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
+    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s)")
 
 
 @main.command("serve-check")
@@ -397,7 +386,6 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
               help="Seconds to wait for the server's /health before giving up.")
 @with_options(sweep_options)
-@guarded
 def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
                 requests_n: int, min_tokens: int | None) -> None:
     """Run the concurrency sweep against an already running server."""
@@ -426,19 +414,25 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
                    "as IMAGE. Default: IMAGE alone.")
+@click.option("--require-attestation", default=None, metavar="PUBKEY",
+              help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
+                   "env:NAME) instead of the local journal's verdict.")
+@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
+                                 "attached beside the image.")
 @click.pass_obj
-@guarded
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
-         platform_text: str | None) -> None:
+         platform_text: str | None, require_attestation: str | None, attestation_path: Path | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from . import platforms, refs
     from . import push as pushlib
 
     refs.check_registry(registry)
+    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
     if platform_text is not None:
         plats = platforms.parse(platform_text)
-        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats,
-                                   allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+        index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
+                                   progress=progress)
         if as_json:
             _json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
                    "children": index.children})
@@ -447,12 +441,38 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
             click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
         click.echo(f"pushed index {index.ref} {index.digest}")
         return
-    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry,
-                          allow_gpu_unverified=allow_gpu_unverified, progress=progress)
+    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
     if as_json:
-        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict})
+        _json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,
+               "attestations": list(pushed.attestations)})
         return
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
+
+
+@main.command()
+@click.argument("ref", metavar="REF")
+@click.option("--key", "key", required=True, metavar="PUBKEY",
+              help="The public key the verdict must be signed with (PEM file, or env:NAME).")
+@click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
+              help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
+@click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool, as_json: bool) -> None:
+    """Check the signed smoke verdict attached to REF in its registry."""
+    from . import attest, refs
+
+    refs.check_reference(ref, "image")
+    products = [p.strip() for p in require_gpu.split(",") if p.strip()]
+    digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
+                                     gpu_products=products)
+    devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
+    if as_json:
+        _json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "status": accepted.report.get("status"),
+               "gpu_verified": accepted.gpu_verified, "devices": devices, "source": accepted.source})
+        return
+    click.echo(f"verified {ref} {digest}: signed pass by key {accepted.key_id[:12]} "
+               f"({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
 
 
 @main.command("check-upstream")
@@ -465,7 +485,6 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 @click.option("--platform", "platform_text", default=None, metavar="PLATFORM",
               help="Judge this platform's image (or wheel) of the release: linux/amd64 or linux/arm64.")
 @click.pass_obj
-@guarded
 def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | None, pull: str,
                    from_wheel: bool, as_json: bool, platform_text: str | None) -> None:
     """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
@@ -484,7 +503,7 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
         for judged in report.pins:
             click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
-    if included and len(included) == len(report.verdicts):
+    if not report.needs_hotfix:
         progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
     elif included:
         progress(f"{base_tag} carries {', '.join(included)}: drop them from a set for {base_tag}, "
@@ -511,30 +530,21 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Take --pin wheels from this folder instead of downloading them.")
 @click.pass_obj
-@guarded
 def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None, title: str | None,
                  api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
                  from_wheel: bool, pin_specs: tuple[str, ...], wheelhouse: Path | None) -> None:
     """Add an upstream PR (or a diff file) as the next patch of base TAG's set, or pins with --pin."""
     from . import newpatch
-    from .errors import UpstreamError
 
     if pin_specs and (pr is not None or diff_file is not None):
         raise UsageError("--pin goes alone: add the patch and the pins in two runs")
     if pin_specs:
-        from . import definitions, pins
-
-        defn = definitions.load(obj.root, base_tag)
-        ref = defn.base_ref(base_repo)
-        info = obj.engine.resolve(ref, pull, progress)
-        state = pins.probe(obj.engine, info.id, defn.python, [])
-        if not state.tags:
-            raise pins.PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")
-        written = pins.add(obj.root, defn.patch_set, defn.package, pin_specs, state, wheelhouse, progress)
-        click.echo(f"pinned {', '.join(pin_specs)} in {written} (wheels for {pins.describe_image(state)})")
+        pinned = newpatch.add_pins(obj.root, base_tag, pin_specs, lambda: obj.engine, base_repo=base_repo,
+                                   pull=pull, wheelhouse=wheelhouse, progress=progress)
+        click.echo(f"pinned {', '.join(pin_specs)} in {pinned.path} (wheels for {pinned.image})")
         return
     if (pr is None) == (diff_file is None):
-        raise UpstreamError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
+        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:
@@ -553,7 +563,6 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
 @main.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
-@guarded
 def list_cmd(obj: Ctx, as_json: bool) -> None:
     """Each image definition, its patch set, and every build with its newest verdict and pushes."""
     import json
@@ -586,7 +595,6 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
               help="Reference to move (default: the newest build's output reference).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
-@guarded
 def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
     """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
     from . import lifecycle
@@ -624,6 +632,8 @@ def run(argv: Sequence[str] | None = None) -> int:
 def _run(argv: Sequence[str] | None, prog: str) -> int:
     try:
         main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
+    except PipelineError as exc:
+        return report_error(exc)
     except click.exceptions.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else prog
         click.secho(f"error: {exc.format_message()}", fg="red", err=True)
@@ -633,10 +643,13 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return int(exc.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.secho("error: interrupted", fg="red", err=True)
-        return 130
+        return EXIT_INTERRUPTED
     except click.ClickException as exc:
         click.secho(f"error: {exc.format_message()}", fg="red", err=True)
         return UsageError.exit_code
-    except SystemExit as exc:
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    except Exception:
+        # Not an error the pipeline knows: a bug. The traceback is what a fix needs.
+        traceback.print_exc()
+        click.secho("error: internal error (a bug); the traceback above says where", fg="red", err=True)
+        return PipelineError.exit_code
     return 0

@@ -3,17 +3,30 @@
 Library code raises these; only the CLI turns them into a message and an exit
 code. Each carries the context a person needs to act (the patch and hunk, the
 image, the last lines of a build log).
+
+Each class that has an exit code of its own says in ``meaning`` what that
+code stands for: :func:`exit_table` is built from them, and it is the table
+``--help`` prints, so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Exits that are not errors of the pipeline.
+EXIT_OK = 0
+EXIT_INTERRUPTED = 130
+
 
 class PipelineError(Exception):
-    """Base of every error the pipeline reports to its user."""
+    """Base of every error the pipeline reports to its user.
 
-    exit_code = 1
+    Raise one of its children: each has an exit code of its own. What reaches
+    the CLI as no PipelineError at all is a bug and exits with this code.
+    """
+
+    exit_code = 70
+    meaning = "internal error, a bug (the traceback says where)"
     hint: str | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
@@ -26,12 +39,14 @@ class DefinitionError(PipelineError):
     """An image definition (images/<tag>.toml) is missing or invalid."""
 
     exit_code = 2
+    meaning = "image definition (images/<tag>.toml)"
 
 
 class PatchError(PipelineError):
     """A patch is malformed, unsafe, or does not apply to the base's files."""
 
     exit_code = 3
+    meaning = "patch (malformed, unsafe, does not apply)"
 
     def __init__(
         self,
@@ -52,19 +67,6 @@ class PatchAlreadyApplied(PatchError):
     """The base already carries this patch (upstream shipped it)."""
 
 
-class NoHotfixNeeded(PipelineError):
-    """Not a failure: the base already carries every patch of the set.
-
-    Raised so that nothing is built; the CLI reports it and exits 0.
-    """
-
-    exit_code = 0
-
-    def __init__(self, message: str, *, patches: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.patches = list(patches)
-
-
 class PatchNeedsFuzz(PatchError):
     """A hunk applies only with fuzz; the pipeline insists on zero fuzz."""
 
@@ -77,12 +79,14 @@ class BaseImageError(PipelineError):
     """The base image is missing, unreachable, or not what its tag claims."""
 
     exit_code = 4
+    meaning = "base image (missing, unreachable, wrong vLLM version)"
 
 
 class EngineError(PipelineError):
     """The Docker engine is unreachable or refused an operation."""
 
     exit_code = 5
+    meaning = "Docker engine (unreachable, refused, lost)"
 
 
 class EngineLost(EngineError):
@@ -93,53 +97,156 @@ class BuildError(PipelineError):
     """`docker build` failed; carries the last lines of its output."""
 
     exit_code = 6
+    meaning = "docker build (or loading an assembled image)"
 
     def __init__(self, message: str, *, log_tail: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.log_tail = list(log_tail)
 
 
+class AssembleUnsupported(BuildError):
+    """The engine cannot load an assembled image; the Dockerfile builder can still build it."""
+
+
 class SmokeError(PipelineError):
     """A smoke check failed or could not run."""
 
     exit_code = 7
+    meaning = "smoke check failed"
 
 
 class PushError(PipelineError):
     """Pushing to the registry failed or was refused by the gate."""
 
     exit_code = 8
+    meaning = "push (refused by the gate, registry, or login)"
 
 
 class UpstreamError(PipelineError):
     """Fetching or checking an upstream change failed."""
 
     exit_code = 9
+    meaning = "upstream (PR, wheel or release lookup)"
 
 
-class RecordError(PipelineError):
-    """The journal under build/records cannot be written (or read)."""
+class StorageError(PipelineError):
+    """A file the tool keeps (journal, facts cache, run notes, reports) cannot be written or read."""
 
     exit_code = 10
+    meaning = ("storage (build/records, the cache or a report file: not writable, disk full, "
+               "an entry of the wrong shape)")
+
+
+class RecordError(StorageError):
+    """The journal (build/records) cannot be written, or an entry is damaged."""
 
 
 class SmokeIncomplete(SmokeError):
     """The host, not the image, stopped a smoke run (no usable GPU, engine lost)."""
 
     exit_code = 11
+    meaning = "smoke incomplete (the host could not run a check)"
 
 
 class PinError(PipelineError):
     """A patch set's pins.txt, its wheels, their hashes, or what installing them did to the image."""
 
     exit_code = 12
+    meaning = "pins (pins.txt, its wheels and hashes, pip check after pinning)"
 
     def __init__(self, message: str, *, pin: str | None = None, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.pin = pin
 
 
+class UnknownExpectation(SmokeError):
+    """The tool cannot tell what the image's patched files must be."""
+
+
+class NothingToRollBack(PipelineError):
+    """Rollback found no recorded build to move the tag to."""
+
+    exit_code = 1
+    meaning = "nothing to roll back to (list shows the builds)"
+
+
+class Refused(PipelineError):
+    """The tool will not do what was asked, by rule: not a fault of the inputs or the engine.
+
+    A tag that names the base or an image the tool did not make, a builder it
+    does not have, a rollback onto an image whose smoke failed.
+    """
+
+    exit_code = 13
+    meaning = "refused (a tag it must not move without --force, an unknown builder, a failed image)"
+
+
 class UsageError(PipelineError):
     """The command line itself is wrong: an unknown option, a bad value."""
 
     exit_code = 64
+    meaning = "usage (unknown option, malformed value)"
+
+
+class AttestationError(PipelineError):
+    """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
+
+    exit_code = 20
+    meaning = "signed verdicts: a key that cannot be used, or an attestation that cannot be read or written"
+
+
+class AttestationMissing(AttestationError):
+    """No signed verdict is attached to the image (or none was given)."""
+
+    exit_code = 21
+    meaning = "no signed verdict for the image (none attached, or none given)"
+
+
+class AttestationWrongKey(AttestationError):
+    """Signed verdicts exist, but none with the given key."""
+
+    exit_code = 22
+    meaning = "signed verdicts exist, but none made with the given key"
+
+
+class AttestationTampered(AttestationError):
+    """A signed verdict whose signature does not match its content, or which is malformed."""
+
+    exit_code = 23
+    meaning = "a signed verdict whose signature does not match its content, or malformed"
+
+
+class AttestationMismatch(AttestationError):
+    """A valid signed verdict about another image, or one that does not pass what was required."""
+
+    exit_code = 24
+    meaning = "a valid signed verdict about another image, or one that does not pass what was required"
+
+
+class Malformed(ValueError):
+    """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
+
+    Not a PipelineError: the reader turns it into one that names where the value came from.
+    """
+
+
+class ShortReply(Exception):
+    """A sweep reply with fewer completion tokens than every reply must have (counted as a failed request)."""
+
+
+def error_classes() -> list[type[PipelineError]]:
+    """PipelineError and every class below it."""
+    found: list[type[PipelineError]] = [PipelineError]
+    for cls in found:
+        found.extend(sub for sub in cls.__subclasses__() if sub not in found)
+    return found
+
+
+def exit_table() -> list[tuple[int, str]]:
+    """Every exit code the CLI can end with and what it means, lowest first."""
+    codes = {EXIT_OK: "done (also: the base needs no hotfix, nothing built)",
+             EXIT_INTERRUPTED: "interrupted"}
+    for cls in error_classes():
+        if "meaning" in vars(cls):
+            codes[cls.exit_code] = cls.meaning
+    return sorted(codes.items())

@@ -19,9 +19,8 @@ from pathlib import Path
 from . import base as baselib
 from . import definitions, records, sources
 from . import patches as patchlib
-from .engine import Engine, ImageInfo
-from .errors import DefinitionError, PatchError, PipelineError, SmokeError
-from .render import LABEL_PREFIX
+from .engine import Engine, ImageInfo, labels
+from .errors import DefinitionError, PatchError, PipelineError, UnknownExpectation
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +33,6 @@ class Expected:
     version: str
     definition: str
     source: str
-
-
-class UnknownExpectation(SmokeError):
-    """The tool cannot tell what the image's patched files must be."""
 
 
 def from_build(defn: definitions.ImageDefinition, base_id: str, version: str | None,
@@ -58,8 +53,8 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
     else:
         # Labels only choose which definition and base to recompute from; the
         # hashes themselves come from the patch set and the base's own files.
-        tag = image.labels.get(f"{LABEL_PREFIX}.definition", "")
-        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id", "")
+        tag = image.labels.get(labels.DEFINITION, "")
+        base_id = image.labels.get(labels.BASE_ID, "")
         how = "the image's labels"
     if not tag or not base_id:
         raise UnknownExpectation(
@@ -83,9 +78,12 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
         missing = [rel for rel, data in originals.items() if data is None]
         if missing:
             raise UnknownExpectation(f"base {base_id[:19]} has no regular file {missing[0]}")
-        patched, _ = baselib.apply_in_scratch(
+        patched, included = baselib.apply_in_scratch(
             patches, {rel: data for rel, data in originals.items() if data is not None}, skip_included=True
         )
+        if patches and len(included) == len(patches):
+            raise UnknownExpectation(f"base {base_id[:19]} already carries every patch of patches/{defn.patch_set}: "
+                                     "it needs no hotfix, and no hotfix image is made from it")
     except UnknownExpectation:
         raise
     except PipelineError as exc:

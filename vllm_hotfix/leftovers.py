@@ -22,7 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .engine import Engine, owner
+from .atomic import write_atomic
+from .engine import Engine
+from .engine.labels import owner
 from .errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -84,12 +86,9 @@ class Pending:
             if not self.images and not self.containers:
                 self.path.unlink(missing_ok=True)
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"owner": owner(), "images": self.images, "containers": self.containers})
-                           + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
-        except OSError as exc:
+            write_atomic(self.path, json.dumps({"owner": owner(), "images": self.images,
+                                                "containers": self.containers}) + "\n")
+        except (OSError, PipelineError) as exc:
             # Cleanup bookkeeping must never fail the run itself.
             log.debug("cannot write %s: %s", self.path, exc)
 

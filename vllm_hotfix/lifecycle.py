@@ -13,10 +13,11 @@ from typing import Any
 
 from . import definitions, records
 from .engine import Engine
-from .errors import PipelineError
+from .errors import NothingToRollBack, Refused
+from .verdicts import Status
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Build:
     """One image a definition produced, with what happened to it since."""
 
@@ -24,7 +25,7 @@ class Build:
     created: str
     output_ref: str
     record: str
-    verdict: str | None  # pass, fail, or None when never judged
+    verdict: Status | None  # pass, fail, or None when never judged
     gpu_verified: bool
     incomplete_runs: int
     pushes: tuple[dict[str, str], ...]
@@ -32,7 +33,8 @@ class Build:
     def as_dict(self) -> dict[str, Any]:
         return {
             "image_id": self.image_id, "created": self.created, "output_ref": self.output_ref,
-            "record": self.record, "verdict": self.verdict, "gpu_verified": self.gpu_verified,
+            "record": self.record, "verdict": self.verdict.value if self.verdict else None,
+            "gpu_verified": self.gpu_verified,
             "incomplete_runs": self.incomplete_runs, "pushes": list(self.pushes),
         }
 
@@ -40,7 +42,7 @@ class Build:
 def builds(root: Path, definition: str) -> list[Build]:
     """Distinct images built for ``definition``, newest build first."""
     # Each kind of entry is read once, not once per build.
-    all_verdicts, all_pushes = records.load(root, "verdict"), records.load(root, "push")
+    all_verdicts, all_pushes = records.load_verdicts(root), records.load(root, "push")
     out: list[Build] = []
     seen: set[str] = set()
     for entry in records.builds(root, definition):
@@ -50,15 +52,15 @@ def builds(root: Path, definition: str) -> list[Build]:
         judged = records.judgement(root, entry.image_id, all_verdicts)
         newer_incomplete = [
             v for v in records.verdicts(root, entry.image_id, all_verdicts)
-            if v.data.get("status") == records.INCOMPLETE and (judged is None or v.seq > judged.seq)
+            if not v.verdict.judged and (judged is None or v.seq > judged.seq)
         ]
         out.append(Build(
             image_id=entry.image_id,
             created=entry.created,
             output_ref=str(entry.data.get("output_ref", "")),
             record=entry.path.name,
-            verdict=str(judged.data.get("status")) if judged else None,
-            gpu_verified=bool(judged and judged.data.get("gpu_verified")),
+            verdict=judged.verdict.status if judged else None,
+            gpu_verified=bool(judged and judged.verdict.gpu_verified),
             incomplete_runs=len(newer_incomplete),
             pushes=tuple(
                 {"ref": str(p.data.get("ref")), "digest": str(p.data.get("digest")), "at": p.created}
@@ -85,7 +87,7 @@ def overview(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Moved:
     ref: str
     to: Build
@@ -99,7 +101,7 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
     defn = definitions.load(root, base_tag)
     made = builds(root, defn.tag)
     if not made:
-        raise PipelineError(f"no build records for {defn.tag} under {records.records_dir(root)}",
+        raise NothingToRollBack(f"no build records for {defn.tag} under {records.records_dir(root)}",
                             hint="rollback needs recorded builds (python build.py list)")
     ref = ref or made[0].output_ref or defn.output_ref()
     current = engine.image(ref)
@@ -109,18 +111,18 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
         want = to_image.removeprefix("sha256:")
         match = [b for b in made if b.image_id.removeprefix("sha256:").startswith(want)]
         if not match:
-            raise PipelineError(f"{to_image}: no build record of {defn.tag} has that image ID")
+            raise NothingToRollBack(f"{to_image}: no build record of {defn.tag} has that image ID")
         target = match[0]
         if engine.image(target.image_id) is None:
-            raise PipelineError(f"{target.image_id}: recorded but no longer in the engine")
-        if target.verdict == records.FAIL:
-            raise PipelineError(f"{target.image_id[:19]} failed its newest smoke run; refusing to tag it {ref}")
+            raise NothingToRollBack(f"{target.image_id}: recorded but no longer in the engine")
+        if target.verdict is Status.FAIL:
+            raise Refused(f"{target.image_id[:19]} failed its newest smoke run; refusing to tag it {ref}")
     else:
         start = order.index(current_id) + 1 if current_id in order else 0
         usable = [b for b in made[start:]
-                  if b.image_id != current_id and b.verdict != records.FAIL and engine.image(b.image_id)]
+                  if b.image_id != current_id and b.verdict is not Status.FAIL and engine.image(b.image_id)]
         if not usable:
-            raise PipelineError(
+            raise NothingToRollBack(
                 f"no earlier build of {defn.tag} to roll {ref} back to "
                 "(none older whose image is still in the engine and whose smoke did not fail)",
                 hint="python build.py list shows every build",

@@ -15,17 +15,18 @@ import logging
 import os
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 import unidiff
 
-from . import base, definitions, sources, standin
+from . import base, definitions, sources, wheels
 from . import patches as patchlib
 from .engine import Engine
-from .errors import BaseImageError, NoHotfixNeeded, PatchError, UpstreamError
+from .errors import BaseImageError, PatchError, PinError, UpstreamError
+from .pulling import resolve
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,40 @@ class Created:
     definition: Path | None
     dropped: list[str] = field(default_factory=list)
     where: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """What ``new-patchset --pin`` wrote: the pins file, and the image the wheels were chosen for."""
+
+    path: Path
+    image: str  # the Python and platform the wheels were chosen for
+
+
+def add_pins(
+    root: Path,
+    base_tag: str,
+    specs: Sequence[str],
+    engine: Callable[[], Engine],
+    *,
+    base_repo: str | None = None,
+    pull: str = "missing",
+    wheelhouse: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Pinned:
+    """Add ``NAME==VERSION`` lines, with the hashes of the wheels that fit the base, to the set's pins.txt."""
+    from . import pins  # here: only --pin needs the pins machinery
+
+    say = progress or (lambda _line: None)
+    defn = definitions.load(root, base_tag)
+    ref = defn.base_ref(base_repo)
+    eng = engine()
+    info = resolve(eng, ref, pull, say)
+    state = pins.probe(eng, info.id, defn.python, [])
+    if not state.tags:
+        raise PinError(f"{ref} has no pip for {defn.python}: it cannot install pinned wheels")
+    written = pins.add(root, defn.patch_set, defn.package, specs, state, wheelhouse, say)
+    return Pinned(written, pins.describe_image(state))
 
 
 def api_url(option: str | None = None) -> str:
@@ -201,7 +236,7 @@ def create(
     files, _hunks = patchlib.validate(diff, name, package)
     rels = list(dict.fromkeys([*base.touched_files(existing), *files]))
     if from_wheel:
-        whl = standin.wheel(root, version, say)
+        whl = wheels.release(root, version, say)
         found, contents = sources.wheel_files(whl, package, rels)
         where = f"the {package} {version} wheel"
     else:
@@ -209,7 +244,7 @@ def create(
             raise UpstreamError("new-patchset needs a Docker engine unless --from-wheel")
         ref = f"{repository}:{tag}"
         eng = engine()
-        info = eng.resolve(ref, pull, say)
+        info = resolve(eng, ref, pull, say)
         facts, contents = sources.image_files(eng, package, defn.python if defn else "python3", ref, info, rels,
                                               sources.cache_dir(root))
         found, where = facts.version, ref
@@ -232,10 +267,8 @@ def create(
         if existing:
             # Does the set already hold this change? Judge against the bare base first.
             if patchlib.classify(patch, work)[0] != patchlib.INCLUDED:
-                try:
-                    patchlib.apply_series(existing, work, skip_included=True)
-                except NoHotfixNeeded:
-                    pass  # the base carries the whole set so far: judge the new patch alone
+                # A base that carries the whole set so far is left as it is: the new patch is judged alone.
+                patchlib.apply_series(existing, work, skip_included=True)
                 if patchlib.classify(patch, work)[0] == patchlib.INCLUDED:
                     raise UpstreamError(
                         f"{change.source}: patch set {set_name} already holds this change; nothing added",

@@ -21,7 +21,6 @@ from pathlib import Path, PurePosixPath
 import unidiff
 
 from .errors import (
-    NoHotfixNeeded,
     PatchAlreadyApplied,
     PatchConflict,
     PatchError,
@@ -289,8 +288,9 @@ def apply_series(patches: list[Patch], workdir: Path, *, skip_included: bool = F
     Each patch is dry-run first so a failing one never leaves a half-patched
     file behind, even in the scratch folder. Patches the tree already carries
     are collected, not applied: with ``skip_included`` they are returned,
-    otherwise one error names them all. A tree that carries every patch
-    raises :class:`NoHotfixNeeded` either way. Returns the included patches.
+    otherwise one error names them all. A tree that carries every patch is
+    no error either way: it needs no hotfix, and every patch comes back as
+    included (the caller says so and builds nothing). Returns the included patches.
     """
     included: list[Patch] = []
     for patch in patches:
@@ -304,12 +304,7 @@ def apply_series(patches: list[Patch], workdir: Path, *, skip_included: bool = F
         if rc != 0:
             raise explain_failure(patch, workdir, out)
     names = [p.name for p in included]
-    if included and len(included) == len(patches):
-        raise NoHotfixNeeded(
-            f"the base already carries every patch of the set ({', '.join(names)}): it needs no hotfix",
-            patches=names,
-        )
-    if included and not skip_included:
+    if included and not skip_included and len(included) < len(patches):
         files = sorted({f for p in included for f in p.files})
         raise PatchAlreadyApplied(
             f"{', '.join(names)}: already present in the base ({', '.join(files)}); upstream ships "

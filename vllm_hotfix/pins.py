@@ -1,206 +1,69 @@
-"""Pinned Python distributions of a patch set: ``patches/<set>/pins.txt``.
+"""What a patch set's pinned distributions do to an image: before, during and after its build.
 
-Some fixes are not source patches but versions: a dependency the base image
-ships in a broken combination (quack-kernels 0.6.5 with vLLM 0.25.1's
-vendored SM100 attention) or unpacked in a race (nvidia-cutlass-dsl's
-sub-wheels before 4.6.0). A patch set may then carry ``pins.txt`` in pip's
-hash-checking format, one distribution per requirement, installed in the order
-written::
-
-    quack-kernels==0.6.4 \\
-        --hash=sha256:<64 hex>
-    # accept: vllm -> nvidia-cutlass-dsl: why this conflict is deliberate
-
-An ``# accept: REQUIRER -> REQUIREMENT: reason`` comment marks one complaint of
-``pip check`` that the pins may add (pip itself reads it as a comment).
-
-What the pinned distributions must be comes from this file and the hashes of
-the wheels it names, never from an image's labels. The wheels come from a
-wheelhouse folder or are downloaded for the image's own Python and platform
+The pins themselves come from ``patches/<set>/pins.txt`` (:mod:`pinfile`,
+which also explains why a patch set pins versions). What the pinned
+distributions must be comes from that file and the hashes of the wheels it
+names, never from an image's labels. The wheels come from a wheelhouse folder
+or are downloaded (:mod:`wheels`) for the image's own Python and platform
 tags; each is checked against the pin's hashes here, and again by pip
 (``--require-hashes``) inside the build. They are served to the one ``RUN``
-step over loopback and never copied into the image.
+step over loopback (:mod:`wheelserver`) and never copied into the image.
+
+The rest of the pipeline reaches pins through this module, so the few names
+of :mod:`pinfile` it needs are re-exported here.
 """
 
 from __future__ import annotations
 
-import hashlib
+import html
 import json
 import logging
 import re
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from . import pinfile, wheels
 from .engine import Engine
+from .engine import labels as label_keys
 from .errors import PinError
 from .patches import PINS_FILE, pins_path
+from .pinfile import Accept, Pin
+from .pinfile import PinSet as PinSet
+from .pinfile import check_builder as check_builder
+from .pinfile import load as load
+from .sources import cache_dir
 
 log = logging.getLogger(__name__)
 
 BUILD_ARG = "VLLM_HOTFIX_WHEELS"
-_REQ = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
-_HASH = re.compile(r"^--hash=sha256:([0-9a-f]{64})$")
-_ACCEPT = re.compile(r"^#\s*accept:\s*(\S+)\s*->\s*([^\s:]+)\s*:\s*(\S.*)$")
 _MISSING = re.compile(r"^(\S+) (\S+) requires (\S+), which is not installed\.?$")
 _CONFLICT = re.compile(r"^(\S+) (\S+) has requirement (.+), but you have (\S+) (\S+?)\.?$")
-_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 Progress = Callable[[str], None]
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-# -- pins.txt ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pin:
-    name: str  # canonical
-    version: str
-    hashes: tuple[str, ...]
-    line: int
-    spelled: str  # the name as pins.txt writes it
-
-    @property
-    def where(self) -> str:
-        return f"line {self.line}: {self.spelled}=={self.version}"
-
-    def requirement(self) -> str:
-        """The pin as a one-requirement file in pip's hash-checking format."""
-        hashes = " ".join(f"--hash=sha256:{h}" for h in self.hashes)
-        return f"{self.spelled}=={self.version} {hashes}\n"
-
-
-@dataclass(frozen=True)
-class Accept:
-    requirer: str  # canonical
-    requirement: str  # canonical
-    reason: str
-    line: int
-
-    def as_dict(self) -> dict[str, str]:
-        return {"requirer": self.requirer, "requirement": self.requirement, "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class PinSet:
-    path: Path
-    patch_set: str
-    pins: tuple[Pin, ...]
-    accepts: tuple[Accept, ...]
-    sha256: str
-
-    @property
-    def names(self) -> list[str]:
-        return [p.name for p in self.pins]
 
 
 def cache(root: Path) -> Path:
     """Where downloaded pinned wheels are kept (under VLLM_HOTFIX_CACHE, default build/cache)."""
-    import os
-
-    return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache")) / "pin-wheels"
-
-
-def path_of(root: Path, patch_set: str) -> Path:
-    return pins_path(root, patch_set)
-
-
-def load(root: Path, patch_set: str, package: str) -> PinSet | None:
-    """The patch set's pins, validated; None when it has no pins.txt."""
-    path = path_of(root, patch_set)
-    if not path.is_file():
-        return None
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PinError(f"{path}: not UTF-8 text ({exc})") from exc
-    pinset = parse(text, path, patch_set)
-    pinset = PinSet(pinset.path, patch_set, pinset.pins, pinset.accepts, hashlib.sha256(raw).hexdigest())
-    if canonical(package) in pinset.names:
-        pin = next(p for p in pinset.pins if p.name == canonical(package))
-        raise PinError(f"{path}: {pin.where}: pins {package} itself; a hotfix patches {package}, "
-                       "it does not replace it", pin=pin.name)
-    return pinset
-
-
-def parse(text: str, path: Path, patch_set: str = "") -> PinSet:
-    pins: list[Pin] = []
-    accepts: list[Accept] = []
-    if "\r" in text:
-        raise PinError(f"{path}: has CR line endings; write it with LF only")
-    lines = text.split("\n")
-    i = 0
-    while i < len(lines):
-        start = i + 1
-        line = lines[i].strip()
-        # pip's continuation: a trailing backslash joins the next line.
-        while line.endswith("\\") and i + 1 < len(lines):
-            i += 1
-            line = line[:-1].strip() + " " + lines[i].strip()
-        i += 1
-        if not line:
-            continue
-        if line.startswith("#"):
-            m = _ACCEPT.match(line)
-            if m:
-                accepts.append(Accept(canonical(m.group(1)), canonical(m.group(2)), m.group(3).strip(), start))
-            elif re.match(r"^#\s*accept\b", line):
-                raise PinError(f"{path}: line {start}: malformed accept comment; write "
-                               "`# accept: REQUIRER -> REQUIREMENT: reason`")
-            continue
-        words = line.split()
-        m = _REQ.match(words[0])
-        if not m:
-            raise PinError(f"{path}: line {start}: {words[0]!r} is not NAME==VERSION (one exact version, "
-                           "no extras, ranges, markers or URLs)")
-        hashes = []
-        for word in words[1:]:
-            hm = _HASH.match(word)
-            if not hm:
-                raise PinError(f"{path}: line {start}: {m.group(1)}: unexpected {word!r} "
-                               "(only --hash=sha256:<64 hex> may follow the requirement)")
-            hashes.append(hm.group(1))
-        if not hashes:
-            raise PinError(f"{path}: line {start}: {m.group(1)}=={m.group(2)} has no --hash=sha256:...; "
-                           "every pin names the sha256 of its wheel(s)",
-                           hint=f"new-patchset --base TAG --pin {m.group(1)}=={m.group(2)} writes the line")
-        name = canonical(m.group(1))
-        if name in {p.name for p in pins}:
-            raise PinError(f"{path}: line {start}: {m.group(1)} is pinned twice")
-        pins.append(Pin(name, m.group(2), tuple(hashes), start, m.group(1)))
-    if not pins:
-        raise PinError(f"{path}: pins nothing; delete the file or add NAME==VERSION --hash=sha256:... lines")
-    return PinSet(path, patch_set, tuple(pins), tuple(accepts), hashlib.sha256(text.encode()).hexdigest())
-
-
-def check_builder(pinset: PinSet | None, builder: str) -> None:
-    """Only a Dockerfile build can run pip; a builder that writes layers itself cannot."""
-    if pinset is not None and builder != "dockerfile":
-        raise PinError(
-            f"{pinset.path}: patch set {pinset.patch_set} pins {len(pinset.pins)} distribution(s), which needs "
-            f"pip to run in the image; --builder {builder} cannot do that",
-            hint="build this definition with --builder dockerfile",
-        )
+    return cache_dir(root) / "pin-wheels"
 
 
 # -- the image's side ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Installed:
     version: str
     metadata: str
     files: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ImageState:
     python: str
     implementation: str
@@ -216,8 +79,6 @@ class ImageState:
 
 def probe(engine: Engine, image: str, python: str, names: Sequence[str],
           paths: Sequence[str] | None = None) -> ImageState:
-    from importlib import resources
-
     script = resources.files("vllm_hotfix.probes").joinpath("pinstate.py").read_bytes()
     files = {"vllm-hotfix-pins/pinstate.py": script}
     argv = [python, "/tmp/vllm-hotfix-pins/pinstate.py", json.dumps(sorted(names))]
@@ -238,7 +99,7 @@ def probe(engine: Engine, image: str, python: str, names: Sequence[str],
                       tuple(data.get("existing") or ()))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Complaint:
     """One line of ``pip check``, with the identity used to tell old from new."""
 
@@ -263,17 +124,20 @@ class Complaint:
 def parse_complaint(line: str) -> Complaint:
     m = _MISSING.match(line)
     if m:
-        return Complaint(line, "missing", canonical(m.group(1)), canonical(_name_of(m.group(3))))
+        return Complaint(line, "missing", canonicalize_name(m.group(1)), _name_of(m.group(3)))
     m = _CONFLICT.match(line)
     if m:
-        return Complaint(line, "conflict", canonical(m.group(1)), canonical(_name_of(m.group(3))),
+        return Complaint(line, "conflict", canonicalize_name(m.group(1)), _name_of(m.group(3)),
                          m.group(3).replace(" ", ""))
     return Complaint(line, "other", "", "")
 
 
 def _name_of(requirement: str) -> str:
-    m = _REQ_NAME.match(requirement)
-    return m.group(1) if m else requirement
+    """The canonical name of a requirement as pip check prints it."""
+    try:
+        return canonicalize_name(Requirement(requirement).name)
+    except InvalidRequirement:
+        return canonicalize_name(requirement.split()[0] if requirement.split() else requirement)
 
 
 def pip_check(engine: Engine, image: str, python: str) -> list[Complaint]:
@@ -288,7 +152,7 @@ def pip_check(engine: Engine, image: str, python: str) -> list[Complaint]:
     return [parse_complaint(ln) for ln in lines if not ln.startswith("No broken requirements")]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CheckOutcome:
     base_only: tuple[str, ...]  # complaints the base already had
     accepted: tuple[tuple[str, str], ...]  # (complaint, reason)
@@ -319,27 +183,7 @@ def judge_complaints(before: Sequence[Complaint], after: Sequence[Complaint], ac
 # -- wheels -----------------------------------------------------------------------------
 
 
-def wheel_tags(filename: str) -> tuple[str, str, set[str]] | None:
-    """(canonical name, version, tags) of a wheel file name; None if it is not one."""
-    if not filename.endswith(".whl"):
-        return None
-    parts = filename[:-4].split("-")
-    if len(parts) not in (5, 6):
-        return None
-    name, version, py, abi, plat = parts[0], parts[1], parts[-3], parts[-2], parts[-1]
-    tags = {f"{a}-{b}-{c}" for a in py.split(".") for b in abi.split(".") for c in plat.split(".")}
-    return canonical(name), version, tags
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Wheel:
     pin: Pin
     path: Path
@@ -355,51 +199,17 @@ def describe_image(state: ImageState) -> str:
     return f"Python {state.python} ({state.implementation}) on {plat}"
 
 
-def _candidates(folder: Path, pin: Pin) -> list[Path]:
-    out = []
-    for path in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
-        parsed = wheel_tags(path.name)
-        if parsed and parsed[0] == pin.name and parsed[1] == pin.version:
-            out.append(path)
-    return out
+def _fitting(folder: Path, pin: Pin, state: ImageState) -> list[Path]:
+    return [p for p in wheels.find(folder, pin.name, pin.version) if wheels.rank(p, state.tags) is not None]
 
 
-def _best_fit(paths: list[Path], tags: Sequence[str]) -> Path | None:
-    rank = {t: i for i, t in enumerate(tags)}
-    scored = []
-    for path in paths:
-        parsed = wheel_tags(path.name)
-        assert parsed is not None
-        hits = [rank[t] for t in parsed[2] if t in rank]
-        if hits:
-            scored.append((min(hits), path.name, path))
-    return min(scored)[2] if scored else None
-
-
-def download(pin: Pin, state: ImageState, folder: Path, say: Progress) -> None:
+def download(pin: Pin, state: ImageState, folder: Path, say: Progress, context: str = "") -> None:
     """``pip download`` the pin's wheel for the image's Python and platform tags into ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    interpreters = sorted({t.split("-")[0] for t in state.tags})
-    abis = sorted({t.split("-")[1] for t in state.tags})
-    platforms = sorted({t.split("-")[2] for t in state.tags})
-    impl = "cp" if state.implementation == "cpython" else "py"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(folder), "--python-version", state.python, "--implementation", impl]
-    for abi in abis:
-        cmd += ["--abi", abi]
-    for plat in platforms:
-        cmd += ["--platform", plat]
-    cmd.append(f"{pin.spelled}=={pin.version}")
+    target = wheels.Target.of_tags(state.python, state.implementation, state.tags)
     say(f"    downloading {pin.spelled}=={pin.version} for {describe_image(state)} "
-        f"({len(interpreters)} interpreter, {len(platforms)} platform tag(s))")
-    import subprocess  # here: only a download runs pip
-
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()] or ["no output"]
-        raise PinError(f"{pin.where}: no wheel fits the image ({describe_image(state)}) on the package "
-                       f"index: {last[-1].removeprefix('ERROR: ')}", pin=pin.name,
-                       hint="check the version exists for this Python and platform, or pass --wheelhouse DIR")
+        f"({len(target.platforms)} platform tag(s))")
+    wheels.download(pin.spelled, pin.version, folder, target, error=PinError, context=context,
+                    hint="check the version exists for this Python and platform, or pass --wheelhouse DIR")
 
 
 def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cache: Path, say: Progress
@@ -413,12 +223,12 @@ def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cach
     chosen: list[Wheel] = []
     for pin in pinset.pins:
         folder = wheelhouse if wheelhouse is not None else cache
-        found = _candidates(folder, pin)
-        best = _best_fit(found, state.tags)
+        found = wheels.find(folder, pin.name, pin.version)
+        best = wheels.best_fit(found, state.tags)
         if best is None and wheelhouse is None:
-            download(pin, state, cache, say)
-            found = _candidates(cache, pin)
-            best = _best_fit(found, state.tags)
+            download(pin, state, cache, say, f"{pinset.path}: {pin.where}: ")
+            found = wheels.find(cache, pin.name, pin.version)
+            best = wheels.best_fit(found, state.tags)
         if best is None:
             if found:
                 raise PinError(f"{pinset.path}: {pin.where}: no wheel fits the image ({describe_image(state)}): "
@@ -426,7 +236,7 @@ def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cach
                                hint="add the wheel built for the image's Python and platform to the wheelhouse")
             raise PinError(f"{pinset.path}: {pin.where}: no wheel in {folder}", pin=pin.name,
                            hint="put the wheel there, or leave out --wheelhouse to download it")
-        digest = sha256_file(best)
+        digest = wheels.sha256_file(best)
         if digest not in pin.hashes:
             raise PinError(f"{pinset.path}: {pin.where}: wheel {best.name} has sha256 {digest}, not one the pin "
                            "lists", pin=pin.name,
@@ -436,30 +246,17 @@ def find_wheels(pinset: PinSet, state: ImageState, wheelhouse: Path | None, cach
     return chosen
 
 
-def wheel_record(path: Path) -> dict[str, str]:
-    """path -> urlsafe-b64 sha256 of every hashed file in a wheel's RECORD."""
-    import csv
-    import zipfile
-
-    with zipfile.ZipFile(path) as zf:
-        name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
-        if name is None:
-            raise PinError(f"{path.name}: no RECORD; not a wheel")
-        rows = csv.reader(zf.read(name).decode("utf-8").splitlines())
-        return {r[0]: r[1][len("sha256="):] for r in rows if len(r) >= 2 and r[1].startswith("sha256=")}
-
-
 # -- serving the wheels to the build ----------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Prepared:
     """Everything about a patch set's pins known before the build."""
 
     pinset: PinSet
     before: ImageState
-    before_check: list[Complaint]
-    wheels: list[Wheel] = field(default_factory=list)
+    before_check: tuple[Complaint, ...]
+    wheels: tuple[Wheel, ...]
 
     def entries(self) -> list[dict[str, str]]:
         """Per pin, in file order: what the template and the labels show."""
@@ -476,21 +273,33 @@ class Prepared:
             })
         return out
 
-    def labels(self, prefix: str) -> dict[str, str]:
+    def labels(self) -> dict[str, str]:
         pins = {e["name"]: {k: e[k] for k in ("before", "after", "wheel", "sha256")} for e in self.entries()}
         return {
-            f"{prefix}.pins": json.dumps(pins, sort_keys=True),
-            f"{prefix}.pins.sha256": self.pinset.sha256,
-            f"{prefix}.pins.accepted": json.dumps([a.as_dict() for a in self.pinset.accepts], sort_keys=True),
+            label_keys.PINS: json.dumps(pins, sort_keys=True),
+            label_keys.PINS_SHA256: self.pinset.sha256,
+            label_keys.PINS_ACCEPTED: json.dumps([a.as_dict() for a in self.pinset.accepts], sort_keys=True),
         }
+
+    def routes(self) -> dict[str, Path | bytes]:
+        """What the loopback server answers: an index of the wheels, the wheels, one requirement file per pin."""
+        out: dict[str, Path | bytes] = {}
+        links = []
+        for w in self.wheels:
+            out[f"/wheels/{w.filename}"] = w.path
+            links.append(f'<a href="{html.escape(w.filename)}#sha256={w.sha256}">{html.escape(w.filename)}</a><br>')
+        out["/wheels/"] = ("<html><body>\n" + "\n".join(links) + "\n</body></html>\n").encode()
+        for entry, pin in zip(self.entries(), self.pinset.pins, strict=True):
+            out[f"/req/{entry['req']}"] = pin.requirement().encode()
+        return out
 
 
 def prepare(engine: Engine, pinset: PinSet, image_id: str, python: str, *, wheelhouse: Path | None,
-            cache: Path, say: Progress, wheels: bool = True) -> Prepared:
-    """Read the base's side (versions, tags, ``pip check``) and, with ``wheels``, find every wheel."""
+            cache: Path, say: Progress) -> Prepared:
+    """Read the base's side (versions, tags, ``pip check``) and find every wheel."""
     say(f"==> {len(pinset.pins)} pin(s) from {pinset.path.parent.name}/{PINS_FILE}: reading the base's "
         "distributions and pip check")
-    if wheels and not engine.is_local:
+    if not engine.local:
         raise PinError(f"{pinset.path}: pins are installed from wheels served on this machine's loopback, which "
                        f"the engine at {engine.address} cannot reach",
                        hint="build patch sets with pins on the engine's own machine (unset DOCKER_HOST)")
@@ -504,10 +313,7 @@ def prepare(engine: Engine, pinset: PinSet, image_id: str, python: str, *, wheel
         raise PinError(f"base {image_id[:19]} has {several[0]} installed more than once ({where}); "
                        "pip would replace only one of them")
     before_check = pip_check(engine, image_id, python)
-    prepared = Prepared(pinset, state, before_check)
-    if wheels:
-        prepared.wheels = find_wheels(pinset, state, wheelhouse, cache, say)
-    return prepared
+    return Prepared(pinset, state, tuple(before_check), tuple(find_wheels(pinset, state, wheelhouse, cache, say)))
 
 
 @contextmanager
@@ -519,7 +325,7 @@ def serve(prepared: Prepared | None) -> Iterator[dict[str, str]]:
     # Here: the HTTP server (and the email and TLS modules under it) only for a build with pins.
     from . import wheelserver
 
-    with wheelserver.serve(prepared) as address:
+    with wheelserver.serve(prepared.routes()) as address:
         yield {BUILD_ARG: address}
 
 
@@ -583,8 +389,6 @@ def judge_release(pinset: PinSet, requires: Sequence[str], release: str) -> list
     its range admits the pin but does not fix it; ``contradicts``: its range
     excludes the pin; ``unconstrained``: it does not require the distribution.
     """
-    from packaging.requirements import InvalidRequirement, Requirement
-
     parsed: dict[str, list[Requirement]] = {}
     for line in requires:
         try:
@@ -593,7 +397,7 @@ def judge_release(pinset: PinSet, requires: Sequence[str], release: str) -> list
             continue
         if req.marker is not None and "extra" in str(req.marker):
             continue
-        parsed.setdefault(canonical(req.name), []).append(req)
+        parsed.setdefault(canonicalize_name(req.name), []).append(req)
     out = []
     for pin in pinset.pins:
         reqs = parsed.get(pin.name, [])
@@ -619,44 +423,36 @@ def judge_release(pinset: PinSet, requires: Sequence[str], release: str) -> list
 
 def pin_line(spec: str, state: ImageState, cache: Path, wheelhouse: Path | None, say: Progress) -> str:
     """The pins.txt line for ``NAME==VERSION``: the sha256 of each wheel that fits the image."""
-    m = _REQ.match(spec.strip())
-    if not m:
+    req = pinfile.exact(spec.strip())
+    if req is None:
         raise PinError(f"--pin {spec!r}: write NAME==VERSION (one exact version)")
-    pin = Pin(canonical(m.group(1)), m.group(2), (), 0, m.group(1))
+    pin = Pin(canonicalize_name(req[0]), req[1], (), 0, req[0])
     folder = wheelhouse if wheelhouse is not None else cache
-    fitting = [p for p in _candidates(folder, pin) if _best_fit([p], state.tags) is not None]
+    fitting = _fitting(folder, pin, state)
     if not fitting and wheelhouse is None:
-        download(pin, state, cache, say)
-        fitting = [p for p in _candidates(cache, pin) if _best_fit([p], state.tags) is not None]
+        download(pin, state, cache, say, f"--pin {spec}: ")
+        fitting = _fitting(cache, pin, state)
     if not fitting:
         raise PinError(f"--pin {spec}: no wheel fits the image ({describe_image(state)}) in {folder}", pin=pin.name)
-    hashes = sorted({sha256_file(p) for p in fitting})
-    tail = "".join(f" \\\n    --hash=sha256:{h}" for h in hashes)
-    return f"{pin.spelled}=={pin.version}{tail}\n"
+    return pinfile.line(pin.spelled, pin.version, {wheels.sha256_file(p) for p in fitting})
 
 
 def add(root: Path, patch_set: str, package: str, specs: Sequence[str], state: ImageState,
         wheelhouse: Path | None, say: Progress) -> Path:
     """Append a hash-checked line per ``NAME==VERSION`` to the set's pins.txt, all or nothing."""
-    path = path_of(root, patch_set)
+    path = pins_path(root, patch_set)
     if not path.parent.is_dir():
         raise PinError(f"patches/{patch_set}: no such patch set")
     current = load(root, patch_set, package)
     taken = {p.name: p for p in current.pins} if current is not None else {}
     lines = []
     for spec in specs:
-        m = _REQ.match(spec.strip())
-        if m and canonical(m.group(1)) in taken:
-            raise PinError(f"--pin {spec}: {path} already pins it ({taken[canonical(m.group(1))].where})")
-        if m and canonical(m.group(1)) == canonical(package):
+        req = pinfile.exact(spec.strip())
+        name = canonicalize_name(req[0]) if req is not None else ""
+        if name in taken:
+            raise PinError(f"--pin {spec}: {path} already pins it ({taken[name].where})")
+        if name == canonicalize_name(package):
             raise PinError(f"--pin {spec}: a hotfix patches {package}, it does not replace it")
         lines.append(pin_line(spec, state, cache(root), wheelhouse, say))
-    old = path.read_text(encoding="utf-8") if path.is_file() else ""
-    if old and not old.endswith("\n"):
-        old += "\n"
-    text = old + "".join(lines)
-    parse(text, path, patch_set)  # what is written must load
-    part = path.with_name(path.name + ".part")
-    part.write_text(text, encoding="utf-8")
-    part.replace(path)
+    pinfile.append(path, patch_set, lines)
     return path

@@ -1,7 +1,9 @@
 """The ``image`` job: definition -> patched files -> Dockerfile -> image.
 
 Each step lives in its own module; this one only puts them in order, keeps
-the build records, and makes sure a failure leaves nothing tagged.
+the build records, and makes sure a failure leaves nothing tagged. How a job
+is built is a :class:`BuildOptions` value; which builder makes the image is
+chosen by name in :func:`vllm_hotfix.assemble.builder`.
 """
 
 from __future__ import annotations
@@ -9,25 +11,53 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
-from .assemble import BUILDERS
-from .engine import Engine, ImageInfo, split_reference
-from .errors import BaseImageError, PipelineError, SmokeError, SmokeIncomplete
-from .platforms import Platform
+from .assemble import BuildJob, builder, known_builder
+from .engine import Engine, ImageInfo, labels, split_reference
+from .errors import AssembleUnsupported, BaseImageError, PipelineError, Refused, UsageError
+from .platforms import Platform, child_ref
+from .pulling import PULL_POLICIES, resolve
+from .verdicts import Status, Verdict, require_pass
 
 if TYPE_CHECKING:
     from . import expected, pins
 
 log = logging.getLogger(__name__)
 
-# (engine, image ID, the build's own expectation or None) -> smoke report
-SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], dict[str, Any]]
+# (engine, image ID, the build's own expectation or None) -> the run's verdict
+SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], Verdict]
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """How `image` builds, the same for every platform of one run."""
+
+    pull: str = "missing"
+    rebuild: bool = False  # build even when a recorded build has the same inputs
+    skip_included: bool = False  # leave out patches the base already carries
+    force: bool = False  # move the output tag even if it names the base or a foreign image
+    builder: str = "dockerfile"
+    wheelhouse: Path | None = None  # wheels for the set's pins.txt (None: download into the cache)
+    smoke: SmokeRunner | None = None  # None: --no-smoke
+    progress: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pull not in PULL_POLICIES:
+            raise UsageError(f"pull policy {self.pull!r} is not one of {', '.join(PULL_POLICIES)}")
+        known_builder(self.builder)
+
+    @property
+    def say(self) -> Callable[[str], None]:
+        return self.progress or _quiet
 
 
 @dataclass(slots=True)
@@ -43,14 +73,27 @@ class Plan:
     pinset: pins.PinSet | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class BuildResult:
     output_ref: str
     image_id: str
     reused: bool
     record: records.Entry
-    smoke: dict[str, Any] | None = field(default=None)
+    smoke: Verdict | None = None
     platform: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NoHotfix:
+    """Not a failure: the base already carries every patch of the set, so nothing was built or tagged."""
+
+    base_ref: str
+    patch_set: str
+    patches: tuple[str, ...]
+
+    def message(self) -> str:
+        return (f"{self.base_ref} needs no hotfix: it already carries every patch of {self.patch_set} "
+                f"({', '.join(self.patches)}); nothing built")
 
 
 def plan(root: Path, base_tag: str, base_repo: str | None = None, output_ref: str | None = None) -> Plan:
@@ -138,7 +181,7 @@ def render_only(
     wheelhouse: Path | None = None,
     platform: Platform | None = None,
     builder: str = "dockerfile",
-) -> str:
+) -> str | NoHotfix:
     """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
 
     Pinned wheels are fetched: they are inputs.
@@ -150,22 +193,15 @@ def render_only(
                                progress=progress)
         assert bases is not None
         p = replace(p, base_ref=bases[platform])
-    info = engine.resolve(p.base_ref, pull, progress, str(platform) if platform else None)
+    info = resolve(engine, p.base_ref, pull, progress, str(platform) if platform else None)
     facts, files, applied = base.prepare(
         engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
         cache=sources.cache_dir(p.root),
     )
-    pinned = _pins(engine, p, facts, wheelhouse, progress or (lambda _line: None))
+    if p.patches and not applied:
+        return NoHotfix(p.base_ref, p.definition.patch_set, tuple(pt.name for pt in p.patches))
+    pinned = _pins(engine, p, facts, wheelhouse, progress or _quiet)
     return render.render(p.template, p.definition, facts, files, applied, pinned)
-
-
-def _serve(pinned: pins.Prepared | None) -> AbstractContextManager[dict[str, str]]:
-    """The pinned wheels on loopback for the build (its build arguments); nothing to serve without pins."""
-    if pinned is None:
-        return nullcontext({})
-    from . import pins
-
-    return pins.serve(pinned)
 
 
 def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
@@ -173,41 +209,32 @@ def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> N
     if force:
         return
     if p.output_ref == p.base_ref:
-        raise PipelineError(f"--tag {p.output_ref} is the base's own reference; refusing to overwrite the base",
-                            hint="choose another --tag (or --force)")
+        raise Refused(f"--tag {p.output_ref} is the base's own reference; refusing to overwrite the base",
+                      hint="choose another --tag (or --force)")
     existing = engine.image(p.output_ref)
     if existing is None:
         return
     if existing.id == base.id:
-        raise PipelineError(f"--tag {p.output_ref} names the base image {base.id[:19]}; refusing to move it",
-                            hint="choose another --tag (or --force)")
-    ours = existing.id in records.known_images(p.root) or f"{render.LABEL_PREFIX}.definition" in existing.labels
+        raise Refused(f"--tag {p.output_ref} names the base image {base.id[:19]}; refusing to move it",
+                      hint="choose another --tag (or --force)")
+    ours = existing.id in records.known_images(p.root) or labels.DEFINITION in existing.labels
     if not ours:
-        raise PipelineError(
+        raise Refused(
             f"--tag {p.output_ref} names image {existing.id[:19]}, which this tool did not build; refusing to move it",
             hint="choose another --tag, or pass --force to move it anyway",
         )
 
 
-def _smoke_and_judge(engine: Engine, p: Plan, image_id: str, smoke: SmokeRunner,
-                     want: expected.Expected | None, say: Callable[[str], None]) -> dict[str, Any]:
+def _smoke(engine: Engine, p: Plan, image_id: str, smoke: SmokeRunner,
+           want: expected.Expected | None, say: Callable[[str], None]) -> Verdict:
     """Run smoke, append its verdict, and raise unless it passed."""
     say(f"==> smoke-testing {image_id[:19]}")
-    report = smoke(engine, image_id, want)
-    records.append(p.root, "verdict", report)
-    status = report.get("status")
-    if status == records.FAIL:
-        failed = [c["name"] for c in report.get("checks", []) if c.get("status") == "fail"]
-        raise SmokeError(
-            f"smoke checks failed for {image_id[:19]} (built from {p.base_ref}): {', '.join(failed)}",
-            hint="see the report above; nothing was tagged",
-        )
-    if status == records.INCOMPLETE:
-        raise SmokeIncomplete(
-            f"smoke of {image_id[:19]} is incomplete: {'; '.join(report.get('incomplete') or [])}",
-            hint="the host, not the image, stopped a check; nothing was tagged",
-        )
-    return report
+    verdict = smoke(engine, image_id, want)
+    records.append_verdict(p.root, verdict)
+    require_pass(verdict, f"{image_id[:19]} (built from {p.base_ref})",
+                 fail_hint="see the report above; nothing was tagged",
+                 incomplete_hint="the host, not the image, stopped a check; nothing was tagged")
+    return verdict
 
 
 def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> None:
@@ -216,111 +243,72 @@ def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> None:
     engine.tag(image_id, p.output_ref)
 
 
-def build_image(
-    engine: Engine,
-    p: Plan,
-    *,
-    pull: str = "missing",
-    rebuild: bool = False,
-    skip_included: bool = False,
-    force: bool = False,
-    smoke: SmokeRunner | None = None,
-    progress: Callable[[str], None] | None = None,
-    wheelhouse: Path | None = None,
-    builder: str = "dockerfile",
-    platform: Platform | None = None,
-    base_info: ImageInfo | None = None,
-) -> BuildResult:
-    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be.
-
-    ``base_info``: the base as the caller just found it in the engine (not asked
-    again unless ``pull`` is ``always``).
-    """
-    say = progress or (lambda _line: None)
-    if builder not in BUILDERS:
-        raise PipelineError(f"unknown builder {builder!r} (one of {', '.join(BUILDERS)})")
-    # Before any work: a patch set with pins needs pip in a RUN step, which only the Dockerfile build has.
-    _check_builder(p, builder)
-    records.ensure_writable(p.root)
-    say(f"==> resolving base {p.base_ref} (pull policy: {pull}{', ' + str(platform) if platform else ''})")
-    if base_info is not None and pull != "always":
+def _resolve_base(engine: Engine, p: Plan, opts: BuildOptions, platform: Platform | None,
+                  base_info: ImageInfo | None, say: Callable[[str], None]) -> ImageInfo:
+    say(f"==> resolving base {p.base_ref} (pull policy: {opts.pull}{', ' + str(platform) if platform else ''})")
+    if base_info is not None and opts.pull != "always":
         info = base_info
     else:
-        info = engine.resolve(p.base_ref, pull, say, str(platform) if platform else None)
+        info = resolve(engine, p.base_ref, opts.pull, say, str(platform) if platform else None)
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")
-    check_output_ref(engine, p, info, force)
+    return info
+
+
+def _key_inputs(p: Plan, info: ImageInfo, opts: BuildOptions, platform: Platform | None) -> dict[str, Any]:
+    """The inputs a build is recorded (and found again) under."""
     key_inputs = inputs(p, info.id, info.digest)
+    # Each of these is kept out of the key when off, so older records still match.
     if platform is not None:
-        # Kept out of the key when not asked for, so older records still match.
         key_inputs["platform"] = str(platform)
-    if skip_included:
-        # Kept out of the key when off, so older records still match.
+    if opts.skip_included:
         key_inputs["skip_included"] = True
-    if builder != "dockerfile":
+    if opts.builder != "dockerfile":
         # Equal content, other image ID: a build reuses only its own builder's records.
-        key_inputs["builder"] = builder
-    key = records.inputs_key(key_inputs)
+        key_inputs["builder"] = opts.builder
+    return key_inputs
 
-    if not rebuild:
-        for rec in records.builds_with_inputs(p.root, key):
-            if engine.image(rec.image_id) is None:
-                continue
-            judged = records.judgement(p.root, rec.image_id)
-            if judged is not None and judged.data.get("status") == records.FAIL:
-                say(f"    not reusing {rec.image_id[:19]} from {rec.path.name}: its newest smoke verdict "
-                    f"({judged.created}) failed; building again")
-                continue
-            say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
-            report = judged.data if judged is not None else None
-            if smoke is not None and judged is None:
-                # Built earlier with --no-smoke (or only incomplete runs): smoke it before it gets the tag.
-                say("    no smoke verdict on it yet")
-                report = _smoke_and_judge(engine, p, rec.image_id, smoke, None, say)
-            _move_tag(engine, p, rec.image_id, "reused")
-            return BuildResult(p.output_ref, rec.image_id, True, rec, dict(report) if report else None,
-                               str(platform) if platform else None)
 
-    say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
-    facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
-        cache=sources.cache_dir(p.root),
-    )
-    skipped = [pt.name for pt in p.patches if pt not in applied]
-    if skipped:
-        say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
-    say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    pinned = _pins(engine, p, facts, wheelhouse, say)
-    image_id = None
-    pending = leftovers.pending(p.root)
-    # On failure the engine removes the steps it made; what it cannot (engine
-    # lost, process killed) stays noted in `pending` for the next run to sweep.
-    if builder == "assemble":
-        from . import assemble
+def _reuse(engine: Engine, p: Plan, key: str, opts: BuildOptions, platform: Platform | None,
+           say: Callable[[str], None]) -> BuildResult | None:
+    """A recorded build of the same inputs whose image is still there and did not fail, tagged again."""
+    for rec in records.builds_with_inputs(p.root, key):
+        if engine.image(rec.image_id) is None:
+            continue
+        judged = records.judgement(p.root, rec.image_id)
+        if judged is not None and judged.verdict.status is Status.FAIL:
+            say(f"    not reusing {rec.image_id[:19]} from {rec.path.name}: its newest smoke verdict "
+                f"({judged.created}) failed; building again")
+            continue
+        say(f"==> inputs unchanged since {rec.path.name}: reusing {rec.image_id} (--rebuild forces a build)")
+        verdict = judged.verdict if judged is not None else None
+        if opts.smoke is not None and judged is None:
+            # Built earlier with --no-smoke (or only incomplete runs): smoke it before it gets the tag.
+            say("    no smoke verdict on it yet")
+            verdict = _smoke(engine, p, rec.image_id, opts.smoke, None, say)
+        _move_tag(engine, p, rec.image_id, "reused")
+        return BuildResult(p.output_ref, rec.image_id, True, rec, verdict, str(platform) if platform else None)
+    return None
 
-        say(f"==> assembling {p.output_ref} ({len(files)} patched file(s)) and loading it")
-        try:
-            image_id = assemble.build(engine, facts, files, render.labels(p.definition, facts, files, applied),
-                                      f"vllm-hotfix: {p.definition.tag} patched files and bytecode into "
-                                      f"{facts.site_dir}", on_image=pending.add)
-            say(f"    loaded {image_id}")
-        except assemble.Unsupported as exc:
-            say(f"    {exc}: building from the Dockerfile instead")
-            builder = "dockerfile"
-    if image_id is None:
-        dockerfile = render.render(p.template, p.definition, facts, files, applied, pinned)
-        ctx = render.context(dockerfile, facts, files)
-        say(f"==> building {p.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-        # Pins: the wheels are served on loopback for the RUN step, which needs the
-        # host's network to reach them; nothing else in the build uses a network.
-        with _serve(pinned) as buildargs:
-            image_id = engine.build(ctx, lambda line: say("    " + line), on_image=pending.add,
-                                    buildargs=buildargs, network="host" if pinned is not None else None)
-    meta = {
-        "builder": builder,
+
+def _make_image(engine: Engine, job: BuildJob, name: str) -> tuple[str, str]:
+    """The new image's ID and the builder that made it (assemble falls back to the Dockerfile)."""
+    try:
+        return builder(name).build(engine, job), name
+    except AssembleUnsupported as exc:
+        job.say(f"    {exc}: building from the Dockerfile instead")
+        return builder("dockerfile").build(engine, job), "dockerfile"
+
+
+def _build_meta(p: Plan, info: ImageInfo, facts: base.BaseFacts, files: list[base.PatchedFile],
+                applied: list[patchlib.Patch], key_inputs: dict[str, Any], made_by: str, image_id: str,
+                platform: Platform | None) -> dict[str, Any]:
+    """The build entry of the journal."""
+    return {
+        "builder": made_by,
         "inputs": key_inputs,
-        "inputs_key": key,
+        "inputs_key": records.inputs_key(key_inputs),
         "image_id": image_id,
         "output_ref": p.output_ref,
         "base": {
@@ -336,42 +324,86 @@ def build_image(
         "platform": str(platform) if platform else f"{info.os}/{info.architecture}",
         "files": {f.rel: {"sha256": f.sha256, "original_sha256": f.original_sha256} for f in files},
         "patches_applied": {pt.name: pt.sha256 for pt in applied},
-        "patches_included_upstream": skipped,
+        "patches_included_upstream": [pt.name for pt in p.patches if pt not in applied],
     }
+
+
+def build_image(
+    engine: Engine,
+    p: Plan,
+    opts: BuildOptions | None = None,
+    *,
+    platform: Platform | None = None,
+    base_info: ImageInfo | None = None,
+) -> BuildResult | NoHotfix:
+    """Build (or reuse), smoke-test and tag one image; ``platform``: the one its base must be.
+
+    ``base_info``: the base as the caller just found it in the engine (not asked
+    again unless the pull policy is ``always``). A base that already carries
+    every patch gives :class:`NoHotfix`: nothing built, nothing tagged.
+    """
+    opts = opts or BuildOptions()
+    say = opts.say
+    # Before any work: a patch set with pins needs pip in a RUN step, which only the Dockerfile build has.
+    _check_builder(p, opts.builder)
+    records.ensure_writable(p.root)
+    info = _resolve_base(engine, p, opts, platform, base_info, say)
+    check_output_ref(engine, p, info, opts.force)
+    key_inputs = _key_inputs(p, info, opts, platform)
+    if not opts.rebuild:
+        reused = _reuse(engine, p, records.inputs_key(key_inputs), opts, platform, say)
+        if reused is not None:
+            return reused
+
+    say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
+    facts, files, applied = base.prepare(
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=opts.skip_included,
+        cache=sources.cache_dir(p.root),
+    )
+    if p.patches and not applied:
+        return NoHotfix(p.base_ref, p.definition.patch_set, tuple(pt.name for pt in p.patches))
+    skipped = [pt.name for pt in p.patches if pt not in applied]
+    if skipped:
+        say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
+    say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
+    pinned = _pins(engine, p, facts, opts.wheelhouse, say)
+    pending = leftovers.pending(p.root)
+    # On failure the engine removes the steps it made; what it cannot (engine
+    # lost, process killed) stays noted in `pending` for the next run to sweep.
+    job = BuildJob(p.definition, facts, files, applied, p.template, p.output_ref, pinned, pending.add, say)
+    image_id, made_by = _make_image(engine, job, opts.builder)
+    meta = _build_meta(p, info, facts, files, applied, key_inputs, made_by, image_id, platform)
     try:
         if pinned is not None:
             from . import pins
 
             say(f"==> checking the pins in {image_id[:19]}")
             meta["pins"] = pins.verify(engine, image_id, pinned, facts.python, say)
-        smoke_report = None
-        if smoke is not None:
+        verdict = None
+        if opts.smoke is not None:
             from . import expected  # here: only a smoked build states what its image must hold
 
             want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
-            smoke_report = _smoke_and_judge(engine, p, image_id, smoke, want, say)
+            verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
         record = records.append(p.root, "build", meta)
         _move_tag(engine, p, image_id, "built")
     except BaseException:
-        # The engine's layer cache can hand back an image that is already
-        # tagged elsewhere: only remove what this build alone produced.
-        removed = True
-        try:
-            engine.remove_untagged(image_id)
-        except PipelineError as exc:
-            removed = False
-            log.debug("left for the next run to sweep: %s", exc)
-        if removed:
-            pending.clear()
+        _remove_unfinished(engine, image_id, pending)
         raise
     pending.clear()
-    return BuildResult(p.output_ref, image_id, False, record, smoke_report, str(platform) if platform else None)
+    return BuildResult(p.output_ref, image_id, False, record, verdict, str(platform) if platform else None)
 
 
-def child_ref(ref: str, plat: Platform) -> str:
-    """Upstream's naming: ``TAG-x86_64`` / ``TAG-aarch64`` beside the index ``TAG``."""
-    repo, tag = split_reference(ref)
-    return refs.check_reference(f"{repo}:{tag}-{plat.suffix}", "platform tag", tag_only=True)
+def _remove_unfinished(engine: Engine, image_id: str, pending: leftovers.Pending) -> None:
+    """Remove an image whose build did not finish; left noted for the next run if that fails."""
+    # The engine's layer cache can hand back an image that is already
+    # tagged elsewhere: only remove what this build alone produced.
+    try:
+        engine.remove_untagged(image_id)
+    except PipelineError as exc:
+        log.debug("left for the next run to sweep: %s", exc)
+        return
+    pending.clear()
 
 
 def platform_bases(
@@ -442,23 +474,25 @@ def build_platforms(
     engine: Engine,
     p: Plan,
     bases: dict[Platform, str],
-    *,
-    progress: Callable[[str], None] | None = None,
-    **options: Any,
-) -> list[BuildResult]:
+    opts: BuildOptions | None = None,
+) -> list[BuildResult] | NoHotfix:
     """One hotfix image per platform, each from that platform's base, tagged ``OUTPUT-<machine>``.
 
     The plain output tag then names the engine's own platform's image (an
     engine's local tag names one image; the registry's index names them all).
+    A base that needs no hotfix on one platform ends the run there.
     """
-    say = progress or (lambda _line: None)
+    opts = opts or BuildOptions()
     for plat in bases:
         platforms.require_engine(engine, plat)
     results = []
     for plat, ref in bases.items():
-        say(f"==> platform {plat}")
+        opts.say(f"==> platform {plat}")
         child = replace(p, base_ref=ref, output_ref=child_ref(p.output_ref, plat))
-        results.append(build_image(engine, child, progress=progress, platform=plat, **options))
+        result = build_image(engine, child, opts, platform=plat)
+        if isinstance(result, NoHotfix):
+            return result
+        results.append(result)
     own = next((r for plat, r in zip(bases, results, strict=True) if plat == platforms.native(engine)), None)
     if own is not None and len(results) > 1:
         _move_tag(engine, p, own.image_id, f"platform {own.platform} of a multi-platform build")

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine import Engine
+from . import refs
+from .engine import Engine, split_reference
 from .errors import BaseImageError, EngineError, UsageError
 
 
@@ -144,3 +145,9 @@ def native(engine: Engine) -> Platform:
     if plat is None:
         raise EngineError(f"the engine runs on {engine.arch}; vLLM images exist for amd64 and arm64 only")
     return plat
+
+
+def child_ref(ref: str, plat: Platform) -> str:
+    """Upstream's naming: ``TAG-x86_64`` / ``TAG-aarch64`` beside the index ``TAG``."""
+    repo, tag = split_reference(ref)
+    return refs.check_reference(f"{repo}:{tag}-{plat.suffix}", "platform tag", tag_only=True)

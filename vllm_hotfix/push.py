@@ -17,22 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import platforms, records, refs, registry, smoke
+from . import attest, platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
-from .errors import PushError, RecordError
-from .platforms import Platform
+from .errors import AttestationError, PipelineError, PushError, RecordError
+from .platforms import Platform, child_ref
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Pushed:
     ref: str
     digest: str
     image_id: str
-    verdict: str  # the journal entry that let it through
+    verdict: str  # the journal entry (or signed verdict) that let it through
+    attestations: tuple[str, ...] = ()  # digests of the signed verdicts attached beside it
 
 
 def target_ref(image_ref: str, registry: str) -> str:
@@ -44,27 +45,63 @@ def target_ref(image_ref: str, registry: str) -> str:
     return refs.check_reference(f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}", "push target", tag_only=True)
 
 
-def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.Entry:
+def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
     """The newest verdict that judged this exact image ID, if it lets the image through."""
-    verdict = records.judgement(root, image_id)
-    if verdict is None:
+    entry = records.judgement(root, image_id)
+    if entry is None:
         pending = records.verdicts(root, image_id)
-        why = f" (its only smoke runs were incomplete: {pending[0].data.get('incomplete')})" if pending else ""
+        why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
         raise PushError(
             f"{image_ref} ({image_id[:19]}) has no passing smoke verdict{why}; refusing to push an untested image",
             hint=f"run: python build.py smoke {image_ref}",
         )
-    if verdict.data.get("status") != records.PASS:
+    if not entry.verdict.passed:
         raise PushError(
-            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({verdict.created}); refusing to push",
-            hint=f"see {verdict.path}",
+            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({entry.created}); refusing to push",
+            hint=f"see {entry.path}",
         )
-    if not verdict.data.get("gpu_verified") and not allow_gpu_unverified:
+    if not entry.verdict.gpu_verified and not allow_gpu_unverified:
         raise PushError(
             f"{image_ref} passed smoke without GPU checks (GPU-unverified); refusing to push",
             hint="smoke-test it on a GPU host, or pass --allow-gpu-unverified",
         )
-    return verdict
+    return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Clearance:
+    """What let an image through: a journal verdict, or a signed verdict checked with the given key."""
+
+    source: str  # the journal entry's or the signed verdict's file name
+    gpu_verified: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """How the push gate judges: the local journal, or signed verdicts and a public key."""
+
+    allow_gpu_unverified: bool = False
+    require_attestation: str | None = None  # public key: a file or env:NAME
+    attestation: Path | None = None  # a signed verdict given on the command line
+
+    def clear(self, root: Path, info: ImageInfo, image_ref: str) -> Clearance:
+        if self.require_attestation is not None:
+            accepted = attest.judge(attest.local_candidates(root, info.id, self.attestation), {info.id},
+                                    f"{image_ref} ({info.id[:19]})", self.require_attestation,
+                                    gpu_verified=not self.allow_gpu_unverified)
+            return Clearance(Path(accepted.source).name, accepted.gpu_verified)
+        entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
+        return Clearance(entry.path.name, entry.verdict.gpu_verified)
+
+    def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
+               say: Callable[[str], None]) -> list[str]:
+        """Put the image's signed verdicts beside it in the registry."""
+        extra = [self.attestation] if self.attestation is not None and attest.names(self.attestation, info.id) else []
+        try:
+            return attest.attach(engine, root, info.id, target, digest, extra, say)
+        except PipelineError as exc:
+            raise AttestationError(f"{target} landed in the registry as {digest}, but its signed verdicts could "
+                                   f"not be attached: {exc}", hint="push it again to attach them") from exc
 
 
 def push(
@@ -73,17 +110,18 @@ def push(
     image_ref: str,
     registry: str,
     *,
-    allow_gpu_unverified: bool = False,
+    policy: Gate | None = None,
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
 ) -> Pushed:
-    """Gate, re-check the landed files, push, confirm the digest, record the push."""
+    """Gate, re-check the landed files, push, confirm the digest, attach signed verdicts, record the push."""
     say = progress or (lambda _line: None)
+    policy = policy or Gate()
     target = target_ref(image_ref, registry)
     info = engine.image(image_ref)
     if info is None:
         raise PushError(f"image {image_ref} is not in the engine")
-    verdict = gate(root, info.id, image_ref, allow_gpu_unverified)
+    verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
     say(f"==> re-checking the patched files of {info.id[:19]} before the push")
     problem = smoke.landed_problem(engine, root, info)
@@ -91,18 +129,19 @@ def push(
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
     digest = _push_one(engine, info, target, attempts, say)
+    attached = policy.attach(engine, root, info, target, digest, say)
     try:
         records.append(root, "push", {
             "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
-            "registry": registry_of(target), "verdict": verdict.path.name,
-            "gpu_verified": bool(verdict.data.get("gpu_verified")),
+            "registry": registry_of(target), "verdict": verdict.source,
+            "gpu_verified": verdict.gpu_verified, "attestations": attached,
         })
     except RecordError as exc:
         raise RecordError(
             f"{target} landed in the registry as {digest}, but the push could not be recorded: {exc}",
             hint="free or fix the records folder; the registry already holds the image",
         ) from exc
-    return Pushed(target, digest, info.id, verdict.path.name)
+    return Pushed(target, digest, info.id, verdict.source, tuple(attached))
 
 
 def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: Callable[[str], None]) -> str:
@@ -122,7 +161,7 @@ def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: 
     return digest
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PushedIndex:
     ref: str
     digest: str
@@ -132,8 +171,6 @@ class PushedIndex:
 
 def platform_images(engine: Engine, image_ref: str, plats: list[Platform] | None) -> list[tuple[Platform, ImageInfo]]:
     """Each platform's image, ``IMAGE-<machine>`` as `image --platform` tagged it (None: every one present)."""
-    from .pipeline import child_ref
-
     repo, tag = split_reference(image_ref)
     if tag.startswith("sha256:"):
         raise PushError(f"{image_ref}: push a tagged reference, not a digest")
@@ -163,7 +200,7 @@ def push_index(
     registry_path: str,
     plats: list[Platform] | None,
     *,
-    allow_gpu_unverified: bool = False,
+    policy: Gate | None = None,
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
 ) -> PushedIndex:
@@ -173,13 +210,12 @@ def push_index(
     before anything is pushed: an index is never put over an untested image.
     """
     say = progress or (lambda _line: None)
-    from .pipeline import child_ref
-
+    policy = policy or Gate()
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, image_ref, plats)
     verdicts = {}
     for plat, info in found:
-        verdicts[plat] = gate(root, info.id, f"{child_ref(image_ref, plat)} ({plat})", allow_gpu_unverified)
+        verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
     records.ensure_writable(root)
     for plat, info in found:
         say(f"==> re-checking the patched files of {info.id[:19]} ({plat}) before the push")
@@ -193,9 +229,11 @@ def push_index(
     for plat, info in found:
         child_target = child_ref(target, plat)
         digest = _push_one(engine, info, child_target, attempts, say)
+        attached = policy.attach(engine, root, info, child_target, digest, say)
         children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
-                         "verdict": verdicts[plat].path.name,
-                         "gpu_verified": str(bool(verdicts[plat].data.get("gpu_verified"))).lower()})
+                         "verdict": verdicts[plat].source,
+                         "gpu_verified": str(verdicts[plat].gpu_verified).lower(),
+                         "attestations": ",".join(attached)})
         entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
     say(f"==> putting the index {target} over {', '.join(c['platform'] for c in children)}")
     index_digest, index = registry.put_index(engine, target, entries)

@@ -8,6 +8,10 @@ can choose (nanosecond time + random suffix), and never rewritten:
 - ``push``: an image ID landed in a registry under a reference and digest;
 - ``tag``: a local tag moved to an image ID (rollback, or a reused build).
 
+A verdict entry is a :class:`~vllm_hotfix.verdicts.Verdict` as its
+``to_dict`` writes it, and is read back through ``Verdict.from_dict``: an
+entry of the wrong shape is a RecordError naming its file, never a guess.
+
 Facts are read by asking: the newest verdict that judged this image ID, every
 push of it, every build of a definition. Parallel runs therefore never lose
 each other's entries (no read-modify-write), and no single field of a mutable
@@ -25,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RecordError
+from .atomic import write_atomic
+from .errors import Malformed, RecordError
+from .verdicts import Verdict
 
 KINDS = ("build", "verdict", "push", "tag")
-# Verdict outcomes. `incomplete`: the host, not the image, stopped the run
-# (GPU required but none usable, engine lost, a probe that timed out); such a
-# verdict neither passes nor fails the image.
-PASS, FAIL, INCOMPLETE = "pass", "fail", "incomplete"
 
 
 def records_dir(root: Path) -> Path:
@@ -74,34 +76,26 @@ def _new_file(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
 
 
 def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
-    """Write one new entry; raise RecordError (nothing written) if it cannot."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown record kind {kind!r}")
+    """Write one new entry; raise RecordError (nothing written) if it cannot.
+
+    Verdicts go through :func:`append_verdict`, which writes only what a
+    Verdict holds.
+    """
+    if kind not in KINDS or kind == "verdict":
+        raise ValueError(f"not an entry kind for append: {kind!r}")
+    return _append(root, kind, data)
+
+
+def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     folder = records_dir(root) / kind
     seq = time.time_ns()
     # 48 random bits, as uuid4().hex[:12] gave (os.urandom: no uuid import, which loads `platform`).
     name = f"{seq:020d}-{os.urandom(6).hex()}.json"
     full = {"kind": kind, "seq": seq, "created": now_iso(), **data}
     path = folder / name
-    tmp: str | None = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_file(folder, ".tmp-", ".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(full, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        # link() never replaces: a name clash (impossible in practice) fails loudly.
-        os.link(tmp, path)
-    except OSError as exc:
-        raise RecordError(f"cannot write a {kind} record under {folder}: {exc.strerror or exc}") from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    text = json.dumps(full, indent=2, sort_keys=True) + "\n"
+    # Exclusive: an entry is never rewritten, and a name clash (impossible in practice) fails loudly.
+    write_atomic(path, text, exclusive=True, mode=0o600, error=RecordError)
     return Entry(kind, path, full)
 
 
@@ -164,15 +158,52 @@ def builds_with_inputs(root: Path, key: str) -> list[Entry]:
 # -- verdicts -----------------------------------------------------------------
 
 
-def verdicts(root: Path, image_id: str, loaded: list[Entry] | None = None) -> list[Entry]:
+@dataclass(frozen=True, slots=True)
+class VerdictEntry:
+    """A verdict as the journal holds it: where, when, and the verdict itself."""
+
+    path: Path
+    seq: int
+    created: str
+    verdict: Verdict
+
+    @property
+    def image_id(self) -> str:
+        return self.verdict.image_id
+
+
+def _verdict_entry(entry: Entry) -> VerdictEntry:
+    try:
+        verdict = Verdict.from_dict(entry.data)
+        seq, created = entry.data.get("seq", 0), entry.data.get("created", "")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(created, str):
+            raise Malformed(f"seq {seq!r} / created {created!r} are not a number and a time")
+    except Malformed as exc:
+        raise RecordError(f"verdict entry {entry.path} is malformed: {exc}",
+                          hint="the journal is written only by this tool: restore the file or move it away") \
+            from exc
+    return VerdictEntry(entry.path, seq, created, verdict)
+
+
+def append_verdict(root: Path, verdict: Verdict) -> VerdictEntry:
+    """Append a run's verdict on its exact image ID (never rewrites an earlier one)."""
+    return _verdict_entry(_append(root, "verdict", verdict.to_dict()))
+
+
+def load_verdicts(root: Path) -> list[VerdictEntry]:
+    """Every verdict entry, oldest first, each checked for its shape."""
+    return [_verdict_entry(e) for e in load(root, "verdict")]
+
+
+def verdicts(root: Path, image_id: str, loaded: list[VerdictEntry] | None = None) -> list[VerdictEntry]:
     """Every verdict on this exact image ID, newest first (``loaded``: verdicts already read)."""
-    every = load(root, "verdict") if loaded is None else loaded
-    return _newest_first(e for e in every if e.image_id == image_id)
+    every = load_verdicts(root) if loaded is None else loaded
+    return sorted((e for e in every if e.image_id == image_id), key=lambda e: (e.seq, e.path.name), reverse=True)
 
 
-def judgement(root: Path, image_id: str, loaded: list[Entry] | None = None) -> Entry | None:
+def judgement(root: Path, image_id: str, loaded: list[VerdictEntry] | None = None) -> VerdictEntry | None:
     """The newest verdict that judged the image (pass or fail), if any."""
-    return next((v for v in verdicts(root, image_id, loaded) if v.data.get("status") in (PASS, FAIL)), None)
+    return next((v for v in verdicts(root, image_id, loaded) if v.verdict.judged), None)
 
 
 # -- pushes and tags ----------------------------------------------------------

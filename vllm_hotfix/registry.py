@@ -4,7 +4,7 @@ The engine pushes and pulls images; what it cannot do in the classic image
 store is put an index (manifest list) that names one image per platform. This
 client does that, and reads a base's index to find each platform's image.
 
-It uses the login `docker login` stored (asked through engine.py, the only
+It uses the login `docker login` stored (read by engine/dockerconfig.py, the only
 module that reads Docker's configuration), answers a 401 the way registries
 ask (Basic, or a Bearer token from the realm in WWW-Authenticate), and uses
 plain HTTP only for a registry the engine itself trusts without TLS (its
@@ -24,7 +24,8 @@ from typing import Any
 
 import requests
 
-from .engine import Engine, registry_credentials, registry_of, split_reference
+from .engine import Engine
+from .engine.dockerconfig import registry_credentials, registry_of, split_reference
 from .errors import PushError
 
 log = logging.getLogger(__name__)

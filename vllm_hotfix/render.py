@@ -9,6 +9,8 @@ untouched: the template only adds COPY and LABEL instructions.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
+from .engine import labels as keys
 from .patches import Patch
 
 if TYPE_CHECKING:
+    from .assemble import BuildJob
+    from .engine import Engine
     from .pins import Prepared
 
-LABEL_PREFIX = "io.vllm-hotfix"
 TEMPLATE_NAME = "Dockerfile.j2"
 # The context folder laid out like the base's site dir: one COPY of it puts
 # every patched file and its bytecode in place as ONE layer. The classic
@@ -52,25 +56,24 @@ def labels(
     defn: ImageDefinition, base: BaseFacts, files: list[PatchedFile], patches: list[Patch],
     pins: Prepared | None = None,
 ) -> list[tuple[str, str]]:
-    p = LABEL_PREFIX
     items = {
-        "org.opencontainers.image.base.name": base.ref,
-        "org.opencontainers.image.base.digest": base.image.digest.split("@", 1)[1]
+        keys.OCI_BASE_NAME: base.ref,
+        keys.OCI_BASE_DIGEST: base.image.digest.split("@", 1)[1]
         if base.image.digest
         else base.image.id,
-        f"{p}.base.id": base.image.id,
-        f"{p}.definition": defn.tag,
-        f"{p}.package": defn.package,
-        f"{p}.package.version": base.version or "",
-        f"{p}.site-dir": base.site_dir,
-        f"{p}.patches": json.dumps({pt.name: pt.sha256 for pt in patches}, sort_keys=True),
-        f"{p}.files": json.dumps({f.rel: f.sha256 for f in files}, sort_keys=True),
-        f"{p}.tool.version": __version__,
+        keys.BASE_ID: base.image.id,
+        keys.DEFINITION: defn.tag,
+        keys.PACKAGE: defn.package,
+        keys.PACKAGE_VERSION: base.version or "",
+        keys.SITE_DIR: base.site_dir,
+        keys.PATCHES: json.dumps({pt.name: pt.sha256 for pt in patches}, sort_keys=True),
+        keys.FILES: json.dumps({f.rel: f.sha256 for f in files}, sort_keys=True),
+        keys.TOOL_VERSION: __version__,
     }
     for pt in patches:
-        items[f"{p}.patch.{pt.name}"] = pt.sha256
+        items[keys.patch(pt.name)] = pt.sha256
     if pins is not None:
-        items.update(pins.labels(p))
+        items.update(pins.labels())
     return sorted(items.items())
 
 
@@ -135,3 +138,32 @@ def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes
         for pyc_rel, data in f.bytecode:
             entries[f"{CONTEXT_DIR}/{PurePosixPath(pyc_rel)}"] = data
     return tar_bytes(entries, modes)
+
+
+@contextmanager
+def _served(pinned: Prepared | None) -> Iterator[dict[str, str]]:
+    """The pinned wheels on loopback for the build (its build arguments); nothing to serve without pins."""
+    if pinned is None:
+        yield {}
+        return
+    from .pins import serve  # here: most patch sets pin nothing
+
+    with serve(pinned) as buildargs:
+        yield buildargs
+
+
+class DockerfileBuilder:
+    """The engine builds the rendered Dockerfile from a context of the patched files."""
+
+    name = "dockerfile"
+
+    def build(self, engine: Engine, job: BuildJob) -> str:
+        files = list(job.files)
+        dockerfile = render(job.template, job.definition, job.facts, files, list(job.applied), job.pinned)
+        ctx = context(dockerfile, job.facts, files)
+        job.say(f"==> building {job.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
+        # Pins: the wheels are served on loopback for the RUN step, which needs the
+        # host's network to reach them; nothing else in the build uses a network.
+        with _served(job.pinned) as buildargs:
+            return engine.build(ctx, lambda line: job.say("    " + line), on_image=job.on_image,
+                                buildargs=buildargs, network="host" if job.pinned is not None else None)

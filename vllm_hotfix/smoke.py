@@ -4,6 +4,10 @@ Each check is a probe script (vllm_hotfix/probes/, plus the patch set's own
 checks in patches/<set>/checks/) run with the image's Python, entrypoint
 overridden, under a timeout, in a container that is always removed. The serve
 sweep instead starts the image's own entrypoint (`vllm serve`).
+
+A probe's JSON comes from inside the image: each check it reports becomes a
+typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
+failing check), and a run ends in one :func:`~vllm_hotfix.verdicts.judge`.
 """
 
 from __future__ import annotations
@@ -13,16 +17,25 @@ import logging
 import socket
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import __version__, definitions, expected, gpu_access, pins, records, sweep
-from .engine import Engine, GpuRequest, ImageInfo
-from .errors import DefinitionError, EngineError, EngineLost, PinError, SmokeError
-from .render import LABEL_PREFIX
+from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
+from .engine import Engine, GpuRequest, ImageInfo, labels
+from .errors import (
+    DefinitionError,
+    EngineError,
+    EngineLost,
+    Malformed,
+    PatchError,
+    PinError,
+    SmokeError,
+    UnknownExpectation,
+)
+from .verdicts import Check, Status, Verdict, judge, judge_gpu
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +43,7 @@ GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SmokeOptions:
     gpu: str = "auto"
     gpu_request: str = "auto"
@@ -45,11 +58,13 @@ class SmokeOptions:
     serve_timeout: float = 900
 
 
-@dataclass
+@dataclass(slots=True)
 class Report:
+    """What a run gathers as it goes; :meth:`verdict` judges it once, at the end."""
+
     image: str
     image_id: str
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
     sweep: dict[str, Any] | None = None
     gpu_verified: bool = False
@@ -60,34 +75,36 @@ class Report:
     host: dict[str, Any] = field(default_factory=dict)
     platform: str = ""
 
-    @property
-    def status(self) -> str:
-        """fail if a check failed; incomplete if the host kept one from running; else pass."""
-        states = {c["status"] for c in self.checks}
-        if "fail" in states:
-            return records.FAIL
-        if "incomplete" in states:
-            return records.INCOMPLETE
-        return records.PASS
+    def verdict(self) -> Verdict:
+        return judge(self.image, self.image_id, self.checks, gpu_verified=self.gpu_verified,
+                     platform=self.platform, started=self.started, seconds=self.seconds,
+                     expected_from=self.expected_from, gpu=self.gpu, host=self.host,
+                     environment=self.environment, sweep=self.sweep)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "tool_version": __version__,
-            "image": self.image,
-            "image_id": self.image_id,
-            "status": self.status,
-            "incomplete": [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] == "incomplete"],
-            "gpu_verified": self.gpu_verified,
-            "gpu": self.gpu,
-            "expected_from": self.expected_from,
-            "host": self.host,
-            "platform": self.platform,
-            "started": self.started,
-            "seconds": round(self.seconds, 3),
-            "checks": self.checks,
-            "environment": self.environment,
-            "sweep": self.sweep,
-        }
+
+def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
+    """A probe's check as a typed Check; a malformed one is the probe's failing check."""
+    try:
+        check = Check.from_dict(raw)
+    except Malformed as exc:
+        name = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
+        return Check(name or probe, Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+    return Check(check.name, check.status, check.detail, seconds, check.data, check.ran_against, check.stubs,
+                 check.import_errors)
+
+
+def modules_of(files: Iterable[str]) -> list[str]:
+    """Dotted module names of the Python files among ``files`` (paths from site-packages), sorted."""
+    out: set[str] = set()
+    for path in files:
+        parts = PurePosixPath(path).parts
+        if not parts or not parts[-1].endswith(".py"):
+            continue
+        stem = parts[-1][: -len(".py")]
+        names = list(parts[:-1]) + ([] if stem == "__init__" else [stem])
+        if names and all(n.isidentifier() for n in names):
+            out.add(".".join(names))
+    return sorted(out)
 
 
 def _probe(name: str) -> bytes:
@@ -102,7 +119,11 @@ def _parse_checks(name: str, stdout: str, stderr: str, code: int) -> tuple[list[
         except ValueError:
             continue
         if isinstance(data, dict) and isinstance(data.get("checks"), list):
-            return data["checks"], data.get("info") or {}
+            info = data.get("info")
+            checks = [c if isinstance(c, dict) else {"name": name, "status": "fail",
+                                                     "detail": f"malformed check {c!r:.80}"}
+                      for c in data["checks"]]
+            return checks, info if isinstance(info, dict) else {}
     if code == 124:
         # Neither a pass nor a failure of the image: it never finished.
         tail = (stderr.strip().splitlines() or [""])[-1]
@@ -148,39 +169,57 @@ class Smoke:
         checks, info = _parse_checks(fallback_name or script, res.stdout, res.stderr, res.exit_code)
         return checks, info, took
 
-    def add(self, report: Report, checks: list[dict[str, Any]], took: float) -> None:
+    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe") -> None:
+        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks])
+
+    def record(self, report: Report, checks: Sequence[Check]) -> None:
         for c in checks:
-            c.setdefault("detail", "")
-            c["seconds"] = round(took / max(len(checks), 1), 3)
             report.checks.append(c)
-            self.say(f"    {c['status']:<4} {c['name']}: {c['detail']}")
+            self.say(f"    {c.status.value:<4} {c.name}: {c.detail}")
 
-    def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
-        """The patch set's own checks, e.g. a GPU regression test for the fix.
+    def definition(self, image: ImageInfo) -> definitions.ImageDefinition | None:
+        """The definition whose patch set the image is judged by.
 
-        The set is the one of ``--definition`` if given (so an unpatched base can
-        be shown to fail them), else of the definition the image's label names.
+        The one of ``--definition`` if given (so an unpatched base can be shown
+        to fail its checks), else the one the image's label names.
         """
-        tag = self.opt.definition or image.labels.get(f"{LABEL_PREFIX}.definition")
+        tag = self.opt.definition or image.labels.get(labels.DEFINITION)
         if not tag:
-            return {}
+            return None
         try:
-            defn = definitions.load(self.root, tag)
+            return definitions.load(self.root, tag)
         except DefinitionError as exc:
             if self.opt.definition:
                 raise SmokeError(f"--definition {tag}: {exc}") from exc
+            return None
+
+    def patch_checks(self, image: ImageInfo) -> dict[str, bytes]:
+        """The patch set's own checks, e.g. a GPU regression test for the fix."""
+        defn = self.definition(image)
+        if defn is None:
             return {}
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
+
+    def patch_modules(self, image: ImageInfo) -> list[str]:
+        """The modules of the image the patch set touches: each must import for the GPU checks to count."""
+        defn = self.definition(image)
+        if defn is None:
+            return []
+        try:
+            series = patches.load_series(self.root, defn.patch_set, defn.package)
+        except PatchError as exc:
+            raise SmokeError(f"patches/{defn.patch_set}: {exc}") from exc
+        return modules_of(f for patch in series for f in patch.files)
 
     def expectation(self, image: ImageInfo) -> expected.Expected | str:
         """What the patched files must be, or why that cannot be known."""
         try:
             return expected.for_image(self.engine, self.root, image)
-        except expected.UnknownExpectation as exc:
+        except UnknownExpectation as exc:
             return str(exc)
 
-    def run(self, ref: str, want: expected.Expected | None = None) -> Report:
+    def run(self, ref: str, want: expected.Expected | None = None) -> Verdict:
         """Smoke-test ``ref``; ``want`` is the build's own expectation when it just built it."""
         image = self.engine.image(ref)
         if image is None:
@@ -193,7 +232,7 @@ class Smoke:
         self.say(f"==> smoke 1/5: patched files in {ref}")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
-            package, files_json = image.labels.get(f"{LABEL_PREFIX}.package", "vllm"), "{}"
+            package, files_json = image.labels.get(labels.PACKAGE, "vllm"), "{}"
             report.expected_from = "unknown"
             self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
         else:
@@ -209,7 +248,8 @@ class Smoke:
 
         self.say("==> smoke 2/5: environment report")
         checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
-        report.environment = next((c.get("data") or {} for c in checks if c["name"] == "env-report"), {})
+        data = next((c.get("data") for c in checks if c.get("name") == "env-report"), None)
+        report.environment = dict(data) if isinstance(data, dict) else {}
         self.add(report, checks, took)
 
         self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
@@ -235,7 +275,7 @@ class Smoke:
         else:
             self.serve(report, image)
         report.seconds = time.monotonic() - start
-        return report
+        return report.verdict()
 
     def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
         """The pins of the image's definition, from its patch set on disk (never from labels)."""
@@ -253,9 +293,8 @@ class Smoke:
         for pin in pinset.pins:
             record = None
             for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
-                parsed = pins.wheel_tags(path.name)
-                if parsed and parsed[:2] == (pin.name, pin.version) and pins.sha256_file(path) in pin.hashes:
-                    record = pins.wheel_record(path)
+                if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
+                    record = wheels.record(path)
                     break
             spec.append({"name": pin.spelled, "version": pin.version, "record": record})
         extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}
@@ -275,7 +314,7 @@ class Smoke:
         None (every deviation counts as the image's) when the image names no
         base or the base is not in the engine.
         """
-        base_id = image.labels.get(f"{LABEL_PREFIX}.base.id")
+        base_id = image.labels.get(labels.BASE_ID)
         if not base_id or base_id == image.id:
             return None
         base = self.engine.image(base_id)
@@ -292,8 +331,12 @@ class Smoke:
         ``auto``: a host where no way works leaves the image GPU-unverified,
         with each way's reason. ``require``: a host where none works makes the
         run fail with an incomplete verdict (the host's shortcoming, not the
-        image's), and a GPU check that skips although a GPU is reachable fails
-        the image.
+        image's). Once a GPU is reachable, the checks are judged by
+        :func:`~vllm_hotfix.verdicts.judge_gpu`: only a check that ran against
+        the image's own code counts, every module the patch set touches must
+        import (tried in the base too, to name the base's failures as the
+        base's), and under ``require`` whatever keeps the image from being
+        GPU-verified fails it.
         """
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
@@ -322,26 +365,41 @@ class Smoke:
             self.add(report, [check], 0)
             return
         extra = self.patch_checks(image)
+        modules = self.patch_modules(image)
         args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
-        checks, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
-                                        fallback_name="gpu")
-        skipped = [c for c in checks if c["status"] == "skip"]
-        if mode == "require":
-            # A GPU was confirmed reachable: a check that still cannot run is the image's failing.
-            for c in skipped:
-                c["status"] = "fail"
-                c["detail"] = f"--gpu require, but the check did not run ({c['detail']})"
-        self.add(report, checks, took)
+        if modules:
+            args += ["--modules", *modules]
+        raw, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
+                                     fallback_name="gpu")
+        checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
         if info:
             report.environment["gpu"] = info
-        failed = [c["name"] for c in checks if c["status"] == "fail"]
-        report.gpu_verified = bool(checks) and not failed and not skipped
-        report.gpu["verified"] = report.gpu_verified
-        if not report.gpu_verified:
-            names = failed or [c["name"] for c in skipped]
-            report.gpu["why_unverified"] = (
-                f"GPU checks {'failed' if failed else 'skipped'} through {access.chosen}: {', '.join(names)}"
-            )
+        unimportable = sorted({m for c in checks for m in c.import_errors})
+        base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
+        judged = judge_gpu(checks, require=mode == "require", base_import_errors=base_errors)
+        self.record(report, judged.checks)
+        report.gpu_verified = judged.verified
+        report.gpu["verified"] = judged.verified
+        if judged.not_real:
+            report.gpu["not_real"] = list(judged.not_real)
+        if not judged.verified:
+            report.gpu["why_unverified"] = f"GPU checks through {access.chosen}: {judged.why_unverified}"
+
+    def base_import_errors(self, image: ImageInfo, modules: Sequence[str], gpu: GpuRequest) -> dict[str, str] | None:
+        """Which of ``modules`` the image's base cannot import either (same GPU request); None: base unknown."""
+        base_id = image.labels.get(labels.BASE_ID)
+        base = self.engine.image(base_id) if base_id and base_id != image.id else None
+        if base is None:
+            self.say("    the image's base is not in the engine: every import failure counts as the image's")
+            return None
+        self.say(f"    importing {len(modules)} module(s) in the base {base_id[:19] if base_id else ''} too")
+        raw, _, _ = self.probe(base, "gpu_check.py", ["--imports-only", "--modules", *modules], gpu=gpu,
+                               fallback_name="model-imports")
+        found = [as_check(c, 0, "model-imports") for c in raw]
+        if not any(c.name == "model-imports" and c.status in (Status.PASS, Status.FAIL) for c in found):
+            self.say(f"    the base's imports gave no answer ({'; '.join(c.detail for c in found)[:200]})")
+            return None
+        return {m: e for c in found for m, e in c.import_errors.items()}
 
     def serve(self, report: Report, image: ImageInfo) -> None:
         model = self.opt.serve_model
@@ -396,9 +454,9 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
     checks, _, _ = smoke.probe(image, "landed.py", [found.package, found.version,
                                                     json.dumps(dict(found.files), sort_keys=True)],
                                fallback_name="patch-landed")
-    bad = [c for c in checks if c["status"] != "pass"]
+    bad = [c for c in (as_check(raw, 0, "patch-landed") for raw in checks) if c.status is not Status.PASS]
     if bad:
-        return f"{bad[0]['name']}: {bad[0]['detail']}"
+        return f"{bad[0].name}: {bad[0].detail}"
     return pins_problem(engine, root, image, found)
 
 
@@ -420,43 +478,38 @@ def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.E
     return None
 
 
-def record(root: Path, report: dict[str, Any]) -> records.Entry:
-    """Append the run's verdict on its exact image ID (never rewrites an earlier one)."""
-    return records.append(root, "verdict", report)
-
-
 def runner(
     root: Path, progress: Callable[[str], None], options: SmokeOptions | None = None
-) -> Callable[[Engine, str, expected.Expected | None], dict[str, Any]]:
+) -> Callable[[Engine, str, expected.Expected | None], Verdict]:
     """The hook `image` calls after a build, before tagging."""
 
-    def run(engine: Engine, image_id: str, want: expected.Expected | None) -> dict[str, Any]:
-        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id, want).to_dict()
+    def run(engine: Engine, image_id: str, want: expected.Expected | None) -> Verdict:
+        return Smoke(engine, root, options or SmokeOptions(), progress).run(image_id, want)
 
     return run
 
 
-def write_json(report: dict[str, Any], path: Path) -> None:
+def write_json(verdict: Verdict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_junit(report: dict[str, Any], path: Path) -> None:
-    checks = report["checks"]
+def write_junit(verdict: Verdict, path: Path) -> None:
+    checks = verdict.checks
     suite = ET.Element(
         "testsuite",
-        name=f"smoke {report['image']}",
+        name=f"smoke {verdict.image}",
         tests=str(len(checks)),
-        failures=str(sum(c["status"] == "fail" for c in checks)),
-        skipped=str(sum(c["status"] == "skip" for c in checks)),
-        time=f"{report['seconds']:.3f}",
+        failures=str(sum(c.status is Status.FAIL for c in checks)),
+        skipped=str(sum(c.status is Status.SKIP for c in checks)),
+        time=f"{verdict.seconds:.3f}",
     )
     for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="smoke", name=c["name"], time=f"{c.get('seconds', 0):.3f}")
-        if c["status"] == "fail":
-            ET.SubElement(case, "failure", message=c.get("detail", "")).text = json.dumps(c.get("data", {}))[:4000]
-        elif c["status"] == "skip":
-            ET.SubElement(case, "skipped", message=c.get("detail", ""))
+        case = ET.SubElement(suite, "testcase", classname="smoke", name=c.name, time=f"{c.seconds:.3f}")
+        if c.status is Status.FAIL:
+            ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
+        elif c.status is Status.SKIP:
+            ET.SubElement(case, "skipped", message=c.detail)
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 

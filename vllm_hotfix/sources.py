@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_atomic
 from .engine import Box, Engine, ImageInfo
 from .errors import BaseImageError, UpstreamError
 
@@ -125,17 +126,7 @@ def cache_dir(root: Path) -> Path:
 
 def _write_json(path: Path, data: Any) -> None:
     """Atomically: a reader never sees half a file, two writers never mix."""
-    import tempfile  # here: only a first probe of a base writes the cache
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(data, sort_keys=True))
 
 
 def _read_json(path: Path) -> Any:

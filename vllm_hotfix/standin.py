@@ -24,13 +24,12 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from . import platforms, registry
-from .engine import Engine, ImageInfo, split_reference
+from . import platforms, registry, wheels
+from .engine import Engine, ImageInfo, labels, split_reference
 from .errors import BaseImageError, PushError, UpstreamError
 from .platforms import Platform
 from .sources import cache_dir
@@ -44,9 +43,7 @@ ROOTFS = "bookworm-pip"
 ROOTFS_REF = f"vllm-hotfix/standin-rootfs:{ROOTFS}"
 ROOTFS_PACKAGES = "python3,python3-pip"
 SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
-LABEL = "io.vllm-hotfix.standin"
-LABEL_ROOTFS = "io.vllm-hotfix.standin.rootfs"
-LABEL_DEPS = "io.vllm-hotfix.standin.deps"
+LABEL, LABEL_ROOTFS, LABEL_DEPS = labels.STANDIN, labels.STANDIN_ROOTFS, labels.STANDIN_DEPS
 DEPS_MODES = ("race", "serial")
 # (name, version) in the order they are unpacked; the two sub-wheels share paths.
 SM100_DEPS = (
@@ -55,37 +52,6 @@ SM100_DEPS = (
     ("nvidia-cutlass-dsl", "4.5.2"),
     ("quack-kernels", "0.6.5"),
 )
-
-
-def wheel(root: Path, version: str, progress: Callable[[str], None], plat: Platform | None = None) -> Path:
-    """The real vLLM wheel of ``plat`` (default: this machine's) from PyPI, downloaded once into the cache."""
-    machine = plat.machine if plat is not None else _host_machine()
-    folder = cache_dir(root) / "wheels"
-    pattern = f"vllm-{version}-*_{machine}.whl"
-    found = sorted(folder.glob(pattern))
-    if found:
-        return found[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(folder), f"vllm=={version}"]
-    if plat is not None:
-        # pip picks the running machine's wheel unless told otherwise; abi3 wheels fit any CPython 3.
-        cmd += ["--platform", plat.wheel_tag, "--implementation", "cp", "--python-version", "3.12",
-                "--abi", "abi3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob(pattern))
-    if proc.returncode != 0 or not found:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UpstreamError(f"cannot download vllm=={version} from PyPI: {last}",
-                            hint="check the release exists (pip index versions vllm) and PyPI is reachable")
-    return found[0]
-
-
-def _host_machine() -> str:
-    import platform as pyplatform
-
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(pyplatform.machine(), pyplatform.machine())
 
 
 def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Platform | None = None) -> ImageInfo:
@@ -106,11 +72,11 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
     cmd = ["mmdebstrap", "--quiet", "--variant=essential", f"--include={ROOTFS_PACKAGES}"]
     if plat is not None:
         # The tar made without --architectures is this machine's own.
-        own = plat.machine == _host_machine() and tar.exists()
+        own = plat.machine == wheels.host_machine() and tar.exists()
         tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
         cmd.append(f"--architectures={plat.debian_arch}")
     if not tar.exists():
-        slow = plat is not None and plat.machine != _host_machine()
+        slow = plat is not None and plat.machine != wheels.host_machine()
         progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 and pip "
                  f"(mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
         part = tar.with_suffix(".part.tar")
@@ -139,26 +105,13 @@ def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
 def dep_wheel(root: Path, name: str, version: str, progress: Callable[[str], None], machine: str) -> Path:
     """A dependency's real wheel for the stand-in's Python (3.11) on ``machine``, cached."""
     folder = cache_dir(root) / "wheels"
-    stem = name.replace("-", "_")
-
-    def cached() -> list[Path]:
-        return sorted(p for p in folder.glob(f"{stem}-{version}-*.whl")
-                      if p.name.endswith(f"_{machine}.whl") or p.name.endswith("-any.whl"))
-
-    found = cached()
-    if found:
-        return found[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    progress(f"downloading {name}=={version} from PyPI")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "-q", "-d", str(folder), "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-           "--abi", "abi3", "--abi", "none", "--platform", f"manylinux_2_28_{machine}",
-           f"{name}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = cached()
-    if proc.returncode != 0 or not found:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UpstreamError(f"cannot download {name}=={version} from PyPI: {last}")
+    target = wheels.Target("3.11", "cp", ("abi3", "cp311", "none"), (f"manylinux_2_28_{machine}",))
+    found = wheels.for_machine(wheels.find(folder, name, version), machine)
+    if not found:
+        progress(f"downloading {name}=={version} from PyPI")
+        found = wheels.for_machine(wheels.download(name, version, folder, target), machine)
+    if not found:
+        raise UpstreamError(f"pip download {name}=={version} gave no wheel for {target.describe()} in {folder}")
     return found[0]
 
 
@@ -171,7 +124,7 @@ def unpack_deps(root: Path, mode: str, progress: Callable[[str], None], plat: Pl
     owner: dict[str, bytes] = {}  # first unpack of a shared path, for the race
     shared: list[str] = []
     for name, version in SM100_DEPS:
-        machine = plat.machine if plat is not None else _host_machine()
+        machine = plat.machine if plat is not None else wheels.host_machine()
         with zipfile.ZipFile(dep_wheel(root, name, version, progress, machine)) as zf:
             for item in zf.namelist():
                 if item.endswith("/"):
@@ -223,7 +176,7 @@ def make(
             hint="give the stand-in another name with --ref",
         )
     base = rootfs(engine, root, say, plat)
-    whl = wheel(root, src_version, say, plat)
+    whl = wheels.release(root, src_version, say, plat)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}
     if deps is not None:
         files.update({f"site/{k}": v for k, v in unpack_deps(root, deps, say, plat).items()})

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import requests
 import requests.adapters
 
-from .errors import SmokeError, UsageError
+from .errors import ShortReply, SmokeError, UsageError
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 MAX_TOKENS = 32  # completion tokens each request asks for
@@ -166,10 +166,6 @@ def first_model(url: str) -> str:
         return str(data["data"][0]["id"])
     except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
         raise SmokeError(f"cannot list models at {url}/v1/models: {exc}") from exc
-
-
-class ShortReply(Exception):
-    """A reply with fewer completion tokens than the sweep was told every reply has."""
 
 
 def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int,

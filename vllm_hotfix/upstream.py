@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import base, definitions, pins, platforms, registry, sources, standin
+from . import base, definitions, pins, platforms, registry, sources, wheels
 from . import patches as patchlib
 from .engine import Engine, split_reference
 from .errors import PipelineError, UpstreamError
 from .platforms import Platform
+from .pulling import resolve
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ class Report:
 
     def by_verdict(self, verdict: str) -> list[str]:
         return [v.patch for v in self.verdicts if v.verdict == verdict]
+
+    @property
+    def needs_hotfix(self) -> bool:
+        """False when the release carries every patch of the set: run it unpatched."""
+        return not self.verdicts or len(self.by_verdict(patchlib.INCLUDED)) < len(self.verdicts)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -175,7 +181,7 @@ def check(
     rels = base.touched_files(patches)
     if from_wheel:
         version = definitions.version_from_tag(base_tag)
-        wheel = standin.wheel(root, version, say, platform)
+        wheel = wheels.release(root, version, say, platform)
         found, files = sources.wheel_files(wheel, ctx.package, rels)
         if found is not None and found != version:
             raise UpstreamError(f"{wheel}: holds {ctx.package} {found}, not {version}")
@@ -189,7 +195,7 @@ def check(
         eng = engine()
         if platform is not None:
             ref = platform_base(eng, ref, platform, pull)
-        info = eng.resolve(ref, pull, say, str(platform) if platform else None)
+        info = resolve(eng, ref, pull, say, str(platform) if platform else None)
         if platform is not None and platforms.of(info.os, info.architecture) != platform:
             raise UpstreamError(f"{ref} is {info.os}/{info.architecture}, not {platform}")
         facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))

@@ -1,12 +1,13 @@
-"""The loopback HTTP server that hands a patch set's pinned wheels to the build's ``RUN`` step.
+"""A loopback HTTP server of fixed routes, for the length of a build.
 
-Apart from :mod:`pins` so that a build without pins never imports an HTTP
-server (and the email and TLS modules under it).
+It hands a patch set's pinned wheels to the build's ``RUN`` step; what it
+serves (URL path -> file or bytes) is :meth:`pins.Prepared.routes`, and it
+knows nothing of pins. Apart from :mod:`pins` so that a build without pins
+never imports an HTTP server (and the email and TLS modules under it).
 """
 
 from __future__ import annotations
 
-import html
 import http.server
 import logging
 import threading
@@ -14,8 +15,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-from .pins import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -28,40 +27,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if item is None:
             self.send_error(404)
             return
-        data = item if isinstance(item, bytes) else None
-        size = len(data) if data is not None else item.stat().st_size  # type: ignore[union-attr]
+        size = len(item) if isinstance(item, bytes) else item.stat().st_size
         self.send_response(200)
         self.send_header("Content-Length", str(size))
         self.send_header("Content-Type", "text/html" if self.path.endswith("/") else "application/octet-stream")
         self.end_headers()
-        if data is not None:
-            self.wfile.write(data)
+        if isinstance(item, bytes):
+            self.wfile.write(item)
             return
-        with item.open("rb") as fh:  # type: ignore[union-attr]
+        with item.open("rb") as fh:
             while block := fh.read(1 << 20):
                 self.wfile.write(block)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        log.debug("wheel server: " + format, *args)
-
-
-def routes(prepared: Prepared) -> dict[str, Path | bytes]:
-    """What the loopback server answers: an index of the wheels, the wheels, one requirement file per pin."""
-    out: dict[str, Path | bytes] = {}
-    links = []
-    for w in prepared.wheels:
-        out[f"/wheels/{w.filename}"] = w.path
-        links.append(f'<a href="{html.escape(w.filename)}#sha256={w.sha256}">{html.escape(w.filename)}</a><br>')
-    out["/wheels/"] = ("<html><body>\n" + "\n".join(links) + "\n</body></html>\n").encode()
-    for entry, pin in zip(prepared.entries(), prepared.pinset.pins, strict=True):
-        out[f"/req/{entry['req']}"] = pin.requirement().encode()
-    return out
+        log.debug("loopback server: " + format, *args)
 
 
 @contextmanager
-def serve(prepared: Prepared) -> Iterator[str]:
-    """Serve the wheels on 127.0.0.1 for the length of a build; yields the server's base URL."""
-    handler = type("WheelHandler", (_Handler,), {"routes": routes(prepared)})
+def serve(routes: Mapping[str, Path | bytes]) -> Iterator[str]:
+    """Answer GET of each URL path in ``routes`` on 127.0.0.1 until the block ends; yields the base URL."""
+    handler = type("RoutesHandler", (_Handler,), {"routes": dict(routes)})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, name="wheel-server", daemon=True)
     thread.start()

@@ -137,7 +137,9 @@ def test_assembled_image_id_is_the_same_on_every_run(
         assert "probe containers started: 0" in err2, err2
         sdk = Engine.connect(transport="sdk")
         plan = pipeline.plan(project, "v0.25.1", output_ref=out)
-        third = pipeline.build_image(sdk, plan, pull="never", rebuild=True, builder="assemble").image_id
+        built = pipeline.build_image(sdk, plan, pipeline.BuildOptions(pull="never", rebuild=True, builder="assemble"))
+        assert isinstance(built, pipeline.BuildResult)
+        third = built.image_id
         assert first == second == third
 
         # The ID is the hash of the config, and the config holds nothing of

@@ -3,7 +3,8 @@
 A private Docker engine (its own socket, data and exec roots, containerd
 namespace) is started for this module, so killing it disturbs nothing else.
 At three points of a real `image` run (probing the base, building, smoke) the
-engine is killed with SIGKILL; the run must end with one `error:` line and
+engine is killed with SIGKILL (and once stopped with SIGTERM, which removes its
+socket file while containers are being removed); the run must end with one `error:` line and
 the engine exit code, no Python error dump; after the engine is back, the next
 run removes every container and image the dead run left.
 """
@@ -25,7 +26,7 @@ import pytest
 
 from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
 from vllm_hotfix import standin
-from vllm_hotfix.engine import Engine
+from vllm_hotfix.engine import Engine, labels
 
 
 class PrivateEngine:
@@ -123,17 +124,18 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("point", ["==> checking vllm in the base", "==> building", "==> smoke-testing"])
+@pytest.mark.parametrize(("point", "how"), [("==> checking vllm in the base", "kill"), ("==> building", "kill"),
+                                            ("==> smoke-testing", "kill"), ("==> smoke-testing", "term")])
 def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
-                               point: str) -> None:
+                               point: str, how: str) -> None:
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/fault-{unique}:x"
-    rc, err = run_and_hit(eng, project, out, point, lambda _proc: eng.kill())
+    rc, err = run_and_hit(eng, project, out, point, lambda _proc: eng.kill() if how == "kill" else eng.stop())
     lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert lines, err
     assert "the Docker engine stopped answering" in lines[-1] or "incomplete" in lines[-1], err
-    print(f"{point!r}: exit {rc}: {lines[-1]}")
+    print(f"{point!r} ({how}): exit {rc}: {lines[-1]}")
     assert rc in (5, 11), err
 
     engine = eng.start()
@@ -145,7 +147,7 @@ def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: P
         assert engine.image(out) is None
         assert engine.image_ids() - before == set(), "images of the dead run remain"
     finally:
-        private[1]._client = engine._client  # later tests use the restarted engine
+        engine.close()  # later tests use the module's engine, which reconnects to the restarted one
 
 
 @pytest.mark.parametrize("point", ["==> building", "==> smoke-testing"])
@@ -166,9 +168,9 @@ def test_sweep_follows_notes(engine: Engine, base_v0251: str, project: Path, uni
     gone = subprocess.Popen(["true"])
     gone.wait()
     owner = f"{socket.gethostname()}:{gone.pid}"  # a process of this host that is gone
-    container = engine._client.containers.create(
+    container = engine.sdk.containers.create(
         base_v0251, entrypoint=["true"], network_mode="none",
-        labels={"io.vllm-hotfix.role": "probe", "io.vllm-hotfix.owner": owner, "io.vllm-hotfix.run": RUN_ID})
+        labels={labels.ROLE: "probe", labels.OWNER: owner, labels.RUN: RUN_ID})
     try:
         # No note of that run: the next run does not look for its leftovers.
         fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project), "not in the engine")

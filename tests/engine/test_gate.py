@@ -173,12 +173,14 @@ def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
     r = cli("image", "--base", "v0.25.1", "--tag", f"{STANDIN_REPO}:v0.25.1", "--pull", "never", "--no-smoke",
             root=project)
     fails(r, "is the base's own reference")
+    assert r.rc == 13  # a refusal, with a code of its own
     assert engine.image(f"{STANDIN_REPO}:v0.25.1").id == base_v0251  # type: ignore[union-attr]
     foreign = f"hotfix-test/foreign-{unique}:x"
     foreign_id = derive(engine, base_v0251, foreign, "LABEL owner=someone-else")
     try:
         r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", root=project)
         fails(r, foreign, "this tool did not build")
+        assert r.rc == 13
         assert engine.image(foreign).id == foreign_id  # type: ignore[union-attr]
         r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", "--force",
                 root=project)

@@ -97,8 +97,8 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         assert [a["complaint"] for a in build["pip_check"]["accepted"]] == [
             "vllm 0.25.1 has requirement nvidia-cutlass-dsl[cu13]==4.5.2, but you have nvidia-cutlass-dsl 4.6.2."]
         verdict = records.judgement(project, image_id)
-        assert verdict is not None and verdict.data["status"] == "pass"
-        checks = {c["name"]: c for c in verdict.data["checks"]}
+        assert verdict is not None and verdict.verdict.status == "pass"
+        checks = {c["name"]: c for c in verdict.verdict.to_dict()["checks"]}
         assert checks["quack-activation-sub-packed-f32x2"]["status"] == "pass"
         assert checks["integrity"]["status"] == "pass"
         assert checks["pin:quack-kernels"]["status"] == "pass"

@@ -20,6 +20,7 @@ import requests
 from conftest import REPO, Registry, cli, derive
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.verdicts import Status
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
@@ -30,14 +31,14 @@ def test_image_runs_smoke_and_records_it(built: tuple[Path, str, str]) -> None:
     project, ref, image_id = built
     [build] = records.builds_of_image(project, image_id)
     [verdict] = records.verdicts(project, image_id)
-    assert verdict.data["status"] == "pass"
-    names = {c["name"]: c["status"] for c in verdict.data["checks"]}
-    assert names["patch-landed"] == "pass"
-    assert names["integrity"] == "pass"
-    assert names["gpu"] == "skip"  # the test engine offers no GPU
-    assert verdict.data["gpu_verified"] is False
-    assert verdict.data["expected_from"].startswith("this build: patches/v0.25.1 applied to base")
-    assert verdict.data["host"]["engine_version"]
+    assert verdict.verdict.status is Status.PASS
+    names = {c.name: c.status for c in verdict.verdict.checks}
+    assert names["patch-landed"] is Status.PASS
+    assert names["integrity"] is Status.PASS
+    assert names["gpu"] is Status.SKIP  # the test engine offers no GPU
+    assert verdict.verdict.gpu_verified is False
+    assert verdict.verdict.expected_from.startswith("this build: patches/v0.25.1 applied to base")
+    assert verdict.verdict.host["engine_version"]
     assert build.data["inputs"]["patches"]
     # Written before the tag moved.
     [tag] = records.tags(project, ref)
@@ -66,9 +67,9 @@ def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251:
         assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
         assert "no smoke verdict on it yet" in r.err
         [verdict] = records.verdicts(project, image_id)
-        assert verdict.data["status"] == "pass"
+        assert verdict.verdict.status is Status.PASS
         # Smoke standing alone recomputes the hashes from the patch set and the base.
-        assert verdict.data["expected_from"].startswith("patches/v0.25.1 applied to base")
+        assert verdict.verdict.expected_from.startswith("patches/v0.25.1 applied to base")
     finally:
         engine.untag(ref)
 
@@ -132,7 +133,7 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     assert 'could not select device driver "" with capabilities: [[gpu]]' in r.last_error
     assert "no NVIDIA runtime registered" in r.last_error
     newest = records.verdicts(project, image_id)[0]
-    assert newest.data["status"] == "incomplete"
+    assert newest.verdict.status is Status.INCOMPLETE
     # The earlier passing verdict still stands: list shows it, push takes it.
     rows = json.loads(cli("list", "--json", root=project).out)
     [build] = [b for b in rows[0]["builds"] if b["image_id"] == image_id]

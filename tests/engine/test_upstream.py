@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Result, cli, fails
-from vllm_hotfix import records, standin
+from vllm_hotfix import records, wheels
 from vllm_hotfix.engine import Engine
 
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
@@ -59,7 +59,7 @@ def test_check_upstream_image_and_wheel_agree(
 
 def test_the_gnu_patch_trap_would_have_said_included_for_0260(tmp_path: Path) -> None:
     """Why classify() matters: `patch -R --dry-run --batch` calls 0.26.0 patched."""
-    whl = standin.wheel(REPO, "0.26.0", lambda _l: None)
+    whl = wheels.release(REPO, "0.26.0", lambda _l: None)
     with zipfile.ZipFile(whl) as zf:
         for rel in (INDEXER, SPARSE):
             (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

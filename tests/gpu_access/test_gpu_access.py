@@ -81,8 +81,8 @@ def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi
     project, ref = cdi_built
     report = Smoke(cdi_engine, project, SmokeOptions(gpu="auto"), lambda _l: None).run(ref)
     assert report.status == "pass", report.checks
-    gpu = next(c for c in report.checks if c["name"] == "gpu")
-    assert gpu["status"] == "skip" and "GPU-unverified" in gpu["detail"]
+    gpu = next(c for c in report.checks if c.name == "gpu")
+    assert gpu.status == "skip" and "GPU-unverified" in gpu.detail
     assert report.gpu_verified is False and report.gpu["verified"] is False
     tried = {a["way"]: a for a in report.gpu["tried"]}
     # CDI was offered, tried first, reached the container, and found no driver there.

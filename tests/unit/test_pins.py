@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from vllm_hotfix import definitions, pins
+from vllm_hotfix import definitions, pinfile, pins, wheels
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import DefinitionError, PinError
 
@@ -36,7 +36,7 @@ def test_example_pin_file_loads_in_order_with_its_accepted_conflict() -> None:
 ])
 def test_bad_pin_files_name_the_line(tmp_path: Path, text: str, needle: str) -> None:
     with pytest.raises(PinError) as err:
-        pins.parse(text, tmp_path / "pins.txt")
+        pinfile.parse(text, tmp_path / "pins.txt")
     assert needle in str(err.value) and str(tmp_path / "pins.txt") in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -61,7 +61,7 @@ def test_pip_check_complaints_old_new_and_accepted() -> None:
         "quack-kernels 0.6.4 has requirement nvidia-cutlass-dsl==4.6.2, but you have nvidia-cutlass-dsl 4.5.2.",
         "foo 1.0 requires bar, which is not installed.",
     )]
-    accepts = [pins.Accept("vllm", "nvidia-cutlass-dsl", "deliberate", 9)]
+    accepts = [pinfile.Accept("vllm", "nvidia-cutlass-dsl", "deliberate", 9)]
     out = pins.judge_complaints(before, after, accepts)
     assert len(out.base_only) == 2
     assert [c for c, _ in out.accepted] == [after[2].line]
@@ -72,12 +72,22 @@ def test_pip_check_complaints_old_new_and_accepted() -> None:
 def test_wheel_tags_decide_what_fits() -> None:
     tags = ["cp311-cp311-manylinux_2_36_x86_64", "cp311-abi3-manylinux_2_28_x86_64",
             "py3-none-manylinux_2_17_x86_64", "py3-none-any"]
-    name, version, found = pins.wheel_tags(
-        "nvidia_cuda_nvdisasm-13.3.73-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl") or ("", "", set())
-    assert (name, version) == ("nvidia-cuda-nvdisasm", "13.3.73") and "py3-none-manylinux_2_17_x86_64" in found
+    parsed = wheels.parse("nvidia_cuda_nvdisasm-13.3.73-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl")
+    assert parsed is not None
+    name, version, found = parsed
+    assert (name, str(version)) == ("nvidia-cuda-nvdisasm", "13.3.73") and "py3-none-manylinux_2_17_x86_64" in found
+    assert wheels.matches("Nvidia.CUDA_nvdisasm-13.3.73.0-py3-none-any.whl", "nvidia-cuda-nvdisasm", "13.3.73")
+    assert wheels.parse("not-a-wheel.tar.gz") is None and wheels.parse("x-notaversion-py3-none-any.whl") is None
     paths = [Path("x-1-cp312-cp312-manylinux_2_28_x86_64.whl"), Path("x-1-cp311-cp311-manylinux_2_28_aarch64.whl")]
-    assert pins._best_fit(paths, tags) is None
-    assert pins._best_fit([*paths, Path("x-1-py3-none-any.whl")], tags) == Path("x-1-py3-none-any.whl")
+    assert wheels.best_fit(paths, tags) is None
+    assert wheels.best_fit([*paths, Path("x-1-py3-none-any.whl")], tags) == Path("x-1-py3-none-any.whl")
+    assert wheels.best_fit([Path("x-1-py3-none-any.whl"), Path("x-1-cp311-abi3-manylinux_2_28_x86_64.whl")],
+                           tags) == Path("x-1-cp311-abi3-manylinux_2_28_x86_64.whl")
+    target = wheels.Target.of_tags("3.11", "cpython", tags)
+    assert target.pip_args() == ["--python-version", "3.11", "--implementation", "cp", "--abi", "abi3",
+                                 "--abi", "cp311", "--abi", "none", "--platform", "any",
+                                 "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_28_x86_64",
+                                 "--platform", "manylinux_2_36_x86_64"]
 
 
 def test_a_builder_that_cannot_run_pip_refuses_pins() -> None:
@@ -90,7 +100,7 @@ def test_a_builder_that_cannot_run_pip_refuses_pins() -> None:
 
 
 def test_release_requirements_judge_each_pin() -> None:
-    pinset = pins.parse("quack-kernels==0.6.4 --hash=sha256:" + "a" * 64 + "\n"
+    pinset = pinfile.parse("quack-kernels==0.6.4 --hash=sha256:" + "a" * 64 + "\n"
                         "nvidia-cutlass-dsl==4.6.0 --hash=sha256:" + "b" * 64 + "\n"
                         "einops==0.8.1 --hash=sha256:" + "c" * 64 + "\n"
                         "nvidia-cuda-nvdisasm==13.3.73 --hash=sha256:" + "d" * 64 + "\n", Path("pins.txt"))
@@ -102,15 +112,13 @@ def test_release_requirements_judge_each_pin() -> None:
 
 
 def test_pins_need_an_engine_on_this_machine() -> None:
-    from types import SimpleNamespace
-
     def engine_at(url: str) -> Engine:
-        return Engine(SimpleNamespace(api=SimpleNamespace(base_url=url)))
+        return Engine(base_url=url)
 
-    assert engine_at("http+docker://localhost").is_local
-    assert engine_at("http://127.0.0.1:2375").is_local
-    assert not engine_at("http://10.1.2.3:2376").is_local
-    assert not engine_at("http+docker://ssh").is_local
+    assert engine_at("unix:///var/run/docker.sock").local
+    assert engine_at("tcp://127.0.0.1:2375").local
+    assert not engine_at("tcp://10.1.2.3:2376").local
+    assert not engine_at("ssh://builder@10.1.2.3").local
 
 
 def test_a_variant_file_must_be_named_for_its_base_and_variant(tmp_path: Path) -> None:

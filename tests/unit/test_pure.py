@@ -16,6 +16,7 @@ from vllm_hotfix import push, smoke, sweep, tarball
 from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.probes import env_report, landed
+from vllm_hotfix.verdicts import Check, Status, judge
 
 
 def test_split_reference_keeps_registry_ports() -> None:
@@ -84,12 +85,12 @@ def test_percentiles() -> None:
 
 
 def test_junit_has_one_case_per_check(tmp_path: Path) -> None:
-    report = {"image": "x:y", "seconds": 1.5, "checks": [
-        {"name": "patch-landed", "status": "pass", "detail": "", "seconds": 0.5},
-        {"name": "integrity", "status": "fail", "detail": "2 files differ", "seconds": 1.0},
-        {"name": "gpu", "status": "skip", "detail": "no runtime", "seconds": 0.0},
-    ]}
-    smoke.write_junit(report, tmp_path / "j.xml")
+    verdict = judge("x:y", "sha256:" + "1" * 64, [
+        Check("patch-landed", Status.PASS, "", 0.5),
+        Check("integrity", Status.FAIL, "2 files differ", 1.0),
+        Check("gpu", Status.SKIP, "no runtime", 0.0),
+    ], gpu_verified=False, seconds=1.5)
+    smoke.write_junit(verdict, tmp_path / "j.xml")
     suite = ET.parse(tmp_path / "j.xml").getroot()
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
     cases = {c.get("name"): c for c in suite}

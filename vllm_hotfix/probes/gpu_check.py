@@ -1,7 +1,8 @@
 """GPU probe: torch sees the GPUs, and small kernels run correctly on them.
 
 Run inside a container (or on a GPU machine) as
-``python3 gpu_check.py [--extra DIR_OR_FILE ...] [--timeout S] [--extra-args ARGS]``.
+``python3 gpu_check.py [--extra DIR_OR_FILE ...] [--timeout S] [--extra-args ARGS]
+[--modules MODULE ...] [--imports-only]``.
 Prints one JSON object ``{"checks": [...], "info": {...}}``; exit code 1 when
 any check fails. Stdlib only at top level; torch and triton are imported lazily.
 
@@ -12,8 +13,20 @@ Checks:
   reference, relative error (Frobenius) < 1e-3. TF32 is switched off for it.
 * ``gpu-triton``: when triton imports, a tiny Triton add kernel against torch
   (exact); ``skip`` when triton is absent.
+* ``model-imports`` (with ``--modules``): each named module of the image
+  imports, in a process of its own (a crash in a compiled extension is
+  reported, not fatal); ``fail`` with ``import_errors`` naming each module
+  that does not and why.
 When torch is absent or CUDA is unavailable, these are ``skip`` (the image may
 be probed on a host without GPUs); torch importable but broken is a ``fail``.
+
+Every check says what it ran against (``ran_against``: ``torch``,
+``triton``, ``vllm``, or ``stub`` when a stand-in replaced some of the
+image's code) so that the tool can refuse evidence from anything but the
+image's own code; an extra script reports it the same way, with ``stubs``
+and ``import_errors`` where it fell back.
+
+``--imports-only``: only ``model-imports`` (to ask the image's base the same).
 
 ``--extra``: more check scripts (files, or every ``*.py`` in a directory,
 sorted) run with the same python as subprocesses (``--timeout`` each, default
@@ -38,10 +51,71 @@ MATMUL_N = 512
 MATMUL_RTOL = 1e-3
 
 
-def check(name: str, status: str, detail: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
+# Imports each module named in argv in this order, one JSON line per module
+# as it goes, so a process that dies on one still tells about the ones before.
+IMPORTER = r"""
+import importlib, json, sys
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        error = None
+    except BaseException as e:
+        error = (type(e).__name__ + ": " + str(e))[:500]
+    print(json.dumps({"module": name, "error": error}), flush=True)
+"""
+
+
+def check(name: str, status: str, detail: str, data: dict[str, Any] | None = None,
+          ran_against: str | None = None) -> dict[str, Any]:
     c: dict[str, Any] = {"name": name, "status": status, "detail": detail}
     if data is not None:
         c["data"] = data
+    if ran_against:
+        c["ran_against"] = ran_against
+    return c
+
+
+def import_errors(modules: list[str], timeout: float) -> dict[str, str]:
+    """module -> why it does not import, for each of ``modules`` that does not."""
+    if not modules:
+        return {}
+    try:
+        p = subprocess.run([sys.executable, "-c", IMPORTER, *modules], capture_output=True, text=True,
+                           timeout=timeout, check=False)
+        out, why = p.stdout, f"the importing process exited {p.returncode}"
+        tail = " | ".join((p.stderr or "").strip().splitlines()[-2:])[-300:]
+        if tail:
+            why += f": {tail}"
+    except subprocess.TimeoutExpired as e:
+        raw = e.stdout or ""
+        out = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        why = f"importing took longer than {timeout:g} s"
+    answered: dict[str, str | None] = {}
+    for line in out.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("module"), str):
+            answered[rec["module"]] = rec.get("error") if isinstance(rec.get("error"), str) else None
+    errors: dict[str, str] = {}
+    for name in modules:
+        if name not in answered:
+            errors[name] = why  # never reached: the process died or hung before it
+        elif answered[name] is not None:
+            errors[name] = str(answered[name])
+    return errors
+
+
+def check_imports(modules: list[str], timeout: float) -> dict[str, Any]:
+    errors = import_errors(modules, timeout)
+    c = check("model-imports", "pass", f"{len(modules)} module(s) import: {', '.join(modules)}",
+              {"modules": modules}, ran_against="vllm")
+    if errors:
+        c["status"] = "fail"
+        c["detail"] = f"{len(errors)} of {len(modules)} module(s) do not import: " + "; ".join(
+            f"{m} ({e.splitlines()[0][:160] if e else ''})" for m, e in errors.items())
+        c["import_errors"] = errors
     return c
 
 
@@ -72,7 +146,7 @@ def check_torch() -> tuple[list[dict[str, Any]], Any]:
             return [check("gpu-torch", "fail", "CUDA available but device_count() == 0")], None
         names = ", ".join(f"{d['name']} (sm_{d['capability'][0]}{d['capability'][1]})" for d in devices)
         data = {"torch": torch.__version__, "cuda": torch.version.cuda, "devices": devices}
-        return [check("gpu-torch", "pass", f"{n} device(s): {names}", data)], torch
+        return [check("gpu-torch", "pass", f"{n} device(s): {names}", data, "torch")], torch
     except Exception as e:  # noqa: BLE001
         return [check("gpu-torch", "fail", f"{type(e).__name__}: {e}")], None
 
@@ -99,6 +173,7 @@ def check_matmul(torch: Any) -> dict[str, Any]:
             status,
             f"fp32 {MATMUL_N}x{MATMUL_N} matmul vs fp64 CPU: max rel err {worst:.2e} (< {MATMUL_RTOL:g})",
             {"rel_err_per_device": errs, "tolerance": MATMUL_RTOL},
+            "torch",
         )
     except Exception as e:  # noqa: BLE001
         return check("gpu-kernel", "fail", f"{type(e).__name__}: {e}")
@@ -137,6 +212,7 @@ def check_triton(torch: Any) -> dict[str, Any]:
             f"triton {triton.__version__} add kernel, {n} elements: "
             + ("equal to torch" if ok else "DIFFERS from torch"),
             {"triton": triton.__version__, "first_launch_s": round(secs, 3)},
+            "triton",
         )
     except Exception as e:  # noqa: BLE001
         return check("gpu-triton", "fail", f"{type(e).__name__}: {e}")
@@ -221,10 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", nargs="*", default=[], help="extra check scripts or dirs")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per extra script")
     ap.add_argument("--extra-args", default="", help="arguments appended to every extra script")
+    ap.add_argument("--modules", nargs="*", default=[], help="modules of the image that must import")
+    ap.add_argument("--imports-only", action="store_true", help="only the model-imports check")
     args = ap.parse_args(argv)
 
-    checks, torch = check_torch()
     info: dict[str, Any] = {"probe": "gpu_check", "python": sys.version.split()[0]}
+    if args.imports_only:
+        checks = [check_imports(args.modules, args.timeout)]
+        print(json.dumps({"checks": checks, "info": info}))
+        return 1 if checks[0]["status"] == "fail" else 0
+    checks, torch = check_torch()
     if torch is not None:
         checks.append(check_matmul(torch))
         checks.append(check_triton(torch))
@@ -232,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         reason = checks[0]["detail"]
         checks.append(check("gpu-kernel", "skip", f"no usable GPU: {reason}"))
         checks.append(check("gpu-triton", "skip", f"no usable GPU: {reason}"))
+    if args.modules:
+        checks.append(check_imports(args.modules, args.timeout))
     extra_args = shlex.split(args.extra_args)
     for script in extra_scripts(args.extra):
         checks += run_extra(script, args.timeout, extra_args)

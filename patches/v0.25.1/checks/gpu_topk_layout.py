@@ -43,7 +43,12 @@ out is neither a pass nor a caught bug: the check fails as inconclusive.
 Without torch, CUDA or Triton it is ``skip``.
 
 Stubs, only for what cannot load without vLLM's compiled extension, each
-named in the output (``info.stubs``), and only when the real import fails:
+named in the output, and only when the real import fails. The check says
+what it ran against: ``"ran_against": "vllm"`` when nothing stood in,
+``"stub"`` otherwise, with ``stubs`` naming each stand-in and
+``import_errors`` each real import that failed (module -> error). Its
+``status`` is what the kernels did; whether that is evidence about the image
+is for the reader to judge (the smoke run refuses a stub as GPU evidence):
 
 1. ``vllm._C_stable_libtorch``: an empty module. ``vllm/platforms/cuda.py``
    imports this compiled op library at module level; the Triton kernels here
@@ -51,6 +56,8 @@ named in the output (``info.stubs``), and only when the real import fails:
 2. ``vllm.models.minimax_m3``: a package shell whose ``__path__`` is the real
    folder, so its real submodules load, but whose ``__init__`` (the whole
    model: layers, MoE, quantization, fused ops needing ``vllm._C``) is not run.
+3. ``vllm.config.VllmConfig``: where a full config cannot be built, a
+   namespace holding only the real ``CompilationConfig`` the layers read.
 
 Usage: ``python3 gpu_topk_layout.py [--vllm-src DIR] [--timeout S] [--log FILE]``
 (``--vllm-src``: a folder holding the wheel's ``vllm/`` sources and its
@@ -125,11 +132,16 @@ ATTN_ATOL = 2e-2
 # ---------------------------------------------------------------------------
 # vLLM import: the installed code, stubbing only what cannot load
 # ---------------------------------------------------------------------------
-def load_vllm(vllm_src: str | None) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """(indexer module, sparse_attention module, index_topk ops module, info)."""
+def load_vllm(vllm_src: str | None, info: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(indexer module, sparse_attention module, index_topk ops module); fills ``info`` as it goes.
+
+    ``info["stubs"]`` names each stand-in, ``info["import_errors"]`` each real
+    import that failed, so that a failure part-way still says what stood in.
+    """
     import importlib
 
-    info: dict[str, Any] = {"stubs": []}
+    info.setdefault("stubs", [])
+    info.setdefault("import_errors", {})
     if vllm_src:
         src = os.path.abspath(vllm_src)
         if src not in sys.path:
@@ -140,9 +152,11 @@ def load_vllm(vllm_src: str | None) -> tuple[Any, Any, Any, dict[str, Any]]:
     except ImportError as e:
         sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
         info["stubs"].append(f"vllm._C_stable_libtorch: empty module (real import failed: {str(e)[:160]})")
+        info["import_errors"]["vllm._C_stable_libtorch"] = f"{type(e).__name__}: {str(e)[:400]}"
     try:
         importlib.import_module("vllm.models.minimax_m3")
     except Exception as e:  # noqa: BLE001  (the model package needs vLLM's compiled extensions)
+        info["import_errors"]["vllm.models.minimax_m3"] = f"{type(e).__name__}: {str(e)[:400]}"
         import vllm.models
 
         pkg_dir = os.path.join(os.path.dirname(vllm.models.__file__), "minimax_m3")
@@ -171,7 +185,7 @@ def load_vllm(vllm_src: str | None) -> tuple[Any, Any, Any, dict[str, Any]]:
         info["vllm_version"] = version("vllm")
     except Exception as e:  # noqa: BLE001
         info["vllm_version"] = f"unknown ({type(e).__name__})"
-    return ix, sa, ops, info
+    return ix, sa, ops
 
 
 def installed_sources_have_fix(ix_file: str, sa_file: str) -> dict[str, Any]:
@@ -404,6 +418,8 @@ def run_scenario(ix: Any, sa: Any, ops: Any, cfg: dict[str, Any], device: str, s
     stage = "building the indexer and attention impls"
     try:
         vllm_config, res["config"] = make_config(device)
+        if res["config"] != "VllmConfig":
+            res["stubs"] = [f"vllm.config.VllmConfig: {res['config']}"]
         with set_current_vllm_config(vllm_config):
             indexer = ix.MiniMaxM3Indexer(
                 num_kv_heads=H, scale=scale, topk_blocks=K, sparse_block_size=BLOCK, num_index_heads=H,
@@ -488,8 +504,8 @@ def worker_main(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"scenario": args.scenario}
     try:
         t0 = time.time()
-        ix, sa, ops, info = load_vllm(args.vllm_src)
-        out["import"] = info
+        out["import"] = info = {}
+        ix, sa, ops = load_vllm(args.vllm_src, info)
         out["result"] = run_scenario(ix, sa, ops, SCENARIOS[args.scenario], args.device, args.seed)
         out["seconds"] = round(time.time() - t0, 2)
     except Exception as e:  # noqa: BLE001
@@ -571,6 +587,38 @@ def summarize(rec: dict[str, Any]) -> str:
     )
 
 
+def provenance(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the scenarios ran against: ``ran_against``, ``stubs`` and ``import_errors``, over every run.
+
+    ``vllm`` only when every scenario got as far as importing vLLM's code and
+    nothing stood in for any of it; a scenario that never said counts as a
+    stub, so that silence is never taken for the real code.
+    """
+    stubs: list[str] = []
+    errors: dict[str, str] = {}
+    told = True
+    for scenario, rec in runs.items():
+        imp = rec.get("import")
+        if not isinstance(imp, dict) or "indexer_file" not in imp:
+            # It never got as far as loading the code under test: no evidence of what that code is.
+            told = False
+            why = rec.get("timeout") or rec.get("error") or rec.get("fault") or "no record"
+            stubs.append(f"{scenario}: did not get to load vLLM's code ({str(why)[:160]})")
+            if isinstance(imp, dict):
+                errors.update(imp.get("import_errors") or {})
+                stubs += [s for s in imp.get("stubs") or [] if s not in stubs]
+            continue
+        stubs += [s for s in imp.get("stubs") or [] if s not in stubs]
+        stubs += [s for s in (rec.get("result") or {}).get("stubs") or [] if s not in stubs]
+        errors.update(imp.get("import_errors") or {})
+    out: dict[str, Any] = {"ran_against": "vllm" if told and runs and not stubs and not errors else "stub"}
+    if stubs:
+        out["stubs"] = stubs
+    if errors:
+        out["import_errors"] = errors
+    return out
+
+
 def verdict(kinds: dict[str, str]) -> tuple[str, str]:
     """(status, lead of the detail) from each scenario's outcome."""
     if kinds and all(k == "correct" for k in kinds.values()):
@@ -623,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError:
                 pass
     for rec in runs.values():
-        if "import" in rec:
+        if "indexer_file" in (rec.get("import") or {}):
             info["import"] = rec["import"]
             info["installed_sources"] = installed_sources_have_fix(
                 rec["import"]["indexer_file"], rec["import"]["sparse_attention_file"])
@@ -631,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {s: r["outcome"] for s, r in runs.items()}
     status, lead = verdict(kinds)
     detail = "; ".join(f"{s}: {summarize(r)}" for s, r in runs.items())
-    check = {"name": name, "status": status, "detail": lead + detail, "data": {"outcomes": kinds, "runs": runs}}
+    check = {"name": name, "status": status, "detail": lead + detail, "data": {"outcomes": kinds, "runs": runs},
+             **provenance(runs)}
     print(json.dumps({"checks": [check], "info": info}))
     return 1 if status == "fail" else 0
 

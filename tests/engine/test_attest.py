@@ -1,0 +1,123 @@
+"""Signed verdicts end to end: signed by smoke, attached by push, checked by verify and by another host's push."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from conftest import Registry, cli, fails
+from vllm_hotfix.engine import Engine
+
+
+def _keys(folder: Path, name: str) -> tuple[str, str]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / f"{name}.key", folder / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(private), str(public)
+
+
+def _checkout(project: Path, where: Path) -> Path:
+    """The project's definitions and patch sets without its journal: another host's checkout."""
+    for part in ("images", "patches"):
+        shutil.copytree(project / part, where / part)
+    return where
+
+
+def test_signed_verdict_travels_with_the_image(
+    engine: Engine, built: tuple[Path, str, str], registry: Registry, tmp_path: Path
+) -> None:
+    project, ref, image_id = built
+    key, pub = _keys(tmp_path, "site")
+    _other_key, other_pub = _keys(tmp_path, "other")
+    envelope = tmp_path / "verdict.dsse.json"
+    r = cli("smoke", ref, "--sign-key", key, "--attestation", str(envelope), root=project)
+    assert r.rc == 0, r.err
+    assert "signed verdict" in r.err and key not in r.out + r.err.replace(f"--sign-key {key}", "")
+    statement = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))
+    assert statement["subject"][0]["digest"]["sha256"] == image_id.removeprefix("sha256:")
+    assert statement["predicate"]["status"] == "pass" and statement["predicate"]["patches"]
+
+    dest = f"{registry.addr}/ops"
+    r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    pushed = json.loads(r.out)
+    assert len(pushed["attestations"]) == 1
+    target = pushed["ref"]
+
+    # Checked from the registry alone, with no journal (another checkout of the project, as on another host).
+    elsewhere = _checkout(project, tmp_path / "elsewhere")
+    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 0, r.err
+    assert f"verified {target} {pushed['digest']}" in r.out
+    fails(cli("verify", target, "--key", pub, root=elsewhere), "not GPU-verified")
+    assert cli("verify", target, "--key", pub, root=elsewhere).rc == 24
+    r = cli("verify", target, "--key", other_pub, "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 22 and "signed with another key" in r.err
+    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--require-gpu", "H200", root=elsewhere)
+    assert r.rc == 24 and "not on H200" in r.err
+
+    # The host that pushes need not be the one that ran smoke: a signed verdict and the key suffice.
+    r = cli("push", ref, "--registry", f"{registry.addr}/second", "--require-attestation", pub,
+            "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 0, r.err
+    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", other_pub,
+            "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 22, r.err
+    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", pub,
+            "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 21 and "no signed verdict" in r.err
+
+    # A tampered envelope (fail edited into pass, or the payload swapped) is named as such.
+    doc = json.loads(envelope.read_text())
+    inner = json.loads(base64.b64decode(doc["payload"]))
+    inner["predicate"]["gpu_verified"] = True
+    doc["payload"] = base64.b64encode(json.dumps(inner).encode()).decode()
+    tampered = tmp_path / "tampered.dsse.json"
+    tampered.write_text(json.dumps(doc))
+    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", pub,
+            "--attestation", str(tampered), root=elsewhere)
+    assert r.rc == 23 and "does not match its content" in r.err
+
+
+def test_a_signed_verdict_of_another_image_lets_nothing_through(
+    engine: Engine, built: tuple[Path, str, str], base_v0251: str, registry: Registry, tmp_path: Path
+) -> None:
+    project, ref, _image_id = built
+    key, pub = _keys(tmp_path, "site")
+    envelope = tmp_path / "base.dsse.json"
+    # A verdict signed for the unpatched base (its smoke fails the patch checks, but it is signed all the same).
+    cli("smoke", base_v0251, "--definition", "v0.25.1", "--sign-key", key, "--attestation", str(envelope),
+        root=project)
+    assert envelope.exists()
+    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--require-attestation", pub,
+            "--attestation", str(envelope), "--allow-gpu-unverified", root=_checkout(project, tmp_path / "elsewhere"))
+    assert r.rc == 24 and "another image" in r.err
+
+
+def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str], registry: Registry,
+                                                    tmp_path: Path) -> None:
+    project, ref, _image_id = built
+    _key, pub = _keys(tmp_path, "site")
+    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    target = json.loads(r.out)["ref"]
+    r = cli("verify", target, "--key", pub, root=tmp_path / "x")
+    assert r.rc == 21 and "no signed verdict" in r.err
+    (tmp_path / "garbage.pub").write_text("-----BEGIN PUBLIC KEY-----\nnot a key\n-----END PUBLIC KEY-----\n")
+    r = cli("verify", target, "--key", str(tmp_path / "garbage.pub"), root=tmp_path / "x")
+    assert r.rc == 20 and "garbage.pub: not a PEM public key" in r.err
+    r = cli("smoke", ref, "--sign-key", "env:HOTFIX_NO_SUCH_KEY", root=project)
+    assert r.rc == 20 and "$HOTFIX_NO_SUCH_KEY" in r.err
+    # A run the host could not finish (no GPU here) judged nothing, so nothing is signed.
+    key, _pub = _keys(tmp_path, "gpu")
+    envelope = tmp_path / "gpu.dsse.json"
+    r = cli("smoke", ref, "--gpu", "require", "--sign-key", key, "--attestation", str(envelope), root=project)
+    assert r.rc == 11 and not envelope.exists(), r.err

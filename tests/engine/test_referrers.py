@@ -1,0 +1,78 @@
+"""Signed verdicts stored in a real registry beside the image, read back with plain HTTP."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import tarfile
+from collections.abc import Iterator
+
+import pytest
+import requests
+from cryptography.hazmat.primitives.asymmetric import ec
+from securesystemslib.dsse import Envelope
+from securesystemslib.signer import SSlibKey
+
+from vllm_hotfix import referrers, signing
+from vllm_hotfix.registry import Client
+
+REGISTRY = "127.0.0.1:5000"
+
+
+@pytest.fixture
+def pushed(unique: str) -> Iterator[tuple[str, str]]:
+    """(repository path, tag) of a one-file image pushed to the local registry; its local tag removed after."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("hello")
+        info.size = len(unique)
+        tar.addfile(info, io.BytesIO(unique.encode()))
+    path, tag = f"hotfix-test/referrers-{unique}", "t"
+    ref = f"{REGISTRY}/{path}:{tag}"
+    subprocess.run(["docker", "import", "-", ref], input=buf.getvalue(), check=True, capture_output=True)
+    try:
+        subprocess.run(["docker", "push", "-q", ref], check=True, capture_output=True)
+    finally:
+        subprocess.run(["docker", "rmi", ref], check=True, capture_output=True)
+    yield path, tag
+
+
+def test_a_signed_verdict_lands_beside_the_image_and_reads_back_with_plain_http(pushed: tuple[str, str]) -> None:
+    path, tag = pushed
+    client = Client(REGISTRY, secure=False, credentials=None)
+    image = client.manifest(path, tag)
+    assert image is not None
+    config = image.json()["config"]["digest"]
+    key = ec.generate_private_key(ec.SECP256R1())
+    envelope = signing.sign(signing.statement({f"{path}:{tag}": config}, {"status": "pass"}), key)
+    subject = referrers.Subject(image.digest, image.media_type, image.size)
+    first = referrers.attach(client, path, subject, envelope)
+    # Attaching the same verdict again adds nothing; a second one is listed beside it.
+    assert referrers.attach(client, path, subject, envelope) == first
+    second = signing.sign(signing.statement({f"{path}:{tag}": config}, {"status": "fail"}), key)
+    referrers.attach(client, path, subject, second)
+    assert [e for _d, e in referrers.envelopes(client, path, image.digest)] == [envelope, second]
+
+    # The same, by hand: the fallback tag's index, the artifact, its layer.
+    base = f"http://{REGISTRY}/v2/{path}"
+    index = requests.get(f"{base}/manifests/{image.digest.replace(':', '-')}", timeout=10,
+                         headers={"Accept": "application/vnd.oci.image.index.v1+json"}).json()
+    assert [m["artifactType"] for m in index["manifests"]] == ["application/vnd.in-toto+json"] * 2
+    artifact = requests.get(f"{base}/manifests/{index['manifests'][0]['digest']}", timeout=10,
+                            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).json()
+    assert artifact["subject"]["digest"] == image.digest
+    blob = requests.get(f"{base}/blobs/{artifact['layers'][0]['digest']}", timeout=10).content
+    public = SSlibKey.from_crypto(key.public_key(), keyid=signing.key_id(key.public_key()),
+                                  scheme="ecdsa-sha2-nistp256")
+    dsse = Envelope.from_dict(json.loads(blob))
+    dsse.verify([public], 1)
+    assert json.loads(dsse.payload)["subject"][0]["digest"]["sha256"] == config.removeprefix("sha256:")
+
+
+def test_an_image_without_verdicts_has_none(pushed: tuple[str, str]) -> None:
+    path, tag = pushed
+    client = Client(REGISTRY, secure=False, credentials=None)
+    image = client.manifest(path, tag)
+    assert image is not None
+    assert referrers.envelopes(client, path, image.digest) == []

@@ -1,0 +1,177 @@
+"""The engine seam's error mapper and container lifetime, without an engine.
+
+The SDK is made to raise what a real engine produces only at random moments
+(a connection cut mid-answer, a socket file that vanished): each must leave
+the seam as one EngineError line naming the operation, a gone engine as
+EngineLost, and nothing else may be caught.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+import pytest
+import requests.exceptions
+import urllib3.exceptions
+
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.engine.mapping import translate, translating
+from vllm_hotfix.engine.transport import UnixTransport
+from vllm_hotfix.errors import BaseImageError, EngineError, EngineLost, PipelineError
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text and len(text) < 600, text
+    return text
+
+
+@pytest.mark.parametrize("raised", [
+    requests.exceptions.ConnectionError("('Connection aborted.', ConnectionResetError(104, 'reset by peer'))"),
+    urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(0 bytes read)"),
+    FileNotFoundError(2, "No such file or directory"),
+    ConnectionRefusedError(111, "Connection refused"),
+    requests.exceptions.ReadTimeout("UnixHTTPConnectionPool: Read timed out. (read timeout=120)"),
+    TimeoutError("timed out"),
+])
+def test_a_gone_engine_is_engine_lost_naming_the_operation(raised: Exception) -> None:
+    with pytest.raises(EngineLost) as caught, translating("removing container abc123"):
+        raise raised
+    assert _one_line(caught.value).startswith("removing container abc123: the Docker engine stopped answering (")
+    assert caught.value.exit_code == 5 and caught.value.__cause__ is raised
+
+
+def test_an_sdk_error_wrapping_a_gone_engine_is_lost() -> None:
+    try:
+        try:
+            raise requests.exceptions.ConnectionError("Connection refused")
+        except requests.exceptions.ConnectionError as inner:
+            raise docker.errors.DockerException(f"Error while fetching server API version: {inner}") from inner
+    except docker.errors.DockerException as exc:
+        mapped = translate("pinging the engine", exc)
+    assert isinstance(mapped, EngineLost)
+
+
+def test_before_the_engine_ever_answered_a_missing_socket_is_no_engine() -> None:
+    mapped = translate("inspecting image x", FileNotFoundError(2, "No such file or directory"),
+                       address="unix:///nonexistent/docker.sock")
+    assert isinstance(mapped, EngineError) and not isinstance(mapped, EngineLost)
+    assert str(mapped) == "no Docker engine answers (unix:///nonexistent/docker.sock: No such file or directory)"
+    assert mapped.hint and "make services" in mapped.hint
+
+
+def test_a_refusal_is_the_operations_error() -> None:
+    refusal = docker.errors.APIError("500 Server Error", explanation='{"message": "conflict:\\n in use"}')
+    mapped = translate("removing image x", refusal)
+    assert type(mapped) is EngineError and str(mapped) == "removing image x: conflict: in use"
+    mapped = translate("pulling x", refusal, refused=lambda m: BaseImageError(f"cannot pull base image x: {m}"))
+    assert isinstance(mapped, BaseImageError) and str(mapped) == "cannot pull base image x: conflict: in use"
+
+
+def test_errors_that_are_not_the_engines_pass_untouched() -> None:
+    with pytest.raises(KeyError), translating("reading"):
+        raise KeyError("a bug")
+    own = BaseImageError("the base is wrong")
+    with pytest.raises(BaseImageError) as caught, translating("reading"):
+        raise own
+    assert caught.value is own
+
+
+# -- a container whose engine vanishes before it is removed ----------------------------
+
+
+class _Container:
+    id = "abc123def4567890"
+    status = "running"
+
+    def start(self) -> None:
+        pass
+
+    def reload(self) -> None:
+        pass
+
+
+class _Sdk:
+    """Just enough of the SDK client to create a container."""
+
+    def __init__(self) -> None:
+        self.containers = self
+
+    def create(self, image: str, **_kwargs: Any) -> _Container:
+        return _Container()
+
+
+@pytest.fixture
+def vanished(tmp_path: Path) -> Iterator[tuple[Engine, list[int]]]:
+    """An engine that answered (its SDK client exists) and whose socket file is gone since."""
+    path = str(tmp_path / "docker.sock")
+    engine = Engine(base_url=f"unix://{path}", timeout=2, transport=UnixTransport(path, 2), client=_Sdk())
+    changes: list[int] = []
+    engine.on_container = changes.append
+    yield engine, changes
+
+
+def test_engine_gone_while_a_container_is_removed_is_one_line(vanished: tuple[Engine, list[int]]) -> None:
+    engine, changes = vanished
+    with pytest.raises(EngineLost) as caught, engine.box("some-image"):
+        pass
+    assert _one_line(caught.value) == (
+        "removing container abc123def456: the Docker engine stopped answering ([Errno 2] No such file or directory)")
+    # Not counted as removed: the run's note sends the next run to remove it.
+    assert changes == [+1]
+
+
+def test_engine_gone_at_removal_leaves_the_first_error_on_its_way(vanished: tuple[Engine, list[int]]) -> None:
+    engine, changes = vanished
+    with pytest.raises(BaseImageError, match="the patch is wrong"), engine.box("some-image"):
+        raise BaseImageError("the patch is wrong")
+    assert changes == [+1]
+
+
+def test_a_refused_create_counts_no_container(vanished: tuple[Engine, list[int]]) -> None:
+    engine, changes = vanished
+
+    def refuse(image: str, **_kwargs: Any) -> None:
+        raise docker.errors.APIError("400 Client Error", explanation="unknown or invalid runtime name: nvidia")
+
+    engine.sdk.create = refuse
+    with pytest.raises(PipelineError, match="unknown or invalid runtime name"):
+        engine.run("some-image", ["true"])
+    assert changes == [+1, -1]
+
+
+
+def test_no_engine_at_the_socket_is_one_line_not_a_lost_engine() -> None:
+    engine = Engine.connect(base_url="unix:///nonexistent/docker.sock", ping=False)
+    with pytest.raises(EngineError) as caught:
+        engine.image("x")
+    assert not isinstance(caught.value, EngineLost)
+    assert str(caught.value) == "no Docker engine answers (unix:///nonexistent/docker.sock: No such file or directory)"
+
+
+# -- the transport's deadline -----------------------------------------------------------
+
+
+def test_a_frozen_engine_ends_the_call_at_its_deadline(tmp_path: Path) -> None:
+    """An engine that accepts the connection and never answers: the call ends at the deadline, as a lost engine."""
+    path = str(tmp_path / "frozen.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    held: list[socket.socket] = []
+    accept = threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True)
+    accept.start()
+    engine = Engine(base_url=f"unix://{path}", timeout=0.5, transport=UnixTransport(path, 0.5))
+    try:
+        with pytest.raises(EngineError) as caught:
+            engine.image("x")
+        assert "timed out" in _one_line(caught.value)
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()

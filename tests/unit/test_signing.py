@@ -1,0 +1,113 @@
+"""Signed verdicts: DSSE envelopes checked by an independent implementation, and every way to refuse one."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from securesystemslib.dsse import Envelope
+from securesystemslib.signer import SSlibKey
+
+from vllm_hotfix import signing
+from vllm_hotfix.errors import (
+    AttestationError,
+    AttestationMismatch,
+    AttestationTampered,
+    AttestationWrongKey,
+)
+
+IMAGE_ID = "sha256:" + "ab" * 32
+REPORT = {"status": "pass", "gpu_verified": True, "gpu": {"devices": ["NVIDIA H200"]}, "checks": []}
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _signed(key: ec.EllipticCurvePrivateKey, report: dict[str, object] = REPORT) -> bytes:
+    return signing.sign(signing.statement({"ops/vllm-openai:v0.25.1-m3patch": IMAGE_ID}, report), key)
+
+
+def test_an_independent_dsse_implementation_verifies_the_envelope() -> None:
+    key = _key()
+    data = _signed(key)
+    envelope = Envelope.from_dict(json.loads(data))
+    public = SSlibKey.from_crypto(key.public_key(), keyid=signing.key_id(key.public_key()),
+                                  scheme="ecdsa-sha2-nistp256")
+    assert list(envelope.verify([public], 1)) == [public.keyid]
+    doc = json.loads(envelope.payload)
+    assert doc["_type"] == "https://in-toto.io/Statement/v1"
+    assert doc["subject"] == [{"name": "ops/vllm-openai:v0.25.1-m3patch", "digest": {"sha256": "ab" * 32}}]
+    assert doc["predicate"]["status"] == "pass"
+    # And what it signs, ours reads back.
+    found = signing.open_envelope(data, key.public_key(), "x")
+    assert found.digests == {IMAGE_ID} and found.predicate == REPORT
+
+
+def test_a_wrong_key_is_named_as_such() -> None:
+    data = _signed(_key())
+    with pytest.raises(AttestationWrongKey, match="signed with another key"):
+        signing.open_envelope(data, _key().public_key(), "verdict.json")
+
+
+def test_a_tampered_payload_does_not_verify() -> None:
+    key = _key()
+    envelope = json.loads(_signed(key, {**REPORT, "status": "fail"}))
+    doc = json.loads(base64.b64decode(envelope["payload"]))
+    doc["predicate"]["status"] = "pass"
+    envelope["payload"] = base64.b64encode(json.dumps(doc).encode()).decode()
+    with pytest.raises(AttestationTampered, match="verdict.json: the signature does not match"):
+        signing.open_envelope(json.dumps(envelope).encode(), key.public_key(), "verdict.json")
+    with pytest.raises(AttestationTampered, match="not a DSSE envelope"):
+        signing.open_envelope(b"{}", key.public_key(), "verdict.json")
+
+
+def test_subject_and_verdict_are_checked() -> None:
+    key = _key()
+    found = signing.open_envelope(_signed(key), key.public_key(), "v")
+    signing.require_subject(found, {IMAGE_ID, "sha256:" + "cd" * 32}, "img", "v")
+    with pytest.raises(AttestationMismatch, match="another image"):
+        signing.require_subject(found, {"sha256:" + "ef" * 32}, "img", "v")
+    signing.require_verdict(found, "img", "v", gpu_products=["H200"])
+    with pytest.raises(AttestationMismatch, match="not on B200"):
+        signing.require_verdict(found, "img", "v", gpu_products=["B200"])
+    unverified = signing.open_envelope(_signed(key, {**REPORT, "gpu_verified": False}), key.public_key(), "v")
+    with pytest.raises(AttestationMismatch, match="not GPU-verified"):
+        signing.require_verdict(unverified, "img", "v")
+    signing.require_verdict(unverified, "img", "v", gpu_verified=False)
+    failed = signing.open_envelope(_signed(key, {**REPORT, "status": "fail"}), key.public_key(), "v")
+    with pytest.raises(AttestationMismatch, match="'fail', not a pass"):
+        signing.require_verdict(failed, "img", "v", gpu_verified=False)
+
+
+def test_keys_from_files_and_the_environment_never_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = _key()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    (tmp_path / "k.pem").write_bytes(pem)
+    monkeypatch.setenv("HOTFIX_PUB", pub.decode())
+    loaded = signing.load_private_key(str(tmp_path / "k.pem"))
+    assert signing.key_id(loaded.public_key()) == signing.key_id(signing.load_public_key("env:HOTFIX_PUB"))
+    # An RSA-looking or garbled key: one line naming the source, never its content.
+    (tmp_path / "bad.pem").write_bytes(pem[:60] + b"SECRETSECRET" + pem[60:])
+    with pytest.raises(AttestationError) as info:
+        signing.load_private_key(str(tmp_path / "bad.pem"))
+    assert str(tmp_path / "bad.pem") in str(info.value) and "SECRET" not in str(info.value)
+    with pytest.raises(AttestationError, match=r"\$NOPE: the variable is not set"):
+        signing.load_public_key("env:NOPE")
+    with pytest.raises(AttestationError, match="cannot read it"):
+        signing.load_public_key(str(tmp_path / "missing.pem"))
+    with pytest.raises(AttestationError, match="not a PEM public key"):
+        signing.load_public_key(str(tmp_path / "k.pem"))
+    encrypted = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.BestAvailableEncryption(b"pw"))
+    (tmp_path / "enc.pem").write_bytes(encrypted)
+    with pytest.raises(AttestationError, match="VLLM_HOTFIX_SIGN_KEY_PASSWORD"):
+        signing.load_private_key(str(tmp_path / "enc.pem"))
+    monkeypatch.setenv(signing.PASSWORD_ENV, "pw")
+    assert signing.load_private_key(str(tmp_path / "enc.pem")).curve.name == "secp256r1"

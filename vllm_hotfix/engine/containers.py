@@ -1,0 +1,221 @@
+"""Containers the tool starts: each removed before the call that started it returns, whatever happens.
+
+All three kinds (a probe :func:`box`, a one-shot :func:`run`, a
+:func:`service` on host network) live through one :func:`lifetime`: labelled
+for leftover sweeps, counted for the run's note, every engine error mapped,
+and removed at the end. If the engine is gone when the container should be
+removed, the run ends with that one error (unless another is already on its
+way out) and its note tells the next run to remove the container.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..errors import BaseImageError, EngineError, PipelineError
+from . import labels
+from .mapping import Refused, gone
+from .model import ExecResult, GpuRequest
+
+if TYPE_CHECKING:
+    from .facade import Engine
+
+log = logging.getLogger(__name__)
+
+# A server's log as its watcher reads it: enough to reach past a flood of request
+# lines to the error that killed it (the caller condenses it, sweep.condense).
+SERVICE_LOG_LINES = 2000
+_EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
+                  "apt-get install qemu-user-static binfmt-support")
+
+
+def gpu_arguments(gpu: GpuRequest | None) -> dict[str, Any]:
+    """Create-time arguments for ``gpu``: a plain translation, the choice is made by the caller."""
+    if gpu is None:
+        return {}
+    import docker.types
+
+    if gpu.way == "cdi":
+        return {"device_requests": [docker.types.DeviceRequest(driver="cdi", device_ids=gpu.device.split(","))]}
+    if gpu.way == "gpus":
+        return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+    if gpu.way == "runtime":
+        # The NVIDIA runtime exposes GPUs by this variable; CUDA images set it, others may not.
+        return {"runtime": gpu.runtime, "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}
+    raise EngineError(f"unknown GPU request way {gpu.way!r}")
+
+
+def remove(engine: Engine, container_id: str, *, quiet: bool) -> None:
+    """Remove a container we started and tell the run's note so.
+
+    A refusal (the engine still busy with it) is tried again twice; one that
+    stays is left to the next run's sweep. An engine that is gone is that
+    error, unless ``quiet`` (another error is already on its way out).
+    """
+    for attempt in range(3):
+        try:
+            engine.remove_container(container_id)
+        except PipelineError as exc:
+            if gone(exc) and not quiet:
+                raise
+            if gone(exc) or attempt == 2:
+                log.warning("could not remove container %s: %s", container_id[:12], exc)
+                return
+            time.sleep(0.5)
+        else:
+            engine.notify(-1)
+            return
+
+
+@contextmanager
+def lifetime(engine: Engine, image: str, role: str, operation: str, refused: Refused | None = None,
+             **create: Any) -> Iterator[Any]:
+    """A created (not started) SDK container of ``image``, removed when the block ends.
+
+    Only the creation runs under the error mapper here: the block's own engine
+    calls name their operation themselves, and its other errors are not the engine's.
+    """
+    with engine.translating(operation, refused):
+        engine.notify(+1)
+        try:
+            container = engine.sdk.containers.create(image, labels=labels.for_container(role), **create)
+        except Exception as exc:
+            if not gone(exc):
+                engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
+            raise
+    try:
+        yield container
+    except BaseException:
+        remove(engine, container.id, quiet=True)
+        raise
+    remove(engine, container.id, quiet=False)
+
+
+class Box:
+    """A running throw-away container to read from, write to and exec in."""
+
+    def __init__(self, engine: Engine, container: Any) -> None:
+        self._engine = engine
+        self._container = container
+
+    def exec(self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120) -> ExecResult:
+        # exec_run has no timeout of its own: wrap the command in one when
+        # `timeout` exists in the image, which every Debian-based image has.
+        with self._engine.translating("running a probe in a container"):
+            result = self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True)
+        out, err = result.output
+        stderr = (err or b"").decode("utf-8", "replace")
+        if result.exit_code == 124:
+            stderr += f"\ntimed out after {timeout} s"
+        return ExecResult(result.exit_code, (out or b"").decode("utf-8", "replace"), stderr)
+
+    def write(self, folder: str, files: Mapping[str, bytes]) -> None:
+        """Put files (relative path -> bytes) under ``folder``."""
+        from ..tarball import tar_bytes
+
+        with self._engine.translating("copying files into a container"):
+            self._container.put_archive(folder, tar_bytes(files))
+
+
+class Served:
+    """A container started by :func:`service`: whether it runs, and its log when asked."""
+
+    def __init__(self, engine: Engine, container: Any) -> None:
+        self._engine = engine
+        self._container = container
+
+    def running(self) -> bool:
+        with self._engine.translating("asking whether the server container runs"):
+            self._container.reload()
+        return bool(self._container.status == "running")
+
+    def logs(self) -> str:
+        """Its last SERVICE_LOG_LINES lines."""
+        with self._engine.translating("reading the server container's log"):
+            return str(self._container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace"))
+
+
+def _foreign_arch(image: str, said: str) -> BaseImageError:
+    return BaseImageError(f"{image} is for another CPU architecture and the engine's host cannot run it ({said})",
+                          hint=_EMULATOR_HINT)
+
+
+@contextmanager
+def box(engine: Engine, image: str, python: str = "python3") -> Iterator[Box]:
+    """A container of ``image`` kept alive by its own Python, removed after.
+
+    The entrypoint is always overridden: a vLLM image's own entrypoint would start a server.
+    """
+    def refused(message: str) -> PipelineError:
+        if "exec format error" in message:
+            return _foreign_arch(image, message)
+        return EngineError(f"cannot run a container of {image}: {message}")
+
+    operation = f"running a container of {image}"
+    with lifetime(engine, image, "probe", operation, refused,
+                  entrypoint=[python, "-c", "import time; time.sleep(3600)"], network_mode="none") as container:
+        with engine.translating(operation, refused):
+            container.start()
+            time.sleep(0.05)
+            container.reload()
+            running = container.status == "running"
+            said = "" if running else (container.logs().decode("utf-8", "replace").strip().splitlines()
+                                       or ["no output"])[-1]
+        if not running:
+            if "exec format error" in said:
+                raise _foreign_arch(image, said)
+            raise BaseImageError(
+                f"{python} in {image} exited at once ({said}): is it the image's Python interpreter?",
+                hint="set [package] python in the image definition to the image's Python",
+            )
+        yield Box(engine, container)
+
+
+def run(engine: Engine, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
+        files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
+        timeout: float = 300) -> ExecResult:
+    """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``."""
+    from ..tarball import tar_bytes
+
+    operation = f"running {argv[0]} in {image}"
+    with lifetime(engine, image, "smoke", operation, entrypoint=list(argv[:1]), command=list(argv[1:]),
+                  network_mode=network, **gpu_arguments(gpu)) as container, engine.translating(operation):
+        if files:
+            container.put_archive(files_at, tar_bytes(files))
+        container.start()
+        code = _wait(container, timeout)
+        out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
+        err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
+        if code == 124:
+            err += f"\n(timed out after {timeout:.0f} s)"
+        return ExecResult(code, out, err)
+
+
+def _wait(container: Any, timeout: float) -> int:
+    """The container's exit code, or 124 when it did not end within ``timeout`` (it is removed after)."""
+    import requests.exceptions
+
+    try:
+        return int(container.wait(timeout=timeout).get("StatusCode", 1))
+    except requests.exceptions.ReadTimeout:
+        return 124
+
+
+@contextmanager
+def service(engine: Engine, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
+            gpu: GpuRequest | None = None) -> Iterator[Served]:
+    """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""
+    def refused(message: str) -> PipelineError:
+        return EngineError(f"cannot start {image}: {message}")
+
+    with lifetime(engine, image, "serve", f"serving {image}", refused, command=list(command), network_mode="host",
+                  volumes={src: {"bind": dst, "mode": "ro"} for src, dst in mounts},
+                  **gpu_arguments(gpu)) as container:
+        with engine.translating(f"serving {image}", refused):
+            container.start()
+        yield Served(engine, container)
+

@@ -1,0 +1,483 @@
+"""The engine as the pipeline sees it: typed operations, no policy.
+
+One :class:`Engine` per run. The calls an unchanged rebuild or an assembled
+build makes go as plain HTTP over the engine's unix socket
+(:mod:`.transport`) when it is local, else through the SDK client's session;
+streaming work (build, pull, push, containers) goes through the Docker SDK,
+imported on first use. Every call runs under :func:`.mapping.translating`,
+so whatever goes wrong leaves as one PipelineError naming the operation.
+Which image to pull when, which registry speaks TLS, and which labels a
+container gets are decided elsewhere (:mod:`vllm_hotfix.pulling`,
+:mod:`.dockerconfig`, :mod:`.labels`).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import os
+import re
+import socket
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+from urllib.parse import quote, urlencode, urlparse
+
+from ..errors import BaseImageError, BuildError, EngineError, PipelineError, PushError
+from . import containers, dockerconfig, labels
+from .mapping import Refused, refusal, short, translating, unreachable
+from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
+from .transport import DEFAULT_HOST, UnixTransport, local_socket
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 50
+_STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
+
+
+def _q(text: str) -> str:
+    """A path parameter as the SDK spells it ("/" and ":" stay)."""
+    return quote(text, safe="/:")
+
+
+class Engine:
+    """A connection to one Docker engine."""
+
+    def __init__(self, *, base_url: str | None = None, timeout: float = 120,
+                 transport: UnixTransport | None = None, client: Any = None) -> None:
+        self._base_url = base_url
+        self.address = base_url or os.environ.get("DOCKER_HOST") or DEFAULT_HOST
+        self.timeout = timeout
+        self._transport = transport
+        self._client = client
+        self._answered = client is not None  # after that, a failure is an engine lost, not a missing one
+        # Told +1 before each container this engine starts for us and -1 once it is
+        # removed, so that a run that dies can leave a note for the next (leftovers.py).
+        self.on_container: Callable[[int], None] | None = None
+
+    @classmethod
+    def connect(cls, timeout: float = 120, base_url: str | None = None, *, transport: str = "auto",
+                ping: bool = True) -> Engine:
+        """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping.
+
+        ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
+        uses the SDK for anything else; ``sdk`` always uses the SDK.
+        ``ping=False`` skips the ping: the first real call then fails with the
+        same error if no engine answers.
+        """
+        path = local_socket(base_url) if transport == "auto" else None
+        if path is not None:
+            engine = cls(base_url=f"unix://{path}", timeout=timeout, transport=UnixTransport(path, timeout))
+        else:
+            engine = cls(base_url=base_url, timeout=timeout)
+        if ping:
+            engine.ping()
+        return engine
+
+    def close(self) -> None:
+        """Let go of the engine."""
+        if self._transport is not None:
+            self._transport.close()
+        if self._client is not None:
+            self._client.close()
+
+    # -- plumbing ------------------------------------------------------------
+
+    def translating(self, operation: str, refused: Refused | None = None) -> AbstractContextManager[None]:
+        """:func:`.mapping.translating` for this engine (a failure before it ever answered: none answers)."""
+        return translating(operation, refused=refused, address=None if self._answered else self.address)
+
+    @property
+    def sdk(self) -> Any:
+        """The Docker SDK client for this engine, made (and the SDK imported) on first use."""
+        if self._client is None:
+            import docker
+
+            with self.translating("reaching the Docker engine"):
+                if self._base_url is not None:
+                    self._client = docker.DockerClient(base_url=self._base_url, timeout=self.timeout)
+                else:
+                    # The environment's way, TLS settings (DOCKER_TLS_VERIFY, DOCKER_CERT_PATH) included.
+                    self._client = docker.from_env(timeout=self.timeout)
+            self._answered = True
+        return self._client
+
+    def request(self, method: str, path: str, operation: str, *, params: Mapping[str, str] | None = None,
+                body: bytes | io.BufferedReader | None = None, headers: Mapping[str, str] | None = None,
+                ) -> tuple[int, bytes]:
+        """One request to the engine's API (unversioned path: the engine's own version); status and body."""
+        url = path + ("?" + urlencode(params) if params else "")
+        with self.translating(operation):
+            if self._transport is not None:
+                status, data = self._transport.request(method, url, body, headers)
+            else:
+                api = self.sdk.api
+                resp = api.request(method, api.base_url + url, data=body, headers=dict(headers or {}),
+                                   timeout=self.timeout)
+                status, data = resp.status_code, resp.content
+        self._answered = True
+        return status, data
+
+    def _json(self, method: str, path: str, operation: str, **kwargs: Any) -> Any:
+        """The JSON answer of one call, None for 404, the operation's error for any other refusal."""
+        status, data = self.request(method, path, operation, **kwargs)
+        if status == 404:
+            return None
+        if status >= 300:
+            raise refusal(operation, status, data)
+        return json.loads(data) if data.strip() else {}
+
+    def ping(self) -> None:
+        status, _data = self.request("GET", "/_ping", "pinging the engine")
+        if status != 200:
+            raise unreachable(self.address, f"HTTP {status} to a ping")
+
+    @property
+    def local(self) -> bool:
+        """Whether the engine runs on this machine: its files are ours to read, our loopback is its loopback."""
+        url = urlparse(self.address)
+        if url.scheme in ("unix", "npipe", "http+unix"):
+            return True
+        return url.scheme in ("tcp", "http", "https") and url.hostname in ("localhost", "127.0.0.1", "::1")
+
+    def notify(self, change: int) -> None:
+        """Tell :attr:`on_container` a container was started (+1) or removed (-1)."""
+        if self.on_container is not None:
+            self.on_container(change)
+
+    # -- images ------------------------------------------------------------
+
+    def inspect(self, ref: str) -> dict[str, Any] | None:
+        """The engine's description of image ``ref`` (``docker image inspect``), or None."""
+        return self._json("GET", f"/images/{_q(ref)}/json", f"inspecting image {ref}")  # type: ignore[no-any-return]
+
+    def image(self, ref: str) -> ImageInfo | None:
+        attrs = self.inspect(ref)
+        return ImageInfo.from_inspect(attrs) if attrs is not None else None
+
+    def history(self, image_id: str) -> list[dict[str, Any]]:
+        """The image's history as the engine reports it, oldest first."""
+        found = self._json("GET", f"/images/{_q(image_id)}/history", f"reading the history of {image_id}")
+        if found is None:
+            raise EngineError(f"{image_id}: no such image")
+        return list(reversed(found))
+
+    def info(self) -> dict[str, Any]:
+        return self._json("GET", "/info", "asking the engine to describe itself") or {}  # type: ignore[no-any-return]
+
+    def image_ids(self) -> set[str]:
+        """Every image in the engine, intermediate ones included."""
+        return {i["Id"] for i in self._json("GET", "/images/json", "listing images", params={"all": "1"}) or []}
+
+    def load(self, archive: bytes) -> list[str]:
+        """``docker load`` of a save-format archive; layers the engine has need not be in it.
+
+        Returns what the engine says it loaded (image IDs or names).
+        """
+        status, data = self.request("POST", "/images/load", "loading an image", params={"quiet": "1"},
+                                    body=archive, headers={"Content-Type": "application/x-tar"})
+        messages = []
+        for line in data.decode("utf-8", "replace").splitlines():
+            try:
+                messages.append(json.loads(line))
+            except ValueError:
+                messages.append({"error": line} if status >= 300 else {"stream": line})
+        errors = [str(m.get("error") or m.get("message")) for m in messages if m.get("error") or m.get("message")]
+        if status >= 300 or errors:
+            raise BuildError("the engine refused to load the image: " + ("; ".join(errors) or f"HTTP {status}"),
+                             log_tail=[str(m.get("stream", "")).strip() for m in messages if m.get("stream")])
+        loaded = []
+        for m in messages:
+            text = str(m.get("stream", "")).strip()
+            for prefix in ("Loaded image ID: ", "Loaded image: "):
+                if text.startswith(prefix):
+                    loaded.append(text.removeprefix(prefix))
+        return loaded
+
+    def pull(self, ref: str, progress: Callable[[str], None] | None = None, platform: str | None = None) -> None:
+        """Pull ``ref`` (of one ``platform`` when given; only engines from API 1.32 take it)."""
+        repo, tag = dockerconfig.split_reference(ref)
+        shown: dict[str, str] = {}
+        extra = {"platform": platform} if platform else {}
+
+        def refused(message: str) -> PipelineError:
+            return BaseImageError(f"cannot pull base image {ref}: {message}",
+                                  hint="check the registry is reachable, or load the image and use --pull never")
+
+        with self.translating(f"pulling {ref}", refused):
+            for chunk in self.sdk.api.pull(repo, tag=tag, stream=True, decode=True, **extra):
+                if "error" in chunk:
+                    raise BaseImageError(f"cannot pull base image {ref}: {chunk['error']}")
+                status = chunk.get("status", "")
+                layer = chunk.get("id", "")
+                # One line per layer state change keeps a pull readable in CI logs.
+                if progress is not None and shown.get(layer) != status:
+                    shown[layer] = status
+                    progress(f"{layer}: {status} {chunk.get('progress', '')}".strip())
+
+    def tag(self, image_id: str, ref: str) -> None:
+        # The whole reference as `repo`, no `tag`: the engine parses it with its
+        # own reference grammar (a missing tag is `latest`), and a reused build
+        # needs no SDK import to split it.
+        operation = f"tagging {image_id} as {ref}"
+        status, data = self.request("POST", f"/images/{_q(image_id)}/tag", operation, params={"repo": ref})
+        if status >= 300:
+            raise refusal(operation, status, data)
+
+    def untag(self, ref: str) -> None:
+        """Remove the tag ``ref`` (the image stays); no such tag is no error."""
+        operation = f"removing tag {ref}"
+        status, data = self.request("DELETE", f"/images/{_q(ref)}", operation, params={"noprune": "1"})
+        if status >= 300 and status != 404:
+            raise refusal(operation, status, data)
+
+    def remove_image(self, ref: str, force: bool = True) -> None:
+        """Remove ``ref``; an image that is gone already, or that others still use (409), is no error.
+
+        Any other refusal is (an engine shutting down answers 500): the caller
+        then keeps the image in its note for the next run to remove.
+        """
+        operation = f"removing image {ref}"
+        status, data = self.request("DELETE", f"/images/{_q(ref)}", operation, params={"force": "1" if force else "0"})
+        if status == 409:
+            log.warning("could not remove image %s: %s", ref, short(data))
+        elif status >= 300 and status != 404:
+            raise refusal(operation, status, data)
+
+    def remove_untagged(self, image_id: str, force: bool = True) -> None:
+        info = self.image(image_id)
+        if info is not None and not info.tags:
+            self.remove_image(image_id, force=force)
+
+    def import_rootfs(self, tar_path: str, ref: str, platform: str | None = None) -> ImageInfo:
+        """Import a root file system tar as ``ref``; ``platform`` says which one it is.
+
+        The engine's API has taken the platform since 1.32 (Docker 20.10 accepts it but records its own).
+        """
+        repo, tag = dockerconfig.split_reference(ref)
+        operation = f"importing {tar_path} as {ref}"
+        params = {"fromSrc": "-", "repo": repo, "tag": tag, **({"platform": platform} if platform else {})}
+        with open(tar_path, "rb") as fh:
+            status, data = self.request("POST", "/images/create", operation, params=params, body=fh,
+                                        headers={"Content-Type": "application/tar"})
+        said = [json.loads(line) for line in data.splitlines() if line.strip().startswith(b"{")]
+        errors = [str(m["error"]) for m in said if m.get("error")]
+        if status >= 300 or errors:
+            raise refusal(operation, status, "; ".join(errors).encode() or data)
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported {tar_path} but {ref} is missing")
+        return info
+
+    def import_stream(self, chunks: Iterable[bytes], ref: str, changes: Sequence[str] = ()) -> ImageInfo:
+        """``docker import`` of a tar stream (e.g. a host's own filesystem), with Dockerfile ``changes``."""
+        repo, tag = dockerconfig.split_reference(ref)
+        with self.translating(f"importing a filesystem as {ref}"):
+            self.sdk.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes),
+                                      stream_src=True)
+        info = self.image(ref)
+        if info is None:
+            raise EngineError(f"imported a filesystem but {ref} is missing")
+        return info
+
+    # -- build and push ----------------------------------------------------
+
+    def build(
+        self,
+        context: bytes,
+        progress: Callable[[str], None] | None = None,
+        on_image: Callable[[str], None] | None = None,
+        *,
+        buildargs: Mapping[str, str] | None = None,
+        network: str | None = None,
+    ) -> str:
+        """Build an untagged image from a tar context; return its ID.
+
+        ``buildargs`` fill the Dockerfile's ARGs; ``network`` is the network
+        mode of its RUN steps (``host`` lets them reach a server on loopback).
+
+        ``on_image`` hears every image the build commits (each step's and the
+        last), before the build goes on, so a run that dies can be cleaned up
+        after. If the build fails or is interrupted, the images its steps made
+        are removed here, unless other images depend on them.
+        """
+        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        made: list[str] = []
+
+        def refused(message: str) -> PipelineError:
+            return BuildError(f"docker build failed: {message}", log_tail=tail)
+
+        try:
+            with self.translating("building the image", refused):
+                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
+        except BaseException:
+            for step in reversed(made):
+                try:
+                    self.remove_untagged(step, force=False)
+                except PipelineError as exc:
+                    log.debug("build step %s stays: %s", step[:19], exc)
+            raise
+        return image_id
+
+    def _build(self, context: bytes, tail: deque[str], made: list[str], progress: Callable[[str], None] | None,
+               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None) -> str:
+        image_id: str | None = None
+        for chunk in self.sdk.api.build(fileobj=io.BytesIO(context), custom_context=True, rm=True, forcerm=True,
+                                        decode=True, buildargs=buildargs or None, network_mode=network):
+            if "error" in chunk:
+                tail.append(chunk["error"].rstrip())
+                raise BuildError("docker build failed: " + chunk["error"].strip(), log_tail=tail)
+            if "aux" in chunk and "ID" in chunk["aux"]:
+                image_id = chunk["aux"]["ID"]
+            for line in chunk.get("stream", "").splitlines():
+                step = _STEP_ID.match(line)
+                if step:
+                    made.append(step.group(1))
+                    if on_image is not None:
+                        on_image(step.group(1))
+                if line.strip():
+                    tail.append(line)
+                    if progress is not None:
+                        progress(line)
+        if image_id is None:
+            for line in reversed(tail):
+                if line.startswith("Successfully built "):
+                    found = self.image(line.split()[-1])
+                    image_id = found.id if found is not None else None
+                    break
+        if image_id is None:
+            raise BuildError("docker build reported no image ID", log_tail=tail)
+        return image_id
+
+    def push(self, ref: str, progress: Callable[[str], None] | None = None) -> str:
+        """Push ``ref`` with the credentials `docker login` stored; return the manifest digest.
+
+        The SDK reads them the docker way (:mod:`.dockerconfig`) and hands them to the engine.
+        """
+        repo, tag = dockerconfig.split_reference(ref)
+        host = dockerconfig.registry_of(ref)
+        digest: str | None = None
+        shown: dict[str, str] = {}
+        with self.translating(f"push of {ref}", lambda message: dockerconfig.push_error(ref, host, message)):
+            for chunk in self.sdk.api.push(repo, tag=tag, stream=True, decode=True):
+                if "error" in chunk:
+                    raise dockerconfig.push_error(ref, host, chunk["error"].strip())
+                aux = chunk.get("aux") or {}
+                if "Digest" in aux:
+                    digest = aux["Digest"]
+                status = chunk.get("status", "")
+                layer = chunk.get("id", "")
+                if progress is not None and shown.get(layer) != status:
+                    shown[layer] = status
+                    progress(f"{layer}: {status}".strip(": "))
+        if digest is None:
+            raise PushError(f"push of {ref} reported no digest")
+        return digest
+
+    def registry_digest(self, ref: str) -> str:
+        """The digest the registry holds for ``ref``, asked through the engine.
+
+        The engine uses the same credentials and scheme (TLS or a trusted
+        plain-HTTP registry) as for the push, so this works wherever the push did.
+        """
+        host = dockerconfig.registry_of(ref)
+        with self.translating(f"asking {host} for {ref}",
+                              lambda message: dockerconfig.push_error(ref, host, message, asking=True)):
+            data = self.sdk.api.inspect_distribution(ref)
+        digest = (data.get("Descriptor") or {}).get("digest")
+        if not digest:
+            raise PushError(f"{host} gave no digest for {ref}")
+        return str(digest)
+
+    def registry_secure(self, host: str) -> bool:
+        """Whether the engine talks TLS to registry ``host`` (its own insecure-registries decide)."""
+        return dockerconfig.registry_secure(self.info().get("RegistryConfig") or {}, host)
+
+    # -- what the engine is --------------------------------------------------
+
+    @functools.cached_property
+    def _version(self) -> dict[str, Any]:
+        return self._json("GET", "/version", "asking the engine its version") or {}  # type: ignore[no-any-return]
+
+    @property
+    def arch(self) -> str:
+        """The engine host's own architecture (amd64, arm64)."""
+        return str(self._version.get("Arch") or "")
+
+    @property
+    def api_version(self) -> tuple[int, int]:
+        major, _, minor = str(self._version.get("ApiVersion") or "0.0").partition(".")
+        return int(major or 0), int(minor or 0)
+
+    @property
+    def version_text(self) -> str:
+        return f"Docker {self._version.get('Version', '?')}, API {self._version.get('ApiVersion', '?')}"
+
+    def host_facts(self) -> dict[str, Any]:
+        """What a verdict records about the engine that ran it."""
+        version = self._version
+        return {
+            "hostname": socket.gethostname(),
+            "engine_version": version.get("Version"),
+            "api_version": version.get("ApiVersion"),
+            "os": version.get("Os"),
+            "arch": version.get("Arch"),
+        }
+
+    def facts(self) -> EngineFacts:
+        """Version, CDI spec folders (API >= 1.44 lists them) and registered runtimes."""
+        info = self.info()
+        return EngineFacts(
+            server_version=str(self._version.get("Version", "")),
+            api_version=str(self._version.get("ApiVersion", "")),
+            cdi_spec_dirs=tuple(info.get("CDISpecDirs") or ()),
+            runtimes=tuple(sorted(info.get("Runtimes") or {})),
+            default_runtime=str(info.get("DefaultRuntime") or ""),
+            # Spec files can be read only where the engine's files are ours to read.
+            local=self.local,
+        )
+
+    # -- containers --------------------------------------------------------
+
+    def box(self, image: str, python: str = "python3") -> AbstractContextManager[containers.Box]:
+        """A container of ``image`` kept alive by its own Python, removed after (:func:`.containers.box`)."""
+        return containers.box(self, image, python)
+
+    def run(self, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
+            files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
+            timeout: float = 300) -> ExecResult:
+        """Run ``argv`` (entrypoint overridden) in a new container and return its output."""
+        return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
+                              timeout=timeout)
+
+    def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
+                gpu: GpuRequest | None = None) -> AbstractContextManager[containers.Served]:
+        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`)."""
+        return containers.service(self, image, command, mounts=mounts, gpu=gpu)
+
+    def _containers(self, label: str) -> list[dict[str, Any]]:
+        found = self._json("GET", "/containers/json", "listing containers",
+                           params={"all": "1", "filters": json.dumps({"label": [label]})})
+        return list(found or [])
+
+    def containers_with_role(self, run_id: str | None = None) -> list[str]:
+        """Containers this tool started (and, given run_id, that run)."""
+        return [c["Id"] for c in self._containers(f"{labels.RUN}={run_id}" if run_id else labels.ROLE)]
+
+    def containers_by_owner(self) -> dict[str, list[str]]:
+        """Containers this tool started, grouped by the owner label (host:pid) of the process."""
+        out: dict[str, list[str]] = {}
+        for c in self._containers(labels.OWNER):
+            out.setdefault((c.get("Labels") or {}).get(labels.OWNER, ""), []).append(c["Id"])
+        return out
+
+    def remove_container(self, container_id: str) -> None:
+        """Remove it, running or not; one that is gone already is no error."""
+        operation = f"removing container {container_id[:12]}"
+        status, data = self.request("DELETE", f"/containers/{_q(container_id)}", operation, params={"force": "1"})
+        if status >= 300 and status != 404:
+            raise refusal(operation, status, data)
+
