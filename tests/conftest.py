@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -60,6 +61,7 @@ ENGINES = tuple(dict.fromkeys([
 # stand-ins' Debian root file systems, made once per engine with mmdebstrap.
 KEPT_REPOSITORIES = (standin.ROOTFS_REF.split(":")[0],)
 RUN_LABEL = "io.vllm-hotfix.run"
+RUN_TAG = re.compile(r"pytest-[0-9a-f]{12}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -107,7 +109,8 @@ def leftovers(url: str, before: EngineState) -> list[str]:
     out = []
     for image_id, tags in sorted(after.images.items()):
         new_tags = [t for t in tags if t not in before.images.get(image_id, ())
-                    and not t.startswith(tuple(f"{r}:" for r in KEPT_REPOSITORIES))]
+                    and not t.startswith(tuple(f"{r}:" for r in KEPT_REPOSITORIES))
+                    and not (RUN_TAG.search(t) and RUN_ID not in t)]  # another run's namespace
         if image_id not in before.images and not tags:
             out.append(f"{url}: untagged image {image_id}")
         elif new_tags:
@@ -241,7 +244,11 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """A copy of images/ and patches/ that a test may break."""
-    root = tmp_path / "project"
+    return project_copy(tmp_path / "project")
+
+
+def project_copy(root: Path) -> Path:
+    """images/ and patches/ copied to ``root``, the definitions naming this run's stand-ins."""
     shutil.copytree(REPO / "images", root / "images")
     shutil.copytree(REPO / "patches", root / "patches")
     for toml in (root / "images").glob("*.toml"):
@@ -359,12 +366,30 @@ def registry(tmp_path: Path) -> Iterator[Registry]:
     reg.stop()
 
 
-@pytest.fixture
-def built(engine: Engine, base_v0251: str, project: Path, unique: str) -> Iterator[tuple[Path, str, str]]:
-    """A patched image built (and smoke-tested) by the tool, in a project copy."""
-    ref = f"hotfix-test/smoke-{unique}:v0.25.1-m3patch"
+@pytest.fixture(scope="session")
+def built_once(engine: Engine, base_v0251: str, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[tuple[Path, str, str]]:
+    """The patch set built and smoke-tested by the tool once per session, in a project of its own."""
+    project = project_copy(tmp_path_factory.mktemp("built") / "project")
+    ref = f"hotfix-test/smoke-{RUN_ID}:v0.25.1-m3patch"
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0, r.err
-    image_id = r.out.split()[-1]
-    yield project, ref, image_id
+    yield project, ref, r.out.split()[-1]
     engine.untag(ref)
+
+
+@pytest.fixture
+def built(engine: Engine, built_once: tuple[Path, str, str], tmp_path: Path) -> tuple[Path, str, str]:
+    """A patched image built (and smoke-tested) by the tool, in a project copy of the test's own.
+
+    One build and smoke per session, not one per test: the copy holds that
+    build's records (a test may edit them or add verdicts without touching
+    another's), and the tag is the session's, pointed back at the image
+    should an earlier test have rebuilt under it.
+    """
+    template, ref, image_id = built_once
+    project = tmp_path / "project"
+    for folder in ("images", "patches", "build/records"):
+        shutil.copytree(template / folder, project / folder)
+    engine.tag(image_id, ref)
+    return project, ref, image_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,6 +28,18 @@ SM100 = "v0.25.1-sm100"
 QUACK_HASH = "e77c5d1f1299b0b38487fe8737df6c6975daa16bca7f7eb883bd1a74d09e7e78"
 RACE = f"{STANDIN_REPO}-sm100-race:v0.25.1"
 SERIAL = f"{STANDIN_REPO}-sm100-serial:v0.25.1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wheel_cache() -> Iterator[None]:
+    """The pinned wheels are downloaded once into the repository's cache, not once per test's project."""
+    saved = os.environ.get("VLLM_HOTFIX_CACHE")
+    os.environ["VLLM_HOTFIX_CACHE"] = str(REPO / "build" / "cache")
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_HOTFIX_CACHE")
+    else:
+        os.environ["VLLM_HOTFIX_CACHE"] = saved
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
         engine.remove_image(served)
 
 
-def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str) -> None:
+def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: Registry) -> None:
     project, ref, image_id = built
     dest = f"{registry.addr}/ops"
     # GPU-unverified: refused without the flag.
@@ -182,12 +182,13 @@ def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], regist
     assert r.rc != 0 and "GPU-unverified" in r.last_error
     r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", root=project)
     assert r.rc == 0, r.err
-    target = f"{dest}/smoke-{unique}:v0.25.1-m3patch"
+    name = ref.split("/")[-1].split(":")[0]
+    target = f"{dest}/{name}:v0.25.1-m3patch"
     line = r.out.strip().splitlines()[-1]
     assert line.startswith(f"pushed {target} sha256:")
     digest = line.split()[-1]
     resp = requests.get(
-        f"http://{registry.addr}/v2/ops/smoke-{unique}/manifests/v0.25.1-m3patch",
+        f"http://{registry.addr}/v2/ops/{name}/manifests/v0.25.1-m3patch",
         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}, timeout=10,
     )
     assert resp.status_code == 200 and resp.headers["Docker-Content-Digest"] == digest
