@@ -65,7 +65,7 @@ test: setup services ## Run every tier (unit, engine, platforms, gpu_access) aga
 	$(PYTHON) -m pytest -v --durations=15 tests
 
 unit: ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
-	$(PYTHON) -m pytest -q tests/unit
+	$(PYTHON) -m pytest -q -n 2 tests/unit
 
 lint: ## ruff and mypy
 	$(PYTHON) -m ruff check vllm_hotfix tests bench build.py

@@ -8,7 +8,8 @@ files outside the package.
 from __future__ import annotations
 
 import json
-import threading
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -84,12 +85,25 @@ class Handler(BaseHTTPRequestHandler):
 
 @contextmanager
 def serve() -> Iterator[str]:
-    """The API on a free loopback port; yields its base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    """The API in a process of its own on a free loopback port; yields its base URL.
+
+    A process, not a thread: the unit tier forks the CLI from the test process,
+    which it does only while that process has no other thread.
+    """
+    proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, text=True)
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
     finally:
-        server.shutdown()
-        server.server_close()
+        proc.kill()
+        proc.wait()
+
+
+def main() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(f"http://127.0.0.1:{server.server_address[1]}", flush=True)  # listening already
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -163,6 +163,7 @@ def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
 ) -> None:
     out = f"hotfix-test/as-{unique}:t"
     cache = tmp_path / "cache"
+    first = ""
     try:
         first, _ = _build(project, out, "assemble", cache)
         # A changed patch set on the same base: one container, to compile only.
@@ -182,6 +183,8 @@ def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
         assert again == changed and "probe: locate 2 file(s)" in err, err
     finally:
         engine.untag(out)
+        if first:
+            engine.remove_untagged(first)  # the tag moved off it: nothing else holds it
 
 
 def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(

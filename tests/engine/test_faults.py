@@ -86,6 +86,18 @@ class PrivateEngine:
             except OSError:
                 pass
 
+    def stop(self) -> None:
+        try:
+            pid = self.pid()
+            os.kill(pid, signal.SIGTERM)
+            # Until it is gone; an exited dockerd nobody reaped yet (a zombie) counts as gone.
+            for _ in range(100):
+                if pid not in self.processes():
+                    break
+                time.sleep(0.1)
+        except (OSError, ValueError):
+            pass
+
 
 @pytest.fixture(scope="module")
 def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateEngine, Engine]]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin, unique_name
 from vllm_hotfix.engine import Engine, GpuRequest
 from vllm_hotfix.smoke import Smoke, SmokeOptions
 
@@ -69,7 +68,7 @@ def cdi_built(cdi_engine: Engine, cdi_base: str,
     project = tmp_path_factory.mktemp("cdi") / "project"
     shutil.copytree(REPO / "images", project / "images")
     shutil.copytree(REPO / "patches", project / "patches")
-    ref = f"hotfix-test/cdi-{uuid.uuid4().hex[:10]}:v0.25.1-m3patch"
+    ref = f"hotfix-test/cdi-{unique_name()}:v0.25.1-m3patch"
     r = cli("image", "--base", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
             root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err

@@ -15,13 +15,12 @@ import json
 import shutil
 import subprocess
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive
+from conftest import REPO, cli, derive, unique_name
 from gpu_access.test_gpu_access import CDI_HOST, cdi_base, cdi_engine  # noqa: F401  (fixtures)
 from vllm_hotfix.engine import Engine
 
@@ -102,7 +101,7 @@ def fake_gpu_base(cdi_engine: Engine, cdi_base: str,  # noqa: F811
     (tmp / "libcuda.c").write_text(LIBCUDA)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(tmp / "libcuda.so.1"), str(tmp / "libcuda.c")],
                    check=True)
-    repo = f"hotfix-test/fakegpu-{uuid.uuid4().hex[:10]}"
+    repo = f"hotfix-test/fakegpu-{unique_name()}"
     files = {"libcuda.so.1": (tmp / "libcuda.so.1").read_bytes(), "torch.py": TORCH.encode(),
              "triton.py": TRITON.encode(), "language.py": b"constexpr = int\n",
              "init.py": b"from .version import __version__, __version_tuple__\n",
@@ -144,7 +143,7 @@ def project(tmp_path_factory: pytest.TempPathFactory, fake_gpu_base: str) -> Pat
 
 
 def build(engine: Engine, project: Path, base: str, repo: str | None = None) -> Iterator[str]:
-    ref = f"hotfix-test/failclosed-{uuid.uuid4().hex[:10]}:built"
+    ref = f"hotfix-test/failclosed-{unique_name()}:built"
     args = ["image", "--base", base, "--tag", ref, "--pull", "never", "--no-smoke"]
     r = cli(*args, *(["--base-repo", repo] if repo else []), root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err

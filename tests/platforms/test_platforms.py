@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, Registry, cli, fails
+from conftest import REPO, RUN_ID, RUN_TOKEN, STANDIN_REPO, Registry, cli, fails
 from vllm_hotfix import platforms, records, registry
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.platforms import Platform
@@ -101,7 +101,7 @@ def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_
     root = tmp_path_factory.mktemp("platform-project")
     for folder in ("images", "patches"):
         subprocess.run(["cp", "-r", str(REPO / folder), str(root / folder)], check=True)
-    out = f"hotfix-test/platforms-{RUN_ID[-8:]}:v0.25.1-m3patch"
+    out = f"hotfix-test/platforms-{RUN_TOKEN}:v0.25.1-m3patch"
     r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
             "--json", root=root, env=PENV, timeout=1200)
     assert r.rc == 0, r.err
@@ -246,7 +246,7 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
     empty = tmp_path / "binfmt"
     empty.mkdir()
     r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
-            "linux/arm64", "--tag", "hotfix-test/no-emulator:v1", root=project,
+            "linux/arm64", "--tag", f"hotfix-test/no-emulator-{RUN_TOKEN}:v1", root=project,
             env={**PENV, "VLLM_HOTFIX_BINFMT_DIR": str(empty)}, timeout=1200)
     fails(r, "linux/arm64", "no emulator for aarch64")
     assert r.rc == 4 and "qemu-user-static" in r.err
