@@ -9,6 +9,12 @@ connect only when a test asks for them.
 
 Nothing here mocks the engine. Stand-in bases are made once per machine from
 the real vLLM wheels (see vllm_hotfix/standin.py) and reused across runs.
+
+A session that reaches an engine ends by comparing every engine it could use
+with what they held when it started, and fails naming any image, tag or
+container it left (the stand-ins' rootfs cache excepted). The engine tiers run
+in one process (their stand-ins and built image are shared per session); the
+unit tier may run on several workers (`make unit`).
 """
 
 from __future__ import annotations
@@ -136,6 +142,10 @@ def leftovers(url: str, before: EngineState) -> list[str]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Before the first test: what each engine holds, where the session reaches any engine at all."""
     if all(item.get_closest_marker("unit") is not None for item in session.items):
+        return
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        # Workers share one run token and one set of engines: none of them can
+        # tell its own leftovers from another's. The engine tiers run serially.
         return
     states = {url: engine_state(url) for url in ENGINES}
     session.config.stash[ENGINES_BEFORE] = {url: s for url, s in states.items() if s is not None}
@@ -478,7 +488,7 @@ def built_once(engine: Engine, base_v0251: str, tmp_path_factory: pytest.TempPat
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0, r.err
     yield project, ref, r.out.split()[-1]
-    engine.untag(ref)
+    engine.remove_image(ref)
 
 
 @pytest.fixture

@@ -121,8 +121,8 @@ def test_both_builders_give_the_same_image(
         sha, pyc_hash, src_hash = json.loads(check.stdout)
         assert sha == files["vllm/models/minimax_m3/common/indexer.py"] and pyc_hash == src_hash
     finally:
-        engine.untag(df_ref)
-        engine.untag(as_ref)
+        engine.remove_image(df_ref)
+        engine.remove_image(as_ref)
 
 
 def test_assembled_image_id_is_the_same_on_every_run(
@@ -155,7 +155,7 @@ def test_assembled_image_id_is_the_same_on_every_run(
             assert word and word not in raw
         assert not {"container", "container_config", "docker_version"} & config.keys()
     finally:
-        engine.untag(out)
+        engine.remove_image(out)
 
 
 def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
@@ -182,7 +182,7 @@ def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
         again, err = _build(project, out, "assemble", cache, verbose=True)
         assert again == changed and "probe: locate 2 file(s)" in err, err
     finally:
-        engine.untag(out)
+        engine.remove_image(out)
         if first:
             engine.remove_untagged(first)  # the tag moved off it: nothing else holds it
 
@@ -208,4 +208,4 @@ def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
             # A run that ends normally leaves no note of leftovers for the next one.
             assert not list((project / "build" / "runs").glob("*.json"))
     finally:
-        engine.untag(out)
+        engine.remove_image(out)

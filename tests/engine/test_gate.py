@@ -187,7 +187,7 @@ def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
         assert r.rc == 0, r.err
         assert engine.image(foreign).id != foreign_id  # type: ignore[union-attr]
     finally:
-        engine.untag(foreign)
+        engine.remove_image(foreign)
         engine.remove_untagged(foreign_id)
 
 

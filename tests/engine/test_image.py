@@ -71,7 +71,7 @@ def test_image_builds_patched_files_where_python_imports_them(
         # The patched file equals upstream's fixed lines: 0.27.0 has the same hunks.
         assert "buf_htk = (" in (REPO / "patches/v0.25.1" / PATCH).read_text()
     finally:
-        engine.untag(out)
+        engine.remove_image(out)
 
 
 def test_render_prints_dockerfile_and_builds_nothing(engine: Engine, base_v0251: str, project: Path) -> None:
@@ -134,7 +134,7 @@ def test_patch_already_in_base(engine: Engine, base_v0251: str, project: Path, u
         assert "needs no hotfix" in r.out and PATCH in r.out
         _no_output(engine, out)
     finally:
-        engine.untag(f"{carrying}:v0.25.1")
+        engine.remove_image(f"{carrying}:v0.25.1")
 
 
 def test_patch_for_a_file_the_image_lacks(engine: Engine, base_v0251: str, project: Path, unique: str) -> None:

@@ -66,6 +66,6 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
         r = cli("rollback", "--base", "v0.25.1", "--to", "sha256:0123abcd", root=project)
         _fails(r, "sha256:0123abcd", "no build record")
     finally:
-        engine.untag(out)
+        engine.remove_image(out)
         for image_id in (first, second):
             engine.remove_untagged(image_id)

@@ -159,7 +159,7 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         fails(refused, "refusing to push", "pins: quack-kernels is 0.6.4 in the image", "pins 0.6.3")
         assert refused.rc == 8
     finally:
-        engine.untag(ref)
+        engine.remove_image(ref)
         engine.remove_untagged(image_id)
 
 
@@ -275,7 +275,7 @@ def test_a_pin_that_breaks_a_requirement_fails_unless_accepted(engine: Engine, s
                              "reason": "tested together here"}]
         assert "accepted by pins.txt: quack-kernels 0.6.4 has requirement" in ok.err
     finally:
-        engine.untag(ref)
+        engine.remove_image(ref)
         engine.remove_untagged(ok.out.split()[-1])
 
 

@@ -71,7 +71,7 @@ def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251:
         # Smoke standing alone recomputes the hashes from the patch set and the base.
         assert verdict.verdict.expected_from.startswith("patches/v0.25.1 applied to base")
     finally:
-        engine.untag(ref)
+        engine.remove_image(ref)
 
 
 def test_smoke_reports_and_tampered_image_fails(engine: Engine, built: tuple[Path, str, str], tmp_path: Path,

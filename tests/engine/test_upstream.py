@@ -227,8 +227,8 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
         assert list(record["patches_applied"]) == [names[1]]
         assert record["patches_included_upstream"] == [names[0]]
     finally:
-        engine.untag(out)
-        engine.untag(f"{carrying}:v0.25.1")
+        engine.remove_image(out)
+        engine.remove_image(f"{carrying}:v0.25.1")
 
 
 @pytest.mark.parametrize("flags", [(), ("--skip-included",)])
@@ -271,4 +271,4 @@ def test_base_carrying_the_whole_set_needs_no_hotfix(
         assert engine.image(out) is None
         assert len(list((project / "build/records").glob("*/*.json"))) == records_before
     finally:
-        engine.untag(f"{carrying}:v0.25.1")
+        engine.remove_image(f"{carrying}:v0.25.1")

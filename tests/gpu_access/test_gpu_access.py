@@ -73,7 +73,7 @@ def cdi_built(cdi_engine: Engine, cdi_base: str,
             root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err
     yield project, ref
-    cdi_engine.untag(ref)
+    cdi_engine.remove_image(ref)
 
 
 def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> None:

@@ -112,7 +112,7 @@ def fake_gpu_base(cdi_engine: Engine, cdi_base: str,  # noqa: F811
             f"COPY init.py {SITE}/vllm/__init__.py\nCOPY target.py {SITE}/{TARGET}\n")
     image_id = derive(cdi_engine, cdi_base, f"{repo}:v0.25.1", body, files)
     yield repo
-    cdi_engine.untag(f"{repo}:v0.25.1")
+    cdi_engine.remove_image(f"{repo}:v0.25.1")
     cdi_engine.remove_untagged(image_id, force=False)
 
 
@@ -148,7 +148,7 @@ def build(engine: Engine, project: Path, base: str, repo: str | None = None) -> 
     r = cli(*args, *(["--base-repo", repo] if repo else []), root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err
     yield ref
-    engine.untag(ref)
+    engine.remove_image(ref)
     engine.remove_untagged(r.out.split()[-1], force=False)
 
 
