@@ -210,17 +210,17 @@ def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
 
 def ensure_writable(root: Path) -> None:
     """Fail early, before any effect, if records cannot be written."""
-    folder = records_dir(root)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_file(folder, ".probe-")
+    for folder in (records_dir(root), records_dir(root) / SEQ_DIR):  # an entry needs both
         try:
-            os.write(fd, b"{}\n" * 64)
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
-    except OSError as exc:
-        raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = _new_file(folder, ".probe-")
+            try:
+                os.write(fd, b"{}\n" * 64)
+            finally:
+                os.close(fd)
+                os.unlink(tmp)
+        except OSError as exc:
+            raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
 
 
 def _read_entry(kind: str, path: Path) -> Entry | Damaged:
