@@ -1,6 +1,7 @@
 """Push a smoke-tested image to the internal registry, and prove it landed.
 
-The gate asks the journal, not a mutable record: the newest verdict that
+The gate asks the journal, not a mutable record: the newest verdict (by the
+journal's sequence, with no unreadable entry that may be about the image) that
 judged this exact image ID must be a pass (and GPU-verified unless the caller
 allows otherwise). Then, right before the push, the cheap landed check runs
 again on that image ID with hashes recomputed from the patch set and the base
@@ -46,8 +47,15 @@ def target_ref(image_ref: str, registry: str) -> str:
 
 
 def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
-    """The newest verdict that judged this exact image ID, if it lets the image through."""
-    entry = records.judgement(root, image_id)
+    """The newest verdict that judged this exact image ID, if it lets the image through.
+
+    Ordered by the journal's own sequence, never by the clocks of the runs.
+    A journal entry of any kind that may be about this image and cannot be
+    read stops the gate with a RecordError naming the file: skipping it could
+    let an older pass stand in for a newer fail.
+    """
+    records.require_readable(root, image_id, ("build", "tag", "push"))
+    entry = records.judgement(root, image_id)  # the verdict folder: checked the same way, read once
     if entry is None:
         pending = records.verdicts(root, image_id)
         why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
