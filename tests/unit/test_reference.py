@@ -205,7 +205,7 @@ def test_prompt_set_is_fixed_and_mixed() -> None:
     assert reference.make_prompts() == reference.PROMPTS and len(set(reference.PROMPTS)) == 24
     lengths = sorted(len(p) for p in reference.PROMPTS)
     assert lengths[0] < 100 and lengths[-1] > 5000
-    # The same text whatever the Python: a hash of (seed, prompt, sentence) picks it. A change here
-    # makes every recorded reference another prompt set's: it needs a new FORMAT, not a new digest.
+    # The same text whatever the Python: a hash of (seed, prompt, sentence) picks it. (A reference
+    # file keeps its own prompts, so changing the set later leaves recorded references usable.)
     assert reference.digest({"p": list(reference.PROMPTS)}) == \
         "e5c100f2b036c5506b00136887144b4c6342cc31ced983751ab0243460634a53"
