@@ -246,13 +246,16 @@ def _one(session: requests.Session, url: str, model: str, timeout: float, max_to
     if ref is not None:
         ev.judged_by = "reference"
         verdict = answers.judge(ref.answers[k], reply, tolerance)
-        ev.divergence, ev.gap_nats, ev.passed = verdict.position, verdict.gap, verdict.ok
+        ev.divergence, ev.gap_nats = verdict.position, verdict.gap
         if not verdict.ok:
             ev.error = f"prompt {k}: {verdict.detail}"
-        return ev
+            return ev
     if min_tokens is not None:
-        ev.judged_by = "min-tokens"
+        # Both given: a reply the reference passed can still be too short (a test model that cannot stop early).
+        if ref is None:
+            ev.judged_by = "min-tokens"
         if reply.completion_tokens < min_tokens:
+            ev.judged_by = "min-tokens"
             ev.error = (f"reply of {reply.completion_tokens} completion token(s), every reply must have "
                         f"at least {min_tokens} (finish_reason {reply.finish_reason})")
             return ev
