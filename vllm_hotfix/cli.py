@@ -284,15 +284,19 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
-                   min_tokens: int | None = None) -> Any:
+                   min_tokens: int | None = None, answers: Any = None) -> Any:
+    from . import reference, sweep
     from . import smoke as smokelib
-    from . import sweep
 
-    sweep.check_min_tokens(min_tokens)
+    answers = answers or reference.answer_options(None, None, None)
+    if serve_model is None and (answers.reference is not None or answers.record is not None):
+        raise UsageError("--reference and --record-reference need --serve-model (the model the answers are of)")
+    sweep.check_min_tokens(min_tokens, answers.reference.max_tokens if answers.reference else sweep.MAX_TOKENS)
     return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
                                  serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n,
-                                 min_tokens=min_tokens)
+                                 min_tokens=min_tokens, reference=answers.reference,
+                                 record_reference=answers.record, logprob_tolerance=answers.tolerance)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -312,6 +316,16 @@ sweep_options = [
     click.option("--min-tokens", type=int, default=None,
                  help="Fail a request whose reply has fewer completion tokens (each asks for 32): for a model "
                       "that cannot stop early, where a short reply means it went wrong."),
+    click.option("--reference", "reference_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Reference answers (from --record-reference on a trusted image, same model and GPU model): "
+                      "every reply at every level must equal its answer, or diverge from it only at a near-tie."),
+    click.option("--record-reference", "record_path", type=click.Path(dir_okay=False, path_type=Path),
+                 default=None,
+                 help="Record reference answers to this new file first (the prompt set once each, concurrency 1, "
+                      "temperature 0, top-5 logprobs), then sweep against them. Only from a trusted image."),
+    click.option("--logprob-tolerance", type=float, default=None, metavar="NATS",
+                 help="A divergence from the reference passes if the reference's token is in the served top-5 "
+                      "and at most this far below the served token (default 0.5)."),
 ]
 
 
@@ -348,13 +362,14 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
-          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None) -> None:
+          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None,
+          reference_path: Path | None, record_path: Path | None, logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from . import attest, records, signing, verdicts
+    from . import attest, records, reference, signing, verdicts
     from . import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
-                             min_tokens)
+                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance))
     if attestation_path is not None and sign_key is None:
         raise UsageError("--attestation needs --sign-key")
     if sign_key is not None:
@@ -387,23 +402,33 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
               help="Seconds to wait for the server's /health before giving up.")
 @with_options(sweep_options)
 def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
-                requests_n: int, min_tokens: int | None) -> None:
+                requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+                logprob_tolerance: float | None) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
 
+    from . import reference as refmod
     from . import sweep
     from .errors import SmokeError
 
     levels = sweep.parse_levels(concurrency)
-    sweep.check_min_tokens(min_tokens)
+    answers = refmod.answer_options(reference_path, record_path, logprob_tolerance)
+    ref = answers.reference
+    sweep.check_min_tokens(min_tokens, ref.max_tokens if ref else sweep.MAX_TOKENS)
     progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
-    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, progress=progress)
+    if answers.record is not None:
+        progress(f"==> recording reference answers from {url.rstrip('/')} (concurrency 1)")
+        ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
+        click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
+    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
+                         tolerance=answers.tolerance, progress=progress)
     if report_path:
         report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     if not result.ok:
         raise SmokeError(sweep.failure_message(result))
-    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}")
+    checked = f", every reply matched {ref.path} (near-ties within {answers.tolerance} nats)" if ref else ""
+    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")
 
 
 @main.command()

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
+from . import reference as answers
 from .engine import Engine, GpuRequest, ImageInfo, labels
 from .errors import (
     DefinitionError,
@@ -53,6 +54,9 @@ class SmokeOptions:
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
     requests: int = 32
     min_tokens: int | None = None
+    reference: answers.Reference | None = None  # judge every reply against these answers
+    record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
+    logprob_tolerance: float = answers.DEFAULT_TOLERANCE
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
@@ -417,8 +421,14 @@ class Smoke:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
                                      gpu=gpu) as watch:
                 sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
+                ref = self.opt.reference
+                if self.opt.record_reference is not None:
+                    ref = answers.write(sweep.record(url, recorded_from=f"{report.image} ({image.id})",
+                                                     progress=self.say), self.opt.record_reference)
+                    self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
                 result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
-                                     min_tokens=self.opt.min_tokens, progress=self.say)
+                                     min_tokens=self.opt.min_tokens, reference=ref,
+                                     tolerance=self.opt.logprob_tolerance, progress=self.say)
         except (SmokeError, EngineError) as exc:
             lines = str(exc).splitlines()
             self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
@@ -430,6 +440,10 @@ class Smoke:
             detail = f"levels {','.join(map(str, self.opt.levels))}: every request succeeded"
             if self.opt.min_tokens is not None:
                 detail += f", every reply at least {self.opt.min_tokens} token(s)"
+            if result.reference is not None:
+                ties = sum(lv.near_ties for lv in result.levels)
+                detail += (f", every reply matched the reference answers ({result.reference['file']}; {ties} "
+                           f"near-tie(s) within {self.opt.logprob_tolerance} nats)")
             self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
         else:
             tail = result.server_log.strip().splitlines()[-12:]

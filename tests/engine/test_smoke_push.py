@@ -170,6 +170,20 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert r.rc == 0, r.err
             assert sweep_check["status"] == "pass"
             assert [lv["successes"] for lv in report["sweep"]["levels"]] == [6, 6, 6]
+            # Reference answers recorded from this (trusted) image, then every reply judged against them.
+            answers = tmp_path / "answers.json"
+            r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
+                    str(answers), "--concurrency", "1,2", "--requests", "6", root=project)
+            assert r.rc == 0, r.err
+            assert len(json.loads(answers.read_text())["answers"]) == 24
+            r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
+                    "--concurrency", "1,2,4", "--requests", "6", "--report", str(tmp_path / "ref.json"),
+                    root=project)
+            assert r.rc == 0, r.err
+            report = json.loads((tmp_path / "ref.json").read_text())
+            sweep_check = next(c for c in report["checks"] if c["name"] == "serve-sweep")
+            assert "every reply matched the reference answers" in sweep_check["detail"]
+            assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == {"reference"}
     finally:
         engine.remove_image(served)
 
