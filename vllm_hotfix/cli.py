@@ -242,7 +242,8 @@ def main(ctx: click.Context, root: Path) -> None:
 
 base_option = click.option("--base", "base_tag", required=True,
                            help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
-repo_option = click.option("--base-repo", type=REPOSITORY, default=None, help="Base repository (default: the definition's).")
+repo_option = click.option("--base-repo", type=REPOSITORY, default=None,
+                           help="Base repository (default: the definition's).")
 platform_option = click.option(
     "--platform", "platform_text", default=None, metavar="LIST|all",
     help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
@@ -650,7 +651,7 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
 @main.command("new-patchset")
 @base_option
 @click.option("--from-pr", "pr", default=None, metavar="N|URL", help="Upstream PR number or URL.")
-@click.option("--from-file", "diff_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--from-file", "diff_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A diff saved on disk (offline).")
 @click.option("--title", default=None, help="Patch title (default: the PR's, or the file's name).")
 @click.option("--api-url", default=None,
@@ -675,13 +676,21 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
 
     if pin_specs and (pr is not None or diff_file is not None):
         raise UsageError("--pin goes alone: add the patch and the pins in two runs")
+    if (pr is None) == (diff_file is None) and not pin_specs:
+        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
+    # Malformed values are usage errors, found before the network or the engine is asked anything.
+    if pr is not None:
+        newpatch.parse_pr(pr, gh_repo)
+    for spec in pin_specs:
+        from . import pinfile
+
+        if pinfile.exact(spec.strip()) is None:
+            raise UsageError(f"--pin {spec!r}: write NAME==VERSION (one exact version)")
     if pin_specs:
         pinned = newpatch.add_pins(obj.root, base_tag, pin_specs, lambda: obj.engine, base_repo=base_repo,
                                    pull=pull, wheelhouse=wheelhouse, progress=progress)
         click.echo(f"pinned {', '.join(pin_specs)} in {pinned.path} (wheels for {pinned.image})")
         return
-    if (pr is None) == (diff_file is None):
-        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:
