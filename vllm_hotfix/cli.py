@@ -21,7 +21,15 @@ import click
 from . import __version__
 from .assemble import BUILDERS
 from .engine import Engine
-from .errors import EXIT_INTERRUPTED, BaseImageError, BuildError, PipelineError, UsageError, exit_table
+from .errors import (
+    EXIT_INTERRUPTED,
+    BaseImageError,
+    BuildError,
+    PinError,
+    PipelineError,
+    UsageError,
+    exit_table,
+)
 from .pulling import PULL_POLICIES
 
 if TYPE_CHECKING:
@@ -641,11 +649,24 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
         for judged in report.pins:
             click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
-    if not report.needs_hotfix:
-        progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
-    elif included:
-        progress(f"{base_tag} carries {', '.join(included)}: drop them from a set for {base_tag}, "
+    contradicting = report.pins_by_verdict("contradicts")
+    if included and report.needs_hotfix:
+        what = "every patch" if report.carries_every_patch else ", ".join(included)
+        progress(f"{base_tag} carries {what} of {patch_set}: drop them from a set for {base_tag}, "
                  "or build with --skip-included")
+    if contradicting:
+        # The release's own requirements rule these versions out: building the set on it
+        # would fail pip check, so the set is not done with, whatever its patches say.
+        raise PinError(f"{base_tag} requires other versions than {patch_set}'s pins {', '.join(contradicting)}: "
+                       f"the set still needs attention", pin=contradicting[0].split("==")[0],
+                       hint=f"update or drop them in patches/{patch_set}/pins.txt for a set for {base_tag}")
+    if not report.needs_hotfix:
+        progress(f"{base_tag} carries every patch of {patch_set}"
+                 f"{' and requires its pinned versions' if report.pins else ''}: it needs no hotfix")
+    elif report.carries_every_patch:
+        kept = [p["pin"] for p in report.pins if p.get("verdict") != "included"]
+        progress(f"{base_tag} carries every patch of {patch_set} but not its pins {', '.join(kept)}: "
+                 "a set for it would pin only")
 
 
 @main.command("new-patchset")
