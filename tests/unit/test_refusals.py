@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -419,3 +420,36 @@ def test_from_pr_timeout_is_named() -> None:
 
     exc = requests.exceptions.ConnectTimeout("timed out")
     assert "did not answer in time" in newpatch.network_cause(exc, "http://10.0.0.1/x")
+
+
+def _upstream_report(pin_verdicts: tuple[str, ...], *patch_verdicts: str) -> Any:
+    from vllm_hotfix import upstream
+
+    return upstream.Report(
+        "v0.25.1-sm100", "v0.27.0", "wheel", "vllm", "0.27.0",
+        tuple(upstream.Verdict(f"000{i}-x.patch", w, ()) for i, w in enumerate(patch_verdicts)),
+        tuple({"pin": f"pin{i}==1", "verdict": w, "detail": "d"} for i, w in enumerate(pin_verdicts)))
+
+
+@pytest.mark.parametrize("pins, patches, rc, needle", [
+    (("contradicts", "contradicts"), ("included",), 12, "pin0==1, pin1==1: the set still needs attention"),
+    (("contradicts",), ("needed",), 12, "the set still needs attention"),
+    (("allowed",), ("included",), 0, "but not its pins pin0==1"),
+    (("included",), ("included",), 0, "needs no hotfix"),
+    ((), ("included",), 0, "needs no hotfix"),
+])
+def test_check_upstream_conclusion_agrees_with_its_pins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], pins: tuple[str, ...],
+    patches: tuple[str, ...], rc: int, needle: str,
+) -> None:
+    from vllm_hotfix import cli as climod
+    from vllm_hotfix import upstream
+
+    monkeypatch.setattr(upstream, "check", lambda *a, **k: _upstream_report(pins, *patches))
+    got = climod._run(["check-upstream", "--patches", "v0.25.1-sm100", "--base", "v0.27.0", "--from-wheel"], "t")
+    err = capsys.readouterr().err
+    assert got == rc, err
+    assert needle in err
+    if rc:
+        assert "needs no hotfix" not in err
+    assert _upstream_report(pins, *patches).needs_hotfix == (needle != "needs no hotfix")
