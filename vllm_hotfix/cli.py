@@ -9,6 +9,7 @@ body only calls the library and prints what comes back.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import traceback
@@ -39,7 +40,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(line: str) -> None:
-    click.echo(line, err=True)
+    # An engine's last status chunk can be empty (a push ended with a blank line): say only what has words.
+    if line.strip():
+        click.echo(line, err=True)
+
+
+# Hints name the command line's flags; run through `make`, the user's handle is a make variable.
+_MAKE_SPELLING = {"--allow-gpu-unverified": "ALLOW_GPU_UNVERIFIED=1", "--platform all": "PLATFORM=all"}
+VIA_MAKE_ENV = "VLLM_HOTFIX_VIA_MAKE"
 
 
 def _json(data: Any) -> None:
@@ -56,7 +64,11 @@ def report_error(exc: PipelineError) -> int:
             click.echo("  | " + line, err=True)
     click.secho(f"error: {exc}", fg="red", err=True)
     if exc.hint:
-        click.echo(f"hint: {exc.hint}", err=True)
+        hint = exc.hint
+        if os.environ.get(VIA_MAKE_ENV):
+            for flag, variable in _MAKE_SPELLING.items():
+                hint = hint.replace(f"pass {flag}", f"run make again with {variable}").replace(flag, variable)
+        click.echo(f"hint: {hint}", err=True)
     return exc.exit_code
 
 
@@ -179,8 +191,6 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 def check_environment(command: str | None) -> None:
     """Environment values the tool puts into names, labels and paths, checked before any work."""
-    import os
-
     from . import refs
 
     run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
@@ -197,8 +207,6 @@ def check_environment(command: str | None) -> None:
 
 def writable_folder_problem(folder: Path) -> str | None:
     """Why files cannot be written in ``folder`` (made if missing), or None if they can."""
-    import os
-
     probe = folder
     while not probe.exists():
         if probe.parent == probe:
@@ -357,7 +365,12 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 @click.pass_obj
 def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
            platform_text: str | None) -> None:
-    """Print the Dockerfile `image` would build; build nothing."""
+    """Print the Dockerfile `image` would build; build nothing.
+
+    Its COPY reads a files/ folder (the patched files and their bytecode) that
+    `image` sends to the engine as the build context; render writes no context,
+    so `docker build` of this text alone fails: build with `image`.
+    """
     from . import pipeline
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
@@ -367,6 +380,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
         progress(dockerfile.message())
         return
     click.echo(dockerfile, nl=False)
+    progress("==> its COPY needs the files/ context that `image` sends with it; `docker build` of this text "
+             "alone has none (build with `image`)")
 
 
 def _one_platform(text: str | None) -> Any:

@@ -286,7 +286,7 @@ def test_root_that_is_no_folder_is_refused(tmp_path: Path, make_root: str) -> No
 
 def test_root_after_the_subcommand_is_the_same_as_before(project: Path) -> None:
     (project / "images/v0.25.1-sm100.toml").unlink()
-    before = cli("--root", str(project), "list")
+    before = cli("list", root=project)
     after = cli("list", "--root", str(project))
     assert before.rc == after.rc == 0
     assert before.out == after.out and "v0.25.1-sm100" not in after.out
@@ -453,3 +453,12 @@ def test_check_upstream_conclusion_agrees_with_its_pins(
     if rc:
         assert "needs no hotfix" not in err
     assert _upstream_report(pins, *patches).needs_hotfix == (needle != "needs no hotfix")
+
+
+def test_runbook_shaped_commands_with_bad_values_fail_before_work() -> None:
+    # The runbook's SM100 stand-in and signed smoke lines, each with one value a user might mistype.
+    r = cli("standin", "--version", "0.25.1", "--deps", "race", "--ref", "Demo/vllm-openai-sm100:v0.25.1")
+    _one_line(r, 64, "--ref 'Demo/vllm-openai-sm100:v0.25.1'", "not a valid image reference")
+    r = cli("smoke", "ops/vllm:v1", "--gpu", "require", "--sign-key", "env:NOPE", "--attestation",
+            "/etc/hostname/verdict.dsse.json")
+    _one_line(r, 64, "--attestation", "cannot write there")
