@@ -180,4 +180,5 @@ class DockerfileBuilder:
         # host's network to reach them; nothing else in the build uses a network.
         with _served(job.pinned) as buildargs:
             return engine.build(ctx, lambda line: job.say("    " + line), on_image=job.on_image,
-                                buildargs=buildargs, network="host" if job.pinned is not None else None)
+                                buildargs=buildargs, network="host" if job.pinned is not None else None,
+                                nocache=job.nocache)
