@@ -9,6 +9,8 @@ body only calls the library and prints what comes back.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,7 +22,15 @@ import click
 from . import __version__
 from .assemble import BUILDERS
 from .engine import Engine
-from .errors import EXIT_INTERRUPTED, BuildError, PipelineError, UsageError, exit_table
+from .errors import (
+    EXIT_INTERRUPTED,
+    BaseImageError,
+    BuildError,
+    PinError,
+    PipelineError,
+    UsageError,
+    exit_table,
+)
 from .pulling import PULL_POLICIES
 
 if TYPE_CHECKING:
@@ -30,7 +40,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(line: str) -> None:
-    click.echo(line, err=True)
+    # An engine's last status chunk can be empty (a push ended with a blank line): say only what has words.
+    if line.strip():
+        click.echo(line, err=True)
+
+
+# Hints name the command line's flags; run through `make`, the user's handle is a make variable.
+_MAKE_SPELLING = {"--allow-gpu-unverified": "ALLOW_GPU_UNVERIFIED=1", "--platform all": "PLATFORM=all"}
+VIA_MAKE_ENV = "VLLM_HOTFIX_VIA_MAKE"
 
 
 def _json(data: Any) -> None:
@@ -47,7 +64,11 @@ def report_error(exc: PipelineError) -> int:
             click.echo("  | " + line, err=True)
     click.secho(f"error: {exc}", fg="red", err=True)
     if exc.hint:
-        click.echo(f"hint: {exc.hint}", err=True)
+        hint = exc.hint
+        if os.environ.get(VIA_MAKE_ENV):
+            for flag, variable in _MAKE_SPELLING.items():
+                hint = hint.replace(f"pass {flag}", f"run make again with {variable}").replace(flag, variable)
+        click.echo(f"hint: {hint}", err=True)
     return exc.exit_code
 
 
@@ -75,6 +96,58 @@ class Ctx:
         return self._engine
 
 
+class Checked(click.ParamType):
+    """A value checked by a function of :mod:`refs` while the command line is parsed, before any work.
+
+    Every IMAGE, REF, --tag and --base-repo of every command is one of these
+    (a unit test walks the commands to hold that), so no command can reach the
+    engine with a reference the engine would refuse with its own words.
+    """
+
+    def __init__(self, name: str, check: Callable[[str, str], str]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None:
+            return None
+        what = self.name
+        if param is not None:
+            what = param.opts[0] if isinstance(param, click.Option) else (param.metavar or param.name or what)
+        return self._check(str(value), what)
+
+
+def _tag_only(value: str, what: str) -> str:
+    from . import refs
+
+    return refs.check_reference(value, what, tag_only=True)
+
+
+def _image_id(value: str, what: str) -> str:
+    from . import refs
+
+    if not refs.IMAGE_ID.match(value):
+        raise UsageError(f"{what} {refs.shown(value)}: not an image ID (sha256:HEX or 12+ hex digits; list shows them)")
+    return value
+
+
+def _refs_check(name: str) -> Callable[[str, str], str]:
+    def check(value: str, what: str) -> str:
+        from . import refs
+
+        fn: Callable[[str, str], str] = getattr(refs, name)
+        return fn(value, what)
+
+    return check
+
+
+IMAGE = Checked("image", _refs_check("check_image"))  # a reference or an image ID in the engine
+REFERENCE = Checked("reference", _refs_check("check_reference"))
+TAG = Checked("tag", _tag_only)  # a name:tag to set (no digest)
+REPOSITORY = Checked("repository", _refs_check("check_repository"))
+IMAGE_ID = Checked("image ID", _image_id)
+
+
 EXIT_CODES = "\b\nExit codes:\n" + "".join(f"{code:>4}  {meaning}\n" for code, meaning in exit_table()) + """
 \b
 Environment:
@@ -94,13 +167,79 @@ def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         logging.getLogger("vllm_hotfix").setLevel(logging.DEBUG)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
+def _check_root(root: Path, where: str) -> Path:
+    """The project folder must exist: a mistyped --root would otherwise show an empty project and exit 0."""
+    from . import refs
+
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise UsageError(f"{where} {refs.shown(str(root))}: {what}",
+                         hint="--root names the folder holding images/ and patches/")
+    return root.resolve()
+
+
+def _set_root(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    # --root after the subcommand: the same as before it.
+    if value is not None:
+        ctx.find_object(Ctx).root = _check_root(value, "--root")  # type: ignore[union-attr]
+
+
+# Commands that keep files in VLLM_HOTFIX_CACHE: a cache that cannot be written is a usage error at once.
+_CACHE_USERS = frozenset({"image", "render", "standin", "smoke", "check-upstream", "new-patchset", "push"})
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_environment(command: str | None) -> None:
+    """Environment values the tool puts into names, labels and paths, checked before any work."""
+    from . import refs
+
+    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
+    if run_id and not _RUN_ID.fullmatch(run_id):
+        raise UsageError(f"VLLM_HOTFIX_RUN_ID={refs.shown(run_id, 60)}: expected up to 128 letters, digits, "
+                         "'.', '_' or '-' (it names containers' labels and scratch folders)")
+    cache = os.environ.get("VLLM_HOTFIX_CACHE")
+    if cache is not None and command in _CACHE_USERS:
+        problem = writable_folder_problem(Path(cache)) if cache else "is empty"
+        if problem:
+            raise UsageError(f"VLLM_HOTFIX_CACHE={refs.shown(cache, 120)}: {problem}",
+                             hint="point it at a folder this user can write, or unset it (default build/cache)")
+
+
+def writable_folder_problem(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (made if missing), or None if they can."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """A file a command writes at its end (--report, --junit): its folder must be makeable before the work."""
+    if path is None:
+        return
+    from . import refs
+
+    if path.is_dir():
+        raise UsageError(f"{option} {refs.shown(str(path))}: is a folder; give a file name")
+    problem = writable_folder_problem(path.parent)
+    if problem:
+        raise UsageError(f"{option} {refs.shown(str(path))}: cannot write there: {problem}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES,
+             invoke_without_command=True)
 @click.option(
     "--root",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=REPO_ROOT,
     show_default="the repository",
-    help="Folder holding images/ and patches/ (and build/ records).",
+    help="Folder holding images/ and patches/ (and build/ records); also accepted after the subcommand.",
 )
 @click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
               help="Debug logging of the tool (also accepted after the subcommand).")
@@ -108,13 +247,19 @@ def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
 @click.pass_context
 def main(ctx: click.Context, root: Path) -> None:
     """Turn a published vLLM image into a patched, tested, pushed image."""
-    ctx.obj = Ctx(root.resolve())
+    if ctx.invoked_subcommand is None:
+        # A bare `build.py`: the help, plainly (not "error: Usage: ..."); nothing was asked, nothing failed.
+        click.echo(ctx.get_help())
+        return
+    check_environment(ctx.invoked_subcommand)
+    ctx.obj = Ctx(_check_root(root, "--root"))
     ctx.call_on_close(ctx.obj.close)
 
 
 base_option = click.option("--base", "base_tag", required=True,
                            help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
-repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
+repo_option = click.option("--base-repo", type=REPOSITORY, default=None,
+                           help="Base repository (default: the definition's).")
 platform_option = click.option(
     "--platform", "platform_text", default=None, metavar="LIST|all",
     help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
@@ -129,7 +274,7 @@ pull_option = click.option(
 @main.command()
 @base_option
 @repo_option
-@click.option("--tag", "output_ref", default=None, help="Output reference (default REPO:TAG-<suffix>).")
+@click.option("--tag", "output_ref", type=TAG, default=None, help="Output reference (default REPO:TAG-<suffix>).")
 @pull_option
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke tests after the build.")
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
@@ -220,7 +365,12 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 @click.pass_obj
 def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
            platform_text: str | None) -> None:
-    """Print the Dockerfile `image` would build; build nothing."""
+    """Print the Dockerfile `image` would build; build nothing.
+
+    Its COPY reads a files/ folder (the patched files and their bytecode) that
+    `image` sends to the engine as the build context; render writes no context,
+    so `docker build` of this text alone fails: build with `image`.
+    """
     from . import pipeline
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
@@ -230,6 +380,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
         progress(dockerfile.message())
         return
     click.echo(dockerfile, nl=False)
+    progress("==> its COPY needs the files/ context that `image` sends with it; `docker build` of this text "
+             "alone has none (build with `image`)")
 
 
 def _one_platform(text: str | None) -> Any:
@@ -245,7 +397,7 @@ def _one_platform(text: str | None) -> Any:
 
 @main.command("standin")
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
-@click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
+@click.option("--ref", type=TAG, default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
 # Spelled out here (standin.DEPS_MODES) so that the CLI does not import standin at start.
 @click.option("--deps", type=click.Choice(("race", "serial")), default=None,
@@ -339,7 +491,7 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 
 
 @main.command()
-@click.argument("image_ref", metavar="IMAGE")
+@click.argument("image_ref", metavar="IMAGE", type=IMAGE)
 @click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
               help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
 @click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
@@ -372,9 +524,15 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
                              min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance))
     if attestation_path is not None and sign_key is None:
         raise UsageError("--attestation needs --sign-key")
+    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation")):
+        check_output_file(path, option)
     if sign_key is not None:
         signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
     records.ensure_writable(obj.root)
+    if obj.engine.image(image_ref) is None:
+        # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
+        raise BaseImageError(f"image {image_ref!r} is not in the engine",
+                             hint="build it with `image`, or pull it first")
     verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
     entry = records.append_verdict(obj.root, verdict)
     if sign_key is not None and verdict.judged:
@@ -411,10 +569,12 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     from . import sweep
     from .errors import SmokeError
 
+    sweep.check_url(url)
     levels = sweep.parse_levels(concurrency)
     answers = refmod.answer_options(reference_path, record_path, logprob_tolerance)
     ref = answers.reference
     sweep.check_min_tokens(min_tokens, ref.max_tokens if ref else sweep.MAX_TOKENS)
+    check_output_file(report_path, "--report")
     progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
     if answers.record is not None:
@@ -422,7 +582,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
         ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
         click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
-                         tolerance=answers.tolerance, progress=progress)
+                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url))
     if report_path:
         report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     if not result.ok:
@@ -432,7 +592,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 
 
 @main.command()
-@click.argument("image_ref", metavar="IMAGE")
+@click.argument("image_ref", metavar="IMAGE", type=REFERENCE)
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -475,7 +635,7 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
 
 @main.command()
-@click.argument("ref", metavar="REF")
+@click.argument("ref", metavar="REF", type=REFERENCE)
 @click.option("--key", "key", required=True, metavar="PUBKEY",
               help="The public key the verdict must be signed with (PEM file, or env:NAME).")
 @click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
@@ -528,17 +688,30 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
         for judged in report.pins:
             click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
-    if not report.needs_hotfix:
-        progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
-    elif included:
-        progress(f"{base_tag} carries {', '.join(included)}: drop them from a set for {base_tag}, "
+    contradicting = report.pins_by_verdict("contradicts")
+    if included and report.needs_hotfix:
+        what = "every patch" if report.carries_every_patch else ", ".join(included)
+        progress(f"{base_tag} carries {what} of {patch_set}: drop them from a set for {base_tag}, "
                  "or build with --skip-included")
+    if contradicting:
+        # The release's own requirements rule these versions out: building the set on it
+        # would fail pip check, so the set is not done with, whatever its patches say.
+        raise PinError(f"{base_tag} requires other versions than {patch_set}'s pins {', '.join(contradicting)}: "
+                       f"the set still needs attention", pin=contradicting[0].split("==")[0],
+                       hint=f"update or drop them in patches/{patch_set}/pins.txt for a set for {base_tag}")
+    if not report.needs_hotfix:
+        progress(f"{base_tag} carries every patch of {patch_set}"
+                 f"{' and requires its pinned versions' if report.pins else ''}: it needs no hotfix")
+    elif report.carries_every_patch:
+        kept = [p["pin"] for p in report.pins if p.get("verdict") != "included"]
+        progress(f"{base_tag} carries every patch of {patch_set} but not its pins {', '.join(kept)}: "
+                 "a set for it would pin only")
 
 
 @main.command("new-patchset")
 @base_option
 @click.option("--from-pr", "pr", default=None, metavar="N|URL", help="Upstream PR number or URL.")
-@click.option("--from-file", "diff_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--from-file", "diff_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A diff saved on disk (offline).")
 @click.option("--title", default=None, help="Patch title (default: the PR's, or the file's name).")
 @click.option("--api-url", default=None,
@@ -563,13 +736,21 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
 
     if pin_specs and (pr is not None or diff_file is not None):
         raise UsageError("--pin goes alone: add the patch and the pins in two runs")
+    if (pr is None) == (diff_file is None) and not pin_specs:
+        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
+    # Malformed values are usage errors, found before the network or the engine is asked anything.
+    if pr is not None:
+        newpatch.parse_pr(pr, gh_repo)
+    for spec in pin_specs:
+        from . import pinfile
+
+        if pinfile.exact(spec.strip()) is None:
+            raise UsageError(f"--pin {spec!r}: write NAME==VERSION (one exact version)")
     if pin_specs:
         pinned = newpatch.add_pins(obj.root, base_tag, pin_specs, lambda: obj.engine, base_repo=base_repo,
                                    pull=pull, wheelhouse=wheelhouse, progress=progress)
         click.echo(f"pinned {', '.join(pin_specs)} in {pinned.path} (wheels for {pinned.image})")
         return
-    if (pr is None) == (diff_file is None):
-        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:
@@ -614,9 +795,9 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
 
 @main.command()
 @base_option
-@click.option("--to", "to_image", default=None,
+@click.option("--to", "to_image", type=IMAGE_ID, default=None,
               help="Image ID of a recorded build (default: the one before the tag's current image).")
-@click.option("--tag", "output_ref", default=None,
+@click.option("--tag", "output_ref", type=TAG, default=None,
               help="Reference to move (default: the newest build's output reference).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
@@ -642,6 +823,9 @@ def _accept_verbose_anywhere() -> None:
     for command in main.commands.values():
         command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
                                            callback=_verbose, help="Debug logging of the tool."))
+        command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
+                                           expose_value=False, callback=_set_root,
+                                           help="Folder holding images/ and patches/ (as before the subcommand)."))
 
 
 _accept_verbose_anywhere()

@@ -370,7 +370,8 @@ def build_image(
     pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
-    job = BuildJob(p.definition, facts, files, applied, p.template, p.output_ref, pinned, pending.add, say)
+    job = BuildJob(p.definition, facts, files, applied, p.template, p.output_ref, pinned, pending.add, say,
+                   nocache=opts.rebuild)
     image_id, made_by = _make_image(engine, job, opts.builder)
     meta = _build_meta(p, info, facts, files, applied, key_inputs, made_by, image_id, platform)
     try:

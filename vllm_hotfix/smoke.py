@@ -267,7 +267,7 @@ class Smoke:
             c.pop("deviations", None)
         self.add(report, checks, took)
         if pinset is not None:
-            self.say(f"==> smoke 3/5: pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
+            self.say(f"    and pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
             self.pins(report, image, pinset)
 
         self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")

@@ -58,6 +58,41 @@ class Watcher(Protocol):
     def logs(self) -> str: ...  # its last log lines, asked for only when a report needs them
 
 
+class HealthWatch:
+    """A server nobody here started: it counts as running while its ``/health`` answers at all.
+
+    Without it a server that died mid-sweep reads as "0/8 ok" with connection
+    errors; with it the report says the server is gone.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def running(self) -> bool:
+        try:
+            requests.get(f"{self.url}/health", timeout=5)
+        except requests.RequestException:
+            return False
+        return True
+
+    def logs(self) -> str:
+        return ""
+
+
+def check_url(url: str) -> str:
+    """A server's base URL, http(s)://HOST[:PORT][/PATH]; a UsageError otherwise."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise UsageError(f"--url {url!r}: not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or not url.isprintable():
+        raise UsageError(f"--url {url!r}: expected http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000")
+    return url
+
+
 LOG_LINES = 50  # server log lines a report keeps
 # One line per request in the server's access log: left out of reports, where
 # hundreds of "500 Internal Server Error" lines would push out the reason.
@@ -132,6 +167,7 @@ class SweepResult:
     min_tokens: int | None = None
     reference: dict[str, Any] | None = None  # the reference answers judged against, and the tolerance
     prompts: int = len(PROMPTS)
+    server_died: bool = False
 
     @property
     def ok(self) -> bool:
@@ -383,6 +419,7 @@ def sweep(
             progress(format_level(level) + ("" if alive else "  (server died)"))
         if level.failures or not alive:
             result.failed_level = c
+            result.server_died = not alive
             if not alive and not level.errors:
                 level.errors.append("server process exited")
             break
@@ -410,6 +447,10 @@ def failure_message(result: SweepResult) -> str:
     level = next(lv for lv in result.levels if lv.concurrency == result.failed_level)
     why = level.errors[0] if level.errors else "unknown error"
     server = cause(result.server_log)
+    if result.server_died:
+        return (f"server {result.url} died during the sweep (at concurrency {result.failed_level}, "
+                f"{level.successes}/{level.requests} requests ok): it no longer answers"
+                + (f"; server: {server}" if server else f" ({why})"))
     return (
         f"serve sweep failed at concurrency {result.failed_level}: "
         f"{level.failures}/{level.requests} requests failed ({why})" + (f"; server: {server}" if server else "")

@@ -288,7 +288,7 @@ def test_check_upstream_says_a_newer_release_contradicts_the_pins(tmp_path: Path
 
 def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v0270: str, project: Path) -> None:
     r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--pull", "never", "--json", root=project)
-    assert r.rc == 0, r.err
+    assert r.rc == 12, r.err  # contradicting pins: the set still needs attention
     judged = {j["pin"]: j["verdict"] for j in json.loads(r.out)["pins"]}
     assert judged["quack-kernels==0.6.4"] == "contradicts"
     assert judged["nvidia-cutlass-dsl==4.6.2"] == "contradicts"
@@ -296,7 +296,10 @@ def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v027
 
 
 def _contradicts(r: Result) -> None:
-    assert r.rc == 0, r.err
+    # The patch is included, but the pins contradict the release: not "needs no hotfix", and not exit 0.
+    assert r.rc == 12, r.err
+    fails(r, "quack-kernels==0.6.4", "the set still needs attention")
+    assert "needs no hotfix" not in r.err
     assert "pin quack-kernels==0.6.4: contradicts (vllm 0.27.0 requires quack-kernels ==0.6.1)" in r.out
     assert "pin nvidia-cutlass-dsl==4.6.2: contradicts (vllm 0.27.0 requires nvidia-cutlass-dsl ==4.6.0)" in r.out
     assert "0001-minimax-m3-topk-buffer-layout.patch: included" in r.out

@@ -293,6 +293,7 @@ class Engine:
         *,
         buildargs: Mapping[str, str] | None = None,
         network: str | None = None,
+        nocache: bool = False,
     ) -> str:
         """Build an untagged image from a tar context; return its ID.
 
@@ -312,7 +313,8 @@ class Engine:
 
         try:
             with self.translating("building the image", refused):
-                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
+                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network,
+                                       nocache)
         except BaseException:
             for step in reversed(made):
                 try:
@@ -323,10 +325,12 @@ class Engine:
         return image_id
 
     def _build(self, context: bytes, tail: deque[str], made: list[str], progress: Callable[[str], None] | None,
-               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None) -> str:
+               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None,
+               nocache: bool = False) -> str:
         image_id: str | None = None
         for chunk in self.sdk.api.build(fileobj=io.BytesIO(context), custom_context=True, rm=True, forcerm=True,
-                                        decode=True, buildargs=buildargs or None, network_mode=network):
+                                        decode=True, buildargs=buildargs or None, network_mode=network,
+                                        nocache=nocache):
             if "error" in chunk:
                 tail.append(chunk["error"].rstrip())
                 raise BuildError("docker build failed: " + chunk["error"].strip(), log_tail=tail)
