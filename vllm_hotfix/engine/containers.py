@@ -177,13 +177,18 @@ def box(engine: Engine, image: str, python: str = "python3") -> Iterator[Box]:
 
 def run(engine: Engine, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-        timeout: float = 300) -> ExecResult:
-    """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``."""
+        timeout: float = 300, mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+    """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``.
+
+    ``mounts``: (host folder, container folder) pairs, mounted read-only.
+    """
     from ..tarball import tar_bytes
 
     operation = f"running {argv[0]} in {image}"
+    volumes = {src: {"bind": dst, "mode": "ro"} for src, dst in mounts}
     with lifetime(engine, image, "smoke", operation, entrypoint=list(argv[:1]), command=list(argv[1:]),
-                  network_mode=network, **gpu_arguments(gpu)) as container, engine.translating(operation):
+                  network_mode=network, volumes=volumes, **gpu_arguments(gpu)) as container, \
+            engine.translating(operation):
         if files:
             container.put_archive(files_at, tar_bytes(files))
         container.start()

@@ -452,10 +452,10 @@ class Engine:
 
     def run(self, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
             files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-            timeout: float = 300) -> ExecResult:
+            timeout: float = 300, mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
         """Run ``argv`` (entrypoint overridden) in a new container and return its output."""
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
-                              timeout=timeout)
+                              timeout=timeout, mounts=mounts)
 
     def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
                 gpu: GpuRequest | None = None) -> AbstractContextManager[containers.Served]:
