@@ -55,7 +55,8 @@ def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[
     if "@sha256:" not in image:
         raise UsageError(f"{image}: a cluster starts the image by digest (NAME@sha256:...): push it first")
     files = {**runner_files(extra), "job.json": job_bytes(job)}
-    meta = {"name": spec.name, "namespace": spec.namespace, "labels": {"app.kubernetes.io/name": "vllm-hotfix-smoke"}}
+    labels = {"app.kubernetes.io/name": "vllm-hotfix-smoke"}
+    meta: dict[str, Any] = {"name": spec.name, "namespace": spec.namespace, "labels": labels}
     config_map = {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta),
         "data": {config_key(rel): data.decode("utf-8") for rel, data in files.items()},
@@ -85,7 +86,7 @@ def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[
     batch_job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": dict(meta),
         "spec": {"backoffLimit": 0, "activeDeadlineSeconds": spec.deadline_s, "ttlSecondsAfterFinished": 86400,
-                 "template": {"metadata": {"labels": dict(meta["labels"])}, "spec": pod}},
+                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod}},
     }
     return [config_map, batch_job]
 
@@ -127,8 +128,10 @@ class KubernetesLauncher:
             raise UsageError("--launcher kubernetes --submit needs the kubernetes package: "
                              "pip install 'vllm-hotfix[kubernetes]'") from None
         config.load_kube_config(config_file=self.kubeconfig)
-        api = client.ApiClient()
-        core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+        api: Any = client.ApiClient()
+        # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
+        core: Any = client.CoreV1Api(api)
+        batch: Any = client.BatchV1Api(api)
         config_map, batch_job = manifests(image, self.spec, job, self.extra)
         ns = self.spec.namespace
         try:

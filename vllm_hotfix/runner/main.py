@@ -228,14 +228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"runner job {args[0]}: {exc}")
         return 2
     secret = None
-    sign = job.get("sign")
+    sign = job.get("sign") or {}
     if sign:
         # The key is read before anything runs: a key that cannot sign is known before an hour of checks.
         try:
             with open(str(sign["key"]), "rb") as fh:
                 secret = p256.load_private(fh.read())
         except (OSError, KeyError, TypeError, p256.UnusableKey) as exc:
-            say(f"signing key {sign.get('key') if isinstance(sign, dict) else '?'}: {exc}")
+            say(f"signing key {sign.get('key', '?')}: {exc}")
             return 2
     verdict = Run(job).run()
     report = verdict.to_dict()

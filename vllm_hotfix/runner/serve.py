@@ -61,8 +61,11 @@ def run(argv: Sequence[str], port: int, levels: Sequence[int], requests: int, *,
     import threading
 
     assert server.stdout is not None
-    reader = threading.Thread(target=lambda: [log.append(line.rstrip()) for line in server.stdout or ()],
-                              daemon=True)
+    def read() -> None:
+        for line in server.stdout or ():
+            log.append(line.rstrip())
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + timeout
