@@ -12,7 +12,9 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -510,25 +512,71 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "and attached beside the image when it is pushed.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
+@click.option("--launcher", type=click.Choice(["docker", "podman", "kubernetes"]), default="docker",
+              show_default=True,
+              help="What starts the checks in the image: the Docker engine (as always), the one-entry runner "
+                   "through podman (GPUs by CDI), or a Kubernetes Job.")
+@click.option("--emit", "emit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubernetes: write the Job and its ConfigMap (multi-document YAML) here.")
+@click.option("--submit", is_flag=True, help="kubernetes: create the Job, follow it to its end, attach its "
+                                              "signed verdict in the registry and report the one read back.")
+@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), help="kubernetes: config.")
+@click.option("--namespace", default="default", show_default=True, help="kubernetes: the Job's namespace.")
+@click.option("--node-selector", default=None, metavar="KEY=VALUE",
+              help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
+@click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
+              help="kubernetes: nvidia.com/gpu the Job asks for.")
+@click.option("--sign-secret", default=None, metavar="NAME",
+              help="kubernetes: the Secret holding the signing key (key key.pem); the runner in the Job signs.")
+@click.option("--deadline", type=click.IntRange(60), default=3600, show_default=True,
+              help="kubernetes: the Job's activeDeadlineSeconds.")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
-          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None,
+          attestation_path: Path | None, launcher: str, emit_path: Path | None, submit: bool,
+          kubeconfig: str | None, namespace: str, node_selector: str | None, gpu_count: int,
+          sign_secret: str | None, deadline: int, concurrency: str, requests_n: int, min_tokens: int | None,
           reference_path: Path | None, record_path: Path | None, logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from . import attest, records, reference, signing, verdicts
+    from . import attest, records, reference, signing
     from . import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance))
-    if attestation_path is not None and sign_key is None:
+    if attestation_path is not None and sign_key is None and sign_secret is None:
         raise UsageError("--attestation needs --sign-key")
-    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation")):
+    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
+                         (emit_path, "--emit")):
         check_output_file(path, option)
+    if launcher != "kubernetes" and (emit_path or submit or sign_secret or node_selector or kubeconfig):
+        raise UsageError("--emit, --submit, --kubeconfig, --node-selector and --sign-secret need "
+                         "--launcher kubernetes")
     if sign_key is not None:
         signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
+    if launcher == "kubernetes":
+        from .launchers import kubernetes as k8s
+
+        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}", namespace=namespace, gpus=gpu_count,
+                           node_selector=k8s.parse_selector(node_selector), key_secret=sign_secret,
+                           deadline_s=deadline)
+        if sign_key is not None:
+            raise UsageError("--launcher kubernetes signs in the cluster: give --sign-secret NAME, not --sign-key")
+        if not emit_path and not submit:
+            raise UsageError("--launcher kubernetes needs --emit FILE, --submit, or both")
     records.ensure_writable(obj.root)
+    if launcher != "docker":
+        verdict, envelope = _smoke_elsewhere(obj, image_ref, options, launcher, sign_key, emit_path,
+                                             spec if launcher == "kubernetes" else None, submit, kubeconfig)
+        if verdict is None:
+            return
+        entry = records.append_verdict(obj.root, verdict)
+        if envelope is not None:
+            from .launchers.plan import keep_envelope
+
+            progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
+        _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+        return
     if obj.engine.image(image_ref) is None:
         # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
         raise BaseImageError(f"image {image_ref!r} is not in the engine",
@@ -540,16 +588,111 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
         if info is not None:
             signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
             progress(f"==> signed verdict: {signed}")
+    _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+
+
+def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path | None,
+                  junit_path: Path | None) -> None:
+    from . import smoke as smokelib
+    from . import verdicts
+
     if report_path:
         smokelib.write_json(verdict, report_path)
     if junit_path:
         smokelib.write_junit(verdict, junit_path)
     verdicts.require_pass(
-        verdict, image_ref, fail_hint=f"verdict: {entry.path}",
+        verdict, image_ref, fail_hint=f"verdict: {entry}",
         incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
     )
     gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
     click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s)")
+
+
+def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
+                     emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
+    """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
+    from .launchers import plan
+
+    if launcher == "podman":
+        from .launchers.podman import PodmanLauncher
+
+        podman = PodmanLauncher(python=options.python)
+        facts = podman.image_facts(image_ref)
+        config = facts.get("Config") or {}
+        labels = dict(config.get("Labels") or facts.get("Labels") or {})
+        image_id = "sha256:" + str(facts.get("Id", "")).removeprefix("sha256:")
+        target = plan.Target(image_ref, image_id, image_id, labels,
+                             f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
+                             entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
+                             repo_digests=tuple(facts.get("RepoDigests") or ()))
+        key = _key_file(sign_key)
+        try:
+            launched = plan.smoke(podman, obj.root, target, options,
+                                  gpu_request=None if options.gpu == "off" else options.gpu_request,
+                                  checks=_file_facts(obj, image_id), host={"launcher": "podman"},
+                                  sign_key=key, say=progress)
+        finally:
+            if key is not None and sign_key is not None and sign_key.startswith("env:"):
+                key.unlink(missing_ok=True)
+        return launched.verdict, launched.envelope
+    from .launchers import kubernetes as k8s
+    from .launchers.base import stage
+
+    if "@sha256:" in image_ref:
+        ref, labels, image_id = image_ref, {}, ""
+    else:
+        info = obj.engine.image(image_ref)
+        if info is None or not info.repo_digests:
+            raise UsageError(f"{image_ref}: a cluster pulls the image by digest: push it, then name it NAME@sha256:...")
+        ref, labels, image_id = info.repo_digests[0], dict(info.labels), info.id
+    target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
+    key_path = f"{k8s.KEY_MOUNT}/{k8s.KEY_SECRET_KEY}" if spec.key_secret else None
+    job, extra = plan.job(obj.root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
+                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace})
+    if emit_path is not None:
+        emit_path.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
+        click.echo(f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}")
+    if not submit:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = stage(Path(tmp) / "runner", job, extra)
+        launched = k8s.KubernetesLauncher(spec, kubeconfig, progress, extra).launch(ref, folder, job, None)
+    envelope = launched.envelope
+    if envelope is not None:
+        envelope = plan.attach_and_read_back(obj.engine, ref, envelope)
+        progress(f"    signed verdict attached to {ref} and read back from its registry")
+    return launched.verdict, envelope
+
+
+def _key_file(sign_key: str | None) -> Path | None:
+    """The signing key as a file the runner folder can carry (env:NAME written to a private temporary file)."""
+    if sign_key is None:
+        return None
+    if not sign_key.startswith("env:"):
+        return Path(sign_key)
+    fd, name = tempfile.mkstemp(prefix="vllm-hotfix-key-")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(os.environ.get(sign_key.removeprefix("env:"), "").encode())
+    return Path(name)
+
+
+def _file_facts(obj: Ctx, image_id: str) -> list[dict[str, Any]]:
+    """The landed check, made outside the image (never by the runner), where a Docker engine has the image."""
+    from . import smoke as smokelib
+    from .errors import EngineError
+
+    try:
+        info = obj.engine.image(image_id)
+    except EngineError as exc:
+        return [{"name": "patch-landed", "status": "skip",
+                 "detail": f"no Docker engine to read the image's files from ({str(exc).splitlines()[0]})"}]
+    if info is None:
+        return [{"name": "patch-landed", "status": "skip",
+                 "detail": "the Docker engine does not have this image: its files were not read"}]
+    problem = smokelib.landed_problem(obj.engine, obj.root, info)
+    if problem is None:
+        return [{"name": "patch-landed", "status": "pass", "detail": "patched files and pins as expected"}]
+    return [{"name": "patch-landed", "status": "fail", "detail": problem}]
 
 
 @main.command("serve-check")

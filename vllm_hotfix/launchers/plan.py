@@ -160,3 +160,43 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_r
     for c in launched.verdict.checks:
         say(f"    {c.status.value:<4} {c.name}: {c.detail}")
     return launched
+
+
+def keep_envelope(root: Path, image_id: str, envelope: bytes, copy_to: Path | None = None) -> Path:
+    """Keep a runner's signed envelope where ``smoke --sign-key`` keeps the host's (push attaches them)."""
+    import hashlib
+
+    from ..atomic import write_atomic
+    from ..attest import folder
+    from ..errors import AttestationError
+
+    path = folder(root, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, envelope, error=AttestationError)
+    if copy_to is not None:
+        write_atomic(copy_to, envelope, error=AttestationError)
+    return path
+
+
+def attach_and_read_back(engine: Any, image: str, envelope: bytes) -> bytes:
+    """Attach ``envelope`` to ``image`` (NAME@sha256:...) in its registry, and return it as read back from there.
+
+    The verdict a cluster run ends with is the one the registry holds, not the
+    one the pod printed: whoever pulls the image later reads the same bytes.
+    """
+    from .. import referrers, registry
+    from ..errors import AttestationMissing
+
+    name, _, digest = image.partition("@")
+    host, path = registry.split_repo(name)
+    client = registry.client_for(engine, host)
+    manifest = client.manifest(path, digest)
+    if manifest is None:
+        raise AttestationMissing(f"registry {host} has no {path}@{digest} to attach the signed verdict to")
+    subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
+    artifact = referrers.attach(client, path, subject, envelope)
+    for found, data in referrers.envelopes(client, path, manifest.digest):
+        if found == artifact:
+            return data
+    raise AttestationMissing(f"registry {host}: the signed verdict {artifact[:19]} attached to {path}@{digest} "
+                             "is not listed among its referrers")
