@@ -9,6 +9,7 @@ body only calls the library and prints what comes back.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,7 +21,15 @@ import click
 from . import __version__
 from .assemble import BUILDERS
 from .engine import Engine
-from .errors import EXIT_INTERRUPTED, BuildError, PipelineError, UsageError, exit_table
+from .errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    BuildError,
+    PipelineError,
+    Terminated,
+    UsageError,
+    exit_table,
+)
 from .pulling import PULL_POLICIES
 
 if TYPE_CHECKING:
@@ -626,7 +635,18 @@ def run(argv: Sequence[str] | None = None) -> int:
     """The process entry point: only here do errors become exit codes."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
+    signal.signal(signal.SIGTERM, _on_sigterm)
     return _run(argv, prog)
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    """Unwind as Ctrl-C does, so that containers, scratch folders and notes are cleaned up.
+
+    Further SIGTERMs are ignored from here: cleanup must not be cut short
+    halfway (whoever sent it escalates to SIGKILL if it waits too long).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _run(argv: Sequence[str] | None, prog: str) -> int:
@@ -641,7 +661,11 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return UsageError.exit_code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click turns an interrupt into Abort, keeping the interrupt as its cause.
+        if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+            click.secho("error: terminated", fg="red", err=True)
+            return EXIT_TERMINATED
         click.secho("error: interrupted", fg="red", err=True)
         return EXIT_INTERRUPTED
     except click.ClickException as exc:

@@ -128,8 +128,39 @@ def load(root: Path, kind: str) -> list[Entry]:
         except (OSError, ValueError):
             continue  # a foreign or damaged file is not an entry
         if isinstance(data, dict) and data.get("kind") == kind:
+            if kind != "verdict":  # a verdict's shape is checked by Verdict.from_dict
+                _check_shape(kind, path, data)
             out.append(Entry(kind, path, data))
     return sorted(out, key=lambda e: (e.seq, e.path.name))
+
+
+# The fields of build, push and tag entries that are read, and the type each
+# must have when present (None counts as absent): an edited or damaged entry
+# is named, never read half-way into a Python error.
+_COMMON: dict[str, type] = {"seq": int, "created": str, "image_id": str}
+_SHAPES: dict[str, dict[str, type]] = {
+    "build": {"inputs": dict, "inputs_key": str, "output_ref": str, "base": dict, "files": dict},
+    "push": {"ref": str, "digest": str, "image": str, "image_ids": list},
+    "tag": {"ref": str},
+}
+_TYPE_WORDS = {int: "a number", str: "a string", dict: "an object", list: "a list"}
+
+
+def _check_shape(kind: str, path: Path, data: Mapping[str, Any]) -> None:
+    wrong = None
+    for field, want in {**_COMMON, **_SHAPES.get(kind, {})}.items():
+        value: Any = data.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            wrong = f"{field!r} is {json.dumps(value)[:60]}, not {_TYPE_WORDS[want]}"
+        elif isinstance(value, dict) and field == "files" and not all(isinstance(v, dict) for v in value.values()):
+            wrong = "'files' holds a value that is not an object"
+        elif isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            wrong = "'image_ids' holds a value that is not a string"
+        if wrong is not None:
+            raise RecordError(f"{kind} entry {path} is malformed: {wrong}",
+                              hint="the journal is written only by this tool: restore the file or move it away")
 
 
 def _newest_first(entries: Iterable[Entry]) -> list[Entry]:
