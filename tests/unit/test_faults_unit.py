@@ -80,3 +80,60 @@ def test_list_names_a_wrong_typed_push_entry(project: Path) -> None:
     r = cli("list", root=project)
     fails(r, str(path), "malformed")
     assert r.rc == RecordError.exit_code
+
+
+# -- a credential helper named in the docker config that is not installed ------
+
+
+def _docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, object]) -> Path:
+    folder = tmp_path / "docker-config"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("DOCKER_CONFIG", str(folder))
+    return folder / "config.json"
+
+
+@pytest.mark.parametrize(("config", "host", "helper"), [
+    ({"credHelpers": {"registry.internal:5000": "nohelper"}}, "registry.internal:5000", "docker-credential-nohelper"),
+    ({"credsStore": "nostore"}, "registry.internal:5000", "docker-credential-nostore"),
+    ({"credsStore": "nostore"}, "docker.io", "docker-credential-nostore"),
+])
+def test_missing_credential_helper_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            config: dict[str, object], host: str, helper: str) -> None:
+    from vllm_hotfix.engine import dockerconfig
+    from vllm_hotfix.errors import PushError
+
+    path = _docker_config(tmp_path, monkeypatch, config)
+    with pytest.raises(PushError) as caught:
+        dockerconfig.registry_credentials(host)
+    assert caught.value.exit_code == 8
+    assert helper in str(caught.value) and str(path) in str(caught.value) and "not installed" in str(caught.value)
+
+
+@pytest.mark.parametrize("operation", ["push of r.internal/x:1", "pulling r.internal/x:1", "asking r.internal"])
+def test_sdk_credential_helper_error_maps_to_exit_8(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    operation: str) -> None:
+    """What the SDK raises from any call that needs a login (push, pull, a digest lookup): exit 8, helper named."""
+    import docker.errors
+
+    from vllm_hotfix.engine.mapping import translating
+    from vllm_hotfix.errors import PushError
+
+    _docker_config(tmp_path, monkeypatch, {"credsStore": "gone"})
+    raised = docker.errors.DockerException(
+        "Credentials store error: StoreError('docker-credential-gone not installed or not available in PATH')")
+    with pytest.raises(PushError) as caught, translating(operation, refused=lambda m: PushError(m)):
+        raise raised
+    assert "docker-credential-gone" in str(caught.value) and caught.value.exit_code == 8
+
+
+def test_failing_credential_helper_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import docker.errors
+
+    from vllm_hotfix.engine.mapping import translate
+    from vllm_hotfix.errors import PushError
+
+    path = _docker_config(tmp_path, monkeypatch, {"credsStore": "broken"})
+    mapped = translate("push of r.internal/x:1",
+                       docker.errors.DockerException("Credentials store error: StoreError('exit status 1')"))
+    assert isinstance(mapped, PushError) and "credential helper" in str(mapped) and str(path) in str(mapped)
