@@ -409,7 +409,9 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, progress=progress)
     if report_path:
-        report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from .atomic import write_atomic  # a full disk is one line naming the file, not a dump
+
+        write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:
         raise SmokeError(sweep.failure_message(result))
     click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}")

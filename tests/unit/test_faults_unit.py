@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,105 @@ def test_failing_credential_helper_is_named(tmp_path: Path, monkeypatch: pytest.
     mapped = translate("push of r.internal/x:1",
                        docker.errors.DockerException("Credentials store error: StoreError('exit status 1')"))
     assert isinstance(mapped, PushError) and "credential helper" in str(mapped) and str(path) in str(mapped)
+
+
+# -- a full disk: the scratch folder (TMPDIR), the cache, reports ---------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs (mounting needs root; skipped where it is not allowed)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here: " + done.stderr.decode(errors="replace").strip())
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Fill ``disk`` until about ``leave`` bytes are free."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    (disk / "filler").write_bytes(b"\0" * max(0, free - leave))
+
+
+def _scratch_under(disk: Path) -> list[Path]:
+    return [p for p in disk.iterdir() if p.name.startswith("vllm-hotfix-scratch")]
+
+
+def test_scratch_tree_on_a_full_tmpdir(small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from vllm_hotfix import sources
+    from vllm_hotfix.errors import StorageError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    with pytest.raises(StorageError) as caught, sources.scratch_tree({"vllm/m.py": b"x" * 1_000_000}):
+        pass
+    assert "scratch folder" in str(caught.value) and "disk is full" in str(caught.value)
+    assert caught.value.exit_code == 10
+    assert not _scratch_under(small_disk)
+
+
+def test_patching_on_a_full_tmpdir_is_not_blamed_on_the_patch(small_disk: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The files fit in the scratch folder, patch's own copy of them does not: a full disk, not a conflict."""
+    import tempfile
+
+    from vllm_hotfix import base, patches
+    from vllm_hotfix.errors import PatchError, StorageError
+
+    old = "".join(f"line {i}\n" for i in range(1, 21)) + "# pad\n" * 12_000  # ~72 KiB
+    a, b = tmp_path / "a" / "vllm", tmp_path / "b" / "vllm"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    (a / "m.py").write_text(old)
+    (b / "m.py").write_text(old.replace("line 10\n", "line ten\n"))
+    diff = subprocess.run(["diff", "-u", "a/vllm/m.py", "b/vllm/m.py"], cwd=tmp_path, capture_output=True, text=True)
+    (tmp_path / "0001-m.patch").write_text(diff.stdout)
+    patch = patches.load_patch(tmp_path / "0001-m.patch", "vllm")
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    _fill(small_disk, 100_000)
+    with pytest.raises(StorageError) as caught:
+        base.apply_in_scratch([patch], {"vllm/m.py": old.encode()})
+    assert not isinstance(caught.value, PatchError)
+    assert "0001-m.patch: cannot patch in the scratch folder" in str(caught.value), caught.value
+    assert "disk is full" in str(caught.value) and "does not apply" not in str(caught.value)
+    assert not _scratch_under(small_disk)
+
+
+@pytest.mark.parametrize("what", ["facts", "patched"])
+def test_cache_on_a_full_disk(small_disk: Path, what: str) -> None:
+    from vllm_hotfix import sources
+    from vllm_hotfix.errors import StorageError
+
+    _fill(small_disk, 4_000)
+    path = small_disk / "bases" / "abc" / ("facts.json" if what == "facts" else "patched/k.json")
+    with pytest.raises(StorageError) as caught:
+        sources._write_json(path, {"files": {"x": "y" * 50_000}})
+    assert "disk is full" in str(caught.value) and str(path) in str(caught.value)
+    assert caught.value.exit_code == 10
+    assert not [p for p in small_disk.rglob("*") if p.is_file() and p.name != "filler"]
+
+
+@pytest.mark.parametrize("kind", ["json", "junit"])
+def test_report_on_a_full_disk(small_disk: Path, kind: str) -> None:
+    """--report / --junit on a full disk: one line naming the file, exit 10, no half-written report."""
+    from vllm_hotfix import smoke
+    from vllm_hotfix.errors import StorageError
+    from vllm_hotfix.verdicts import Check, Status, Verdict
+
+    verdict = Verdict(image="x:1", image_id="sha256:" + "a" * 64, status=Status.FAIL, gpu_verified=False,
+                      checks=(Check("c", Status.FAIL, "d" * 40_000, 0.1),))
+    _fill(small_disk, 2_000)
+    path = small_disk / f"report.{kind}"
+    write = smoke.write_json if kind == "json" else smoke.write_junit
+    with pytest.raises(StorageError) as caught:
+        write(verdict, path)
+    assert "disk is full" in str(caught.value) and str(path) in str(caught.value)
+    assert caught.value.exit_code == 10
+    assert not path.exists() and [p.name for p in small_disk.iterdir()] == ["filler"]
