@@ -240,3 +240,117 @@ def test_report_on_a_full_disk(small_disk: Path, kind: str) -> None:
     assert "disk is full" in str(caught.value) and str(path) in str(caught.value)
     assert caught.value.exit_code == 10
     assert not path.exists() and [p.name for p in small_disk.iterdir()] == ["filler"]
+
+
+# -- a push's local target tag: noted, put back, removed by the next run ---------
+
+
+class TagEngine:
+    """Just what a push's tag handling asks of an engine: tags, a push that may fail, the registry's digest."""
+
+    def __init__(self, tags: dict[str, str], fail: BaseException | None = None) -> None:
+        self.tags = dict(tags)
+        self.fail = fail
+        self.pushed: list[str] = []
+
+    def image(self, ref: str) -> object:
+        from types import SimpleNamespace
+
+        found = self.tags.get(ref, ref if ref.startswith("sha256:") else None)
+        return SimpleNamespace(id=found) if found else None
+
+    def tag(self, image_id: str, ref: str) -> None:
+        self.tags[ref] = image_id
+
+    def untag(self, ref: str) -> None:
+        self.tags.pop(ref, None)
+
+    def push(self, ref: str, _progress: object = None) -> str:
+        if self.fail is not None:
+            raise self.fail
+        self.pushed.append(self.tags[ref])
+        return "sha256:" + "d" * 64
+
+    def registry_digest(self, _ref: str) -> str:
+        return "sha256:" + "d" * 64
+
+
+NEW_ID, OLD_ID = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+TARGET = "registry.internal:5000/ops/vllm-openai:v1"
+
+
+def _one(engine: TagEngine, root: Path) -> str:
+    from types import SimpleNamespace
+
+    from vllm_hotfix import push
+
+    return push._push_one(engine, root, SimpleNamespace(id=NEW_ID), TARGET, 1, lambda _l: None)  # type: ignore[arg-type]
+
+
+def _notes(root: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in (root / "build" / "runs").glob("*.json")]
+
+
+def test_push_removes_its_target_tag_and_leaves_no_note(tmp_path: Path) -> None:
+    engine = TagEngine({})
+    _one(engine, tmp_path)
+    assert TARGET not in engine.tags and engine.pushed == [NEW_ID] and _notes(tmp_path) == []
+
+
+def test_stale_target_tag_is_not_taken_as_the_image(tmp_path: Path) -> None:
+    """A target tag left on another image: the push pushes the right image, then puts the old tag back."""
+    engine = TagEngine({TARGET: OLD_ID})
+    _one(engine, tmp_path)
+    assert engine.pushed == [NEW_ID] and engine.tags[TARGET] == OLD_ID and _notes(tmp_path) == []
+
+
+@pytest.mark.parametrize("fault", ["engine", "tool"])
+def test_killed_push_leaves_a_note_the_next_run_follows(tmp_path: Path, fault: str) -> None:
+    """The engine lost mid-push (or the tool killed, its note never settled): the next run removes the tag."""
+    from vllm_hotfix import leftovers
+    from vllm_hotfix.errors import EngineLost
+
+    class Killed(BaseException):
+        pass
+
+    # A lost engine fails the push and the untag after it; a killed tool runs neither to the end.
+    stop: BaseException = EngineLost("the Docker engine stopped answering") if fault == "engine" else Killed()
+    engine = TagEngine({}, fail=stop)
+
+    def cannot_untag(_ref: str) -> None:
+        raise stop
+
+    engine.untag = cannot_untag  # type: ignore[method-assign]
+    with pytest.raises((EngineLost, Killed)):
+        _one(engine, tmp_path)
+    engine.untag = TagEngine.untag.__get__(engine)  # type: ignore[method-assign]
+    assert engine.tags[TARGET] == NEW_ID  # the tag outlived the run...
+    notes = _notes(tmp_path)
+    assert notes and notes[0]["tags"] == [[TARGET, NEW_ID]]  # ...and its note says so
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    note = next((tmp_path / "build" / "runs").glob("*.json"))
+    data = json.loads(note.read_text())
+    data["owner"] = f"{data['owner'].rpartition(':')[0]}:{gone.pid}"  # as if its process were dead
+    note.write_text(json.dumps(data))
+    said: list[str] = []
+    leftovers.sweep(engine, tmp_path, said.append)  # type: ignore[arg-type]
+    assert TARGET not in engine.tags and not note.exists()
+    assert said and "1 push tag(s)" in said[0]
+
+
+def test_sweep_leaves_a_noted_tag_moved_since(tmp_path: Path) -> None:
+    """A noted target tag that names another image now (someone moved it) is not the dead run's to remove."""
+    from vllm_hotfix import leftovers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    import socket
+
+    runs = tmp_path / "build" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "x.json").write_text(json.dumps({"owner": f"{socket.gethostname()}:{gone.pid}", "images": [],
+                                             "containers": 0, "tags": [[TARGET, NEW_ID]]}))
+    engine = TagEngine({TARGET: OLD_ID})
+    leftovers.sweep(engine, tmp_path)  # type: ignore[arg-type]
+    assert engine.tags[TARGET] == OLD_ID and not (runs / "x.json").exists()
