@@ -187,7 +187,9 @@ class ImageReader:
 
     def box(self) -> Box:
         if self._box is None:
-            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python))
+            # The probe timeout bounds every engine call for the probe too: a frozen engine ends the run then.
+            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python,
+                                                                  deadline=probe_timeout()))
             self.containers += 1
         return self._box
 
