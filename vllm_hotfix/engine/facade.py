@@ -134,8 +134,9 @@ class Engine:
 
     def _apply_deadline(self) -> None:
         """SDK calls read the client's own timeout: keep it at the current deadline."""
-        if self._client is not None:
-            self._client.api.timeout = self.call_timeout
+        api = getattr(self._client, "api", None)  # a client made by a caller may not be the SDK's
+        if api is not None:
+            api.timeout = self.call_timeout
 
     @property
     def sdk(self) -> Any:
