@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import attest, platforms, records, refs, registry, smoke
+from . import attest, leftovers, platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
 from .errors import AttestationError, PipelineError, PushError, RecordError
 from .platforms import Platform, child_ref
@@ -136,7 +136,7 @@ def push(
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
-    digest = _push_one(engine, info, target, attempts, say)
+    digest = _push_one(engine, root, info, target, attempts, say)
     attached = policy.attach(engine, root, info, target, digest, say)
     try:
         records.append(root, "push", {
@@ -152,9 +152,21 @@ def push(
     return Pushed(target, digest, info.id, verdict.source, tuple(attached))
 
 
-def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: Callable[[str], None]) -> str:
-    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest."""
-    had_target = engine.image(target)
+def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts: int,
+              say: Callable[[str], None]) -> str:
+    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest.
+
+    The local ``target`` tag exists only to name the push. It is noted
+    before it is made, so that a run killed mid-push has the next run remove
+    it, and afterwards it is put back as it was: removed, or pointed again
+    at the image it named before. A tag found there is never taken as the
+    pushed image: the push always re-tags ``info`` first.
+    """
+    had = engine.image(target)
+    before = had.id if had is not None else None
+    note = leftovers.pending(root)
+    if before != info.id:
+        note.tag(target, info.id)
     engine.tag(info.id, target)
     try:
         digest = _push_with_retries(engine, target, attempts, say)
@@ -162,10 +174,11 @@ def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: 
         if seen != digest:
             raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
     finally:
-        # The registry tag exists only to name the push; don't leave it behind
-        # unless it was there before.
-        if had_target is None:
+        if before is None:
             engine.untag(target)
+        elif before != info.id:
+            engine.tag(before, target)
+        note.untag(target)
     return digest
 
 
@@ -236,7 +249,7 @@ def push_index(
     entries: list[tuple[str, str, str, str]] = []
     for plat, info in found:
         child_target = child_ref(target, plat)
-        digest = _push_one(engine, info, child_target, attempts, say)
+        digest = _push_one(engine, root, info, child_target, attempts, say)
         attached = policy.attach(engine, root, info, child_target, digest, say)
         children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
                          "verdict": verdicts[plat].source,

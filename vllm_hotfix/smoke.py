@@ -25,6 +25,7 @@ from typing import Any
 
 from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
 from . import reference as answers
+from .atomic import write_atomic
 from .engine import Engine, GpuRequest, ImageInfo, labels
 from .errors import (
     DefinitionError,
@@ -504,8 +505,8 @@ def runner(
 
 
 def write_json(verdict: Verdict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    # write_atomic: a full disk or an unwritable folder is one line naming the file (exit 10).
+    write_atomic(path, json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def write_junit(verdict: Verdict, path: Path) -> None:
@@ -524,6 +525,5 @@ def write_junit(verdict: Verdict, path: Path) -> None:
             ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
         elif c.status is Status.SKIP:
             ET.SubElement(case, "skipped", message=c.detail)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    write_atomic(path, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
 

@@ -15,6 +15,7 @@ from the image again.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -28,7 +29,7 @@ from typing import Any
 
 from .cache import Store
 from .engine import Box, Engine, ImageInfo
-from .errors import BaseImageError, UpstreamError
+from .errors import BaseImageError, StorageError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,28 @@ def scratch_tree(files: Mapping[str, bytes | None]) -> Iterator[Path]:
     """A temp folder holding ``files`` (None: absent) at their relative paths; removed after."""
     import tempfile  # here: a build whose facts and patch results are cached makes no scratch tree
 
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
+    try:
+        made = tempfile.TemporaryDirectory(prefix=scratch_prefix())
+    except OSError as exc:
+        raise scratch_error(Path(tempfile.gettempdir()), exc) from exc
+    with made as tmp:
         work = Path(tmp)
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+        try:
+            for rel, data in files.items():
+                if data is not None:
+                    (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (work / rel).write_bytes(data)
+        except OSError as exc:
+            raise scratch_error(work, exc) from exc
         yield work
+
+
+def scratch_error(folder: Path, exc: OSError) -> StorageError:
+    """The scratch folder (under TMPDIR) cannot be written: its disk is full, or it is not writable."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "its disk is full" if full else "it cannot be written"
+    return StorageError(f"cannot write the scratch folder {folder}: {why} ({exc.strerror or exc})",
+                        hint="free space there, or point TMPDIR at a disk with room")
 
 
 def probe_source(name: str) -> str:
@@ -162,7 +178,9 @@ class ImageReader:
 
     def box(self) -> Box:
         if self._box is None:
-            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python))
+            # The probe timeout bounds every engine call for the probe too: a frozen engine ends the run then.
+            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python,
+                                                                  deadline=probe_timeout()))
             self.containers += 1
         return self._box
 
