@@ -335,3 +335,39 @@ def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None,
             return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
     except (OSError, zipfile.BadZipFile) as exc:
         raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
+
+
+# -- the base's file facts, judged from its filesystem --------------------------
+
+
+def _findings_path(cache: Path, image_id: str, key: str) -> Path:
+    return cache / "bases" / image_id.removeprefix("sha256:") / f"integrity-{key}.json"
+
+
+def cached_findings(cache: Path | None, image_id: str, key: str) -> dict[str, dict[str, str]] | None:
+    """The deviations read from a base image's files before, if the cached copy still matches its own hash."""
+    if cache is None:
+        return None
+    from .integrity import digest  # here: only smoke and push judge integrity
+
+    data = _read_json(_findings_path(cache, image_id, key))
+    if not isinstance(data, dict) or (data.get("image_id"), data.get("key")) != (image_id, key):
+        return None
+    found = data.get("deviations")
+    if not isinstance(found, dict) or digest(found) != data.get("sha256"):
+        log.warning("ignoring the cached integrity facts of %s: they do not match their hash", image_id[:19])
+        return None
+    return found
+
+
+def store_findings(cache: Path | None, image_id: str, key: str, found: Mapping[str, Mapping[str, str]]) -> None:
+    if cache is None:
+        return
+    from .integrity import digest
+
+    _write_json(_findings_path(cache, image_id, key),
+                {"image_id": image_id, "key": key, "deviations": found, "sha256": digest(found)})
+
+
+def findings_key(package: str, site_dir: str, roots: list[str]) -> str:
+    return _key(package, site_dir, *sorted(roots))
