@@ -89,7 +89,7 @@ def push(
     verdict = gate(root, info.id, image_ref, allow_gpu_unverified)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
-    problem = smoke.landed_problem(engine, root, info, say)
+    problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdict.verdict.gpu_verified)
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
@@ -182,7 +182,7 @@ def push_index(
     records.ensure_writable(root)
     for plat, info in found:
         say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
-        problem = smoke.landed_problem(engine, root, info, say)
+        problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].verdict.gpu_verified)
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")

@@ -409,13 +409,14 @@ def _free_port() -> int:
 
 
 def landed_problem(engine: Engine, root: Path, image: ImageInfo,
-                   say: Callable[[str], None] = lambda _line: None) -> str | None:
+                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
     """The file checks alone, read from the image's layers: None if its files are what they must be.
 
     The patched files with the hashes the patch set and the base give, the
     whole installed distribution against its RECORD relative to the base, the
     pinned versions: nothing of the image runs, so neither an edited journal
-    nor the image's own interpreter can vouch for it.
+    nor the image's own interpreter can vouch for it. ``gpu_claimed``: the
+    verdict says GPU-verified, which an image lacking compiled files cannot be.
     """
     smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), say)
     found = smoke.expectation(image)
@@ -433,7 +434,14 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
         return f"pins: {exc}"
     checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
     problems = checked.problems()
-    return problems[0] if problems else None
+    if problems:
+        return problems[0]
+    judged = checked.judged
+    missing = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+    if gpu_claimed and missing:
+        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
+                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return None
 
 
 def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
