@@ -3,9 +3,12 @@
 The gate asks the journal, not a mutable record: the newest verdict (by the
 journal's sequence, with no unreadable entry that may be about the image) that
 judged this exact image ID must be a pass (and GPU-verified unless the caller
-allows otherwise). Then, right before the push, the cheap landed check runs
-again on that image ID with hashes recomputed from the patch set and the base
-(never from the image), so an edited journal cannot push wrong files. After
+allows otherwise). Then, right before the push, the image's files are judged
+again, read from its layers (nothing of it runs, so its own interpreter cannot
+vouch for it): the patched files against hashes recomputed from the patch set
+and the base (never from the image), and the whole installed distribution
+against its RECORD relative to the base, so an edited journal can hide
+neither wrong patched files nor a failed integrity. After
 the push, the engine asks the registry (with the same credentials and scheme)
 which digest the tag resolves to.
 """
@@ -131,8 +134,8 @@ def push(
         raise PushError(f"image {image_ref} is not in the engine")
     verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
-    say(f"==> re-checking the patched files of {info.id[:19]} before the push")
-    problem = smoke.landed_problem(engine, root, info)
+    say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
+    problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
@@ -239,8 +242,8 @@ def push_index(
         verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
     records.ensure_writable(root)
     for plat, info in found:
-        say(f"==> re-checking the patched files of {info.id[:19]} ({plat}) before the push")
-        problem = smoke.landed_problem(engine, root, info)
+        say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
+        problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")

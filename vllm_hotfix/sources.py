@@ -357,3 +357,26 @@ def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None,
             return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
     except (OSError, zipfile.BadZipFile) as exc:
         raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
+
+
+# -- the base's file facts, judged from its filesystem --------------------------
+
+
+def cached_findings(cache: Path | None, image_id: str, key: str) -> dict[str, dict[str, str]] | None:
+    """The deviations read from a base image's files before, if this host's cache index for them still verifies."""
+    store = Store.open(cache, image_id) if cache is not None else None
+    data = store.read(f"integrity-{key}") if store is not None else None
+    if data is None or (data.get("image_id"), data.get("key")) != (image_id, key):
+        return None
+    found = data.get("deviations")
+    return found if isinstance(found, dict) else None
+
+
+def store_findings(cache: Path | None, image_id: str, key: str, found: Mapping[str, Mapping[str, str]]) -> None:
+    store = Store.open(cache, image_id) if cache is not None else None
+    if store is not None:
+        store.write(f"integrity-{key}", {"image_id": image_id, "key": key, "deviations": dict(found)})
+
+
+def findings_key(package: str, site_dir: str, roots: list[str]) -> str:
+    return _key(package, site_dir, *sorted(roots))

@@ -28,6 +28,7 @@ from urllib.parse import quote, urlencode, urlparse
 
 from ..errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
 from . import containers, dockerconfig, labels
+from . import files as layers
 from .mapping import Refused, refusal, short, translating, unreachable
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
 from .transport import DEFAULT_HOST, UnixTransport, local_socket
@@ -512,6 +513,15 @@ class Engine:
         """Run ``argv`` (entrypoint overridden) in a new container and return its output."""
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
                               timeout=timeout)
+
+    def read_files(self, image: str, paths: Sequence[str],
+                   keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:
+        """Entries (hashed) under ``paths`` of ``image``, read from its layers, nothing run (:func:`.files.read`)."""
+        return layers.read(self, image, paths, keep)
+
+    def files(self, image: str) -> AbstractContextManager[layers.Reader]:
+        """A reader of ``image``'s filesystem, nothing run, its container removed after (:func:`.files.opened`)."""
+        return layers.opened(self, image)
 
     def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
                 gpu: GpuRequest | None = None) -> AbstractContextManager[containers.Served]:
