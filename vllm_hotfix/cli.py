@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -26,10 +27,12 @@ from .assemble import BUILDERS
 from .engine import Engine
 from .errors import (
     EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
     BaseImageError,
     BuildError,
     PinError,
     PipelineError,
+    Terminated,
     UsageError,
     exit_table,
 )
@@ -727,7 +730,9 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
                          tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url))
     if report_path:
-        report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from .atomic import write_atomic  # a full disk is one line naming the file, not a dump
+
+        write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:
         raise SmokeError(sweep.failure_message(result))
     checked = f", every reply matched {ref.path} (near-ties within {answers.tolerance} nats)" if ref else ""
@@ -978,7 +983,18 @@ def run(argv: Sequence[str] | None = None) -> int:
     """The process entry point: only here do errors become exit codes."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
+    signal.signal(signal.SIGTERM, _on_sigterm)
     return _run(argv, prog)
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    """Unwind as Ctrl-C does, so that containers, scratch folders and notes are cleaned up.
+
+    Further SIGTERMs are ignored from here: cleanup must not be cut short
+    halfway (whoever sent it escalates to SIGKILL if it waits too long).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _run(argv: Sequence[str] | None, prog: str) -> int:
@@ -993,7 +1009,11 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return UsageError.exit_code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click turns an interrupt into Abort, keeping the interrupt as its cause.
+        if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+            click.secho("error: terminated", fg="red", err=True)
+            return EXIT_TERMINATED
         click.secho("error: interrupted", fg="red", err=True)
         return EXIT_INTERRUPTED
     except click.ClickException as exc:

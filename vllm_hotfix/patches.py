@@ -25,6 +25,7 @@ from .errors import (
     PatchConflict,
     PatchError,
     PatchNeedsFuzz,
+    StorageError,
 )
 
 NEEDED = "needed"
@@ -223,7 +224,18 @@ def _patch(workdir: Path, patch: Patch, *args: str) -> tuple[int, str]:
         )
     except FileNotFoundError as exc:
         raise PatchError("GNU patch is not installed (apt-get install patch)") from exc
-    return proc.returncode, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and _DISK_FULL.search(out):
+        # patch writes its temporary copies in the scratch folder and TMPDIR: a
+        # full disk there says nothing about whether the patch applies.
+        said = next(ln.strip() for ln in out.splitlines() if _DISK_FULL.search(ln))
+        raise StorageError(
+            f"{patch.name}: cannot patch in the scratch folder {workdir}: its disk is full ({said})",
+            hint="free space there, or point TMPDIR at a disk with room")
+    return proc.returncode, out
+
+
+_DISK_FULL = re.compile(r"write error|No space left on device|Disk quota exceeded", re.I)
 
 
 def classify(patch: Patch, workdir: Path) -> tuple[str, str]:

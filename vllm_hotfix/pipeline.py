@@ -384,7 +384,8 @@ def build_image(
         if opts.smoke is not None:
             from . import expected  # here: only a smoked build states what its image must hold
 
-            want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
+            want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files},
+                                       facts.site_dir, facts.cache_tag)
             verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
         record = records.append(p.root, "build", meta)
         _move_tag(engine, p, image_id, "built")

@@ -262,6 +262,10 @@ def _read_entry(kind: str, path: Path) -> Entry | Damaged:
         return damaged(f"is malformed: image_id {data['image_id']!r} is not a string")
     if named_image and _image_hex(data.get("image_id")) not in (None, named_image):
         return damaged(f"is malformed: it names image {data.get('image_id')}, its file name another")
+    if kind != "verdict":  # a verdict's shape is checked by Verdict.from_dict
+        wrong = _wrong_field(kind, data)
+        if wrong is not None:
+            return damaged(f"is malformed: {wrong}")
     return Entry(kind, path, data)
 
 
@@ -301,6 +305,36 @@ def require_readable(root: Path, image_id: str, kinds: Iterable[str] = KINDS) ->
     found = damage(root, image_id, kinds)
     if found:
         raise found[0].error()
+
+
+# The fields of build, push and tag entries that are read, and the type each
+# must have when present (None counts as absent): an edited or damaged entry
+# is named, never read half-way into a Python error.
+_COMMON: dict[str, type] = {"seq": int, "created": str, "image_id": str}
+_SHAPES: dict[str, dict[str, type]] = {
+    "build": {"inputs": dict, "inputs_key": str, "output_ref": str, "base": dict, "files": dict},
+    "push": {"ref": str, "digest": str, "image": str, "image_ids": list},
+    "tag": {"ref": str},
+}
+_TYPE_WORDS = {int: "a number", str: "a string", dict: "an object", list: "a list"}
+
+
+def _wrong_field(kind: str, data: Mapping[str, Any]) -> str | None:
+    """What is wrong with the type of a field this tool reads from a build, push or tag entry, if anything."""
+    wrong = None
+    for field, want in {**_COMMON, **_SHAPES.get(kind, {})}.items():
+        value: Any = data.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            wrong = f"{field!r} is {json.dumps(value)[:60]}, not {_TYPE_WORDS[want]}"
+        elif isinstance(value, dict) and field == "files" and not all(isinstance(v, dict) for v in value.values()):
+            wrong = "'files' holds a value that is not an object"
+        elif isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            wrong = "'image_ids' holds a value that is not a string"
+        if wrong is not None:
+            return wrong
+    return None
 
 
 def _newest_first(entries: Iterable[Entry]) -> list[Entry]:

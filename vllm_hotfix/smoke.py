@@ -1,9 +1,14 @@
 """Smoke tests run inside a built image before it may be pushed.
 
-Each check is a probe script (vllm_hotfix/probes/, plus the patch set's own
-checks in patches/<set>/checks/) run with the image's Python, entrypoint
-overridden, under a timeout, in a container that is always removed. The serve
-sweep instead starts the image's own entrypoint (`vllm serve`).
+Facts about files (the patched files, their bytecode, the installed
+distribution against its RECORD) are read from the image's layers and judged
+on the host (:mod:`.integrity`): nothing of the image runs for them. What only
+the image's Python can answer (where it imports vLLM from, the environment,
+pins, GPU checks) is a probe script (vllm_hotfix/probes/, plus the patch set's
+own checks in patches/<set>/checks/) run with the image's Python, entrypoint
+overridden, under a timeout, in a container that is always removed; each
+check's data says which answered it (``answered_by``). The serve sweep
+instead starts the image's own entrypoint (`vllm serve`).
 
 A probe's JSON comes from inside the image: each check it reports becomes a
 typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
@@ -18,13 +23,14 @@ import socket
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
+from . import definitions, expected, gpu_access, integrity, patches, pins, records, sources, sweep, wheels
 from . import reference as answers
+from .atomic import write_atomic
 from .engine import Engine, GpuRequest, ImageInfo, labels
 from .errors import (
     DefinitionError,
@@ -173,11 +179,17 @@ class Smoke:
         checks, info = _parse_checks(fallback_name or script, res.stdout, res.stderr, res.exit_code)
         return checks, info, took
 
-    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe") -> None:
-        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks])
+    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe",
+            answered_by: str = integrity.IMAGE_PYTHON) -> None:
+        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks],
+                    answered_by)
 
-    def record(self, report: Report, checks: Sequence[Check]) -> None:
+    def record(self, report: Report, checks: Sequence[Check], answered_by: str = integrity.IMAGE_PYTHON) -> None:
+        """Record checks; each says whether the image's filesystem or its own Python answered it."""
         for c in checks:
+            if answered_by == integrity.FILESYSTEM or not (c.data or {}).get("answered_by"):
+                # A probe's own claim to be the filesystem is not believed: it ran in the image.
+                c = replace(c, data={**(c.data or {}), "answered_by": answered_by})
             report.checks.append(c)
             self.say(f"    {c.status.value:<4} {c.name}: {c.detail}")
 
@@ -233,22 +245,30 @@ class Smoke:
                         platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
 
-        self.say(f"==> smoke 1/5: patched files in {ref}")
+        self.say(f"==> smoke 1/5: patched files in {ref} (read from the image's layers)")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
-            package, files_json = image.labels.get(labels.PACKAGE, "vllm"), "{}"
             report.expected_from = "unknown"
-            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
+            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0,
+                     answered_by=integrity.FILESYSTEM)
         else:
-            package, files_json = found.package, json.dumps(dict(found.files), sort_keys=True)
             report.expected_from = found.source
             self.say(f"    expected hashes: {found.source}")
-            checks, _, took = self.probe(image, "landed.py", [package, found.version, files_json],
-                                         fallback_name="patch-landed")
-            self.add(report, checks, took)
 
         pinset = None if isinstance(found, str) else self.pinset(report, found)
         pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        files = None
+        if not isinstance(found, str):
+            start_files = time.monotonic()
+            files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned,
+                                          self.say)
+            took = time.monotonic() - start_files
+            self.add(report, [c for c in files.checks if c["name"] != "integrity"], took)
+            if found.site_dir:
+                # Where the image's Python imports the package from: only it can say, and it can only add a failure.
+                checks, _, took = self.probe(image, "landed.py", [found.package, found.site_dir],
+                                             fallback_name="import-location")
+                self.add(report, checks, took)
 
         self.say("==> smoke 2/5: environment report")
         checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
@@ -256,22 +276,21 @@ class Smoke:
         report.environment = dict(data) if isinstance(data, dict) else {}
         self.add(report, checks, took)
 
-        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
-        args, extra = [package, files_json], {}
-        base_dev = self.base_deviations(image, package, pinned)
-        if base_dev is not None:
-            extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
-            args += ["--base", f"{PROBE_DIR}/base-deviations.json"]
-        checks, _, took = self.probe(image, "integrity.py", [*args, *pinned], extra=extra, fallback_name="integrity")
-        for c in checks:
-            c.pop("deviations", None)
-        self.add(report, checks, took)
+        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes from the layers, relative to the base)")
+        if files is None:
+            self.add(report, [{"name": "integrity", "status": "fail",
+                               "detail": f"cannot tell which files the image must hold: {found}"}], 0,
+                     answered_by=integrity.FILESYSTEM)
+        else:
+            self.add(report, [c for c in files.checks if c["name"] == "integrity"], 0)
         if pinset is not None:
             self.say(f"    and pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
             self.pins(report, image, pinset)
 
         self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
         self.gpu(report, image)
+        if files is not None:
+            self.compiled_stop(report, files.judged)
 
         self.say("==> smoke 5/5: serve sweep")
         if self.opt.serve_model is None:
@@ -312,22 +331,29 @@ class Smoke:
                                          run=f"{PROBE_DIR}/checks/{script.name}")
             self.add(report, checks, took)
 
-    def base_deviations(self, image: ImageInfo, package: str, roots: Sequence[str] = ()) -> dict[str, Any] | None:
-        """What the integrity probe finds in the image's base, to judge the image against.
+    def compiled_stop(self, report: Report, judged: integrity.Judged) -> None:
+        """Compiled files RECORD lists but the image lacks: never GPU-verified, and a failure under require.
 
-        None (every deviation counts as the image's) when the image names no
-        base or the base is not in the engine.
+        The base's missing files are named as the base's and stop it all the
+        same: a GPU check that passed without vLLM's kernels checked a stub.
+        Under ``--gpu require`` with no GPU reachable the run is already
+        incomplete (the host's shortcoming); the files are named all the same.
         """
-        base_id = image.labels.get(labels.BASE_ID)
-        if not base_id or base_id == image.id:
-            return None
-        base = self.engine.image(base_id)
-        if base is None:
-            self.say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
-            return None
-        checks, _, _ = self.probe(base, "integrity.py", [package, "{}", *roots], fallback_name="integrity")
-        found = next((c.get("deviations") for c in checks if c.get("deviations") is not None), None)
-        return found if isinstance(found, dict) else None
+        names = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+        if not names:
+            return
+        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
+               f"{', '.join(names[:integrity.EXAMPLES])}")
+        report.gpu_verified = False
+        report.gpu["verified"] = False
+        report.gpu["compiled_missing"] = names[:50]
+        earlier = report.gpu.get("why_unverified")
+        report.gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
+        reached = self.opt.gpu == "require" and bool(report.gpu.get("way"))
+        status = "fail" if reached else "skip"
+        detail = f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified"
+        self.add(report, [{"name": "compiled-files", "status": status, "detail": detail,
+                           "data": {"missing": names[:50]}}], 0, answered_by=integrity.FILESYSTEM)
 
     def gpu(self, report: Report, image: ImageInfo) -> None:
         """GPU checks through the way that was confirmed to give this image a GPU.
@@ -459,19 +485,40 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
-    """The cheap landed check alone: None if the image's patched files are what they must be."""
-    smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), lambda _line: None)
+def landed_problem(engine: Engine, root: Path, image: ImageInfo,
+                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
+    """The file checks alone, read from the image's layers: None if its files are what they must be.
+
+    The patched files with the hashes the patch set and the base give, the
+    whole installed distribution against its RECORD relative to the base, the
+    pinned versions: nothing of the image runs, so neither an edited journal
+    nor the image's own interpreter can vouch for it. ``gpu_claimed``: the
+    verdict says GPU-verified, which an image lacking compiled files cannot be.
+    """
+    smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), say)
     found = smoke.expectation(image)
     if isinstance(found, str):
         return found
-    checks, _, _ = smoke.probe(image, "landed.py", [found.package, found.version,
-                                                    json.dumps(dict(found.files), sort_keys=True)],
-                               fallback_name="patch-landed")
-    bad = [c for c in (as_check(raw, 0, "patch-landed") for raw in checks) if c.status is not Status.PASS]
-    if bad:
-        return f"{bad[0].name}: {bad[0].detail}"
-    return pins_problem(engine, root, image, found)
+    problem = pins_problem(engine, root, image, found)
+    if problem is not None:
+        return problem
+    pinned: list[str] = []
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
+    problems = checked.problems()
+    if problems:
+        return problems[0]
+    judged = checked.judged
+    missing = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+    if gpu_claimed and missing:
+        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
+                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return None
 
 
 def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
@@ -504,8 +551,8 @@ def runner(
 
 
 def write_json(verdict: Verdict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    # write_atomic: a full disk or an unwritable folder is one line naming the file (exit 10).
+    write_atomic(path, json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def write_junit(verdict: Verdict, path: Path) -> None:
@@ -524,6 +571,5 @@ def write_junit(verdict: Verdict, path: Path) -> None:
             ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
         elif c.status is Status.SKIP:
             ET.SubElement(case, "skipped", message=c.detail)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    write_atomic(path, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
 

@@ -15,6 +15,7 @@ from the image again.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -28,7 +29,7 @@ from typing import Any
 
 from .cache import Store
 from .engine import Box, Engine, ImageInfo
-from .errors import BaseImageError, UpstreamError
+from .errors import BaseImageError, StorageError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,28 @@ def scratch_tree(files: Mapping[str, bytes | None]) -> Iterator[Path]:
     """A temp folder holding ``files`` (None: absent) at their relative paths; removed after."""
     import tempfile  # here: a build whose facts and patch results are cached makes no scratch tree
 
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
+    try:
+        made = tempfile.TemporaryDirectory(prefix=scratch_prefix())
+    except OSError as exc:
+        raise scratch_error(Path(tempfile.gettempdir()), exc) from exc
+    with made as tmp:
         work = Path(tmp)
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+        try:
+            for rel, data in files.items():
+                if data is not None:
+                    (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (work / rel).write_bytes(data)
+        except OSError as exc:
+            raise scratch_error(work, exc) from exc
         yield work
+
+
+def scratch_error(folder: Path, exc: OSError) -> StorageError:
+    """The scratch folder (under TMPDIR) cannot be written: its disk is full, or it is not writable."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "its disk is full" if full else "it cannot be written"
+    return StorageError(f"cannot write the scratch folder {folder}: {why} ({exc.strerror or exc})",
+                        hint="free space there, or point TMPDIR at a disk with room")
 
 
 def probe_source(name: str) -> str:
@@ -162,7 +178,9 @@ class ImageReader:
 
     def box(self) -> Box:
         if self._box is None:
-            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python))
+            # The probe timeout bounds every engine call for the probe too: a frozen engine ends the run then.
+            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python,
+                                                                  deadline=probe_timeout()))
             self.containers += 1
         return self._box
 
@@ -339,3 +357,26 @@ def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None,
             return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
     except (OSError, zipfile.BadZipFile) as exc:
         raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
+
+
+# -- the base's file facts, judged from its filesystem --------------------------
+
+
+def cached_findings(cache: Path | None, image_id: str, key: str) -> dict[str, dict[str, str]] | None:
+    """The deviations read from a base image's files before, if this host's cache index for them still verifies."""
+    store = Store.open(cache, image_id) if cache is not None else None
+    data = store.read(f"integrity-{key}") if store is not None else None
+    if data is None or (data.get("image_id"), data.get("key")) != (image_id, key):
+        return None
+    found = data.get("deviations")
+    return found if isinstance(found, dict) else None
+
+
+def store_findings(cache: Path | None, image_id: str, key: str, found: Mapping[str, Mapping[str, str]]) -> None:
+    store = Store.open(cache, image_id) if cache is not None else None
+    if store is not None:
+        store.write(f"integrity-{key}", {"image_id": image_id, "key": key, "deviations": dict(found)})
+
+
+def findings_key(package: str, site_dir: str, roots: list[str]) -> str:
+    return _key(package, site_dir, *sorted(roots))

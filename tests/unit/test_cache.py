@@ -50,7 +50,7 @@ class FakeEngine:
         self.probes = 0
 
     @contextmanager
-    def box(self, image: str, python: str) -> Iterator[FakeBox]:
+    def box(self, image: str, python: str, deadline: float | None = None) -> Iterator[FakeBox]:
         self.probes += 1
         yield FakeBox(self.files)
 

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # A server's log as its watcher reads it: enough to reach past a flood of request
 # lines to the error that killed it (the caller condenses it, sweep.condense).
 SERVICE_LOG_LINES = 2000
+EXEC_GRACE = 3  # seconds the engine may take beyond a command's own timeout to answer an exec
 _EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
                   "apt-get install qemu-user-static binfmt-support")
 
@@ -105,7 +106,8 @@ class Box:
     def exec(self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120) -> ExecResult:
         # exec_run has no timeout of its own: wrap the command in one when
         # `timeout` exists in the image, which every Debian-based image has.
-        with self._engine.translating("running a probe in a container"):
+        # The engine must answer within that time and a little more.
+        with self._engine.deadline(timeout + EXEC_GRACE), self._engine.translating("running a probe in a container"):
             result = self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True)
         out, err = result.output
         stderr = (err or b"").decode("utf-8", "replace")
@@ -145,11 +147,19 @@ def _foreign_arch(image: str, said: str) -> BaseImageError:
 
 
 @contextmanager
-def box(engine: Engine, image: str, python: str = "python3") -> Iterator[Box]:
+def box(engine: Engine, image: str, python: str = "python3", *, deadline: float | None = None) -> Iterator[Box]:
     """A container of ``image`` kept alive by its own Python, removed after.
 
     The entrypoint is always overridden: a vLLM image's own entrypoint would start a server.
+    ``deadline``: seconds each engine call for the box may wait (creating,
+    starting and removing it; :meth:`Box.exec` gives its command's timeout on top).
     """
+    with engine.deadline(deadline), _box(engine, image, python) as made:
+        yield made
+
+
+@contextmanager
+def _box(engine: Engine, image: str, python: str) -> Iterator[Box]:
     def refused(message: str) -> PipelineError:
         if "exec format error" in message:
             return _foreign_arch(image, message)
