@@ -628,11 +628,12 @@ def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign
                              f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
                              entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
                              repo_digests=tuple(facts.get("RepoDigests") or ()))
+        checks, expected_from = _file_facts(obj, image_id)
         key = _key_file(sign_key)
         try:
             launched = plan.smoke(podman, obj.root, target, options,
                                   gpu_request=None if options.gpu == "off" else options.gpu_request,
-                                  checks=_file_facts(obj, image_id), host={"launcher": "podman"},
+                                  checks=checks, expected_from=expected_from, host={"launcher": "podman"},
                                   sign_key=key, say=progress)
         finally:
             if key is not None and sign_key is not None and sign_key.startswith("env:"):
@@ -679,8 +680,8 @@ def _key_file(sign_key: str | None) -> Path | None:
     return Path(name)
 
 
-def _file_facts(obj: Ctx, image_id: str) -> list[dict[str, Any]]:
-    """The landed check, made outside the image (never by the runner), where a Docker engine has the image."""
+def _file_facts(obj: Ctx, image_id: str) -> tuple[list[dict[str, Any]], str]:
+    """The file checks (landed, integrity), read from the image's layers outside it, where a Docker engine has it."""
     from . import smoke as smokelib
     from .errors import EngineError
 
@@ -688,14 +689,11 @@ def _file_facts(obj: Ctx, image_id: str) -> list[dict[str, Any]]:
         info = obj.engine.image(image_id)
     except EngineError as exc:
         return [{"name": "patch-landed", "status": "skip",
-                 "detail": f"no Docker engine to read the image's files from ({str(exc).splitlines()[0]})"}]
+                 "detail": f"no Docker engine to read the image's layers from ({str(exc).splitlines()[0]})"}], ""
     if info is None:
         return [{"name": "patch-landed", "status": "skip",
-                 "detail": "the Docker engine does not have this image: its files were not read"}]
-    problem = smokelib.landed_problem(obj.engine, obj.root, info)
-    if problem is None:
-        return [{"name": "patch-landed", "status": "pass", "detail": "patched files and pins as expected"}]
-    return [{"name": "patch-landed", "status": "fail", "detail": problem}]
+                 "detail": "the Docker engine does not have this image: its layers were not read"}], ""
+    return smokelib.Smoke(obj.engine, obj.root, smokelib.SmokeOptions(), progress).file_facts(info)
 
 
 @main.command("serve-check")

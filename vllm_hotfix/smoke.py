@@ -300,6 +300,21 @@ class Smoke:
         report.seconds = time.monotonic() - start
         return report.verdict()
 
+    def file_facts(self, image: ImageInfo) -> tuple[list[dict[str, Any]], str]:
+        """The file checks alone (read from the image's layers) and where the expectation came from.
+
+        For a run whose other checks a runner makes elsewhere (``--launcher podman|kubernetes``).
+        """
+        found = self.expectation(image)
+        if isinstance(found, str):
+            return [{"name": "patch-landed", "status": "fail", "detail": found,
+                     "data": {"answered_by": integrity.FILESYSTEM}}], "unknown"
+        pinset = self.pinset(Report(image.id, image.id), found)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned, self.say)
+        return [{**c, "data": {**(c.get("data") or {}), "answered_by": integrity.FILESYSTEM}} for c in files.checks], \
+            found.source
+
     def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
         """The pins of the image's definition, from its patch set on disk (never from labels)."""
         try:

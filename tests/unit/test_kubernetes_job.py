@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from conftest import cli
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.launchers import kubernetes as k8s
 from vllm_hotfix.runner import MOUNT
@@ -56,3 +58,29 @@ def test_a_cluster_needs_the_image_by_digest_and_a_selector_is_key_value() -> No
         k8s.manifests("ops/vllm:fix", k8s.JobSpec("x"), {}, {})
     with pytest.raises(UsageError, match="expected KEY=VALUE"):
         k8s.parse_selector("nvidia.com/gpu.product")
+
+
+def test_emit_writes_the_job_without_an_engine(tmp_path: Path) -> None:
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200",
+            "--sign-secret", "hotfix-sign-key", "--emit", str(out), root=tmp_path)
+    assert r.rc == 0, r.err
+    yaml = pytest.importorskip("yaml")
+    _config_map, job = list(yaml.safe_load_all(out.read_text()))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["volumes"][1]["secret"]["secretName"] == "hotfix-sign-key"
+
+
+def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--sign-secret", "hotfix-sign-key", "--submit",
+            "--kubeconfig", str(kubeconfig), root=tmp_path, timeout=120)
+    assert r.rc == 7, r.err
+    assert "cannot reach the cluster" in r.last_error

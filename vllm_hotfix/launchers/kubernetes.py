@@ -127,7 +127,13 @@ class KubernetesLauncher:
         except ImportError:
             raise UsageError("--launcher kubernetes --submit needs the kubernetes package: "
                              "pip install 'vllm-hotfix[kubernetes]'") from None
-        config.load_kube_config(config_file=self.kubeconfig)
+        import urllib3.exceptions
+        from kubernetes.config.config_exception import ConfigException
+
+        try:
+            config.load_kube_config(config_file=self.kubeconfig)
+        except (ConfigException, OSError) as exc:
+            raise UsageError(f"kubeconfig {self.kubeconfig or '(default)'}: {exc}") from None
         api: Any = client.ApiClient()
         # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
         core: Any = client.CoreV1Api(api)
@@ -153,4 +159,7 @@ class KubernetesLauncher:
         except ApiException as exc:
             raise SmokeError(f"the cluster refused the Job {ns}/{self.spec.name}: {exc.status} {exc.reason}") \
                 from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise SmokeError(f"cannot reach the cluster of {self.kubeconfig or 'the default kubeconfig'}: "
+                             f"{str(exc).splitlines()[0][:300]}") from None
         return results(text, text, f"Job {ns}/{self.spec.name}")
