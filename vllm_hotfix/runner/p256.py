@@ -18,6 +18,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import UnusableKey
+
 # NIST P-256 (secp256r1).
 P = 0xFFFFFFFF00000001000000000000000000000000FFFFFFFFFFFFFFFFFFFFFFFF
 A = P - 3
@@ -33,10 +35,6 @@ OID_P256 = bytes.fromhex("2a8648ce3d030107")  # 1.2.840.10045.3.1.7
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "urn:vllm-hotfix:smoke-report:v1"
-
-
-class UnusableKey(ValueError):
-    """A key this module cannot use; the message never holds key material."""
 
 
 Point = tuple[int, int] | None  # None: the point at infinity
