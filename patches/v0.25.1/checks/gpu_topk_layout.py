@@ -5,8 +5,8 @@ shared ``topk_indices_buffer`` token-major ``[T, H, K]`` (int32; T padded to a
 multiple of 4), but the Triton indexer (``common/indexer.py``) hands it as
 ``out=`` to the index top-k kernels, which address it head-major ``[H, T, K]``,
 and the Triton sparse attention (``common/sparse_attention.py``) reads it back
-head-major too. With two or more sequences in a batch the kernels address rows
-they do not own: wrong blocks are attended to, or the engine dies with an
+head-major too. With two or more sequences in a batch, or one prefill long
+enough to span several rows, the kernels address rows they do not own: wrong blocks are attended to, or the engine dies with an
 illegal memory access. The fix transposes at both boundaries.
 
 What this check runs is the image's own code, not a copy of its slicing:
