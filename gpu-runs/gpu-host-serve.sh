@@ -128,6 +128,13 @@ if step engine; then
   act env STEPS=engine bash "$HERE/gpu-runs/gpu-host-engine.sh" "$PAYLOAD" "$OUTDIR" || die "engine step failed"
 fi
 export PYTHONPATH=$WORK/site
+# The tool signs verdicts with `cryptography`, which a GPU host's Python may lack: its wheels
+# (and cffi's) travel among vLLM's requirements; they go where the tool's other wheels went.
+if ! "$PY" -c "import cryptography" 2>/dev/null && [ -d "$PAYLOAD/wheels/deps" ]; then
+  act "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
+    --target "$WORK/site" "$PAYLOAD"/wheels/deps/cryptography-*.whl "$PAYLOAD"/wheels/deps/cffi-*.whl \
+    "$PAYLOAD"/wheels/deps/pycparser-*.whl >>"$LOG" 2>&1 || die "cannot install cryptography for the tool"
+fi
 # The tool runs from this checkout, never from a copy an earlier run left.
 cd "$HERE" || die "cannot enter $HERE"
 have_image() {
