@@ -1,8 +1,10 @@
 """Helpers for running the pipeline on a GPU host through its own Docker engine.
 
     python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...] [--cuda]
-    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--timings RUN_LOG]
-                                    [--model DIR] [--base REF] [--reference FILE] [--inputs-from FILE]
+    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--patched-cold REPORT]
+                                    [--timings RUN_LOG] [--model DIR] [--base REF] [--reference FILE]
+                                    [--inputs-from FILE] [--public-key PEM] [--attestation KIND=FILE ...]
+                                    [--target-seconds S] [--no-engine]
     python3 gpu-runs/gpu_host.py inputs [--model DIR] [--base REF] [--reference FILE] [--write FILE | --check FILE]
 
 ``base`` makes a GPU base image from the host's own filesystem (its Python,
@@ -16,15 +18,24 @@ With --cuda the host's CUDA toolkit (the folder holding ``nvcc``) comes along
 and CUDA_HOME names it, as in the upstream image, where FlashInfer compiles its
 kernels at first use.
 
-``record`` folds two smoke reports (``build.py smoke --report``) into the run
-record committed under gpu-runs/. Every sentence it writes is derived from the
-reports (``result``: per image and level, how many requests passed, their
-HTTP statuses, reply lengths and finish reasons, the check that judged them,
-wrong answers with their first divergence, near-ties); the per-request
-evidence and the reference answers' summary are kept beside them. Its
-``inputs`` are hashed (the model folder file by file, the base image's ID, the
-reference file, the two reports); the base must be the image the unpatched
-report judged.
+``record`` folds the smoke reports (``build.py smoke --report``) into the run
+record committed under gpu-runs/: the patched image with warm compile caches
+(``--patched``), the same image's first, cold run that recorded the reference
+answers (``--patched-cold``), and the unpatched base (``--unpatched``). Every
+sentence it writes is derived from the reports (``result``: per image its
+verdict, its smoke time and phase times against ``--target-seconds``, then per
+level how many requests passed, their HTTP statuses, reply lengths and finish
+reasons, the check that judged them, wrong answers with their first
+divergence, near-ties); the per-request evidence, the phase times, the compile
+cache key and the reference answers' summary are kept beside them. Each
+``--attestation KIND=FILE`` (the DSSE envelope ``smoke --attestation`` wrote)
+is verified with ``--public-key`` and recorded by file name and key ID, so the
+verdicts can be verified again on another machine. Its ``inputs`` are hashed
+(the model folder file by file, the base image's ID, the reference file, the
+reports, the public key); the base must be the image the unpatched report
+judged, and a report or envelope that does not verify is refused.
+``--no-engine`` leaves out the engine's facts and the base (a self-test
+without an engine).
 
 ``inputs`` hashes the same inputs on their own: ``--write FILE`` keeps them
 after a host made them, ``--check FILE`` (a file from --write, or a record)
@@ -249,6 +260,8 @@ def _image(report: dict[str, Any]) -> dict[str, Any]:
         "gpu_verified": report.get("gpu_verified"),
         "gpu": report.get("gpu"),
         "seconds": report.get("seconds"),
+        "phases": report.get("phases") or {},
+        "compile_cache": (report.get("environment") or {}).get("compile_cache"),
         "checks": [{"name": c.get("name"), "status": c.get("status"), "detail": c.get("detail")}
                    for c in report.get("checks", [])],
         "topk_layout": _topk(report),
@@ -300,7 +313,9 @@ def _topk(report: dict[str, Any]) -> dict[str, Any] | None:
                                              "attention", "error", "read_out_of_bounds") if k in result})
         runs[scenario] = entry
     stubs = next((r.get("import", {}).get("stubs") for r in (data.get("runs") or {}).values() if r.get("import")), None)
-    return {"outcomes": data.get("outcomes"), "stubs": stubs, "runs": runs}
+    path = data.get("path") or next((r.get("path") for r in (data.get("runs") or {}).values() if r.get("path")),
+                                    None)
+    return {"outcomes": data.get("outcomes"), "stubs": stubs, "path": path, "runs": runs}
 
 
 def _counts(values: list[Any]) -> str:
@@ -345,13 +360,31 @@ def level_sentence(level: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def image_sentences(img: dict[str, Any]) -> list[str]:
-    """What one image's report shows, in words: its verdict, then each level the sweep ran."""
+def time_sentence(img: dict[str, Any], target: float | None = None) -> str:
+    """The smoke's wall time and each phase's, from the report."""
+    seconds = img.get("seconds")
+    phases = img.get("phases") or {}
+    words = f"smoke {seconds:.1f} s" if isinstance(seconds, (int, float)) else "smoke time not reported"
+    if target is not None and isinstance(seconds, (int, float)):
+        words += f" ({'at or under' if seconds <= target else 'over'} the {target:g} s target)"
+    words += "; phases: " + (", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) or "not reported")
+    cache = img.get("compile_cache")
+    if cache:
+        words += f"; compile cache {cache.get('base_id', '')[:12]}/{cache.get('gpu')}"
+    return words
+
+
+def image_sentences(img: dict[str, Any], target: float | None = None) -> list[str]:
+    """What one image's report shows, in words: its verdict and times, then each level the sweep ran."""
     serve = img.get("serve") or {}
     head = f"{img.get('status')} ({'GPU-verified' if img.get('gpu_verified') else 'GPU-unverified'})"
+    not_applicable = (img.get("gpu") or {}).get("not_applicable")
+    if not_applicable:
+        head += f"; not applicable on this GPU family: {'; '.join(map(str, not_applicable))}"
     failing = [c["name"] for c in img.get("checks") or [] if c.get("status") not in ("pass", "skip")]
     if failing:
         head += f"; checks not passed: {', '.join(failing)}"
+    head += f"; {time_sentence(img, target)}"
     if not serve:
         return [head + "; no serve sweep"]
     ref = serve.get("reference")
@@ -391,16 +424,55 @@ def record(args: argparse.Namespace) -> int:
         return 2
 
 
+def attestations(given: list[str], public_key: str | None, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each ``KIND=FILE`` envelope verified with the public key against its report: file name, key ID, subject."""
+    if not given:
+        return {}
+    if public_key is None:
+        raise InputMismatch("--attestation needs --public-key (the key the envelopes are verified with)")
+    from vllm_hotfix import signing
+    from vllm_hotfix.errors import PipelineError
+
+    try:
+        public = signing.load_public_key(public_key)
+    except PipelineError as exc:
+        raise InputMismatch(str(exc)) from None
+    out: dict[str, Any] = {}
+    for item in given:
+        kind, _, path = item.partition("=")
+        if kind not in reports or not path:
+            raise InputMismatch(f"--attestation {item}: expected KIND=FILE, KIND one of {', '.join(reports)}")
+        try:
+            found = signing.open_envelope(Path(path).read_bytes(), public, path)
+        except OSError as exc:
+            raise InputMismatch(f"--attestation {path}: cannot read it ({exc.strerror or exc})") from None
+        except PipelineError as exc:
+            raise InputMismatch(str(exc)) from None
+        report, signed = reports[kind], found.predicate
+        for key in ("image_id", "status", "gpu_verified", "started"):
+            if signed.get(key) != report.get(key):
+                raise InputMismatch(f"--attestation {path}: its signed {key} is {signed.get(key)!r}, the {kind} "
+                                    f"report's {report.get(key)!r}: not the verdict of that run")
+        out[kind] = {"file": Path(path).name, "sha256": _sha256_file(Path(path)), "key_id": found.key_id,
+                     "verified": True, "subjects": sorted(found.digests), "status": signed.get("status"),
+                     "gpu_verified": signed.get("gpu_verified")}
+    return out
+
+
 def _record(args: argparse.Namespace) -> int:
-    patched = _load_json(args.patched, "--patched")
-    unpatched = _load_json(args.unpatched, "--unpatched")
-    engine = Engine.connect()
-    facts = engine.facts()
-    inputs = hash_inputs(args.model, args.base, args.reference, engine)
+    given = {"patched": args.patched, "patched_cold": args.patched_cold, "unpatched": args.unpatched}
+    reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
+    patched, unpatched = reports["patched"], reports["unpatched"]
+    engine = None if args.no_engine else Engine.connect()
+    facts = engine.facts() if engine is not None else None
+    inputs = hash_inputs(args.model, None if engine is None else args.base, args.reference, engine)
     if "base" in inputs and inputs["base"]["id"] != unpatched.get("image_id"):
         raise InputMismatch(f"base {args.base} is {inputs['base']['id']}, but the unpatched report "
                             f"{args.unpatched} judged {unpatched.get('image_id')}")
-    for kind, report in (("patched", patched), ("unpatched", unpatched)):
+    if "patched_cold" in reports and reports["patched_cold"].get("image_id") != patched.get("image_id"):
+        raise InputMismatch(f"--patched-cold {args.patched_cold} judged {reports['patched_cold'].get('image_id')}, "
+                            f"but --patched {args.patched} judged {patched.get('image_id')}: not the same image")
+    for kind, report in reports.items():
         ref = ((report.get("sweep") or {}).get("reference") or {})
         if "reference" in inputs and ref and ref.get("sha256") != inputs["reference"]["content_sha256"]:
             raise InputMismatch(f"--reference {args.reference}: the {kind} report was judged against other "
@@ -408,17 +480,24 @@ def _record(args: argparse.Namespace) -> int:
     for earlier in (args.inputs_from, args.out if Path(args.out).exists() else None):
         if earlier:
             compare_inputs(inputs, _load_json(earlier, "inputs").get("inputs") or {}, earlier)
-    inputs["reports"] = {"patched": {"path": args.patched, "sha256": _sha256_file(Path(args.patched))},
-                         "unpatched": {"path": args.unpatched, "sha256": _sha256_file(Path(args.unpatched))}}
-    images = {"patched": _image(patched), "unpatched": _image(unpatched)}
+    signed = attestations(args.attestation or [], args.public_key, reports)
+    inputs["reports"] = {kind: {"path": path, "sha256": _sha256_file(Path(path))}
+                         for kind, path in given.items() if path}
+    if args.public_key:
+        inputs["public_key"] = {"path": args.public_key, "sha256": _sha256_file(Path(args.public_key))}
+    images = {kind: _image(report) for kind, report in reports.items()}
+    for kind, found in signed.items():
+        images[kind]["attestation"] = found
     rec: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "engine": {"version": facts.server_version, "api": facts.api_version,
-                   "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)},
+                   "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)} if facts else None,
         "gpu_request_way": (patched.get("gpu") or {}).get("way"),
+        "gpu_devices": (patched.get("gpu") or {}).get("devices"),
         "inputs": inputs,
         "images": images,
-        "result": {kind: image_sentences(img) for kind, img in images.items()},
+        "smoke_seconds_target": args.target_seconds,
+        "result": {kind: image_sentences(img, args.target_seconds) for kind, img in images.items()},
     }
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
@@ -463,7 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out")
     r.add_argument("--patched", required=True)
     r.add_argument("--unpatched", required=True)
+    r.add_argument("--patched-cold", default=None, help="the patched image's first run, with cold compile caches")
     r.add_argument("--timings", default=None)
+    r.add_argument("--public-key", default=None, help="PEM public key the --attestation envelopes verify with")
+    r.add_argument("--attestation", action="append", default=None, metavar="KIND=FILE",
+                   help="a DSSE envelope of one report (KIND: patched, patched_cold, unpatched); repeatable")
+    r.add_argument("--target-seconds", type=float, default=120.0, help="the smoke time each image should meet")
+    r.add_argument("--no-engine", action="store_true", help="record without an engine (no engine facts, no base)")
     for parser in (r, i := sub.add_parser("inputs", help="hash the inputs a host keeps; check them before reuse")):
         parser.add_argument("--model", default=None, help="the model folder served")
         parser.add_argument("--base", default=None, help="the base image (the unpatched image of the run)")

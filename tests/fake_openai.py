@@ -26,6 +26,8 @@ arrived (K=2: concurrent requests, while single ones are answered right):
                         token --tie-gap G nats (default 0.2) below it: the near-tie
                         batching produces on a real GPU; the rest follows the new prefix.
 With --prompt-log FILE it appends each request's prompt length to FILE.
+Where VLLM_CACHE_ROOT is set (the smoke run's compile cache), each start
+appends a line to fake-openai-starts there, as vLLM writes its own cache.
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
     args = ap.parse_args(argv)
+    cache = os.environ.get("VLLM_CACHE_ROOT")
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        with open(os.path.join(cache, "fake-openai-starts"), "a", encoding="utf-8") as fh:
+            fh.write("started\n")
     model_name = args.model
 
     class Handler(BaseHTTPRequestHandler):

@@ -441,7 +441,8 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
-                   min_tokens: int | None = None, answers: Any = None) -> Any:
+                   min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
+                   compile_cache: bool = True) -> Any:
     from . import reference, sweep
     from . import smoke as smokelib
 
@@ -453,7 +454,8 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                                  serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n,
                                  min_tokens=min_tokens, reference=answers.reference,
-                                 record_reference=answers.record, logprob_tolerance=answers.tolerance)
+                                 record_reference=answers.record, logprob_tolerance=answers.tolerance,
+                                 keep_going=keep_going, compile_cache=compile_cache)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -515,6 +517,12 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "and attached beside the image when it is pushed.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
+@click.option("--keep-going", is_flag=True,
+              help="Run every phase (checks, GPU checks, serve sweep) even after one failed; by default a failed "
+                   "phase ends the run and the later ones are recorded as skipped.")
+@click.option("--compile-cache/--no-compile-cache", default=True, show_default=True,
+              help="Keep Triton, torch, vLLM and FlashInfer compile caches in "
+                   "VLLM_HOTFIX_CACHE/compile/<base ID>/<GPU model>/, mounted at /root/.cache in GPU containers.")
 @click.option("--launcher", type=click.Choice(["docker", "podman", "kubernetes"]), default="docker",
               show_default=True,
               help="What starts the checks in the image: the Docker engine (as always), the one-entry runner "
@@ -537,16 +545,18 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
-          attestation_path: Path | None, launcher: str, emit_path: Path | None, submit: bool,
-          kubeconfig: str | None, namespace: str, node_selector: str | None, gpu_count: int,
-          sign_secret: str | None, deadline: int, concurrency: str, requests_n: int, min_tokens: int | None,
-          reference_path: Path | None, record_path: Path | None, logprob_tolerance: float | None) -> None:
+          attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
+          emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
+          gpu_count: int, sign_secret: str | None, deadline: int, concurrency: str, requests_n: int,
+          min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+          logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from . import attest, records, reference, signing
     from . import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
-                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance))
+                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
+                             keep_going=keep_going, compile_cache=compile_cache)
     if attestation_path is not None and sign_key is None and sign_secret is None:
         raise UsageError("--attestation needs --sign-key")
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
@@ -608,7 +618,8 @@ def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path |
         incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
     )
     gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
-    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s)")
+    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s; phases: "
+               f"{smokelib.format_phases(dict(verdict.phases))})")
 
 
 def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,

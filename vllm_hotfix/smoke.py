@@ -13,6 +13,16 @@ instead starts the image's own entrypoint (`vllm serve`).
 A probe's JSON comes from inside the image: each check it reports becomes a
 typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
 failing check), and a run ends in one :func:`~vllm_hotfix.verdicts.judge`.
+
+A run goes in phases, cheapest first, so that a doomed image fails fast: the
+checks that need no GPU (patched files, environment, integrity, pins), then
+the GPU checks, then one server start for the serve sweep (reference answers
+recorded and the sweep run against that one server). A phase with a failing
+check ends the run, the later phases recorded as skipped, unless
+``keep_going``. Each phase's wall time is in the report (``phases``). GPU
+containers and the server get the compile cache of the image's base on that
+GPU model (:mod:`.compile_cache`), so a second image of the same base starts
+warm.
 """
 
 from __future__ import annotations
@@ -28,7 +38,19 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import definitions, expected, gpu_access, integrity, patches, pins, records, sources, sweep, wheels
+from . import (
+    compile_cache,
+    definitions,
+    expected,
+    gpu_access,
+    integrity,
+    patches,
+    pins,
+    records,
+    sources,
+    sweep,
+    wheels,
+)
 from . import reference as answers
 from .atomic import write_atomic
 from .engine import Engine, GpuRequest, ImageInfo, labels
@@ -48,6 +70,8 @@ log = logging.getLogger(__name__)
 
 GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
+# The phases of a run, in the order they run; each reports its wall time.
+PHASES = ("checks", "gpu_access", "gpu_checks", "server_start", "reference_record", "sweep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +90,8 @@ class SmokeOptions:
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
+    keep_going: bool = False  # run every phase even after one failed
+    compile_cache: bool = True  # keep compile caches between runs (see compile_cache)
 
 
 @dataclass(slots=True)
@@ -84,12 +110,40 @@ class Report:
     expected_from: str = ""
     host: dict[str, Any] = field(default_factory=dict)
     platform: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
     def verdict(self) -> Verdict:
         return judge(self.image, self.image_id, self.checks, gpu_verified=self.gpu_verified,
                      platform=self.platform, started=self.started, seconds=self.seconds,
                      expected_from=self.expected_from, gpu=self.gpu, host=self.host,
-                     environment=self.environment, sweep=self.sweep)
+                     environment=self.environment, sweep=self.sweep, phases=self.phases)
+
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if c.status is Status.FAIL]
+
+
+class Clock:
+    """Wall time per phase: :meth:`mark` charges the time since the last mark to a phase."""
+
+    def __init__(self, phases: dict[str, float], now: Callable[[], float] = time.monotonic) -> None:
+        self.phases = phases
+        self._now = now
+        self._last = now()
+
+    def restart(self) -> None:
+        """Charge the time since the last mark to no phase."""
+        self._last = self._now()
+
+    def mark(self, phase: str) -> float:
+        now = self._now()
+        took = now - self._last
+        self._last = now
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + took, 3)
+        return took
+
+
+def format_phases(phases: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()) or "none"
 
 
 def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
@@ -149,6 +203,7 @@ class Smoke:
         self.opt = options
         self.say = progress
         self._access: dict[str, gpu_access.GpuAccess] = {}
+        self._caches: dict[str, compile_cache.CompileCache | None] = {}
 
     def access(self, image: ImageInfo) -> gpu_access.GpuAccess:
         """The way this image's containers get the GPUs; chosen once per image, then reused."""
@@ -157,17 +212,36 @@ class Smoke:
                                                        self.opt.python, self.say)
         return self._access[image.id]
 
+    def compile_cache(self, image: ImageInfo) -> compile_cache.CompileCache | None:
+        """The compile cache folder of the image's base on the GPU model in use (None: not kept)."""
+        if not self.opt.compile_cache:
+            return None
+        if image.id not in self._caches:
+            access = self._access.get(image.id)
+            devices = access.devices if access is not None and access.chosen is not None else []
+            self._caches[image.id] = compile_cache.folder(sources.cache_dir(self.root), image.id,
+                                                          image.labels.get(labels.BASE_ID), devices)
+        return self._caches[image.id]
+
+    def _cache_args(self, image: ImageInfo) -> dict[str, Any]:
+        cache = self.compile_cache(image)
+        return {} if cache is None else {"env": cache.env, "writable": [cache.mount]}
+
     def probe(
         self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
         extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
+        cache: bool = False,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image."""
+        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image.
+
+        ``cache``: with the image's compile cache mounted (GPU checks compile kernels).
+        """
         files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})} if run is None else dict(extra or {})
         start = time.monotonic()
         try:
             res = self.engine.run(
                 image.id, [self.opt.python, run or f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
-                timeout=self.opt.probe_timeout,
+                timeout=self.opt.probe_timeout, **(self._cache_args(image) if cache else {}),
             )
         except EngineLost as exc:
             took = time.monotonic() - start
@@ -244,7 +318,43 @@ class Smoke:
         report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts(),
                         platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
+        clock = Clock(report.phases)
+        files = self.cpu_checks(report, image, ref, want)
+        clock.mark("checks")
+        if not self.stop(report, ("gpu", "serve-sweep")):
+            self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
+            self.gpu(report, image, clock)
+            if files is not None:
+                self.compiled_stop(report, files.judged)
+            if not self.stop(report, ("serve-sweep",)):
+                self.say("==> smoke 5/5: serve sweep")
+                if self.opt.serve_model is None:
+                    self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}],
+                             0)
+                else:
+                    self.serve(report, image, clock)
+        report.seconds = time.monotonic() - start
+        self.say(f"==> phases: {format_phases(report.phases)} (total {report.seconds:.1f} s)")
+        return report.verdict()
 
+    def stop(self, report: Report, skipped: Sequence[str]) -> bool:
+        """Whether a failed check ends the run here; if so, ``skipped`` are recorded as not run."""
+        failed = report.failed()
+        if not failed or self.opt.keep_going:
+            return False
+        why = f"not run: {', '.join(failed)} failed first (--keep-going runs every check)"
+        self.say(f"==> {why}")
+        if "gpu" in skipped:
+            report.gpu = {"mode": self.opt.gpu, "verified": False, "why_unverified": why}
+        self.add(report, [{"name": name, "status": "skip", "detail": why} for name in skipped], 0)
+        return True
+
+    def cpu_checks(self, report: Report, image: ImageInfo, ref: str,
+                   want: expected.Expected | None) -> integrity.FileChecks | None:
+        """The checks that need no GPU: patched files, environment, installed-package integrity, pins.
+
+        Returns what was read from the image's files (None when it could not be told what to expect).
+        """
         self.say(f"==> smoke 1/5: patched files in {ref} (read from the image's layers)")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
@@ -287,18 +397,7 @@ class Smoke:
             self.say(f"    and pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
             self.pins(report, image, pinset)
 
-        self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
-        self.gpu(report, image)
-        if files is not None:
-            self.compiled_stop(report, files.judged)
-
-        self.say("==> smoke 5/5: serve sweep")
-        if self.opt.serve_model is None:
-            self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0)
-        else:
-            self.serve(report, image)
-        report.seconds = time.monotonic() - start
-        return report.verdict()
+        return files
 
     def file_facts(self, image: ImageInfo) -> tuple[list[dict[str, Any]], str]:
         """The file checks alone (read from the image's layers) and where the expectation came from.
@@ -370,7 +469,7 @@ class Smoke:
         self.add(report, [{"name": "compiled-files", "status": status, "detail": detail,
                            "data": {"missing": names[:50]}}], 0, answered_by=integrity.FILESYSTEM)
 
-    def gpu(self, report: Report, image: ImageInfo) -> None:
+    def gpu(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
         """GPU checks through the way that was confirmed to give this image a GPU.
 
         ``auto``: a host where no way works leaves the image GPU-unverified,
@@ -381,8 +480,10 @@ class Smoke:
         the image's own code counts, every module the patch set touches must
         import (tried in the base too, to name the base's failures as the
         base's), and under ``require`` whatever keeps the image from being
-        GPU-verified fails it.
+        GPU-verified fails it, except a check that is not applicable on this
+        GPU family, which leaves the run incomplete.
         """
+        clock = clock or Clock({})
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
         if mode == "off":
@@ -398,6 +499,7 @@ class Smoke:
             self.add(report, [{"name": "gpu", "status": status, "detail": why}], 0)
             return
         access = self.access(image)
+        clock.mark("gpu_access")
         report.gpu.update(access.to_dict())
         if access.chosen is None:
             why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
@@ -415,18 +517,21 @@ class Smoke:
         if modules:
             args += ["--modules", *modules]
         raw, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
-                                     fallback_name="gpu")
+                                     fallback_name="gpu", cache=True)
         checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
         if info:
             report.environment["gpu"] = info
         unimportable = sorted({m for c in checks for m in c.import_errors})
         base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
         judged = judge_gpu(checks, require=mode == "require", base_import_errors=base_errors)
+        clock.mark("gpu_checks")
         self.record(report, judged.checks)
         report.gpu_verified = judged.verified
         report.gpu["verified"] = judged.verified
         if judged.not_real:
             report.gpu["not_real"] = list(judged.not_real)
+        if judged.not_applicable:
+            report.gpu["not_applicable"] = list(judged.not_applicable)
         if not judged.verified:
             report.gpu["why_unverified"] = f"GPU checks through {access.chosen}: {judged.why_unverified}"
 
@@ -446,7 +551,9 @@ class Smoke:
             return None
         return {m: e for c in found for m, e in c.import_errors.items()}
 
-    def serve(self, report: Report, image: ImageInfo) -> None:
+    def serve(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
+        """One server start: wait for its health, record reference answers if asked, sweep."""
+        clock = clock or Clock({})
         model = self.opt.serve_model
         assert model is not None
         if not model.exists():
@@ -458,19 +565,29 @@ class Smoke:
         # The same way the GPU checks used; a host without one serves without a GPU
         # (and vLLM then fails the sweep, which is the truthful outcome).
         gpu = None if self.opt.gpu == "off" else self.access(image).chosen
+        cache = self.compile_cache(image)
+        if cache is not None:
+            report.environment["compile_cache"] = cache.to_dict()
+            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
+        clock.restart()
         try:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
-                                     gpu=gpu) as watch:
+                                     gpu=gpu, **self._cache_args(image)) as watch:
                 sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
+                self.say(f"    server healthy after {clock.mark('server_start'):.1f} s")
                 ref = self.opt.reference
                 if self.opt.record_reference is not None:
                     ref = answers.write(sweep.record(url, recorded_from=f"{report.image} ({image.id})",
                                                      progress=self.say), self.opt.record_reference)
+                    clock.mark("reference_record")
                     self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
                 result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
                                      min_tokens=self.opt.min_tokens, reference=ref,
                                      tolerance=self.opt.logprob_tolerance, progress=self.say)
+                clock.mark("sweep")
         except (SmokeError, EngineError) as exc:
+            # Charged to the phase it ended (a server that never got healthy: its start).
+            clock.mark("sweep" if "server_start" in report.phases else "server_start")
             lines = str(exc).splitlines()
             self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
                                "data": {"server_log": lines[1:]}}], time.monotonic() - start)

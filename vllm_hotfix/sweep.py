@@ -7,9 +7,9 @@ Concurrency 1 is a level like the others: with four index heads on one GPU the
 unpatched MiniMax-M3 fails there too (a long prefill collides with itself).
 
 The requests of a level differ in length, as production traffic does: the
-bug needed sequences with different numbers of KV blocks in one batch (one
-sequence's top-k block indices read for another's), which a run of identical
-short prompts never produces. They are the fixed prompt set of
+bug reads one row's top-k block indices for another's, and only a batch with
+many rows of different lengths (several sequences, or one long prefill) shows
+it, which a run of identical short prompts never produces. They are the fixed prompt set of
 :mod:`vllm_hotfix.reference`, sent to the completions API at temperature 0
 with the top-k logprobs of every reply token.
 

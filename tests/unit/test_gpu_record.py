@@ -55,7 +55,8 @@ def test_sentences_are_derived_from_the_evidence() -> None:
                                                  finish_reason="stop", error="wrong answer"),
                                     sweep.RequestEvidence(1, 2, 2, 500, 0.2, error="HTTP 500")])], 1)
     lines = host.image_sentences(host._image(patched))
-    assert lines[0].startswith("pass (GPU-verified); serve sweep pass, judged by reference answers ref.json")
+    assert lines[0].startswith("pass (GPU-verified); smoke 90.0 s; phases: not reported; serve sweep pass, "
+                               "judged by reference answers ref.json")
     assert lines[1] == ("concurrency 1: 2/2 passed; HTTP status 200 2; replies of 32 tokens (finish_reason length 2); "
                         "judged by reference 2; 0 wrong answer(s); 0 near-tie(s)")
     assert lines[2].endswith("0 wrong answer(s); 1 near-tie(s) (widest 0.210 nats)")

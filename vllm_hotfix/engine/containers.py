@@ -50,6 +50,19 @@ def gpu_arguments(gpu: GpuRequest | None) -> dict[str, Any]:
     raise EngineError(f"unknown GPU request way {gpu.way!r}")
 
 
+def extras(gpu: GpuRequest | None, *, env: Mapping[str, str] | None = None,
+           writable: Sequence[tuple[str, str]] = (), read_only: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """Create-time arguments for the GPU request, extra environment and bind mounts (host path, container path)."""
+    create = gpu_arguments(gpu)
+    if env:
+        create["environment"] = {**create.get("environment", {}), **env}
+    volumes = {src: {"bind": dst, "mode": "ro"} for src, dst in read_only}
+    volumes.update({src: {"bind": dst, "mode": "rw"} for src, dst in writable})
+    if volumes:
+        create["volumes"] = volumes
+    return create
+
+
 def remove(engine: Engine, container_id: str, *, quiet: bool) -> None:
     """Remove a container we started and tell the run's note so.
 
@@ -187,17 +200,17 @@ def _box(engine: Engine, image: str, python: str) -> Iterator[Box]:
 
 def run(engine: Engine, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-        timeout: float = 300, mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+        timeout: float = 300, env: Mapping[str, str] | None = None,
+        writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
     """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``.
 
-    ``mounts``: (host folder, container folder) pairs, mounted read-only.
+    ``mounts``: (host folder, container folder) pairs mounted read-only (the runner's folder).
     """
     from ..tarball import tar_bytes
 
     operation = f"running {argv[0]} in {image}"
-    volumes = {src: {"bind": dst, "mode": "ro"} for src, dst in mounts}
     with lifetime(engine, image, "smoke", operation, entrypoint=list(argv[:1]), command=list(argv[1:]),
-                  network_mode=network, volumes=volumes, **gpu_arguments(gpu)) as container, \
+                  network_mode=network, **extras(gpu, env=env, writable=writable, read_only=mounts)) as container, \
             engine.translating(operation):
         if files:
             container.put_archive(files_at, tar_bytes(files))
@@ -222,14 +235,14 @@ def _wait(container: Any, timeout: float) -> int:
 
 @contextmanager
 def service(engine: Engine, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-            gpu: GpuRequest | None = None) -> Iterator[Served]:
+            gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
+            writable: Sequence[tuple[str, str]] = ()) -> Iterator[Served]:
     """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""
     def refused(message: str) -> PipelineError:
         return EngineError(f"cannot start {image}: {message}")
 
     with lifetime(engine, image, "serve", f"serving {image}", refused, command=list(command), network_mode="host",
-                  volumes={src: {"bind": dst, "mode": "ro"} for src, dst in mounts},
-                  **gpu_arguments(gpu)) as container:
+                  **extras(gpu, env=env, writable=writable, read_only=mounts)) as container:
         with engine.translating(f"serving {image}", refused):
             container.start()
         yield Served(engine, container)

@@ -509,10 +509,15 @@ class Engine:
 
     def run(self, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
             files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-            timeout: float = 300, mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
-        """Run ``argv`` (entrypoint overridden) in a new container and return its output."""
+            timeout: float = 300, env: Mapping[str, str] | None = None,
+            writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+        """Run ``argv`` (entrypoint overridden) in a new container and return its output.
+
+        ``writable``: (host folder, container path) bind mounts it may write, e.g. a compile cache;
+        ``mounts``: ones it may only read (the runner's folder).
+        """
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
-                              timeout=timeout, mounts=mounts)
+                              timeout=timeout, env=env, writable=writable, mounts=mounts)
 
     def read_files(self, image: str, paths: Sequence[str],
                    keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:
@@ -524,9 +529,13 @@ class Engine:
         return layers.opened(self, image)
 
     def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-                gpu: GpuRequest | None = None) -> AbstractContextManager[containers.Served]:
-        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`)."""
-        return containers.service(self, image, command, mounts=mounts, gpu=gpu)
+                gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
+                writable: Sequence[tuple[str, str]] = ()) -> AbstractContextManager[containers.Served]:
+        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`).
+
+        ``mounts`` are read-only, ``writable`` writable (host folder, container path) bind mounts.
+        """
+        return containers.service(self, image, command, mounts=mounts, gpu=gpu, env=env, writable=writable)
 
     def _containers(self, label: str) -> list[dict[str, Any]]:
         found = self._json("GET", "/containers/json", "listing containers",
