@@ -87,37 +87,12 @@ def keep_metadata(path: str) -> bool:
 # -- reading ------------------------------------------------------------------
 
 
-def read_site(engine: Engine, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata,
-              dist: tuple[str, str] | None = None) -> Tree:
-    """The image's files a judgement needs: every file hashed, dist-info metadata kept.
-
-    With ``dist`` (name, version): that distribution's dist-info folder, then
-    every top-level entry of the site folder its RECORD lists (its package
-    folders, whole: files there that no RECORD lists are named), and what the
-    RECORD lists outside the site folder. A real vLLM image's site folder
-    holds many GB of other distributions (torch, the NVIDIA libraries), which
-    smoke and the push re-check would otherwise read on every run. Without
-    ``dist``, the whole site folder (what a pinned set judges: the pinned
-    distributions beside vLLM's).
-    """
-    site = posixpath.normpath(site_dir)
+def read_site(engine: Engine, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata) -> Tree:
+    """The image's site folder (every file hashed, dist-info metadata kept), and what RECORDs list outside it."""
     with engine.files(image_id) as reader:
-        if dist is None:
-            tree = reader.read([site], keep)
-        else:
-            name, version = dist
-            infos = sorted({f"{site}/{n}-{version}.dist-info" for n in (name, name.replace("-", "_"),
-                                                                           canonical(name).replace("-", "_"))})
-            tree = reader.read(infos, keep)
-            tops = sorted({posixpath.join(site, posixpath.relpath(p, site).split("/", 1)[0])
-                           for d in distributions(tree, site).values() for p, _ in d.rows
-                           if p.startswith(site + "/") and not p.startswith(d.info_dir + "/")})
-            if tops:
-                more = reader.read(tops, keep)
-                tree = Tree({**tree.entries, **more.entries}, {**tree.kept, **more.kept},
-                            tuple(m for m in tree.missing if not m.endswith(".dist-info")) + more.missing)
-        outside = sorted({p for d in distributions(tree, site).values() for p, _ in d.rows
-                          if not p.startswith(site + "/")})
+        tree = reader.read([site_dir], keep)
+        outside = sorted({p for d in distributions(tree, site_dir).values() for p, _ in d.rows
+                          if not p.startswith(site_dir.rstrip("/") + "/")})
         if not outside:
             return tree
         more = reader.read(outside)
@@ -515,7 +490,7 @@ class FileChecks:
 
 def base_findings(engine: Engine, cache: Path | None, base_id: str, package: str, site_dir: str,
                   roots: Sequence[str] = (), say: Callable[[str], None] = lambda _l: None,
-                  version: str = "") -> dict[str, dict[str, str]] | None:
+                  ) -> dict[str, dict[str, str]] | None:
     """The base's own deviations (cached per base image ID), or None when the base is not in the engine."""
     from . import sources  # here: only a judgement relative to a base needs the cache
 
@@ -526,8 +501,7 @@ def base_findings(engine: Engine, cache: Path | None, base_id: str, package: str
     if engine.image(base_id) is None:
         say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
         return None
-    scope = (package, version) if version and not roots else None
-    read = scan(read_site(engine, base_id, site_dir, dist=scope), site_dir, package, roots=roots).to_dict()
+    read = scan(read_site(engine, base_id, site_dir), site_dir, package, roots=roots).to_dict()
     sources.store_findings(cache, base_id, key, read)
     return read
 
@@ -541,8 +515,7 @@ def check_image(engine: Engine, cache: Path | None, image_id: str, want: Expecte
         failed = [{"name": n, "status": "fail", "detail": why, "data": {"answered_by": FILESYSTEM}}
                   for n in ("patch-landed", "integrity")]
         return FileChecks(tuple(failed), Judged(failed[1]))
-    scope = (want.package, want.version) if want.version and not roots else None
-    tree = read_site(engine, image_id, site_dir, landed_keep(site_dir, want.files), scope)
+    tree = read_site(engine, image_id, site_dir, landed_keep(site_dir, want.files))
     sources = {rel: tree.kept[posixpath.join(site_dir, rel)] for rel in want.files
                if posixpath.join(site_dir, rel) in tree.kept}
     put = landed(tree, site_dir, want.files, want.cache_tag, sources)
@@ -560,7 +533,7 @@ def check_image(engine: Engine, cache: Path | None, image_id: str, want: Expecte
                    "data": {"answered_by": FILESYSTEM}})
     base = None
     if want.base_id and want.base_id != image_id:
-        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say, want.version)
+        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say)
     judged = judge(scan(tree, site_dir, want.package, want.files, roots), want.package, base)
     checks.append(judged.check)
     return FileChecks(tuple(checks), judged)
