@@ -792,22 +792,32 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
 
 @main.command()
-@click.argument("ref", metavar="REF", type=REFERENCE)
+@click.argument("ref", metavar="REF", type=IMAGE)
 @click.option("--key", "key", required=True, metavar="PUBKEY",
               help="The public key the verdict must be signed with (PEM file, or env:NAME).")
 @click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
               help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
+@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Check this signed verdict file instead of the registry's; REF is then the "
+                                 "image's ID (sha256:...), the subject it must name.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
-def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool, as_json: bool) -> None:
-    """Check the signed smoke verdict attached to REF in its registry."""
-    from . import attest, refs
+def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool,
+           attestation_path: Path | None, as_json: bool) -> None:
+    """Check the signed smoke verdict attached to REF in its registry (or given as a file)."""
+    from . import attest
 
-    refs.check_reference(ref, "image")
     products = [p.strip() for p in require_gpu.split(",") if p.strip()]
-    digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
-                                     gpu_products=products)
+    if attestation_path is not None:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
+            raise UsageError(f"verify --attestation: REF {ref!r} must be the image's ID (sha256:<64 hex>)")
+        digest = ref
+        accepted = attest.judge(attest.local_candidates(obj.root, ref, attestation_path), {ref}, ref, key,
+                                gpu_verified=not allow_gpu_unverified, gpu_products=products)
+    else:
+        digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
+                                         gpu_products=products)
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
     if as_json:
         _json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "status": accepted.report.get("status"),
