@@ -11,6 +11,9 @@ PLATFORM_FLAG = $(if $(PLATFORM),--platform $(PLATFORM),)
 # make push ALLOW_GPU_UNVERIFIED=1: push an image smoke-tested on a host without GPUs
 GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
+# Error hints then name make variables (ALLOW_GPU_UNVERIFIED=1), not the CLI's flags.
+export VLLM_HOTFIX_VIA_MAKE := 1
+
 .DEFAULT_GOAL := help
 .PHONY: help setup services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms clean \
 	clean-records
@@ -19,7 +22,7 @@ PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
 STANDIN_REGISTRY ?= 127.0.0.1:5000/vllm
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 setup: ## Install system packages (docker.io, docker-registry, mmdebstrap) and the tool
 	.ci/services install
@@ -46,7 +49,11 @@ smoke: ## Smoke-test an image: make smoke IMAGE=...
 push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
 	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG)
 
-demo: setup services ## End to end on a local engine: stand-in base, build, smoke, push to a local registry
+demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry (downloads ~56 MB)
+	@echo "==> demo: starts a Docker engine and a registry on 127.0.0.1:5000 unless they answer, downloads the"
+	@echo "    vLLM $(BASE) wheel (about 56 MB, once, into build/cache) for the stand-in base, then builds and pushes"
+	.ci/services start-engine
+	.ci/services start-registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --base $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified

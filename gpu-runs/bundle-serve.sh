@@ -8,13 +8,16 @@
 #
 # DIR receives payload/ and parts/part-NN (PART_SIZE each, default 62M):
 #   payload/engine.tar.xz     Docker 26.1 binaries (made by gpu-runs/bundle.sh)
-#   payload/vllm-0.25.1-*.whl the PyPI wheel with two members deleted (zip -d,
-#                             nothing recompressed; RECORD still lists them, so
-#                             the smoke integrity check names them as absent):
+#   payload/vllm-0.25.1-*.whl the PyPI wheel minus two members AND their lines
+#                             in its RECORD (zip -d, nothing else recompressed):
 #                             vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so (190 MB,
 #                             the Ampere flash-attention build; Hopper uses FA3)
 #                             and vllm/vllm-rs (the opt-in Rust front end,
-#                             VLLM_USE_RUST_FRONTEND=1 only)
+#                             VLLM_USE_RUST_FRONTEND=1 only). The smoke
+#                             integrity check stops GPU-verified for a compiled
+#                             file RECORD lists but the image lacks, so the GPU
+#                             base is "the PyPI wheel minus these two members
+#                             and their RECORD lines", and records say so.
 #   payload/wheels/deps/      vLLM 0.25.1's requirements that the GPU host's
 #                             Python lacks (list: gpu-runs/serve-wheels.txt)
 #   payload/wheels/tool/      docker and unidiff for the tool itself
@@ -39,11 +42,34 @@ if [ ! -f "$dest/payload/engine.tar.xz" ]; then
   rm -rf "$tmp"
 fi
 reduced=$dest/payload/$(basename "$wheel")
+LEFT_OUT='vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs'
 if [ ! -f "$reduced" ]; then
   cp "$wheel" "$reduced.tmp"
-  zip -q -d "$reduced.tmp" 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs'
+  # shellcheck disable=SC2086  # two member names, no spaces
+  zip -q -d "$reduced.tmp" $LEFT_OUT
+  # RECORD must not list what the wheel no longer holds: drop those lines, put RECORD back.
+  record=vllm-0.25.1.dist-info/RECORD
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/${record%/*}"
+  unzip -p "$reduced.tmp" "$record" | grep -v -e '^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so,' -e '^vllm/vllm-rs,' \
+    >"$tmp/$record"
+  zip -q -d "$reduced.tmp" "$record"
+  (cd "$tmp" && zip -q -X "$reduced.tmp" "$record")
+  rm -rf "$tmp"
   mv "$reduced.tmp" "$reduced"
 fi
+# Whatever made it: no RECORD line may name a member the wheel lacks.
+"$PY" - "$reduced" <<'PYEOF'
+import csv, io, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    names = set(z.namelist())
+    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    rows = list(csv.reader(io.TextIOWrapper(z.open(record), encoding="utf-8")))
+missing = [r[0] for r in rows if r and r[0] not in names]
+if missing:
+    sys.exit(f"{sys.argv[1]}: RECORD lists {len(missing)} member(s) the wheel lacks: {', '.join(missing[:5])}")
+print(f"  {sys.argv[1].rsplit('/', 1)[-1]}: RECORD lists {len(rows)} entries, every one in the wheel")
+PYEOF
 pyget() {
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \

@@ -1,7 +1,11 @@
 """Helpers for running the pipeline on a GPU host through its own Docker engine.
 
     python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...] [--cuda]
-    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--timings RUN_LOG]
+    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--patched-cold REPORT]
+                                    [--timings RUN_LOG] [--model DIR] [--base REF] [--reference FILE]
+                                    [--inputs-from FILE] [--public-key PEM] [--attestation KIND=FILE ...]
+                                    [--target-seconds S] [--no-engine]
+    python3 gpu-runs/gpu_host.py inputs [--model DIR] [--base REF] [--reference FILE] [--write FILE | --check FILE]
 
 ``base`` makes a GPU base image from the host's own filesystem (its Python,
 torch and Triton, its system libraries) by ``tar`` piped to ``docker import``,
@@ -14,8 +18,30 @@ With --cuda the host's CUDA toolkit (the folder holding ``nvcc``) comes along
 and CUDA_HOME names it, as in the upstream image, where FlashInfer compiles its
 kernels at first use.
 
-``record`` folds two smoke reports (``build.py smoke --report``) into the run
-record committed under gpu-runs/.
+``record`` folds the smoke reports (``build.py smoke --report``) into the run
+record committed under gpu-runs/: the patched image with warm compile caches
+(``--patched``), the same image's first, cold run that recorded the reference
+answers (``--patched-cold``), and the unpatched base (``--unpatched``). Every
+sentence it writes is derived from the reports (``result``: per image its
+verdict, its smoke time and phase times against ``--target-seconds``, then per
+level how many requests passed, their HTTP statuses, reply lengths and finish
+reasons, the check that judged them, wrong answers with their first
+divergence, near-ties); the per-request evidence, the phase times, the compile
+cache key and the reference answers' summary are kept beside them. Each
+``--attestation KIND=FILE`` (the DSSE envelope ``smoke --attestation`` wrote)
+is verified with ``--public-key`` and recorded by file name and key ID, so the
+verdicts can be verified again on another machine. Its ``inputs`` are hashed
+(the model folder file by file, the base image's ID, the reference file, the
+reports, the public key); the base must be the image the unpatched report
+judged, and a report or envelope that does not verify is refused.
+``--no-engine`` leaves out the engine's facts and the base (a self-test
+without an engine).
+
+``inputs`` hashes the same inputs on their own: ``--write FILE`` keeps them
+after a host made them, ``--check FILE`` (a file from --write, or a record)
+refuses, naming the input, to reuse a model folder, base or reference whose
+hash is not the one written there. ``record --inputs-from FILE`` does the same
+before it writes, and a record never replaces one made from other inputs.
 
 Uses the tool's own engine module; DOCKER_HOST selects the engine.
 """
@@ -23,6 +49,7 @@ Uses the tool's own engine module; DOCKER_HOST selects the engine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -174,6 +201,57 @@ def base(args: argparse.Namespace) -> int:
     return 0
 
 
+class InputMismatch(Exception):
+    """An input is not the one a record or inputs file says it was (the message names it)."""
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_model(folder: Path) -> dict[str, Any]:
+    """The model folder's sha256: over each file's relative path and sha256, in path order."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    h = hashlib.sha256()
+    size = 0
+    for p in files:
+        h.update(f"{p.relative_to(folder).as_posix()}\0{_sha256_file(p)}\n".encode())
+        size += p.stat().st_size
+    return {"path": str(folder), "sha256": h.hexdigest(), "files": len(files), "bytes": size}
+
+
+def hash_inputs(model: str | None, base_ref: str | None, reference: str | None,
+                engine: Engine | None = None) -> dict[str, Any]:
+    """The inputs of a GPU run that a host may keep between runs, each with its hash."""
+    inputs: dict[str, Any] = {}
+    if model:
+        inputs["model"] = hash_model(Path(model))
+    if base_ref:
+        info = (engine or Engine.connect()).image(base_ref)
+        if info is None:
+            raise InputMismatch(f"base {base_ref}: not in the engine")
+        inputs["base"] = {"ref": base_ref, "id": info.id}
+    if reference:
+        data = json.loads(Path(reference).read_text(encoding="utf-8"))
+        inputs["reference"] = {"path": reference, "sha256": _sha256_file(Path(reference)),
+                               "content_sha256": data.get("sha256")}
+    return inputs
+
+
+def compare_inputs(have: dict[str, Any], recorded: dict[str, Any], where: str) -> None:
+    """InputMismatch naming the first input whose hash is not the one ``where`` recorded."""
+    keys = {"model": "sha256", "base": "id", "reference": "sha256"}
+    for name, key in keys.items():
+        if name in have and name in recorded and have[name].get(key) != recorded[name].get(key):
+            what = have[name].get("path") or have[name].get("ref")
+            raise InputMismatch(f"{name} {what}: {key} {have[name].get(key)}, but {where} was made with "
+                                f"{recorded[name].get(key)}: not the same input (make it again, or use that one)")
+
+
 def _image(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "ref": report.get("image"),
@@ -182,6 +260,8 @@ def _image(report: dict[str, Any]) -> dict[str, Any]:
         "gpu_verified": report.get("gpu_verified"),
         "gpu": report.get("gpu"),
         "seconds": report.get("seconds"),
+        "phases": report.get("phases") or {},
+        "compile_cache": (report.get("environment") or {}).get("compile_cache"),
         "checks": [{"name": c.get("name"), "status": c.get("status"), "detail": c.get("detail")}
                    for c in report.get("checks", [])],
         "topk_layout": _topk(report),
@@ -189,19 +269,31 @@ def _image(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
+                    "finish_reason", "reply_sha256", "judged_by", "passed", "divergence", "gap_nats", "error")
+
+
 def _serve(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The serve sweep: per level latency and throughput, and how the server ended."""
+    """The serve sweep: per level its summary, per request its evidence (as rows), and how the server ended."""
     check = next((c for c in report.get("checks", []) if c.get("name") == "serve-sweep"), None)
     if check is None:
         return None
     sweep = report.get("sweep") or {}
+    levels = []
+    for level in sweep.get("levels") or []:
+        summary = {k: v for k, v in level.items() if k != "per_request"}
+        rows = [[ev.get(c) for c in EVIDENCE_COLUMNS] for ev in level.get("per_request") or []]
+        levels.append({**summary, "per_request": {"columns": list(EVIDENCE_COLUMNS), "rows": rows}})
     return {
         "status": check.get("status"),
         "detail": check.get("detail"),
         "seconds": check.get("seconds"),
         "model": sweep.get("model"),
+        "max_tokens": sweep.get("max_tokens"),
+        "min_tokens": sweep.get("min_tokens"),
+        "reference": sweep.get("reference"),
         "failed_level": sweep.get("failed_level"),
-        "levels": sweep.get("levels"),
+        "levels": levels,
         "server_log_tail": (check.get("data") or {}).get("server_log")
         or (sweep.get("server_log") or "").splitlines()[-40:],
     }
@@ -221,28 +313,217 @@ def _topk(report: dict[str, Any]) -> dict[str, Any] | None:
                                              "attention", "error", "read_out_of_bounds") if k in result})
         runs[scenario] = entry
     stubs = next((r.get("import", {}).get("stubs") for r in (data.get("runs") or {}).values() if r.get("import")), None)
-    return {"outcomes": data.get("outcomes"), "stubs": stubs, "runs": runs}
+    path = data.get("path") or next((r.get("path") for r in (data.get("runs") or {}).values() if r.get("path")),
+                                    None)
+    return {"outcomes": data.get("outcomes"), "stubs": stubs, "path": path, "runs": runs}
+
+
+def _counts(values: list[Any]) -> str:
+    seen: dict[str, int] = {}
+    for v in values:
+        seen[str(v)] = seen.get(str(v), 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(seen.items()))
+
+
+def _span(values: list[int]) -> str:
+    return "-" if not values else str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def level_sentence(level: dict[str, Any]) -> str:
+    """One level in words, from its requests' evidence alone (its summary where a report has none)."""
+    c, n = level.get("concurrency"), level.get("requests")
+    evidence = level.get("per_request") or []
+    if not evidence:
+        return (f"concurrency {c}: {level.get('successes')}/{n} passed (no per-request evidence in the report; "
+                f"shortest reply {level.get('shortest_reply_tokens')} tokens, finish reasons "
+                f"{_counts([k for k, m in (level.get('finish_reasons') or {}).items() for _ in range(m)]) or 'none'})")
+    passed = sum(bool(ev.get("passed")) for ev in evidence)
+    parts = [f"concurrency {c}: {passed}/{len(evidence)} passed",
+             f"HTTP status {_counts([ev.get('http_status') or 'no answer' for ev in evidence])}"]
+    replies = [ev for ev in evidence if ev.get("reply_tokens") is not None]
+    if replies:
+        parts.append(f"replies of {_span(sorted(ev['reply_tokens'] for ev in replies))} tokens "
+                     f"(finish_reason {_counts([ev.get('finish_reason') for ev in replies])})")
+    parts.append(f"judged by {_counts([ev.get('judged_by') for ev in evidence])}")
+    wrong = [ev for ev in replies if ev.get("judged_by") == "reference" and not ev.get("passed")]
+    ties = [ev for ev in replies if ev.get("judged_by") == "reference" and ev.get("passed")
+            and ev.get("divergence") is not None]
+    if any(ev.get("judged_by") == "reference" for ev in replies):
+        where = sorted(ev["divergence"] for ev in wrong if ev.get("divergence") is not None)
+        first = f" (first divergence at token {_span(where)})" if where else ""
+        parts.append(f"{len(wrong)} wrong answer(s){first}")
+        gaps = [ev["gap_nats"] for ev in ties if ev.get("gap_nats") is not None]
+        parts.append(f"{len(ties)} near-tie(s)" + (f" (widest {max(gaps):.3f} nats)" if gaps else ""))
+    short = [ev for ev in evidence if ev.get("judged_by") == "min-tokens" and not ev.get("passed")]
+    if short:
+        parts.append(f"{len(short)} short repl(ies)")
+    return "; ".join(parts)
+
+
+def time_sentence(img: dict[str, Any], target: float | None = None) -> str:
+    """The smoke's wall time and each phase's, from the report."""
+    seconds = img.get("seconds")
+    phases = img.get("phases") or {}
+    words = f"smoke {seconds:.1f} s" if isinstance(seconds, (int, float)) else "smoke time not reported"
+    if target is not None and isinstance(seconds, (int, float)):
+        words += f" ({'at or under' if seconds <= target else 'over'} the {target:g} s target)"
+    words += "; phases: " + (", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) or "not reported")
+    cache = img.get("compile_cache")
+    if cache:
+        words += f"; compile cache {cache.get('base_id', '')[:12]}/{cache.get('gpu')}"
+    return words
+
+
+def image_sentences(img: dict[str, Any], target: float | None = None) -> list[str]:
+    """What one image's report shows, in words: its verdict and times, then each level the sweep ran."""
+    serve = img.get("serve") or {}
+    head = f"{img.get('status')} ({'GPU-verified' if img.get('gpu_verified') else 'GPU-unverified'})"
+    not_applicable = (img.get("gpu") or {}).get("not_applicable")
+    if not_applicable:
+        head += f"; not applicable on this GPU family: {'; '.join(map(str, not_applicable))}"
+    failing = [c["name"] for c in img.get("checks") or [] if c.get("status") not in ("pass", "skip")]
+    if failing:
+        head += f"; checks not passed: {', '.join(failing)}"
+    head += f"; {time_sentence(img, target)}"
+    if not serve:
+        return [head + "; no serve sweep"]
+    ref = serve.get("reference")
+    how = (f"reference answers {ref.get('file')} (sha256 {ref.get('sha256')}, {ref.get('prompts')} prompts, "
+           f"tolerance {ref.get('tolerance_nats')} nats)" if ref else
+           f"at least {serve['min_tokens']} tokens per reply" if serve.get("min_tokens") else "HTTP status only")
+    head += f"; serve sweep {serve.get('status')}, judged by {how}"
+    if serve.get("failed_level") is not None:
+        head += f", failed at concurrency {serve['failed_level']}"
+    rows = [_rows_to_evidence(level) for level in serve.get("levels") or []]
+    return [head, *(level_sentence(level) for level in rows)]
+
+
+def _rows_to_evidence(level: dict[str, Any]) -> dict[str, Any]:
+    table = level.get("per_request") or {}
+    if isinstance(table, dict):
+        cols = table.get("columns") or []
+        return {**level, "per_request": [dict(zip(cols, row, strict=True)) for row in table.get("rows") or []]}
+    return level
+
+
+def _load_json(path: str, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InputMismatch(f"{what} {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputMismatch(f"{what} {path}: not a JSON object")
+    return data
 
 
 def record(args: argparse.Namespace) -> int:
-    patched = json.loads(Path(args.patched).read_text())
-    unpatched = json.loads(Path(args.unpatched).read_text())
-    facts = Engine.connect().facts()
+    try:
+        return _record(args)
+    except InputMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def attestations(given: list[str], public_key: str | None, reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each ``KIND=FILE`` envelope verified with the public key against its report: file name, key ID, subject."""
+    if not given:
+        return {}
+    if public_key is None:
+        raise InputMismatch("--attestation needs --public-key (the key the envelopes are verified with)")
+    from vllm_hotfix import signing
+    from vllm_hotfix.errors import PipelineError
+
+    try:
+        public = signing.load_public_key(public_key)
+    except PipelineError as exc:
+        raise InputMismatch(str(exc)) from None
+    out: dict[str, Any] = {}
+    for item in given:
+        kind, _, path = item.partition("=")
+        if kind not in reports or not path:
+            raise InputMismatch(f"--attestation {item}: expected KIND=FILE, KIND one of {', '.join(reports)}")
+        try:
+            found = signing.open_envelope(Path(path).read_bytes(), public, path)
+        except OSError as exc:
+            raise InputMismatch(f"--attestation {path}: cannot read it ({exc.strerror or exc})") from None
+        except PipelineError as exc:
+            raise InputMismatch(str(exc)) from None
+        report, signed = reports[kind], found.predicate
+        for key in ("image_id", "status", "gpu_verified", "started"):
+            if signed.get(key) != report.get(key):
+                raise InputMismatch(f"--attestation {path}: its signed {key} is {signed.get(key)!r}, the {kind} "
+                                    f"report's {report.get(key)!r}: not the verdict of that run")
+        out[kind] = {"file": Path(path).name, "sha256": _sha256_file(Path(path)), "key_id": found.key_id,
+                     "verified": True, "subjects": sorted(found.digests), "status": signed.get("status"),
+                     "gpu_verified": signed.get("gpu_verified")}
+    return out
+
+
+def _record(args: argparse.Namespace) -> int:
+    given = {"patched": args.patched, "patched_cold": args.patched_cold, "unpatched": args.unpatched}
+    reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
+    patched, unpatched = reports["patched"], reports["unpatched"]
+    engine = None if args.no_engine else Engine.connect()
+    facts = engine.facts() if engine is not None else None
+    inputs = hash_inputs(args.model, None if engine is None else args.base, args.reference, engine)
+    if "base" in inputs and inputs["base"]["id"] != unpatched.get("image_id"):
+        raise InputMismatch(f"base {args.base} is {inputs['base']['id']}, but the unpatched report "
+                            f"{args.unpatched} judged {unpatched.get('image_id')}")
+    if "patched_cold" in reports and reports["patched_cold"].get("image_id") != patched.get("image_id"):
+        raise InputMismatch(f"--patched-cold {args.patched_cold} judged {reports['patched_cold'].get('image_id')}, "
+                            f"but --patched {args.patched} judged {patched.get('image_id')}: not the same image")
+    for kind, report in reports.items():
+        ref = ((report.get("sweep") or {}).get("reference") or {})
+        if "reference" in inputs and ref and ref.get("sha256") != inputs["reference"]["content_sha256"]:
+            raise InputMismatch(f"--reference {args.reference}: the {kind} report was judged against other "
+                                f"reference answers (sha256 {ref.get('sha256')})")
+    for earlier in (args.inputs_from, args.out if Path(args.out).exists() else None):
+        if earlier:
+            compare_inputs(inputs, _load_json(earlier, "inputs").get("inputs") or {}, earlier)
+    signed = attestations(args.attestation or [], args.public_key, reports)
+    inputs["reports"] = {kind: {"path": path, "sha256": _sha256_file(Path(path))}
+                         for kind, path in given.items() if path}
+    if args.public_key:
+        inputs["public_key"] = {"path": args.public_key, "sha256": _sha256_file(Path(args.public_key))}
+    images = {kind: _image(report) for kind, report in reports.items()}
+    for kind, found in signed.items():
+        images[kind]["attestation"] = found
     rec: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "engine": {"version": facts.server_version, "api": facts.api_version,
-                   "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)},
+                   "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)} if facts else None,
         "gpu_request_way": (patched.get("gpu") or {}).get("way"),
-        "images": {"patched": _image(patched), "unpatched": _image(unpatched)},
+        "gpu_devices": (patched.get("gpu") or {}).get("devices"),
+        "inputs": inputs,
+        "images": images,
+        "smoke_seconds_target": args.target_seconds,
+        "result": {kind: image_sentences(img, args.target_seconds) for kind, img in images.items()},
     }
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
         rec["timings"] = [ln for ln in Path(args.timings).read_text().splitlines() if ln.startswith(("[", "  gpu:"))]
     Path(args.out).write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
     for kind, img in rec["images"].items():
-        print(f"{kind}: {img['ref']} {img['id']} {img['status']} (gpu_verified {img['gpu_verified']})")
+        print(f"{kind}: {img['ref']} {img['id']}")
+        for line in rec["result"][kind]:
+            print(f"  {line}")
         for c in img["checks"]:
             print(f"  {c['status']:<4} {c['name']}: {str(c['detail'])[:400]}")
+    return 0
+
+
+def inputs_cmd(args: argparse.Namespace) -> int:
+    try:
+        have = hash_inputs(args.model, args.base, args.reference)
+        if args.check:
+            data = _load_json(args.check, "--check")
+            compare_inputs(have, data.get("inputs") or {}, args.check)
+    except InputMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.write:
+        Path(args.write).write_text(json.dumps({"inputs": have}, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(have, sort_keys=True))
     return 0
 
 
@@ -261,9 +542,23 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out")
     r.add_argument("--patched", required=True)
     r.add_argument("--unpatched", required=True)
+    r.add_argument("--patched-cold", default=None, help="the patched image's first run, with cold compile caches")
     r.add_argument("--timings", default=None)
+    r.add_argument("--public-key", default=None, help="PEM public key the --attestation envelopes verify with")
+    r.add_argument("--attestation", action="append", default=None, metavar="KIND=FILE",
+                   help="a DSSE envelope of one report (KIND: patched, patched_cold, unpatched); repeatable")
+    r.add_argument("--target-seconds", type=float, default=120.0, help="the smoke time each image should meet")
+    r.add_argument("--no-engine", action="store_true", help="record without an engine (no engine facts, no base)")
+    for parser in (r, i := sub.add_parser("inputs", help="hash the inputs a host keeps; check them before reuse")):
+        parser.add_argument("--model", default=None, help="the model folder served")
+        parser.add_argument("--base", default=None, help="the base image (the unpatched image of the run)")
+        parser.add_argument("--reference", default=None, help="the reference answers file the sweep judged against")
+    r.add_argument("--inputs-from", default=None, help="refuse unless the inputs match this inputs file or record")
+    check = i.add_mutually_exclusive_group()
+    check.add_argument("--write", default=None, help="keep the hashes in this file")
+    check.add_argument("--check", default=None, help="refuse (exit 2) unless the inputs match this file or record")
     args = ap.parse_args(argv)
-    return base(args) if args.cmd == "base" else record(args)
+    return {"base": base, "record": record, "inputs": inputs_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class BuildJob:
     pinned: Prepared | None = None
     on_image: Callable[[str], None] | None = None  # hears the image ID as soon as it is known
     say: Callable[[str], None] = _quiet
+    nocache: bool = False  # --rebuild: the engine's build cache must not stand in for a build
 
 
 class Builder(Protocol):

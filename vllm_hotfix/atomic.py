@@ -72,3 +72,24 @@ def write_atomic(
                 tmp.unlink()
             except OSError as exc:  # the write's own error, if any, is the one to report
                 log.debug("cannot remove %s: %s", tmp, exc)
+
+
+def claim(path: Path, *, mode: int = 0o600, error: type[PipelineError] = StorageError) -> bool:
+    """Create ``path`` empty if no file has that name yet: True if this call made it, False if one was there.
+
+    ``O_EXCL`` makes the test and the creation one step, so of any number of
+    processes claiming the same name exactly one gets True (the journal hands
+    out its sequence numbers this way). Any other OSError becomes ``error``
+    naming ``path``.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise error(f"cannot create {path}: the disk is full ({exc.strerror})") from exc
+        raise error(f"cannot create {path}: {exc.strerror or exc}") from exc
+    os.close(fd)
+    return True

@@ -9,8 +9,13 @@ body only calls the library and prints what comes back.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import signal
 import sys
+import tempfile
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +25,17 @@ import click
 from . import __version__
 from .assemble import BUILDERS
 from .engine import Engine
-from .errors import EXIT_INTERRUPTED, BuildError, PipelineError, UsageError, exit_table
+from .errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    BaseImageError,
+    BuildError,
+    PinError,
+    PipelineError,
+    Terminated,
+    UsageError,
+    exit_table,
+)
 from .pulling import PULL_POLICIES
 
 if TYPE_CHECKING:
@@ -30,7 +45,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def progress(line: str) -> None:
-    click.echo(line, err=True)
+    # An engine's last status chunk can be empty (a push ended with a blank line): say only what has words.
+    if line.strip():
+        click.echo(line, err=True)
+
+
+# Hints name the command line's flags; run through `make`, the user's handle is a make variable.
+_MAKE_SPELLING = {"--allow-gpu-unverified": "ALLOW_GPU_UNVERIFIED=1", "--platform all": "PLATFORM=all"}
+VIA_MAKE_ENV = "VLLM_HOTFIX_VIA_MAKE"
 
 
 def _json(data: Any) -> None:
@@ -47,7 +69,11 @@ def report_error(exc: PipelineError) -> int:
             click.echo("  | " + line, err=True)
     click.secho(f"error: {exc}", fg="red", err=True)
     if exc.hint:
-        click.echo(f"hint: {exc.hint}", err=True)
+        hint = exc.hint
+        if os.environ.get(VIA_MAKE_ENV):
+            for flag, variable in _MAKE_SPELLING.items():
+                hint = hint.replace(f"pass {flag}", f"run make again with {variable}").replace(flag, variable)
+        click.echo(f"hint: {hint}", err=True)
     return exc.exit_code
 
 
@@ -75,6 +101,58 @@ class Ctx:
         return self._engine
 
 
+class Checked(click.ParamType):
+    """A value checked by a function of :mod:`refs` while the command line is parsed, before any work.
+
+    Every IMAGE, REF, --tag and --base-repo of every command is one of these
+    (a unit test walks the commands to hold that), so no command can reach the
+    engine with a reference the engine would refuse with its own words.
+    """
+
+    def __init__(self, name: str, check: Callable[[str, str], str]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None:
+            return None
+        what = self.name
+        if param is not None:
+            what = param.opts[0] if isinstance(param, click.Option) else (param.metavar or param.name or what)
+        return self._check(str(value), what)
+
+
+def _tag_only(value: str, what: str) -> str:
+    from . import refs
+
+    return refs.check_reference(value, what, tag_only=True)
+
+
+def _image_id(value: str, what: str) -> str:
+    from . import refs
+
+    if not refs.IMAGE_ID.match(value):
+        raise UsageError(f"{what} {refs.shown(value)}: not an image ID (sha256:HEX or 12+ hex digits; list shows them)")
+    return value
+
+
+def _refs_check(name: str) -> Callable[[str, str], str]:
+    def check(value: str, what: str) -> str:
+        from . import refs
+
+        fn: Callable[[str, str], str] = getattr(refs, name)
+        return fn(value, what)
+
+    return check
+
+
+IMAGE = Checked("image", _refs_check("check_image"))  # a reference or an image ID in the engine
+REFERENCE = Checked("reference", _refs_check("check_reference"))
+TAG = Checked("tag", _tag_only)  # a name:tag to set (no digest)
+REPOSITORY = Checked("repository", _refs_check("check_repository"))
+IMAGE_ID = Checked("image ID", _image_id)
+
+
 EXIT_CODES = "\b\nExit codes:\n" + "".join(f"{code:>4}  {meaning}\n" for code, meaning in exit_table()) + """
 \b
 Environment:
@@ -94,13 +172,79 @@ def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         logging.getLogger("vllm_hotfix").setLevel(logging.DEBUG)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
+def _check_root(root: Path, where: str) -> Path:
+    """The project folder must exist: a mistyped --root would otherwise show an empty project and exit 0."""
+    from . import refs
+
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise UsageError(f"{where} {refs.shown(str(root))}: {what}",
+                         hint="--root names the folder holding images/ and patches/")
+    return root.resolve()
+
+
+def _set_root(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    # --root after the subcommand: the same as before it.
+    if value is not None:
+        ctx.find_object(Ctx).root = _check_root(value, "--root")  # type: ignore[union-attr]
+
+
+# Commands that keep files in VLLM_HOTFIX_CACHE: a cache that cannot be written is a usage error at once.
+_CACHE_USERS = frozenset({"image", "render", "standin", "smoke", "check-upstream", "new-patchset", "push"})
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_environment(command: str | None) -> None:
+    """Environment values the tool puts into names, labels and paths, checked before any work."""
+    from . import refs
+
+    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
+    if run_id and not _RUN_ID.fullmatch(run_id):
+        raise UsageError(f"VLLM_HOTFIX_RUN_ID={refs.shown(run_id, 60)}: expected up to 128 letters, digits, "
+                         "'.', '_' or '-' (it names containers' labels and scratch folders)")
+    cache = os.environ.get("VLLM_HOTFIX_CACHE")
+    if cache is not None and command in _CACHE_USERS:
+        problem = writable_folder_problem(Path(cache)) if cache else "is empty"
+        if problem:
+            raise UsageError(f"VLLM_HOTFIX_CACHE={refs.shown(cache, 120)}: {problem}",
+                             hint="point it at a folder this user can write, or unset it (default build/cache)")
+
+
+def writable_folder_problem(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (made if missing), or None if they can."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """A file a command writes at its end (--report, --junit): its folder must be makeable before the work."""
+    if path is None:
+        return
+    from . import refs
+
+    if path.is_dir():
+        raise UsageError(f"{option} {refs.shown(str(path))}: is a folder; give a file name")
+    problem = writable_folder_problem(path.parent)
+    if problem:
+        raise UsageError(f"{option} {refs.shown(str(path))}: cannot write there: {problem}")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES,
+             invoke_without_command=True)
 @click.option(
     "--root",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=REPO_ROOT,
     show_default="the repository",
-    help="Folder holding images/ and patches/ (and build/ records).",
+    help="Folder holding images/ and patches/ (and build/ records); also accepted after the subcommand.",
 )
 @click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
               help="Debug logging of the tool (also accepted after the subcommand).")
@@ -108,13 +252,19 @@ def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
 @click.pass_context
 def main(ctx: click.Context, root: Path) -> None:
     """Turn a published vLLM image into a patched, tested, pushed image."""
-    ctx.obj = Ctx(root.resolve())
+    if ctx.invoked_subcommand is None:
+        # A bare `build.py`: the help, plainly (not "error: Usage: ..."); nothing was asked, nothing failed.
+        click.echo(ctx.get_help())
+        return
+    check_environment(ctx.invoked_subcommand)
+    ctx.obj = Ctx(_check_root(root, "--root"))
     ctx.call_on_close(ctx.obj.close)
 
 
 base_option = click.option("--base", "base_tag", required=True,
                            help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
-repo_option = click.option("--base-repo", default=None, help="Base repository (default: the definition's).")
+repo_option = click.option("--base-repo", type=REPOSITORY, default=None,
+                           help="Base repository (default: the definition's).")
 platform_option = click.option(
     "--platform", "platform_text", default=None, metavar="LIST|all",
     help="linux/amd64, linux/arm64, both comma-separated, or all (every platform of the base's index). "
@@ -129,7 +279,7 @@ pull_option = click.option(
 @main.command()
 @base_option
 @repo_option
-@click.option("--tag", "output_ref", default=None, help="Output reference (default REPO:TAG-<suffix>).")
+@click.option("--tag", "output_ref", type=TAG, default=None, help="Output reference (default REPO:TAG-<suffix>).")
 @pull_option
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke tests after the build.")
 @click.option("--rebuild", is_flag=True, help="Build even if a recorded build has the same inputs.")
@@ -220,7 +370,12 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
 @click.pass_obj
 def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse: Path | None,
            platform_text: str | None) -> None:
-    """Print the Dockerfile `image` would build; build nothing."""
+    """Print the Dockerfile `image` would build; build nothing.
+
+    Its COPY reads a files/ folder (the patched files and their bytecode) that
+    `image` sends to the engine as the build context; render writes no context,
+    so `docker build` of this text alone fails: build with `image`.
+    """
     from . import pipeline
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
@@ -230,6 +385,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
         progress(dockerfile.message())
         return
     click.echo(dockerfile, nl=False)
+    progress("==> its COPY needs the files/ context that `image` sends with it; `docker build` of this text "
+             "alone has none (build with `image`)")
 
 
 def _one_platform(text: str | None) -> Any:
@@ -245,7 +402,7 @@ def _one_platform(text: str | None) -> Any:
 
 @main.command("standin")
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
-@click.option("--ref", default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
+@click.option("--ref", type=TAG, default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")
 # Spelled out here (standin.DEPS_MODES) so that the CLI does not import standin at start.
 @click.option("--deps", type=click.Choice(("race", "serial")), default=None,
@@ -284,15 +441,21 @@ def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
-                   min_tokens: int | None = None) -> Any:
+                   min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
+                   compile_cache: bool = True) -> Any:
+    from . import reference, sweep
     from . import smoke as smokelib
-    from . import sweep
 
-    sweep.check_min_tokens(min_tokens)
+    answers = answers or reference.answer_options(None, None, None)
+    if serve_model is None and (answers.reference is not None or answers.record is not None):
+        raise UsageError("--reference and --record-reference need --serve-model (the model the answers are of)")
+    sweep.check_min_tokens(min_tokens, answers.reference.max_tokens if answers.reference else sweep.MAX_TOKENS)
     return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
                                  serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n,
-                                 min_tokens=min_tokens)
+                                 min_tokens=min_tokens, reference=answers.reference,
+                                 record_reference=answers.record, logprob_tolerance=answers.tolerance,
+                                 keep_going=keep_going, compile_cache=compile_cache)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -312,6 +475,16 @@ sweep_options = [
     click.option("--min-tokens", type=int, default=None,
                  help="Fail a request whose reply has fewer completion tokens (each asks for 32): for a model "
                       "that cannot stop early, where a short reply means it went wrong."),
+    click.option("--reference", "reference_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Reference answers (from --record-reference on a trusted image, same model and GPU model): "
+                      "every reply at every level must equal its answer, or diverge from it only at a near-tie."),
+    click.option("--record-reference", "record_path", type=click.Path(dir_okay=False, path_type=Path),
+                 default=None,
+                 help="Record reference answers to this new file first (the prompt set once each, concurrency 1, "
+                      "temperature 0, top-5 logprobs), then sweep against them. Only from a trusted image."),
+    click.option("--logprob-tolerance", type=float, default=None, metavar="NATS",
+                 help="A divergence from the reference passes if the reference's token is in the served top-5 "
+                      "and at most this far below the served token (default 0.5)."),
 ]
 
 
@@ -325,7 +498,7 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 
 
 @main.command()
-@click.argument("image_ref", metavar="IMAGE")
+@click.argument("image_ref", metavar="IMAGE", type=IMAGE)
 @click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
               help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
 @click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
@@ -344,22 +517,83 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "and attached beside the image when it is pushed.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
+@click.option("--keep-going", is_flag=True,
+              help="Run every phase (checks, GPU checks, serve sweep) even after one failed; by default a failed "
+                   "phase ends the run and the later ones are recorded as skipped.")
+@click.option("--compile-cache/--no-compile-cache", default=True, show_default=True,
+              help="Keep Triton, torch, vLLM and FlashInfer compile caches in "
+                   "VLLM_HOTFIX_CACHE/compile/<base ID>/<GPU model>/, mounted at /root/.cache in GPU containers.")
+@click.option("--launcher", type=click.Choice(["docker", "podman", "kubernetes"]), default="docker",
+              show_default=True,
+              help="What starts the checks in the image: the Docker engine (as always), the one-entry runner "
+                   "through podman (GPUs by CDI), or a Kubernetes Job.")
+@click.option("--emit", "emit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubernetes: write the Job and its ConfigMap (multi-document YAML) here.")
+@click.option("--submit", is_flag=True, help="kubernetes: create the Job, follow it to its end, attach its "
+                                              "signed verdict in the registry and report the one read back.")
+@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), help="kubernetes: config.")
+@click.option("--namespace", default="default", show_default=True, help="kubernetes: the Job's namespace.")
+@click.option("--node-selector", default=None, metavar="KEY=VALUE",
+              help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
+@click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
+              help="kubernetes: nvidia.com/gpu the Job asks for.")
+@click.option("--sign-secret", default=None, metavar="NAME",
+              help="kubernetes: the Secret holding the signing key (key key.pem); the runner in the Job signs.")
+@click.option("--deadline", type=click.IntRange(60), default=3600, show_default=True,
+              help="kubernetes: the Job's activeDeadlineSeconds.")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
-          attestation_path: Path | None, concurrency: str, requests_n: int, min_tokens: int | None) -> None:
+          attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
+          emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
+          gpu_count: int, sign_secret: str | None, deadline: int, concurrency: str, requests_n: int,
+          min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+          logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from . import attest, records, signing, verdicts
+    from . import attest, records, reference, signing
     from . import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
-                             min_tokens)
-    if attestation_path is not None and sign_key is None:
+                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
+                             keep_going=keep_going, compile_cache=compile_cache)
+    if attestation_path is not None and sign_key is None and sign_secret is None:
         raise UsageError("--attestation needs --sign-key")
+    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
+                         (emit_path, "--emit")):
+        check_output_file(path, option)
+    if launcher != "kubernetes" and (emit_path or submit or sign_secret or node_selector or kubeconfig):
+        raise UsageError("--emit, --submit, --kubeconfig, --node-selector and --sign-secret need "
+                         "--launcher kubernetes")
     if sign_key is not None:
         signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
+    if launcher == "kubernetes":
+        from .launchers import kubernetes as k8s
+
+        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}", namespace=namespace, gpus=gpu_count,
+                           node_selector=k8s.parse_selector(node_selector), key_secret=sign_secret,
+                           deadline_s=deadline)
+        if sign_key is not None:
+            raise UsageError("--launcher kubernetes signs in the cluster: give --sign-secret NAME, not --sign-key")
+        if not emit_path and not submit:
+            raise UsageError("--launcher kubernetes needs --emit FILE, --submit, or both")
     records.ensure_writable(obj.root)
+    if launcher != "docker":
+        verdict, envelope = _smoke_elsewhere(obj, image_ref, options, launcher, sign_key, emit_path,
+                                             spec if launcher == "kubernetes" else None, submit, kubeconfig)
+        if verdict is None:
+            return
+        entry = records.append_verdict(obj.root, verdict)
+        if envelope is not None:
+            from .launchers.plan import keep_envelope
+
+            progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
+        _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+        return
+    if obj.engine.image(image_ref) is None:
+        # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
+        raise BaseImageError(f"image {image_ref!r} is not in the engine",
+                             hint="build it with `image`, or pull it first")
     verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
     entry = records.append_verdict(obj.root, verdict)
     if sign_key is not None and verdict.judged:
@@ -367,16 +601,110 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
         if info is not None:
             signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
             progress(f"==> signed verdict: {signed}")
+    _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+
+
+def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path | None,
+                  junit_path: Path | None) -> None:
+    from . import smoke as smokelib
+    from . import verdicts
+
     if report_path:
         smokelib.write_json(verdict, report_path)
     if junit_path:
         smokelib.write_junit(verdict, junit_path)
     verdicts.require_pass(
-        verdict, image_ref, fail_hint=f"verdict: {entry.path}",
+        verdict, image_ref, fail_hint=f"verdict: {entry}",
         incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
     )
     gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
-    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s)")
+    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s; phases: "
+               f"{smokelib.format_phases(dict(verdict.phases))})")
+
+
+def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
+                     emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
+    """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
+    from .launchers import plan
+
+    if launcher == "podman":
+        from .launchers.podman import PodmanLauncher
+
+        podman = PodmanLauncher(python=options.python)
+        facts = podman.image_facts(image_ref)
+        config = facts.get("Config") or {}
+        labels = dict(config.get("Labels") or facts.get("Labels") or {})
+        image_id = "sha256:" + str(facts.get("Id", "")).removeprefix("sha256:")
+        target = plan.Target(image_ref, image_id, image_id, labels,
+                             f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
+                             entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
+                             repo_digests=tuple(facts.get("RepoDigests") or ()))
+        checks, expected_from = _file_facts(obj, image_id)
+        key = _key_file(sign_key)
+        try:
+            launched = plan.smoke(podman, obj.root, target, options,
+                                  gpu_request=None if options.gpu == "off" else options.gpu_request,
+                                  checks=checks, expected_from=expected_from, host={"launcher": "podman"},
+                                  sign_key=key, say=progress)
+        finally:
+            if key is not None and sign_key is not None and sign_key.startswith("env:"):
+                key.unlink(missing_ok=True)
+        return launched.verdict, launched.envelope
+    from .launchers import kubernetes as k8s
+    from .launchers.base import stage
+
+    if "@sha256:" in image_ref:
+        ref, labels, image_id = image_ref, {}, ""
+    else:
+        info = obj.engine.image(image_ref)
+        if info is None or not info.repo_digests:
+            raise UsageError(f"{image_ref}: a cluster pulls the image by digest: push it, then name it NAME@sha256:...")
+        ref, labels, image_id = info.repo_digests[0], dict(info.labels), info.id
+    target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
+    key_path = f"{k8s.KEY_MOUNT}/{k8s.KEY_SECRET_KEY}" if spec.key_secret else None
+    job, extra = plan.job(obj.root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
+                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace})
+    if emit_path is not None:
+        emit_path.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
+        click.echo(f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}")
+    if not submit:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = stage(Path(tmp) / "runner", job, extra)
+        launched = k8s.KubernetesLauncher(spec, kubeconfig, progress, extra).launch(ref, folder, job, None)
+    envelope = launched.envelope
+    if envelope is not None:
+        envelope = plan.attach_and_read_back(obj.engine, ref, envelope)
+        progress(f"    signed verdict attached to {ref} and read back from its registry")
+    return launched.verdict, envelope
+
+
+def _key_file(sign_key: str | None) -> Path | None:
+    """The signing key as a file the runner folder can carry (env:NAME written to a private temporary file)."""
+    if sign_key is None:
+        return None
+    if not sign_key.startswith("env:"):
+        return Path(sign_key)
+    fd, name = tempfile.mkstemp(prefix="vllm-hotfix-key-")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(os.environ.get(sign_key.removeprefix("env:"), "").encode())
+    return Path(name)
+
+
+def _file_facts(obj: Ctx, image_id: str) -> tuple[list[dict[str, Any]], str]:
+    """The file checks (landed, integrity), read from the image's layers outside it, where a Docker engine has it."""
+    from . import smoke as smokelib
+    from .errors import EngineError
+
+    try:
+        info = obj.engine.image(image_id)
+    except EngineError as exc:
+        return [{"name": "patch-landed", "status": "skip",
+                 "detail": f"no Docker engine to read the image's layers from ({str(exc).splitlines()[0]})"}], ""
+    if info is None:
+        return [{"name": "patch-landed", "status": "skip",
+                 "detail": "the Docker engine does not have this image: its layers were not read"}], ""
+    return smokelib.Smoke(obj.engine, obj.root, smokelib.SmokeOptions(), progress).file_facts(info)
 
 
 @main.command("serve-check")
@@ -387,27 +715,41 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
               help="Seconds to wait for the server's /health before giving up.")
 @with_options(sweep_options)
 def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
-                requests_n: int, min_tokens: int | None) -> None:
+                requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+                logprob_tolerance: float | None) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
 
+    from . import reference as refmod
     from . import sweep
     from .errors import SmokeError
 
+    sweep.check_url(url)
     levels = sweep.parse_levels(concurrency)
-    sweep.check_min_tokens(min_tokens)
+    answers = refmod.answer_options(reference_path, record_path, logprob_tolerance)
+    ref = answers.reference
+    sweep.check_min_tokens(min_tokens, ref.max_tokens if ref else sweep.MAX_TOKENS)
+    check_output_file(report_path, "--report")
     progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
-    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, progress=progress)
+    if answers.record is not None:
+        progress(f"==> recording reference answers from {url.rstrip('/')} (concurrency 1)")
+        ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
+        click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
+    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
+                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url))
     if report_path:
-        report_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from .atomic import write_atomic  # a full disk is one line naming the file, not a dump
+
+        write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:
         raise SmokeError(sweep.failure_message(result))
-    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}")
+    checked = f", every reply matched {ref.path} (near-ties within {answers.tolerance} nats)" if ref else ""
+    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")
 
 
 @main.command()
-@click.argument("image_ref", metavar="IMAGE")
+@click.argument("image_ref", metavar="IMAGE", type=REFERENCE)
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -450,22 +792,32 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
 
 @main.command()
-@click.argument("ref", metavar="REF")
+@click.argument("ref", metavar="REF", type=IMAGE)
 @click.option("--key", "key", required=True, metavar="PUBKEY",
               help="The public key the verdict must be signed with (PEM file, or env:NAME).")
 @click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
               help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
+@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Check this signed verdict file instead of the registry's; REF is then the "
+                                 "image's ID (sha256:...), the subject it must name.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
-def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool, as_json: bool) -> None:
-    """Check the signed smoke verdict attached to REF in its registry."""
-    from . import attest, refs
+def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool,
+           attestation_path: Path | None, as_json: bool) -> None:
+    """Check the signed smoke verdict attached to REF in its registry (or given as a file)."""
+    from . import attest
 
-    refs.check_reference(ref, "image")
     products = [p.strip() for p in require_gpu.split(",") if p.strip()]
-    digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
-                                     gpu_products=products)
+    if attestation_path is not None:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
+            raise UsageError(f"verify --attestation: REF {ref!r} must be the image's ID (sha256:<64 hex>)")
+        digest = ref
+        accepted = attest.judge(attest.local_candidates(obj.root, ref, attestation_path), {ref}, ref, key,
+                                gpu_verified=not allow_gpu_unverified, gpu_products=products)
+    else:
+        digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
+                                         gpu_products=products)
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
     if as_json:
         _json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "status": accepted.report.get("status"),
@@ -503,17 +855,30 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
         for judged in report.pins:
             click.echo(f"pin {judged['pin']}: {judged['verdict']} ({judged['detail']})")
     included = report.by_verdict("included")
-    if not report.needs_hotfix:
-        progress(f"{base_tag} carries every patch of {patch_set}: it needs no hotfix")
-    elif included:
-        progress(f"{base_tag} carries {', '.join(included)}: drop them from a set for {base_tag}, "
+    contradicting = report.pins_by_verdict("contradicts")
+    if included and report.needs_hotfix:
+        what = "every patch" if report.carries_every_patch else ", ".join(included)
+        progress(f"{base_tag} carries {what} of {patch_set}: drop them from a set for {base_tag}, "
                  "or build with --skip-included")
+    if contradicting:
+        # The release's own requirements rule these versions out: building the set on it
+        # would fail pip check, so the set is not done with, whatever its patches say.
+        raise PinError(f"{base_tag} requires other versions than {patch_set}'s pins {', '.join(contradicting)}: "
+                       f"the set still needs attention", pin=contradicting[0].split("==")[0],
+                       hint=f"update or drop them in patches/{patch_set}/pins.txt for a set for {base_tag}")
+    if not report.needs_hotfix:
+        progress(f"{base_tag} carries every patch of {patch_set}"
+                 f"{' and requires its pinned versions' if report.pins else ''}: it needs no hotfix")
+    elif report.carries_every_patch:
+        kept = [p["pin"] for p in report.pins if p.get("verdict") != "included"]
+        progress(f"{base_tag} carries every patch of {patch_set} but not its pins {', '.join(kept)}: "
+                 "a set for it would pin only")
 
 
 @main.command("new-patchset")
 @base_option
 @click.option("--from-pr", "pr", default=None, metavar="N|URL", help="Upstream PR number or URL.")
-@click.option("--from-file", "diff_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--from-file", "diff_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A diff saved on disk (offline).")
 @click.option("--title", default=None, help="Patch title (default: the PR's, or the file's name).")
 @click.option("--api-url", default=None,
@@ -538,13 +903,21 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
 
     if pin_specs and (pr is not None or diff_file is not None):
         raise UsageError("--pin goes alone: add the patch and the pins in two runs")
+    if (pr is None) == (diff_file is None) and not pin_specs:
+        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
+    # Malformed values are usage errors, found before the network or the engine is asked anything.
+    if pr is not None:
+        newpatch.parse_pr(pr, gh_repo)
+    for spec in pin_specs:
+        from . import pinfile
+
+        if pinfile.exact(spec.strip()) is None:
+            raise UsageError(f"--pin {spec!r}: write NAME==VERSION (one exact version)")
     if pin_specs:
         pinned = newpatch.add_pins(obj.root, base_tag, pin_specs, lambda: obj.engine, base_repo=base_repo,
                                    pull=pull, wheelhouse=wheelhouse, progress=progress)
         click.echo(f"pinned {', '.join(pin_specs)} in {pinned.path} (wheels for {pinned.image})")
         return
-    if (pr is None) == (diff_file is None):
-        raise UsageError("give exactly one of --from-pr N|URL and --from-file FILE (or only --pin)")
     if pr is not None:
         change = newpatch.fetch_pr(pr, api=api_url, repo=gh_repo)
         if title:
@@ -589,9 +962,9 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
 
 @main.command()
 @base_option
-@click.option("--to", "to_image", default=None,
+@click.option("--to", "to_image", type=IMAGE_ID, default=None,
               help="Image ID of a recorded build (default: the one before the tag's current image).")
-@click.option("--tag", "output_ref", default=None,
+@click.option("--tag", "output_ref", type=TAG, default=None,
               help="Reference to move (default: the newest build's output reference).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
@@ -617,6 +990,9 @@ def _accept_verbose_anywhere() -> None:
     for command in main.commands.values():
         command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
                                            callback=_verbose, help="Debug logging of the tool."))
+        command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
+                                           expose_value=False, callback=_set_root,
+                                           help="Folder holding images/ and patches/ (as before the subcommand)."))
 
 
 _accept_verbose_anywhere()
@@ -626,7 +1002,18 @@ def run(argv: Sequence[str] | None = None) -> int:
     """The process entry point: only here do errors become exit codes."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
+    signal.signal(signal.SIGTERM, _on_sigterm)
     return _run(argv, prog)
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    """Unwind as Ctrl-C does, so that containers, scratch folders and notes are cleaned up.
+
+    Further SIGTERMs are ignored from here: cleanup must not be cut short
+    halfway (whoever sent it escalates to SIGKILL if it waits too long).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def _run(argv: Sequence[str] | None, prog: str) -> int:
@@ -641,7 +1028,11 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return UsageError.exit_code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click turns an interrupt into Abort, keeping the interrupt as its cause.
+        if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+            click.secho("error: terminated", fg="red", err=True)
+            return EXIT_TERMINATED
         click.secho("error: interrupted", fg="red", err=True)
         return EXIT_INTERRUPTED
     except click.ClickException as exc:

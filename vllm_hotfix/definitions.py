@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from . import refs
-from .errors import DefinitionError
+from .errors import DefinitionError, UsageError
 
 DEFAULT_REPOSITORY = "vllm/vllm-openai"
 
@@ -48,7 +48,13 @@ _SCHEMA: dict[str, dict[str, tuple[type, bool]]] = {
     "output": {"suffix": (str, True)},
     "variant": {"name": (str, True), "hosts": (str, False)},
 }
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+# package.python is run in containers and written into the Dockerfile's RUN line:
+# a program name or an absolute path, nothing a shell or a template would read.
+_PYTHON = re.compile(r"^(?:/[A-Za-z0-9._+-]+)+\Z|^[A-Za-z0-9][A-Za-z0-9._+-]*\Z")
+# package.version is compared with the image's and written into labels: a PEP 440 shape.
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}\Z")
+_HOSTS_MAX = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,20 +139,33 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
             + f", so the file must be images/{want}.toml, not for {tag!r}"
         )
     repository = values["base"].get("repository", DEFAULT_REPOSITORY)
-    m = refs.REFERENCE.match(repository)
-    if not m or m.group(2) or m.group(3):
-        raise DefinitionError(f"{path}: base.repository {repository!r} is not a repository name "
-                              "(lowercase, no tag or digest, e.g. vllm/vllm-openai)")
+    try:
+        refs.check_repository(repository, "base.repository")
+    except UsageError:
+        raise DefinitionError(f"{path}: base.repository {refs.shown(repository, 80)} is not a repository name "
+                              "(lowercase, no tag or digest, e.g. vllm/vllm-openai)") from None
     for section, key in (("patches", "set"), ("output", "suffix"), ("package", "name")):
         if not _NAME.match(values[section][key]):
             raise DefinitionError(f"{path}: {section}.{key} {values[section][key]!r} is not a plain name")
+    python = values["package"].get("python", "python3")
+    if not _PYTHON.match(python):
+        raise DefinitionError(f"{path}: package.python {refs.shown(python, 80)} is not a program name or an "
+                              "absolute path (letters, digits, . _ + -; e.g. python3 or /opt/venv/bin/python)")
+    version = values["package"].get("version")
+    if version is not None and not _VERSION.match(version):
+        raise DefinitionError(f"{path}: package.version {refs.shown(version, 80)} is not a version "
+                              "(e.g. 0.25.1 or 0.25.1+cu129)")
+    hosts = values["variant"].get("hosts")
+    if hosts is not None and (len(hosts) > _HOSTS_MAX or not hosts.isprintable() or "{" in hosts or "$" in hosts):
+        raise DefinitionError(f"{path}: variant.hosts {refs.shown(hosts, 80)} must be one line of plain words "
+                              f"(at most {_HOSTS_MAX} characters, no '{{' or '$')")
     return ImageDefinition(
         tag=tag,
         base_repository=repository,
         base_tag=base_tag,
         package=values["package"]["name"],
         package_version=values["package"].get("version", version_from_tag(base_tag)),
-        python=values["package"].get("python", "python3"),
+        python=python,
         patch_set=values["patches"]["set"],
         suffix=values["output"]["suffix"],
         path=path,

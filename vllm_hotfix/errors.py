@@ -16,6 +16,15 @@ from collections.abc import Sequence
 # Exits that are not errors of the pipeline.
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process ended by it
+
+
+class Terminated(KeyboardInterrupt):
+    """The process got SIGTERM (docker stop, systemd, a CI runner cancelling the job).
+
+    A KeyboardInterrupt, so that it unwinds exactly as Ctrl-C does: every
+    cleanup that removes containers, scratch folders and notes runs.
+    """
 
 
 class PipelineError(Exception):
@@ -223,6 +232,10 @@ class AttestationMismatch(AttestationError):
     meaning = "a valid signed verdict about another image, or one that does not pass what was required"
 
 
+class UnusableKey(ValueError):
+    """A signing key the runner inside an image cannot use (its message never holds key material)."""
+
+
 class Malformed(ValueError):
     """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
 
@@ -245,7 +258,8 @@ def error_classes() -> list[type[PipelineError]]:
 def exit_table() -> list[tuple[int, str]]:
     """Every exit code the CLI can end with and what it means, lowest first."""
     codes = {EXIT_OK: "done (also: the base needs no hotfix, nothing built)",
-             EXIT_INTERRUPTED: "interrupted"}
+             EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+             EXIT_TERMINATED: "terminated (SIGTERM: docker stop, systemd, a cancelled CI job)"}
     for cls in error_classes():
         if "meaning" in vars(cls):
             codes[cls.exit_code] = cls.meaning

@@ -33,13 +33,20 @@ class Expected:
     version: str
     definition: str
     source: str
+    # Where the package's parent folder is in the image (the base's, which the
+    # hotfix layer writes into), the Python's bytecode tag, and the base's ID:
+    # what the image's files are read and judged by, without running it.
+    site_dir: str = ""
+    cache_tag: str = ""
+    base_id: str = ""
 
 
 def from_build(defn: definitions.ImageDefinition, base_id: str, version: str | None,
-               files: Mapping[str, str]) -> Expected:
+               files: Mapping[str, str], site_dir: str = "", cache_tag: str = "") -> Expected:
     """The expectation of a build that just patched the files itself."""
     return Expected(dict(files), defn.package, version or "", defn.tag,
-                    f"this build: patches/{defn.patch_set} applied to base {base_id[:19]}")
+                    f"this build: patches/{defn.patch_set} applied to base {base_id[:19]}",
+                    site_dir, cache_tag, base_id)
 
 
 def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
@@ -102,7 +109,8 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
                 "was edited"
             )
         source += " and agrees with the build record"
-    return Expected(files, defn.package, facts.version or "", defn.tag, source)
+    return Expected(files, defn.package, facts.version or "", defn.tag, source, facts.site_dir, facts.cache_tag,
+                    base_id)
 
 
 def _from_record_alone(entry: records.Entry | None, defn: definitions.ImageDefinition,
@@ -121,5 +129,7 @@ def _from_record_alone(entry: records.Entry | None, defn: definitions.ImageDefin
         )
     files = {rel: str(v.get("sha256")) for rel, v in (entry.data.get("files") or {}).items()}
     version = str((entry.data.get("base") or {}).get("package_version") or "")
+    site_dir = str((entry.data.get("base") or {}).get("site_dir") or "")
     return Expected(files, defn.package, version, defn.tag,
-                    f"build record {entry.path.name} (patch set unchanged; base no longer in the engine)")
+                    f"build record {entry.path.name} (patch set unchanged; base no longer in the engine)",
+                    site_dir, "", base_id)

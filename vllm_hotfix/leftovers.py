@@ -60,6 +60,7 @@ class Pending:
         self.path = runs_dir(root) / f"{owner().replace(':', '-')}.json"
         self.images: list[str] = []
         self.containers = 0  # started and not known to be removed
+        self.tags: list[tuple[str, str]] = []  # (reference, image ID): tags made only to name a push
 
     def add(self, image_id: str) -> None:
         self.images.append(image_id)
@@ -76,6 +77,16 @@ class Pending:
         self.images = []
         self._write()
 
+    def tag(self, ref: str, image_id: str) -> None:
+        """``ref`` is about to be put on ``image_id`` for a while (a push's target): a dead run's is removed."""
+        self.tags.append((ref, image_id))
+        self._write()
+
+    def untag(self, ref: str) -> None:
+        """The temporary tag ``ref`` was removed (or put back as it was)."""
+        self.tags = [t for t in self.tags if t[0] != ref]
+        self._write()
+
     def container(self, change: int) -> None:
         """+1 before a container is created, -1 once it is removed (:attr:`Engine.on_container`)."""
         self.containers = max(0, self.containers + change)
@@ -83,11 +94,12 @@ class Pending:
 
     def _write(self) -> None:
         try:
-            if not self.images and not self.containers:
+            if not self.images and not self.containers and not self.tags:
                 self.path.unlink(missing_ok=True)
                 return
             write_atomic(self.path, json.dumps({"owner": owner(), "images": self.images,
-                                                "containers": self.containers}) + "\n")
+                                                "containers": self.containers,
+                                                "tags": [list(t) for t in self.tags]}) + "\n")
         except (OSError, PipelineError) as exc:
             # Cleanup bookkeeping must never fail the run itself.
             log.debug("cannot write %s: %s", self.path, exc)
@@ -128,11 +140,12 @@ def dead_notes(root: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Remove containers and untagged images of dead runs; return how many of each.
+    """Remove containers, push target tags and untagged images of dead runs; return how many containers and images.
 
-    Asks the engine only when a dead run's note is found.
+    Asks the engine only when a dead run's note is found. A noted tag is
+    removed only while it still names the image it was put on.
     """
-    containers = images = 0
+    containers = images = tags = 0
     notes = dead_notes(root)
     if not notes:
         return 0, 0
@@ -145,6 +158,11 @@ def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) 
                         engine.remove_container(cid)
                         containers += 1
         for note, data in notes:
+            for ref, image_id in _noted_tags(data):
+                found = engine.image(ref)
+                if found is not None and found.id == image_id:
+                    engine.untag(ref)
+                    tags += 1
             for image_id in reversed(data.get("images") or []):
                 if engine.image(image_id) is not None:
                     engine.remove_untagged(str(image_id), force=False)
@@ -152,6 +170,16 @@ def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) 
             note.unlink(missing_ok=True)
     except PipelineError as exc:
         log.debug("sweep of leftovers stopped: %s", exc)
-    if say is not None and (containers or images):
-        say(f"removed leftovers of interrupted runs: {containers} container(s), {images} image(s)")
+    if say is not None and (containers or images or tags):
+        say(f"removed leftovers of interrupted runs: {containers} container(s), {images} image(s)"
+            + (f", {tags} push tag(s)" if tags else ""))
     return containers, images
+
+
+def _noted_tags(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (reference, image ID) pairs a note lists; anything of another shape is skipped."""
+    found = data.get("tags")
+    if not isinstance(found, list):
+        return []
+    return [(str(t[0]), str(t[1])) for t in found if isinstance(t, list) and len(t) == 2
+            and all(isinstance(x, str) for x in t)]

@@ -2,11 +2,15 @@
 
 Read from the journal (records.py): every build of a definition with the
 newest verdict on its image and every push of it; rollback picks among all of
-them and journals the move before making it.
+them and journals the move before making it. A verdict entry that cannot be
+read and may be about a build's image leaves that build's verdict unknown:
+``list`` shows the file, rollback never picks that build and refuses it by
+name when asked for it.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,8 @@ from . import definitions, records
 from .engine import Engine
 from .errors import NothingToRollBack, Refused
 from .verdicts import Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +35,18 @@ class Build:
     gpu_verified: bool
     incomplete_runs: int
     pushes: tuple[dict[str, str], ...]
+    # Verdict entries that may be about this image but cannot be read: while
+    # any is there, the image's verdict is not known (the unreadable one may be the newest).
+    unreadable: tuple[records.Damaged, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
+        verdict = "unreadable" if self.unreadable else self.verdict.value if self.verdict else None
         return {
             "image_id": self.image_id, "created": self.created, "output_ref": self.output_ref,
-            "record": self.record, "verdict": self.verdict.value if self.verdict else None,
+            "record": self.record, "verdict": verdict,
             "gpu_verified": self.gpu_verified,
             "incomplete_runs": self.incomplete_runs, "pushes": list(self.pushes),
+            "unreadable": [str(d.path) for d in self.unreadable],
         }
 
 
@@ -43,17 +54,22 @@ def builds(root: Path, definition: str) -> list[Build]:
     """Distinct images built for ``definition``, newest build first."""
     # Each kind of entry is read once, not once per build.
     all_verdicts, all_pushes = records.load_verdicts(root), records.load(root, "push")
+    for d in all_verdicts.damaged:
+        log.warning("journal entry %s %s", d.path, d.why)
     out: list[Build] = []
     seen: set[str] = set()
     for entry in records.builds(root, definition):
         if entry.image_id in seen:
             continue
         seen.add(entry.image_id)
-        judged = records.judgement(root, entry.image_id, all_verdicts)
-        newer_incomplete = [
-            v for v in records.verdicts(root, entry.image_id, all_verdicts)
-            if not v.verdict.judged and (judged is None or v.seq > judged.seq)
-        ]
+        unreadable = tuple(all_verdicts.damaged_for(entry.image_id))
+        judged, newer_incomplete = None, []
+        if not unreadable:
+            judged = records.judgement(root, entry.image_id, all_verdicts)
+            newer_incomplete = [
+                v for v in records.verdicts(root, entry.image_id, all_verdicts)
+                if not v.verdict.judged and (judged is None or v.seq > judged.seq)
+            ]
         out.append(Build(
             image_id=entry.image_id,
             created=entry.created,
@@ -66,6 +82,7 @@ def builds(root: Path, definition: str) -> list[Build]:
                 {"ref": str(p.data.get("ref")), "digest": str(p.data.get("digest")), "at": p.created}
                 for p in records.pushes(root, entry.image_id, all_pushes)
             ),
+            unreadable=unreadable,
         ))
     return out
 
@@ -115,17 +132,21 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
         target = match[0]
         if engine.image(target.image_id) is None:
             raise NothingToRollBack(f"{target.image_id}: recorded but no longer in the engine")
+        if target.unreadable:
+            raise target.unreadable[0].error()
         if target.verdict is Status.FAIL:
             raise Refused(f"{target.image_id[:19]} failed its newest smoke run; refusing to tag it {ref}")
     else:
         start = order.index(current_id) + 1 if current_id in order else 0
+        # A build whose verdict cannot be read is never picked: its newest verdict may be a fail.
         usable = [b for b in made[start:]
-                  if b.image_id != current_id and b.verdict is not Status.FAIL and engine.image(b.image_id)]
+                  if b.image_id != current_id and b.verdict is not Status.FAIL and not b.unreadable
+                  and engine.image(b.image_id)]
         if not usable:
             raise NothingToRollBack(
                 f"no earlier build of {defn.tag} to roll {ref} back to "
                 "(none older whose image is still in the engine and whose smoke did not fail)",
-                hint="python build.py list shows every build",
+                hint="python build.py list shows every build (and any verdict entry it cannot read)",
             )
         target = usable[0]
     if target.image_id == current_id:

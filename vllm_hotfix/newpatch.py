@@ -25,7 +25,7 @@ import unidiff
 from . import base, definitions, sources, wheels
 from . import patches as patchlib
 from .engine import Engine
-from .errors import BaseImageError, PatchError, PinError, UpstreamError
+from .errors import BaseImageError, PatchError, PinError, UpstreamError, UsageError
 from .pulling import resolve
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,49 @@ def parse_pr(spec: str, repo: str = DEFAULT_REPO) -> tuple[str, int]:
     m = _PR_URL.match(text)
     if m:
         return m.group(1), int(m.group(2))
-    raise UpstreamError(f"{spec!r} is neither a PR number nor a pull request URL (…/OWNER/REPO/pull/N)")
+    raise UsageError(f"--from-pr {spec!r}: neither a PR number nor a pull request URL (…/OWNER/REPO/pull/N)")
+
+
+def network_cause(exc: BaseException, url: str) -> str:
+    """What went wrong reaching ``url``, in words: name resolution, refused, timed out, TLS.
+
+    requests wraps the socket's error two or three levels down; the class name
+    alone ("ConnectionError") does not tell a user whether to check DNS, a
+    proxy or a firewall.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).netloc or url
+    seen: set[int] = set()
+    chain: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        cur = todo.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        chain.append(cur)
+        todo += [cur.__cause__, cur.__context__, *(a for a in cur.args if isinstance(a, BaseException))]
+        reason = getattr(cur, "reason", None)
+        if isinstance(reason, BaseException):
+            todo.append(reason)
+    if any(isinstance(e, socket.gaierror) for e in chain) or any(
+            "Name or service not known" in str(e) or "Temporary failure in name resolution" in str(e)
+            or "nodename nor servname" in str(e) for e in chain):
+        return f"cannot resolve the name of {host} (offline, or no DNS)"
+    if any(isinstance(e, ConnectionRefusedError) for e in chain) or any("Connection refused" in str(e) for e in chain):
+        return f"connection refused by {host} (nothing listens there)"
+    if any(isinstance(e, requests.exceptions.Timeout) for e in chain):
+        return f"{host} did not answer in time (timed out)"
+    if any(isinstance(e, requests.exceptions.SSLError) for e in chain):
+        return f"TLS with {host} failed: {' '.join(str(exc).split())[:160]}"
+    if any(isinstance(e, requests.exceptions.ProxyError) for e in chain):
+        return f"the proxy refused or failed on the way to {host}"
+    if any(isinstance(e, OSError) and getattr(e, "errno", None) == 101 for e in chain) or any(
+            "Network is unreachable" in str(e) for e in chain):
+        return f"network unreachable on the way to {host}"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
 
 
 def fetch_pr(spec: str, *, api: str | None = None, repo: str = DEFAULT_REPO, timeout: float = 30) -> Change:
@@ -114,7 +156,7 @@ def fetch_pr(spec: str, *, api: str | None = None, repo: str = DEFAULT_REPO, tim
             resp = requests.get(url, headers={"Accept": accept}, timeout=timeout)
         except requests.exceptions.RequestException as exc:
             raise UpstreamError(
-                f"cannot fetch PR #{number} from {url}: {type(exc).__name__}",
+                f"cannot fetch PR #{number} from {url}: {network_cause(exc, url)}",
                 hint="offline? save the PR's diff elsewhere and use --from-file",
             ) from exc
         if resp.status_code != 200:

@@ -25,6 +25,7 @@ from .errors import (
     PatchConflict,
     PatchError,
     PatchNeedsFuzz,
+    StorageError,
 )
 
 NEEDED = "needed"
@@ -32,6 +33,13 @@ INCLUDED = "included"
 CONFLICTS = "conflicts"
 PINS_FILE = "pins.txt"  # beside the series: see pins.py
 
+# Patch file names go into image label keys (io.vllm-hotfix.patch.<name>) and
+# Dockerfile lines: a conservative set, so that no name can add a label, expand
+# a variable or end a quote there.
+PATCH_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
+# git's mode lines: GNU patch drops a mode change without a word, so a patch
+# holding one would build an image that is not what the patch says.
+_MODE_LINE = re.compile(r"^(?:old mode|new mode|new file mode|deleted file mode) ([0-7]+)$", re.M)
 _FAILED = re.compile(r"^Hunk #(\d+) FAILED at (\d+)")
 _FUZZ = re.compile(r"^Hunk #(\d+) succeeded at (\d+) with fuzz (\d+)")
 _FILE = re.compile(r"^(?:checking|patching) file (.+)$")
@@ -80,12 +88,19 @@ def load_series(root: Path, set_name: str, package: str) -> list[Patch]:
     if not series.is_file():
         raise PatchError(f"{series}: patch set {set_name} has no series file", patch=str(series))
     names: list[str] = []
-    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, data in enumerate(series.read_bytes().split(b"\n"), 1):
+        try:
+            raw = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PatchError(f"{series}:{lineno}: not UTF-8 text (byte {data[exc.start]:#04x} at column "
+                             f"{exc.start + 1})", patch=str(series)) from None
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        if "/" in line or line.startswith(".") or " " in line:
-            raise PatchError(f"{series}:{lineno}: {line!r} is not a file name in {series.parent}")
+        if not PATCH_NAME.match(line):
+            raise PatchError(f"{series}:{lineno}: {line!r} is not a patch file name in {series.parent} "
+                             "(letters, digits, '.', '_' and '-' only: the name becomes an image label)",
+                             patch=str(series))
         if line in names:
             raise PatchError(f"{series}:{lineno}: {line} is listed twice")
         names.append(line)
@@ -115,6 +130,14 @@ def load_patch(path: Path, package: str) -> Patch:
         line = text[: text.index("\r\n")].count("\n") + 1
         raise PatchError(f"{path}: line {line} ends in CRLF (Windows line endings); vLLM's sources use LF",
                          patch=path.name, hint=f"convert it: sed -i 's/\\r$//' {path}")
+    if not PATCH_NAME.match(path.name):
+        raise PatchError(f"{path}: the file name may hold only letters, digits, '.', '_' and '-'", patch=path.name)
+    mode = _MODE_LINE.search(text)
+    if mode is not None:
+        line = text[: mode.start()].count("\n") + 1
+        raise PatchError(f"{path}: line {line} changes a file's mode ({mode.group(0)}); the tool applies content "
+                         "only and would drop it", patch=path.name,
+                         hint="drop the old mode / new mode lines, or diff with `git -c core.fileMode=false diff`")
     files, hunks = validate(text, path.name, package)
     first = re.search(r"^(--- |diff )", text, flags=re.M)
     header = text[: first.start()].strip() if first else ""
@@ -201,7 +224,18 @@ def _patch(workdir: Path, patch: Patch, *args: str) -> tuple[int, str]:
         )
     except FileNotFoundError as exc:
         raise PatchError("GNU patch is not installed (apt-get install patch)") from exc
-    return proc.returncode, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and _DISK_FULL.search(out):
+        # patch writes its temporary copies in the scratch folder and TMPDIR: a
+        # full disk there says nothing about whether the patch applies.
+        said = next(ln.strip() for ln in out.splitlines() if _DISK_FULL.search(ln))
+        raise StorageError(
+            f"{patch.name}: cannot patch in the scratch folder {workdir}: its disk is full ({said})",
+            hint="free space there, or point TMPDIR at a disk with room")
+    return proc.returncode, out
+
+
+_DISK_FULL = re.compile(r"write error|No space left on device|Disk quota exceeded", re.I)
 
 
 def classify(patch: Patch, workdir: Path) -> tuple[str, str]:

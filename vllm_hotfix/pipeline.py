@@ -370,7 +370,8 @@ def build_image(
     pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
-    job = BuildJob(p.definition, facts, files, applied, p.template, p.output_ref, pinned, pending.add, say)
+    job = BuildJob(p.definition, facts, files, applied, p.template, p.output_ref, pinned, pending.add, say,
+                   nocache=opts.rebuild)
     image_id, made_by = _make_image(engine, job, opts.builder)
     meta = _build_meta(p, info, facts, files, applied, key_inputs, made_by, image_id, platform)
     try:
@@ -383,7 +384,8 @@ def build_image(
         if opts.smoke is not None:
             from . import expected  # here: only a smoked build states what its image must hold
 
-            want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files})
+            want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files},
+                                       facts.site_dir, facts.cache_tag)
             verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
         record = records.append(p.root, "build", meta)
         _move_tag(engine, p, image_id, "built")

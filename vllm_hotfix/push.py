@@ -1,10 +1,14 @@
 """Push a smoke-tested image to the internal registry, and prove it landed.
 
-The gate asks the journal, not a mutable record: the newest verdict that
+The gate asks the journal, not a mutable record: the newest verdict (by the
+journal's sequence, with no unreadable entry that may be about the image) that
 judged this exact image ID must be a pass (and GPU-verified unless the caller
-allows otherwise). Then, right before the push, the cheap landed check runs
-again on that image ID with hashes recomputed from the patch set and the base
-(never from the image), so an edited journal cannot push wrong files. After
+allows otherwise). Then, right before the push, the image's files are judged
+again, read from its layers (nothing of it runs, so its own interpreter cannot
+vouch for it): the patched files against hashes recomputed from the patch set
+and the base (never from the image), and the whole installed distribution
+against its RECORD relative to the base, so an edited journal can hide
+neither wrong patched files nor a failed integrity. After
 the push, the engine asks the registry (with the same credentials and scheme)
 which digest the tag resolves to.
 """
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import attest, platforms, records, refs, registry, smoke
+from . import attest, leftovers, platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
 from .errors import AttestationError, PipelineError, PushError, RecordError
 from .platforms import Platform, child_ref
@@ -46,8 +50,15 @@ def target_ref(image_ref: str, registry: str) -> str:
 
 
 def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
-    """The newest verdict that judged this exact image ID, if it lets the image through."""
-    entry = records.judgement(root, image_id)
+    """The newest verdict that judged this exact image ID, if it lets the image through.
+
+    Ordered by the journal's own sequence, never by the clocks of the runs.
+    A journal entry of any kind that may be about this image and cannot be
+    read stops the gate with a RecordError naming the file: skipping it could
+    let an older pass stand in for a newer fail.
+    """
+    records.require_readable(root, image_id, ("build", "tag", "push"))
+    entry = records.judgement(root, image_id)  # the verdict folder: checked the same way, read once
     if entry is None:
         pending = records.verdicts(root, image_id)
         why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
@@ -123,12 +134,12 @@ def push(
         raise PushError(f"image {image_ref} is not in the engine")
     verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
-    say(f"==> re-checking the patched files of {info.id[:19]} before the push")
-    problem = smoke.landed_problem(engine, root, info)
+    say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
+    problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
-    digest = _push_one(engine, info, target, attempts, say)
+    digest = _push_one(engine, root, info, target, attempts, say)
     attached = policy.attach(engine, root, info, target, digest, say)
     try:
         records.append(root, "push", {
@@ -144,9 +155,21 @@ def push(
     return Pushed(target, digest, info.id, verdict.source, tuple(attached))
 
 
-def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: Callable[[str], None]) -> str:
-    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest."""
-    had_target = engine.image(target)
+def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts: int,
+              say: Callable[[str], None]) -> str:
+    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest.
+
+    The local ``target`` tag exists only to name the push. It is noted
+    before it is made, so that a run killed mid-push has the next run remove
+    it, and afterwards it is put back as it was: removed, or pointed again
+    at the image it named before. A tag found there is never taken as the
+    pushed image: the push always re-tags ``info`` first.
+    """
+    had = engine.image(target)
+    before = had.id if had is not None else None
+    note = leftovers.pending(root)
+    if before != info.id:
+        note.tag(target, info.id)
     engine.tag(info.id, target)
     try:
         digest = _push_with_retries(engine, target, attempts, say)
@@ -154,10 +177,11 @@ def _push_one(engine: Engine, info: ImageInfo, target: str, attempts: int, say: 
         if seen != digest:
             raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
     finally:
-        # The registry tag exists only to name the push; don't leave it behind
-        # unless it was there before.
-        if had_target is None:
+        if before is None:
             engine.untag(target)
+        elif before != info.id:
+            engine.tag(before, target)
+        note.untag(target)
     return digest
 
 
@@ -218,8 +242,8 @@ def push_index(
         verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
     records.ensure_writable(root)
     for plat, info in found:
-        say(f"==> re-checking the patched files of {info.id[:19]} ({plat}) before the push")
-        problem = smoke.landed_problem(engine, root, info)
+        say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
+        problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")
@@ -228,7 +252,7 @@ def push_index(
     entries: list[tuple[str, str, str, str]] = []
     for plat, info in found:
         child_target = child_ref(target, plat)
-        digest = _push_one(engine, info, child_target, attempts, say)
+        digest = _push_one(engine, root, info, child_target, attempts, say)
         attached = policy.attach(engine, root, info, child_target, digest, say)
         children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
                          "verdict": verdicts[plat].source,

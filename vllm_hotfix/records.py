@@ -1,16 +1,36 @@
 """The journal: append-only entries under ``build/records/<kind>/``.
 
-Four kinds of entry, each written once, atomically, under a name no other run
-can choose (nanosecond time + random suffix), and never rewritten:
+Four kinds of entry, each written once, atomically, and never rewritten:
 
 - ``build``: a build's inputs, the image it produced and the files it patched;
 - ``verdict``: one smoke run's outcome for one exact image ID;
 - ``push``: an image ID landed in a registry under a reference and digest;
 - ``tag``: a local tag moved to an image ID (rollback, or a reused build).
 
+Order comes from the journal, never from a clock. Each entry carries a
+``seq`` that the journal hands out: one more than the highest number present,
+claimed by creating ``records/seq/<seq>`` with ``O_EXCL`` (a clash, another
+writer taking the same number first, means counting again). Two writers
+therefore never share a number, and a run whose clock is a day behind still
+writes the newest entry. The claims are never removed: a writer that counted
+before a claim was made must still find the name taken. Journals written
+before this carried nanosecond times as ``seq``; new entries continue above
+the highest of them. ``created`` is for people only and orders nothing.
+
+An entry is named ``<seq, 20 digits>-<image ID hex>.json`` (``<seq>.json``
+for an entry on no single image), so that an entry too damaged to read can
+still be told apart, and its ``seq`` must agree with its name.
+
 A verdict entry is a :class:`~vllm_hotfix.verdicts.Verdict` as its
-``to_dict`` writes it, and is read back through ``Verdict.from_dict``: an
-entry of the wrong shape is a RecordError naming its file, never a guess.
+``to_dict`` writes it, and is read back through ``Verdict.from_dict``.
+
+An entry that cannot be read (truncated, not JSON, a wrong type, a ``seq``
+its name contradicts) is never skipped in silence: it is a :class:`Damaged`
+entry, attributed to the image its name or its data names where either can be
+read. Whatever judges an image (the push gate, rollback, the reuse of a build)
+stops with a RecordError naming the file when a damaged entry concerns that
+image; one that names no readable image might be the image's newest verdict,
+so it concerns every image. ``list`` shows such entries and goes on.
 
 Facts are read by asking: the newest verdict that judged this image ID, every
 push of it, every build of a definition. Parallel runs therefore never lose
@@ -22,18 +42,33 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import write_atomic
+from .atomic import claim, write_atomic
 from .errors import Malformed, RecordError
 from .verdicts import Verdict
 
+log = logging.getLogger(__name__)
+
 KINDS = ("build", "verdict", "push", "tag")
+SEQ_DIR = "seq"  # the claimed sequence numbers, one empty file each
+# Counting again after a clash: each retry means another writer got a number,
+# so this many clashes in a row is a folder that refuses to behave, not a race.
+CLAIM_TRIES = 1000
+
+# <seq>[-<64 hex: image ID> | -<12 hex: random, older entries>].json
+_NAME = re.compile(r"^(\d{1,40})(?:-([0-9a-f]{64}|[0-9a-f]{12}))?\.json$")
+_LEADING_SEQ = re.compile(r"^(\d{1,40})(?:[-.]|$)")
+_IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
+
+RESTORE_HINT = "the journal is written only by this tool: restore the file from a backup, or move it out of {folder}"
 
 
 def records_dir(root: Path) -> Path:
@@ -49,6 +84,12 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _image_hex(value: object) -> str | None:
+    """The 64 hex digits of an image ID (with or without ``sha256:``), else None."""
+    m = _IMAGE_ID.match(value) if isinstance(value, str) else None
+    return m.group(1) if m else None
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     kind: str
@@ -61,12 +102,79 @@ class Entry:
 
     @property
     def seq(self) -> int:
-        """Order of writing (nanoseconds since the epoch)."""
+        """Order of writing, as the journal handed it out (checked to be an int when read)."""
         return int(self.data.get("seq", 0))
 
     @property
     def created(self) -> str:
         return str(self.data.get("created", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Damaged:
+    """A journal file that could not be read as an entry, and the images it may be about."""
+
+    kind: str
+    path: Path
+    why: str
+    images: frozenset[str]  # image ID hex digits its name or data gives; empty: cannot be told
+
+    def concerns(self, image_id: str) -> bool:
+        """Whether it may be about ``image_id``: one that names no image may be about any."""
+        return not self.images or (_image_hex(image_id) or image_id) in self.images
+
+    def error(self) -> RecordError:
+        what = "verdict entry" if self.kind == "verdict" else f"journal entry ({self.kind})"
+        return RecordError(f"{what} {self.path} {self.why}",
+                           hint=RESTORE_HINT.format(folder=self.path.parent))
+
+
+def _named_image(path: Path) -> str | None:
+    """The image ID hex an entry's file name carries (older names carry none)."""
+    m = _NAME.match(path.name)
+    return m.group(2) if m and m.group(2) and len(m.group(2)) == 64 else None
+
+
+def _sequence_in_name(name: str) -> int | None:
+    m = _LEADING_SEQ.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _highest(folder: Path) -> int:
+    """The highest sequence number claimed or carried by any entry (0 for an empty journal)."""
+    top = 0
+    for sub in (SEQ_DIR, *KINDS):
+        try:
+            names = os.listdir(folder / sub)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise RecordError(f"cannot read the journal folder {folder / sub}: {exc.strerror or exc}") from exc
+        for name in names:
+            seq = _sequence_in_name(name)
+            if seq is None and sub != SEQ_DIR and name.endswith(".json") and not name.startswith("."):
+                # A name that does not carry its number (put there by hand): its data may.
+                try:
+                    data = json.loads((folder / sub / name).read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+                raw = data.get("seq") if isinstance(data, dict) else None
+                seq = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+            if seq is not None:
+                top = max(top, seq)
+    return top
+
+
+def next_seq(root: Path) -> int:
+    """Claim the journal's next sequence number: unique among every writer, whatever their clocks say."""
+    folder = records_dir(root)
+    claims = folder / SEQ_DIR
+    for _ in range(CLAIM_TRIES):
+        seq = _highest(folder) + 1
+        if claim(claims / f"{seq:020d}", error=RecordError):
+            return seq
+    raise RecordError(f"could not claim a journal sequence number in {claims} after {CLAIM_TRIES} tries",
+                      hint="another process keeps creating files there; check the records folder")
 
 
 def _new_file(folder: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
@@ -88,48 +196,145 @@ def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
 
 def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     folder = records_dir(root) / kind
-    seq = time.time_ns()
-    # 48 random bits, as uuid4().hex[:12] gave (os.urandom: no uuid import, which loads `platform`).
-    name = f"{seq:020d}-{os.urandom(6).hex()}.json"
-    full = {"kind": kind, "seq": seq, "created": now_iso(), **data}
+    seq = next_seq(root)
+    image = _image_hex(data.get("image_id"))
+    name = f"{seq:020d}-{image}.json" if image else f"{seq:020d}.json"
+    # The journal's own fields last: data can never carry a number of its choosing.
+    full = {"created": now_iso(), **data, "kind": kind, "seq": seq}
     path = folder / name
     text = json.dumps(full, indent=2, sort_keys=True) + "\n"
-    # Exclusive: an entry is never rewritten, and a name clash (impossible in practice) fails loudly.
+    # Exclusive: an entry is never rewritten; the claimed number makes a clash a planted file, and loud.
     write_atomic(path, text, exclusive=True, mode=0o600, error=RecordError)
     return Entry(kind, path, full)
 
 
 def ensure_writable(root: Path) -> None:
     """Fail early, before any effect, if records cannot be written."""
-    folder = records_dir(root)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_file(folder, ".probe-")
+    for folder in (records_dir(root), records_dir(root) / SEQ_DIR):  # an entry needs both
         try:
-            os.write(fd, b"{}\n" * 64)
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = _new_file(folder, ".probe-")
+            try:
+                os.write(fd, b"{}\n" * 64)
+            finally:
+                os.close(fd)
+                os.unlink(tmp)
+        except OSError as exc:
+            raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
+
+
+def _read_entry(kind: str, path: Path) -> Entry | Damaged:
+    """One file of a kind folder, as an entry or as the damage that keeps it from being one."""
+    m = _NAME.match(path.name)
+    named_seq = int(m.group(1)) if m else None
+    named_image = _named_image(path)
+    images = {named_image} if named_image else set()
+
+    def damaged(why: str) -> Damaged:
+        return Damaged(kind, path, why, frozenset(images))
+
+    try:
+        raw = path.read_bytes()
     except OSError as exc:
-        raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
+        return damaged(f"cannot be read: {exc.strerror or exc}")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return damaged(f"is not a whole JSON entry (truncated or edited?): {exc}")
+    if not isinstance(data, dict):
+        return damaged(f"is malformed: a JSON {type(data).__name__}, not an object")
+    hex_id = _image_hex(data.get("image_id"))
+    if hex_id:
+        images.add(hex_id)
+    children = data.get("image_ids")  # an index push names each platform's image
+    for child in children if isinstance(children, list) else ():
+        hex_id = _image_hex(child)
+        if hex_id:
+            images.add(hex_id)
+    seq, created = data.get("seq"), data.get("created", "")
+    if data.get("kind") != kind:
+        return damaged(f"is malformed: kind {data.get('kind')!r} in the {kind!r} folder")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(created, str):
+        return damaged(f"is malformed: seq {seq!r} / created {created!r} are not a number and a time")
+    if named_seq is not None and seq != named_seq:
+        return damaged(f"is malformed: its seq {seq} is not the {named_seq} its name says")
+    if "image_id" in data and not isinstance(data["image_id"], str):
+        return damaged(f"is malformed: image_id {data['image_id']!r} is not a string")
+    if named_image and _image_hex(data.get("image_id")) not in (None, named_image):
+        return damaged(f"is malformed: it names image {data.get('image_id')}, its file name another")
+    if kind != "verdict":  # a verdict's shape is checked by Verdict.from_dict
+        wrong = _wrong_field(kind, data)
+        if wrong is not None:
+            return damaged(f"is malformed: {wrong}")
+    return Entry(kind, path, data)
+
+
+def scan(root: Path, kind: str) -> tuple[list[Entry], list[Damaged]]:
+    """Every entry of one kind, oldest first, and every file of that folder that is no readable entry."""
+    folder = records_dir(root) / kind
+    out: list[Entry] = []
+    bad: list[Damaged] = []
+    if not folder.is_dir():
+        return out, bad
+    for path in folder.glob("*.json"):
+        if path.name.startswith("."):
+            continue  # a file still being written, under its temporary name
+        got = _read_entry(kind, path)
+        if isinstance(got, Entry):
+            out.append(got)
+        else:
+            bad.append(got)
+    return sorted(out, key=lambda e: (e.seq, e.path.name)), sorted(bad, key=lambda d: d.path.name)
 
 
 def load(root: Path, kind: str) -> list[Entry]:
-    """Every entry of one kind, oldest first."""
-    folder = records_dir(root) / kind
-    out: list[Entry] = []
-    if not folder.is_dir():
-        return out
-    for path in folder.glob("*.json"):
-        if path.name.startswith("."):
+    """Every readable entry of one kind, oldest first; each damaged one is named in a warning."""
+    found, bad = scan(root, kind)
+    for d in bad:
+        log.warning("journal entry %s %s; left out", d.path, d.why)
+    return found
+
+
+def damage(root: Path, image_id: str, kinds: Iterable[str] = KINDS) -> list[Damaged]:
+    """Every damaged entry of ``kinds`` that may be about ``image_id``."""
+    return [d for kind in kinds for d in scan(root, kind)[1] if d.concerns(image_id)]
+
+
+def require_readable(root: Path, image_id: str, kinds: Iterable[str] = KINDS) -> None:
+    """Raise RecordError naming the first damaged entry that may be about ``image_id``."""
+    found = damage(root, image_id, kinds)
+    if found:
+        raise found[0].error()
+
+
+# The fields of build, push and tag entries that are read, and the type each
+# must have when present (None counts as absent): an edited or damaged entry
+# is named, never read half-way into a Python error.
+_COMMON: dict[str, type] = {"seq": int, "created": str, "image_id": str}
+_SHAPES: dict[str, dict[str, type]] = {
+    "build": {"inputs": dict, "inputs_key": str, "output_ref": str, "base": dict, "files": dict},
+    "push": {"ref": str, "digest": str, "image": str, "image_ids": list},
+    "tag": {"ref": str},
+}
+_TYPE_WORDS = {int: "a number", str: "a string", dict: "an object", list: "a list"}
+
+
+def _wrong_field(kind: str, data: Mapping[str, Any]) -> str | None:
+    """What is wrong with the type of a field this tool reads from a build, push or tag entry, if anything."""
+    wrong = None
+    for field, want in {**_COMMON, **_SHAPES.get(kind, {})}.items():
+        value: Any = data.get(field)
+        if value is None:
             continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # a foreign or damaged file is not an entry
-        if isinstance(data, dict) and data.get("kind") == kind:
-            out.append(Entry(kind, path, data))
-    return sorted(out, key=lambda e: (e.seq, e.path.name))
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            wrong = f"{field!r} is {json.dumps(value)[:60]}, not {_TYPE_WORDS[want]}"
+        elif isinstance(value, dict) and field == "files" and not all(isinstance(v, dict) for v in value.values()):
+            wrong = "'files' holds a value that is not an object"
+        elif isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            wrong = "'image_ids' holds a value that is not a string"
+        if wrong is not None:
+            return wrong
+    return None
 
 
 def _newest_first(entries: Iterable[Entry]) -> list[Entry]:
@@ -172,36 +377,65 @@ class VerdictEntry:
         return self.verdict.image_id
 
 
-def _verdict_entry(entry: Entry) -> VerdictEntry:
+@dataclass(frozen=True, slots=True)
+class VerdictLog:
+    """Every verdict entry read once: the readable ones, oldest first, and the damaged ones."""
+
+    entries: tuple[VerdictEntry, ...]
+    damaged: tuple[Damaged, ...]
+
+    def damaged_for(self, image_id: str) -> list[Damaged]:
+        return [d for d in self.damaged if d.concerns(image_id)]
+
+    def of(self, image_id: str) -> list[VerdictEntry]:
+        """The verdicts on this exact image ID, newest first; RecordError if one of them may be unreadable."""
+        bad = self.damaged_for(image_id)
+        if bad:
+            raise bad[0].error()
+        return sorted((e for e in self.entries if e.image_id == image_id),
+                      key=lambda e: (e.seq, e.path.name), reverse=True)
+
+
+def _verdict_entry(entry: Entry) -> VerdictEntry | Damaged:
     try:
         verdict = Verdict.from_dict(entry.data)
-        seq, created = entry.data.get("seq", 0), entry.data.get("created", "")
-        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(created, str):
-            raise Malformed(f"seq {seq!r} / created {created!r} are not a number and a time")
     except Malformed as exc:
-        raise RecordError(f"verdict entry {entry.path} is malformed: {exc}",
-                          hint="the journal is written only by this tool: restore the file or move it away") \
-            from exc
-    return VerdictEntry(entry.path, seq, created, verdict)
+        images = {h for h in (_image_hex(entry.data.get("image_id")), _named_image(entry.path)) if h}
+        return Damaged("verdict", entry.path, f"is malformed: {exc}", frozenset(images))
+    return VerdictEntry(entry.path, entry.seq, entry.created, verdict)
 
 
 def append_verdict(root: Path, verdict: Verdict) -> VerdictEntry:
     """Append a run's verdict on its exact image ID (never rewrites an earlier one)."""
-    return _verdict_entry(_append(root, "verdict", verdict.to_dict()))
+    got = _verdict_entry(_append(root, "verdict", verdict.to_dict()))
+    if isinstance(got, Damaged):  # a Verdict always reads back; this would be a bug here
+        raise got.error()
+    return got
 
 
-def load_verdicts(root: Path) -> list[VerdictEntry]:
-    """Every verdict entry, oldest first, each checked for its shape."""
-    return [_verdict_entry(e) for e in load(root, "verdict")]
+def load_verdicts(root: Path) -> VerdictLog:
+    """Every verdict entry, each checked for its shape; the damaged ones kept apart, never dropped."""
+    found, bad = scan(root, "verdict")
+    good: list[VerdictEntry] = []
+    for entry in found:
+        got = _verdict_entry(entry)
+        if isinstance(got, Damaged):
+            bad.append(got)
+        else:
+            good.append(got)
+    return VerdictLog(tuple(good), tuple(sorted(bad, key=lambda d: d.path.name)))
 
 
-def verdicts(root: Path, image_id: str, loaded: list[VerdictEntry] | None = None) -> list[VerdictEntry]:
-    """Every verdict on this exact image ID, newest first (``loaded``: verdicts already read)."""
-    every = load_verdicts(root) if loaded is None else loaded
-    return sorted((e for e in every if e.image_id == image_id), key=lambda e: (e.seq, e.path.name), reverse=True)
+def verdicts(root: Path, image_id: str, loaded: VerdictLog | None = None) -> list[VerdictEntry]:
+    """Every verdict on this exact image ID, newest first (``loaded``: verdicts already read).
+
+    RecordError, naming the file, if a verdict entry that may be about this
+    image cannot be read: the unreadable one might be the newest.
+    """
+    return (load_verdicts(root) if loaded is None else loaded).of(image_id)
 
 
-def judgement(root: Path, image_id: str, loaded: list[VerdictEntry] | None = None) -> VerdictEntry | None:
+def judgement(root: Path, image_id: str, loaded: VerdictLog | None = None) -> VerdictEntry | None:
     """The newest verdict that judged the image (pass or fail), if any."""
     return next((v for v in verdicts(root, image_id, loaded) if v.verdict.judged), None)
 

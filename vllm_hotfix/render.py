@@ -9,6 +9,7 @@ untouched: the template only adds COPY and LABEL instructions.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from . import __version__
 from .base import BaseFacts, PatchedFile
 from .definitions import ImageDefinition
 from .engine import labels as keys
+from .errors import PatchError
 from .patches import Patch
 
 if TYPE_CHECKING:
@@ -47,9 +49,17 @@ def template_path(root: Path) -> Path:
     return own if own.is_file() else Path(__file__).resolve().parent.parent / TEMPLATE_NAME
 
 
+# LABEL keys are written unquoted: only these characters, so no key can end
+# itself, start a second label or name a variable (patch names are held to the
+# same set when the patch set loads).
+LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+
+
 def _label_value(value: str) -> str:
-    # Dockerfile LABEL values: escape what the parser would interpret.
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("\n", " ")
+    # Dockerfile LABEL values: escape what the parser would interpret; a
+    # control character (newline, tab, CR) would end the instruction or split it.
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return "".join(c if c.isprintable() else " " for c in escaped)
 
 
 def labels(
@@ -74,6 +84,10 @@ def labels(
         items[keys.patch(pt.name)] = pt.sha256
     if pins is not None:
         items.update(pins.labels())
+    for key in items:
+        if not LABEL_KEY.match(key):
+            raise PatchError(f"label key {key!r} holds characters a Dockerfile would read; "
+                             "patch file names may hold only letters, digits, '.', '_' and '-'")
     return sorted(items.items())
 
 
@@ -166,4 +180,5 @@ class DockerfileBuilder:
         # host's network to reach them; nothing else in the build uses a network.
         with _served(job.pinned) as buildargs:
             return engine.build(ctx, lambda line: job.say("    " + line), on_image=job.on_image,
-                                buildargs=buildargs, network="host" if job.pinned is not None else None)
+                                buildargs=buildargs, network="host" if job.pinned is not None else None,
+                                nocache=job.nocache)

@@ -1,13 +1,28 @@
 """Smoke tests run inside a built image before it may be pushed.
 
-Each check is a probe script (vllm_hotfix/probes/, plus the patch set's own
-checks in patches/<set>/checks/) run with the image's Python, entrypoint
-overridden, under a timeout, in a container that is always removed. The serve
-sweep instead starts the image's own entrypoint (`vllm serve`).
+Facts about files (the patched files, their bytecode, the installed
+distribution against its RECORD) are read from the image's layers and judged
+on the host (:mod:`.integrity`): nothing of the image runs for them. What only
+the image's Python can answer (where it imports vLLM from, the environment,
+pins, GPU checks) is a probe script (vllm_hotfix/probes/, plus the patch set's
+own checks in patches/<set>/checks/) run with the image's Python, entrypoint
+overridden, under a timeout, in a container that is always removed; each
+check's data says which answered it (``answered_by``). The serve sweep
+instead starts the image's own entrypoint (`vllm serve`).
 
 A probe's JSON comes from inside the image: each check it reports becomes a
 typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
 failing check), and a run ends in one :func:`~vllm_hotfix.verdicts.judge`.
+
+A run goes in phases, cheapest first, so that a doomed image fails fast: the
+checks that need no GPU (patched files, environment, integrity, pins), then
+the GPU checks, then one server start for the serve sweep (reference answers
+recorded and the sweep run against that one server). A phase with a failing
+check ends the run, the later phases recorded as skipped, unless
+``keep_going``. Each phase's wall time is in the report (``phases``). GPU
+containers and the server get the compile cache of the image's base on that
+GPU model (:mod:`.compile_cache`), so a second image of the same base starts
+warm.
 """
 
 from __future__ import annotations
@@ -18,12 +33,26 @@ import socket
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from . import definitions, expected, gpu_access, patches, pins, records, sweep, wheels
+from . import (
+    compile_cache,
+    definitions,
+    expected,
+    gpu_access,
+    integrity,
+    patches,
+    pins,
+    records,
+    sources,
+    sweep,
+    wheels,
+)
+from . import reference as answers
+from .atomic import write_atomic
 from .engine import Engine, GpuRequest, ImageInfo, labels
 from .errors import (
     DefinitionError,
@@ -41,6 +70,8 @@ log = logging.getLogger(__name__)
 
 GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
+# The phases of a run, in the order they run; each reports its wall time.
+PHASES = ("checks", "gpu_access", "gpu_checks", "server_start", "reference_record", "sweep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +84,14 @@ class SmokeOptions:
     levels: Sequence[int] = sweep.DEFAULT_LEVELS
     requests: int = 32
     min_tokens: int | None = None
+    reference: answers.Reference | None = None  # judge every reply against these answers
+    record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
+    logprob_tolerance: float = answers.DEFAULT_TOLERANCE
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
+    keep_going: bool = False  # run every phase even after one failed
+    compile_cache: bool = True  # keep compile caches between runs (see compile_cache)
 
 
 @dataclass(slots=True)
@@ -74,12 +110,40 @@ class Report:
     expected_from: str = ""
     host: dict[str, Any] = field(default_factory=dict)
     platform: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
     def verdict(self) -> Verdict:
         return judge(self.image, self.image_id, self.checks, gpu_verified=self.gpu_verified,
                      platform=self.platform, started=self.started, seconds=self.seconds,
                      expected_from=self.expected_from, gpu=self.gpu, host=self.host,
-                     environment=self.environment, sweep=self.sweep)
+                     environment=self.environment, sweep=self.sweep, phases=self.phases)
+
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if c.status is Status.FAIL]
+
+
+class Clock:
+    """Wall time per phase: :meth:`mark` charges the time since the last mark to a phase."""
+
+    def __init__(self, phases: dict[str, float], now: Callable[[], float] = time.monotonic) -> None:
+        self.phases = phases
+        self._now = now
+        self._last = now()
+
+    def restart(self) -> None:
+        """Charge the time since the last mark to no phase."""
+        self._last = self._now()
+
+    def mark(self, phase: str) -> float:
+        now = self._now()
+        took = now - self._last
+        self._last = now
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + took, 3)
+        return took
+
+
+def format_phases(phases: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()) or "none"
 
 
 def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
@@ -139,6 +203,7 @@ class Smoke:
         self.opt = options
         self.say = progress
         self._access: dict[str, gpu_access.GpuAccess] = {}
+        self._caches: dict[str, compile_cache.CompileCache | None] = {}
 
     def access(self, image: ImageInfo) -> gpu_access.GpuAccess:
         """The way this image's containers get the GPUs; chosen once per image, then reused."""
@@ -147,17 +212,36 @@ class Smoke:
                                                        self.opt.python, self.say)
         return self._access[image.id]
 
+    def compile_cache(self, image: ImageInfo) -> compile_cache.CompileCache | None:
+        """The compile cache folder of the image's base on the GPU model in use (None: not kept)."""
+        if not self.opt.compile_cache:
+            return None
+        if image.id not in self._caches:
+            access = self._access.get(image.id)
+            devices = access.devices if access is not None and access.chosen is not None else []
+            self._caches[image.id] = compile_cache.folder(sources.cache_dir(self.root), image.id,
+                                                          image.labels.get(labels.BASE_ID), devices)
+        return self._caches[image.id]
+
+    def _cache_args(self, image: ImageInfo) -> dict[str, Any]:
+        cache = self.compile_cache(image)
+        return {} if cache is None else {"env": cache.env, "writable": [cache.mount]}
+
     def probe(
         self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
         extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
+        cache: bool = False,
     ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image."""
+        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image.
+
+        ``cache``: with the image's compile cache mounted (GPU checks compile kernels).
+        """
         files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})} if run is None else dict(extra or {})
         start = time.monotonic()
         try:
             res = self.engine.run(
                 image.id, [self.opt.python, run or f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
-                timeout=self.opt.probe_timeout,
+                timeout=self.opt.probe_timeout, **(self._cache_args(image) if cache else {}),
             )
         except EngineLost as exc:
             took = time.monotonic() - start
@@ -169,11 +253,17 @@ class Smoke:
         checks, info = _parse_checks(fallback_name or script, res.stdout, res.stderr, res.exit_code)
         return checks, info, took
 
-    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe") -> None:
-        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks])
+    def add(self, report: Report, checks: list[dict[str, Any]], took: float, probe: str = "probe",
+            answered_by: str = integrity.IMAGE_PYTHON) -> None:
+        self.record(report, [as_check(raw, round(took / max(len(checks), 1), 3), probe) for raw in checks],
+                    answered_by)
 
-    def record(self, report: Report, checks: Sequence[Check]) -> None:
+    def record(self, report: Report, checks: Sequence[Check], answered_by: str = integrity.IMAGE_PYTHON) -> None:
+        """Record checks; each says whether the image's filesystem or its own Python answered it."""
         for c in checks:
+            if answered_by == integrity.FILESYSTEM or not (c.data or {}).get("answered_by"):
+                # A probe's own claim to be the filesystem is not believed: it ran in the image.
+                c = replace(c, data={**(c.data or {}), "answered_by": answered_by})
             report.checks.append(c)
             self.say(f"    {c.status.value:<4} {c.name}: {c.detail}")
 
@@ -228,23 +318,67 @@ class Smoke:
         report = Report(ref, image.id, started=records.now_iso(), host=self.engine.host_facts(),
                         platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
+        clock = Clock(report.phases)
+        files = self.cpu_checks(report, image, ref, want)
+        clock.mark("checks")
+        if not self.stop(report, ("gpu", "serve-sweep")):
+            self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
+            self.gpu(report, image, clock)
+            if files is not None:
+                self.compiled_stop(report, files.judged)
+            if not self.stop(report, ("serve-sweep",)):
+                self.say("==> smoke 5/5: serve sweep")
+                if self.opt.serve_model is None:
+                    self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}],
+                             0)
+                else:
+                    self.serve(report, image, clock)
+        report.seconds = time.monotonic() - start
+        self.say(f"==> phases: {format_phases(report.phases)} (total {report.seconds:.1f} s)")
+        return report.verdict()
 
-        self.say(f"==> smoke 1/5: patched files in {ref}")
+    def stop(self, report: Report, skipped: Sequence[str]) -> bool:
+        """Whether a failed check ends the run here; if so, ``skipped`` are recorded as not run."""
+        failed = report.failed()
+        if not failed or self.opt.keep_going:
+            return False
+        why = f"not run: {', '.join(failed)} failed first (--keep-going runs every check)"
+        self.say(f"==> {why}")
+        if "gpu" in skipped:
+            report.gpu = {"mode": self.opt.gpu, "verified": False, "why_unverified": why}
+        self.add(report, [{"name": name, "status": "skip", "detail": why} for name in skipped], 0)
+        return True
+
+    def cpu_checks(self, report: Report, image: ImageInfo, ref: str,
+                   want: expected.Expected | None) -> integrity.FileChecks | None:
+        """The checks that need no GPU: patched files, environment, installed-package integrity, pins.
+
+        Returns what was read from the image's files (None when it could not be told what to expect).
+        """
+        self.say(f"==> smoke 1/5: patched files in {ref} (read from the image's layers)")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
-            package, files_json = image.labels.get(labels.PACKAGE, "vllm"), "{}"
             report.expected_from = "unknown"
-            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0)
+            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0,
+                     answered_by=integrity.FILESYSTEM)
         else:
-            package, files_json = found.package, json.dumps(dict(found.files), sort_keys=True)
             report.expected_from = found.source
             self.say(f"    expected hashes: {found.source}")
-            checks, _, took = self.probe(image, "landed.py", [package, found.version, files_json],
-                                         fallback_name="patch-landed")
-            self.add(report, checks, took)
 
         pinset = None if isinstance(found, str) else self.pinset(report, found)
         pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        files = None
+        if not isinstance(found, str):
+            start_files = time.monotonic()
+            files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned,
+                                          self.say)
+            took = time.monotonic() - start_files
+            self.add(report, [c for c in files.checks if c["name"] != "integrity"], took)
+            if found.site_dir:
+                # Where the image's Python imports the package from: only it can say, and it can only add a failure.
+                checks, _, took = self.probe(image, "landed.py", [found.package, found.site_dir],
+                                             fallback_name="import-location")
+                self.add(report, checks, took)
 
         self.say("==> smoke 2/5: environment report")
         checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
@@ -252,30 +386,33 @@ class Smoke:
         report.environment = dict(data) if isinstance(data, dict) else {}
         self.add(report, checks, took)
 
-        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes, relative to the base)")
-        args, extra = [package, files_json], {}
-        base_dev = self.base_deviations(image, package, pinned)
-        if base_dev is not None:
-            extra = {"vllm-hotfix-probes/base-deviations.json": json.dumps(base_dev).encode()}
-            args += ["--base", f"{PROBE_DIR}/base-deviations.json"]
-        checks, _, took = self.probe(image, "integrity.py", [*args, *pinned], extra=extra, fallback_name="integrity")
-        for c in checks:
-            c.pop("deviations", None)
-        self.add(report, checks, took)
+        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes from the layers, relative to the base)")
+        if files is None:
+            self.add(report, [{"name": "integrity", "status": "fail",
+                               "detail": f"cannot tell which files the image must hold: {found}"}], 0,
+                     answered_by=integrity.FILESYSTEM)
+        else:
+            self.add(report, [c for c in files.checks if c["name"] == "integrity"], 0)
         if pinset is not None:
-            self.say(f"==> smoke 3/5: pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
+            self.say(f"    and pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
             self.pins(report, image, pinset)
 
-        self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
-        self.gpu(report, image)
+        return files
 
-        self.say("==> smoke 5/5: serve sweep")
-        if self.opt.serve_model is None:
-            self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0)
-        else:
-            self.serve(report, image)
-        report.seconds = time.monotonic() - start
-        return report.verdict()
+    def file_facts(self, image: ImageInfo) -> tuple[list[dict[str, Any]], str]:
+        """The file checks alone (read from the image's layers) and where the expectation came from.
+
+        For a run whose other checks a runner makes elsewhere (``--launcher podman|kubernetes``).
+        """
+        found = self.expectation(image)
+        if isinstance(found, str):
+            return [{"name": "patch-landed", "status": "fail", "detail": found,
+                     "data": {"answered_by": integrity.FILESYSTEM}}], "unknown"
+        pinset = self.pinset(Report(image.id, image.id), found)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned, self.say)
+        return [{**c, "data": {**(c.get("data") or {}), "answered_by": integrity.FILESYSTEM}} for c in files.checks], \
+            found.source
 
     def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
         """The pins of the image's definition, from its patch set on disk (never from labels)."""
@@ -308,24 +445,31 @@ class Smoke:
                                          run=f"{PROBE_DIR}/checks/{script.name}")
             self.add(report, checks, took)
 
-    def base_deviations(self, image: ImageInfo, package: str, roots: Sequence[str] = ()) -> dict[str, Any] | None:
-        """What the integrity probe finds in the image's base, to judge the image against.
+    def compiled_stop(self, report: Report, judged: integrity.Judged) -> None:
+        """Compiled files RECORD lists but the image lacks: never GPU-verified, and a failure under require.
 
-        None (every deviation counts as the image's) when the image names no
-        base or the base is not in the engine.
+        The base's missing files are named as the base's and stop it all the
+        same: a GPU check that passed without vLLM's kernels checked a stub.
+        Under ``--gpu require`` with no GPU reachable the run is already
+        incomplete (the host's shortcoming); the files are named all the same.
         """
-        base_id = image.labels.get(labels.BASE_ID)
-        if not base_id or base_id == image.id:
-            return None
-        base = self.engine.image(base_id)
-        if base is None:
-            self.say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
-            return None
-        checks, _, _ = self.probe(base, "integrity.py", [package, "{}", *roots], fallback_name="integrity")
-        found = next((c.get("deviations") for c in checks if c.get("deviations") is not None), None)
-        return found if isinstance(found, dict) else None
+        names = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+        if not names:
+            return
+        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
+               f"{', '.join(names[:integrity.EXAMPLES])}")
+        report.gpu_verified = False
+        report.gpu["verified"] = False
+        report.gpu["compiled_missing"] = names[:50]
+        earlier = report.gpu.get("why_unverified")
+        report.gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
+        reached = self.opt.gpu == "require" and bool(report.gpu.get("way"))
+        status = "fail" if reached else "skip"
+        detail = f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified"
+        self.add(report, [{"name": "compiled-files", "status": status, "detail": detail,
+                           "data": {"missing": names[:50]}}], 0, answered_by=integrity.FILESYSTEM)
 
-    def gpu(self, report: Report, image: ImageInfo) -> None:
+    def gpu(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
         """GPU checks through the way that was confirmed to give this image a GPU.
 
         ``auto``: a host where no way works leaves the image GPU-unverified,
@@ -336,8 +480,10 @@ class Smoke:
         the image's own code counts, every module the patch set touches must
         import (tried in the base too, to name the base's failures as the
         base's), and under ``require`` whatever keeps the image from being
-        GPU-verified fails it.
+        GPU-verified fails it, except a check that is not applicable on this
+        GPU family, which leaves the run incomplete.
         """
+        clock = clock or Clock({})
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
         if mode == "off":
@@ -353,6 +499,7 @@ class Smoke:
             self.add(report, [{"name": "gpu", "status": status, "detail": why}], 0)
             return
         access = self.access(image)
+        clock.mark("gpu_access")
         report.gpu.update(access.to_dict())
         if access.chosen is None:
             why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
@@ -370,18 +517,21 @@ class Smoke:
         if modules:
             args += ["--modules", *modules]
         raw, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
-                                     fallback_name="gpu")
+                                     fallback_name="gpu", cache=True)
         checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
         if info:
             report.environment["gpu"] = info
         unimportable = sorted({m for c in checks for m in c.import_errors})
         base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
         judged = judge_gpu(checks, require=mode == "require", base_import_errors=base_errors)
+        clock.mark("gpu_checks")
         self.record(report, judged.checks)
         report.gpu_verified = judged.verified
         report.gpu["verified"] = judged.verified
         if judged.not_real:
             report.gpu["not_real"] = list(judged.not_real)
+        if judged.not_applicable:
+            report.gpu["not_applicable"] = list(judged.not_applicable)
         if not judged.verified:
             report.gpu["why_unverified"] = f"GPU checks through {access.chosen}: {judged.why_unverified}"
 
@@ -401,7 +551,9 @@ class Smoke:
             return None
         return {m: e for c in found for m, e in c.import_errors.items()}
 
-    def serve(self, report: Report, image: ImageInfo) -> None:
+    def serve(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
+        """One server start: wait for its health, record reference answers if asked, sweep."""
+        clock = clock or Clock({})
         model = self.opt.serve_model
         assert model is not None
         if not model.exists():
@@ -413,13 +565,29 @@ class Smoke:
         # The same way the GPU checks used; a host without one serves without a GPU
         # (and vLLM then fails the sweep, which is the truthful outcome).
         gpu = None if self.opt.gpu == "off" else self.access(image).chosen
+        cache = self.compile_cache(image)
+        if cache is not None:
+            report.environment["compile_cache"] = cache.to_dict()
+            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
+        clock.restart()
         try:
             with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
-                                     gpu=gpu) as watch:
+                                     gpu=gpu, **self._cache_args(image)) as watch:
                 sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
+                self.say(f"    server healthy after {clock.mark('server_start'):.1f} s")
+                ref = self.opt.reference
+                if self.opt.record_reference is not None:
+                    ref = answers.write(sweep.record(url, recorded_from=f"{report.image} ({image.id})",
+                                                     progress=self.say), self.opt.record_reference)
+                    clock.mark("reference_record")
+                    self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
                 result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
-                                     min_tokens=self.opt.min_tokens, progress=self.say)
+                                     min_tokens=self.opt.min_tokens, reference=ref,
+                                     tolerance=self.opt.logprob_tolerance, progress=self.say)
+                clock.mark("sweep")
         except (SmokeError, EngineError) as exc:
+            # Charged to the phase it ended (a server that never got healthy: its start).
+            clock.mark("sweep" if "server_start" in report.phases else "server_start")
             lines = str(exc).splitlines()
             self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
                                "data": {"server_log": lines[1:]}}], time.monotonic() - start)
@@ -430,6 +598,10 @@ class Smoke:
             detail = f"levels {','.join(map(str, self.opt.levels))}: every request succeeded"
             if self.opt.min_tokens is not None:
                 detail += f", every reply at least {self.opt.min_tokens} token(s)"
+            if result.reference is not None:
+                ties = sum(lv.near_ties for lv in result.levels)
+                detail += (f", every reply matched the reference answers ({result.reference['file']}; {ties} "
+                           f"near-tie(s) within {self.opt.logprob_tolerance} nats)")
             self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
         else:
             tail = result.server_log.strip().splitlines()[-12:]
@@ -445,19 +617,40 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def landed_problem(engine: Engine, root: Path, image: ImageInfo) -> str | None:
-    """The cheap landed check alone: None if the image's patched files are what they must be."""
-    smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), lambda _line: None)
+def landed_problem(engine: Engine, root: Path, image: ImageInfo,
+                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
+    """The file checks alone, read from the image's layers: None if its files are what they must be.
+
+    The patched files with the hashes the patch set and the base give, the
+    whole installed distribution against its RECORD relative to the base, the
+    pinned versions: nothing of the image runs, so neither an edited journal
+    nor the image's own interpreter can vouch for it. ``gpu_claimed``: the
+    verdict says GPU-verified, which an image lacking compiled files cannot be.
+    """
+    smoke = Smoke(engine, root, SmokeOptions(probe_timeout=120), say)
     found = smoke.expectation(image)
     if isinstance(found, str):
         return found
-    checks, _, _ = smoke.probe(image, "landed.py", [found.package, found.version,
-                                                    json.dumps(dict(found.files), sort_keys=True)],
-                               fallback_name="patch-landed")
-    bad = [c for c in (as_check(raw, 0, "patch-landed") for raw in checks) if c.status is not Status.PASS]
-    if bad:
-        return f"{bad[0].name}: {bad[0].detail}"
-    return pins_problem(engine, root, image, found)
+    problem = pins_problem(engine, root, image, found)
+    if problem is not None:
+        return problem
+    pinned: list[str] = []
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
+    problems = checked.problems()
+    if problems:
+        return problems[0]
+    judged = checked.judged
+    missing = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+    if gpu_claimed and missing:
+        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
+                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return None
 
 
 def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
@@ -490,8 +683,8 @@ def runner(
 
 
 def write_json(verdict: Verdict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    # write_atomic: a full disk or an unwritable folder is one line naming the file (exit 10).
+    write_atomic(path, json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def write_junit(verdict: Verdict, path: Path) -> None:
@@ -510,6 +703,5 @@ def write_junit(verdict: Verdict, path: Path) -> None:
             ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
         elif c.status is Status.SKIP:
             ET.SubElement(case, "skipped", message=c.detail)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+    write_atomic(path, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
 

@@ -4,14 +4,18 @@ Python) or a release's wheel, and the scratch folder they are patched in.
 A base image is immutable by ID, so what its Python said about it (package
 location, Python version, the folders above the package, the bytes of each
 file a patch set touched, the bytecode compiled for patched sources) is kept
-in a cache folder keyed by that ID and checked against it when read back. A
-second build on the same base, or a changed patch set, starts no container
-unless a file was never read or a source was never compiled.
+in a cache folder keyed by that ID. A second build on the same base, or a
+changed patch set, starts no container unless a file was never read or a
+source was never compiled. The cache is content-addressed and checked on
+every read (:mod:`vllm_hotfix.cache` says how, and why a hash alone would not
+do): an entry that fails a check is a miss, named in one warning, and is read
+from the image again.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -23,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import write_atomic
+from .cache import Store
 from .engine import Box, Engine, ImageInfo
-from .errors import BaseImageError, UpstreamError
+from .errors import BaseImageError, StorageError, UpstreamError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 def scratch_prefix() -> str:
@@ -43,13 +47,28 @@ def scratch_tree(files: Mapping[str, bytes | None]) -> Iterator[Path]:
     """A temp folder holding ``files`` (None: absent) at their relative paths; removed after."""
     import tempfile  # here: a build whose facts and patch results are cached makes no scratch tree
 
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix()) as tmp:
+    try:
+        made = tempfile.TemporaryDirectory(prefix=scratch_prefix())
+    except OSError as exc:
+        raise scratch_error(Path(tempfile.gettempdir()), exc) from exc
+    with made as tmp:
         work = Path(tmp)
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
+        try:
+            for rel, data in files.items():
+                if data is not None:
+                    (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (work / rel).write_bytes(data)
+        except OSError as exc:
+            raise scratch_error(work, exc) from exc
         yield work
+
+
+def scratch_error(folder: Path, exc: OSError) -> StorageError:
+    """The scratch folder (under TMPDIR) cannot be written: its disk is full, or it is not writable."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "its disk is full" if full else "it cannot be written"
+    return StorageError(f"cannot write the scratch folder {folder}: {why} ({exc.strerror or exc})",
+                        hint="free space there, or point TMPDIR at a disk with room")
 
 
 def probe_source(name: str) -> str:
@@ -124,18 +143,6 @@ def cache_dir(root: Path) -> Path:
     return Path(os.environ.get("VLLM_HOTFIX_CACHE", root / "build" / "cache"))
 
 
-def _write_json(path: Path, data: Any) -> None:
-    """Atomically: a reader never sees half a file, two writers never mix."""
-    write_atomic(path, json.dumps(data, sort_keys=True))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def patch_key(patches: list[tuple[str, str]], originals: Mapping[str, bytes], skip_included: bool) -> str:
     """What a patch run's result depends on: each patch (name, sha256) in order and each file's bytes."""
     parts = [f"{n}={h}" for n, h in patches]
@@ -158,7 +165,7 @@ class ImageReader:
         self.ref = ref
         self.package = package
         self.python = python
-        self._folder = cache / "bases" / image.id.removeprefix("sha256:") if cache is not None else None
+        self._store = Store.open(cache, image.id) if cache is not None else None
         self._stack = ExitStack()
         self._box: Box | None = None
         self.containers = 0  # probe containers started (0 when the cache answered everything)
@@ -171,33 +178,55 @@ class ImageReader:
 
     def box(self) -> Box:
         if self._box is None:
-            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python))
+            # The probe timeout bounds every engine call for the probe too: a frozen engine ends the run then.
+            self._box = self._stack.enter_context(self.engine.box(self.image.id, self.python,
+                                                                  deadline=probe_timeout()))
             self.containers += 1
         return self._box
 
     # -- facts and original files ------------------------------------------
 
-    def _facts_path(self) -> Path | None:
-        return self._folder / f"facts-{_key(self.package, self.python)}.json" if self._folder else None
+    def _facts_name(self) -> str:
+        return f"facts-{_key(self.package, self.python)}"
 
     def _cached(self) -> dict[str, Any] | None:
-        path = self._facts_path()
-        data = _read_json(path) if path is not None else None
-        if not isinstance(data, dict):
+        """The cached facts, each file's bytes back as the probe gave them; a file that fails its check is left out."""
+        if self._store is None:
             return None
-        # Checked, not trusted: the file must name this image, package and Python.
+        data = self._store.read(self._facts_name())
+        if data is None:
+            return None
+        # The index is this host's, and still must name this image, package and Python.
         if (data.get("format"), data.get("image_id"), data.get("package"), data.get("python")) != (
             CACHE_FORMAT, self.image.id, self.package, self.python
         ):
-            log.info("ignoring facts cache %s: made for another image or format", path)
+            log.info("ignoring facts cache %s: made for another image or format", self._facts_name())
             return None
-        files = data.get("files") or {}
-        for rel, info in list(files.items()):
-            raw = content(info)
-            if raw is not None and hashlib.sha256(raw).hexdigest() != info.get("sha256"):
-                log.info("ignoring cached %s of %s: its bytes do not match their hash", rel, self.image.id)
-                del files[rel]
+        files: dict[str, Any] = {}
+        for rel, info in (data.get("files") or {}).items():
+            if not isinstance(info, dict):
+                continue
+            info = dict(info)
+            if "sha256" in info:
+                raw = self._store.get(info["sha256"], f"{rel} of {self.image.id}")
+                if raw is None:
+                    continue  # a miss: the probe reads this file again
+                info["data_b64"] = base64.b64encode(raw).decode("ascii")
+            files[rel] = info
+        data["files"] = files
         return data
+
+    def _store_facts(self, data: dict[str, Any]) -> None:
+        if self._store is None:
+            return
+        files = {}
+        for rel, info in data["files"].items():
+            kept = {k: v for k, v in info.items() if k != "data_b64"}
+            raw = content(info)
+            if raw is not None:
+                kept["sha256"] = self._store.put(raw)
+            files[rel] = kept
+        self._store.write(self._facts_name(), {**data, "files": files})
 
     def locate(self, rels: list[str]) -> tuple[BaseFacts, dict[str, dict[str, Any]]]:
         """The base's facts and, per path in ``rels``, what the locate probe says of it."""
@@ -223,14 +252,9 @@ class ImageReader:
                 keep = ("Created", "CreatedBy", "Comment", "Size")
                 data["history"] = [{k: h.get(k) for k in keep} for h in self.engine.history(self.image.id)]
             for rel, info in probed["files"].items():
-                raw = content(info)
-                if raw is not None:
-                    info["sha256"] = hashlib.sha256(raw).hexdigest()
                 known[rel] = info
             data["files"] = known
-            path = self._facts_path()
-            if path is not None:
-                _write_json(path, data)
+            self._store_facts(data)
         facts = BaseFacts(
             ref=self.ref,
             image=self.image,
@@ -248,60 +272,58 @@ class ImageReader:
 
     # -- patch results -----------------------------------------------------
 
-    def _patched_path(self, key: str) -> Path | None:
-        return self._folder / "patched" / f"{key}.json" if self._folder else None
-
     def cached_patched(self, key: str) -> tuple[dict[str, bytes], list[str]] | None:
         """The files a patch series made of this base's files, and the patches it found included."""
-        path = self._patched_path(key)
-        data = _read_json(path) if path is not None else None
-        if not isinstance(data, dict) or data.get("image_id") != self.image.id or data.get("key") != key:
+        if self._store is None:
             return None
-        files = {rel: base64.b64decode(b64) for rel, b64 in (data.get("files") or {}).items()}
-        if any(hashlib.sha256(b).hexdigest() != (data.get("sha256") or {}).get(rel) for rel, b in files.items()):
+        data = self._store.read(f"patched/{key}")
+        if data is None or data.get("image_id") != self.image.id or data.get("key") != key:
             return None
+        files = {}
+        for rel, digest in (data.get("files") or {}).items():
+            raw = self._store.get(digest, f"patched {rel} of {self.image.id}")
+            if raw is None:
+                return None
+            files[rel] = raw
         return files, list(data.get("included") or [])
 
     def store_patched(self, key: str, files: Mapping[str, bytes], included: list[str]) -> None:
-        path = self._patched_path(key)
-        if path is not None:
-            _write_json(path, {
+        if self._store is not None:
+            self._store.write(f"patched/{key}", {
                 "image_id": self.image.id,
                 "key": key,
-                "files": {rel: base64.b64encode(b).decode("ascii") for rel, b in files.items()},
-                "sha256": {rel: hashlib.sha256(b).hexdigest() for rel, b in files.items()},
+                "files": {rel: self._store.put(b) for rel, b in files.items()},
                 "included": included,
             })
 
     # -- bytecode ----------------------------------------------------------
 
-    def _pyc_path(self, rel: str, source: bytes, levels: str) -> Path | None:
-        if self._folder is None:
-            return None
-        return self._folder / "pyc" / f"{_key(self.python, rel, hashlib.sha256(source).hexdigest(), levels)}.json"
+    def _pyc_name(self, rel: str, source: bytes, levels: str) -> str:
+        return f"pyc/{_key(self.python, rel, hashlib.sha256(source).hexdigest(), levels)}"
 
     def cached_bytecode(self, rel: str, source: bytes, levels: str) -> dict[str, bytes] | None:
-        path = self._pyc_path(rel, source, levels)
-        data = _read_json(path) if path is not None else None
-        if not isinstance(data, dict) or data.get("image_id") != self.image.id or data.get("rel") != rel:
+        if self._store is None:
             return None
-        pycs = {name: base64.b64decode(b64) for name, b64 in (data.get("pycs") or {}).items()}
-        if not pycs or any(hashlib.sha256(b).hexdigest() != (data.get("sha256") or {}).get(n)
-                           for n, b in pycs.items()):
+        data = self._store.read(self._pyc_name(rel, source, levels))
+        if data is None or data.get("image_id") != self.image.id or data.get("rel") != rel:
             return None
-        return pycs
+        pycs = {}
+        for name, digest in (data.get("pycs") or {}).items():
+            raw = self._store.get(digest, f"{name} of {self.image.id}")
+            if raw is None:
+                return None
+            pycs[name] = raw
+        return pycs or None
 
     def store_bytecode(self, rel: str, source: bytes, levels: str, pycs: Mapping[str, bytes]) -> None:
-        path = self._pyc_path(rel, source, levels)
-        if path is None:
+        if self._store is None:
             return
-        _write_json(path, {
+        self._store.write(self._pyc_name(rel, source, levels), {
             "image_id": self.image.id,
             "rel": rel,
             "source_sha256": hashlib.sha256(source).hexdigest(),
             "levels": levels,
-            "pycs": {n: base64.b64encode(b).decode("ascii") for n, b in pycs.items()},
-            "sha256": {n: hashlib.sha256(b).hexdigest() for n, b in pycs.items()},
+            "pycs": {n: self._store.put(b) for n, b in pycs.items()},
         })
 
 
@@ -335,3 +357,26 @@ def wheel_files(wheel: Path, package: str, rels: list[str]) -> tuple[str | None,
             return version, {rel: zf.read(rel) if rel in names else None for rel in rels}
     except (OSError, zipfile.BadZipFile) as exc:
         raise UpstreamError(f"{wheel}: cannot read the wheel: {exc}") from exc
+
+
+# -- the base's file facts, judged from its filesystem --------------------------
+
+
+def cached_findings(cache: Path | None, image_id: str, key: str) -> dict[str, dict[str, str]] | None:
+    """The deviations read from a base image's files before, if this host's cache index for them still verifies."""
+    store = Store.open(cache, image_id) if cache is not None else None
+    data = store.read(f"integrity-{key}") if store is not None else None
+    if data is None or (data.get("image_id"), data.get("key")) != (image_id, key):
+        return None
+    found = data.get("deviations")
+    return found if isinstance(found, dict) else None
+
+
+def store_findings(cache: Path | None, image_id: str, key: str, found: Mapping[str, Mapping[str, str]]) -> None:
+    store = Store.open(cache, image_id) if cache is not None else None
+    if store is not None:
+        store.write(f"integrity-{key}", {"image_id": image_id, "key": key, "deviations": dict(found)})
+
+
+def findings_key(package: str, site_dir: str, roots: list[str]) -> str:
+    return _key(package, site_dir, *sorted(roots))

@@ -58,10 +58,21 @@ class Report:
     def by_verdict(self, verdict: str) -> list[str]:
         return [v.patch for v in self.verdicts if v.verdict == verdict]
 
+    def pins_by_verdict(self, verdict: str) -> list[str]:
+        return [p["pin"] for p in self.pins if p.get("verdict") == verdict]
+
+    @property
+    def carries_every_patch(self) -> bool:
+        return bool(self.verdicts) and len(self.by_verdict(patchlib.INCLUDED)) == len(self.verdicts)
+
     @property
     def needs_hotfix(self) -> bool:
-        """False when the release carries every patch of the set: run it unpatched."""
-        return not self.verdicts or len(self.by_verdict(patchlib.INCLUDED)) < len(self.verdicts)
+        """False only when the release carries every patch and requires every pinned version itself.
+
+        A pin the release merely allows, or does not constrain, is still work
+        the set does; one it contradicts needs a person: neither is "no hotfix".
+        """
+        return not self.carries_every_patch or any(p.get("verdict") != "included" for p in self.pins)
 
     def as_dict(self) -> dict[str, Any]:
         return {

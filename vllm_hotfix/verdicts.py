@@ -60,6 +60,10 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], defa
 
 # What a check ran against when a stand-in replaced the real code (``ran_against``).
 STUB = "stub"
+# What a check "ran against" when the code path it drives is not the one vLLM
+# takes on the GPU in use (e.g. a Triton-path check on SM100, where vLLM takes
+# the MSA path): nothing of the image ran, so it is no GPU evidence.
+NOT_APPLICABLE = "not-applicable"
 
 
 def _strings(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
@@ -101,7 +105,8 @@ class Check:
     @property
     def real(self) -> bool:
         """Whether the check says it ran against the image's own code, with nothing standing in."""
-        return bool(self.ran_against) and self.ran_against != STUB and not self.stubs and not self.import_errors
+        return (bool(self.ran_against) and self.ran_against not in (STUB, NOT_APPLICABLE) and not self.stubs
+                and not self.import_errors)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "status": self.status.value, "detail": self.detail,
@@ -155,6 +160,7 @@ class Verdict:
     host: Mapping[str, Any] = field(default_factory=dict)
     environment: Mapping[str, Any] = field(default_factory=dict)
     sweep: Mapping[str, Any] | None = None
+    phases: Mapping[str, float] = field(default_factory=dict)  # wall seconds per phase, in the order run
 
     @property
     def passed(self) -> bool:
@@ -191,6 +197,7 @@ class Verdict:
             "checks": [c.to_dict() for c in self.checks],
             "environment": dict(self.environment),
             "sweep": dict(self.sweep) if self.sweep is not None else None,
+            "phases": dict(self.phases),
         }
 
     @classmethod
@@ -221,7 +228,17 @@ class Verdict:
             host=_typed(raw, "host", dict, {}),
             environment=_typed(raw, "environment", dict, {}),
             sweep=sweep,
+            phases=_phases(raw),
         )
+
+
+def _phases(raw: Mapping[str, Any]) -> dict[str, float]:
+    """``raw["phases"]`` as phase -> seconds (absent in entries written before phases were kept: empty)."""
+    phases = _typed(raw, "phases", dict, None) or {}
+    if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+               for k, v in phases.items()):
+        raise Malformed(f"'phases' is not phase -> seconds: {phases!r:.80}")
+    return {k: float(v) for k, v in phases.items()}
 
 
 def outcome(checks: Sequence[Check]) -> Status:
@@ -248,6 +265,7 @@ def judge(
     host: Mapping[str, Any] | None = None,
     environment: Mapping[str, Any] | None = None,
     sweep: Mapping[str, Any] | None = None,
+    phases: Mapping[str, float] | None = None,
 ) -> Verdict:
     """A smoke run's checks (and the facts around them) as its verdict.
 
@@ -260,7 +278,7 @@ def judge(
         gpu_verified=gpu_verified, platform=platform, started=started,
         # Rounded as the report keeps it, so a verdict read back equals the one written.
         seconds=round(seconds, 3), expected_from=expected_from, gpu=dict(gpu or {}), host=dict(host or {}),
-        environment=dict(environment or {}), sweep=sweep,
+        environment=dict(environment or {}), sweep=sweep, phases=dict(phases or {}),
     )
 
 
@@ -273,6 +291,8 @@ class GpuJudgement:
     why_unverified: str = ""  # one line; empty when verified
     # Each stand-in or unimportable module, named, the base's marked as such.
     not_real: tuple[str, ...] = ()
+    # Each check whose code path is not the one vLLM takes on this GPU family, with why.
+    not_applicable: tuple[str, ...] = ()
 
 
 def _short(error: str) -> str:
@@ -293,10 +313,23 @@ def judge_gpu(
     ``base_import_errors`` (the same modules imported in the image's base;
     None when the base was not probed) tells an import the base could not do
     either, named as the base's, from one the image broke.
+
+    A check that says it is not applicable on this GPU family
+    (``ran_against`` :data:`NOT_APPLICABLE`) never counts towards GPU-verified,
+    whatever its status: it is a skip, and under ``require`` it leaves the run
+    incomplete (this host cannot verify the patch; the image did nothing wrong).
     """
     judged: list[Check] = []
     not_real: list[str] = []
+    not_applicable: list[str] = []
     for c in checks:
+        if c.ran_against == NOT_APPLICABLE:
+            not_applicable.append(f"{c.name}: {c.detail}")
+            status = Status.INCOMPLETE if require else Status.SKIP
+            lead = "--gpu require, but" if require else "not counted, image GPU-unverified:"
+            judged.append(Check(c.name, status, f"{lead} not applicable on this GPU family ({c.detail})", c.seconds,
+                                c.data, c.ran_against, c.stubs, c.import_errors))
+            continue
         problems: list[str] = []
         broken = False
         for module, error in sorted(c.import_errors.items()):
@@ -338,7 +371,9 @@ def judge_gpu(
             why = "; ".join(f"{c.name} {c.status.value}" for c in bad)
             if not_real:
                 why += f" ({'; '.join(not_real)})"
-    return GpuJudgement(tuple(judged), verified, why, tuple(not_real))
+            if not_applicable:
+                why += f" (not applicable on this GPU family: {'; '.join(not_applicable)})"
+    return GpuJudgement(tuple(judged), verified, why, tuple(not_real), tuple(not_applicable))
 
 
 def require_pass(verdict: Verdict, subject: str, *, fail_hint: str, incomplete_hint: str) -> None:

@@ -174,13 +174,14 @@ def test_facts_cache_is_checked_and_a_changed_patch_set_only_compiles(
         changed, err = _build(project, out, "assemble", cache, verbose=True)
         assert changed != first
         assert "probe: locate" not in err and "probe: compile 1 file(s)" in err, err
-        # A cache that names another image is not believed: the base is probed again.
-        facts = next((cache / "bases").glob("*/facts-*.json"))
-        data = json.loads(facts.read_text())
-        data["image_id"] = "sha256:" + "0" * 64
-        facts.write_text(json.dumps(data))
+        # A cache index edited to name another image is not believed: the base is probed again.
+        facts = next((cache / "bases").glob("*/index/facts-*.json"))
+        outer = json.loads(facts.read_text())
+        outer["body"] = json.dumps({**json.loads(outer["body"]), "image_id": "sha256:" + "0" * 64})
+        facts.write_text(json.dumps(outer))
         again, err = _build(project, out, "assemble", cache, verbose=True)
         assert again == changed and "probe: locate 2 file(s)" in err, err
+        assert f"{facts} was not written by this host" in err
     finally:
         engine.remove_image(out)
         if first:

@@ -109,6 +109,7 @@ def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str]
     r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     target = json.loads(r.out)["ref"]
+    (tmp_path / "x").mkdir()
     r = cli("verify", target, "--key", pub, root=tmp_path / "x")
     assert r.rc == 21 and "no signed verdict" in r.err
     (tmp_path / "garbage.pub").write_text("-----BEGIN PUBLIC KEY-----\nnot a key\n-----END PUBLIC KEY-----\n")

@@ -116,10 +116,13 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateE
     shutil.rmtree(root, ignore_errors=True)
 
 
-def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None]
-                ) -> tuple[int, str]:
-    """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``."""
-    env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1")
+def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None],
+                env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``.
+
+    An empty ``point`` calls ``hit`` at once (it may wait itself).
+    """
+    env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1", **(env_extra or {}))
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
          "--tag", out, "--pull", "never", "--rebuild"],
@@ -127,7 +130,9 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
     )
     assert proc.stderr is not None
     seen: list[str] = []
-    for line in proc.stderr:
+    if not point:
+        hit(proc)
+    for line in proc.stderr if point else ():
         seen.append(line)
         if line.startswith(point):
             hit(proc)
@@ -199,3 +204,100 @@ def test_sweep_follows_notes(engine: Engine, base_v0251: str, project: Path, uni
         assert not note.exists()
     finally:
         engine.remove_container(container.id)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _next_run_cleans(eng: PrivateEngine, project: Path, unique: str, out: str, before: set[str]) -> None:
+    """After the engine is back, the next run removes every container and image the dead run left."""
+    engine = eng.start()
+    try:
+        fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
+              "not in the engine")
+        assert engine.containers_by_owner() == {}
+        assert engine.image(out) is None
+        assert engine.image_ids() - before == set(), "images of the dead run remain"
+        assert not list((project / "build" / "runs").glob("*.json")), "notes remain"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("delay", [0.4, 1.4])
+def test_engine_stopped_early_in_rebuild(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                                         delay: float) -> None:
+    """The engine stopped the ordinary way (SIGTERM: its socket goes) 0.4 s and 1.4 s into `image --rebuild`."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/early-{unique}:x"
+
+    def stop_later(_proc: subprocess.Popen[str]) -> None:
+        time.sleep(delay)
+        eng.stop()
+
+    rc, err = run_and_hit(eng, project, out, "", stop_later)
+    line = _one_error_line(err)
+    print(f"engine stopped at {delay} s: exit {rc}: {line}")
+    # dockerd answers for a while as it shuts down, so the run may have reached
+    # its smoke checks: those the engine could not run make the smoke incomplete (11).
+    assert rc == 5 or (rc == 11 and "==> smoke-testing" in err), err
+    assert "Docker engine" in line or "incomplete" in line, err
+    _next_run_cleans(eng, project, unique, out, before)
+
+
+def test_engine_stopped_while_probing(private: tuple[PrivateEngine, Engine], project: Path, unique: str) -> None:
+    """SIGTERM to the engine while the probe container runs: its removal meets a gone engine; one line, exit 5."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/probe-term-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, "==> checking", lambda _proc: eng.stop())
+    line = _one_error_line(err)
+    assert rc == 5 and "the Docker engine stopped answering" in line, err
+    _next_run_cleans(eng, project, unique, out, before)
+
+
+def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, Engine], project: Path,
+                                                 unique: str) -> None:
+    """SIGSTOP to the engine during the probe, probe timeout 10 s: one line well before the engine resumes."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/frozen-{unique}:x"
+    pid = eng.pid()
+    frozen_at: list[float] = []
+
+    def freeze(_proc: subprocess.Popen[str]) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
+
+    try:
+        rc, err = run_and_hit(eng, project, out, "==> checking", freeze, {"VLLM_HOTFIX_PROBE_TIMEOUT": "10"})
+        took = time.monotonic() - frozen_at[0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    line = _one_error_line(err)
+    print(f"frozen engine: exit {rc} after {took:.1f} s: {line}")
+    assert rc == 5 and "the Docker engine stopped answering" in line, err
+    assert took < 10 + 12, f"took {took:.1f} s"
+    # The engine answers again: the run's probe container is the next run's to remove.
+    r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url})
+    fails(r, "not in the engine")
+    assert engine.containers_by_owner() == {}
+    assert engine.image_ids() - before == set()
+
+
+@pytest.mark.parametrize("point", ["==> checking", "==> building", "==> smoke-testing"])
+def test_sigterm_to_the_tool_cleans_up(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
+                                       point: str) -> None:
+    """SIGTERM (docker stop, systemd, CI) during probe, build or smoke: as Ctrl-C, one line, exit 143, nothing left."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/terminated-{unique}:x"
+    rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert rc == 143 and _one_error_line(err) == "error: terminated", err
+    assert engine.image(out) is None
+    assert engine.containers_by_owner() == {}, "the terminated run left containers"
+    assert engine.image_ids() - before == set(), "the terminated run left images"
+    assert not list((project / "build" / "runs").glob("*.json")), "the terminated run left its note"

@@ -78,3 +78,27 @@ def test_standin_never_replaces_an_image_that_is_not_one(engine: Engine, base_v0
         assert engine.image(ref).id == engine.image(rootfs).id  # type: ignore[union-attr]
     finally:
         engine.untag(ref)
+
+
+def test_smoke_of_an_image_not_in_the_engine_is_a_missing_image(engine: Engine, unique: str) -> None:
+    ref = f"hotfix-test/nosuch-{unique}:1"
+    r = cli("smoke", ref)
+    fails(r, f"'{ref}'", "is not in the engine")
+    assert r.rc == 4  # nothing was checked, so no check failed (7)
+    assert "smoke 1/5" not in r.err
+
+
+def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v0251: str, project: Path,
+                                                       unique: str) -> None:
+    out = f"hotfix-test/nocache-{unique}:t"
+    try:
+        for _ in range(2):
+            r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--rebuild",
+                    root=project)
+            assert r.rc == 0, r.err
+            assert "Using cache" not in r.err
+    finally:
+        info = engine.image(out)
+        engine.untag(out)
+        if info is not None:
+            engine.remove_untagged(info.id)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, STANDIN_REPO, Registry, Result, cli, fails
-from vllm_hotfix import records, standin
+from vllm_hotfix import integrity, records, standin
 from vllm_hotfix.engine import Engine
 
 SM100 = "v0.25.1-sm100"
@@ -56,9 +56,9 @@ def sm100_bases(engine: Engine) -> Iterator[dict[str, str]]:
 
 
 def _integrity(engine: Engine, image: str) -> dict:
-    script = (REPO / "vllm_hotfix" / "probes" / "integrity.py").read_bytes()
-    res = engine.run(image, ["python3", "/tmp/integrity.py", "vllm", "{}"], files={"integrity.py": script})
-    return json.loads(res.stdout)["checks"][0]
+    site = standin.SITE_DIR
+    found = integrity.scan(integrity.read_site(engine, image, site), site, "vllm")
+    return integrity.judge(found, "vllm", None).check
 
 
 def test_integrity_fails_the_sub_wheel_race_and_passes_the_serial_install(engine: Engine,
@@ -301,7 +301,7 @@ def test_check_upstream_says_a_newer_release_contradicts_the_pins(tmp_path: Path
 
 def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v0270: str, project: Path) -> None:
     r = cli("check-upstream", "--patches", SM100, "--base", "v0.27.0", "--pull", "never", "--json", root=project)
-    assert r.rc == 0, r.err
+    assert r.rc == 12, r.err  # contradicting pins: the set still needs attention
     judged = {j["pin"]: j["verdict"] for j in json.loads(r.out)["pins"]}
     assert judged["quack-kernels==0.6.4"] == "contradicts"
     assert judged["nvidia-cutlass-dsl==4.6.2"] == "contradicts"
@@ -309,7 +309,10 @@ def test_check_upstream_reads_the_pins_verdicts_from_the_release_image(base_v027
 
 
 def _contradicts(r: Result) -> None:
-    assert r.rc == 0, r.err
+    # The patch is included, but the pins contradict the release: not "needs no hotfix", and not exit 0.
+    assert r.rc == 12, r.err
+    fails(r, "quack-kernels==0.6.4", "the set still needs attention")
+    assert "needs no hotfix" not in r.err
     assert "pin quack-kernels==0.6.4: contradicts (vllm 0.27.0 requires quack-kernels ==0.6.1)" in r.out
     assert "pin nvidia-cutlass-dsl==4.6.2: contradicts (vllm 0.27.0 requires nvidia-cutlass-dsl ==4.6.0)" in r.out
     assert "0001-minimax-m3-topk-buffer-layout.patch: included" in r.out

@@ -170,6 +170,29 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert r.rc == 0, r.err
             assert sweep_check["status"] == "pass"
             assert [lv["successes"] for lv in report["sweep"]["levels"]] == [6, 6, 6]
+            # One server start, its phases timed; the compile cache of the base mounted and written.
+            assert list(report["phases"]) == ["checks", "gpu_access", "server_start", "sweep"]
+            assert all(v >= 0 for v in report["phases"].values())
+            cache = report["environment"]["compile_cache"]
+            base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
+            assert cache["base_id"] == base_id.removeprefix("sha256:") and cache["gpu"] == "no-gpu"
+            assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
+            starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
+            assert starts.read_text().count("started") >= 1
+            # Reference answers recorded from this (trusted) image, then every reply judged against them.
+            answers = tmp_path / "answers.json"
+            r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
+                    str(answers), "--concurrency", "1,2", "--requests", "6", root=project)
+            assert r.rc == 0, r.err
+            assert len(json.loads(answers.read_text())["answers"]) == 24
+            r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
+                    "--concurrency", "1,2,4", "--requests", "6", "--report", str(tmp_path / "ref.json"),
+                    root=project)
+            assert r.rc == 0, r.err
+            report = json.loads((tmp_path / "ref.json").read_text())
+            sweep_check = next(c for c in report["checks"] if c["name"] == "serve-sweep")
+            assert "every reply matched the reference answers" in sweep_check["detail"]
+            assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == {"reference"}
     finally:
         engine.remove_image(served)
 

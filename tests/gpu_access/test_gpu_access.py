@@ -109,7 +109,8 @@ def test_require_on_cdi_host_without_cuda_fails(cdi_built: tuple[Path, str], tmp
 
 
 def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: str, tmp_path: Path) -> None:
-    r = cli("smoke", base_v0251, "--gpu", "require", "--gpu-request", "runtime:nvidia", "--report",
+    # --keep-going: the unpatched base fails its file checks first, and the GPU request is what is under test.
+    r = cli("smoke", base_v0251, "--gpu", "require", "--gpu-request", "runtime:nvidia", "--keep-going", "--report",
             str(tmp_path / "r.json"), root=tmp_path)
     assert r.rc != 0
     report = json.loads((tmp_path / "r.json").read_text())

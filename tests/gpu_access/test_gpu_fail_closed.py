@@ -109,7 +109,12 @@ def fake_gpu_base(cdi_engine: Engine, cdi_base: str,  # noqa: F811
     body = (f"COPY libcuda.so.1 /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
             f"COPY torch.py {PYLIB}/torch/__init__.py\nCOPY triton.py {PYLIB}/triton/__init__.py\n"
             f"COPY language.py {PYLIB}/triton/language.py\n"
-            f"COPY init.py {SITE}/vllm/__init__.py\nCOPY target.py {SITE}/{TARGET}\n")
+            f"COPY init.py {SITE}/vllm/__init__.py\nCOPY target.py {SITE}/{TARGET}\n"
+            # The stand-in holds vLLM's Python files only: its RECORD keeps only what it holds, as a real
+            # base's would (compiled files RECORD lists but the image lacks stop GPU-verified).
+            f"RUN python3 -c \"import csv, glob, os; r = glob.glob('{SITE}/vllm-*.dist-info/RECORD')[0]; "
+            f"rows = [x for x in csv.reader(open(r)) if x and os.path.lexists(os.path.join('{SITE}', x[0]))]; "
+            f"csv.writer(open(r, 'w', newline='')).writerows(rows)\"\n")
     image_id = derive(cdi_engine, cdi_base, f"{repo}:v0.25.1", body, files)
     yield repo
     cdi_engine.remove_image(f"{repo}:v0.25.1")

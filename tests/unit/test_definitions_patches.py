@@ -102,7 +102,7 @@ def test_series_names_only_local_files(tmp_path: Path) -> None:
     folder = tmp_path / "patches" / "s"
     folder.mkdir(parents=True)
     (folder / "series").write_text("# comment\n../evil.patch\n")
-    with pytest.raises(PatchError, match="is not a file name"):
+    with pytest.raises(PatchError, match="is not a patch file name"):
         patches.load_series(tmp_path, "s", "vllm")
     (folder / "series").write_text("0001-missing.patch\n")
     with pytest.raises(PatchError, match="listed in series but missing"):

@@ -40,7 +40,7 @@ def test_new_patchset_offline(fresh: Path) -> None:
         (("--from-pr", "50002"), ("touches no file under vllm/", "docs/models.md")),
         (("--from-pr", "404"), ("PR #404", "HTTP 404")),
         (("--from-pr", "not-a-pr"), ("'not-a-pr'", "neither a PR number")),
-        (("--from-file", "/nonexistent/x.diff"), ("/nonexistent/x.diff", "cannot read")),
+        (("--from-file", "/nonexistent/x.diff"), ("/nonexistent/x.diff", "does not exist")),
         ((), ("exactly one of --from-pr",)),
     ],
 )

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
-import py_compile
 import random
 import tarfile
 import xml.etree.ElementTree as ET
@@ -15,7 +13,7 @@ import pytest
 from vllm_hotfix import push, smoke, sweep, tarball
 from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.probes import env_report, landed
+from vllm_hotfix.probes import env_report
 from vllm_hotfix.verdicts import Check, Status, judge
 
 
@@ -108,44 +106,6 @@ def test_known_bad_pair_is_flagged_only_when_probe_confirms() -> None:
     assert not env_report.flag_known_bad(versions, [(9, 0)], missing)  # Hopper is not affected
     good = {"quack-kernels": "0.6.4", "nvidia-cutlass-dsl": "4.6.2"}
     assert not env_report.flag_known_bad(good, [(10, 0)], missing)
-
-
-@pytest.mark.parametrize(
-    "mode, other_source, expected",
-    [
-        (py_compile.PycInvalidationMode.CHECKED_HASH, False, "fresh"),
-        (py_compile.PycInvalidationMode.CHECKED_HASH, True, "stale (hash mismatch)"),
-        (py_compile.PycInvalidationMode.UNCHECKED_HASH, True, "stale (hash-based, unchecked)"),
-        (py_compile.PycInvalidationMode.TIMESTAMP, False, "fresh"),
-    ],
-)
-def test_pyc_state(tmp_path: Path, mode: py_compile.PycInvalidationMode, other_source: bool, expected: str) -> None:
-    src = tmp_path / "m.py"
-    src.write_text("x = 1\n")
-    if other_source:
-        (tmp_path / "o.py").write_text("x = 2\n")
-    pyc = tmp_path / "m.pyc"
-    py_compile.compile(str(tmp_path / ("o.py" if other_source else "m.py")), cfile=str(pyc), invalidation_mode=mode)
-    assert landed.pyc_state(src.read_bytes(), str(src), str(pyc)) == expected
-
-
-def test_landed_probe_flags_altered_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    pkg = tmp_path / "demo_pkg_x"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "mod.py").write_text("y = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import hashlib
-
-    good = hashlib.sha256(b"y = 1\n").hexdigest()
-    assert landed.main(["demo_pkg_x", "0", json.dumps({"demo_pkg_x/mod.py": good})]) == 1  # version differs
-    out = json.loads(capsys.readouterr().out)
-    assert out["checks"][0]["status"] == "pass"
-    (pkg / "mod.py").write_text("y = 2\n")
-    landed.main(["demo_pkg_x", "0", json.dumps({"demo_pkg_x/mod.py": good})])
-    out = json.loads(capsys.readouterr().out)
-    assert out["checks"][0]["status"] == "fail" and "altered after the build" in out["checks"][0]["detail"]
 
 
 def _entries(seed: int) -> list[tarball.Entry]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, cli, fails
+from conftest import REPO, STANDIN_REPO, Result, cli, fails
 from vllm_hotfix.engine import split_reference
 
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
@@ -172,3 +173,292 @@ def test_check_upstream_bad_input(project: Path, tmp_path: Path) -> None:
         },
     )
     fails(r, "vllm==9.9.9")
+
+
+# -- hostile input, kind by kind: exit code, one line naming the input, no dump, nothing left --------------------
+
+
+def _one_line(r: Result, rc: int, *needles: str) -> None:
+    """Exit ``rc``, exactly one `error:` line holding every needle, and nothing on stderr but it and a hint."""
+    assert r.rc == rc, r.err
+    fails(r, *needles)
+    lines = r.err.splitlines()
+    assert sum(ln.startswith("error: ") for ln in lines) == 1, r.err
+    assert all(ln.startswith(("error: ", "hint: ")) for ln in lines), f"a line split or a stray line:\n{r.err}"
+
+
+REGISTRY = ("--registry", "127.0.0.1:5000/ops")
+BAD_REFERENCES = [
+    (("push", "VLLM/vllm-openai:v0.25.1-m3patch", *REGISTRY), "IMAGE 'VLLM/vllm-openai"),
+    (("push", "http://x/y:z", *REGISTRY), "IMAGE 'http://x/y:z'"),
+    (("push", "ops/vllm:v1\n", *REGISTRY), "IMAGE 'ops/vllm:v1\\n'"),
+    (("smoke", "Bad Ref:!!"), "IMAGE 'Bad Ref:!!'"),
+    (("smoke", ""), "IMAGE ''"),
+    (("smoke", "ops/vllm:v1\n"), "IMAGE 'ops/vllm:v1\\n'"),
+    (("smoke", "ops/vllm:v1\x1b[2J"), "IMAGE 'ops/vllm:v1\\x1b[2J'"),
+    (("smoke", "ops/" + "x" * 300), "more characters"),
+    (("verify", "Bad:Ref:x", "--key", "env:NOPE"), "REF 'Bad:Ref:x'"),
+    (("image", "--base", "v0.25.1", "--base-repo", "UPPER/repo"), "--base-repo 'UPPER/repo'"),
+    (("image", "--base", "v0.25.1", "--base-repo", "ops/vllm:v1"), "takes no tag or digest"),
+    (("image", "--base", "v0.25.1", "--tag", "ops/vllm:v1\n"), "--tag 'ops/vllm:v1\\n'"),
+    (("render", "--base", "v0.25.1", "--base-repo", "a b"), "--base-repo 'a b'"),
+    (("check-upstream", "--patches", "v0.25.1", "--base", "v0.27.0", "--base-repo", "A:b"), "--base-repo 'A:b'"),
+    (("new-patchset", "--base", "v0.25.1", "--pin", "x==1", "--base-repo", "Evil/x"), "--base-repo 'Evil/x'"),
+    (("rollback", "--base", "v0.25.1", "--tag", "Bad Ref"), "--tag 'Bad Ref'"),
+    (("rollback", "--base", "v0.25.1", "--to", "nothex\n"), "--to 'nothex\\n'"),
+    (("standin", "--version", "0.25.1", "--ref", "UP/x:1"), "--ref 'UP/x:1'"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BAD_REFERENCES, ids=range(len(BAD_REFERENCES)))
+def test_bad_references_are_usage_errors_before_any_work(args: tuple[str, ...], needle: str) -> None:
+    # DOCKER_HOST points nowhere (unit tier): reaching the engine would be exit 5, not 64.
+    r = cli(*args)
+    _one_line(r, 64, needle)
+    assert "not a valid image reference" in r.err or "not an image ID" in r.err or "no tag or digest" in r.err
+
+
+def test_every_reference_argument_is_checked_while_parsing() -> None:
+    """No command can forget: each IMAGE, REF, --tag, --ref, --to and --base-repo has a checked type."""
+    from vllm_hotfix import cli as climod
+
+    names = {"image_ref", "ref", "output_ref", "base_repo", "to_image"}
+    seen = 0
+    for command in climod.main.commands.values():
+        for param in command.params:
+            if param.name in names:
+                assert isinstance(param.type, climod.Checked), f"{command.name} {param.name} is not checked"
+                seen += 1
+    assert seen >= 11
+
+
+def test_references_with_a_registry_host_are_still_valid() -> None:
+    from vllm_hotfix import refs
+
+    for ok in ("vllm/vllm-openai:v0.25.1", "Registry.Example.com:5000/ops/vllm:v1", "localhost/x:1",
+               "127.0.0.1:5000/ops/vllm@sha256:" + "a" * 64):
+        assert refs.check_reference(ok, "x") == ok
+    assert refs.check_image("sha256:" + "b" * 64, "IMAGE")
+
+
+ENV_CASES = [
+    ({"VLLM_HOTFIX_RUN_ID": "a/b"}, ("list",), "VLLM_HOTFIX_RUN_ID='a/b'"),
+    ({"VLLM_HOTFIX_RUN_ID": "run\nX"}, ("list",), "VLLM_HOTFIX_RUN_ID='run\\nX'"),
+    ({"VLLM_HOTFIX_RUN_ID": "x" * 5000}, ("list",), "more characters"),
+    ({"VLLM_HOTFIX_CACHE": "/etc/hostname"}, ("render", "--base", "v0.25.1"), "is a file, not a folder"),
+    ({"VLLM_HOTFIX_CACHE": "/etc/hostname/cache"}, ("image", "--base", "v0.25.1"), "is a file, not a folder"),
+    ({"VLLM_HOTFIX_CACHE": "/proc/1/cache-here"}, ("render", "--base", "v0.25.1"), "not writable"),
+    ({"VLLM_HOTFIX_CACHE": ""}, ("render", "--base", "v0.25.1"), "is empty"),
+]
+
+
+@pytest.mark.parametrize("env, args, needle", ENV_CASES, ids=range(len(ENV_CASES)))
+def test_bad_environment_values_are_usage_errors(env: dict[str, str], args: tuple[str, ...], needle: str) -> None:
+    r = cli(*args, env=env)
+    _one_line(r, 64, needle)
+
+
+OUTPUT_FILES = [
+    ("smoke", "ops/vllm:v1", "--report", "/etc/hostname/r.json"),
+    ("smoke", "ops/vllm:v1", "--junit", "/etc/hostname/deeper/j.xml"),
+    ("smoke", "ops/vllm:v1", "--junit", "/proc/1/j.xml"),
+    ("smoke", "ops/vllm:v1", "--attestation", "/etc/hostname/a.json", "--sign-key", "env:NOPE"),
+    ("serve-check", "--url", "http://127.0.0.1:9", "--report", "/etc/hostname/s.json"),
+]
+
+
+@pytest.mark.parametrize("args", OUTPUT_FILES, ids=range(len(OUTPUT_FILES)))
+def test_report_files_that_cannot_be_written_fail_before_the_run(args: tuple[str, ...]) -> None:
+    r = cli(*args)
+    _one_line(r, 64, "cannot write there")
+
+
+@pytest.mark.parametrize("make_root", ["missing", "file"])
+def test_root_that_is_no_folder_is_refused(tmp_path: Path, make_root: str) -> None:
+    root = tmp_path / "nowhere"
+    if make_root == "file":
+        root.write_text("x")
+    for args in (("--root", str(root), "list"), ("list", "--root", str(root)), ("render", "--base", "v0.25.1",
+                                                                               "--root", str(root))):
+        r = cli(*args)
+        _one_line(r, 64, "--root", str(root))
+
+
+def test_root_after_the_subcommand_is_the_same_as_before(project: Path) -> None:
+    (project / "images/v0.25.1-sm100.toml").unlink()
+    before = cli("list", root=project)
+    after = cli("list", "--root", str(project))
+    assert before.rc == after.rc == 0
+    assert before.out == after.out and "v0.25.1-sm100" not in after.out
+
+
+def test_bare_command_prints_its_help_plainly() -> None:
+    r = cli()
+    assert r.rc == 0 and r.out.startswith("Usage:") and "error" not in r.err
+
+
+def test_series_with_a_latin1_byte_names_the_file_and_line(project: Path) -> None:
+    series = project / "patches/v0.25.1/series"
+    series.write_bytes(b"# caf\xe9\n" + series.read_bytes())
+    r = cli("render", "--base", "v0.25.1", root=project)
+    _one_line(r, 3, f"{series}:1", "not UTF-8")
+
+
+PYTHONS = ["python3\\nRUN touch /x", "python3; touch x", "{{ 7 * 7 }}", "'{{ python }}'", "$(id)", "python3 -c x",
+           "../python3", "/usr/bin/py thon", "`id`"]
+
+
+@pytest.mark.parametrize("python", PYTHONS, ids=range(len(PYTHONS)))
+def test_definition_python_that_is_no_program_is_refused(project: Path, python: str) -> None:
+    toml = project / "images/v0.25.1.toml"
+    escaped = python.replace('"', '\\"')
+    toml.write_text(toml.read_text().replace('name = "vllm"', f'name = "vllm"\npython = "{escaped}"'))
+    r = cli("render", "--base", "v0.25.1", root=project)
+    _one_line(r, 2, "v0.25.1.toml", "package.python")
+
+
+@pytest.mark.parametrize("key, value", [("version", "0.25.1\\nRUN x"), ("version", "0.25.1 $(id)"),
+                                        ("version", "{{x}}")])
+def test_definition_version_that_is_no_version_is_refused(project: Path, key: str, value: str) -> None:
+    toml = project / "images/v0.25.1.toml"
+    text = toml.read_text()
+    start = text.index(f"{key} = ")
+    toml.write_text(text[:start] + f'{key} = "{value}"' + text[text.index("\n", start):])
+    r = cli("render", "--base", "v0.25.1", root=project)
+    _one_line(r, 2, "v0.25.1.toml", f"package.{key}")
+
+
+@pytest.mark.parametrize("hosts", ["SM100\\nLABEL x=y", "${PATH}", "{{ x }}", "x" * 300])
+def test_variant_hosts_must_be_one_plain_line(project: Path, hosts: str) -> None:
+    toml = project / "images/v0.25.1-sm100.toml"
+    text = toml.read_text()
+    start = text.index("hosts = ")
+    end = text.index("\n", start)
+    toml.write_text(text[:start] + f'hosts = "{hosts}"' + text[end:])
+    r = cli("render", "--base", "v0.25.1-sm100", root=project)
+    _one_line(r, 2, "v0.25.1-sm100.toml", "variant.hosts")
+
+
+PATCH_NAMES = ["0002-a\tb.patch", "0002-${PATH}.patch", "0002-a\\b.patch", '0002-a"b.patch', "0002-a'b.patch",
+               "0002-caf\u00e9.patch", "0002-a=b.patch", "-p0.patch"]
+
+
+@pytest.mark.parametrize("name", PATCH_NAMES, ids=range(len(PATCH_NAMES)))
+def test_patch_names_that_would_reach_a_label_key_are_refused(project: Path, name: str) -> None:
+    folder = project / "patches/v0.25.1"
+    (folder / name).write_bytes((folder / PATCH).read_bytes())
+    with (folder / "series").open("a", encoding="utf-8") as fh:
+        fh.write(name + "\n")
+    r = cli("render", "--base", "v0.25.1", root=project)
+    _one_line(r, 3, f"{folder / 'series'}:", "not a patch file name")
+
+
+def test_patch_file_name_is_checked_when_the_patch_loads(tmp_path: Path) -> None:
+    from vllm_hotfix import patches
+    from vllm_hotfix.errors import PatchError
+
+    path = tmp_path / "0001-a b.patch"
+    path.write_bytes((REPO / "patches/v0.25.1" / PATCH).read_bytes())
+    with pytest.raises(PatchError, match="file name may hold only"):
+        patches.load_patch(path, "vllm")
+
+
+@pytest.mark.parametrize("mode_lines", ["old mode 100644\nnew mode 100755\n", "old mode 100755\nnew mode 100644\n"])
+def test_patch_changing_a_mode_is_refused(project: Path, mode_lines: str) -> None:
+    path = project / "patches/v0.25.1" / PATCH
+    text = path.read_text()
+    at = text.index("--- a/")
+    path.write_text(text[:at] + mode_lines + text[at:])
+    r = cli("render", "--base", "v0.25.1", root=project)
+    _one_line(r, 3, PATCH, "changes a file's mode")
+
+
+def test_label_values_are_escaped_and_keys_checked() -> None:
+    from vllm_hotfix import render
+
+    assert render._label_value('a\\b"c$d\te\nf\rg') == 'a\\\\b\\"c\\$d e f g'
+    assert render.LABEL_KEY.match("io.vllm-hotfix.patch.0001-x.patch")
+    for bad in ("io.x.patch.a\tb", "io.x.${PATH}", 'io.x."', "io.x.a b"):
+        assert not render.LABEL_KEY.match(bad)
+
+
+NEW_PATCHSET_USAGE = [
+    (("--from-pr", "not-a-pr"), "--from-pr 'not-a-pr'"),
+    (("--from-pr", "https://example.com/x"), "neither a PR number"),
+    (("--pin", "quack-kernels"), "--pin 'quack-kernels'"),
+    (("--pin", "quack-kernels>=0.6"), "NAME==VERSION"),
+    (("--pin", "x==1", "--from-pr", "5"), "--pin goes alone"),
+    ((), "exactly one of --from-pr"),
+    (("--from-file", "/nonexistent/x.diff"), "/nonexistent/x.diff"),
+]
+
+
+@pytest.mark.parametrize("args, needle", NEW_PATCHSET_USAGE, ids=range(len(NEW_PATCHSET_USAGE)))
+def test_new_patchset_usage_errors_exit_64(project: Path, args: tuple[str, ...], needle: str) -> None:
+    r = cli("new-patchset", "--base", "v0.25.1", *args, root=project)
+    _one_line(r, 64, needle)
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1/x", "http://", "http://127.0.0.1:port", "http://a\nb"])
+def test_serve_check_url_that_is_no_url_exits_64(url: str) -> None:
+    r = cli("serve-check", "--url", url)
+    _one_line(r, 64, "--url")
+
+
+@pytest.mark.parametrize("api, cause", [("http://127.0.0.1:9", "connection refused by 127.0.0.1:9"),
+                                        ("http://no-such-host.invalid", "cannot resolve the name of no-such-host")])
+def test_from_pr_offline_names_the_cause(project: Path, api: str, cause: str) -> None:
+    r = cli("new-patchset", "--base", "v0.25.1", "--from-pr", "49149", "--from-wheel", root=project,
+            env={"VLLM_HOTFIX_GITHUB_API": api})
+    _one_line(r, 9, "cannot fetch PR #49149", cause)
+
+
+def test_from_pr_timeout_is_named() -> None:
+    import requests
+
+    from vllm_hotfix import newpatch
+
+    exc = requests.exceptions.ConnectTimeout("timed out")
+    assert "did not answer in time" in newpatch.network_cause(exc, "http://10.0.0.1/x")
+
+
+def _upstream_report(pin_verdicts: tuple[str, ...], *patch_verdicts: str) -> Any:
+    from vllm_hotfix import upstream
+
+    return upstream.Report(
+        "v0.25.1-sm100", "v0.27.0", "wheel", "vllm", "0.27.0",
+        tuple(upstream.Verdict(f"000{i}-x.patch", w, ()) for i, w in enumerate(patch_verdicts)),
+        tuple({"pin": f"pin{i}==1", "verdict": w, "detail": "d"} for i, w in enumerate(pin_verdicts)))
+
+
+@pytest.mark.parametrize("pins, patches, rc, needle", [
+    (("contradicts", "contradicts"), ("included",), 12, "pin0==1, pin1==1: the set still needs attention"),
+    (("contradicts",), ("needed",), 12, "the set still needs attention"),
+    (("allowed",), ("included",), 0, "but not its pins pin0==1"),
+    (("included",), ("included",), 0, "needs no hotfix"),
+    ((), ("included",), 0, "needs no hotfix"),
+])
+def test_check_upstream_conclusion_agrees_with_its_pins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], pins: tuple[str, ...],
+    patches: tuple[str, ...], rc: int, needle: str,
+) -> None:
+    from vllm_hotfix import cli as climod
+    from vllm_hotfix import upstream
+
+    monkeypatch.setattr(upstream, "check", lambda *a, **k: _upstream_report(pins, *patches))
+    got = climod._run(["check-upstream", "--patches", "v0.25.1-sm100", "--base", "v0.27.0", "--from-wheel"], "t")
+    err = capsys.readouterr().err
+    assert got == rc, err
+    assert needle in err
+    if rc:
+        assert "needs no hotfix" not in err
+    assert _upstream_report(pins, *patches).needs_hotfix == (needle != "needs no hotfix")
+
+
+def test_runbook_shaped_commands_with_bad_values_fail_before_work() -> None:
+    # The runbook's SM100 stand-in and signed smoke lines, each with one value a user might mistype.
+    r = cli("standin", "--version", "0.25.1", "--deps", "race", "--ref", "Demo/vllm-openai-sm100:v0.25.1")
+    _one_line(r, 64, "--ref 'Demo/vllm-openai-sm100:v0.25.1'", "not a valid image reference")
+    r = cli("smoke", "ops/vllm:v1", "--gpu", "require", "--sign-key", "env:NOPE", "--attestation",
+            "/etc/hostname/verdict.dsse.json")
+    _one_line(r, 64, "--attestation", "cannot write there")

@@ -24,13 +24,20 @@ def runbook_commands() -> list[list[str]]:
     """`python build.py ...` lines of indented or fenced code blocks."""
     out = []
     in_fence = False
+    pending = ""  # a command continued on the next line with a trailing backslash
     for line in RUNBOOK.read_text(encoding="utf-8").splitlines():
         if line.strip().startswith("```"):
             in_fence = not in_fence
             continue
         code = in_fence or line.startswith("    ")
         text = line.strip()
+        if pending and code:
+            text = pending + " " + text
+            pending = ""
         if code and text.startswith("python build.py "):
+            if text.endswith("\\"):
+                pending = text[:-1].rstrip()
+                continue
             out.append(shlex.split(text)[2:])
     return out
 

@@ -52,8 +52,11 @@ def test_serve_check_server_dying_at_concurrency_2() -> None:
     proc = _serve(port, "--die-at-concurrency", "2")
     try:
         r = cli("serve-check", "--url", f"http://127.0.0.1:{port}", "--requests", "8")
-        assert r.rc != 0
-        assert "serve sweep failed at concurrency 2" in r.last_error
+        assert r.rc == 7
+        # Not "0/8 ok" and a connection error: the server is gone, and the line says so.
+        assert "server http://127.0.0.1:" in r.last_error and "died during the sweep" in r.last_error
+        assert "at concurrency 2" in r.last_error
+        assert "(server died)" in r.err
         assert "concurrency   1:    8/8" in r.err  # single requests worked
     finally:
         proc.kill()

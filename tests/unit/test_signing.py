@@ -111,3 +111,19 @@ def test_keys_from_files_and_the_environment_never_printed(tmp_path: Path, monke
         signing.load_private_key(str(tmp_path / "enc.pem"))
     monkeypatch.setenv(signing.PASSWORD_ENV, "pw")
     assert signing.load_private_key(str(tmp_path / "enc.pem")).curve.name == "secp256r1"
+
+
+def test_verify_a_signed_verdict_file_offline(tmp_path: Path) -> None:
+    from conftest import cli
+
+    key = _key()
+    (tmp_path / "k.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    (tmp_path / "v.dsse.json").write_bytes(_signed(key))
+    args = ["--attestation", str(tmp_path / "v.dsse.json"), "--key", str(tmp_path / "k.pub")]
+    r = cli("verify", IMAGE_ID, *args, "--require-gpu", "H200", root=tmp_path)
+    assert r.rc == 0 and "signed pass" in r.out and "GPU-verified on NVIDIA H200" in r.out, r.err
+    r = cli("verify", "sha256:" + "cd" * 32, *args, root=tmp_path)
+    assert r.rc == 24 and "another image" in r.err
+    r = cli("verify", "ops/vllm:v1", *args, root=tmp_path)
+    assert r.rc == 64 and "must be the image's ID" in r.err

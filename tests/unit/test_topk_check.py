@@ -75,3 +75,97 @@ def test_a_worker_that_times_out_is_inconclusive(check: ModuleType) -> None:
     assert check.outcome(rec) == "timeout"
     assert check.verdict({"tp1": check.outcome(rec)})[0] == "fail"
     assert "inconclusive" in check.summarize(rec)
+
+
+# -- the path vLLM picks on the GPU in use (SM100: MSA, not the Triton path this check drives) --
+
+@pytest.mark.parametrize(("capability", "topk", "path"), [
+    ((9, 0), 16, "triton"),    # H100/H200
+    ((8, 0), 16, "triton"),    # A100
+    ((10, 0), 16, "msa"),      # B200/GB200
+    ((10, 3), 16, "msa"),      # B300: the same family
+    ((12, 0), 16, "triton"),   # consumer Blackwell is another family
+    ((10, 0), 64, "triton"),   # a top-k count the MSA kernels do not take
+    (None, 16, "triton"),
+])
+def test_path_for_a_faked_capability(check: ModuleType, capability: tuple[int, int] | None, topk: int,
+                                     path: str) -> None:
+    assert check.path_for(capability, topk) == {"indexer": path, "attention": path}
+
+
+def test_not_cuda_is_never_msa(check: ModuleType) -> None:
+    assert check.path_for((10, 0), 16, cuda=False) == {"indexer": "triton", "attention": "triton"}
+
+
+def _selectors(capability: tuple[int, int], fail_msa_import: bool = False) -> tuple[ModuleType, ModuleType]:
+    """Stand-ins for vLLM's two modules whose selectors follow vLLM's rule on a faked capability."""
+    sm100 = capability[0] == 10
+
+    class MiniMaxM3IndexerTritonImpl: ...
+    class MiniMaxM3IndexerMSAImpl: ...
+    class MiniMaxM3SparseTritonImpl: ...
+    class MiniMaxM3SparseMSAImpl: ...
+
+    def select_indexer_impl_cls(*, topk_blocks: int, indexer_kv_dtype: str = "bf16") -> type:
+        if sm100 and topk_blocks in (4, 8, 16, 32):
+            if fail_msa_import:
+                raise ImportError("No module named 'fmha_sm100'")
+            return MiniMaxM3IndexerMSAImpl
+        return MiniMaxM3IndexerTritonImpl
+
+    def select_main_impl_cls(*, topk_blocks: int, kv_cache_dtype: str) -> type:
+        return MiniMaxM3SparseMSAImpl if sm100 and topk_blocks in (4, 8, 16, 32) else MiniMaxM3SparseTritonImpl
+
+    ix, sa = ModuleType("ix"), ModuleType("sa")
+    ix.select_indexer_impl_cls = select_indexer_impl_cls  # type: ignore[attr-defined]
+    sa.select_main_impl_cls = select_main_impl_cls  # type: ignore[attr-defined]
+    return ix, sa
+
+
+def test_on_sm90_the_installed_selectors_pick_triton_and_the_check_applies(check: ModuleType) -> None:
+    ix, sa = _selectors((9, 0))
+    path = check.vllm_path(ix, sa, 16, (9, 0))
+    assert path["indexer_impl"] == "MiniMaxM3IndexerTritonImpl" and path["attention"] == "triton"
+    assert check.not_applicable(path) is None
+
+
+def test_on_sm100_the_installed_selectors_pick_msa_and_the_check_does_not_apply(check: ModuleType) -> None:
+    ix, sa = _selectors((10, 0))
+    path = check.vllm_path(ix, sa, 16, (10, 0))
+    assert (path["indexer"], path["attention"]) == ("msa", "msa")
+    why = check.not_applicable(path)
+    assert why is not None and why.startswith("not applicable on this GPU family")
+    assert "MiniMaxM3IndexerMSAImpl" in why and "10.0" in why
+
+
+def test_a_selector_that_raises_leaves_the_part_to_vllms_rule(check: ModuleType) -> None:
+    ix, sa = _selectors((10, 0), fail_msa_import=True)
+    path = check.vllm_path(ix, sa, 16, (10, 0))
+    assert path["indexer"] == "msa" and "raised ImportError" in path["indexer_impl"]
+    assert check.not_applicable(path) is not None
+
+
+def test_the_check_reports_not_applicable_and_runs_no_more_scenarios(check: ModuleType,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    ix, sa = _selectors((10, 0))
+    path = check.vllm_path(ix, sa, 16, (10, 0))
+    asked: list[str] = []
+
+    def worker(_args: argparse.Namespace, scenario: str) -> dict[str, object]:
+        asked.append(scenario)
+        return {"returncode": 0, "scenario": scenario, "path": path, "not_applicable": check.not_applicable(path)}
+
+    torch, triton = ModuleType("torch"), ModuleType("triton")
+    torch.__version__ = "fake"  # type: ignore[attr-defined]
+    torch.cuda = type("cuda", (), {"is_available": staticmethod(lambda: True)})  # type: ignore[attr-defined]
+    triton.__version__ = "fake"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "triton", triton)
+    monkeypatch.setattr(check, "run_worker", worker)
+    assert check.main([]) == 0
+    [c] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["checks"]
+    assert asked == ["tp1"]
+    assert c["status"] == "skip" and c["ran_against"] == "not-applicable"
+    assert c["detail"].startswith("not applicable on this GPU family")
+    assert c["data"]["path"]["capability"] == "10.0"

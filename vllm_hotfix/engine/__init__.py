@@ -5,6 +5,7 @@ package's parts:
 
 - :mod:`.facade`: :class:`Engine`, the typed operations the pipeline uses;
 - :mod:`.containers`: the containers it starts, each removed before the call returns;
+- :mod:`.files`: files of an image read from its layers (a container created, never started), hashed as they stream;
 - :mod:`.transport`: plain HTTP over the engine's unix socket (``http.client``);
 - :mod:`.mapping`: every SDK, HTTP and socket error as one PipelineError naming the operation;
 - :mod:`.dockerconfig`: references, stored logins, registries the engine trusts without TLS;
@@ -20,6 +21,7 @@ from __future__ import annotations
 from .containers import Box, Served
 from .dockerconfig import registry_credentials, registry_of, split_reference
 from .facade import Engine
+from .files import FileFact, Tree
 from .labels import owner
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
 
@@ -28,9 +30,11 @@ __all__ = [
     "Engine",
     "EngineFacts",
     "ExecResult",
+    "FileFact",
     "GpuRequest",
     "ImageInfo",
     "Served",
+    "Tree",
     "owner",
     "registry_credentials",
     "registry_of",

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # A server's log as its watcher reads it: enough to reach past a flood of request
 # lines to the error that killed it (the caller condenses it, sweep.condense).
 SERVICE_LOG_LINES = 2000
+EXEC_GRACE = 3  # seconds the engine may take beyond a command's own timeout to answer an exec
 _EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
                   "apt-get install qemu-user-static binfmt-support")
 
@@ -47,6 +48,19 @@ def gpu_arguments(gpu: GpuRequest | None) -> dict[str, Any]:
         # The NVIDIA runtime exposes GPUs by this variable; CUDA images set it, others may not.
         return {"runtime": gpu.runtime, "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}
     raise EngineError(f"unknown GPU request way {gpu.way!r}")
+
+
+def extras(gpu: GpuRequest | None, *, env: Mapping[str, str] | None = None,
+           writable: Sequence[tuple[str, str]] = (), read_only: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+    """Create-time arguments for the GPU request, extra environment and bind mounts (host path, container path)."""
+    create = gpu_arguments(gpu)
+    if env:
+        create["environment"] = {**create.get("environment", {}), **env}
+    volumes = {src: {"bind": dst, "mode": "ro"} for src, dst in read_only}
+    volumes.update({src: {"bind": dst, "mode": "rw"} for src, dst in writable})
+    if volumes:
+        create["volumes"] = volumes
+    return create
 
 
 def remove(engine: Engine, container_id: str, *, quiet: bool) -> None:
@@ -105,7 +119,8 @@ class Box:
     def exec(self, cmd: Sequence[str], *, user: str = "0", timeout: int = 120) -> ExecResult:
         # exec_run has no timeout of its own: wrap the command in one when
         # `timeout` exists in the image, which every Debian-based image has.
-        with self._engine.translating("running a probe in a container"):
+        # The engine must answer within that time and a little more.
+        with self._engine.deadline(timeout + EXEC_GRACE), self._engine.translating("running a probe in a container"):
             result = self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True)
         out, err = result.output
         stderr = (err or b"").decode("utf-8", "replace")
@@ -145,11 +160,19 @@ def _foreign_arch(image: str, said: str) -> BaseImageError:
 
 
 @contextmanager
-def box(engine: Engine, image: str, python: str = "python3") -> Iterator[Box]:
+def box(engine: Engine, image: str, python: str = "python3", *, deadline: float | None = None) -> Iterator[Box]:
     """A container of ``image`` kept alive by its own Python, removed after.
 
     The entrypoint is always overridden: a vLLM image's own entrypoint would start a server.
+    ``deadline``: seconds each engine call for the box may wait (creating,
+    starting and removing it; :meth:`Box.exec` gives its command's timeout on top).
     """
+    with engine.deadline(deadline), _box(engine, image, python) as made:
+        yield made
+
+
+@contextmanager
+def _box(engine: Engine, image: str, python: str) -> Iterator[Box]:
     def refused(message: str) -> PipelineError:
         if "exec format error" in message:
             return _foreign_arch(image, message)
@@ -177,13 +200,18 @@ def box(engine: Engine, image: str, python: str = "python3") -> Iterator[Box]:
 
 def run(engine: Engine, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-        timeout: float = 300) -> ExecResult:
-    """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``."""
+        timeout: float = 300, env: Mapping[str, str] | None = None,
+        writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+    """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``.
+
+    ``mounts``: (host folder, container folder) pairs mounted read-only (the runner's folder).
+    """
     from ..tarball import tar_bytes
 
     operation = f"running {argv[0]} in {image}"
     with lifetime(engine, image, "smoke", operation, entrypoint=list(argv[:1]), command=list(argv[1:]),
-                  network_mode=network, **gpu_arguments(gpu)) as container, engine.translating(operation):
+                  network_mode=network, **extras(gpu, env=env, writable=writable, read_only=mounts)) as container, \
+            engine.translating(operation):
         if files:
             container.put_archive(files_at, tar_bytes(files))
         container.start()
@@ -207,14 +235,14 @@ def _wait(container: Any, timeout: float) -> int:
 
 @contextmanager
 def service(engine: Engine, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-            gpu: GpuRequest | None = None) -> Iterator[Served]:
+            gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
+            writable: Sequence[tuple[str, str]] = ()) -> Iterator[Served]:
     """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""
     def refused(message: str) -> PipelineError:
         return EngineError(f"cannot start {image}: {message}")
 
     with lifetime(engine, image, "serve", f"serving {image}", refused, command=list(command), network_mode="host",
-                  volumes={src: {"bind": dst, "mode": "ro"} for src, dst in mounts},
-                  **gpu_arguments(gpu)) as container:
+                  **extras(gpu, env=env, writable=writable, read_only=mounts)) as container:
         with engine.translating(f"serving {image}", refused):
             container.start()
         yield Served(engine, container)

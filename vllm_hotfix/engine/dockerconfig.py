@@ -10,12 +10,21 @@ own insecure-registries list and CIDRs (which hold 127.0.0.0/8 by default).
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import PushError
 from .mapping import short
+
+# The SDK's words for a credential helper (credsStore / credHelpers) that cannot run.
+_HELPER = re.compile(r"docker-credential-([^\s'\"]+) not installed or not available in PATH")
+_STORE_ERROR = "Credentials store error"
+
+# The SDK also warns on stderr when a helper is missing; the error says it in one line.
+warnings.filterwarnings("ignore", message=r"docker-credential-.* not installed", category=UserWarning)
 
 _AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication required", "denied",
                "incorrect username or password")
@@ -49,8 +58,8 @@ def registry_credentials(host: str) -> tuple[str, str] | None:
     try:
         found = docker.auth.load_config().resolve_authconfig(host)
     except docker.errors.DockerException as exc:
-        raise PushError(f"cannot read the stored login for {host}: {short(exc)}",
-                        hint=f"docker login {host}") from exc
+        raise helper_error(exc, host) or PushError(f"cannot read the stored login for {host}: {short(exc)}",
+                                                   hint=f"docker login {host}") from exc
     if not found:
         return None
     data = {str(k).lower(): v for k, v in dict(found).items()}
@@ -59,6 +68,35 @@ def registry_credentials(host: str) -> tuple[str, str] | None:
     if data.get("username") is None and data.get("password") is None:
         return None
     return str(data.get("username") or ""), str(data.get("password") or "")
+
+
+def config_file() -> str:
+    """The docker config file logins are read from (DOCKER_CONFIG, else ~/.docker/config.json)."""
+    import docker.utils.config
+
+    return str(docker.utils.config.find_config_file() or docker.utils.config.get_default_config_file())
+
+
+def helper_error(exc: BaseException, host: str | None = None) -> PushError | None:
+    """A PushError naming the credential helper ``exc`` says could not run (not installed, or failed); else None."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        text = str(seen)
+        if _STORE_ERROR in text or type(seen).__name__ == "StoreError":
+            where = f" for {host}" if host else ""
+            missing = _HELPER.search(text)
+            if missing:
+                helper = f"docker-credential-{missing.group(1)}"
+                return PushError(
+                    f"credential helper {helper}, named{where} in {config_file()}, is not installed "
+                    "(or not in PATH)",
+                    hint=f"install {helper}, or remove it from credHelpers/credsStore in {config_file()}")
+            return PushError(f"the credential helper{where} named in {config_file()} failed: {short(seen)}",
+                             hint=f"check the helper, or docker login {host or 'HOST'} again")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def registry_secure(registry_config: Mapping[str, Any], host: str) -> bool:

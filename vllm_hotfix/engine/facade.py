@@ -21,13 +21,14 @@ import os
 import re
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 from urllib.parse import quote, urlencode, urlparse
 
-from ..errors import BaseImageError, BuildError, EngineError, PipelineError, PushError
+from ..errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
 from . import containers, dockerconfig, labels
+from . import files as layers
 from .mapping import Refused, refusal, short, translating, unreachable
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
 from .transport import DEFAULT_HOST, UnixTransport, local_socket
@@ -35,6 +36,9 @@ from .transport import DEFAULT_HOST, UnixTransport, local_socket
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 50
+# Once the engine stopped answering, each later call (removing what the run
+# started) waits this long at most: the run ends with one line soon after.
+LOST_DEADLINE = 3.0
 _STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
 
 
@@ -57,6 +61,8 @@ class Engine:
         # Told +1 before each container this engine starts for us and -1 once it is
         # removed, so that a run that dies can leave a note for the next (leftovers.py).
         self.on_container: Callable[[int], None] | None = None
+        self._deadline: float | None = None  # seconds per socket operation, when shorter than ``timeout``
+        self._lost = False
 
     @classmethod
     def connect(cls, timeout: float = 120, base_url: str | None = None, *, transport: str = "auto",
@@ -86,9 +92,52 @@ class Engine:
 
     # -- plumbing ------------------------------------------------------------
 
-    def translating(self, operation: str, refused: Refused | None = None) -> AbstractContextManager[None]:
-        """:func:`.mapping.translating` for this engine (a failure before it ever answered: none answers)."""
-        return translating(operation, refused=refused, address=None if self._answered else self.address)
+    @contextmanager
+    def translating(self, operation: str, refused: Refused | None = None) -> Iterator[None]:
+        """:func:`.mapping.translating` for this engine (a failure before it ever answered: none answers).
+
+        An engine found lost gets only :data:`LOST_DEADLINE` per call from then on.
+        """
+        try:
+            with translating(operation, refused=refused, address=None if self._answered else self.address):
+                yield
+        except EngineLost:
+            self._lost = True
+            self._apply_deadline()
+            raise
+
+    @property
+    def call_timeout(self) -> float:
+        """The deadline of the next call: per socket operation, so a stream may run longer in all."""
+        limits = [self.timeout] + ([self._deadline] if self._deadline is not None else [])
+        if self._lost:
+            limits.append(LOST_DEADLINE)
+        return min(limits)
+
+    @contextmanager
+    def deadline(self, seconds: float | None) -> Iterator[None]:
+        """Within the block, every call waits at most ``seconds`` for the engine (None: no change).
+
+        For work that must end in a known time, e.g. probing a base: an engine
+        frozen there ends the run within about that time, not the default's.
+        """
+        if seconds is None:
+            yield
+            return
+        before = self._deadline
+        self._deadline = seconds
+        self._apply_deadline()
+        try:
+            yield
+        finally:
+            self._deadline = before
+            self._apply_deadline()
+
+    def _apply_deadline(self) -> None:
+        """SDK calls read the client's own timeout: keep it at the current deadline."""
+        api = getattr(self._client, "api", None)  # a client made by a caller may not be the SDK's
+        if api is not None:
+            api.timeout = self.call_timeout
 
     @property
     def sdk(self) -> Any:
@@ -98,11 +147,12 @@ class Engine:
 
             with self.translating("reaching the Docker engine"):
                 if self._base_url is not None:
-                    self._client = docker.DockerClient(base_url=self._base_url, timeout=self.timeout)
+                    self._client = docker.DockerClient(base_url=self._base_url, timeout=self.call_timeout)
                 else:
                     # The environment's way, TLS settings (DOCKER_TLS_VERIFY, DOCKER_CERT_PATH) included.
-                    self._client = docker.from_env(timeout=self.timeout)
+                    self._client = docker.from_env(timeout=self.call_timeout)
             self._answered = True
+            self._apply_deadline()
         return self._client
 
     def request(self, method: str, path: str, operation: str, *, params: Mapping[str, str] | None = None,
@@ -112,13 +162,16 @@ class Engine:
         url = path + ("?" + urlencode(params) if params else "")
         with self.translating(operation):
             if self._transport is not None:
-                status, data = self._transport.request(method, url, body, headers)
+                status, data = self._transport.request(method, url, body, headers, timeout=self.call_timeout)
             else:
                 api = self.sdk.api
                 resp = api.request(method, api.base_url + url, data=body, headers=dict(headers or {}),
-                                   timeout=self.timeout)
+                                   timeout=self.call_timeout)
                 status, data = resp.status_code, resp.content
         self._answered = True
+        if self._lost:  # it answers again
+            self._lost = False
+            self._apply_deadline()
         return status, data
 
     def _json(self, method: str, path: str, operation: str, **kwargs: Any) -> Any:
@@ -293,6 +346,7 @@ class Engine:
         *,
         buildargs: Mapping[str, str] | None = None,
         network: str | None = None,
+        nocache: bool = False,
     ) -> str:
         """Build an untagged image from a tar context; return its ID.
 
@@ -312,7 +366,8 @@ class Engine:
 
         try:
             with self.translating("building the image", refused):
-                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network)
+                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network,
+                                       nocache)
         except BaseException:
             for step in reversed(made):
                 try:
@@ -323,10 +378,12 @@ class Engine:
         return image_id
 
     def _build(self, context: bytes, tail: deque[str], made: list[str], progress: Callable[[str], None] | None,
-               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None) -> str:
+               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None,
+               nocache: bool = False) -> str:
         image_id: str | None = None
         for chunk in self.sdk.api.build(fileobj=io.BytesIO(context), custom_context=True, rm=True, forcerm=True,
-                                        decode=True, buildargs=buildargs or None, network_mode=network):
+                                        decode=True, buildargs=buildargs or None, network_mode=network,
+                                        nocache=nocache):
             if "error" in chunk:
                 tail.append(chunk["error"].rstrip())
                 raise BuildError("docker build failed: " + chunk["error"].strip(), log_tail=tail)
@@ -442,21 +499,43 @@ class Engine:
 
     # -- containers --------------------------------------------------------
 
-    def box(self, image: str, python: str = "python3") -> AbstractContextManager[containers.Box]:
-        """A container of ``image`` kept alive by its own Python, removed after (:func:`.containers.box`)."""
-        return containers.box(self, image, python)
+    def box(self, image: str, python: str = "python3", *,
+            deadline: float | None = None) -> AbstractContextManager[containers.Box]:
+        """A container of ``image`` kept alive by its own Python, removed after (:func:`.containers.box`).
+
+        ``deadline``: seconds each engine call for the box may wait (its execs get their own timeout on top).
+        """
+        return containers.box(self, image, python, deadline=deadline)
 
     def run(self, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
             files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
-            timeout: float = 300) -> ExecResult:
-        """Run ``argv`` (entrypoint overridden) in a new container and return its output."""
+            timeout: float = 300, env: Mapping[str, str] | None = None,
+            writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+        """Run ``argv`` (entrypoint overridden) in a new container and return its output.
+
+        ``writable``: (host folder, container path) bind mounts it may write, e.g. a compile cache;
+        ``mounts``: ones it may only read (the runner's folder).
+        """
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
-                              timeout=timeout)
+                              timeout=timeout, env=env, writable=writable, mounts=mounts)
+
+    def read_files(self, image: str, paths: Sequence[str],
+                   keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:
+        """Entries (hashed) under ``paths`` of ``image``, read from its layers, nothing run (:func:`.files.read`)."""
+        return layers.read(self, image, paths, keep)
+
+    def files(self, image: str) -> AbstractContextManager[layers.Reader]:
+        """A reader of ``image``'s filesystem, nothing run, its container removed after (:func:`.files.opened`)."""
+        return layers.opened(self, image)
 
     def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-                gpu: GpuRequest | None = None) -> AbstractContextManager[containers.Served]:
-        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`)."""
-        return containers.service(self, image, command, mounts=mounts, gpu=gpu)
+                gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
+                writable: Sequence[tuple[str, str]] = ()) -> AbstractContextManager[containers.Served]:
+        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`).
+
+        ``mounts`` are read-only, ``writable`` writable (host folder, container path) bind mounts.
+        """
+        return containers.service(self, image, command, mounts=mounts, gpu=gpu, env=env, writable=writable)
 
     def _containers(self, label: str) -> list[dict[str, Any]]:
         found = self._json("GET", "/containers/json", "listing containers",

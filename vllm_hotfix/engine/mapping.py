@@ -110,6 +110,12 @@ def translate(operation: str, exc: BaseException, *, refused: Refused | None = N
     if gone(exc):
         return unreachable(address, exc) if address is not None else lost(operation, exc)
     if isinstance(exc, _engine_types()):
+        from .dockerconfig import helper_error  # here: dockerconfig imports this module
+
+        # A credential helper that cannot run is the login's fault whatever the operation (exit 8).
+        helper = helper_error(exc) if "docker" in sys.modules else None
+        if helper is not None:
+            return helper
         message = short(exc)
         return refused(message) if refused is not None else EngineError(f"{operation}: {message}")
     return None

@@ -56,15 +56,23 @@ class UnixTransport:
             self._conn = None
 
     def request(self, method: str, url: str, body: bytes | BinaryIO | None = None,
-                headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
-        """Send one request; return the status and the whole body."""
+                headers: Mapping[str, str] | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+        """Send one request; return the status and the whole body.
+
+        ``timeout``: this request's deadline per socket operation (default: the transport's).
+        """
         head = dict(headers or {})
+        wait = self.timeout if timeout is None else timeout
         if body is not None and not isinstance(body, bytes):
             head.setdefault("Content-Length", str(os.fstat(body.fileno()).st_size - body.tell()))
         for attempt in (0, 1):
             reused = self._conn is not None
             if self._conn is None:
-                self._conn = UnixHTTPConnection(self.path, self.timeout)
+                self._conn = UnixHTTPConnection(self.path, wait)
+            # A kept-alive connection keeps the deadline it was made with: give it this one's.
+            self._conn.timeout = wait
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(wait)
             try:
                 self._conn.request(method, url, body=body, headers=head)
                 response = self._conn.getresponse()

@@ -5,8 +5,8 @@ shared ``topk_indices_buffer`` token-major ``[T, H, K]`` (int32; T padded to a
 multiple of 4), but the Triton indexer (``common/indexer.py``) hands it as
 ``out=`` to the index top-k kernels, which address it head-major ``[H, T, K]``,
 and the Triton sparse attention (``common/sparse_attention.py``) reads it back
-head-major too. With two or more sequences in a batch the kernels address rows
-they do not own: wrong blocks are attended to, or the engine dies with an
+head-major too. With two or more sequences in a batch, or one prefill long
+enough to span several rows, the kernels address rows they do not own: wrong blocks are attended to, or the engine dies with an
 illegal memory access. The fix transposes at both boundaries.
 
 What this check runs is the image's own code, not a copy of its slicing:
@@ -35,6 +35,19 @@ batch of decodes followed by prefills (one with prior context): ``tp1`` (5
 decodes), ``tp1-nd3`` (3 decodes) and ``tp4`` (1 index head, as at tensor
 parallel 4 or 8). Each scenario runs in its own subprocess, so an illegal
 memory access is captured there and cannot poison the next one.
+
+The path: this check drives the Triton indexer and the Triton sparse
+attention, the path vLLM 0.25.1 takes everywhere but on Blackwell. On a CUDA
+device of compute capability 10.x (SM100 family) with 4, 8, 16 or 32 top-k
+blocks, vLLM's own selectors (``select_indexer_impl_cls`` in
+``common/indexer.py``, ``select_main_impl_cls`` in ``common/sparse_attention.py``)
+pick the MSA impls (``nvidia/indexer_msa.py``, ``nvidia/sparse_attention_msa.py``),
+whose indexer asserts its own metadata type. Each scenario worker asks the
+installed selectors which impls they pick on the GPU in use (the rule they
+follow, :func:`path_for`, is kept beside the answer); when it is not the
+Triton path, nothing runs and the check is ``skip`` with ``"ran_against":
+"not-applicable"`` and the detail "not applicable on this GPU family", which
+the smoke run never counts towards GPU-verified.
 
 One check is printed, ``topk-layout``: ``pass`` when every scenario reads back
 exactly what the reference selects; ``fail`` with the wrong rows, or the fault
@@ -126,6 +139,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 BLOCK = 128  # sparse block size == KV page size
+# vLLM 0.25.1 takes the MSA path for these top-k block counts on SM100 (its selectors' rule).
+MSA_TOPK_BLOCKS = (4, 8, 16, 32)
+MSA_INDEXER_DTYPES = ("bf16", "fp8", "fp8_e4m3")
+NOT_APPLICABLE = "not-applicable"
 ATTN_ATOL = 2e-2
 
 
@@ -186,6 +203,67 @@ def load_vllm(vllm_src: str | None, info: dict[str, Any]) -> tuple[Any, Any, Any
     except Exception as e:  # noqa: BLE001
         info["vllm_version"] = f"unknown ({type(e).__name__})"
     return ix, sa, ops
+
+
+def path_for(capability: tuple[int, int] | None, topk_blocks: int, *, cuda: bool = True,
+             indexer_kv_dtype: str = "bf16", kv_cache_dtype: str = "auto") -> dict[str, str]:
+    """The impls vLLM 0.25.1 picks (``triton`` or ``msa``, for the indexer and the attention) on a GPU.
+
+    Its rule: ``current_platform.is_device_capability_family(100)`` (compute
+    capability 10.x), a top-k block count in MSA_TOPK_BLOCKS, and a cache
+    dtype the MSA kernels take.
+    """
+    sm100 = cuda and capability is not None and capability[0] == 10
+    msa_topk = sm100 and topk_blocks in MSA_TOPK_BLOCKS
+    return {
+        "indexer": "msa" if msa_topk and indexer_kv_dtype in MSA_INDEXER_DTYPES else "triton",
+        "attention": "msa" if msa_topk and kv_cache_dtype != "fp8_e5m2" else "triton",
+    }
+
+
+def vllm_path(ix: Any, sa: Any, topk_blocks: int, capability: tuple[int, int] | None,
+              cuda: bool = True) -> dict[str, Any]:
+    """The path the installed vLLM picks on this GPU: its own selectors asked, the rule beside them.
+
+    A selector that is missing, or raises (e.g. the MSA module does not import),
+    leaves that part to the rule, with the reason kept.
+    """
+    rule = path_for(capability, topk_blocks, cuda=cuda)
+    out: dict[str, Any] = {"capability": ".".join(map(str, capability)) if capability else None, "rule": rule}
+    asks = (("indexer", "select_indexer_impl_cls", ix, {"topk_blocks": topk_blocks, "indexer_kv_dtype": "bf16"}),
+            ("attention", "select_main_impl_cls", sa, {"topk_blocks": topk_blocks, "kv_cache_dtype": "auto"}))
+    for part, name, module, kwargs in asks:
+        select = getattr(module, name, None)
+        if select is None:
+            out[part] = rule[part]
+            out[f"{part}_impl"] = f"no {name} in the installed code: vLLM 0.25.1's rule"
+            continue
+        try:
+            cls = select(**kwargs)
+        except Exception as e:  # noqa: BLE001  (vLLM would fail the same way at start-up)
+            out[part] = rule[part]
+            out[f"{part}_impl"] = f"{name} raised {type(e).__name__}: {str(e)[:200]}; vLLM 0.25.1's rule"
+            continue
+        out[f"{part}_impl"] = cls.__name__
+        out[part] = "msa" if "MSA" in cls.__name__ else "triton"
+    return out
+
+
+def current_capability() -> tuple[tuple[int, int] | None, bool]:
+    """(compute capability of device 0, whether the platform is CUDA), as vLLM's platform sees them."""
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability()
+    return ((cap.major, cap.minor) if cap is not None else None), bool(current_platform.is_cuda())
+
+
+def not_applicable(path: dict[str, Any]) -> str | None:
+    """Why this check does not drive the path vLLM takes here, or None when it is the Triton path."""
+    if path.get("indexer") == "triton" and path.get("attention") == "triton":
+        return None
+    return (f"not applicable on this GPU family: on compute capability {path.get('capability')} vLLM picks "
+            f"{path.get('indexer_impl')} and {path.get('attention_impl')} (indexer {path.get('indexer')}, "
+            f"attention {path.get('attention')}); this check drives the Triton path")
 
 
 def installed_sources_have_fix(ix_file: str, sa_file: str) -> dict[str, Any]:
@@ -506,7 +584,16 @@ def worker_main(args: argparse.Namespace) -> int:
         t0 = time.time()
         out["import"] = info = {}
         ix, sa, ops = load_vllm(args.vllm_src, info)
-        out["result"] = run_scenario(ix, sa, ops, SCENARIOS[args.scenario], args.device, args.seed)
+        cfg = SCENARIOS[args.scenario]
+        capability, cuda = current_capability()
+        out["path"] = path = vllm_path(ix, sa, cfg["topk"], capability, cuda)
+        why = not_applicable(path)
+        if why is not None:
+            out["not_applicable"] = why
+            print(json.dumps(out))
+            sys.stdout.flush()
+            return 0
+        out["result"] = run_scenario(ix, sa, ops, cfg, args.device, args.seed)
         out["seconds"] = round(time.time() - t0, 2)
     except Exception as e:  # noqa: BLE001
         out["error"] = f"{type(e).__name__}: {e}"
@@ -549,9 +636,11 @@ def run_worker(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
 
 
 def outcome(rec: dict[str, Any]) -> str:
-    """correct | wrong-rows | illegal-memory-access | fault | timeout | env-error."""
+    """correct | wrong-rows | illegal-memory-access | fault | timeout | env-error | not-applicable."""
     if "timeout" in rec:
         return "timeout"
+    if "not_applicable" in rec:
+        return NOT_APPLICABLE
     res = rec.get("result") or {}
     if "result" not in rec:
         return "env-error" if "error" in rec else "fault"
@@ -670,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({"scenario": s, "record": runs[s]}) + "\n")
             except OSError:
                 pass
+        if runs[s]["outcome"] == NOT_APPLICABLE:
+            # The path is the GPU's, the same for every scenario: one answer is enough.
+            break
     for rec in runs.values():
         if "indexer_file" in (rec.get("import") or {}):
             info["import"] = rec["import"]
@@ -677,6 +769,12 @@ def main(argv: list[str] | None = None) -> int:
                 rec["import"]["indexer_file"], rec["import"]["sparse_attention_file"])
             break
     kinds = {s: r["outcome"] for s, r in runs.items()}
+    skipped = next((r for r in runs.values() if r["outcome"] == NOT_APPLICABLE), None)
+    if skipped is not None:
+        check = {"name": name, "status": "skip", "detail": skipped["not_applicable"], "ran_against": NOT_APPLICABLE,
+                 "data": {"outcomes": kinds, "path": skipped.get("path"), "runs": runs}}
+        print(json.dumps({"checks": [check], "info": info}))
+        return 0
     status, lead = verdict(kinds)
     detail = "; ".join(f"{s}: {summarize(r)}" for s, r in runs.items())
     check = {"name": name, "status": status, "detail": lead + detail, "data": {"outcomes": kinds, "runs": runs},

@@ -1,0 +1,93 @@
+"""The same image smoke-tested through the runner with docker and with podman: the same checks, the same verdict.
+
+Both on the CDI test device (`.ci/services start-cdi-engine` writes the spec
+for the CDI engine and, in /var/run/cdi, for podman). The image is built by
+the tool on the CDI engine and copied into podman's store (`docker save` |
+`podman load`), so both start the same image ID.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from conftest import cli
+from vllm_hotfix import signing
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.launchers import plan
+from vllm_hotfix.launchers.docker import DockerLauncher
+from vllm_hotfix.launchers.podman import PodmanLauncher
+from vllm_hotfix.smoke import SmokeOptions
+
+from .test_gpu_access import CDI_HOST, cdi_base, cdi_built, cdi_engine  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.skipif(shutil.which("podman") is None,
+                                reason="podman is not installed (`.ci/services install` installs it)")
+
+
+@pytest.fixture(scope="module")
+def in_podman(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> Iterator[tuple[Path, str, str]]:  # noqa: F811
+    project, ref = cdi_built
+    info = cdi_engine.image(ref)
+    assert info is not None
+    # By name: podman then knows the image by the same short name the engine does.
+    save = subprocess.Popen(["docker", "-H", CDI_HOST, "save", ref], stdout=subprocess.PIPE)
+    loaded = subprocess.run(["podman", "load"], stdin=save.stdout, capture_output=True, text=True, timeout=300)
+    assert save.wait() == 0 and loaded.returncode == 0, loaded.stderr
+    yield project, ref, info.id
+    subprocess.run(["podman", "rmi", "--force", info.id], capture_output=True, check=False)
+
+
+def test_docker_and_podman_give_the_same_checks_and_verdict(cdi_engine: Engine,  # noqa: F811
+                                                            in_podman: tuple[Path, str, str],
+                                                            tmp_path: Path) -> None:
+    project, ref, image_id = in_podman
+    info = cdi_engine.image(image_id)
+    assert info is not None
+    target = plan.Target(ref, image_id, image_id, dict(info.labels), f"{info.os}/{info.architecture}")
+    options = SmokeOptions(gpu="auto")
+    request = "cdi:nvidia.com/gpu=all"
+    by_docker = plan.smoke(DockerLauncher(cdi_engine), project, target, options, gpu_request=request).verdict
+    by_podman = plan.smoke(PodmanLauncher(), project, target, options, gpu_request=request).verdict
+
+    def shape(v: object) -> list[tuple[str, str, str]]:
+        return [(c.name, c.status.value, c.detail) for c in v.checks]  # type: ignore[attr-defined]
+
+    assert shape(by_docker) == shape(by_podman)
+    assert by_docker.status == by_podman.status and by_docker.gpu_verified == by_podman.gpu_verified
+    # The patch set's GPU check was carried in, and the CDI device reached both containers (no driver in it).
+    assert by_podman.gpu["devices"] == [] and "libcuda" in by_podman.gpu["why_unverified"]
+    assert {"env-report", "gpu", "serve-sweep"} <= {c.name for c in by_podman.checks}
+    assert by_podman.image_id == image_id == by_docker.image_id
+    assert json.dumps(by_podman.to_dict()["checks"], sort_keys=True)  # the report serialises as the journal keeps it
+
+
+def test_smoke_cli_through_podman(in_podman: tuple[Path, str, str], tmp_path: Path) -> None:
+    project, ref, image_id = in_podman
+    out = tmp_path / "report.json"
+    key = ec.generate_private_key(ec.SECP256R1())
+    key_file = tmp_path / "hotfix.key"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    envelope = tmp_path / "verdict.dsse.json"
+    r = cli("smoke", ref, "--launcher", "podman", "--gpu", "auto", "--gpu-request", "cdi", "--report", str(out),
+            "--sign-key", str(key_file), "--attestation", str(envelope), root=project, env={"DOCKER_HOST": CDI_HOST})
+    assert r.rc == 0, r.err
+    # Signed inside the image by the runner, verified here with cryptography.
+    found = signing.open_envelope(envelope.read_bytes(), key.public_key(), str(envelope))
+    assert image_id in found.digests and found.predicate["status"] == "pass"
+    report = json.loads(out.read_text())
+    assert report["image_id"] == image_id and report["status"] == "pass"
+    by_name = {c["name"]: c for c in report["checks"]}
+    # File facts from the layers, outside the image; the rest answered by the image's Python through the runner.
+    assert by_name["patch-landed"]["status"] == "pass"
+    assert by_name["patch-landed"]["data"]["answered_by"] == "filesystem"
+    assert by_name["env-report"]["data"]["answered_by"] == "image-python"
+    assert report["gpu"]["launcher"] == "podman" and report["gpu_verified"] is False

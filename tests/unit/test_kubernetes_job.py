@@ -1,0 +1,86 @@
+"""The emitted Job and ConfigMap, loaded into the official client's own models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from vllm_hotfix.errors import UsageError
+from vllm_hotfix.launchers import kubernetes as k8s
+from vllm_hotfix.runner import MOUNT
+
+kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
+
+IMAGE = "registry.example/ops/vllm-openai@sha256:" + "ef" * 32
+
+
+def _load(doc: dict[str, object], kind: str) -> object:
+    """As the client reads an API server's answer: strict about every field's name and type."""
+    return kubernetes.client.ApiClient().deserialize(json.dumps(doc), kind, "application/json")
+
+
+def test_emitted_job_is_accepted_by_the_client_models() -> None:
+    spec = k8s.JobSpec("vllm-hotfix-smoke-abc", namespace="gpu", gpus=8,
+                       node_selector=k8s.parse_selector("nvidia.com/gpu.product=NVIDIA-H200"),
+                       key_secret="smoke-sign-key", deadline_s=5400)
+    text = k8s.to_yaml(k8s.manifests(IMAGE, spec, {"image": "x", "gpu": {"mode": "require"}},
+                                     {"checks/gpu_topk_layout.py": b"print('{}')\n"}))
+    yaml = pytest.importorskip("yaml")
+    config_map_doc, job_doc = list(yaml.safe_load_all(text))
+    config_map = _load(config_map_doc, "V1ConfigMap")
+    job = _load(job_doc, "V1Job")
+    assert isinstance(job, kubernetes.client.V1Job) and isinstance(config_map, kubernetes.client.V1ConfigMap)
+    assert job.spec.backoff_limit == 0 and job.spec.active_deadline_seconds == 5400
+    pod = job.spec.template.spec
+    assert pod.restart_policy == "Never"
+    assert pod.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    [container] = pod.containers
+    assert container.image == IMAGE and container.resources.limits == {"nvidia.com/gpu": "8"}
+    assert container.command == ["python3", f"{MOUNT}/run.py", f"{MOUNT}/job.json"]
+    mounts = {m.name: m for m in container.volume_mounts}
+    assert mounts["runner"].read_only and mounts["runner"].mount_path == MOUNT
+    volumes = {v.name: v for v in pod.volumes}
+    # The key by the Secret's name only: nothing of it in the manifests.
+    assert volumes["sign-key"].secret.secret_name == "smoke-sign-key"
+    assert "-----BEGIN PRIVATE KEY-----" not in text and "-----BEGIN EC PRIVATE KEY-----" not in text
+    paths = {item.path for item in volumes["runner"].config_map.items}
+    assert {"run.py", "job.json", "vllm_hotfix/runner/main.py", "probes/gpu_check.py",
+            "checks/gpu_topk_layout.py"} <= paths
+    assert set(config_map.data) == {item.key for item in volumes["runner"].config_map.items}
+    assert json.loads(config_map.data["job.json"])["gpu"]["mode"] == "require"
+
+
+def test_a_cluster_needs_the_image_by_digest_and_a_selector_is_key_value() -> None:
+    with pytest.raises(UsageError, match="by digest"):
+        k8s.manifests("ops/vllm:fix", k8s.JobSpec("x"), {}, {})
+    with pytest.raises(UsageError, match="expected KEY=VALUE"):
+        k8s.parse_selector("nvidia.com/gpu.product")
+
+
+def test_emit_writes_the_job_without_an_engine(tmp_path: Path) -> None:
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200",
+            "--sign-secret", "hotfix-sign-key", "--emit", str(out), root=tmp_path)
+    assert r.rc == 0, r.err
+    yaml = pytest.importorskip("yaml")
+    _config_map, job = list(yaml.safe_load_all(out.read_text()))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["volumes"][1]["secret"]["secretName"] == "hotfix-sign-key"
+
+
+def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--sign-secret", "hotfix-sign-key", "--submit",
+            "--kubeconfig", str(kubeconfig), root=tmp_path, timeout=120)
+    assert r.rc == 7, r.err
+    assert "cannot reach the cluster" in r.last_error

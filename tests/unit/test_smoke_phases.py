@@ -1,0 +1,214 @@
+"""A smoke run's phases without an engine: the compile cache folder's key, phase times, ordering, --keep-going.
+
+A fake engine answers only what :meth:`Smoke.run` asks of it before the
+phases; the phases themselves are replaced by recorders, so what is tested is
+the order they run in and when a failure ends the run.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_hotfix import compile_cache
+from vllm_hotfix.engine import ImageInfo, labels
+from vllm_hotfix.errors import SmokeError
+from vllm_hotfix.smoke import Clock, Report, Smoke, SmokeOptions, format_phases
+from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu
+
+BASE = "sha256:" + "b" * 64
+PATCHED = "sha256:" + "a" * 64
+
+
+def _image(image_id: str, base: str | None = None) -> ImageInfo:
+    return ImageInfo(id=image_id, tags=(), repo_digests=(), entrypoint=None, cmd=None, env=(), user="",
+                     labels={labels.BASE_ID: base} if base else {}, architecture="amd64")
+
+
+# -- the compile cache folder -------------------------------------------------
+
+def test_a_patched_image_and_its_base_share_one_folder(tmp_path: Path) -> None:
+    patched = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+    base = compile_cache.folder(tmp_path, BASE, None, ["NVIDIA H200"])
+    assert patched == base
+    assert patched.host == tmp_path / "compile" / ("b" * 64) / "nvidia-h200"
+    assert patched.host.is_dir() and patched.mount == (str(patched.host), "/root/.cache")
+
+
+def test_the_gpu_model_is_part_of_the_key(tmp_path: Path) -> None:
+    h200 = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200", "NVIDIA H200"])
+    b200 = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA B200"])
+    none = compile_cache.folder(tmp_path, PATCHED, BASE, [])
+    assert h200.host != b200.host and h200.gpu == "nvidia-h200" and b200.gpu == "nvidia-b200"
+    assert none.gpu == compile_cache.NO_GPU
+    assert compile_cache.gpu_slug(["NVIDIA H200", "NVIDIA H100 80GB HBM3"]) == "nvidia-h100-80gb-hbm3+nvidia-h200"
+
+
+@pytest.mark.parametrize("label", ["../../../etc", "sha256:xyz", "", "sha256:" + "c" * 63])
+def test_a_base_label_that_is_no_image_id_keys_the_image_alone(tmp_path: Path, label: str) -> None:
+    got = compile_cache.folder(tmp_path, PATCHED, label, ["../../x"])
+    assert got.base_id == "a" * 64 and got.gpu == "x"
+    assert got.host.resolve().is_relative_to((tmp_path / "compile").resolve())
+
+
+def test_folders_are_the_users_and_the_leaf_writable_by_the_container(tmp_path: Path) -> None:
+    got = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+    assert stat.S_IMODE(os.stat(tmp_path / "compile").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(got.host.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(got.host).st_mode) == 0o777
+    env = got.env
+    assert all(v.startswith(("/root/.cache", "/root")) for v in env.values())
+    assert {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"} <= set(env)
+
+
+def test_an_unwritable_cache_root_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "compile").write_text("a file where the folder should be")
+    with pytest.raises(SmokeError, match="cannot make the compile cache folder"):
+        compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+
+
+def test_a_bad_image_id_is_refused() -> None:
+    with pytest.raises(SmokeError, match="not a sha256 image ID"):
+        compile_cache.base_key("../x", None)
+
+
+# -- phase times ---------------------------------------------------------------
+
+def _ticks(*values: float) -> Iterator[float]:
+    yield from values
+
+
+def test_the_clock_charges_each_phase_its_own_time() -> None:
+    ticks = _ticks(0.0, 2.0, 2.5, 10.0, 12.25)
+    phases: dict[str, float] = {}
+    clock = Clock(phases, now=lambda: next(ticks))
+    assert clock.mark("checks") == 2.0
+    clock.restart()  # 2.0 -> 2.5 is charged to nothing
+    clock.mark("server_start")
+    clock.mark("server_start")
+    assert phases == {"checks": 2.0, "server_start": 9.75}
+    assert format_phases(phases) == "checks 2.0 s, server_start 9.8 s"
+
+
+def test_phases_are_in_the_report_and_read_back() -> None:
+    verdict = judge("img", PATCHED, [Check("x", Status.PASS)], gpu_verified=False,
+                    phases={"checks": 1.5, "sweep": 3.0})
+    raw = verdict.to_dict()
+    assert raw["phases"] == {"checks": 1.5, "sweep": 3.0}
+    assert Verdict.from_dict(raw) == verdict
+    old = dict(raw)
+    del old["phases"]  # an entry written before phases were kept
+    assert Verdict.from_dict(old).phases == {}
+
+
+# -- ordering and --keep-going ---------------------------------------------------
+
+class FakeEngine:
+    arch = "amd64"
+
+    def __init__(self, image: ImageInfo) -> None:
+        self._image = image
+
+    def image(self, ref: str) -> ImageInfo | None:
+        return self._image if ref in ("img", self._image.id) else None
+
+    def host_facts(self) -> dict[str, Any]:
+        return {}
+
+
+class Recorder(Smoke):
+    """Each phase records that it ran and reports the status it is told to."""
+
+    def __init__(self, outcomes: dict[str, str], options: SmokeOptions) -> None:
+        super().__init__(FakeEngine(_image(PATCHED, BASE)), Path("/nonexistent"), options,  # type: ignore[arg-type]
+                         lambda _line: None)
+        self.outcomes = outcomes
+        self.ran: list[str] = []
+
+    def _phase(self, report: Report, name: str) -> None:
+        self.ran.append(name)
+        self.add(report, [{"name": name, "status": self.outcomes.get(name, "pass"), "detail": "faked"}], 0)
+
+    def cpu_checks(self, report: Report, image: ImageInfo, ref: str, want: Any) -> None:
+        self._phase(report, "patch-landed")
+
+    def gpu(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
+        self._phase(report, "gpu")
+        if clock is not None:
+            clock.mark("gpu_checks")
+
+    def serve(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
+        self._phase(report, "serve-sweep")
+        if clock is not None:
+            clock.mark("sweep")
+
+
+SERVE = SmokeOptions(serve_model=Path("/model"))
+
+
+def test_phases_run_cheapest_first_and_report_their_times() -> None:
+    smoke = Recorder({}, SERVE)
+    verdict = smoke.run("img")
+    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
+    assert verdict.status is Status.PASS
+    assert list(verdict.phases) == ["checks", "gpu_checks", "sweep"]
+
+
+@pytest.mark.parametrize(("failing", "ran", "skipped"), [
+    ("patch-landed", ["patch-landed"], ["gpu", "serve-sweep"]),
+    ("gpu", ["patch-landed", "gpu"], ["serve-sweep"]),
+])
+def test_a_failed_phase_ends_the_run_and_names_what_did_not_run(failing: str, ran: list[str],
+                                                                 skipped: list[str]) -> None:
+    smoke = Recorder({failing: "fail"}, SERVE)
+    verdict = smoke.run("img")
+    assert smoke.ran == ran and verdict.status is Status.FAIL
+    got = {c.name: c for c in verdict.checks}
+    for name in skipped:
+        assert got[name].status is Status.SKIP
+        assert got[name].detail == f"not run: {failing} failed first (--keep-going runs every check)"
+    assert verdict.gpu_verified is False
+
+
+def test_keep_going_runs_every_phase_after_a_failure() -> None:
+    smoke = Recorder({"patch-landed": "fail", "gpu": "fail"}, SmokeOptions(serve_model=Path("/m"), keep_going=True))
+    verdict = smoke.run("img")
+    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
+    assert verdict.status is Status.FAIL and verdict.failed == ["patch-landed", "gpu"]
+
+
+def test_an_incomplete_phase_does_not_end_the_run() -> None:
+    # The host's shortcoming (no GPU under require) is not the image's failure: the sweep still runs.
+    smoke = Recorder({"gpu": "incomplete"}, SERVE)
+    assert smoke.run("img").status is Status.INCOMPLETE
+    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
+
+
+# -- not applicable on this GPU family -------------------------------------------
+
+NA = Check("topk-layout", Status.SKIP, "not applicable on this GPU family: vLLM picks the MSA path",
+           ran_against=NOT_APPLICABLE)
+TORCH = Check("gpu-torch", Status.PASS, "1 device(s)", ran_against="torch")
+
+
+def test_not_applicable_never_counts_towards_gpu_verified() -> None:
+    got = judge_gpu([TORCH, NA], require=False)
+    assert not got.verified and got.checks[1].status is Status.SKIP
+    assert got.not_applicable == (f"topk-layout: {NA.detail}",)
+    assert "not applicable on this GPU family" in got.why_unverified
+    # Even a check that says pass while not applicable is no evidence.
+    lying = Check("topk-layout", Status.PASS, "ok", ran_against=NOT_APPLICABLE)
+    assert not judge_gpu([TORCH, lying], require=False).verified
+    assert not lying.real
+
+
+def test_not_applicable_under_require_is_incomplete_not_a_failure() -> None:
+    got = judge_gpu([TORCH, NA], require=True)
+    assert not got.verified and got.checks[1].status is Status.INCOMPLETE
+    verdict = judge("img", PATCHED, list(got.checks), gpu_verified=got.verified)
+    assert verdict.status is Status.INCOMPLETE

@@ -1,0 +1,195 @@
+"""Files of an image, read from its filesystem without running anything in it.
+
+A container is created from the image and never started (its entrypoint,
+its Python, nothing of the image runs), the engine streams a folder of it as
+a tar (``GET /containers/{id}/archive``), and the container is removed
+through :func:`.containers.lifetime` whatever happens. The tar is parsed as a
+stream and each regular file hashed as it passes, so a package of a few GB
+(vLLM with its compiled libraries) is never held in memory: only each file's
+sha256, and the bytes of the few files the caller asks to keep.
+
+Symbolic links are reported as links with their target, never followed: a
+link in an image is a fact about the image, and following it could leave the
+folder that was asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import posixpath
+import tarfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any, cast
+
+from ..errors import EngineError, PipelineError
+from .containers import lifetime
+from .mapping import Refused
+
+if TYPE_CHECKING:
+    from .facade import Engine
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+# Create-time arguments that make the container inert even if it were started by someone else.
+_INERT = {"entrypoint": ["/nonexistent-vllm-hotfix-never-started"], "command": [], "network_mode": "none"}
+
+
+@dataclass(frozen=True, slots=True)
+class FileFact:
+    """One entry of an image's filesystem as its layers hold it."""
+
+    path: str  # absolute, normalised
+    kind: str  # "file", "link" (symbolic), "hardlink", "dir", "other"
+    size: int = 0
+    sha256: str = ""  # hex, regular files (and hard links, with their target's content) only
+    target: str = ""  # a link's target as written in the image
+    mode: int = 0
+    mtime: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """What was read under some folders of an image: every entry, and the bytes of those asked for."""
+
+    entries: Mapping[str, FileFact]
+    kept: Mapping[str, bytes] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()  # folders or files asked for that the image lacks
+
+    def file(self, path: str) -> FileFact | None:
+        return self.entries.get(posixpath.normpath(path))
+
+
+class _Chunks(io.RawIOBase):
+    """A readable stream over an iterator of byte chunks (what the engine streams)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._it: Iterator[bytes] = iter(chunks)
+        self._rest = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self._rest:
+            try:
+                self._rest = next(self._it)
+            except StopIteration:
+                return 0
+        n = min(len(buffer), len(self._rest))
+        buffer[:n] = self._rest[:n]
+        self._rest = self._rest[n:]
+        return n
+
+
+def scan_tar(stream: IO[bytes] | Iterable[bytes], parent: str, keep: Callable[[str], bool] = lambda _p: False,
+             ) -> tuple[dict[str, FileFact], dict[str, bytes]]:
+    """Every entry of a tar stream, by absolute path (names are relative to ``parent``), in one pass.
+
+    Regular files are hashed block by block; the bytes of those ``keep``
+    says yes to are kept too. A hard link gets its target's hash (the
+    engine's archive uses them for files that share an inode).
+    """
+    fileobj = (cast("IO[bytes]", stream) if hasattr(stream, "read")
+               else io.BufferedReader(_Chunks(cast("Iterable[bytes]", stream))))
+    entries: dict[str, FileFact] = {}
+    kept: dict[str, bytes] = {}
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            path = posixpath.normpath(posixpath.join(parent, member.name))
+            if member.isreg():
+                digest = hashlib.sha256()
+                wanted = keep(path)
+                parts: list[bytes] = []
+                source = tar.extractfile(member)
+                assert source is not None
+                while block := source.read(CHUNK):
+                    digest.update(block)
+                    if wanted:
+                        parts.append(block)
+                entries[path] = FileFact(path, "file", member.size, digest.hexdigest(), mode=member.mode,
+                                         mtime=int(member.mtime))
+                if wanted:
+                    kept[path] = b"".join(parts)
+            elif member.issym():
+                entries[path] = FileFact(path, "link", target=member.linkname, mode=member.mode)
+            elif member.islnk():
+                target = posixpath.normpath(posixpath.join(parent, member.linkname))
+                first = entries.get(target)
+                entries[path] = FileFact(path, "hardlink", first.size if first else 0, first.sha256 if first else "",
+                                         target=target, mode=member.mode)
+                if first is not None and target in kept and keep(path):
+                    kept[path] = kept[target]
+            elif member.isdir():
+                entries[path] = FileFact(path, "dir", mode=member.mode)
+            else:
+                entries[path] = FileFact(path, "other", mode=member.mode)
+    return entries, kept
+
+
+def _not_found(exc: BaseException) -> bool:
+    return getattr(exc, "status_code", None) == 404 or getattr(getattr(exc, "response", None), "status_code",
+                                                                None) == 404
+
+
+class Reader:
+    """Reads folders of one created (never started) container of an image."""
+
+    def __init__(self, engine: Engine, image: str, container: Any) -> None:
+        self._engine = engine
+        self._image = image
+        self._container = container
+
+    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+        """The entries under each of ``paths`` (folders or files); a path the image lacks is named in ``missing``."""
+        entries: dict[str, FileFact] = {}
+        kept: dict[str, bytes] = {}
+        missing: list[str] = []
+        for path in paths:
+            path = posixpath.normpath(path)
+            found = self._one(path, keep)
+            if found is None:
+                missing.append(path)
+                continue
+            entries.update(found[0])
+            kept.update(found[1])
+        log.info("read %d entries of %s under %s", len(entries), self._image[:19], ", ".join(paths))
+        return Tree(entries, kept, tuple(missing))
+
+    def _one(self, path: str, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]] | None:
+        image = self._image
+        try:
+            with self._engine.translating(f"reading {path} of {image}", _refused(image)):
+                try:
+                    chunks, _stat = self._container.get_archive(path, chunk_size=CHUNK)
+                except Exception as exc:
+                    if _not_found(exc):
+                        return None
+                    raise
+                return scan_tar(chunks, posixpath.dirname(path), keep)
+        except tarfile.TarError as exc:
+            raise EngineError(f"the engine's archive of {path} in {image} is not a readable tar: {exc}") from exc
+
+
+def _refused(image: str) -> Refused:
+    def refused(message: str) -> PipelineError:
+        return EngineError(f"cannot read the files of {image}: {message}")
+
+    return refused
+
+
+@contextmanager
+def opened(engine: Engine, image: str) -> Iterator[Reader]:
+    """A :class:`Reader` of ``image``; its container is removed when the block ends, whatever happens."""
+    with lifetime(engine, image, "read", f"reading files of {image}", _refused(image), **_INERT) as container:
+        yield Reader(engine, image, container)
+
+
+def read(engine: Engine, image: str, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+    """:meth:`Reader.read` in a container of its own."""
+    with opened(engine, image) as reader:
+        return reader.read(paths, keep)

@@ -1,0 +1,15 @@
+"""The checks that run inside an image, as one entry that needs only the image's own Python.
+
+The package is copied as it is (with :mod:`vllm_hotfix.verdicts` and
+:mod:`vllm_hotfix.errors`, the probes and the patch set's checks) into a
+folder that a launcher mounts read-only into a container of the image under
+test; nothing here imports beyond the standard library. See :mod:`.main`.
+"""
+
+from __future__ import annotations
+
+# Where launchers mount the runner folder, and the lines its results come back on.
+MOUNT = "/opt/vllm-hotfix-runner"
+REPORT_MARK = "@@vllm-hotfix-runner:report@@"
+ENVELOPE_MARK = "@@vllm-hotfix-runner:envelope@@"
+JOB_VERSION = 1
