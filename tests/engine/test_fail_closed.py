@@ -112,4 +112,4 @@ def test_attack_4_a_poisoned_facts_cache_never_reaches_the_image(
         r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project, env=env)
         assert r.rc == 0, r.err
     finally:
-        engine.untag(ref)
+        engine.remove_image(ref)

@@ -12,7 +12,7 @@ import pytest
 
 from vllm_hotfix import integrity
 from vllm_hotfix.engine import FileFact, Tree
-from vllm_hotfix.engine.files import scan_tar
+from vllm_hotfix.engine.files import CHUNK, scan_tar
 
 SITE = "/site"
 
@@ -40,7 +40,7 @@ def _chunks(data: bytes, size: int) -> list[bytes]:
 
 
 def test_tar_stream_hashes_in_one_pass_keeps_only_what_is_asked_and_reports_links() -> None:
-    big = bytes(range(256)) * 20_000  # several chunks
+    big = bytes(range(256)) * (CHUNK // 256 + 1_000)  # more than one of the scanner's chunks
     raw = _tar([("pkg", None), ("pkg/a.py", b"x = 1\n"), ("pkg/big.so", big), ("pkg/ln.py", "../elsewhere.py"),
                 ("pkg-1.dist-info/RECORD", b"rows")])
     # The engine streams arbitrary chunk sizes; the answer does not depend on them.
