@@ -755,7 +755,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
-                   "as IMAGE. Default: IMAGE alone.")
+                   "as IMAGE. Default: every platform `image` built for IMAGE (IMAGE alone after a "
+                   "single-platform build).")
 @click.option("--require-attestation", default=None, metavar="PUBKEY",
               help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
                    "env:NAME) instead of the local journal's verdict.")
@@ -771,8 +772,10 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
     refs.check_registry(registry)
     policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
-    if platform_text is not None:
-        plats = platforms.parse(platform_text)
+    # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
+    plats = platforms.parse(platform_text) if platform_text is not None else \
+        pushlib.plain_selection(obj.engine, obj.root, image_ref)
+    if platform_text is not None or plats is not None:
         index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
                                    progress=progress)
         if as_json:
