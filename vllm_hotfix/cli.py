@@ -764,7 +764,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
-                   "as IMAGE. Default: IMAGE alone.")
+                   "as IMAGE. Default: every platform `image` built for IMAGE (IMAGE alone after a "
+                   "single-platform build).")
 @click.option("--require-attestation", default=None, metavar="PUBKEY",
               help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
                    "env:NAME) instead of the local journal's verdict.")
@@ -780,8 +781,10 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
     refs.check_registry(registry)
     policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
-    if platform_text is not None:
-        plats = platforms.parse(platform_text)
+    # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
+    plats = platforms.parse(platform_text) if platform_text is not None else \
+        pushlib.plain_selection(obj.engine, obj.root, image_ref)
+    if platform_text is not None or plats is not None:
         index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
                                    progress=progress)
         if as_json:
@@ -981,18 +984,35 @@ def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | No
     """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
     from . import lifecycle
 
-    moved = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
-    target = moved.to
+    moves = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
+    rows = [{"ref": m.ref, "image_id": m.to.image_id, "was": m.was, "direction": m.direction,
+             "platform": m.to.platform} for m in moves]
     if as_json:
-        _json({"ref": moved.ref, "image_id": target.image_id, "was": moved.was, "direction": moved.direction})
+        # One tag: the object as before; a multi-platform output: each tag moved, in one object.
+        _json({k: v for k, v in rows[0].items() if k != "platform"} if len(rows) == 1
+              else {"ref": _rolled_output(moves), "moved": rows})
         return
-    if moved.direction == "unchanged":
-        click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
-        return
-    verb = "rolled back" if moved.direction == "back" else "moved forward"
-    click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
-               f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
-    progress(f"push it to move the registry tag too: python build.py push {moved.ref} --registry HOST:PORT/PATH")
+    for moved in moves:
+        target = moved.to
+        if moved.direction == "unchanged":
+            click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
+            continue
+        verb = "rolled back" if moved.direction == "back" else "moved forward"
+        click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
+                   f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
+    if any(m.direction != "unchanged" for m in moves):
+        progress(f"push it to move the registry tag too: python build.py push {_rolled_output(moves)} "
+                 "--registry HOST:PORT/PATH")
+
+
+def _rolled_output(moves: Any) -> str:
+    """The tag a rollback moved; for a multi-platform output, its plain TAG (a push of it pushes them all)."""
+    from . import platforms
+
+    if len(moves) == 1:
+        return str(moves[0].ref)
+    parents = {got[0] for m in moves if (got := platforms.parent_ref(m.ref)) is not None}
+    return parents.pop() if len(parents) == 1 else str(moves[-1].ref)
 
 
 def _accept_verbose_anywhere() -> None:
