@@ -722,8 +722,10 @@ def _file_facts(obj: Ctx, podman: Any, image_id: str) -> tuple[list[dict[str, An
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
               help="Seconds to wait for the server's /health before giving up.")
+@click.option("--keep-going", is_flag=True, help="Run every level even after one failed (while the server lives).")
 @with_options(sweep_options)
-def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
+def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, keep_going: bool,
+                concurrency: str,
                 requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
                 logprob_tolerance: float | None) -> None:
     """Run the concurrency sweep against an already running server."""
@@ -746,7 +748,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
         ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
         click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
-                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url))
+                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
+                         keep_going=keep_going)
     if report_path:
         from .atomic import write_atomic  # a full disk is one line naming the file, not a dump
 

@@ -568,7 +568,8 @@ class Smoke:
                     self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
                 result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
                                      min_tokens=self.opt.min_tokens, reference=ref,
-                                     tolerance=self.opt.logprob_tolerance, progress=self.say)
+                                     tolerance=self.opt.logprob_tolerance, progress=self.say,
+                                     keep_going=self.opt.keep_going)
                 clock.mark("sweep")
         except (SmokeError, EngineError) as exc:
             # Charged to the phase it ended (a server that never got healthy: its start).
