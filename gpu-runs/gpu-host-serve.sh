@@ -281,7 +281,7 @@ if step warm; then
 fi
 # REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
 # gpu-runs/), on a model whose hash must equal the one that run's inputs.json names.
-if [ -n "${REFERENCE_FROM:-}" ] && { step unpatched || step warm; }; then
+if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step warm; }; then
   want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" \
          "$REFERENCE_FROM/inputs.json") || die "cannot read $REFERENCE_FROM/inputs.json"
   have=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" "$INPUTS") \

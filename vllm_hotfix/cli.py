@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from . import __version__
-from .assemble import BUILDERS
+from .builders import BUILDERS
 from .engine import Engine
 from .errors import (
     EXIT_INTERRUPTED,
