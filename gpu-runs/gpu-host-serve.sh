@@ -48,6 +48,7 @@
 # patched, unpatched), <which>.dsse.json, answers.json, signing-key.pub.pem and
 # record.json.
 #
+# REFERENCE_FROM (an earlier run's folder: its answers.json, for a model of the same hash).
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
 # (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), CONCURRENCY (1,2,4,8,16),
 # REQUESTS (32 per level), SERVE_ARGS (extra `vllm serve` arguments),
@@ -278,6 +279,20 @@ if step warm; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the cold step first"
   smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
 fi
+# REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
+# gpu-runs/), on a model whose hash must equal the one that run's inputs.json names.
+if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step warm; }; then
+  want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" \
+         "$REFERENCE_FROM/inputs.json") || die "cannot read $REFERENCE_FROM/inputs.json"
+  have=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" "$INPUTS") \
+    || die "cannot read $INPUTS (run the inputs step)"
+  [ "$want" = "$have" ] || die "the model here ($have) is not the one $REFERENCE_FROM answered with ($want)"
+  if [ ! -f "$ANSWERS" ]; then
+    cp "$REFERENCE_FROM/answers.json" "$ANSWERS" || die "no $REFERENCE_FROM/answers.json"
+  fi
+  log "reference answers from $REFERENCE_FROM (model $have): $(sha256sum "$ANSWERS" | cut -c1-64)"
+fi
+
 if step unpatched; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the cold step first"
   # The base carries no labels: --definition judges it by the patch set it lacks.

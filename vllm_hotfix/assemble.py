@@ -31,57 +31,20 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .errors import AssembleUnsupported, BuildError, Refused
+from .builders import BuildJob
+from .errors import AssembleUnsupported, BuildError
+from .render import labels
 from .tarball import Entry, write
 
 if TYPE_CHECKING:
     from .base import BaseFacts, PatchedFile
-    from .definitions import ImageDefinition
     from .engine import Engine
-    from .patches import Patch
-    from .pins import Prepared
 
 log = logging.getLogger(__name__)
-
-# How `image` can build: the engine builds the rendered Dockerfile (the default),
-# or this module writes the image and the engine loads it.
-BUILDERS = ("dockerfile", "assemble")
-
-
-def _quiet(_line: str) -> None:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class BuildJob:
-    """What every builder is given: the base, the patched files, and what to call the result."""
-
-    definition: ImageDefinition
-    facts: BaseFacts
-    files: Sequence[PatchedFile]
-    applied: Sequence[Patch]
-    template: str
-    output_ref: str
-    pinned: Prepared | None = None
-    on_image: Callable[[str], None] | None = None  # hears the image ID as soon as it is known
-    say: Callable[[str], None] = _quiet
-    nocache: bool = False  # --rebuild: the engine's build cache must not stand in for a build
-
-
-class Builder(Protocol):
-    """One way to turn a :class:`BuildJob` into an untagged image in the engine."""
-
-    name: str
-
-    def build(self, engine: Engine, job: BuildJob) -> str:
-        """The new image's ID; BuildError (AssembleUnsupported: try another builder) if none."""
-        ...
-
 
 class AssembleBuilder:
     """Write the layer and config the Dockerfile build would make, and load them."""
@@ -89,8 +52,6 @@ class AssembleBuilder:
     name = "assemble"
 
     def build(self, engine: Engine, job: BuildJob) -> str:
-        from .render import labels
-
         job.say(f"==> assembling {job.output_ref} ({len(job.files)} patched file(s)) and loading it")
         image_id = build(engine, job.facts, job.files,
                          labels(job.definition, job.facts, list(job.files), list(job.applied)),
@@ -99,22 +60,6 @@ class AssembleBuilder:
         job.say(f"    loaded {image_id}")
         return image_id
 
-
-def known_builder(name: str) -> str:
-    """``name`` if a builder has it; else Refused (a value that did not come through the CLI's choice)."""
-    if name not in BUILDERS:
-        raise Refused(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
-    return name
-
-
-def builder(name: str) -> Builder:
-    """The builder called ``name`` (one of BUILDERS): the one place a name becomes a builder."""
-    # render (and the base and engine modules below it) is imported only once a build is chosen:
-    # the CLI reads BUILDERS from here at start.
-    from .render import DockerfileBuilder
-
-    known: dict[str, type[Builder]] = {"dockerfile": DockerfileBuilder, "assemble": AssembleBuilder}
-    return known[known_builder(name)]()
 
 # Fields of the base's runtime config an image carries (OCI image config and
 # Docker's extensions). Anything else the engine reports (Hostname, Image,

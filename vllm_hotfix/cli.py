@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from . import __version__
-from .assemble import BUILDERS
+from .builders import BUILDERS
 from .engine import Engine
 from .errors import (
     EXIT_INTERRUPTED,
@@ -639,13 +639,13 @@ def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign
                              f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
                              entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
                              repo_digests=tuple(facts.get("RepoDigests") or ()))
-        checks, expected_from = _file_facts(obj, image_id)
+        checks, expected_from, compiled_missing = _file_facts(obj, podman, image_id)
         key = _key_file(sign_key)
         try:
             launched = plan.smoke(podman, obj.root, target, options,
                                   gpu_request=None if options.gpu == "off" else options.gpu_request,
                                   checks=checks, expected_from=expected_from, host={"launcher": "podman"},
-                                  sign_key=key, say=progress)
+                                  sign_key=key, say=progress, compiled_missing=compiled_missing)
         finally:
             if key is not None and sign_key is not None and sign_key.startswith("env:"):
                 key.unlink(missing_ok=True)
@@ -691,20 +691,29 @@ def _key_file(sign_key: str | None) -> Path | None:
     return Path(name)
 
 
-def _file_facts(obj: Ctx, image_id: str) -> tuple[list[dict[str, Any]], str]:
-    """The file checks (landed, integrity), read from the image's layers outside it, where a Docker engine has it."""
+def _file_facts(obj: Ctx, podman: Any, image_id: str) -> tuple[list[dict[str, Any]], str, tuple[str, ...]]:
+    """The file checks (landed, integrity), read from podman's copy of the image without running it.
+
+    The expectation is recomputed from the base where a Docker engine holds
+    it, else from the build record; the image's own files never come from
+    Docker here: the copy judged is the copy podman starts.
+    """
     from . import smoke as smokelib
     from .errors import EngineError
+    from .launchers.podman import PodmanFiles
 
-    try:
-        info = obj.engine.image(image_id)
-    except EngineError as exc:
-        return [{"name": "patch-landed", "status": "skip",
-                 "detail": f"no Docker engine to read the image's layers from ({str(exc).splitlines()[0]})"}], ""
+    files = PodmanFiles(podman)
+    info = files.image(image_id)
     if info is None:
-        return [{"name": "patch-landed", "status": "skip",
-                 "detail": "the Docker engine does not have this image: its layers were not read"}], ""
-    return smokelib.Smoke(obj.engine, obj.root, smokelib.SmokeOptions(), progress).file_facts(info)
+        return [{"name": n, "status": "incomplete", "data": {"answered_by": "filesystem"},
+                 "detail": f"podman has no image {image_id}: its files were not read"}
+                for n in smokelib.FILE_CHECKS], "", ()
+    try:
+        engine = obj.engine
+    except EngineError:
+        engine = None
+    found = smokelib.file_facts(obj.root, info, files, engine, progress)
+    return list(found.checks), found.expected_from, found.compiled_missing
 
 
 @main.command("serve-check")
@@ -713,8 +722,10 @@ def _file_facts(obj: Ctx, image_id: str) -> tuple[list[dict[str, Any]], str]:
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
               help="Seconds to wait for the server's /health before giving up.")
+@click.option("--keep-going", is_flag=True, help="Run every level even after one failed (while the server lives).")
 @with_options(sweep_options)
-def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, concurrency: str,
+def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, keep_going: bool,
+                concurrency: str,
                 requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
                 logprob_tolerance: float | None) -> None:
     """Run the concurrency sweep against an already running server."""
@@ -737,7 +748,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
         ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
         click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
-                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url))
+                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
+                         keep_going=keep_going)
     if report_path:
         from .atomic import write_atomic  # a full disk is one line naming the file, not a dump
 
@@ -755,7 +767,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
-                   "as IMAGE. Default: IMAGE alone.")
+                   "as IMAGE. Default: every platform `image` built for IMAGE (IMAGE alone after a "
+                   "single-platform build).")
 @click.option("--require-attestation", default=None, metavar="PUBKEY",
               help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
                    "env:NAME) instead of the local journal's verdict.")
@@ -771,8 +784,10 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
     refs.check_registry(registry)
     policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
-    if platform_text is not None:
-        plats = platforms.parse(platform_text)
+    # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
+    plats = platforms.parse(platform_text) if platform_text is not None else \
+        pushlib.plain_selection(obj.engine, obj.root, image_ref)
+    if platform_text is not None or plats is not None:
         index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
                                    progress=progress)
         if as_json:
@@ -972,18 +987,35 @@ def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | No
     """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
     from . import lifecycle
 
-    moved = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
-    target = moved.to
+    moves = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
+    rows = [{"ref": m.ref, "image_id": m.to.image_id, "was": m.was, "direction": m.direction,
+             "platform": m.to.platform} for m in moves]
     if as_json:
-        _json({"ref": moved.ref, "image_id": target.image_id, "was": moved.was, "direction": moved.direction})
+        # One tag: the object as before; a multi-platform output: each tag moved, in one object.
+        _json({k: v for k, v in rows[0].items() if k != "platform"} if len(rows) == 1
+              else {"ref": _rolled_output(moves), "moved": rows})
         return
-    if moved.direction == "unchanged":
-        click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
-        return
-    verb = "rolled back" if moved.direction == "back" else "moved forward"
-    click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
-               f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
-    progress(f"push it to move the registry tag too: python build.py push {moved.ref} --registry HOST:PORT/PATH")
+    for moved in moves:
+        target = moved.to
+        if moved.direction == "unchanged":
+            click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
+            continue
+        verb = "rolled back" if moved.direction == "back" else "moved forward"
+        click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
+                   f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
+    if any(m.direction != "unchanged" for m in moves):
+        progress(f"push it to move the registry tag too: python build.py push {_rolled_output(moves)} "
+                 "--registry HOST:PORT/PATH")
+
+
+def _rolled_output(moves: Any) -> str:
+    """The tag a rollback moved; for a multi-platform output, its plain TAG (a push of it pushes them all)."""
+    from . import platforms
+
+    if len(moves) == 1:
+        return str(moves[0].ref)
+    parents = {got[0] for m in moves if (got := platforms.parent_ref(m.ref)) is not None}
+    return parents.pop() if len(parents) == 1 else str(moves[-1].ref)
 
 
 def _accept_verbose_anywhere() -> None:

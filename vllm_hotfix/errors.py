@@ -11,6 +11,7 @@ code stands for: :func:`exit_table` is built from them, and it is the table
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 # Exits that are not errors of the pipeline.
@@ -264,3 +265,19 @@ def exit_table() -> list[tuple[int, str]]:
         if "meaning" in vars(cls):
             codes[cls.exit_code] = cls.meaning
     return sorted(codes.items())
+
+
+def short(exc: BaseException | str | bytes) -> str:
+    """One line of at most 400 characters from an error or an engine's answer, whose text can span many.
+
+    The engine's JSON error bodies (``{"message": ...}``) give their message.
+    """
+    text = exc if isinstance(exc, (str, bytes)) else (getattr(exc, "explanation", None) or str(exc)
+                                                        or type(exc).__name__)
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        text = json.loads(text).get("message", text)
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(str(text).split())[:400]

@@ -49,8 +49,12 @@ def from_build(defn: definitions.ImageDefinition, base_id: str, version: str | N
                     site_dir, cache_tag, base_id)
 
 
-def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
-    """Recompute the expected files of ``image``; raise UnknownExpectation if impossible."""
+def for_image(engine: Engine | None, root: Path, image: ImageInfo) -> Expected:
+    """Recompute the expected files of ``image``; raise UnknownExpectation if impossible.
+
+    ``engine``: the Docker engine that may hold the base; None where there is
+    none (a podman host), and then only the build record can tell.
+    """
     built = records.builds_of_image(root, image.id)
     entry = built[0] if built else None
     if entry is not None:
@@ -74,8 +78,8 @@ def for_image(engine: Engine, root: Path, image: ImageInfo) -> Expected:
     except (DefinitionError, PatchError) as exc:
         raise UnknownExpectation(f"cannot load definition {tag} named by {how}: {exc}") from exc
 
-    base_image = engine.image(base_id)
-    if base_image is None:
+    base_image = engine.image(base_id) if engine is not None else None
+    if engine is None or base_image is None:
         return _from_record_alone(entry, defn, patches, base_id)
 
     rels = baselib.touched_files(patches)

@@ -30,12 +30,13 @@ import logging
 import posixpath
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .engine import Engine, FileFact, Tree
+from .engine import FileFact, ImageInfo, Tree
 
 if TYPE_CHECKING:
     from .expected import Expected
@@ -87,7 +88,21 @@ def keep_metadata(path: str) -> bool:
 # -- reading ------------------------------------------------------------------
 
 
-def read_site(engine: Engine, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata) -> Tree:
+class TreeReader(Protocol):
+    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = ...) -> Tree: ...
+
+
+class FileSource(Protocol):
+    """Where an image's files are read from without running it: the Docker engine
+    (:class:`~vllm_hotfix.engine.Engine`), or podman's store
+    (:class:`~vllm_hotfix.launchers.podman.PodmanFiles`) where podman starts the image."""
+
+    def image(self, ref: str) -> ImageInfo | None: ...
+
+    def files(self, image: str) -> AbstractContextManager[TreeReader]: ...
+
+
+def read_site(engine: FileSource, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata) -> Tree:
     """The image's site folder (every file hashed, dist-info metadata kept), and what RECORDs list outside it."""
     with engine.files(image_id) as reader:
         tree = reader.read([site_dir], keep)
@@ -488,7 +503,7 @@ class FileChecks:
         return [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] != "pass"]
 
 
-def base_findings(engine: Engine, cache: Path | None, base_id: str, package: str, site_dir: str,
+def base_findings(engine: FileSource, cache: Path | None, base_id: str, package: str, site_dir: str,
                   roots: Sequence[str] = (), say: Callable[[str], None] = lambda _l: None,
                   ) -> dict[str, dict[str, str]] | None:
     """The base's own deviations (cached per base image ID), or None when the base is not in the engine."""
@@ -506,7 +521,7 @@ def base_findings(engine: Engine, cache: Path | None, base_id: str, package: str
     return read
 
 
-def check_image(engine: Engine, cache: Path | None, image_id: str, want: Expected, roots: Sequence[str] = (),
+def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Expected, roots: Sequence[str] = (),
                 say: Callable[[str], None] = lambda _l: None) -> FileChecks:
     """Read the image's site folder once and judge its patched files and its installed distributions."""
     site_dir = want.site_dir

@@ -6,6 +6,13 @@ them and journals the move before making it. A verdict entry that cannot be
 read and may be about a build's image leaves that build's verdict unknown:
 ``list`` shows the file, rollback never picks that build and refuses it by
 name when asked for it.
+
+Rollback stays within one platform: a tag moves only among builds whose
+image is of its platform (by the image's own config, which must agree with
+the journal's record of the build). The output of a multi-platform build
+(``TAG-x86_64``, ``TAG-aarch64`` and TAG on the engine's own platform's image)
+is rolled back as a whole: each child tag to its own platform's previous
+build, and TAG with its platform's child, or nothing moves.
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import definitions, records
+from . import definitions, platforms, records
 from .engine import Engine
 from .errors import NothingToRollBack, Refused
+from .platforms import Platform
 from .verdicts import Status
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,7 @@ class Build:
     gpu_verified: bool
     incomplete_runs: int
     pushes: tuple[dict[str, str], ...]
+    platform: str | None = None  # as the journal recorded it (None: built before it was kept)
     # Verdict entries that may be about this image but cannot be read: while
     # any is there, the image's verdict is not known (the unreadable one may be the newest).
     unreadable: tuple[records.Damaged, ...] = ()
@@ -43,7 +52,7 @@ class Build:
         verdict = "unreadable" if self.unreadable else self.verdict.value if self.verdict else None
         return {
             "image_id": self.image_id, "created": self.created, "output_ref": self.output_ref,
-            "record": self.record, "verdict": verdict,
+            "record": self.record, "verdict": verdict, "platform": self.platform,
             "gpu_verified": self.gpu_verified,
             "incomplete_runs": self.incomplete_runs, "pushes": list(self.pushes),
             "unreadable": [str(d.path) for d in self.unreadable],
@@ -83,8 +92,14 @@ def builds(root: Path, definition: str) -> list[Build]:
                 for p in records.pushes(root, entry.image_id, all_pushes)
             ),
             unreadable=unreadable,
+            platform=_recorded_platform(entry.data),
         ))
     return out
+
+
+def _recorded_platform(data: Any) -> str | None:
+    plat = data.get("platform") or (data.get("base") or {}).get("platform")
+    return str(plat) if plat else None
 
 
 def overview(root: Path) -> list[dict[str, Any]]:
@@ -113,22 +128,85 @@ class Moved:
 
 
 def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = None,
-             ref: str | None = None) -> Moved:
-    """Point the definition's output tag at an earlier (or the chosen) build."""
+             ref: str | None = None) -> tuple[Moved, ...]:
+    """Point the definition's output tag at an earlier (or the chosen) build of the same platform.
+
+    The output of a multi-platform build moves as a whole (see the module's
+    words); every move is planned, and refused, before the first is made.
+    """
     defn = definitions.load(root, base_tag)
     made = builds(root, defn.tag)
     if not made:
         raise NothingToRollBack(f"no build records for {defn.tag} under {records.records_dir(root)}",
                             hint="rollback needs recorded builds (python build.py list)")
-    ref = ref or made[0].output_ref or defn.output_ref()
+    if ref is None:
+        ref = made[0].output_ref or defn.output_ref()
+        parent = platforms.parent_ref(ref)
+        if parent is not None and any(b.output_ref == ref for b in made):
+            ref = parent[0]  # the newest build was one platform of a multi-platform output: roll all of it
+    kids = [] if platforms.parent_ref(ref) is not None else [
+        (plat, platforms.child_ref(ref, plat)) for plat in _BOTH
+        if any(b.output_ref == platforms.child_ref(ref, plat) for b in made)]
+    if not kids:
+        return (_move(engine, root, _plan(engine, defn.tag, made, ref, _platform_of_ref(engine, made, ref),
+                                          to_image)),)
+    if to_image is not None:
+        raise Refused(f"{ref} is the output of a multi-platform build ({', '.join(k for _, k in kids)}); "
+                      "--to names one platform's image",
+                      hint=f"roll one platform back: python build.py rollback --base {base_tag} --tag "
+                           f"{kids[0][1]} --to ID")
+    plans = {plat: _plan(engine, defn.tag, made, kid, plat, None) for plat, kid in kids}
+    current = engine.image(ref)
+    follow = next((pl for pl in plans.values() if current is not None and pl.was == current.id), None)
+    moved = [_move(engine, root, pl) for pl in plans.values()]
+    if follow is not None:
+        # TAG named its platform's child: it follows that child, as `image` left it.
+        moved.append(_move(engine, root, Moved(ref, follow.to, follow.was, follow.direction)))
+    elif current is not None:
+        log.warning("%s names %s, none of its platforms' images; left as it is", ref, current.id[:19])
+    return tuple(moved)
+
+
+_BOTH = (Platform("linux", "amd64"), Platform("linux", "arm64"))
+
+
+def _platform_of_ref(engine: Engine, made: list[Build], ref: str) -> Platform | None:
+    """The platform a tag is about: its suffix's, else its image's, else its newest build's (None: unknown)."""
+    named = platforms.of_tag(ref)
+    if named is not None:
+        return named
+    info = engine.image(ref)
+    if info is not None:
+        return platforms.of(info.os, info.architecture)
+    recorded = next((b.platform for b in made if b.output_ref == ref and b.platform), None)
+    return platforms.parse_one(recorded) if recorded else None
+
+
+def _platform_of_build(engine: Engine, build: Build) -> Platform | None:
+    """The platform of a build's image by its own config; None when it is gone or contradicts the journal."""
+    info = engine.image(build.image_id)
+    if info is None:
+        return None
+    plat = platforms.of(info.os, info.architecture)
+    if plat is None or (build.platform is not None and build.platform != str(plat)):
+        log.warning("build %s (%s) is %s/%s, but the journal recorded %s; never picked", build.image_id[:19],
+                    build.record, info.os, info.architecture, build.platform)
+        return None
+    return plat
+
+
+def _plan(engine: Engine, definition: str, made: list[Build], ref: str, plat: Platform | None,
+          to_image: str | None) -> Moved:
+    """Where ``ref`` would move: the chosen build, or the newest older one of ``plat`` that may be picked."""
     current = engine.image(ref)
     current_id = current.id if current else None
     order = [b.image_id for b in made]  # newest first
+    of_plat = f" of {plat}" if plat is not None else ""
     if to_image is not None:
         want = to_image.removeprefix("sha256:")
         match = [b for b in made if b.image_id.removeprefix("sha256:").startswith(want)]
         if not match:
-            raise NothingToRollBack(f"{to_image}: no build record of {defn.tag} has that image ID")
+            raise NothingToRollBack(f"{to_image}: no build record of {definition} has that image ID")
         target = match[0]
         if engine.image(target.image_id) is None:
             raise NothingToRollBack(f"{target.image_id}: recorded but no longer in the engine")
@@ -136,16 +214,20 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
             raise target.unreadable[0].error()
         if target.verdict is Status.FAIL:
             raise Refused(f"{target.image_id[:19]} failed its newest smoke run; refusing to tag it {ref}")
+        got = _platform_of_build(engine, target)
+        if plat is not None and got != plat:
+            raise Refused(f"{target.image_id[:19]} is {got or 'of no platform the journal agrees on'}, not "
+                          f"{plat}; refusing to tag it {ref}")
     else:
         start = order.index(current_id) + 1 if current_id in order else 0
         # A build whose verdict cannot be read is never picked: its newest verdict may be a fail.
         usable = [b for b in made[start:]
                   if b.image_id != current_id and b.verdict is not Status.FAIL and not b.unreadable
-                  and engine.image(b.image_id)]
+                  and engine.image(b.image_id) and (plat is None or _platform_of_build(engine, b) == plat)]
         if not usable:
             raise NothingToRollBack(
-                f"no earlier build of {defn.tag} to roll {ref} back to "
-                "(none older whose image is still in the engine and whose smoke did not fail)",
+                f"no earlier build of {definition} to roll {ref} back to "
+                f"(none older{of_plat} whose image is still in the engine and whose smoke did not fail)",
                 hint="python build.py list shows every build (and any verdict entry it cannot read)",
             )
         target = usable[0]
@@ -154,7 +236,13 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
     direction = "back"
     if current_id in order and order.index(target.image_id) < order.index(current_id):
         direction = "forward"
-    records.append(root, "tag", {"ref": ref, "image_id": target.image_id, "from": current_id,
-                                 "why": f"rollback ({direction})"})
-    engine.tag(target.image_id, ref)
     return Moved(ref, target, current_id, direction)
+
+
+def _move(engine: Engine, root: Path, plan: Moved) -> Moved:
+    """Journal the move, then make it."""
+    if plan.direction != "unchanged":
+        records.append(root, "tag", {"ref": plan.ref, "image_id": plan.to.image_id, "from": plan.was,
+                                     "why": f"rollback ({plan.direction})"})
+        engine.tag(plan.to.image_id, plan.ref)
+    return plan

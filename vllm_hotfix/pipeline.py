@@ -3,7 +3,7 @@
 Each step lives in its own module; this one only puts them in order, keeps
 the build records, and makes sure a failure leaves nothing tagged. How a job
 is built is a :class:`BuildOptions` value; which builder makes the image is
-chosen by name in :func:`vllm_hotfix.assemble.builder`.
+chosen by name in :func:`builder`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,25 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__, base, definitions, leftovers, platforms, records, refs, render, sources
 from . import patches as patchlib
-from .assemble import BuildJob, builder, known_builder
+from .assemble import AssembleBuilder
+from .builders import Builder, BuildJob, known_builder
 from .engine import Engine, ImageInfo, labels, split_reference
 from .errors import AssembleUnsupported, BaseImageError, PipelineError, Refused, UsageError
 from .platforms import Platform, child_ref
 from .pulling import PULL_POLICIES, resolve
+from .render import DockerfileBuilder
 from .verdicts import Status, Verdict, require_pass
 
 if TYPE_CHECKING:
     from . import expected, pins
 
 log = logging.getLogger(__name__)
+
+
+def builder(name: str) -> Builder:
+    """The builder called ``name`` (one of ``builders.BUILDERS``): the one place a name becomes a builder."""
+    known: dict[str, type[Builder]] = {"dockerfile": DockerfileBuilder, "assemble": AssembleBuilder}
+    return known[known_builder(name)]()
 
 # (engine, image ID, the build's own expectation or None) -> the run's verdict
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], Verdict]

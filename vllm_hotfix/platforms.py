@@ -151,3 +151,57 @@ def child_ref(ref: str, plat: Platform) -> str:
     """Upstream's naming: ``TAG-x86_64`` / ``TAG-aarch64`` beside the index ``TAG``."""
     repo, tag = split_reference(ref)
     return refs.check_reference(f"{repo}:{tag}-{plat.suffix}", "platform tag", tag_only=True)
+
+
+# A tag ending in one of these names the platform of its image: upstream's
+# machine names, and the OCI names people also write.
+_SUFFIXES = {"x86_64": "amd64", "aarch64": "arm64", "amd64": "amd64", "arm64": "arm64"}
+
+
+def of_tag(ref: str) -> Platform | None:
+    """The platform a reference's tag names by its suffix (``TAG-x86_64`` -> linux/amd64), if it names one."""
+    _, tag = split_reference(ref)
+    if tag.startswith("sha256:") or "-" not in tag:
+        return None
+    arch = _SUFFIXES.get(tag.rsplit("-", 1)[1].lower())
+    return Platform("linux", arch) if arch else None
+
+
+def parent_ref(ref: str) -> tuple[str, Platform] | None:
+    """``TAG-<machine>`` -> (``TAG``, its platform): the inverse of :func:`child_ref`."""
+    plat = of_tag(ref)
+    if plat is None:
+        return None
+    repo, tag = split_reference(ref)
+    stem, suffix = tag.rsplit("-", 1)
+    if suffix != plat.suffix or not stem:
+        return None
+    return f"{repo}:{stem}", plat
+
+
+# The variants an image of each architecture may carry and still be that
+# platform: arm64 images say v8 or nothing; amd64 images say nothing (or a
+# micro-architecture level every x86-64 host of a GPU node runs).
+_VARIANTS = {"amd64": ("", "v1", "v2", "v3"), "arm64": ("", "v8")}
+
+
+def mismatch(ref: str, os_name: str, architecture: str, variant: str = "",
+             recorded: str | None = None) -> str | None:
+    """Why the image under ``ref`` (of that OS, architecture and variant) must not go out under it; None if fine.
+
+    The image's own config must be a platform the tool builds for; a tag
+    suffix must name that platform; and the platform the journal recorded
+    for the image's build (``recorded``, e.g. ``linux/arm64``) must be it too.
+    """
+    seen = f"{os_name}/{architecture}" + (f"/{variant}" if variant else "")
+    plat = of(os_name, architecture, variant)
+    if plat is None:
+        return f"{ref} is a {seen or 'platform-less'} image; vLLM images are linux/amd64 or linux/arm64"
+    if variant not in _VARIANTS[plat.architecture]:
+        return f"{ref} is a {seen} image, a variant that is not {plat}"
+    named = of_tag(ref)
+    if named is not None and named != plat:
+        return f"{ref} is a {seen} image, but its tag's suffix names {named}"
+    if recorded is not None and recorded != str(plat):
+        return f"{ref} is a {seen} image, but the journal recorded its build as {recorded}"
+    return None

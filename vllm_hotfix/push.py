@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import attest, leftovers, platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
-from .errors import AttestationError, PipelineError, PushError, RecordError
+from .errors import AttestationError, PipelineError, PushError, RecordError, Refused
 from .platforms import Platform, child_ref
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,102 @@ def target_ref(image_ref: str, registry: str) -> str:
     if tag.startswith("sha256:"):
         raise PushError(f"{image_ref}: push a tagged reference, not a digest")
     return refs.check_reference(f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}", "push target", tag_only=True)
+
+
+def recorded_platforms(root: Path, image_id: str) -> set[str]:
+    """The platforms the journal's build entries give for this image (empty: built before they were kept)."""
+    return {str(e.data["platform"]) for e in records.builds_of_image(root, image_id) if e.data.get("platform")}
+
+
+def check_platform(root: Path, info: ImageInfo, ref: str, expected: Platform | None = None) -> None:
+    """Refuse (before anything is pushed) an image whose platform its tag or its build record contradicts.
+
+    The image's own config is the truth a node pulling it gets: its OS,
+    architecture and variant must be what the tag's suffix names
+    (``-x86_64``: amd64, ``-aarch64``: arm64), what the journal recorded for
+    its build, and (for one platform's image of an index) ``expected``.
+    """
+    recorded: list[str | None] = [*sorted(recorded_platforms(root, info.id))] or [None]
+    problem = None
+    for rec in recorded:
+        problem = problem or platforms.mismatch(ref, info.os, info.architecture, info.variant, rec)
+    if problem is None and expected is not None and platforms.of(info.os, info.architecture) != expected:
+        problem = f"{ref} is a {info.os}/{info.architecture} image, not {expected}"
+    if problem is not None:
+        raise Refused(f"refusing to push {info.id[:19]}: {problem}",
+                      hint="tag each platform's image under its own suffix (python build.py list shows the builds)")
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """One platform's image that `image` built under ``TAG-<machine>``, as the engine and journal have it."""
+
+    platform: Platform
+    ref: str
+    image_id: str
+    family: str  # the definition and the inputs every platform of one build shares
+
+
+_FAMILY = ("definition", "definition_sha256", "patches", "template_sha256", "pins_sha256")
+
+
+def family(inputs: object) -> str:
+    """What ties the platforms of one build together: its inputs less each platform's own base."""
+    got = inputs if isinstance(inputs, dict) else {}
+    return records.inputs_key({k: got.get(k) for k in _FAMILY})
+
+
+def built_children(engine: Engine, root: Path, image_ref: str) -> list[Child]:
+    """Each ``TAG-<machine>`` in the engine whose image the journal says this tool built under that name."""
+    found = []
+    for plat in (Platform("linux", "amd64"), Platform("linux", "arm64")):
+        ref = child_ref(image_ref, plat)
+        info = engine.image(ref)
+        if info is None:
+            continue
+        made = [e for e in records.builds_of_image(root, info.id)
+                if e.data.get("output_ref") == ref and e.data.get("platform") in (None, str(plat))]
+        if made:
+            found.append(Child(plat, ref, info.id, family(made[0].data.get("inputs"))))
+    return found
+
+
+def plain_platforms(image_ref: str, tag_image: str | None, children: list[Child]) -> list[Platform] | None:
+    """What a push without ``--platform`` pushes: the platforms `image` built for TAG, or None for TAG alone.
+
+    A multi-platform build leaves ``TAG-<machine>`` per platform and TAG on
+    one of them (or on none, when it built one other platform): those
+    children, and an index over them, are what was built. TAG on an image
+    that is none of them (a later single-platform build) is pushed alone.
+    """
+    if not children:
+        return None
+    ids = {c.image_id: c for c in children}
+    if tag_image is not None and tag_image not in ids:
+        return None
+    if tag_image is not None:
+        anchor = ids[tag_image].family
+    else:
+        families = {c.family for c in children}
+        if len(families) > 1:
+            raise PushError(f"{', '.join(c.ref for c in children)} were built from different definitions or "
+                            f"inputs, and {image_ref} names none of them",
+                            hint="name the platforms to push with --platform")
+        anchor = families.pop()
+    return [c.platform for c in children if c.family == anchor]
+
+
+def plain_selection(engine: Engine, root: Path, image_ref: str) -> list[Platform] | None:
+    """The platforms a plain ``push IMAGE`` pushes (see :func:`plain_platforms`); None: IMAGE alone."""
+    if platforms.parent_ref(image_ref) is not None:
+        return None  # one platform's own tag: that image alone
+    children = built_children(engine, root, image_ref)
+    info = engine.image(image_ref)
+    chosen = plain_platforms(image_ref, info.id if info is not None else None, children)
+    if chosen is None and children:
+        log.warning("%s names an image that is none of %s; pushing %s alone", image_ref,
+                    ", ".join(c.ref for c in children), image_ref)
+    return chosen
 
 
 def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
@@ -132,6 +228,7 @@ def push(
     info = engine.image(image_ref)
     if info is None:
         raise PushError(f"image {image_ref} is not in the engine")
+    check_platform(root, info, image_ref)
     verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
@@ -193,7 +290,8 @@ class PushedIndex:
     children: list[dict[str, str]]  # platform, image_id, ref, digest, verdict
 
 
-def platform_images(engine: Engine, image_ref: str, plats: list[Platform] | None) -> list[tuple[Platform, ImageInfo]]:
+def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Platform] | None
+                    ) -> list[tuple[Platform, ImageInfo]]:
     """Each platform's image, ``IMAGE-<machine>`` as `image --platform` tagged it (None: every one present)."""
     repo, tag = split_reference(image_ref)
     if tag.startswith("sha256:"):
@@ -208,8 +306,7 @@ def platform_images(engine: Engine, image_ref: str, plats: list[Platform] | None
                 continue
             raise PushError(f"no {plat} image {ref} in the engine",
                             hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
-        if platforms.of(info.os, info.architecture) != plat:
-            raise PushError(f"{ref} is {info.os}/{info.architecture}, not {plat}; refusing to list it as {plat}")
+        check_platform(root, info, ref, plat)
         found.append((plat, info))
     if not found:
         raise PushError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
@@ -236,7 +333,7 @@ def push_index(
     say = progress or (lambda _line: None)
     policy = policy or Gate()
     target = target_ref(image_ref, registry_path)
-    found = platform_images(engine, image_ref, plats)
+    found = platform_images(engine, root, image_ref, plats)
     verdicts = {}
     for plat, info in found:
         verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")

@@ -24,7 +24,7 @@ from .errors import PatchError
 from .patches import Patch
 
 if TYPE_CHECKING:
-    from .assemble import BuildJob
+    from .builders import BuildJob
     from .engine import Engine
     from .pins import Prepared
 

@@ -399,21 +399,6 @@ class Smoke:
 
         return files
 
-    def file_facts(self, image: ImageInfo) -> tuple[list[dict[str, Any]], str]:
-        """The file checks alone (read from the image's layers) and where the expectation came from.
-
-        For a run whose other checks a runner makes elsewhere (``--launcher podman|kubernetes``).
-        """
-        found = self.expectation(image)
-        if isinstance(found, str):
-            return [{"name": "patch-landed", "status": "fail", "detail": found,
-                     "data": {"answered_by": integrity.FILESYSTEM}}], "unknown"
-        pinset = self.pinset(Report(image.id, image.id), found)
-        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
-        files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned, self.say)
-        return [{**c, "data": {**(c.get("data") or {}), "answered_by": integrity.FILESYSTEM}} for c in files.checks], \
-            found.source
-
     def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
         """The pins of the image's definition, from its patch set on disk (never from labels)."""
         try:
@@ -583,7 +568,8 @@ class Smoke:
                     self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
                 result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
                                      min_tokens=self.opt.min_tokens, reference=ref,
-                                     tolerance=self.opt.logprob_tolerance, progress=self.say)
+                                     tolerance=self.opt.logprob_tolerance, progress=self.say,
+                                     keep_going=self.opt.keep_going)
                 clock.mark("sweep")
         except (SmokeError, EngineError) as exc:
             # Charged to the phase it ended (a server that never got healthy: its start).
@@ -609,6 +595,60 @@ class Smoke:
                                "data": {"server_log": tail}}], took)
             for line in tail:
                 self.say(f"    | {line}")
+
+
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """The file checks of a run whose other checks a runner makes elsewhere, and what they found."""
+
+    checks: tuple[dict[str, Any], ...]
+    expected_from: str
+    compiled_missing: tuple[str, ...] = ()  # compiled files RECORD lists but the image lacks (the base's named so)
+
+
+FILE_CHECKS = ("patch-landed", "package-version", "integrity")
+
+
+def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
+               say: Callable[[str], None] = lambda _l: None) -> FileFacts:
+    """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
+
+    For ``--launcher podman|kubernetes``: the same expectation and judgement
+    as a Docker run (:func:`~vllm_hotfix.integrity.check_image`), only the
+    files come from wherever the image is started. ``expect_from``: the Docker
+    engine that may hold the base to recompute the expectation from (None:
+    none; the build record alone then). Files that cannot be read make the
+    checks incomplete: the run cannot pass without them.
+    """
+    fs = {"answered_by": integrity.FILESYSTEM}
+    try:
+        try:
+            found: expected.Expected | str = expected.for_image(expect_from, root, image)
+        except EngineError as exc:
+            say(f"    no Docker engine to read the base from ({str(exc).splitlines()[0]}): the build record alone")
+            found = expected.for_image(None, root, image)
+    except UnknownExpectation as exc:
+        found = str(exc)
+    if isinstance(found, str):
+        return FileFacts(({"name": "patch-landed", "status": "fail", "detail": found, "data": fs},), "unknown")
+    extra: list[dict[str, Any]] = []
+    pinned: list[str] = []
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+    except (DefinitionError, PinError) as exc:
+        extra.append({"name": "pins", "status": "fail", "detail": str(exc)})
+    try:
+        files = integrity.check_image(files_from, sources.cache_dir(root), image.id, found, pinned, say)
+    except EngineError as exc:
+        why = f"the image's files could not be read: {str(exc).splitlines()[0]}"
+        return FileFacts(tuple([{"name": name, "status": "incomplete", "detail": why, "data": fs}
+                                for name in FILE_CHECKS] + extra), found.source)
+    judged = files.judged
+    return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
+                     found.source, (*judged.compiled_missing, *(f"{p} (the base's)" for p in
+                                                                  judged.compiled_missing_base)))
 
 
 def _free_port() -> int:

@@ -394,8 +394,10 @@ def sweep(
     reference: answers.Reference | None = None,
     tolerance: float = answers.DEFAULT_TOLERANCE,
     progress: Callable[[str], None] | None = None,
+    keep_going: bool = False,
 ) -> SweepResult:
-    """Run every level in order; stop at the first failing one.
+    """Run every level in order; stop at the first failing one (``keep_going``: run the rest while the
+    server lives, so a report shows each level's outcome; ``failed_level`` stays the first that failed).
 
     ``min_tokens``: every reply must carry at least this many completion tokens.
     ``reference``: every reply must equal its reference answer up to a near-tie
@@ -418,11 +420,13 @@ def sweep(
         if progress is not None:
             progress(format_level(level) + ("" if alive else "  (server died)"))
         if level.failures or not alive:
-            result.failed_level = c
+            if result.failed_level is None:
+                result.failed_level = c
             result.server_died = not alive
             if not alive and not level.errors:
                 level.errors.append("server process exited")
-            break
+            if not alive or not keep_going:
+                break
     if watch is not None:
         result.server_log = condense(watch.logs())
     return result
@@ -451,7 +455,9 @@ def failure_message(result: SweepResult) -> str:
         return (f"server {result.url} died during the sweep (at concurrency {result.failed_level}, "
                 f"{level.successes}/{level.requests} requests ok): it no longer answers"
                 + (f"; server: {server}" if server else f" ({why})"))
+    later = [lv.concurrency for lv in result.levels if lv.failures and lv.concurrency != result.failed_level]
+    also = f"; also failed at concurrency {','.join(map(str, later))}" if later else ""
     return (
-        f"serve sweep failed at concurrency {result.failed_level}: "
+        f"serve sweep failed at concurrency {result.failed_level}{also}: "
         f"{level.failures}/{level.requests} requests failed ({why})" + (f"; server: {server}" if server else "")
     )

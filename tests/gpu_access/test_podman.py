@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,3 +92,40 @@ def test_smoke_cli_through_podman(in_podman: tuple[Path, str, str], tmp_path: Pa
     assert by_name["patch-landed"]["data"]["answered_by"] == "filesystem"
     assert by_name["env-report"]["data"]["answered_by"] == "image-python"
     assert report["gpu"]["launcher"] == "podman" and report["gpu_verified"] is False
+
+
+def test_an_altered_patched_file_fails_patch_landed_read_from_podmans_copy(
+        cdi_engine: Engine, in_podman: tuple[Path, str, str], tmp_path: Path) -> None:  # noqa: F811
+    """The altered image is only in podman's store: its files can only have been read from podman's copy."""
+    from vllm_hotfix import expected
+
+    project, ref, image_id = in_podman
+    info = cdi_engine.image(image_id)
+    assert info is not None
+    want = expected.for_image(cdi_engine, project, info)
+    rel = sorted(want.files)[0]
+    context = tmp_path / "ctx"
+    context.mkdir()
+    (context / "altered.py").write_text("# altered after the build\n")
+    (context / "Dockerfile").write_text(f"FROM {image_id}\nCOPY altered.py {want.site_dir}/{rel}\n")
+    altered = f"localhost/vllm-hotfix-altered-{uuid.uuid4().hex[:10]}:x"
+    built = subprocess.run(["docker", "-H", CDI_HOST, "build", "-q", "-t", altered, str(context)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    try:
+        save = subprocess.Popen(["docker", "-H", CDI_HOST, "save", altered], stdout=subprocess.PIPE)
+        loaded = subprocess.run(["podman", "load"], stdin=save.stdout, capture_output=True, text=True, timeout=300)
+        assert save.wait() == 0 and loaded.returncode == 0, loaded.stderr
+    finally:
+        subprocess.run(["docker", "-H", CDI_HOST, "rmi", altered], capture_output=True, check=False)
+    try:
+        out = tmp_path / "report.json"
+        r = cli("smoke", altered, "--launcher", "podman", "--gpu", "off", "--report", str(out), root=project,
+                env={"DOCKER_HOST": CDI_HOST})
+        assert r.rc != 0, r.out
+        by_name = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+        landed = by_name["patch-landed"]
+        assert landed["status"] == "fail" and "altered after the build" in landed["detail"], landed
+        assert landed["data"]["answered_by"] == "filesystem"
+    finally:
+        subprocess.run(["podman", "rmi", "--force", altered], capture_output=True, check=False)

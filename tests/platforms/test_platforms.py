@@ -219,6 +219,73 @@ def test_push_puts_an_index_over_both_platforms(plat_engine: Engine, index_regis
     assert {c["platform"]: c["digest"] for c in entry["children"]} == reported
 
 
+def _arch_of_config(reg: Registry, name: str, tag: str) -> str:
+    head = requests.get(f"http://{reg.addr}/v2/{name}/manifests/{tag}", timeout=10,
+                        headers={"Accept": registry.DOCKER_MANIFEST})
+    assert head.status_code == 200, head.text
+    config = requests.get(f"http://{reg.addr}/v2/{name}/blobs/{head.json()['config']['digest']}", timeout=10).json()
+    return f"{config['os']}/{config['architecture']}"
+
+
+def test_a_plain_push_pushes_every_platform_built(plat_engine: Engine, index_registry: dict[str, object],
+                                                  built_both: tuple[Path, str, dict[str, object]]) -> None:
+    """No --platform: the two-platform build goes out whole, each child and an index under TAG."""
+    root, out, _ = built_both
+    reg = index_registry["registry"]
+    assert isinstance(reg, Registry)
+    r = cli("push", out, "--registry", f"{reg.addr}/plain", "--allow-gpu-unverified", root=root, env=PENV,
+            timeout=1200)
+    assert r.rc == 0, r.err
+    name, tag = out.split("/", 1)[1].split(":")[0], out.rsplit(":", 1)[1]
+    assert f"pushed index {reg.addr}/plain/{name}:{tag}" in r.out
+    got = requests.get(f"http://{reg.addr}/v2/plain/{name}/manifests/{tag}", timeout=10,
+                       headers={"Accept": registry.ACCEPT})
+    index = got.json()
+    assert index["mediaType"] == registry.DOCKER_LIST
+    assert {f"{m['platform']['os']}/{m['platform']['architecture']}" for m in index["manifests"]} == \
+        {"linux/amd64", "linux/arm64"}
+    for plat in (AMD64, ARM64):
+        assert _arch_of_config(reg, f"plain/{name}", f"{tag}-{plat.suffix}") == str(plat)
+
+
+def test_rollback_after_a_two_platform_build_keeps_each_platform(
+        plat_engine: Engine, built_both: tuple[Path, str, dict[str, object]]) -> None:
+    """One two-platform build: no earlier build of either platform, so nothing moves (never amd64 under -aarch64)."""
+    root, out, _ = built_both
+    before = {ref: plat_engine.image(ref) for ref in (out, f"{out}-x86_64", f"{out}-aarch64")}
+    r = cli("rollback", "--base", "v0.25.1", root=root, env=PENV)
+    fails(r, "no earlier build of v0.25.1")
+    assert r.rc == 1
+    r = cli("rollback", "--base", "v0.25.1", "--tag", f"{out}-aarch64", root=root, env=PENV)
+    fails(r, "linux/arm64")
+    for ref, was in before.items():
+        now = plat_engine.image(ref)
+        assert now is not None and was is not None and now.id == was.id
+    arm = plat_engine.image(f"{out}-aarch64")
+    assert arm is not None and arm.architecture == "arm64"
+
+
+def test_a_push_whose_architecture_contradicts_its_suffix_is_refused(
+        plat_engine: Engine, index_registry: dict[str, object],
+        built_both: tuple[Path, str, dict[str, object]]) -> None:
+    root, out, _ = built_both
+    reg = index_registry["registry"]
+    assert isinstance(reg, Registry)
+    amd = plat_engine.image(f"{out}-x86_64")
+    assert amd is not None
+    wrong = f"{out.rsplit(':', 1)[0]}:by-hand-aarch64"
+    plat_engine.tag(amd.id, wrong)
+    try:
+        r = cli("push", wrong, "--registry", f"{reg.addr}/wrong", "--allow-gpu-unverified", root=root, env=PENV,
+                timeout=600)
+        fails(r, wrong, "linux/amd64", "suffix")
+        assert r.rc == 13
+    finally:
+        plat_engine.untag(wrong)
+    name = out.split("/", 1)[1].split(":")[0]
+    assert requests.get(f"http://{reg.addr}/v2/wrong/{name}/tags/list", timeout=5).status_code == 404
+
+
 def test_gate_refuses_the_index_when_one_platform_failed(plat_engine: Engine, index_registry: dict[str, object],
                                                           built_both: tuple[Path, str, dict[str, object]],
                                                           tmp_path: Path) -> None:

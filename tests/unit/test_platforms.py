@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import platforms, registry
-from vllm_hotfix.errors import BaseImageError, UsageError
+from vllm_hotfix import platforms, push, registry
+from vllm_hotfix.errors import BaseImageError, PushError, UsageError
 from vllm_hotfix.platforms import Platform
 
 AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
@@ -55,3 +55,61 @@ def test_unknown_platform_is_a_usage_error() -> None:
     r = cli("image", "--base", "v0.25.1", "--platform", "linux/s390x")
     fails(r, "linux/s390x")
     assert r.rc == 64
+
+
+def test_a_tag_suffix_names_its_platform() -> None:
+    assert platforms.of_tag("r/vllm-openai:v1-m3patch-x86_64") == AMD64
+    assert platforms.of_tag("r/vllm-openai:v1-m3patch-aarch64") == ARM64
+    assert platforms.of_tag("host:5000/r/x:v1-arm64") == ARM64
+    for plain in ("r/x:v1-m3patch", "r/x:v1-sm100", "r/x:aarch64", "r/x@sha256:" + "a" * 64):
+        assert platforms.of_tag(plain) is None
+    assert platforms.parent_ref("r/x:v1-m3patch-aarch64") == ("r/x:v1-m3patch", ARM64)
+    assert platforms.parent_ref("r/x:v1-m3patch") is None
+    assert platforms.child_ref("r/x:v1", ARM64) == "r/x:v1-aarch64"
+
+
+def test_an_architecture_its_tag_or_record_contradicts_is_named() -> None:
+    ok = platforms.mismatch
+    assert ok("r/x:v1-aarch64", "linux", "arm64") is None
+    assert ok("r/x:v1-aarch64", "linux", "arm64", "v8", "linux/arm64") is None
+    assert ok("r/x:v1-x86_64", "linux", "amd64", "", "linux/amd64") is None
+    assert ok("r/x:v1", "linux", "amd64", "", "linux/amd64") is None
+    bad = ok("r/x:v1-aarch64", "linux", "amd64")
+    assert bad is not None and "r/x:v1-aarch64" in bad and "linux/amd64" in bad and "linux/arm64" in bad
+    assert "suffix" in (ok("r/x:v1-x86_64", "linux", "arm64") or "")
+    assert "journal" in (ok("r/x:v1", "linux", "amd64", "", "linux/arm64") or "")
+    assert "journal" in (ok("r/x:v1-aarch64", "linux", "arm64", "", "linux/amd64") or "")
+    assert ok("r/x:v1", "windows", "amd64") is not None
+    assert ok("r/x:v1", "linux", "s390x") is not None
+    assert ok("r/x:v1-aarch64", "linux", "arm64", "v7") is not None
+
+
+def _kid(plat: Platform, image: str, family: str = "f") -> push.Child:
+    return push.Child(plat, f"r/x:v1-{plat.suffix}", image, family)
+
+
+def test_a_plain_push_pushes_every_platform_image_built() -> None:
+    both = [_kid(AMD64, "sha256:a"), _kid(ARM64, "sha256:b")]
+    # Single-platform build: no children, the tag alone.
+    assert push.plain_platforms("r/x:v1", "sha256:a", []) is None
+    # Multi-platform build: TAG on the engine's own platform's child -> every child and an index.
+    assert push.plain_platforms("r/x:v1", "sha256:a", both) == [AMD64, ARM64]
+    assert push.plain_platforms("r/x:v1", "sha256:b", both) == [AMD64, ARM64]
+    # Only one other platform built (TAG not made): that child, under an index.
+    assert push.plain_platforms("r/x:v1", None, [_kid(ARM64, "sha256:b")]) == [ARM64]
+    # TAG rebuilt single-platform since: it alone, not the older children.
+    assert push.plain_platforms("r/x:v1", "sha256:c", both) is None
+    # Children of another build (other inputs) are left out; with no TAG to tell, refused.
+    mixed = [_kid(AMD64, "sha256:a", "f"), _kid(ARM64, "sha256:b", "g")]
+    assert push.plain_platforms("r/x:v1", "sha256:a", mixed) == [AMD64]
+    with pytest.raises(PushError, match="different definitions"):
+        push.plain_platforms("r/x:v1", None, mixed)
+
+
+def test_the_family_ignores_each_platforms_base() -> None:
+    a = {"definition": "v1", "patches": {"p": "1"}, "base_id": "sha256:a", "base_ref": "r@sha256:1",
+         "platform": "linux/amd64", "output_ref": "r/x:v1-x86_64"}
+    b = {**a, "base_id": "sha256:b", "base_ref": "r@sha256:2", "platform": "linux/arm64",
+         "output_ref": "r/x:v1-aarch64"}
+    assert push.family(a) == push.family(b)
+    assert push.family(a) != push.family({**a, "patches": {"p": "2"}})

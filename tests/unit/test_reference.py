@@ -210,3 +210,12 @@ def test_prompt_set_is_fixed_and_mixed() -> None:
     # file keeps its own prompts, so changing the set later leaves recorded references usable.)
     assert reference.digest({"p": list(reference.PROMPTS)}) == \
         "e5c100f2b036c5506b00136887144b4c6342cc31ced983751ab0243460634a53"
+
+
+def test_keep_going_judges_every_level(recorded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    ref_path, _ = recorded
+    with fake("--wrong-at-concurrency", "2") as url:
+        r = _check(url, ref_path, tmp_path / "r.json", "--keep-going", levels="1,2,4")
+    fails(r, "serve sweep failed at concurrency 2; also failed at concurrency 4", "wrong answer")
+    levels = json.loads((tmp_path / "r.json").read_text())["levels"]
+    assert [(lv["concurrency"], lv["failures"] > 0) for lv in levels] == [(1, False), (2, True), (4, True)]

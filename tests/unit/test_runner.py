@@ -123,3 +123,38 @@ def test_bad_job_and_no_report_are_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and "not a version 1 runner job" in done.stderr
     with pytest.raises(SmokeError, match=r"runner in x: the runner gave no report \(boom\)"):
         base.results("", "boom\n", "runner in x")
+
+
+def test_compiled_files_the_image_lacks_keep_it_gpu_unverified(tmp_path: Path) -> None:
+    missing = ["vllm/_C.abi3.so", "vllm/_moe_C.abi3.so (the base's)"]
+    folder = base.stage(tmp_path / "runner", _job(gpu={"mode": "auto", "request": "none",
+                                                       "compiled_missing": missing}))
+    done = _run(folder)
+    v = base.results(done.stdout, done.stderr, "test runner").verdict
+    check = next(c for c in v.checks if c.name == "compiled-files")
+    assert check.status.value == "skip" and "image is GPU-unverified" in check.detail
+    assert (check.data or {})["answered_by"] == "filesystem" and (check.data or {})["missing"] == missing
+    assert v.gpu_verified is False and v.gpu["compiled_missing"] == missing
+    assert "2 compiled file(s)" in v.gpu["why_unverified"]
+
+
+def test_compiled_files_missing_fail_under_require_with_a_gpu_reached() -> None:
+    from vllm_hotfix.runner.main import Run
+
+    run = Run(_job(gpu={"mode": "require", "compiled_missing": ["vllm/_C.abi3.so"]}))
+    gpu: dict[str, object] = {"mode": "require", "verified": True, "devices": ["NVIDIA H200"]}
+    assert run.compiled_stop(True, gpu) is False
+    assert gpu["verified"] is False and run.checks[-1].name == "compiled-files"
+    assert run.checks[-1].status.value == "fail" and run.checks[-1].detail.startswith("--gpu require, but 1")
+    # Nothing missing: the GPU checks' own answer stands.
+    assert Run(_job(gpu={"mode": "require"})).compiled_stop(True, {}) is True
+
+
+def test_the_job_carries_the_compiled_files_the_file_facts_found(tmp_path: Path) -> None:
+    from vllm_hotfix.launchers import plan
+    from vllm_hotfix.smoke import SmokeOptions
+
+    target = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {})
+    job, _ = plan.job(tmp_path, target, SmokeOptions(), launcher="podman", gpu_request=None,
+                      compiled_missing=["vllm/_C.abi3.so"])
+    assert job["gpu"]["compiled_missing"] == ["vllm/_C.abi3.so"]

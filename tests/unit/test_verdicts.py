@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO
 from vllm_hotfix import cli, errors, pipeline, records, smoke, upstream
 from vllm_hotfix import patches as patchlib
-from vllm_hotfix.assemble import BUILDERS, AssembleBuilder, builder
+from vllm_hotfix.assemble import AssembleBuilder
+from vllm_hotfix.builders import BUILDERS
 from vllm_hotfix.errors import (
     Malformed,
     PipelineError,
@@ -23,6 +24,7 @@ from vllm_hotfix.errors import (
     SmokeIncomplete,
     UsageError,
 )
+from vllm_hotfix.pipeline import builder
 from vllm_hotfix.render import DockerfileBuilder
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge, require_pass
 

@@ -14,15 +14,12 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import BaseImageError, EngineError, PipelineError
 from . import labels
-from .mapping import Refused, gone
-from .model import ExecResult, GpuRequest
-
-if TYPE_CHECKING:
-    from .facade import Engine
+from .mapping import gone
+from .model import ExecResult, GpuRequest, Refused, Seam
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +60,7 @@ def extras(gpu: GpuRequest | None, *, env: Mapping[str, str] | None = None,
     return create
 
 
-def remove(engine: Engine, container_id: str, *, quiet: bool) -> None:
+def remove(engine: Seam, container_id: str, *, quiet: bool) -> None:
     """Remove a container we started and tell the run's note so.
 
     A refusal (the engine still busy with it) is tried again twice; one that
@@ -86,7 +83,7 @@ def remove(engine: Engine, container_id: str, *, quiet: bool) -> None:
 
 
 @contextmanager
-def lifetime(engine: Engine, image: str, role: str, operation: str, refused: Refused | None = None,
+def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refused | None = None,
              **create: Any) -> Iterator[Any]:
     """A created (not started) SDK container of ``image``, removed when the block ends.
 
@@ -112,7 +109,7 @@ def lifetime(engine: Engine, image: str, role: str, operation: str, refused: Ref
 class Box:
     """A running throw-away container to read from, write to and exec in."""
 
-    def __init__(self, engine: Engine, container: Any) -> None:
+    def __init__(self, engine: Seam, container: Any) -> None:
         self._engine = engine
         self._container = container
 
@@ -139,7 +136,7 @@ class Box:
 class Served:
     """A container started by :func:`service`: whether it runs, and its log when asked."""
 
-    def __init__(self, engine: Engine, container: Any) -> None:
+    def __init__(self, engine: Seam, container: Any) -> None:
         self._engine = engine
         self._container = container
 
@@ -160,7 +157,7 @@ def _foreign_arch(image: str, said: str) -> BaseImageError:
 
 
 @contextmanager
-def box(engine: Engine, image: str, python: str = "python3", *, deadline: float | None = None) -> Iterator[Box]:
+def box(engine: Seam, image: str, python: str = "python3", *, deadline: float | None = None) -> Iterator[Box]:
     """A container of ``image`` kept alive by its own Python, removed after.
 
     The entrypoint is always overridden: a vLLM image's own entrypoint would start a server.
@@ -172,7 +169,7 @@ def box(engine: Engine, image: str, python: str = "python3", *, deadline: float 
 
 
 @contextmanager
-def _box(engine: Engine, image: str, python: str) -> Iterator[Box]:
+def _box(engine: Seam, image: str, python: str) -> Iterator[Box]:
     def refused(message: str) -> PipelineError:
         if "exec format error" in message:
             return _foreign_arch(image, message)
@@ -198,7 +195,7 @@ def _box(engine: Engine, image: str, python: str) -> Iterator[Box]:
         yield Box(engine, container)
 
 
-def run(engine: Engine, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
+def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
         timeout: float = 300, env: Mapping[str, str] | None = None,
         writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
@@ -234,7 +231,7 @@ def _wait(container: Any, timeout: float) -> int:
 
 
 @contextmanager
-def service(engine: Engine, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
+def service(engine: Seam, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
             gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
             writable: Sequence[tuple[str, str]] = ()) -> Iterator[Served]:
     """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""

@@ -16,8 +16,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import PushError
-from .mapping import short
+from ..errors import PushError, short
 
 # The SDK's words for a credential helper (credsStore / credHelpers) that cannot run.
 _HELPER = re.compile(r"docker-credential-([^\s'\"]+) not installed or not available in PATH")

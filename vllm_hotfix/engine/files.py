@@ -23,14 +23,11 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, cast
 
 from ..errors import EngineError, PipelineError
 from .containers import lifetime
-from .mapping import Refused
-
-if TYPE_CHECKING:
-    from .facade import Engine
+from .model import Refused, Seam
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +136,7 @@ def _not_found(exc: BaseException) -> bool:
 class Reader:
     """Reads folders of one created (never started) container of an image."""
 
-    def __init__(self, engine: Engine, image: str, container: Any) -> None:
+    def __init__(self, engine: Seam, image: str, container: Any) -> None:
         self._engine = engine
         self._image = image
         self._container = container
@@ -183,13 +180,13 @@ def _refused(image: str) -> Refused:
 
 
 @contextmanager
-def opened(engine: Engine, image: str) -> Iterator[Reader]:
+def opened(engine: Seam, image: str) -> Iterator[Reader]:
     """A :class:`Reader` of ``image``; its container is removed when the block ends, whatever happens."""
     with lifetime(engine, image, "read", f"reading files of {image}", _refused(image), **_INERT) as container:
         yield Reader(engine, image, container)
 
 
-def read(engine: Engine, image: str, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+def read(engine: Seam, image: str, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
     """:meth:`Reader.read` in a container of its own."""
     with opened(engine, image) as reader:
         return reader.read(paths, keep)

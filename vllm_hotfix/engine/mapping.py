@@ -16,34 +16,18 @@ and the commands that never need the SDK must not pay for importing it.
 from __future__ import annotations
 
 import http.client
-import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import EngineError, EngineLost, PipelineError
+from ..errors import EngineError, EngineLost, PipelineError, short
+from .dockerconfig import helper_error
+from .model import Refused
 
 LOST_HINT = ("check the engine (docker version); containers and images this run left are removed "
              "by the next run once it answers")
 NO_ENGINE_HINT = "start one (make services), or point DOCKER_HOST at a running engine"
 
-Refused = Callable[[str], PipelineError]
-
-
-def short(exc: BaseException | str | bytes) -> str:
-    """One line of at most 400 characters from an error or an engine's answer, whose text can span many.
-
-    The engine's JSON error bodies (``{"message": ...}``) give their message.
-    """
-    text = exc if isinstance(exc, (str, bytes)) else (getattr(exc, "explanation", None) or str(exc)
-                                                        or type(exc).__name__)
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    try:
-        text = json.loads(text).get("message", text)
-    except (ValueError, AttributeError):
-        pass
-    return " ".join(str(text).split())[:400]
 
 
 def _loaded(module: str, *names: str) -> tuple[type[BaseException], ...]:
@@ -110,8 +94,6 @@ def translate(operation: str, exc: BaseException, *, refused: Refused | None = N
     if gone(exc):
         return unreachable(address, exc) if address is not None else lost(operation, exc)
     if isinstance(exc, _engine_types()):
-        from .dockerconfig import helper_error  # here: dockerconfig imports this module
-
         # A credential helper that cannot run is the login's fault whatever the operation (exit 8).
         helper = helper_error(exc) if "docker" in sys.modules else None
         if helper is not None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from ..errors import PipelineError
+
+# What a refusal of the engine becomes for the caller (a pull: a base-image error; a push: a push error).
+Refused = Callable[[str], PipelineError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +100,22 @@ class ExecResult:
     exit_code: int
     stdout: str
     stderr: str
+
+
+class Seam(Protocol):
+    """What the container and file helpers need of an :class:`~vllm_hotfix.engine.facade.Engine`.
+
+    They are the facade's parts, written against this so that they import
+    nothing of the facade that imports them.
+    """
+
+    @property
+    def sdk(self) -> Any: ...
+
+    def translating(self, operation: str, refused: Refused | None = None) -> AbstractContextManager[None]: ...
+
+    def deadline(self, seconds: float | None) -> AbstractContextManager[None]: ...
+
+    def notify(self, change: int) -> None: ...
+
+    def remove_container(self, container_id: str) -> None: ...

@@ -67,12 +67,16 @@ def subjects(target: Target) -> dict[str, str]:
 
 def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request: str | None,
         checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
-        key_path: str | None = None, expected_from: str = "") -> tuple[dict[str, Any], dict[str, bytes]]:
+        key_path: str | None = None, expected_from: str = "",
+        compiled_missing: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The runner job for ``target`` and the patch set's check files it names.
 
     ``options`` is a :class:`vllm_hotfix.smoke.SmokeOptions`; ``checks`` are
     checks made outside the image (file facts), judged with the rest;
-    ``key_path`` where the runner finds the signing key inside the container.
+    ``key_path`` where the runner finds the signing key inside the container;
+    ``compiled_missing`` the compiled files the file facts found RECORD lists
+    but the image lacks (they keep it from being GPU-verified, as
+    :meth:`vllm_hotfix.smoke.Smoke.compiled_stop` says).
     """
     from ..smoke import modules_of
 
@@ -85,7 +89,8 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
         "host": dict(host or {}), "checks": [dict(c) for c in checks], "env_names": [], "pins": None,
         "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None, "sign": None,
         "expected_from": expected_from,
-        "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None},
+        "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
+                "compiled_missing": list(compiled_missing)},
     }
     tag = options.definition or target.labels.get(L.DEFINITION)
     defn = None
@@ -144,7 +149,7 @@ def free_port() -> int:
 def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_request: str | None,
           checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
           sign_key: Path | None = None, say: Callable[[str], None] = lambda _l: None,
-          expected_from: str = "") -> Launched:
+          expected_from: str = "", compiled_missing: Sequence[str] = ()) -> Launched:
     """Stage the runner for ``target``, start it through ``launcher``, return what it reported.
 
     The staged folder (with the key, when signing) lives in a temporary
@@ -152,7 +157,8 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_r
     """
     key_path = f"{MOUNT}/{KEY_FILE}" if sign_key is not None else None
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
-                      host=host, key_path=key_path, expected_from=expected_from)
+                      host=host, key_path=key_path, expected_from=expected_from,
+                      compiled_missing=compiled_missing)
     with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
         folder = stage(Path(tmp) / "runner", spec, extra, key=sign_key)
         say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")

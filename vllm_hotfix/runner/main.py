@@ -14,7 +14,7 @@ The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 outside, such as file facts read from the image's layers, judged with the
 rest); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
-``base_import_errors``); ``serve`` (or null); ``sign`` (``key``, ``subjects``,
+``base_import_errors``, ``compiled_missing``); ``serve`` (or null); ``sign`` (``key``, ``subjects``,
 ``predicate``; or null); ``probe_timeout``.
 """
 
@@ -173,6 +173,30 @@ class Run:
             facts["why_unverified"] = f"GPU checks through {request}: {judged.why_unverified}"
         return judged.verified, facts
 
+    def compiled_stop(self, verified: bool, gpu: dict[str, Any]) -> bool:
+        """Compiled files RECORD lists but the image lacks (read outside, in the job): never GPU-verified.
+
+        As the Docker run's :meth:`vllm_hotfix.smoke.Smoke.compiled_stop`: a GPU
+        check that passed without vLLM's kernels checked a stub; under
+        ``--gpu require`` with a GPU reached it is a failure, else a skip that
+        leaves the image GPU-unverified.
+        """
+        spec = self.job.get("gpu") or {}
+        names = [str(n) for n in spec.get("compiled_missing") or []]
+        if not names:
+            return verified
+        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
+               f"{', '.join(names[:5])}")
+        gpu["verified"] = False
+        gpu["compiled_missing"] = names[:50]
+        earlier = gpu.get("why_unverified")
+        gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
+        reached = spec.get("mode") == "require" and bool(gpu.get("devices"))
+        self.add([{"name": "compiled-files", "status": "fail" if reached else "skip",
+                   "detail": f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified",
+                   "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
+        return False
+
     def run(self) -> verdicts.Verdict:
         job = self.job
         start = time.monotonic()
@@ -198,6 +222,7 @@ class Run:
 
         say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
         verified, gpu = self.gpu()
+        verified = self.compiled_stop(verified, gpu)
 
         sweep = None
         spec = job.get("serve")

@@ -1,0 +1,122 @@
+"""Podman's copy of an image read without running it (a stand-in podman on PATH), and the file checks that follow.
+
+The stand-in answers as podman 4.3 does: ``cp CTR:PATH -`` writes a tar of
+PATH named by its last part (a link named as the path itself followed), and
+a missing path is exit 125 with "could not be found ... no such file or
+directory". It logs every call, so the removal of its container is seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from vllm_hotfix import smoke
+from vllm_hotfix.engine import ImageInfo
+from vllm_hotfix.expected import Expected
+from vllm_hotfix.launchers.podman import PodmanFiles, PodmanLauncher
+
+IMAGE_ID = "sha256:" + "ab" * 32
+
+FAKE = r'''#!/usr/bin/env python3
+import json, os, sys, tarfile
+root, log = os.environ["FAKE_ROOT"], os.environ["FAKE_LOG"]
+args = sys.argv[1:]
+with open(log, "a") as fh:
+    fh.write(" ".join(args) + "\n")
+if args[:2] == ["image", "inspect"]:
+    if args[2] == "absent":
+        sys.stderr.write("Error: absent: image not known\n"); sys.exit(125)
+    print(json.dumps([{"Id": "ab" * 32, "Config": {"Labels": {}}, "Os": "linux", "Architecture": "amd64"}]))
+elif args[0] == "create":
+    print("c0ffee")
+elif args[0] == "cp":
+    ctr, _, path = args[1].partition(":")
+    real = os.path.realpath(root + path)
+    if not os.path.lexists(root + path):
+        sys.stderr.write(f'Error: "{path}" could not be found on container {ctr}: no such file or directory\n')
+        sys.exit(125)
+    with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+        tar.add(real, arcname=os.path.basename(real))
+elif args[0] == "rm":
+    pass
+'''
+
+
+@pytest.fixture
+def podman(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PodmanFiles, Path, Path]:
+    exe = tmp_path / "bin" / "podman"
+    exe.parent.mkdir()
+    exe.write_text(FAKE)
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    root = tmp_path / "image"
+    (root / "site" / "pkg").mkdir(parents=True)
+    (root / "site" / "pkg" / "a.py").write_text("altered\n")
+    info = root / "site" / "pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n")
+    (info / "RECORD").write_text("pkg/a.py,,\npkg-1.0.dist-info/METADATA,,\npkg-1.0.dist-info/RECORD,,\n")
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / "real").mkdir()
+    os.symlink("../elsewhere/real", root / "site" / "linked")
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("FAKE_ROOT", str(root))
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    return PodmanFiles(PodmanLauncher(podman=str(exe))), root, log
+
+
+def test_reads_folders_names_missing_and_links_and_removes_its_container(
+        podman: tuple[PodmanFiles, Path, Path]) -> None:
+    files, _, log = podman
+    info = files.image("ops/vllm:fix")
+    assert info is not None and info.id == IMAGE_ID  # as the Docker engine writes IDs
+    assert files.image("absent") is None
+    with files.files(IMAGE_ID) as reader:
+        tree = reader.read(["/site/pkg", "/site/nothing", "/site/linked"], keep=lambda p: p.endswith(".py"))
+    fact = tree.file("/site/pkg/a.py")
+    assert fact is not None and fact.kind == "file"
+    assert fact.sha256 == hashlib.sha256(b"altered\n").hexdigest() and tree.kept["/site/pkg/a.py"] == b"altered\n"
+    assert tree.missing == ("/site/nothing",)
+    # podman followed the link; the reader reports a link, not the folder it reached.
+    linked = tree.file("/site/linked")
+    assert linked is not None and linked.kind == "link" and "/site/real" not in tree.entries
+    calls = [c for c in log.read_text().splitlines() if not c.startswith("image inspect")]
+    assert calls[0].startswith("create") and "--entrypoint /nonexistent-vllm-hotfix-never-started" in calls[0]
+    assert calls[-1].startswith("rm --force vllm-hotfix-read-")  # never started, always removed
+
+
+def _expect(monkeypatch: pytest.MonkeyPatch, good: bytes) -> None:
+    want = Expected({"pkg/a.py": hashlib.sha256(good).hexdigest()}, "pkg", "1.0", "x", "test", site_dir="/site")
+    monkeypatch.setattr(smoke.expected, "for_image", lambda _e, _r, _i: want)
+
+
+def _info() -> ImageInfo:
+    return ImageInfo(IMAGE_ID, (), (), None, None, (), "")
+
+
+def test_an_altered_patched_file_fails_patch_landed_read_through_podman(
+        podman: tuple[PodmanFiles, Path, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    files, _, _ = podman
+    _expect(monkeypatch, b"patched\n")
+    monkeypatch.setenv("VLLM_HOTFIX_CACHE", str(tmp_path / "cache"))
+    found = smoke.file_facts(tmp_path, _info(), files, None)
+    by_name = {c["name"]: c for c in found.checks}
+    landed = by_name["patch-landed"]
+    assert landed["status"] == "fail" and "altered after the build" in landed["detail"]
+    assert by_name["patch-landed"]["data"]["answered_by"] == "filesystem"
+
+
+def test_files_that_cannot_be_read_are_incomplete_never_skipped(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    _expect(monkeypatch, b"patched\n")
+    files = PodmanFiles(PodmanLauncher(podman=str(tmp_path / "no-podman")))
+    found = smoke.file_facts(tmp_path, _info(), files, None)
+    statuses = {c["name"]: c["status"] for c in found.checks}
+    assert {statuses[n] for n in smoke.FILE_CHECKS} == {"incomplete"}, statuses
+    assert "skip" not in statuses.values()
+    assert json.dumps(found.checks)
