@@ -2,8 +2,10 @@
 
 Only this module prints errors, and only :func:`_run` turns them into an exit
 code (the table in ``--help`` is made from errors.py, so it names every one).
-It is long because it declares the options of ten commands; each command's
-body only calls the library and prints what comes back.
+It is long because it declares the options of twelve commands (smoke alone
+takes the GPU, serve, reference-answer, signing and launcher options) and the
+checked argument types they share; each command's body only calls the
+library and prints what comes back.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ started) and judged here, on the host:
   read from the base) are named as the base's.
 
 Everything here but :func:`read_site` is pure: trees in, findings out.
+
+The rules of judging a tree (the landed files and their bytecode,
+distributions and what they require, paths two of them claim, what the base
+already had) are kept together here, all but the reading pure, which is why
+it is over 500 lines.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Each step lives in its own module; this one only puts them in order, keeps
 the build records, and makes sure a failure leaves nothing tagged. How a job
 is built is a :class:`BuildOptions` value; which builder makes the image is
 chosen by name in :func:`builder`.
+It is a little over 500 lines because it also reuses recorded builds and
+builds every platform of an index, each a short step of its own.
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ check ends the run, the later phases recorded as skipped, unless
 containers and the server get the compile cache of the image's base on that
 GPU model (:mod:`.compile_cache`), so a second image of the same base starts
 warm.
+
+It is the longest step module because it is the one place a smoke run is put
+together: each phase, what it records and when a failure ends the run. What
+the phases use lives beside it: file facts in :mod:`.integrity`, the GPU
+request in :mod:`.gpu_access`, the sweep in :mod:`.sweep`, the compile cache
+in :mod:`.compile_cache`, the runner path in :mod:`.launchers`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ so whatever goes wrong leaves as one PipelineError naming the operation.
 Which image to pull when, which registry speaks TLS, and which labels a
 container gets are decided elsewhere (:mod:`vllm_hotfix.pulling`,
 :mod:`.dockerconfig`, :mod:`.labels`).
+
+It holds one typed method per engine operation the pipeline uses (about forty),
+which is why it is over 500 lines; containers, file reads, the transport, the
+error mapper and the docker config are modules of their own.
 """
 
 from __future__ import annotations
