@@ -147,24 +147,33 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
 
 
 def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, tmp_path: Path
+    engine: Engine, base_v0251: str, project: Path, registry: Registry, unique: str, tmp_path: Path
 ) -> None:
-    project, ref, image_id = built
-    # A second build record for the same image ID (the layer cache hands it back).
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--no-smoke", root=project)
-    assert r.rc == 0 and r.out.split()[-1] == image_id, r.err
-    assert len(records.builds_of_image(project, image_id)) == 2
-    # A later smoke run of that image fails for real: the stand-in has no `vllm serve`.
-    model = tmp_path / "model"
-    model.mkdir()
-    r = cli("smoke", ref, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=project)
-    assert r.rc == 7, r.err
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
-    fails(r, "failed its newest smoke run")
-    # ...and `image` says why it does not reuse it.
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", root=project)
+    ref = f"hotfix-test/shared-{unique}:v0.25.1-m3patch"
+    # The assemble builder gives the same image ID for the same inputs, so a --rebuild (which takes
+    # nothing from the engine's build cache) writes a second build record for the same image.
+    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--builder", "assemble", root=project)
     assert r.rc == 0, r.err
-    assert "its newest smoke verdict" in r.err and "failed" in r.err
+    image_id = r.out.split()[-1]
+    try:
+        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--no-smoke",
+                "--builder", "assemble", root=project)
+        assert r.rc == 0 and r.out.split()[-1] == image_id, r.err
+        assert len(records.builds_of_image(project, image_id)) == 2
+        # A later smoke run of that image fails for real: the stand-in has no `vllm serve`.
+        model = tmp_path / "model"
+        model.mkdir()
+        r = cli("smoke", ref, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=project)
+        assert r.rc == 7, r.err
+        r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        fails(r, "failed its newest smoke run")
+        # ...and `image` says why it does not reuse it.
+        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder", "assemble",
+                root=project)
+        assert r.rc == 0, r.err
+        assert "its newest smoke verdict" in r.err and "failed" in r.err
+    finally:
+        engine.remove_image(ref)
 
 
 def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
