@@ -63,8 +63,11 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
         # To the image it already names: nothing moves, and it says so.
         r = cli("rollback", "--base", "v0.25.1", "--to", second, root=project)
         assert r.rc == 0 and r.out.strip() == f"{out} already points at {second}; nothing moved", r.out
-        r = cli("rollback", "--base", "v0.25.1", "--to", "sha256:0123abcd", root=project)
+        # A well-formed ID no build record names; a malformed one is a usage error before any work.
+        r = cli("rollback", "--base", "v0.25.1", "--to", "sha256:" + "0123abcd" * 8, root=project)
         _fails(r, "sha256:0123abcd", "no build record")
+        r = cli("rollback", "--base", "v0.25.1", "--to", "sha256:0123abcd", root=project)
+        assert r.rc == 64, r.err
     finally:
         engine.remove_image(out)
         for image_id in (first, second):
