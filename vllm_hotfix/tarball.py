@@ -7,38 +7,33 @@ assembled image leans on it for its layer's diff ID, and so its image ID.
 
 The archive is written here, not by :mod:`tarfile`: the format is a few
 fixed fields (POSIX ustar headers, and a pax ``path`` record before a name
-longer than 100 bytes), so its bytes do not depend on the Python release that
-writes them, and a build that loads its image does not pay for importing
-:mod:`tarfile` and what it pulls in. The bytes equal what ``tarfile``
-writes in its pax format for the same entries (tests/test_pure.py checks).
+longer than 100 bytes), so its bytes, and with them an assembled image's ID,
+do not depend on the Python release that writes them; ``tarfile``'s output is
+not promised to stay the same across releases. Today the bytes equal what
+``tarfile`` writes in its pax format for the same entries
+(tests/unit/test_pure.py checks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # archives are padded to whole records, as tar (and tarfile) write them
 _MAGIC = b"ustar\x0000"  # POSIX ustar magic and version "00"
 
 
+@dataclass(frozen=True, slots=True)
 class Entry:
-    """One member of an archive; ``data`` None is a directory.
+    """One member of an archive; ``data`` None is a directory."""
 
-    A plain class: made once per file of every build, and cheaper to define
-    at import than a dataclass or named tuple.
-    """
-
-    __slots__ = ("name", "data", "mode", "uid", "gid", "mtime")
-
-    def __init__(self, name: str, data: bytes | None, mode: int, uid: int = 0, gid: int = 0,
-                 mtime: int = 0) -> None:
-        self.name = name  # relative, "/"-separated, no leading or trailing "/"
-        self.data = data
-        self.mode = mode
-        self.uid = uid
-        self.gid = gid
-        self.mtime = mtime
+    name: str  # relative, "/"-separated, no leading or trailing "/"
+    data: bytes | None
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    mtime: int = 0
 
     def __repr__(self) -> str:
         size = "dir" if self.data is None else f"{len(self.data)} B"
