@@ -1,7 +1,9 @@
 """Shared fixtures: a real engine, real stand-in bases, and leak checks.
 
 Tests live in tier folders, by what they need, and are marked by folder:
-unit/ (no engine, no registry, no network: `make unit`), engine/ (the default
+unit/ (no engine, no registry, no network: `make unit`), serve/ (the serve
+sweep and serve-check against a fake OpenAI-compatible server on loopback; no
+engine, no registry), engine/ (the default
 Docker engine, registries on loopback ports, PyPI wheels), platforms/ (a
 Docker 26.1 engine that keeps platforms, with qemu) and gpu_access/ (CDI and
 GPU request paths). Importing this file connects to nothing: engine fixtures
@@ -59,7 +61,7 @@ STANDIN_REPO = "hotfix-test/vllm-openai-" + os.environ.setdefault(
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
 RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
-TIERS = ("unit", "engine", "platforms", "gpu_access")
+TIERS = ("unit", "serve", "engine", "platforms", "gpu_access")
 # Where a unit test's engine and package index would be: nowhere, so a unit
 # test that reaches for either fails at once instead of passing slowly.
 NO_ENGINE = "unix:///nonexistent/docker.sock"
@@ -176,7 +178,7 @@ LEFT = pytest.StashKey[list[str]]()
 @pytest.fixture(autouse=True)
 def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit tests, and the CLIs they spawn, see no engine and no package index."""
-    if request.node.get_closest_marker("unit") is not None:
+    if request.node.get_closest_marker("unit") is not None or request.node.get_closest_marker("serve") is not None:
         monkeypatch.setenv("DOCKER_HOST", NO_ENGINE)
         monkeypatch.setenv("PIP_INDEX_URL", NO_INDEX)
         monkeypatch.setenv("PIP_RETRIES", "0")
