@@ -662,10 +662,14 @@ def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign
         if info is None or not info.repo_digests:
             raise UsageError(f"{image_ref}: a cluster pulls the image by digest: push it, then name it NAME@sha256:...")
         ref, labels, image_id = info.repo_digests[0], dict(info.labels), info.id
+    checks, expected_from, compiled_missing, found = _registry_file_facts(obj, ref, image_id)
+    if found is not None:
+        labels, image_id = labels or dict(found.labels), found.id
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
     key_path = f"{k8s.KEY_MOUNT}/{k8s.KEY_SECRET_KEY}" if spec.key_secret else None
     job, extra = plan.job(obj.root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
-                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace})
+                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace},
+                          checks=checks, expected_from=expected_from, compiled_missing=compiled_missing)
     if emit_path is not None:
         emit_path.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
         click.echo(f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}")
@@ -691,6 +695,34 @@ def _key_file(sign_key: str | None) -> Path | None:
     with os.fdopen(fd, "wb") as fh:
         fh.write(os.environ.get(sign_key.removeprefix("env:"), "").encode())
     return Path(name)
+
+
+def _registry_file_facts(obj: Ctx, ref: str, image_id: str) -> tuple[list[dict[str, Any]], str, tuple[str, ...],
+                                                                    Any]:
+    """The file checks of the image a cluster pulls, read from the registry's blobs (never run).
+
+    The copy judged is the registry's (manifest by digest, every blob checked
+    against its digest). A registry that cannot be read leaves the checks
+    incomplete, so the Job's verdict cannot pass on the runner's checks alone.
+    """
+    from . import blobs, registry
+    from . import smoke as smokelib
+    from .errors import EngineError
+
+    try:
+        engine = obj.engine
+        source = blobs.for_reference(lambda host: registry.client_for(engine, host), ref)
+        info = source.image(image_id) if image_id else source.image(ref.partition("@")[2])
+        if info is None:
+            raise EngineError(f"{ref} holds another image than {image_id[:19]} (the engine's copy differs)")
+    except EngineError as exc:
+        why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
+        progress(f"    {why}")
+        return [{"name": n, "status": "incomplete", "detail": why, "data": {"answered_by": "filesystem"}}
+                for n in smokelib.FILE_CHECKS], "", (), None
+    progress(f"==> reading the files of {ref} from its registry's blobs")
+    found = smokelib.file_facts(obj.root, info, source, engine, progress)
+    return list(found.checks), found.expected_from, found.compiled_missing, info
 
 
 def _file_facts(obj: Ctx, podman: Any, image_id: str) -> tuple[list[dict[str, Any]], str, tuple[str, ...]]:

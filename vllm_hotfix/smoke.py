@@ -585,22 +585,10 @@ class Smoke:
                                "data": {"server_log": lines[1:]}}], time.monotonic() - start)
             return
         report.sweep = result.to_dict()
-        took = time.monotonic() - start
-        if result.ok:
-            detail = f"levels {','.join(map(str, self.opt.levels))}: every request succeeded"
-            if self.opt.min_tokens is not None:
-                detail += f", every reply at least {self.opt.min_tokens} token(s)"
-            if result.reference is not None:
-                ties = sum(lv.near_ties for lv in result.levels)
-                detail += (f", every reply matched the reference answers ({result.reference['file']}; {ties} "
-                           f"near-tie(s) within {self.opt.logprob_tolerance} nats)")
-            self.add(report, [{"name": "serve-sweep", "status": "pass", "detail": detail}], took)
-        else:
-            tail = result.server_log.strip().splitlines()[-12:]
-            self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": sweep.failure_message(result),
-                               "data": {"server_log": tail}}], took)
-            for line in tail:
-                self.say(f"    | {line}")
+        check = sweep.as_check(result, self.opt.levels, self.opt.min_tokens, self.opt.logprob_tolerance)
+        self.add(report, [check], time.monotonic() - start)
+        for line in (check.get("data") or {}).get("server_log") or []:
+            self.say(f"    | {line}")
 
 
 @dataclass(frozen=True, slots=True)

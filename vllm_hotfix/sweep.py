@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import requests
 import requests.adapters
 
-from . import __version__, records
+from . import __version__
 from . import reference as answers
 from .errors import SmokeError, UsageError
 
@@ -378,7 +378,7 @@ def record(url: str, model: str | None = None, *, prompts: Sequence[str] = PROMP
     if progress is not None:
         progress(f"    recorded {len(got)} reference answers of {model} from {recorded_from or url}")
     return answers.Reference(model, served, max_tokens, answers.TOP_LOGPROBS, tuple(got), __version__,
-                             records.now_iso(), recorded_from or url)
+                             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), recorded_from or url)
 
 
 def sweep(
@@ -461,3 +461,19 @@ def failure_message(result: SweepResult) -> str:
         f"serve sweep failed at concurrency {result.failed_level}{also}: "
         f"{level.failures}/{level.requests} requests failed ({why})" + (f"; server: {server}" if server else "")
     )
+
+
+def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None, tolerance: float) -> dict[str, Any]:
+    """The serve-sweep check a finished sweep makes (the host's smoke and the runner in the image alike)."""
+    if not result.ok:
+        tail = result.server_log.strip().splitlines()[-12:]
+        return {"name": "serve-sweep", "status": "fail", "detail": failure_message(result),
+                "data": {"server_log": tail}}
+    detail = f"levels {','.join(map(str, levels))}: every request succeeded"
+    if min_tokens is not None:
+        detail += f", every reply at least {min_tokens} token(s)"
+    if result.reference is not None:
+        ties = sum(lv.near_ties for lv in result.levels)
+        detail += (f", every reply matched the reference answers ({result.reference['file']}; {ties} "
+                   f"near-tie(s) within {tolerance} nats)")
+    return {"name": "serve-sweep", "status": "pass", "detail": detail}

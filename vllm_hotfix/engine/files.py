@@ -97,35 +97,44 @@ def scan_tar(stream: IO[bytes] | Iterable[bytes], parent: str, keep: Callable[[s
     kept: dict[str, bytes] = {}
     with tarfile.open(fileobj=fileobj, mode="r|") as tar:
         for member in tar:
-            path = posixpath.normpath(posixpath.join(parent, member.name))
-            if member.isreg():
-                digest = hashlib.sha256()
-                wanted = keep(path)
-                parts: list[bytes] = []
-                source = tar.extractfile(member)
-                assert source is not None
-                while block := source.read(CHUNK):
-                    digest.update(block)
-                    if wanted:
-                        parts.append(block)
-                entries[path] = FileFact(path, "file", member.size, digest.hexdigest(), mode=member.mode,
-                                         mtime=int(member.mtime))
-                if wanted:
-                    kept[path] = b"".join(parts)
-            elif member.issym():
-                entries[path] = FileFact(path, "link", target=member.linkname, mode=member.mode)
-            elif member.islnk():
-                target = posixpath.normpath(posixpath.join(parent, member.linkname))
-                first = entries.get(target)
-                entries[path] = FileFact(path, "hardlink", first.size if first else 0, first.sha256 if first else "",
-                                         target=target, mode=member.mode)
-                if first is not None and target in kept and keep(path):
-                    kept[path] = kept[target]
-            elif member.isdir():
-                entries[path] = FileFact(path, "dir", mode=member.mode)
-            else:
-                entries[path] = FileFact(path, "other", mode=member.mode)
+            add(tar, member, posixpath.normpath(posixpath.join(parent, member.name)), parent, keep, entries, kept)
     return entries, kept
+
+
+def add(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, parent: str, keep: Callable[[str], bool],
+        entries: dict[str, FileFact], kept: dict[str, bytes]) -> None:
+    """Put one member of a tar being streamed into ``entries`` (and its bytes into ``kept`` when asked).
+
+    Regular files are hashed block by block; a hard link gets its target's
+    hash (targets come earlier in the same tar).
+    """
+    if member.isreg():
+        digest = hashlib.sha256()
+        wanted = keep(path)
+        parts: list[bytes] = []
+        source = tar.extractfile(member)
+        assert source is not None
+        while block := source.read(CHUNK):
+            digest.update(block)
+            if wanted:
+                parts.append(block)
+        entries[path] = FileFact(path, "file", member.size, digest.hexdigest(), mode=member.mode,
+                                 mtime=int(member.mtime))
+        if wanted:
+            kept[path] = b"".join(parts)
+    elif member.issym():
+        entries[path] = FileFact(path, "link", target=member.linkname, mode=member.mode)
+    elif member.islnk():
+        target = posixpath.normpath(posixpath.join(parent, member.linkname))
+        first = entries.get(target)
+        entries[path] = FileFact(path, "hardlink", first.size if first else 0, first.sha256 if first else "",
+                                 target=target, mode=member.mode)
+        if first is not None and target in kept and keep(path):
+            kept[path] = kept[target]
+    elif member.isdir():
+        entries[path] = FileFact(path, "dir", mode=member.mode)
+    else:
+        entries[path] = FileFact(path, "other", mode=member.mode)
 
 
 def _not_found(exc: BaseException) -> bool:

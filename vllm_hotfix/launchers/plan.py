@@ -80,15 +80,15 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
     """
     from ..smoke import modules_of
 
-    if getattr(options, "reference", None) is not None or getattr(options, "record_reference", None) is not None:
-        raise UsageError(f"--reference and --record-reference need --launcher docker (the {launcher} launcher's "
-                         "sweep checks replies for success and length only)")
+    if getattr(options, "record_reference", None) is not None:
+        raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
+                         f"Docker, then give them to the {launcher} launcher with --reference")
     extra: dict[str, bytes] = {}
     out: dict[str, Any] = {
         "image": target.ref, "image_id": target.image_id, "platform": target.platform, "launcher": launcher,
         "host": dict(host or {}), "checks": [dict(c) for c in checks], "env_names": [], "pins": None,
         "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None, "sign": None,
-        "expected_from": expected_from,
+        "expected_from": expected_from, "keep_going": options.keep_going,
         "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
                 "compiled_missing": list(compiled_missing)},
     }
@@ -126,7 +126,13 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
             raise SmokeError(f"--serve-model {options.serve_model}: no such file or folder")
         out["serve"] = {"argv": [*target.entrypoint, "/model", "--port", str(SERVE_PORT), *options.serve_args],
                         "port": SERVE_PORT, "levels": list(options.levels), "requests": options.requests,
-                        "min_tokens": options.min_tokens, "timeout": options.serve_timeout}
+                        "min_tokens": options.min_tokens, "timeout": options.serve_timeout,
+                        "keep_going": options.keep_going, "tolerance": options.logprob_tolerance,
+                        "reference": None}
+        ref = options.reference
+        if ref is not None:
+            # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
+            out["serve"]["reference"] = {**ref.content(), "sha256": ref.sha256}
     if key_path is not None:
         out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra

@@ -14,8 +14,11 @@ The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 outside, such as file facts read from the image's layers, judged with the
 rest); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
-``base_import_errors``, ``compiled_missing``); ``serve`` (or null); ``sign`` (``key``, ``subjects``,
-``predicate``; or null); ``probe_timeout``.
+``base_import_errors``, ``compiled_missing``); ``serve`` (``argv``, ``port``, ``levels``,
+``requests``, ``timeout``, ``min_tokens``, ``keep_going``, ``reference`` (the
+reference answers file's content, its sha256 inside), ``tolerance``; or
+null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
+null); ``probe_timeout``.
 """
 
 from __future__ import annotations
@@ -197,9 +200,24 @@ class Run:
                    "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
         return False
 
+    def failed(self) -> list[str]:
+        return [c.name for c in self.checks if c.status in (verdicts.Status.FAIL, verdicts.Status.INCOMPLETE)]
+
+    def stop(self, skipped: Sequence[str]) -> bool:
+        """As the host's smoke: a failed phase ends the run (the rest recorded as not run), unless keep_going."""
+        failed = self.failed()
+        if not failed or self.job.get("keep_going"):
+            return False
+        why = f"not run: {', '.join(failed)} failed first (--keep-going runs every check)"
+        say(f"==> runner: {why}")
+        self.add([{"name": name, "status": "skip", "detail": why} for name in skipped], 0, "skipped", None)
+        return True
+
     def run(self) -> verdicts.Verdict:
         job = self.job
         start = time.monotonic()
+        mark = start
+        phases: dict[str, float] = {}
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for raw in job.get("checks") or []:
             self.add([raw], float(raw.get("seconds", 0)) if isinstance(raw, dict) else 0, "check", None)
@@ -219,28 +237,35 @@ class Run:
             name = f"check:{os.path.splitext(os.path.basename(script))[0]}"
             raw, _, took = self.probe(script, [], name)
             self.add(raw, took, name)
+        phases["checks"] = round(time.monotonic() - mark, 1)
 
-        say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
-        verified, gpu = self.gpu()
-        verified = self.compiled_stop(verified, gpu)
-
+        verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
         sweep = None
-        spec = job.get("serve")
-        say("==> runner: serve sweep")
-        if not spec:
-            self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0, "serve")
+        if not self.stop(("gpu", "serve-sweep")):
+            say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
+            mark = time.monotonic()
+            verified, gpu = self.gpu()
+            verified = self.compiled_stop(verified, gpu)
+            phases["gpu_checks"] = round(time.monotonic() - mark, 1)
+            if not self.stop(("serve-sweep",)):
+                spec = job.get("serve")
+                say("==> runner: serve sweep")
+                if not spec:
+                    self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0,
+                             "serve")
+                else:
+                    t0 = time.monotonic()
+                    check, sweep = serve.run(spec, self.scratch, say=say, phases=phases)
+                    self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
-            t0 = time.monotonic()
-            check, sweep = serve.run([str(a) for a in spec["argv"]], int(spec["port"]),
-                                     [int(v) for v in spec.get("levels") or [1]], int(spec.get("requests", 32)),
-                                     timeout=float(spec.get("timeout", 900)), min_tokens=spec.get("min_tokens"),
-                                     say=say)
-            self.add([check], time.monotonic() - t0, "serve-sweep")
+            gpu["why_unverified"] = "not run: an earlier phase failed"
+        seconds = time.monotonic() - start
+        say(f"==> runner: phases: {', '.join(f'{k} {v:.1f} s' for k, v in phases.items())} (total {seconds:.1f} s)")
         return verdicts.judge(
             str(job.get("image", "")), str(job.get("image_id", "")), self.checks, gpu_verified=verified,
-            platform=str(job.get("platform", "")), started=started, seconds=time.monotonic() - start,
+            platform=str(job.get("platform", "")), started=started, seconds=seconds,
             expected_from=str(job.get("expected_from", "")), gpu=gpu, host=dict(job.get("host") or {}),
-            environment=self.environment, sweep=sweep,
+            environment=self.environment, sweep=sweep, phases=phases,
         )
 
 

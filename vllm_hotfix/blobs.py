@@ -1,0 +1,227 @@
+"""Files of an image read from its registry's blobs, for a GPU host the Docker engine never sees.
+
+Where a Kubernetes Job starts the image, the copy judged must be the one the
+cluster pulls: the registry's. This reader (an
+:class:`~vllm_hotfix.integrity.FileSource`) takes the image's manifest by
+digest, its config blob (whose digest is the image ID every engine gives
+it) and its layer blobs, each checked against its digest as it streams, and
+lays the layers over each other as an engine would: a ``.wh.NAME`` entry
+removes NAME from the layers below, a ``.wh..wh..opq`` entry empties its
+folder of them. Only entries under the folders asked for are hashed; the
+rest of each layer is passed over. Nothing is written to disk and nothing
+of the image runs.
+
+A layer compressed in a way the standard library does not read (zstd) makes
+the read fail with one line; the file checks are then incomplete, never
+passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from . import registry
+from .engine import ImageInfo
+from .engine.files import FileFact, Tree, add
+from .errors import EngineError, PushError
+
+log = logging.getLogger(__name__)
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+CHUNK = 1 << 20
+
+
+class _Verified:
+    """A file-like view of a blob's bytes that hashes them as they pass; :meth:`finish` checks the digest."""
+
+    def __init__(self, response: requests.Response, digest: str, where: str) -> None:
+        self._raw = response.raw
+        self._digest = digest
+        self._hash = hashlib.sha256()
+        self._where = where
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self._raw.read(n if n is not None and n >= 0 else None, decode_content=False)
+        except (OSError, requests.RequestException) as exc:
+            raise EngineError(f"{self._where}: the download broke off ({type(exc).__name__})") from exc
+        self._hash.update(data)
+        return data
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def finish(self) -> None:
+        while self.read(CHUNK):
+            pass
+        got = f"sha256:{self._hash.hexdigest()}"
+        if got != self._digest:
+            raise EngineError(f"{self._where}: its bytes hash to {got}, not to the digest the manifest names")
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    digest: str
+    media_type: str
+    size: int
+
+
+class RegistryReader:
+    """Reads folders of one image from its layer blobs (a :class:`~vllm_hotfix.integrity.TreeReader`)."""
+
+    def __init__(self, client: registry.Client, repo: str, layers: Sequence[Layer]) -> None:
+        self._client = client
+        self._repo = repo
+        self._layers = tuple(layers)
+
+    def _blob(self, layer: Layer) -> _Verified:
+        where = f"layer {layer.digest[:19]} of {self._client.host}/{self._repo}"
+        if "zstd" in layer.media_type:
+            raise EngineError(f"{where} is zstd-compressed, which this tool does not read")
+        try:
+            res = self._client.request("GET", f"/v2/{self._repo}/blobs/{layer.digest}",
+                                       f"repository:{self._repo}:pull", stream=True)
+        except PushError as exc:
+            raise EngineError(f"{where}: {exc}") from None
+        if not res.ok:
+            res.close()
+            raise EngineError(f"{where}: the registry answered {res.status_code}")
+        return _Verified(res, layer.digest, where)
+
+    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+        """The entries under each of ``paths`` as the image's layers, laid over each other, hold them."""
+        wanted = [posixpath.normpath(p) for p in paths]
+
+        def under(path: str) -> bool:
+            return any(path == w or path.startswith(w.rstrip("/") + "/") for w in wanted)
+
+        entries: dict[str, FileFact] = {}
+        kept: dict[str, bytes] = {}
+        for layer in self._layers:
+            blob = self._blob(layer)
+            mine: dict[str, FileFact] = {}
+            mine_kept: dict[str, bytes] = {}
+            gone: list[str] = []  # whiteouts: a path and everything below it, in the layers under this one
+            emptied: list[str] = []  # opaque folders: everything below, in the layers under this one
+            try:
+                with tarfile.open(fileobj=blob, mode="r|*") as tar:  # type: ignore[call-overload]
+                    for member in tar:
+                        path = posixpath.normpath("/" + member.name)
+                        name = posixpath.basename(path)
+                        if name == OPAQUE:
+                            emptied.append(posixpath.dirname(path))
+                        elif name.startswith(WHITEOUT):
+                            gone.append(posixpath.join(posixpath.dirname(path), name[len(WHITEOUT):]))
+                        elif under(path):
+                            add(tar, member, path, "/", keep, mine, mine_kept)
+                blob.finish()
+            except (tarfile.TarError, EOFError, OSError) as exc:
+                raise EngineError(f"layer {layer.digest[:19]} of {self._client.host}/{self._repo} is not a "
+                                  f"readable tar: {exc}") from None
+            finally:
+                blob.close()
+            for folder in emptied:
+                for path in [p for p in entries if p.startswith(folder.rstrip("/") + "/")]:
+                    entries.pop(path)
+                    kept.pop(path, None)
+            for top in gone:
+                for path in [p for p in entries if p == top or p.startswith(top + "/")]:
+                    entries.pop(path)
+                    kept.pop(path, None)
+            entries.update(mine)
+            kept.update(mine_kept)
+        missing = tuple(w for w in wanted if not any(p == w or p.startswith(w.rstrip("/") + "/") for p in entries))
+        log.info("read %d entries of %s from %d layer blob(s)", len(entries), self._repo, len(self._layers))
+        return Tree(entries, kept, missing)
+
+
+class RegistryFiles:
+    """One image in a registry, by manifest digest: its facts and files without an engine (a FileSource)."""
+
+    def __init__(self, client: registry.Client, repo: str, manifest_digest: str) -> None:
+        self._client = client
+        self._repo = repo
+        self._digest = manifest_digest
+        self._info: ImageInfo | None = None
+        self._layers: tuple[Layer, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self._client.host}/{self._repo}@{self._digest}"
+
+    def _load(self) -> ImageInfo:
+        if self._info is not None:
+            return self._info
+        try:
+            manifest = self._client.manifest(self._repo, self._digest)
+        except PushError as exc:
+            raise EngineError(f"cannot read {self.name}: {exc}") from None
+        if manifest is None:
+            raise EngineError(f"registry {self._client.host} has no {self._repo}@{self._digest}")
+        if manifest.is_index:
+            raise EngineError(f"{self.name} is an index: name one platform's image by its digest")
+        doc = manifest.json()
+        config = doc.get("config") or {}
+        config_digest = str(config.get("digest") or "")
+        if not config_digest.startswith("sha256:"):
+            raise EngineError(f"{self.name}: its manifest names no config")
+        body = self._small_blob(config_digest)
+        try:
+            conf: dict[str, Any] = json.loads(body)
+        except ValueError:
+            raise EngineError(f"{self.name}: its config blob is not JSON") from None
+        self._layers = tuple(Layer(str(d.get("digest")), str(d.get("mediaType") or ""), int(d.get("size") or 0))
+                             for d in doc.get("layers") or [])
+        self._info = ImageInfo.from_inspect({
+            "Id": config_digest, "Config": conf.get("config") or {}, "Os": conf.get("os") or "linux",
+            "Architecture": conf.get("architecture") or "", "Variant": conf.get("variant") or "",
+            "RepoDigests": [f"{self._client.host}/{self._repo}@{self._digest}"],
+            "Size": sum(layer.size for layer in self._layers),
+        })
+        return self._info
+
+    def _small_blob(self, digest: str) -> bytes:
+        try:
+            res = self._client.request("GET", f"/v2/{self._repo}/blobs/{digest}", f"repository:{self._repo}:pull")
+        except PushError as exc:
+            raise EngineError(f"cannot read the config of {self.name}: {exc}") from None
+        if not res.ok:
+            raise EngineError(f"cannot read the config of {self.name}: the registry answered {res.status_code}")
+        if registry.sha256(res.content) != digest:
+            raise EngineError(f"the config of {self.name} does not hash to its digest {digest}")
+        return res.content
+
+    def image(self, ref: str) -> ImageInfo | None:
+        """This image when ``ref`` is its ID or manifest digest; None for any other (a base is not read here)."""
+        info = self._load()
+        return info if ref in (info.id, self._digest) else None
+
+    @contextmanager
+    def files(self, image: str) -> Iterator[RegistryReader]:
+        info = self._load()
+        if image not in (info.id, self._digest):
+            raise EngineError(f"{self.name} holds image {info.id[:19]}, not {image[:19]}")
+        yield RegistryReader(self._client, self._repo, self._layers)
+
+
+def for_reference(client_for: Callable[[str], registry.Client], ref: str) -> RegistryFiles:
+    """``HOST/REPO@sha256:...`` as a :class:`RegistryFiles`, with the client ``client_for(host)`` gives."""
+    name, _, digest = ref.partition("@")
+    if not digest.startswith("sha256:"):
+        raise EngineError(f"{ref}: name the image by digest (NAME@sha256:...)")
+    try:
+        host, path = registry.split_repo(name)
+    except PushError as exc:
+        raise EngineError(str(exc)) from None
+    return RegistryFiles(client_for(host), path, digest)
