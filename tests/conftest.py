@@ -171,6 +171,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
+SESSION_START = int(time.time()) - 1
 ENGINES_BEFORE = pytest.StashKey[dict[str, EngineState]]()
 LEFT = pytest.StashKey[list[str]]()
 
@@ -200,6 +201,11 @@ def drop_standins(eng: Engine) -> None:
         if info is not None and standin.LABEL in info.labels:
             eng.untag(f"{STANDIN_REPO}:v{version}")
             eng.remove_untagged(info.id, force=False)
+    # A stand-in step that another build of the session reused from the build cache outlives the stand-in
+    # it was made for, untagged: this session made it, so this session removes it.
+    for image in eng.sdk.api.images(filters={"dangling": True, "label": standin.LABEL}):
+        if int(image.get("Created", 0)) >= SESSION_START:
+            eng.remove_untagged(image["Id"], force=False)
 
 
 def make_standin(engine: Engine, version: str, ref: str | None = None, sources: str | None = None) -> str:
@@ -407,8 +413,10 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
         n.startswith("base_") for n in request.fixturenames
     )
     before_containers: set[str] = set()
+    before_dangling: set[str] = set()
     if uses_engine:
         before_containers = set(Engine.connect().containers_with_role(RUN_ID))
+        before_dangling = _dangling()
     yield
     assert _scratch_dirs() <= before_dirs, "scratch folders left behind"
     strays = glob.glob(str(REPO / "**" / "*.rej"), recursive=True) + glob.glob(
@@ -418,6 +426,15 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     if uses_engine:
         after = set(Engine.connect().containers_with_role(RUN_ID))
         assert after <= before_containers, f"containers left behind: {after - before_containers}"
+        # An image a test made and then untagged (a rebuild that moved the tag on) is a leftover too;
+        # named here, by the test that made it, and not only by the session's check at the end.
+        made = _dangling() - before_dangling
+        assert not made, f"untagged images left behind: {sorted(made)}"
+
+
+def _dangling() -> set[str]:
+    """Untagged top-level images of the default engine."""
+    return set(Engine.connect().sdk.api.images(filters={"dangling": True}, quiet=True))
 
 
 def docker_cli(*args: str) -> str:

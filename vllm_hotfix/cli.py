@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -627,127 +626,18 @@ def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path |
 def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
                      emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
     """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
-    from .launchers import plan
+    from .launchers import elsewhere
+
+    def engine() -> Engine:
+        return obj.engine
 
     if launcher == "podman":
-        from .launchers.podman import PodmanLauncher
-
-        podman = PodmanLauncher(python=options.python)
-        facts = podman.image_facts(image_ref)
-        config = facts.get("Config") or {}
-        labels = dict(config.get("Labels") or facts.get("Labels") or {})
-        image_id = "sha256:" + str(facts.get("Id", "")).removeprefix("sha256:")
-        target = plan.Target(image_ref, image_id, image_id, labels,
-                             f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
-                             entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
-                             repo_digests=tuple(facts.get("RepoDigests") or ()))
-        checks, expected_from, compiled_missing = _file_facts(obj, podman, image_id)
-        key = _key_file(sign_key)
-        try:
-            launched = plan.smoke(podman, obj.root, target, options,
-                                  gpu_request=None if options.gpu == "off" else options.gpu_request,
-                                  checks=checks, expected_from=expected_from, host={"launcher": "podman"},
-                                  sign_key=key, say=progress, compiled_missing=compiled_missing)
-        finally:
-            if key is not None and sign_key is not None and sign_key.startswith("env:"):
-                key.unlink(missing_ok=True)
-        return launched.verdict, launched.envelope
-    from .launchers import kubernetes as k8s
-    from .launchers.base import stage
-
-    if "@sha256:" in image_ref:
-        ref, labels, image_id = image_ref, {}, ""
-    else:
-        info = obj.engine.image(image_ref)
-        if info is None or not info.repo_digests:
-            raise UsageError(f"{image_ref}: a cluster pulls the image by digest: push it, then name it NAME@sha256:...")
-        ref, labels, image_id = info.repo_digests[0], dict(info.labels), info.id
-    checks, expected_from, compiled_missing, found = _registry_file_facts(obj, ref, image_id)
-    if found is not None:
-        labels, image_id = labels or dict(found.labels), found.id
-    target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
-    key_path = f"{k8s.KEY_MOUNT}/{k8s.KEY_SECRET_KEY}" if spec.key_secret else None
-    job, extra = plan.job(obj.root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
-                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace},
-                          checks=checks, expected_from=expected_from, compiled_missing=compiled_missing)
-    if emit_path is not None:
-        emit_path.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
-        click.echo(f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}")
-    if not submit:
-        return None, None
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = stage(Path(tmp) / "runner", job, extra)
-        launched = k8s.KubernetesLauncher(spec, kubeconfig, progress, extra).launch(ref, folder, job, None)
-    envelope = launched.envelope
-    if envelope is not None:
-        envelope = plan.attach_and_read_back(obj.engine, ref, envelope)
-        progress(f"    signed verdict attached to {ref} and read back from its registry")
-    return launched.verdict, envelope
-
-
-def _key_file(sign_key: str | None) -> Path | None:
-    """The signing key as a file the runner folder can carry (env:NAME written to a private temporary file)."""
-    if sign_key is None:
-        return None
-    if not sign_key.startswith("env:"):
-        return Path(sign_key)
-    fd, name = tempfile.mkstemp(prefix="vllm-hotfix-key-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(os.environ.get(sign_key.removeprefix("env:"), "").encode())
-    return Path(name)
-
-
-def _registry_file_facts(obj: Ctx, ref: str, image_id: str) -> tuple[list[dict[str, Any]], str, tuple[str, ...],
-                                                                    Any]:
-    """The file checks of the image a cluster pulls, read from the registry's blobs (never run).
-
-    The copy judged is the registry's (manifest by digest, every blob checked
-    against its digest). A registry that cannot be read leaves the checks
-    incomplete, so the Job's verdict cannot pass on the runner's checks alone.
-    """
-    from . import blobs, registry
-    from . import smoke as smokelib
-    from .errors import EngineError
-
-    try:
-        engine = obj.engine
-        source = blobs.for_reference(lambda host: registry.client_for(engine, host), ref)
-        info = source.image(image_id) if image_id else source.image(ref.partition("@")[2])
-        if info is None:
-            raise EngineError(f"{ref} holds another image than {image_id[:19]} (the engine's copy differs)")
-    except EngineError as exc:
-        why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
-        progress(f"    {why}")
-        return [{"name": n, "status": "incomplete", "detail": why, "data": {"answered_by": "filesystem"}}
-                for n in smokelib.FILE_CHECKS], "", (), None
-    progress(f"==> reading the files of {ref} from its registry's blobs")
-    found = smokelib.file_facts(obj.root, info, source, engine, progress)
-    return list(found.checks), found.expected_from, found.compiled_missing, info
-
-
-def _file_facts(obj: Ctx, podman: Any, image_id: str) -> tuple[list[dict[str, Any]], str, tuple[str, ...]]:
-    """The file checks (landed, integrity), read from podman's copy of the image without running it.
-
-    The expectation is recomputed from the base where a Docker engine holds
-    it, else from the build record; the image's own files never come from
-    Docker here: the copy judged is the copy podman starts.
-    """
-    from . import smoke as smokelib
-    from .errors import EngineError
-    from .launchers.podman import PodmanFiles
-
-    files = PodmanFiles(podman)
-    info = files.image(image_id)
-    if info is None:
-        return [{"name": n, "status": "incomplete", "data": {"answered_by": "filesystem"},
-                 "detail": f"podman has no image {image_id}: its files were not read"}
-                for n in smokelib.FILE_CHECKS], "", ()
-    try:
-        engine = obj.engine
-    except EngineError:
-        engine = None
-    found = smokelib.file_facts(obj.root, info, files, engine, progress)
-    return list(found.checks), found.expected_from, found.compiled_missing
+        return elsewhere.podman(obj.root, engine, image_ref, options, sign_key, progress)
+    verdict, envelope, wrote = elsewhere.kubernetes(obj.root, engine, image_ref, options, spec, emit_path, submit,
+                                                    kubeconfig, progress)
+    if wrote:
+        click.echo(wrote)
+    return verdict, envelope
 
 
 @main.command("serve-check")

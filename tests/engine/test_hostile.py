@@ -91,14 +91,17 @@ def test_smoke_of_an_image_not_in_the_engine_is_a_missing_image(engine: Engine, 
 def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v0251: str, project: Path,
                                                        unique: str) -> None:
     out = f"hotfix-test/nocache-{unique}:t"
+    made: list[str] = []
     try:
         for _ in range(2):
             r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--rebuild",
                     root=project)
             assert r.rc == 0, r.err
             assert "Using cache" not in r.err
+            made.append(r.out.split()[-1])
+        assert made[0] != made[1]
     finally:
-        info = engine.image(out)
-        engine.untag(out)
-        if info is not None:
-            engine.remove_untagged(info.id)
+        # The first lost its tag to the second: both are this test's. Removed by ID, so that the steps
+        # they were built from go with them.
+        for image_id in made:
+            engine.remove_image(image_id)

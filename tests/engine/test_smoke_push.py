@@ -53,6 +53,11 @@ def test_unchanged_rebuild_reuses_the_recorded_image(engine: Engine, built: tupl
     assert "inputs unchanged" in r.err
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--rebuild", root=project)
     assert r.rc == 0 and r.out.startswith("built "), r.err
+    # --rebuild takes no build cache: a new image, which the session's image is given its tag back from.
+    rebuilt = r.out.split()[-1]
+    assert rebuilt != image_id
+    engine.tag(image_id, ref)
+    engine.remove_image(rebuilt)
 
 
 def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251: str, project: Path,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import random
 import tarfile
 import xml.etree.ElementTree as ET
@@ -106,6 +107,21 @@ def test_known_bad_pair_is_flagged_only_when_probe_confirms() -> None:
     assert not env_report.flag_known_bad(versions, [(9, 0)], missing)  # Hopper is not affected
     good = {"quack-kernels": "0.6.4", "nvidia-cutlass-dsl": "4.6.2"}
     assert not env_report.flag_known_bad(good, [(10, 0)], missing)
+    # The pair present but the module not importable: not flagged, and not cleared either.
+    unknown: list[str] = []
+    assert not env_report.flag_known_bad(versions, [(10, 0)], lambda _m, _a: None, unconfirmed=unknown)
+    assert unknown == ["quack-0.6.5+cutlass-dsl-4.7.1-sm100"]
+
+
+def test_known_bad_pair_that_cannot_be_confirmed_is_incomplete(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(env_report, "dist_version",
+                        lambda n: {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.1"}.get(n, "absent"))
+    monkeypatch.setattr(env_report, "has_attribute", lambda _m, _a: None)
+    env_report.main([])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    check = next(c for c in out["checks"] if c["name"] == "known-bad-deps")
+    assert check["status"] == "incomplete" and "cannot be imported here" in check["detail"]
 
 
 def _entries(seed: int) -> list[tarball.Entry]:

@@ -89,6 +89,7 @@ def flag_known_bad(
     capabilities: list[tuple[int, int]],
     probe: Callable[[str, str], bool | None],
     known_bad: list[dict[str, Any]] | None = None,
+    unconfirmed: list[str] | None = None,
 ) -> list[str]:
     """Ids of the known-bad combinations present and confirmed.
 
@@ -96,7 +97,8 @@ def flag_known_bad(
     (major, minor) per visible GPU. ``probe(module, attr)``: whether the attribute
     exists (None: module not importable). An entry with a probe is flagged only
     when the probe answers False (attribute missing); when it answers None the
-    versions are present but unconfirmed, and the entry is not flagged. An
+    versions are present but unconfirmed: the entry is not flagged but goes
+    into ``unconfirmed``, and the check cannot pass on it. An
     entry with ``cc_major`` needs a GPU of such a major; with no GPU info
     (empty ``capabilities``) a cc-restricted entry is still flagged when the
     probe confirms it, since the image may run on such a GPU later.
@@ -111,7 +113,10 @@ def flag_known_bad(
             continue
         pr = entry.get("probe")
         if pr is not None:
-            if probe(pr[0], pr[1]) is not False:
+            answer = probe(pr[0], pr[1])
+            if answer is None and unconfirmed is not None:
+                unconfirmed.append(str(entry["id"]))
+            if answer is not False:
                 continue
         flagged.append(str(entry["id"]))
     return flagged
@@ -279,9 +284,16 @@ def main(extra: list[str] | None = None) -> int:
             if g.get("capability")
         ]
         versions = info.get("packages") or {n: dist_version(n) for n in PACKAGES}
-        flagged = flag_known_bad(versions, caps, has_attribute)
+        unknown: list[str] = []
+        flagged = flag_known_bad(versions, caps, has_attribute, unconfirmed=unknown)
         by_id = {e["id"]: e for e in KNOWN_BAD}
-        if flagged:
+        if unknown and not flagged:
+            # The versions are the known-bad pair and nothing here could tell otherwise: not a pass.
+            detail = "; ".join(f"{u}: the versions match, but {by_id[u]['probe'][0]} cannot be imported here to "
+                               "confirm or clear it; run smoke where it imports" for u in unknown)
+            checks.append({"name": "known-bad-deps", "status": "incomplete", "detail": detail,
+                           "data": {"flagged": [], "unconfirmed": unknown}})
+        elif flagged:
             detail = "; ".join(f"{f}: {by_id[f]['symptom']}" for f in flagged)
             checks.append(
                 {
