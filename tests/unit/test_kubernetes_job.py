@@ -84,3 +84,9 @@ def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
             "--kubeconfig", str(kubeconfig), root=tmp_path, timeout=120)
     assert r.rc == 7, r.err
     assert "cannot reach the cluster" in r.last_error
+
+
+def test_a_runner_too_big_for_a_config_map_is_refused_before_anything_is_written() -> None:
+    huge = {"checks/big.py": b"#" * (k8s.CONFIGMAP_LIMIT + 1)}
+    with pytest.raises(UsageError, match="over the 1048576 bytes a ConfigMap may hold"):
+        k8s.manifests(IMAGE, k8s.JobSpec("x"), {}, huge)

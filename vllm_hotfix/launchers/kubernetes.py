@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 KEY_MOUNT = "/var/run/vllm-hotfix-key"
 KEY_SECRET_KEY = "key.pem"  # the key inside the Secret
 POLL_S = 10
+CONFIGMAP_LIMIT = 1024 * 1024  # what the API server accepts for one ConfigMap's data
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,11 @@ def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta),
         "data": {config_key(rel): data.decode("utf-8") for rel, data in files.items()},
     }
+    size = sum(len(data) for data in files.values())
+    if size > CONFIGMAP_LIMIT:
+        # The API server refuses such an object; say so before anything is written or created.
+        raise UsageError(f"the runner and its job come to {size} bytes, over the {CONFIGMAP_LIMIT} bytes a "
+                         "ConfigMap may hold: fewer patch-set checks, or smaller reference answers")
     volumes: list[dict[str, Any]] = [{
         "name": "runner",
         "configMap": {"name": spec.name, "items": [{"key": config_key(rel), "path": rel} for rel in files]},
