@@ -7,9 +7,12 @@ digest, its config blob (whose digest is the image ID every engine gives
 it) and its layer blobs, each checked against its digest as it streams, and
 lays the layers over each other as an engine would: a ``.wh.NAME`` entry
 removes NAME from the layers below, a ``.wh..wh..opq`` entry empties its
-folder of them. Only entries under the folders asked for are hashed; the
-rest of each layer is passed over. Nothing is written to disk and nothing
-of the image runs.
+folder of them, and an entry that is not a folder replaces whatever the
+layers below held at its path and under it. Every regular file is hashed on
+the one pass over the layers (a hard link may point outside the folders
+asked for), and the image's entries are kept for later reads, so the layers
+are downloaded once; a blob may not run past the size its manifest gives.
+Nothing is written to disk and nothing of the image runs.
 
 A layer compressed in a way the standard library does not read (zstd) makes
 the read fail with one line; the file checks are then incomplete, never
@@ -29,9 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3
 
 from . import registry
 from .engine import ImageInfo
+from .engine.dockerconfig import registry_credentials, registry_of
 from .engine.files import FileFact, Tree, add
 from .errors import EngineError, PushError
 
@@ -45,17 +50,23 @@ CHUNK = 1 << 20
 class _Verified:
     """A file-like view of a blob's bytes that hashes them as they pass; :meth:`finish` checks the digest."""
 
-    def __init__(self, response: requests.Response, digest: str, where: str) -> None:
+    def __init__(self, response: requests.Response, digest: str, size: int, where: str) -> None:
         self._raw = response.raw
         self._digest = digest
+        self._size = size
+        self._seen = 0
         self._hash = hashlib.sha256()
         self._where = where
 
     def read(self, n: int = -1) -> bytes:
         try:
             data = self._raw.read(n if n is not None and n >= 0 else None, decode_content=False)
-        except (OSError, requests.RequestException) as exc:
-            raise EngineError(f"{self._where}: the download broke off ({type(exc).__name__})") from exc
+        except (OSError, requests.RequestException, urllib3.exceptions.HTTPError) as exc:
+            raise EngineError(f"{self._where}: the download broke off ({type(exc).__name__})") from None
+        self._seen += len(data)
+        if self._seen > self._size:
+            raise EngineError(f"{self._where}: the registry sent more than the {self._size} bytes its manifest "
+                              "gives")
         self._hash.update(data)
         return data
 
@@ -78,12 +89,19 @@ class Layer:
 
 
 class RegistryReader:
-    """Reads folders of one image from its layer blobs (a :class:`~vllm_hotfix.integrity.TreeReader`)."""
+    """Reads folders of one image from its layer blobs (a :class:`~vllm_hotfix.integrity.TreeReader`).
+
+    The first read passes over every layer once and keeps the facts of the
+    whole filesystem; later reads answer from them, passing over the layers
+    again only for bytes a caller wants kept that the first pass did not keep.
+    """
 
     def __init__(self, client: registry.Client, repo: str, layers: Sequence[Layer]) -> None:
         self._client = client
         self._repo = repo
         self._layers = tuple(layers)
+        self._entries: dict[str, FileFact] | None = None
+        self._kept: dict[str, bytes] = {}
 
     def _blob(self, layer: Layer) -> _Verified:
         where = f"layer {layer.digest[:19]} of {self._client.host}/{self._repo}"
@@ -97,15 +115,10 @@ class RegistryReader:
         if not res.ok:
             res.close()
             raise EngineError(f"{where}: the registry answered {res.status_code}")
-        return _Verified(res, layer.digest, where)
+        return _Verified(res, layer.digest, layer.size, where)
 
-    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
-        """The entries under each of ``paths`` as the image's layers, laid over each other, hold them."""
-        wanted = [posixpath.normpath(p) for p in paths]
-
-        def under(path: str) -> bool:
-            return any(path == w or path.startswith(w.rstrip("/") + "/") for w in wanted)
-
+    def _scan(self, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]]:
+        """Every entry of the image, its layers laid over each other; the bytes of the files ``keep`` names."""
         entries: dict[str, FileFact] = {}
         kept: dict[str, bytes] = {}
         for layer in self._layers:
@@ -123,7 +136,7 @@ class RegistryReader:
                             emptied.append(posixpath.dirname(path))
                         elif name.startswith(WHITEOUT):
                             gone.append(posixpath.join(posixpath.dirname(path), name[len(WHITEOUT):]))
-                        elif under(path):
+                        else:
                             add(tar, member, path, "/", keep, mine, mine_kept)
                 blob.finish()
             except (tarfile.TarError, EOFError, OSError) as exc:
@@ -131,18 +144,35 @@ class RegistryReader:
                                   f"readable tar: {exc}") from None
             finally:
                 blob.close()
-            for folder in emptied:
-                for path in [p for p in entries if p.startswith(folder.rstrip("/") + "/")]:
-                    entries.pop(path)
-                    kept.pop(path, None)
-            for top in gone:
-                for path in [p for p in entries if p == top or p.startswith(top + "/")]:
+            # What this layer removes or replaces in the layers below it: whiteouts and opaque folders, and
+            # below any path it holds as something other than a folder (a file or link in place of a folder).
+            replaced = [path for path, f in mine.items()
+                        if f.kind != "dir" and (lower := entries.get(path)) is not None and lower.kind == "dir"]
+            below = tuple([f.rstrip("/") + "/" for f in emptied] + [top + "/" for top in [*gone, *replaced]])
+            removed = set(gone)
+            if below or removed:
+                for path in [p for p in entries if p in removed or p.startswith(below)]:
                     entries.pop(path)
                     kept.pop(path, None)
             entries.update(mine)
             kept.update(mine_kept)
-        missing = tuple(w for w in wanted if not any(p == w or p.startswith(w.rstrip("/") + "/") for p in entries))
         log.info("read %d entries of %s from %d layer blob(s)", len(entries), self._repo, len(self._layers))
+        return entries, kept
+
+    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+        """The entries under each of ``paths`` as the image's layers, laid over each other, hold them."""
+        wanted = [posixpath.normpath(p) for p in paths]
+
+        def under(path: str) -> bool:
+            return any(path == w or path.startswith(w.rstrip("/") + "/") for w in wanted)
+
+        if self._entries is None or any(under(p) and keep(p) and p not in self._kept
+                                        for p, f in self._entries.items() if f.kind in ("file", "hardlink")):
+            self._entries, more = self._scan(lambda p: under(p) and keep(p))
+            self._kept.update(more)
+        entries = {p: f for p, f in self._entries.items() if under(p)}
+        kept = {p: b for p, b in self._kept.items() if p in entries and keep(p)}
+        missing = tuple(w for w in wanted if not any(p == w or p.startswith(w.rstrip("/") + "/") for p in entries))
         return Tree(entries, kept, missing)
 
 
@@ -181,8 +211,13 @@ class RegistryFiles:
             conf: dict[str, Any] = json.loads(body)
         except ValueError:
             raise EngineError(f"{self.name}: its config blob is not JSON") from None
-        self._layers = tuple(Layer(str(d.get("digest")), str(d.get("mediaType") or ""), int(d.get("size") or 0))
-                             for d in doc.get("layers") or [])
+        layers = doc.get("layers")
+        if not isinstance(conf, dict) or not isinstance(conf.get("config") or {}, dict) or not isinstance(
+                layers, list) or not all(isinstance(d, dict) and str(d.get("digest", "")).startswith("sha256:")
+                                         and isinstance(d.get("size"), int) for d in layers):
+            raise EngineError(f"{self.name}: its manifest or config is not an image's (layers or config malformed)")
+        self._layers = tuple(Layer(str(d["digest"]), str(d.get("mediaType") or ""), int(d["size"]))
+                             for d in layers)
         self._info = ImageInfo.from_inspect({
             "Id": config_digest, "Config": conf.get("config") or {}, "Os": conf.get("os") or "linux",
             "Architecture": conf.get("architecture") or "", "Variant": conf.get("variant") or "",
@@ -220,6 +255,14 @@ def for_reference(client_for: Callable[[str], registry.Client], ref: str) -> Reg
     name, _, digest = ref.partition("@")
     if not digest.startswith("sha256:"):
         raise EngineError(f"{ref}: name the image by digest (NAME@sha256:...)")
+    head, _, last = name.rpartition("/")
+    name = f"{head}/{last.partition(':')[0]}" if head else last.partition(":")[0]  # NAME:TAG@DIGEST: the digest
+    if registry_of(name) == "docker.io":
+        # Docker Hub: the API lives on its own host; the login is stored for docker.io.
+        path = name.split("/", 1)[1] if name.startswith("docker.io/") else name
+        path = path if "/" in path else f"library/{path}"
+        hub = registry.Client("registry-1.docker.io", secure=True, credentials=registry_credentials("docker.io"))
+        return RegistryFiles(hub, path, digest)
     try:
         host, path = registry.split_repo(name)
     except PushError as exc:

@@ -125,13 +125,14 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
     An empty ``point`` calls ``hit`` at once (it may wait itself).
     """
     env = dict(os.environ, DOCKER_HOST=eng.url, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    # A suite started in the background (`make test &`, nohup) hands its children SIGINT ignored, and a
+    # process keeps an ignored SIGINT through exec: the tool is started with the default a terminal gives.
+    with_default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                           "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
-         "--tag", out, "--pull", "never", "--rebuild"],
+        [sys.executable, "-c", with_default_sigint, str(REPO / "build.py"), "--root", str(project), "image",
+         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        # A suite started in the background (`make test &`, nohup) hands its children SIGINT ignored, and a
-        # process keeps an ignored SIGINT through exec: the tool gets the default a terminal gives instead.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stderr is not None
     seen: list[str] = []

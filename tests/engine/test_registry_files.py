@@ -100,3 +100,103 @@ def registry_manifest(reg: Registry, by_digest: str) -> bytes:
     accept = ", ".join((registry.OCI_MANIFEST, registry.DOCKER_MANIFEST))
     return requests.get(f"http://{reg.addr}/v2/{path}/manifests/{digest}", headers={"Accept": accept},
                         timeout=10).content
+
+
+def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
+    """A gzipped layer: (name, kind, data) with kind file, dir, link (data: target) or hard (data: target)."""
+    import gzip
+    import io
+    import tarfile
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif kind in ("link", "hard"):
+                info.type = tarfile.SYMTYPE if kind == "link" else tarfile.LNKTYPE
+                info.linkname = str(data)
+                tar.addfile(info)
+            else:
+                body = data if isinstance(data, bytes) else data.encode()
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def _push_layers(reg: Registry, repo: str, layers: list[bytes], sizes: list[int] | None = None) -> str:
+    """Upload ``layers`` and a config as blobs, put a manifest over them; its digest."""
+    import hashlib
+
+    import requests
+
+    base = f"http://{reg.addr}/v2/{repo}"
+
+    def blob(body: bytes) -> str:
+        digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
+        start = requests.post(f"{base}/blobs/uploads/", timeout=10)
+        assert start.status_code == 202, start.text
+        location = start.headers["Location"]
+        if location.startswith("/"):
+            location = f"http://{reg.addr}{location}"
+        done = requests.put(location, params={"digest": digest}, data=body, timeout=10,
+                            headers={"Content-Type": "application/octet-stream"})
+        assert done.status_code == 201, done.text
+        return digest
+
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Labels": {"x": "y"}},
+                         "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+    doc = {"schemaVersion": 2, "mediaType": registry.DOCKER_MANIFEST,
+           "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config),
+                      "digest": blob(config)},
+           "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip",
+                       "size": (sizes or [len(b) for b in layers])[i], "digest": blob(b)}
+                      for i, b in enumerate(layers)]}
+    body = json.dumps(doc).encode()
+    res = requests.put(f"{base}/manifests/t", data=body, headers={"Content-Type": registry.DOCKER_MANIFEST},
+                       timeout=10)
+    assert res.status_code == 201, res.text
+    return res.headers["Docker-Content-Digest"]
+
+
+def test_layers_laid_over_each_other_as_an_engine_does(registry: Registry) -> None:
+    from vllm_hotfix.errors import EngineError
+
+    client = registry_module_client(registry)
+    lower = _tar([("opt/", "dir", b""), ("opt/store/", "dir", b""), ("opt/store/a.py", "file", "shared\n"),
+                  ("site/", "dir", b""), ("site/pkg/", "dir", b""), ("site/pkg/x.py", "file", "old\n"),
+                  ("site/gone.py", "file", "g\n"), ("site/opaque/", "dir", b""), ("site/opaque/y.py", "file", "y\n")])
+    # A link in place of a folder (its old files are gone), a whiteout, an opaque folder, and a hard link to a
+    # file outside the folder read (its target sits earlier in the same tar, as in a real layer).
+    upper = _tar([("opt/", "dir", b""), ("opt/store/", "dir", b""), ("opt/store/a.py", "file", "shared\n"),
+                  ("site/pkg", "link", "/elsewhere"), ("site/.wh.gone.py", "file", b""),
+                  ("site/opaque/.wh..wh..opq", "file", b""), ("site/opaque/z.py", "file", "z\n"),
+                  ("site/twin.py", "hard", "opt/store/a.py")])
+    digest = _push_layers(registry, "ops/layers", [lower, upper])
+    files = blobs.RegistryFiles(client, "ops/layers", digest)
+    info = files.image(digest)
+    assert info is not None and info.labels == {"x": "y"}
+    with files.files(info.id) as reader:
+        tree = reader.read(["/site"])
+        assert sorted(tree.entries) == ["/site", "/site/opaque", "/site/opaque/z.py", "/site/pkg", "/site/twin.py"]
+        assert tree.entries["/site/pkg"].kind == "link"
+        twin = tree.entries["/site/twin.py"]
+        import hashlib
+
+        assert twin.kind == "hardlink" and twin.sha256 == hashlib.sha256(b"shared\n").hexdigest()
+        assert reader.read(["/nowhere"]).missing == ("/nowhere",)
+
+    # A registry sending more than the manifest says of a blob is stopped.
+    short = _push_layers(registry, "ops/short", [lower], sizes=[len(lower) - 10])
+    with blobs.RegistryFiles(client, "ops/short", short).files(short) as reader:
+        try:
+            reader.read(["/site"])
+            raise AssertionError("an oversized blob was read")
+        except EngineError as exc:
+            assert "more than the" in str(exc)
+
+
+def registry_module_client(reg: Registry) -> registry.Client:
+    return registry.Client(reg.addr, secure=False, credentials=None)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import REPO, free_port
 from vllm_hotfix import reference, sweep
+from vllm_hotfix.errors import UsageError
 from vllm_hotfix.launchers import base, plan
 from vllm_hotfix.smoke import SmokeOptions
 from vllm_hotfix.verdicts import Verdict
@@ -35,7 +38,8 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> reference.Reference:
         proc.wait()
 
 
-def run_job(tmp_path: Path, server: list[str], options: SmokeOptions) -> Verdict:
+def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
+            edit: Callable[[dict[str, Any]], None] = lambda _job: None) -> Verdict:
     (tmp_path / "model").mkdir(exist_ok=True)
     target = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {}, entrypoint=(sys.executable, str(FAKE), "serve"))
     job, extra = plan.job(tmp_path, target, options, launcher="test", gpu_request=None)
@@ -43,6 +47,7 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions) -> Verdict
     port = free_port()
     job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port), *server]
     job["serve"]["port"] = port
+    edit(job)
     folder = base.stage(tmp_path / "runner", job, extra)
     done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder)
@@ -62,6 +67,7 @@ def test_runner_sweep_matches_the_reference_and_keeps_per_request_evidence(
     assert v.status.value == "pass", v.checks
     assert "every reply matched the reference answers" in check.detail
     assert v.sweep is not None and v.sweep["reference"]["sha256"] == answers.sha256
+    assert v.sweep["reference"]["file"] == answers.path  # the user's file, not the runner's copy
     by_prompt = {i: a.sha256 for i, a in enumerate(answers.answers)}
     for level in v.sweep["levels"]:
         assert len(level["per_request"]) == 8
@@ -88,12 +94,13 @@ def test_runner_sweep_catches_wrong_answers_at_every_level_with_keep_going(
 def test_a_changed_reference_fails_the_runner_sweep_and_recording_needs_docker(
         answers: reference.Reference, tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
-    changed = reference.Reference(answers.model, "another-model", answers.max_tokens, answers.top_logprobs,
-                                  answers.answers, answers.tool_version, answers.recorded, answers.recorded_from,
-                                  answers.sha256, answers.path)
-    v = run_job(tmp_path, [], options(tmp_path, reference=changed))
+
+    def tamper(job: dict[str, Any]) -> None:  # the answers changed between the host and the runner
+        job["serve"]["reference"]["answers"][3]["tokens"][5] = "token_id:7"
+
+    v = run_job(tmp_path, [], options(tmp_path, reference=answers), tamper)
     check = next(c for c in v.checks if c.name == "serve-sweep")
     assert v.status.value == "fail" and "does not match the sha256 it carries" in check.detail
-    with pytest.raises(Exception, match="--record-reference needs --launcher docker"):
+    with pytest.raises(UsageError, match="--record-reference needs --launcher docker"):
         plan.job(tmp_path, plan.Target("x", IMAGE_ID, IMAGE_ID, {}),
                  options(tmp_path, record_reference=tmp_path / "new.json"), launcher="podman", gpu_request=None)

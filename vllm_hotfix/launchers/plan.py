@@ -132,7 +132,11 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
         ref = options.reference
         if ref is not None:
             # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
-            out["serve"]["reference"] = {**ref.content(), "sha256": ref.sha256}
+            try:
+                out["serve"]["reference"] = json.loads(Path(ref.path).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
+            out["serve"]["reference_file"] = ref.path
     if key_path is not None:
         out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra

@@ -201,7 +201,9 @@ class Run:
         return False
 
     def failed(self) -> list[str]:
-        return [c.name for c in self.checks if c.status in (verdicts.Status.FAIL, verdicts.Status.INCOMPLETE)]
+        """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
+        such as file facts it could not read) does not."""
+        return [c.name for c in self.checks if c.status is verdicts.Status.FAIL]
 
     def stop(self, skipped: Sequence[str]) -> bool:
         """As the host's smoke: a failed phase ends the run (the rest recorded as not run), unless keep_going."""

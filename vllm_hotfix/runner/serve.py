@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,12 @@ def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], ph
         path = os.path.join(scratch, "reference.json")
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(spec["reference"], fh)
+        named = str(spec.get("reference_file") or "reference answers")
         try:
-            ref = answers.load(Path(path), "--reference")
+            ref = answers.load(Path(path), f"--reference {named} (in the runner)")
         except PipelineError as exc:
-            return _failed(str(exc)), None
+            return _failed(str(exc).replace(f" {path}:", ":")), None
+        ref = replace(ref, path=named)  # reports name the user's file, not the runner's copy
     url = f"http://127.0.0.1:{int(spec['port'])}"
     start = time.monotonic()
     try:
