@@ -161,6 +161,7 @@ class Client:
                                 f"{str(exc)[:200]}") from exc
             if res.status_code != 401 or attempt == 1:
                 break
+            res.close()  # the 401 is answered by asking again; its connection goes back to the pool
             if scope in self._auth_header:
                 raise self._refused(f"{method} {path} answered 401 with the login")
             self._auth_header[scope] = self._authorize(res, scope)
