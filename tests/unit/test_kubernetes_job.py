@@ -90,3 +90,11 @@ def test_a_runner_too_big_for_a_config_map_is_refused_before_anything_is_written
     huge = {"checks/big.py": b"#" * (k8s.CONFIGMAP_LIMIT + 1)}
     with pytest.raises(UsageError, match="over the 1048576 bytes a ConfigMap may hold"):
         k8s.manifests(IMAGE, k8s.JobSpec("x"), {}, huge)
+
+
+def test_a_job_serves_no_model_of_this_host(tmp_path: Path) -> None:
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--serve-model", str(tmp_path), "--emit", str(out),
+            root=tmp_path)
+    assert r.rc == 64 and "the model folder is not on the cluster" in r.last_error, r.err
+    assert not out.exists()

@@ -118,6 +118,9 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     from . import kubernetes as k8s
     from .base import stage
 
+    if options.serve_model is not None:
+        # Refused before the registry is read or anything is written: a Job has no folder of this host's.
+        raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
     if "@sha256:" in image_ref:
         ref, labels, image_id = image_ref, {}, ""
     else:
