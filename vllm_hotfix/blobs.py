@@ -36,7 +36,7 @@ import urllib3
 
 from . import registry
 from .engine import ImageInfo
-from .engine.dockerconfig import registry_credentials, registry_of
+from .engine.dockerconfig import registry_of
 from .engine.files import FileFact, Tree, add
 from .errors import EngineError, PushError
 
@@ -86,6 +86,11 @@ class Layer:
     digest: str
     media_type: str
     size: int
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or lies below it."""
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 class RegistryReader:
@@ -164,7 +169,7 @@ class RegistryReader:
         wanted = [posixpath.normpath(p) for p in paths]
 
         def under(path: str) -> bool:
-            return any(path == w or path.startswith(w.rstrip("/") + "/") for w in wanted)
+            return any(_within(path, w) for w in wanted)
 
         if self._entries is None or any(under(p) and keep(p) and p not in self._kept
                                         for p, f in self._entries.items() if f.kind in ("file", "hardlink")):
@@ -172,7 +177,7 @@ class RegistryReader:
             self._kept.update(more)
         entries = {p: f for p, f in self._entries.items() if under(p)}
         kept = {p: b for p, b in self._kept.items() if p in entries and keep(p)}
-        missing = tuple(w for w in wanted if not any(p == w or p.startswith(w.rstrip("/") + "/") for p in entries))
+        missing = tuple(w for w in wanted if not any(_within(p, w) for p in entries))
         return Tree(entries, kept, missing)
 
 
@@ -258,10 +263,7 @@ def for_reference(client_for: Callable[[str], registry.Client], ref: str) -> Reg
     head, _, last = name.rpartition("/")
     name = f"{head}/{last.partition(':')[0]}" if head else last.partition(":")[0]  # NAME:TAG@DIGEST: the digest
     if registry_of(name) == "docker.io":
-        # Docker Hub: the API lives on its own host; the login is stored for docker.io.
-        path = name.split("/", 1)[1] if name.startswith("docker.io/") else name
-        path = path if "/" in path else f"library/{path}"
-        hub = registry.Client("registry-1.docker.io", secure=True, credentials=registry_credentials("docker.io"))
+        hub, path = registry.docker_hub(name)
         return RegistryFiles(hub, path, digest)
     try:
         host, path = registry.split_repo(name)

@@ -240,14 +240,19 @@ def client_for(engine: Engine, host: str) -> Client:
     return Client(host, secure=engine.registry_secure(host), credentials=registry_credentials(host))
 
 
+def docker_hub(repo: str) -> tuple[Client, str]:
+    """A Docker Hub repository's client and path: the API lives on its own host; the login is stored for
+    docker.io; a bare name is an official image (``library/``)."""
+    path = repo.split("/", 1)[1] if repo.startswith("docker.io/") else repo
+    path = path if "/" in path else f"library/{path}"
+    return Client("registry-1.docker.io", secure=True, credentials=registry_credentials("docker.io")), path
+
+
 def read_index(engine: Engine, ref: str) -> Manifest | None:
     """What the registry holds for ``ref`` (an index or a single manifest), or None when it has no such tag."""
     repo, tag = split_reference(ref)
     if registry_of(ref) == "docker.io":
-        # Docker Hub: the API lives on its own host; the login is stored for docker.io.
-        path = repo.split("/", 1)[1] if repo.startswith("docker.io/") else repo
-        path = path if "/" in path else f"library/{path}"
-        hub = Client("registry-1.docker.io", secure=True, credentials=registry_credentials("docker.io"))
+        hub, path = docker_hub(repo)
         return hub.manifest(path, tag)
     host, path = split_repo(repo)
     return client_for(engine, host).manifest(path, tag)

@@ -603,6 +603,12 @@ class FileFacts:
 FILE_CHECKS = ("patch-landed", "package-version", "integrity")
 
 
+def unread_file_checks(why: str) -> list[dict[str, Any]]:
+    """The file checks as incomplete, saying ``why``: a run cannot pass without them."""
+    return [{"name": name, "status": "incomplete", "detail": why, "data": {"answered_by": integrity.FILESYSTEM}}
+            for name in FILE_CHECKS]
+
+
 def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
                say: Callable[[str], None] = lambda _l: None) -> FileFacts:
     """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
@@ -637,8 +643,7 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
         files = integrity.check_image(files_from, sources.cache_dir(root), image.id, found, pinned, say)
     except EngineError as exc:
         why = f"the image's files could not be read: {str(exc).splitlines()[0]}"
-        return FileFacts(tuple([{"name": name, "status": "incomplete", "detail": why, "data": fs}
-                                for name in FILE_CHECKS] + extra), found.source)
+        return FileFacts(tuple(unread_file_checks(why) + extra), found.source)
     judged = files.judged
     return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
                      found.source, (*judged.compiled_missing, *(f"{p} (the base's)" for p in

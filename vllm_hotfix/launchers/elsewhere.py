@@ -23,15 +23,6 @@ from . import plan
 
 log = logging.getLogger(__name__)
 
-FILESYSTEM = {"answered_by": "filesystem"}
-
-
-def _unread(why: str) -> list[dict[str, Any]]:
-    """The file checks as incomplete: the run cannot pass without them."""
-    return [{"name": n, "status": "incomplete", "detail": why, "data": dict(FILESYSTEM)}
-            for n in smokelib.FILE_CHECKS]
-
-
 def key_file(sign_key: str | None) -> Path | None:
     """The signing key as a file the runner folder can carry (env:NAME written to a private temporary file)."""
     if sign_key is None:
@@ -64,7 +55,8 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: An
     info = files.image(image_id)
     missing: tuple[str, ...] = ()
     if info is None:
-        checks, expected_from = _unread(f"podman has no image {image_id}: its files were not read"), ""
+        checks = smokelib.unread_file_checks(f"podman has no image {image_id}: its files were not read")
+        expected_from = ""
     else:
         try:
             docker: Engine | None = engine()
@@ -104,7 +96,7 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     except EngineError as exc:
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
         say(f"    {why}")
-        return _unread(why), "", (), None
+        return smokelib.unread_file_checks(why), "", (), None
     say(f"==> reading the files of {ref} from its registry's blobs")
     found = smokelib.file_facts(root, info, source, docker, say)
     return list(found.checks), found.expected_from, found.compiled_missing, info
