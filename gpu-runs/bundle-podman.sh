@@ -40,9 +40,22 @@ pkgs=(podman conmon runc libgpgme11 libassuan0 libgpg-error0 libseccomp2 libsubi
 (cd "$tmp/debs" && apt-get "${apt_opts[@]}" download "${pkgs[@]}" >/dev/null)
 for deb in "$tmp"/debs/*.deb; do dpkg -x "$deb" "$tmp/root"; done
 install -m 0755 "$tmp/root/usr/bin/podman" "$tmp/root/usr/bin/conmon" "$tmp/root/usr/sbin/runc" "$tmp/pkg/libexec/"
+# podman starts conmon (and conmon starts runc) with an environment of its own, without the wrapper's
+# LD_LIBRARY_PATH: each is a small script that names the bundle's libraries, then runs the binary (.bin).
+# Found on the GPU host (2026-12-03): conmon could not load libglib-2.0 there, podman said "write child: broken pipe".
+for b in conmon runc; do
+  mv "$tmp/pkg/libexec/$b" "$tmp/pkg/libexec/$b.bin"
+  cat >"$tmp/pkg/libexec/$b" <<WRAP
+#!/bin/sh
+# $b with the bundle's libraries: podman does not pass its own environment on.
+dir=\$(cd "\$(dirname "\$0")/.." && pwd)
+LD_LIBRARY_PATH=\$dir/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} exec "\$dir/libexec/$b.bin" "\$@"
+WRAP
+  chmod 0755 "$tmp/pkg/libexec/$b"
+done
 # Every library the three binaries load, found in the unpacked packages (not on this machine).
 for lib in $(LD_LIBRARY_PATH="$tmp/root/lib/x86_64-linux-gnu:$tmp/root/usr/lib/x86_64-linux-gnu" \
-             ldd "$tmp"/pkg/libexec/* | awk '/=>/ {print $1}' | sort -u); do
+             ldd "$tmp"/pkg/libexec/*.bin "$tmp"/pkg/libexec/podman | awk '/=>/ {print $1}' | sort -u); do
   case "$lib" in libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|libresolv.so.*|ld-linux*) continue ;; esac
   found=$(find "$tmp/root" -name "$lib" | head -1)
   [ -n "$found" ] || { echo "no $lib in the downloaded packages" >&2; exit 1; }

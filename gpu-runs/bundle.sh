@@ -58,7 +58,9 @@ pyget() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$@"
 }
-pyget "$dest/wheels/tool" docker==7.1.0 unidiff==0.7.5
+# cryptography (with cffi, pycparser): `smoke` loads it for signed verdicts; a GPU host's torch Python
+# lacks it (the 2026-12-03 podman run stopped on that first).
+pyget "$dest/wheels/tool" docker==7.1.0 unidiff==0.7.5 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 # Measured against a GPU host whose Python has torch, triton, transformers, numpy,
 # aiohttp, requests, psutil, pillow, einops, cloudpickle, uvloop, py-cpuinfo and
 # prometheus-client: importing the indexer and sparse attention, and building a

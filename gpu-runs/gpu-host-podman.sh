@@ -87,7 +87,7 @@ log "smoke --launcher podman --gpu require: $PATCHED and $REPO_NAME:$TAG"
   --report "$OUTDIR/patched-podman.json" "${sign[@]}" >"$OUTDIR/smoke-patched-podman.log" 2>&1
 r1=$?
 "$PY" build.py smoke "$REPO_NAME:$TAG" --launcher podman --gpu require --gpu-request cdi:nvidia.com/gpu=all \
-  --definition "$TAG" --report "$OUTDIR/unpatched-podman.json" >"$OUTDIR/smoke-unpatched-podman.log" 2>&1
+  --definition "$TAG" --keep-going --report "$OUTDIR/unpatched-podman.json" >"$OUTDIR/smoke-unpatched-podman.log" 2>&1
 r2=$?
 log "smoke exit codes: patched $r1, unpatched $r2"
 

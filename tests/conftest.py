@@ -238,6 +238,26 @@ def derive(engine: Engine, base: str, ref: str, dockerfile_body: str, files: dic
     return image_id
 
 
+def requests_layer(folder: str = "usr/lib/python3/dist-packages") -> dict[str, bytes]:
+    """``requests`` and what it imports, from this Python, as build-context files under ``folder``.
+
+    vLLM depends on requests, so real images have it; the stand-ins do not.
+    The runner's serve sweep speaks HTTP through it, inside the image.
+    """
+    import importlib.util
+
+    out: dict[str, bytes] = {}
+    for name in ("requests", "urllib3", "idna", "certifi", "charset_normalizer"):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        top = Path(list(spec.submodule_search_locations)[0])
+        for path in sorted(top.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                out[f"{folder}/{name}/{path.relative_to(top)}"] = path.read_bytes()
+    return out
+
+
 @dataclass
 class Result:
     rc: int

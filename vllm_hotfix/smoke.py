@@ -55,7 +55,7 @@ from . import (
     records,
     sources,
     sweep,
-    wheels,
+    verdicts,
 )
 from . import reference as answers
 from .atomic import write_atomic
@@ -70,14 +70,14 @@ from .errors import (
     SmokeError,
     UnknownExpectation,
 )
-from .verdicts import Check, Status, Verdict, judge, judge_gpu
+from .verdicts import Check, Status, Verdict, judge
 
 log = logging.getLogger(__name__)
 
 GPU_MODES = ("auto", "require", "off")
 PROBE_DIR = "/tmp/vllm-hotfix-probes"
 # The phases of a run, in the order they run; each reports its wall time.
-PHASES = ("checks", "gpu_access", "gpu_checks", "server_start", "reference_record", "sweep")
+PHASES = ("files", "gpu_access", "checks", "gpu_checks", "server_start", "reference_record", "sweep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +316,18 @@ class Smoke:
             return str(exc)
 
     def run(self, ref: str, want: expected.Expected | None = None) -> Verdict:
-        """Smoke-test ``ref``; ``want`` is the build's own expectation when it just built it."""
+        """Smoke-test ``ref``; ``want`` is the build's own expectation when it just built it.
+
+        Three steps: the file facts from the image's layers (here, nothing
+        run); the GPU request that reaches the image (here, tried); then the
+        runner (:mod:`vllm_hotfix.runner`) in one container of the image, as
+        the podman and Kubernetes launchers start it, with the file facts in
+        its job. Its GPU checks are judged again here, where the image's base
+        can be asked which imports fail in it too.
+        """
+        from .launchers import plan
+        from .launchers.docker import DockerLauncher
+
         image = self.engine.image(ref)
         if image is None:
             raise SmokeError(f"image {ref} is not in the engine")
@@ -325,206 +336,140 @@ class Smoke:
                         platform=f"{image.os}/{image.architecture}")
         start = time.monotonic()
         clock = Clock(report.phases)
-        files = self.cpu_checks(report, image, ref, want)
-        clock.mark("checks")
-        if not self.stop(report, ("gpu", "serve-sweep")):
-            self.say(f"==> smoke 4/5: GPU checks (--gpu {self.opt.gpu})")
-            self.gpu(report, image, clock)
-            if files is not None:
-                self.compiled_stop(report, files.judged)
-            if not self.stop(report, ("serve-sweep",)):
-                self.say("==> smoke 5/5: serve sweep")
-                if self.opt.serve_model is None:
-                    self.add(report, [{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}],
-                             0)
-                else:
-                    self.serve(report, image, clock)
+        files, landed = self.file_checks(report, image, ref, want)
+        clock.mark("files")
+        early_stop = bool(report.failed()) and not self.opt.keep_going
+        request, unavailable = (None, None) if early_stop else self.gpu_plan(report, image)
+        if "gpu_access" not in report.phases and not early_stop and self.opt.gpu != "off":
+            clock.mark("gpu_access")
+        cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
+        if cache is not None:
+            report.environment["compile_cache"] = cache.to_dict()
+            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
+        launcher = DockerLauncher(self.engine, self.opt.python, self._runner_timeout(),
+                                  env=cache.env if cache is not None else None,
+                                  writable=[cache.mount] if cache is not None else (),
+                                  follow=lambda line: self.say(f"  {line}" if line.startswith("==>") else line))
+        target = plan.Target(ref, image.id, image.id, dict(image.labels), report.platform,
+                             entrypoint=tuple(image.entrypoint or plan.DEFAULT_ENTRYPOINT))
+        self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
+                 f"(GPU request: {request or 'none'})")
+        clock.restart()
+        try:
+            launched = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request,
+                                  checks=[c.to_dict() for c in report.checks], host=report.host,
+                                  expected_from=report.expected_from,
+                                  compiled_missing=missing_compiled(files.judged) if files is not None else (),
+                                  landed=landed, gpu_unavailable=unavailable, echo=False)
+        except EngineLost as exc:
+            return self._ended(report, start, "incomplete", str(exc))
+        except EngineError as exc:
+            return self._ended(report, start, "fail", str(exc))
+        verdict = launched.verdict
+        if launched.answers is not None and self.opt.record_reference is not None:
+            self.keep_answers(launched.answers)
+        verdict = self.rejudge(verdict, image, request)
+        # The runner's GPU facts, with the host's own on how the request was found.
+        gpu = {**dict(verdict.gpu), **{k: v for k, v in report.gpu.items()
+                                       if k not in ("mode", "verified", "why_unverified")}}
+        gpu.pop("raw_checks", None)
+        phases = {**report.phases, **{k: float(v) for k, v in verdict.phases.items()}}
+        seconds = time.monotonic() - start
+        self.say(f"==> phases: {format_phases(phases)} (total {seconds:.1f} s)")
+        return judge(ref, image.id, verdict.checks, gpu_verified=verdict.gpu_verified, platform=report.platform,
+                     started=report.started, seconds=seconds, expected_from=report.expected_from, gpu=gpu,
+                     host=report.host, environment={**dict(verdict.environment), **report.environment},
+                     sweep=verdict.sweep, phases=phases)
+
+    def _runner_timeout(self) -> float:
+        """What the whole runner may take: every probe's timeout, and the server's start and sweep."""
+        serve = self.opt.serve_timeout + 3600 if self.opt.serve_model is not None else 0
+        return 6 * self.opt.probe_timeout + serve
+
+    def _ended(self, report: Report, start: float, status: str, why: str) -> Verdict:
+        """The run when the runner's container could not give an answer (the engine failed or went away)."""
+        self.add(report, [{"name": "runner", "status": status, "detail": why}], 0)
         report.seconds = time.monotonic() - start
-        self.say(f"==> phases: {format_phases(report.phases)} (total {report.seconds:.1f} s)")
         return report.verdict()
 
-    def stop(self, report: Report, skipped: Sequence[str]) -> bool:
-        """Whether a failed check ends the run here; if so, ``skipped`` are recorded as not run."""
-        failed = report.failed()
-        if not failed or self.opt.keep_going:
-            return False
-        why = f"not run: {', '.join(failed)} failed first (--keep-going runs every check)"
-        self.say(f"==> {why}")
-        if "gpu" in skipped:
-            report.gpu = {"mode": self.opt.gpu, "verified": False, "why_unverified": why}
-        self.add(report, [{"name": name, "status": "skip", "detail": why} for name in skipped], 0)
-        return True
+    def keep_answers(self, data: bytes) -> None:
+        """Write the reference answers the runner recorded, as ``--record-reference`` asked; check them back."""
+        path = self.opt.record_reference
+        assert path is not None
+        write_atomic(path, data)
+        ref = answers.load(path, "--record-reference")
+        self.say(f"    wrote {path} (sha256 {ref.sha256})")
 
-    def cpu_checks(self, report: Report, image: ImageInfo, ref: str,
-                   want: expected.Expected | None) -> integrity.FileChecks | None:
-        """The checks that need no GPU: patched files, environment, installed-package integrity, pins.
-
-        Returns what was read from the image's files (None when it could not be told what to expect).
-        """
-        self.say(f"==> smoke 1/5: patched files in {ref} (read from the image's layers)")
+    def file_checks(self, report: Report, image: ImageInfo, ref: str, want: expected.Expected | None,
+                    ) -> tuple[integrity.FileChecks | None, dict[str, str] | None]:
+        """The checks read from the image's layers (patched files, integrity), and where its package must import
+        from (the runner asks the image's Python); None for either when it cannot be told what to expect."""
+        self.say(f"==> smoke 1/3: patched files in {ref} (read from the image's layers)")
         found = want if want is not None else self.expectation(image)
         if isinstance(found, str):
             report.expected_from = "unknown"
-            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found}], 0,
-                     answered_by=integrity.FILESYSTEM)
-        else:
-            report.expected_from = found.source
-            self.say(f"    expected hashes: {found.source}")
-
-        pinset = None if isinstance(found, str) else self.pinset(report, found)
-        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
-        files = None
-        if not isinstance(found, str):
-            start_files = time.monotonic()
-            files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned,
-                                          self.say)
-            took = time.monotonic() - start_files
-            self.add(report, [c for c in files.checks if c["name"] != "integrity"], took)
-            if found.site_dir:
-                # Where the image's Python imports the package from: only it can say, and it can only add a failure.
-                checks, _, took = self.probe(image, "landed.py", [found.package, found.site_dir],
-                                             fallback_name="import-location")
-                self.add(report, checks, took)
-
-        self.say("==> smoke 2/5: environment report")
-        checks, _, took = self.probe(image, "env_report.py", pinned, fallback_name="env-report")
-        data = next((c.get("data") for c in checks if c.get("name") == "env-report"), None)
-        report.environment = dict(data) if isinstance(data, dict) else {}
-        self.add(report, checks, took)
-
-        self.say("==> smoke 3/5: installed-package integrity (RECORD hashes from the layers, relative to the base)")
-        if files is None:
-            self.add(report, [{"name": "integrity", "status": "fail",
+            self.add(report, [{"name": "patch-landed", "status": "fail", "detail": found},
+                              {"name": "integrity", "status": "fail",
                                "detail": f"cannot tell which files the image must hold: {found}"}], 0,
                      answered_by=integrity.FILESYSTEM)
-        else:
-            self.add(report, [c for c in files.checks if c["name"] == "integrity"], 0)
-        if pinset is not None:
-            self.say(f"    and pinned distributions ({pinset.patch_set}/{pins.PINS_FILE})")
-            self.pins(report, image, pinset)
-
-        return files
-
-    def pinset(self, report: Report, found: expected.Expected) -> pins.PinSet | None:
-        """The pins of the image's definition, from its patch set on disk (never from labels)."""
+            return None, None
+        report.expected_from = found.source
+        self.say(f"    expected hashes: {found.source}")
+        pinned: list[str] = []
         try:
             defn = definitions.load(self.root, found.definition)
-            return pins.load(self.root, defn.patch_set, defn.package)
-        except (DefinitionError, PinError) as exc:
-            self.add(report, [{"name": "pins", "status": "fail", "detail": str(exc)}], 0)
-            return None
+            pinset = pins.load(self.root, defn.patch_set, defn.package)
+            pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        except (DefinitionError, PinError):
+            pass  # the runner's job carries the same error as a failing pins check
+        start_files = time.monotonic()
+        files = integrity.check_image(self.engine, sources.cache_dir(self.root), image.id, found, pinned, self.say)
+        self.add(report, list(files.checks), time.monotonic() - start_files, answered_by=integrity.FILESYSTEM)
+        landed = {"package": found.package, "site_dir": found.site_dir} if found.site_dir else None
+        return files, landed
 
-    def pins(self, report: Report, image: ImageInfo, pinset: pins.PinSet) -> None:
-        """Versions and files against pins.txt and its wheels, an import per module, the set's CPU checks."""
-        cache = pins.cache(self.root)
-        spec = []
-        for pin in pinset.pins:
-            record = None
-            for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
-                if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
-                    record = wheels.record(path)
-                    break
-            spec.append({"name": pin.spelled, "version": pin.version, "record": record})
-        extra = {"vllm-hotfix-probes/pins.json": json.dumps({"pins": spec}).encode()}
-        checks, _, took = self.probe(image, "pins_check.py", [f"{PROBE_DIR}/pins.json"], extra=extra,
-                                     fallback_name="pins")
-        self.add(report, checks, took)
-        folder = pinset.path.parent / "checks" / "cpu"
-        for script in sorted(folder.glob("*.py")):
-            extra = {f"vllm-hotfix-probes/checks/{script.name}": script.read_bytes()}
-            checks, _, took = self.probe(image, script.name, [], extra=extra, fallback_name=f"check:{script.stem}",
-                                         run=f"{PROBE_DIR}/checks/{script.name}")
-            self.add(report, checks, took)
+    def gpu_plan(self, report: Report, image: ImageInfo) -> tuple[str | None, dict[str, str] | None]:
+        """The GPU request the runner's container gets, or the ``gpu`` check settled here when none can reach it.
 
-    def compiled_stop(self, report: Report, judged: integrity.Judged) -> None:
-        """Compiled files RECORD lists but the image lacks: never GPU-verified, and a failure under require.
-
-        The base's missing files are named as the base's and stop it all the
-        same: a GPU check that passed without vLLM's kernels checked a stub.
-        Under ``--gpu require`` with no GPU reachable the run is already
-        incomplete (the host's shortcoming); the files are named all the same.
+        ``off``: none (the runner records the skip). An image of another
+        architecture than the host: an emulated CPU runs no GPU code.
+        Otherwise each way is tried (:func:`~vllm_hotfix.gpu_access.choose`);
+        under ``auto`` a host where none works leaves the image
+        GPU-unverified, under ``require`` the run incomplete (the host's
+        shortcoming, not the image's).
         """
-        names = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
-        if not names:
-            return
-        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
-               f"{', '.join(names[:integrity.EXAMPLES])}")
-        report.gpu_verified = False
-        report.gpu["verified"] = False
-        report.gpu["compiled_missing"] = names[:50]
-        earlier = report.gpu.get("why_unverified")
-        report.gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
-        reached = self.opt.gpu == "require" and bool(report.gpu.get("way"))
-        status = "fail" if reached else "skip"
-        detail = f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified"
-        self.add(report, [{"name": "compiled-files", "status": status, "detail": detail,
-                           "data": {"missing": names[:50]}}], 0, answered_by=integrity.FILESYSTEM)
-
-    def gpu(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
-        """GPU checks through the way that was confirmed to give this image a GPU.
-
-        ``auto``: a host where no way works leaves the image GPU-unverified,
-        with each way's reason. ``require``: a host where none works makes the
-        run fail with an incomplete verdict (the host's shortcoming, not the
-        image's). Once a GPU is reachable, the checks are judged by
-        :func:`~vllm_hotfix.verdicts.judge_gpu`: only a check that ran against
-        the image's own code counts, every module the patch set touches must
-        import (tried in the base too, to name the base's failures as the
-        base's), and under ``require`` whatever keeps the image from being
-        GPU-verified fails it, except a check that is not applicable on this
-        GPU family, which leaves the run incomplete.
-        """
-        clock = clock or Clock({})
         mode = self.opt.gpu
         report.gpu = {"mode": mode, "verified": False}
         if mode == "off":
-            report.gpu["why_unverified"] = "--gpu off"
-            self.add(report, [{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0)
-            return
+            return None, None
+        self.say(f"==> smoke 2/3: a GPU request that reaches the image (--gpu {mode})")
         if image.architecture and self.engine.arch and image.architecture != self.engine.arch:
-            # An emulated CPU runs no GPU code: only a host of the image's own architecture can verify it.
             why = (f"the image is {image.os}/{image.architecture}, the Docker host {self.engine.arch}: "
                    "GPU checks need a host of the image's architecture")
-            report.gpu["why_unverified"] = why
-            status = "incomplete" if mode == "require" else "skip"
-            self.add(report, [{"name": "gpu", "status": status, "detail": why}], 0)
-            return
+            return None, {"status": "incomplete" if mode == "require" else "skip", "detail": why, "why": why}
         access = self.access(image)
-        clock.mark("gpu_access")
         report.gpu.update(access.to_dict())
         if access.chosen is None:
             why = f"no GPU request gave a container of this image a GPU ({access.why_none()})"
-            report.gpu["why_unverified"] = why
             if mode == "require":
-                # The host's shortcoming, not the image's: the run fails, the verdict is incomplete.
-                check = {"name": "gpu", "status": "incomplete", "detail": f"--gpu require: {why}"}
-            else:
-                check = {"name": "gpu", "status": "skip", "detail": f"{why}: image is GPU-unverified"}
-            self.add(report, [check], 0)
-            return
-        extra = self.patch_checks(image)
-        modules = self.patch_modules(image)
-        args = ["--extra", *[f"/tmp/{name}" for name in sorted(extra)]] if extra else []
-        if modules:
-            args += ["--modules", *modules]
-        raw, info, took = self.probe(image, "gpu_check.py", args, gpu=access.chosen, extra=extra,
-                                     fallback_name="gpu", cache=True)
-        checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
-        if info:
-            report.environment["gpu"] = info
-        unimportable = sorted({m for c in checks for m in c.import_errors})
-        base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
-        judged = judge_gpu(checks, require=mode == "require", base_import_errors=base_errors)
-        clock.mark("gpu_checks")
-        self.record(report, judged.checks)
-        report.gpu_verified = judged.verified
-        report.gpu["verified"] = judged.verified
-        if judged.not_real:
-            report.gpu["not_real"] = list(judged.not_real)
-        if judged.not_applicable:
-            report.gpu["not_applicable"] = list(judged.not_applicable)
-        if not judged.verified:
-            report.gpu["why_unverified"] = f"GPU checks through {access.chosen}: {judged.why_unverified}"
+                return None, {"status": "incomplete", "detail": f"--gpu require: {why}", "why": why}
+            return None, {"status": "skip", "detail": f"{why}: image is GPU-unverified", "why": why}
+        return str(access.chosen), None
+
+    def rejudge(self, verdict: Verdict, image: ImageInfo, request: str | None) -> Verdict:
+        """The runner's GPU checks judged here, from what they said: an import that fails in the image is asked
+        of its base too (same GPU request), so that the base's own failures are named as the base's."""
+        raw = [as_check(c, float(c.get("seconds", 0)), "gpu") for c in verdict.gpu.get("raw_checks") or []
+               if isinstance(c, dict)]
+        if not raw or request is None:
+            return verdict
+        unimportable = sorted({m for c in raw for m in c.import_errors})
+        base_errors = None
+        if unimportable:
+            from .launchers.docker import gpu_request
+
+            base_errors = self.base_import_errors(image, unimportable, gpu_request(request))  # type: ignore[arg-type]
+        return verdicts.rejudge_gpu(verdict, raw, require=self.opt.gpu == "require", base_import_errors=base_errors)
 
     def base_import_errors(self, image: ImageInfo, modules: Sequence[str], gpu: GpuRequest) -> dict[str, str] | None:
         """Which of ``modules`` the image's base cannot import either (same GPU request); None: base unknown."""
@@ -542,53 +487,10 @@ class Smoke:
             return None
         return {m: e for c in found for m, e in c.import_errors.items()}
 
-    def serve(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
-        """One server start: wait for its health, record reference answers if asked, sweep."""
-        clock = clock or Clock({})
-        model = self.opt.serve_model
-        assert model is not None
-        if not model.exists():
-            raise SmokeError(f"--serve-model {model}: no such file or folder")
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = ["/model", "--port", str(port), *self.opt.serve_args]
-        start = time.monotonic()
-        # The same way the GPU checks used; a host without one serves without a GPU
-        # (and vLLM then fails the sweep, which is the truthful outcome).
-        gpu = None if self.opt.gpu == "off" else self.access(image).chosen
-        cache = self.compile_cache(image)
-        if cache is not None:
-            report.environment["compile_cache"] = cache.to_dict()
-            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
-        clock.restart()
-        try:
-            with self.engine.service(image.id, command, mounts=[(str(model.resolve()), "/model")],
-                                     gpu=gpu, **self._cache_args(image)) as watch:
-                sweep.wait_healthy(url, self.opt.serve_timeout, watch, self.say)
-                self.say(f"    server healthy after {clock.mark('server_start'):.1f} s")
-                ref = self.opt.reference
-                if self.opt.record_reference is not None:
-                    ref = answers.write(sweep.record(url, recorded_from=f"{report.image} ({image.id})",
-                                                     progress=self.say), self.opt.record_reference)
-                    clock.mark("reference_record")
-                    self.say(f"    wrote {self.opt.record_reference} (sha256 {ref.sha256})")
-                result = sweep.sweep(url, None, self.opt.levels, self.opt.requests, watch=watch,
-                                     min_tokens=self.opt.min_tokens, reference=ref,
-                                     tolerance=self.opt.logprob_tolerance, progress=self.say,
-                                     keep_going=self.opt.keep_going)
-                clock.mark("sweep")
-        except (SmokeError, EngineError) as exc:
-            # Charged to the phase it ended (a server that never got healthy: its start).
-            clock.mark("sweep" if "server_start" in report.phases else "server_start")
-            lines = str(exc).splitlines()
-            self.add(report, [{"name": "serve-sweep", "status": "fail", "detail": lines[0],
-                               "data": {"server_log": lines[1:]}}], time.monotonic() - start)
-            return
-        report.sweep = result.to_dict()
-        check = sweep.as_check(result, self.opt.levels, self.opt.min_tokens, self.opt.logprob_tolerance)
-        self.add(report, [check], time.monotonic() - start)
-        for line in (check.get("data") or {}).get("server_log") or []:
-            self.say(f"    | {line}")
+
+def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
+    """Compiled files RECORD lists but the image lacks; the base's named so. They keep it from GPU-verified."""
+    return (*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base))
 
 
 @dataclass(frozen=True, slots=True)
@@ -646,8 +548,7 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
         return FileFacts(tuple(unread_file_checks(why) + extra), found.source)
     judged = files.judged
     return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
-                     found.source, (*judged.compiled_missing, *(f"{p} (the base's)" for p in
-                                                                  judged.compiled_missing_base)))
+                     found.source, missing_compiled(judged))
 
 
 def _free_port() -> int:

@@ -376,6 +376,49 @@ def judge_gpu(
     return GpuJudgement(tuple(judged), verified, why, tuple(not_real), tuple(not_applicable))
 
 
+def rejudge_gpu(verdict: Verdict, said: Sequence[Check], *, require: bool,
+                base_import_errors: Mapping[str, str] | None) -> Verdict:
+    """``verdict`` with its GPU checks judged again from ``said`` (what they reported, before judgement).
+
+    A runner judges its GPU checks inside the image, where the image's base
+    cannot be asked; the host that can ask it judges them again with
+    ``base_import_errors`` (:func:`judge_gpu`). Each judged check replaces the
+    runner's of the same name; compiled files the image lacks still keep it
+    from being GPU-verified.
+    """
+    judged = judge_gpu(said, require=require, base_import_errors=base_import_errors)
+    by_name = {c.name: c for c in judged.checks}
+    checks = []
+    for c in verdict.checks:
+        mine = by_name.pop(c.name, None)
+        if mine is None:
+            checks.append(c)
+            continue
+        answered = (c.data or {}).get("answered_by") if isinstance(c.data, Mapping) else None
+        data = {**(mine.data if isinstance(mine.data, Mapping) else {}), **({"answered_by": answered} if answered
+                                                                           else {})}
+        checks.append(Check(mine.name, mine.status, mine.detail, c.seconds, data, mine.ran_against, mine.stubs,
+                            mine.import_errors))
+    gpu = dict(verdict.gpu)
+    verified = judged.verified and not gpu.get("compiled_missing")
+    gpu["verified"] = verified
+    for key, value in (("not_real", judged.not_real), ("not_applicable", judged.not_applicable)):
+        if value:
+            gpu[key] = list(value)
+        else:
+            gpu.pop(key, None)
+    if verified:
+        gpu.pop("why_unverified", None)
+    elif not judged.verified:
+        why = f"GPU checks through {gpu.get('way')}: {judged.why_unverified}"
+        missing = gpu.get("compiled_missing")
+        gpu["why_unverified"] = why + (f"; {len(missing)} compiled file(s) the installed RECORD lists are absent "
+                                       "from the image" if missing else "")
+    return judge(verdict.image, verdict.image_id, checks, gpu_verified=verified, platform=verdict.platform,
+                 started=verdict.started, seconds=verdict.seconds, expected_from=verdict.expected_from, gpu=gpu,
+                 host=verdict.host, environment=verdict.environment, sweep=verdict.sweep, phases=verdict.phases)
+
+
 def require_pass(verdict: Verdict, subject: str, *, fail_hint: str, incomplete_hint: str) -> None:
     """Raise unless the verdict is a pass: SmokeError (the image failed) or SmokeIncomplete (the host)."""
     if verdict.status is Status.FAIL:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, cli, derive
+from conftest import REPO, Registry, cli, derive, requests_layer
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.verdicts import Status
@@ -156,7 +156,9 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
 ) -> None:
     project, ref, image_id = built
     served = f"hotfix-test/served-{unique}:x"
-    derive(engine, image_id, served, "COPY vllm /usr/local/bin/vllm", {"vllm": FAKE.read_bytes()}, {"vllm": 0o755})
+    # The image's own `vllm` is the fake server; the runner's sweep needs requests in the image, as vLLM's has.
+    derive(engine, image_id, served, "COPY vllm /usr/local/bin/vllm\nCOPY usr/ /usr/",
+           {"vllm": FAKE.read_bytes(), **requests_layer()}, {"vllm": 0o755})
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -176,7 +178,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert sweep_check["status"] == "pass"
             assert [lv["successes"] for lv in report["sweep"]["levels"]] == [6, 6, 6]
             # One server start, its phases timed; the compile cache of the base mounted and written.
-            assert list(report["phases"]) == ["checks", "gpu_access", "server_start", "sweep"]
+            assert set(report["phases"]) == {"files", "gpu_access", "checks", "gpu_checks", "server_start", "sweep"}
             assert all(v >= 0 for v in report["phases"].values())
             cache = report["environment"]["compile_cache"]
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]

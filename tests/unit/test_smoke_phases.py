@@ -1,8 +1,8 @@
 """A smoke run's phases without an engine: the compile cache folder's key, phase times, ordering, --keep-going.
 
-A fake engine answers only what :meth:`Smoke.run` asks of it before the
-phases; the phases themselves are replaced by recorders, so what is tested is
-the order they run in and when a failure ends the run.
+The runner's checks are replaced by recorders (:class:`vllm_hotfix.runner.main.Run`
+runs them in every launcher, the default Docker one included), so what is
+tested is the order they run in and when a failure ends the run.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from vllm_hotfix import compile_cache
 from vllm_hotfix.engine import ImageInfo, labels
 from vllm_hotfix.errors import SmokeError
-from vllm_hotfix.smoke import Clock, Report, Smoke, SmokeOptions, format_phases
+from vllm_hotfix.runner.main import Run
+from vllm_hotfix.smoke import Clock, format_phases
 from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu
 
 BASE = "sha256:" + "b" * 64
@@ -108,66 +109,55 @@ def test_phases_are_in_the_report_and_read_back() -> None:
 
 # -- ordering and --keep-going ---------------------------------------------------
 
-class FakeEngine:
-    arch = "amd64"
+class Recorder(Run):
+    """The runner, each check faked: it records that it ran and reports the status it is told to."""
 
-    def __init__(self, image: ImageInfo) -> None:
-        self._image = image
-
-    def image(self, ref: str) -> ImageInfo | None:
-        return self._image if ref in ("img", self._image.id) else None
-
-    def host_facts(self) -> dict[str, Any]:
-        return {}
-
-
-class Recorder(Smoke):
-    """Each phase records that it ran and reports the status it is told to."""
-
-    def __init__(self, outcomes: dict[str, str], options: SmokeOptions) -> None:
-        super().__init__(FakeEngine(_image(PATCHED, BASE)), Path("/nonexistent"), options,  # type: ignore[arg-type]
-                         lambda _line: None)
+    def __init__(self, outcomes: dict[str, str], *, serve: bool = True, keep_going: bool = False) -> None:
+        super().__init__({
+            "image": "img", "image_id": PATCHED, "keep_going": keep_going, "gpu": {"mode": "auto"},
+            # Made on the host from the image's layers, handed in with the job.
+            "checks": [{"name": "patch-landed", "status": outcomes.get("patch-landed", "pass"), "detail": "faked"}],
+            "serve": {"argv": ["vllm", "serve"], "port": 8000} if serve else None,
+        })
         self.outcomes = outcomes
         self.ran: list[str] = []
 
-    def _phase(self, report: Report, name: str) -> None:
+    def _fake(self, name: str) -> dict[str, Any]:
         self.ran.append(name)
-        self.add(report, [{"name": name, "status": self.outcomes.get(name, "pass"), "detail": "faked"}], 0)
+        return {"name": name, "status": self.outcomes.get(name, "pass"), "detail": "faked"}
 
-    def cpu_checks(self, report: Report, image: ImageInfo, ref: str, want: Any) -> None:
-        self._phase(report, "patch-landed")
+    def probe(self, script: str, args: Any, name: str) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+        return [self._fake(name)], {}, 0.0
 
-    def gpu(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
-        self._phase(report, "gpu")
-        if clock is not None:
-            clock.mark("gpu_checks")
+    def gpu(self) -> tuple[bool, dict[str, Any]]:
+        check = self._fake("gpu")
+        self.add([check], 0, "gpu")
+        return check["status"] == "pass", {"mode": "auto", "verified": check["status"] == "pass"}
 
-    def serve(self, report: Report, image: ImageInfo, clock: Clock | None = None) -> None:
-        self._phase(report, "serve-sweep")
-        if clock is not None:
-            clock.mark("sweep")
-
-
-SERVE = SmokeOptions(serve_model=Path("/model"))
+    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        phases["sweep"] = 0.0
+        return self._fake("serve-sweep"), None
 
 
 def test_phases_run_cheapest_first_and_report_their_times() -> None:
-    smoke = Recorder({}, SERVE)
-    verdict = smoke.run("img")
-    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
-    assert verdict.status is Status.PASS
+    run = Recorder({})
+    verdict = run.run()
+    assert run.ran == ["env-report", "gpu", "serve-sweep"]
+    assert [c.name for c in verdict.checks] == ["patch-landed", "env-report", "gpu", "serve-sweep"]
+    assert verdict.status is Status.PASS and verdict.gpu_verified
     assert list(verdict.phases) == ["checks", "gpu_checks", "sweep"]
 
 
 @pytest.mark.parametrize(("failing", "ran", "skipped"), [
-    ("patch-landed", ["patch-landed"], ["gpu", "serve-sweep"]),
-    ("gpu", ["patch-landed", "gpu"], ["serve-sweep"]),
+    ("patch-landed", ["env-report"], ["gpu", "serve-sweep"]),
+    ("env-report", ["env-report"], ["gpu", "serve-sweep"]),
+    ("gpu", ["env-report", "gpu"], ["serve-sweep"]),
 ])
 def test_a_failed_phase_ends_the_run_and_names_what_did_not_run(failing: str, ran: list[str],
                                                                  skipped: list[str]) -> None:
-    smoke = Recorder({failing: "fail"}, SERVE)
-    verdict = smoke.run("img")
-    assert smoke.ran == ran and verdict.status is Status.FAIL
+    run = Recorder({failing: "fail"})
+    verdict = run.run()
+    assert run.ran == ran and verdict.status is Status.FAIL
     got = {c.name: c for c in verdict.checks}
     for name in skipped:
         assert got[name].status is Status.SKIP
@@ -176,17 +166,24 @@ def test_a_failed_phase_ends_the_run_and_names_what_did_not_run(failing: str, ra
 
 
 def test_keep_going_runs_every_phase_after_a_failure() -> None:
-    smoke = Recorder({"patch-landed": "fail", "gpu": "fail"}, SmokeOptions(serve_model=Path("/m"), keep_going=True))
-    verdict = smoke.run("img")
-    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
+    run = Recorder({"patch-landed": "fail", "gpu": "fail"}, keep_going=True)
+    verdict = run.run()
+    assert run.ran == ["env-report", "gpu", "serve-sweep"]
     assert verdict.status is Status.FAIL and verdict.failed == ["patch-landed", "gpu"]
 
 
 def test_an_incomplete_phase_does_not_end_the_run() -> None:
     # The host's shortcoming (no GPU under require) is not the image's failure: the sweep still runs.
-    smoke = Recorder({"gpu": "incomplete"}, SERVE)
-    assert smoke.run("img").status is Status.INCOMPLETE
-    assert smoke.ran == ["patch-landed", "gpu", "serve-sweep"]
+    run = Recorder({"gpu": "incomplete"})
+    assert run.run().status is Status.INCOMPLETE
+    assert run.ran == ["env-report", "gpu", "serve-sweep"]
+
+
+def test_without_a_model_the_sweep_is_a_skip() -> None:
+    run = Recorder({}, serve=False)
+    verdict = run.run()
+    assert run.ran == ["env-report", "gpu"]
+    assert {c.name: c.status for c in verdict.checks}["serve-sweep"] is Status.SKIP
 
 
 # -- not applicable on this GPU family -------------------------------------------

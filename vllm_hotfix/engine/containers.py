@@ -11,8 +11,9 @@ way out) and its note tells the next run to remove the container.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -198,10 +199,12 @@ def _box(engine: Seam, image: str, python: str) -> Iterator[Box]:
 def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, bytes] | None = None,
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
         timeout: float = 300, env: Mapping[str, str] | None = None,
-        writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = ()) -> ExecResult:
+        writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = (),
+        follow: Callable[[str], None] | None = None) -> ExecResult:
     """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``.
 
-    ``mounts``: (host folder, container folder) pairs mounted read-only (the runner's folder).
+    ``mounts``: (host folder, container folder) pairs mounted read-only (the runner's folder);
+    ``follow``: called with each line of its stderr as it is written (the runner's progress).
     """
     from ..tarball import tar_bytes
 
@@ -212,12 +215,35 @@ def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, by
         if files:
             container.put_archive(files_at, tar_bytes(files))
         container.start()
+        reader = _follow(container, follow) if follow is not None else None
         code = _wait(container, timeout)
+        if reader is not None:
+            reader.join(5)  # the stream ends with the container; a stuck one is left to its daemon thread
         out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
         err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
         if code == 124:
             err += f"\n(timed out after {timeout:.0f} s)"
         return ExecResult(code, out, err)
+
+
+def _follow(container: Any, say: Callable[[str], None]) -> threading.Thread:
+    """A thread that hands each stderr line of ``container`` to ``say`` until the container ends."""
+    def read() -> None:
+        pending = b""
+        try:
+            for chunk in container.logs(stdout=False, stderr=True, stream=True, follow=True):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    say(line.decode("utf-8", "replace"))
+            if pending:
+                say(pending.decode("utf-8", "replace"))
+        except Exception as exc:  # noqa: BLE001 - progress only: the run's outcome comes from its full log
+            log.debug("following %s ended: %s", container.id[:12], exc)
+
+    thread = threading.Thread(target=read, name="follow-" + container.id[:12], daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait(container: Any, timeout: float) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import Malformed, SmokeError
-from ..runner import ENVELOPE_MARK, JOB_VERSION, MOUNT, REPORT_MARK
+from ..runner import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, MOUNT, REPORT_MARK
 from ..verdicts import Verdict
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,13 @@ TAIL = 20
 
 @dataclass(frozen=True, slots=True)
 class Launched:
-    """What came back from a runner: its verdict, its signed envelope (when it had a key), its last log lines."""
+    """What came back from a runner: its verdict, its signed envelope (when it had a key), its last log lines,
+    and the reference answers it recorded (the file's bytes, when the job asked it to record)."""
 
     verdict: Verdict
     envelope: bytes | None
     log_tail: str = ""
+    answers: bytes | None = None
 
 
 class Launcher(Protocol):
@@ -110,21 +112,24 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     """The verdict (and envelope) a runner printed; SmokeError naming ``where`` when it printed none."""
     verdict: Verdict | None = None
     envelope: bytes | None = None
+    answers: bytes | None = None
     tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
+    what = {REPORT_MARK: "report", ENVELOPE_MARK: "envelope", ANSWERS_MARK: "recorded answers"}
     for line in stdout.splitlines():
         mark, _, body = line.strip().partition(" ")
-        if mark not in (REPORT_MARK, ENVELOPE_MARK):
+        if mark not in what:
             continue
         try:
             data = base64.b64decode(body, validate=True)
             if mark == REPORT_MARK:
                 verdict = Verdict.from_dict(json.loads(data))
-            else:
+            elif mark == ENVELOPE_MARK:
                 envelope = data
+            else:
+                answers = data
         except (binascii.Error, ValueError, Malformed) as exc:
-            raise SmokeError(f"{where}: the runner's {'report' if mark == REPORT_MARK else 'envelope'} is "
-                             f"unreadable ({exc})") from None
+            raise SmokeError(f"{where}: the runner's {what[mark]} is unreadable ({exc})") from None
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise SmokeError(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
-    return Launched(verdict, envelope, tail)
+    return Launched(verdict, envelope, tail, answers)

@@ -68,19 +68,22 @@ def subjects(target: Target) -> dict[str, str]:
 def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request: str | None,
         checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
         key_path: str | None = None, expected_from: str = "",
-        compiled_missing: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, bytes]]:
+        compiled_missing: Sequence[str] = (), landed: Mapping[str, str] | None = None,
+        gpu_unavailable: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The runner job for ``target`` and the patch set's check files it names.
 
     ``options`` is a :class:`vllm_hotfix.smoke.SmokeOptions`; ``checks`` are
     checks made outside the image (file facts), judged with the rest;
     ``key_path`` where the runner finds the signing key inside the container;
     ``compiled_missing`` the compiled files the file facts found RECORD lists
-    but the image lacks (they keep it from being GPU-verified, as
-    :meth:`vllm_hotfix.smoke.Smoke.compiled_stop` says).
+    but the image lacks (they keep it from being GPU-verified);
+    ``landed`` the package and folder its Python must import it from;
+    ``gpu_unavailable`` the ``gpu`` check (status, detail, why) a host that
+    found no GPU request reaching the image settled before the launch.
     """
     from ..smoke import modules_of
 
-    if getattr(options, "record_reference", None) is not None:
+    if getattr(options, "record_reference", None) is not None and launcher != "docker":
         raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
                          f"Docker, then give them to the {launcher} launcher with --reference")
     extra: dict[str, bytes] = {}
@@ -90,7 +93,9 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
         "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None, "sign": None,
         "expected_from": expected_from, "keep_going": options.keep_going,
         "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
-                "compiled_missing": list(compiled_missing)},
+                "compiled_missing": list(compiled_missing),
+                "unavailable": dict(gpu_unavailable) if gpu_unavailable else None},
+        "landed": dict(landed) if landed else None,
     }
     tag = options.definition or target.labels.get(L.DEFINITION)
     defn = None
@@ -137,6 +142,9 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
             except (OSError, ValueError) as exc:
                 raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
             out["serve"]["reference_file"] = ref.path
+        record = getattr(options, "record_reference", None)
+        if record is not None:
+            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})"}
     if key_path is not None:
         out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra
@@ -159,23 +167,26 @@ def free_port() -> int:
 def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_request: str | None,
           checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
           sign_key: Path | None = None, say: Callable[[str], None] = lambda _l: None,
-          expected_from: str = "", compiled_missing: Sequence[str] = ()) -> Launched:
+          expected_from: str = "", compiled_missing: Sequence[str] = (), landed: Mapping[str, str] | None = None,
+          gpu_unavailable: Mapping[str, str] | None = None, echo: bool = True) -> Launched:
     """Stage the runner for ``target``, start it through ``launcher``, return what it reported.
 
     The staged folder (with the key, when signing) lives in a temporary
-    folder removed before this returns.
+    folder removed before this returns. ``echo``: print each check after the
+    run (a launcher that followed the runner's progress has shown them).
     """
     key_path = f"{MOUNT}/{KEY_FILE}" if sign_key is not None else None
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
                       host=host, key_path=key_path, expected_from=expected_from,
-                      compiled_missing=compiled_missing)
+                      compiled_missing=compiled_missing, landed=landed, gpu_unavailable=gpu_unavailable)
     with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
         folder = stage(Path(tmp) / "runner", spec, extra, key=sign_key)
         say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
         model = Path(options.serve_model).resolve() if options.serve_model is not None else None
         launched = launcher.launch(target.start, folder, spec, gpu_request, model)
-    for c in launched.verdict.checks:
-        say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+    if echo:
+        for c in launched.verdict.checks:
+            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
     return launched
 
 

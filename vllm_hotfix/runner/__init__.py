@@ -12,4 +12,5 @@ from __future__ import annotations
 MOUNT = "/opt/vllm-hotfix-runner"
 REPORT_MARK = "@@vllm-hotfix-runner:report@@"
 ENVELOPE_MARK = "@@vllm-hotfix-runner:envelope@@"
+ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
 JOB_VERSION = 1

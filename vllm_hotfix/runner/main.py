@@ -12,11 +12,15 @@ to stderr. A job it cannot read ends it with exit 2 and one line.
 The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 ``host`` and ``launcher`` (facts for the report); ``checks`` (checks made
 outside, such as file facts read from the image's layers, judged with the
-rest); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
+rest); ``landed`` (``package``, ``site_dir``: where the image's Python must
+import the package from; or null); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
-``base_import_errors``, ``compiled_missing``); ``serve`` (``argv``, ``port``, ``levels``,
-``requests``, ``timeout``, ``min_tokens``, ``keep_going``, ``reference`` (the
-reference answers file's content, its sha256 inside), ``tolerance``; or
+``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
+check the host already settled, when no GPU request reaches this image);
+``serve`` (``argv``, ``port``, ``levels``, ``requests``, ``timeout``,
+``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
+content, its sha256 inside), ``record`` (record the answers first; they come
+back after :data:`~vllm_hotfix.runner.ANSWERS_MARK`), ``tolerance``; or
 null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
 null); ``probe_timeout``.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 from .. import verdicts
 from ..errors import Malformed
-from . import ENVELOPE_MARK, JOB_VERSION, REPORT_MARK, p256, serve
+from . import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, REPORT_MARK, p256, serve
 
 # As vllm_hotfix.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -90,6 +94,7 @@ class Run:
         self.checks: list[verdicts.Check] = []
         self.environment: dict[str, Any] = {}
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
+        self.recorded: list[bytes] = []
 
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
@@ -108,7 +113,7 @@ class Run:
         return checks, info, took
 
     def add(self, raw: list[dict[str, Any]], took: float, name: str,
-            answered_by: str | None = IMAGE_PYTHON) -> list[verdicts.Check]:
+            answered_by: str | None = IMAGE_PYTHON, quiet: bool = False) -> list[verdicts.Check]:
         """Record checks; a probe's (``answered_by``: the image's Python, whatever it claims) or ones made
         outside the image and handed in with the job (None: as they say)."""
         made = [as_check(c, round(took / max(len(raw), 1), 3), name) for c in raw]
@@ -117,7 +122,8 @@ class Run:
                     for c in made]
         for c in made:
             self.checks.append(c)
-            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+            if not quiet:
+                say(f"    {c.status.value:<4} {c.name}: {c.detail}")
         return made
 
     def spec_file(self, name: str, content: Any) -> str:
@@ -133,6 +139,13 @@ class Run:
         if mode == "off":
             facts["why_unverified"] = "--gpu off"
             self.add([{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0, "gpu")
+            return False, facts
+        settled = spec.get("unavailable")
+        if isinstance(settled, dict):
+            # The host found no GPU request that reaches this image: its check, as it settled it.
+            facts["why_unverified"] = str(settled.get("why", ""))
+            self.add([{"name": "gpu", "status": str(settled.get("status", "incomplete")),
+                       "detail": str(settled.get("detail", ""))}], 0, "gpu")
             return False, facts
         start = time.monotonic()
         env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -162,6 +175,8 @@ class Run:
         if info:
             self.environment["gpu"] = info
         checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
+        # As they said, before judgement: a host that can ask the image's base re-judges them (rejudge_gpu).
+        facts["raw_checks"] = [c.to_dict() for c in checks]
         base = spec.get("base_import_errors")
         judged = verdicts.judge_gpu(checks, require=mode == "require",
                                     base_import_errors=base if isinstance(base, dict) else None)
@@ -200,6 +215,10 @@ class Run:
                    "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
         return False
 
+    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One server start and the sweep against it (:func:`.serve.run`)."""
+        return serve.run(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+
     def failed(self) -> list[str]:
         """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
         such as file facts it could not read) does not."""
@@ -222,7 +241,15 @@ class Run:
         phases: dict[str, float] = {}
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for raw in job.get("checks") or []:
-            self.add([raw], float(raw.get("seconds", 0)) if isinstance(raw, dict) else 0, "check", None)
+            # Made and shown by the host before the launch.
+            self.add([raw], float(raw.get("seconds", 0)) if isinstance(raw, dict) else 0, "check", None, quiet=True)
+
+        landed = job.get("landed")
+        if isinstance(landed, dict):
+            say("==> runner: where the image's Python imports the package from")
+            raw, _, took = self.probe("probes/landed.py", [str(landed.get("package")), str(landed.get("site_dir"))],
+                                      "import-location")
+            self.add(raw, took, "import-location")
 
         say("==> runner: environment report")
         raw, _, took = self.probe("probes/env_report.py", [str(n) for n in job.get("env_names") or []],
@@ -257,7 +284,7 @@ class Run:
                              "serve")
                 else:
                     t0 = time.monotonic()
-                    check, sweep = serve.run(spec, self.scratch, say=say, phases=phases)
+                    check, sweep = self.sweep(spec, phases)
                     self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
             gpu["why_unverified"] = "not run: an earlier phase failed"
@@ -299,8 +326,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, KeyError, TypeError, p256.UnusableKey) as exc:
             say(f"signing key {sign.get('key', '?')}: {exc}")
             return 2
-    verdict = Run(job).run()
+    run = Run(job)
+    verdict = run.run()
     report = verdict.to_dict()
+    for answers in run.recorded:
+        emit(ANSWERS_MARK, answers)
     emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
     if secret is not None and verdict.judged:
         predicate = {**report, **dict(sign.get("predicate") or {})}

@@ -60,8 +60,13 @@ def _failed(detail: str, log: Sequence[str] = ()) -> dict[str, Any]:
 
 
 def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], phases: dict[str, float],
-        ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the serve-sweep check, the sweep's report) for the job's ``serve`` part; wall times into ``phases``."""
+        recorded: list[bytes] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the serve-sweep check, the sweep's report) for the job's ``serve`` part; wall times into ``phases``.
+
+    With ``record`` in the spec, reference answers are recorded from the
+    server first (as ``smoke --record-reference`` on the host), swept
+    against, and their file's bytes appended to ``recorded``.
+    """
     try:
         from .. import reference as answers
         from .. import sweep
@@ -97,6 +102,17 @@ def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], ph
             return _failed(lines[0], lines[1:]), None
         phases["server_start"] = round(time.monotonic() - start, 1)
         say(f"    server healthy after {phases['server_start']:.1f} s")
+        record = spec.get("record")
+        if isinstance(record, Mapping):
+            t0 = time.monotonic()
+            named = str(record.get("file") or "reference answers")
+            made = answers.write(sweep.record(url, recorded_from=str(record.get("recorded_from") or url),
+                                              progress=say), Path(scratch) / "recorded.json")
+            if recorded is not None:
+                recorded.append((Path(scratch) / "recorded.json").read_bytes())
+            ref = replace(made, path=named)
+            phases["reference_record"] = round(time.monotonic() - t0, 1)
+            say(f"    recorded {len(ref.answers)} reference answers (sha256 {ref.sha256})")
         t0 = time.monotonic()
         result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
                              min_tokens=min_tokens, reference=ref, tolerance=tolerance, progress=say,
