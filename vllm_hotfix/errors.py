@@ -125,6 +125,18 @@ class SmokeError(PipelineError):
     meaning = "smoke check failed"
 
 
+class RunnerFailed(SmokeError):
+    """The runner in the image gave no verdict: it crashed, printed garbage, or (``incomplete``) ran out of time.
+
+    The default smoke records it as the run's outcome (a failing check, or an
+    incomplete one for a timeout) instead of ending without a verdict.
+    """
+
+    def __init__(self, message: str, *, hint: str | None = None, incomplete: bool = False) -> None:
+        super().__init__(message, hint=hint)
+        self.incomplete = incomplete
+
+
 class PushError(PipelineError):
     """Pushing to the registry failed or was refused by the gate."""
 

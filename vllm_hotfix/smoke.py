@@ -4,38 +4,36 @@ Facts about files (the patched files, their bytecode, the installed
 distribution against its RECORD) are read from the image's layers and judged
 on the host (:mod:`.integrity`): nothing of the image runs for them. What only
 the image's Python can answer (where it imports vLLM from, the environment,
-pins, GPU checks) is a probe script (vllm_hotfix/probes/, plus the patch set's
-own checks in patches/<set>/checks/) run with the image's Python, entrypoint
-overridden, under a timeout, in a container that is always removed; each
-check's data says which answered it (``answered_by``). The serve sweep
-instead starts the image's own entrypoint (`vllm serve`).
+pins, the GPU checks, the serve sweep) is asked by the runner
+(:mod:`vllm_hotfix.runner`), one entry started in one container of the image
+with its folder mounted read-only, the same runner podman and a Kubernetes
+Job start (:mod:`.launchers`). Each check's data says which answered it
+(``answered_by``).
 
-A probe's JSON comes from inside the image: each check it reports becomes a
-typed :class:`~vllm_hotfix.verdicts.Check` (one that does not fit is a
-failing check), and a run ends in one :func:`~vllm_hotfix.verdicts.judge`.
+A run here has three steps: the file facts; the GPU request that reaches the
+image, tried on this host (:mod:`.gpu_access`); the runner through the docker
+launcher, given both, its progress followed live. The runner goes in phases,
+cheapest first, so that a doomed image fails fast: the checks that need no
+GPU, then the GPU checks, then one server start for the serve sweep
+(reference answers recorded and the sweep run against that one server). A
+phase with a failing check ends the run, the later phases recorded as
+skipped, unless ``keep_going``. The runner's GPU checks are judged again here
+from what they said, with the imports that fail in the image asked of its
+base too (:func:`~vllm_hotfix.verdicts.rejudge_gpu`). Each phase's wall time
+is in the report (``phases``). The runner's container gets the compile cache
+of the image's base on that GPU model (:mod:`.compile_cache`), so a second
+image of the same base starts warm.
 
-A run goes in phases, cheapest first, so that a doomed image fails fast: the
-checks that need no GPU (patched files, environment, integrity, pins), then
-the GPU checks, then one server start for the serve sweep (reference answers
-recorded and the sweep run against that one server). A phase with a failing
-check ends the run, the later phases recorded as skipped, unless
-``keep_going``. Each phase's wall time is in the report (``phases``). GPU
-containers and the server get the compile cache of the image's base on that
-GPU model (:mod:`.compile_cache`), so a second image of the same base starts
-warm.
-
-It is the longest step module because it is the one place a smoke run is put
-together: each phase, what it records and when a failure ends the run. What
-the phases use lives beside it: file facts in :mod:`.integrity`, the GPU
-request in :mod:`.gpu_access`, the sweep in :mod:`.sweep`, the compile cache
-in :mod:`.compile_cache`, the runner path in :mod:`.launchers`.
+It is one of the longer step modules because it is the one place a Docker
+smoke run is put together, and it also holds what the push gate re-reads
+from an image's layers (:func:`landed_problem`, :func:`pins_problem`) and
+the file facts the other launchers read from their own copy
+(:func:`file_facts`).
 """
-
 from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
@@ -50,7 +48,6 @@ from . import (
     expected,
     gpu_access,
     integrity,
-    patches,
     pins,
     records,
     sources,
@@ -65,8 +62,8 @@ from .errors import (
     EngineError,
     EngineLost,
     Malformed,
-    PatchError,
     PinError,
+    RunnerFailed,
     SmokeError,
     UnknownExpectation,
 )
@@ -229,26 +226,15 @@ class Smoke:
                                                           image.labels.get(labels.BASE_ID), devices)
         return self._caches[image.id]
 
-    def _cache_args(self, image: ImageInfo) -> dict[str, Any]:
-        cache = self.compile_cache(image)
-        return {} if cache is None else {"env": cache.env, "writable": [cache.mount]}
-
-    def probe(
-        self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
-        extra: dict[str, bytes] | None = None, fallback_name: str | None = None, run: str | None = None,
-        cache: bool = False,
-    ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        """Run probe ``script`` (or, with ``run``, a script among ``extra``) in the image.
-
-        ``cache``: with the image's compile cache mounted (GPU checks compile kernels).
-        """
-        files = {f"vllm-hotfix-probes/{script}": _probe(script), **(extra or {})} if run is None else dict(extra or {})
+    def probe(self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
+              fallback_name: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+        """Run probe ``script`` alone in a container of ``image`` (the base's imports: another image than the
+        runner's)."""
         start = time.monotonic()
         try:
-            res = self.engine.run(
-                image.id, [self.opt.python, run or f"{PROBE_DIR}/{script}", *args], files=files, gpu=gpu,
-                timeout=self.opt.probe_timeout, **(self._cache_args(image) if cache else {}),
-            )
+            res = self.engine.run(image.id, [self.opt.python, f"{PROBE_DIR}/{script}", *args],
+                                  files={f"vllm-hotfix-probes/{script}": _probe(script)}, gpu=gpu,
+                                  timeout=self.opt.probe_timeout)
         except EngineLost as exc:
             took = time.monotonic() - start
             return [{"name": fallback_name or script, "status": "incomplete", "detail": str(exc)}], {}, took
@@ -296,17 +282,6 @@ class Smoke:
             return {}
         folder = self.root / "patches" / defn.patch_set / "checks"
         return {f"vllm-hotfix-probes/checks/{p.name}": p.read_bytes() for p in sorted(folder.glob("*.py"))}
-
-    def patch_modules(self, image: ImageInfo) -> list[str]:
-        """The modules of the image the patch set touches: each must import for the GPU checks to count."""
-        defn = self.definition(image)
-        if defn is None:
-            return []
-        try:
-            series = patches.load_series(self.root, defn.patch_set, defn.package)
-        except PatchError as exc:
-            raise SmokeError(f"patches/{defn.patch_set}: {exc}") from exc
-        return modules_of(f for patch in series for f in patch.files)
 
     def expectation(self, image: ImageInfo) -> expected.Expected | str:
         """What the patched files must be, or why that cannot be known."""
@@ -365,6 +340,10 @@ class Smoke:
             return self._ended(report, start, "incomplete", str(exc))
         except EngineError as exc:
             return self._ended(report, start, "fail", str(exc))
+        except RunnerFailed as exc:
+            # The image's Python could not run the checks (or never finished): that is the run's outcome.
+            self.say(f"    {exc}" + (f"\n{exc.hint}" if getattr(exc, "hint", None) else ""))
+            return self._ended(report, start, "incomplete" if exc.incomplete else "fail", str(exc))
         verdict = launched.verdict
         if launched.answers is not None and self.opt.record_reference is not None:
             self.keep_answers(launched.answers)
@@ -549,12 +528,6 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
     judged = files.judged
     return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
                      found.source, missing_compiled(judged))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def landed_problem(engine: Engine, root: Path, image: ImageInfo,

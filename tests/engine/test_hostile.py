@@ -105,3 +105,25 @@ def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v025
         # they were built from go with them.
         for image_id in made:
             engine.remove_image(image_id)
+
+
+def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
+        engine: Engine, built: tuple[Path, str, str], unique: str) -> None:
+    """The runner is the image's own Python: one that prints garbage is the image's failing, recorded as such."""
+    from vllm_hotfix import records
+    from vllm_hotfix.verdicts import Status
+
+    project, _, image_id = built
+    ref = f"hotfix-test/mutepython-{unique}:x"
+    derived = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3",
+                     {"python3": b"#!/bin/sh\necho 'not a verdict'\nexit 3\n"}, {"python3": 0o755})
+    try:
+        r = cli("smoke", ref, "--gpu", "off", root=project)
+        fails(r, "smoke failed", "runner")
+        assert r.rc == 7
+        assert "the runner gave no report" in r.err
+        [entry] = records.verdicts(project, derived)
+        assert entry.verdict.status is Status.FAIL
+        assert {c.name: c.status for c in entry.verdict.checks}["patch-landed"] is Status.PASS
+    finally:
+        engine.remove_image(ref)

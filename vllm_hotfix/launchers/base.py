@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import Malformed, SmokeError
+from ..errors import Malformed, RunnerFailed
 from ..runner import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, MOUNT, REPORT_MARK
 from ..verdicts import Verdict
 
@@ -128,8 +128,8 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
             else:
                 answers = data
         except (binascii.Error, ValueError, Malformed) as exc:
-            raise SmokeError(f"{where}: the runner's {what[mark]} is unreadable ({exc})") from None
+            raise RunnerFailed(f"{where}: the runner's {what[mark]} is unreadable ({exc})") from None
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise SmokeError(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
+        raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
     return Launched(verdict, envelope, tail, answers)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import Engine, GpuRequest
-from ..errors import SmokeError
+from ..errors import RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
 
@@ -63,5 +63,5 @@ class DockerLauncher:
                               mounts=mounts, timeout=self.timeout, env=self.env or None, writable=self.writable,
                               follow=self.follow)
         if res.exit_code == 124:
-            raise SmokeError(f"the runner in {image} did not finish within {self.timeout:.0f} s")
+            raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True)
         return results(res.stdout, res.stderr, f"runner in {image} (docker)")
