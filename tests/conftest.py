@@ -14,9 +14,10 @@ the real vLLM wheels (see vllm_hotfix/standin.py) and reused across runs.
 
 A session that reaches an engine ends by comparing every engine it could use
 with what they held when it started, and fails naming any image, tag or
-container it left (the stand-ins' rootfs cache excepted). The engine tiers run
-in one process (their stand-ins and built image are shared per session); the
-unit tier may run on several workers (`make unit`).
+container it left (the stand-ins' rootfs cache excepted). `make test` runs
+two workers, one per engine (see :func:`pytest_collection_modifyitems`): the
+tests of one engine run one after another on one worker, sharing its
+stand-ins and built image; the two engines' lanes run side by side.
 """
 
 from __future__ import annotations
@@ -56,11 +57,15 @@ REPO = Path(__file__).resolve().parent.parent
 # The tests' own namespace, one per run: a test run never tags (or replaces)
 # anything under the real vllm/vllm-openai name on the engine it runs against,
 # and two runs on one engine never untag each other's stand-ins.
-STANDIN_REPO = "hotfix-test/vllm-openai-" + os.environ.setdefault(
-    "VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
+# One token per run, shared by its workers (set before they start); each worker
+# adds its own name, so that no worker takes another's container for its own.
+RUN_TOKEN = os.environ.setdefault("VLLM_HOTFIX_TEST_TOKEN", uuid.uuid4().hex[:12])
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 # Every container started by this test run (and the CLIs it spawns) carries
 # this label, so the leak check ignores other users of the same engine.
-RUN_ID = os.environ.setdefault("VLLM_HOTFIX_RUN_ID", f"pytest-{uuid.uuid4().hex[:12]}")
+RUN_ID = f"pytest-{RUN_TOKEN}" + (f"-{WORKER}" if WORKER else "")
+os.environ["VLLM_HOTFIX_RUN_ID"] = RUN_ID
+STANDIN_REPO = "hotfix-test/vllm-openai-" + RUN_ID
 TIERS = ("unit", "serve", "engine", "platforms", "gpu_access")
 # Where a unit test's engine and package index would be: nowhere, so a unit
 # test that reaches for either fails at once instead of passing slowly.
@@ -78,13 +83,23 @@ ENGINES = tuple(dict.fromkeys([
 # stand-ins' Debian root file systems, made once per engine with mmdebstrap.
 KEPT_REPOSITORIES = (standin.ROOTFS_REF.split(":")[0],)
 RUN_LABEL = "io.vllm-hotfix.run"
-RUN_TOKEN = RUN_ID.rsplit("-", 1)[-1]
+RUN_PREFIX = f"pytest-{RUN_TOKEN}"
+# Fixtures that reach the default engine: a test that asks for one runs in the default engine's lane.
+DEFAULT_ENGINE_FIXTURES = ("engine", "built", "built_once", "project_copy")
 # Names the suite gives images: hotfix-test/..., and pushes' local tags to loopback registries.
 TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test with its tier, the folder it sits in under tests/."""
+    """Mark each test with its tier, the folder it sits in under tests/, and its engine's lane.
+
+    ``make test`` runs two workers (``-n 2 --dist loadgroup``): every test that
+    reaches the default engine in one lane, every one that reaches only the
+    Docker 26.1 engine (platforms, GPU access) in the other, each lane in
+    order on one worker; unit and serve tests go to whichever is free. An
+    engine is never used by two tests at once, so each test's own leak check
+    still holds.
+    """
     here = Path(__file__).resolve().parent
     for item in items:
         parts = item.path.resolve().relative_to(here).parts
@@ -92,6 +107,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests belong in a tier folder ({', '.join(TIERS)})")
         item.add_marker(getattr(pytest.mark, tier))
+        if tier in ("unit", "serve"):
+            continue
+        names = getattr(item, "fixturenames", ())
+        default = tier == "engine" or any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
+        item.add_marker(pytest.mark.xdist_group("default-engine" if default else "platform-engine"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +136,8 @@ def engine_state(url: str) -> EngineState | None:
         images={i["Id"]: tuple(t for t in i.get("RepoTags") or () if t != "<none>:<none>") for i in images},
         # Containers another run of the tool or of this suite started (labelled with its run ID) are its own.
         containers={c["Id"]: f"{(c.get('Names') or ['?'])[0].lstrip('/')} ({c.get('Image')}, {c.get('Status')})"
-                    for c in containers if (c.get("Labels") or {}).get(RUN_LABEL, RUN_ID) == RUN_ID},
+                    for c in containers
+                    if (c.get("Labels") or {}).get(RUN_LABEL, RUN_PREFIX).startswith(RUN_PREFIX)},
     )
 
 
@@ -140,14 +161,28 @@ def leftovers(url: str, before: EngineState) -> list[str]:
     return out
 
 
+def _reaches_engines(config: pytest.Config) -> bool:
+    """Whether the run's paths reach beyond the unit and serve tiers (which see no engine)."""
+    here = Path(__file__).resolve().parent
+    paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [here]
+    for path in paths:
+        try:
+            rel = path.relative_to(here).parts
+        except ValueError:
+            return True
+        if not rel or rel[0] not in ("unit", "serve"):
+            return True
+    return False
+
+
 @pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Before the first test: what each engine holds, where the session reaches any engine at all."""
-    if all(item.get_closest_marker("unit") is not None for item in session.items):
-        return
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        # Workers share one run token and one set of engines: none of them can
-        # tell its own leftovers from another's. The engine tiers run serially.
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before the first test: what each engine holds, where the run reaches any engine at all.
+
+    Taken once per run: by the process that starts the workers, or by the
+    only process. Workers leave it to that one, which compares after they end.
+    """
+    if WORKER or not _reaches_engines(session.config):
         return
     states = {url: engine_state(url) for url in ENGINES}
     session.config.stash[ENGINES_BEFORE] = {url: s for url, s in states.items() if s is not None}

@@ -15,6 +15,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import PipelineError, StorageError
@@ -93,3 +95,18 @@ def claim(path: Path, *, mode: int = 0o600, error: type[PipelineError] = Storage
         raise error(f"cannot create {path}: {exc.strerror or exc}") from exc
     os.close(fd)
     return True
+
+
+@contextmanager
+def one_writer(path: Path) -> Iterator[None]:
+    """Hold ``path``.lock while the body makes ``path``: a second process making the same file waits for the
+    first, then finds it made (two ``standin`` runs, or two test workers, sharing one cache)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

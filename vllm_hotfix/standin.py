@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import platforms, registry, wheels
+from .atomic import one_writer
 from .engine import Engine, ImageInfo, labels, split_reference
 from .errors import BaseImageError, PushError, UpstreamError
 from .platforms import Platform
@@ -75,17 +76,18 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
         own = plat.machine == wheels.host_machine() and tar.exists()
         tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
         cmd.append(f"--architectures={plat.debian_arch}")
-    if not tar.exists():
-        slow = plat is not None and plat.machine != wheels.host_machine()
-        progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 and pip "
-                 f"(mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
-        part = tar.with_suffix(".part.tar")
-        proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            part.unlink(missing_ok=True)
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise BaseImageError(f"mmdebstrap failed: {last}")
-        part.rename(tar)
+    with one_writer(tar):
+        if not tar.exists():
+            slow = plat is not None and plat.machine != wheels.host_machine()
+            progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 "
+                     f"and pip (mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
+            part = tar.with_suffix(".part.tar")
+            proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                part.unlink(missing_ok=True)
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise BaseImageError(f"mmdebstrap failed: {last}")
+            part.rename(tar)
     progress(f"importing {tar.name} as {ref}")
     return engine.import_rootfs(str(tar), ref, str(plat) if plat is not None else None)
 

@@ -25,6 +25,7 @@ from packaging.tags import parse_tag
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from .atomic import one_writer
 from .errors import PinError, PipelineError, UpstreamError
 from .sources import cache_dir
 
@@ -189,12 +190,16 @@ def release(root: Path, version: str, progress: Progress, plat: Platform | None 
     found = for_machine(find(folder, "vllm", version), machine)
     if found:
         return found[0]
-    progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
-    # pip picks the running machine's wheel unless told otherwise; abi3 wheels fit any CPython 3.
-    target = Target("3.12", "cp", ("abi3",), (plat.wheel_tag,)) if plat is not None else None
-    got = download("vllm", version, folder, target,
-                   hint="check the release exists (pip index versions vllm) and PyPI is reachable")
-    found = for_machine(got, machine)
-    if not found:
-        raise UpstreamError(f"pip download vllm=={version} gave no {machine} wheel in {folder}")
-    return found[0]
+    with one_writer(folder / f"vllm-{version}-{machine}"):
+        found = for_machine(find(folder, "vllm", version), machine)  # another process may have fetched it
+        if found:
+            return found[0]
+        progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
+        # pip picks the running machine's wheel unless told otherwise; abi3 wheels fit any CPython 3.
+        target = Target("3.12", "cp", ("abi3",), (plat.wheel_tag,)) if plat is not None else None
+        got = download("vllm", version, folder, target,
+                       hint="check the release exists (pip index versions vllm) and PyPI is reachable")
+        found = for_machine(got, machine)
+        if not found:
+            raise UpstreamError(f"pip download vllm=={version} gave no {machine} wheel in {folder}")
+        return found[0]
