@@ -90,6 +90,7 @@ DEFAULT_ENGINE_FIXTURES = ("engine", "built", "built_once", "project_copy")
 TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the lane marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its tier, the folder it sits in under tests/, and its engine's lane.
 

@@ -70,3 +70,24 @@ def test_a_really_full_disk_leaves_nothing_behind(small_disk: Path) -> None:
         write_atomic(small_disk / "big.json", b"x" * (256 * 1024), exclusive=True, error=RecordError)
     assert f"cannot write {small_disk / 'big.json'}: the disk is full" in str(err.value)
     assert sorted(p.name for p in small_disk.iterdir()) == ["keep.json"]
+
+
+def test_one_writer_makes_a_file_once_for_two_processes(tmp_path: Path) -> None:
+    """Two processes wanting the same cached file: the second waits for the first, then finds it made."""
+    import sys
+
+    target, made = tmp_path / "rootfs.tar", tmp_path / "made.log"
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from vllm_hotfix.atomic import one_writer\n"
+        "target, made = Path(sys.argv[1]), Path(sys.argv[2])\n"
+        "with one_writer(target):\n"
+        "    if not target.exists():\n"
+        "        time.sleep(0.5)\n"
+        "        with open(made, 'a') as fh: fh.write('made\\n')\n"
+        "        target.write_text('x')\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(target), str(made)]) for _ in range(2)]
+    assert [p.wait(30) for p in procs] == [0, 0]
+    assert made.read_text() == "made\n" and target.read_text() == "x"
