@@ -68,8 +68,8 @@ demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from 
 	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --platform all \
 		--registry $(REGISTRY) --allow-gpu-unverified
 
-test: setup services ## Run every tier against real engines and registries: two workers, one per engine
-	$(PYTHON) -m pytest -v -n 2 --dist loadgroup --durations=15 tests
+test: setup services ## Run every tier against real engines and registries: one worker per engine
+	$(PYTHON) -m pytest -v -n 3 --dist loadgroup --durations=15 tests
 
 unit: ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
 	$(PYTHON) -m pytest -q -n 2 tests/unit

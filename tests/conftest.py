@@ -15,9 +15,9 @@ the real vLLM wheels (see vllm_hotfix/standin.py) and reused across runs.
 A session that reaches an engine ends by comparing every engine it could use
 with what they held when it started, and fails naming any image, tag or
 container it left (the stand-ins' rootfs cache excepted). `make test` runs
-two workers, one per engine (see :func:`pytest_collection_modifyitems`): the
+one worker per engine (see :func:`pytest_collection_modifyitems`): the
 tests of one engine run one after another on one worker, sharing its
-stand-ins and built image; the two engines' lanes run side by side.
+stand-ins and built image; the engines' lanes run side by side.
 """
 
 from __future__ import annotations
@@ -94,12 +94,13 @@ TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its tier, the folder it sits in under tests/, and its engine's lane.
 
-    ``make test`` runs two workers (``-n 2 --dist loadgroup``): every test that
-    reaches the default engine in one lane, every one that reaches only the
-    Docker 26.1 engine (platforms, GPU access) in the other, each lane in
-    order on one worker; unit and serve tests go to whichever is free. An
-    engine is never used by two tests at once, so each test's own leak check
-    still holds.
+    ``make test`` runs three workers (``-n 3 --dist loadgroup``), one lane
+    per engine, each lane in order on one worker: every test that reaches the
+    default engine; every one that reaches only the Docker 26.1 engine
+    (platforms, GPU access); the fault tests that start and kill an engine of
+    their own. Unit and serve tests go to whichever worker is free. An engine
+    is never used by two tests at once, so each test's own leak check still
+    holds.
     """
     here = Path(__file__).resolve().parent
     for item in items:
@@ -111,8 +112,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier in ("unit", "serve"):
             continue
         names = getattr(item, "fixturenames", ())
-        default = tier == "engine" or any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
-        item.add_marker(pytest.mark.xdist_group("default-engine" if default else "platform-engine"))
+        default = any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
+        if "private" in names and not default:
+            lane = "private-engine"  # an engine of the test's own (tests/engine/test_faults.py)
+        elif tier == "engine" or default:
+            lane = "default-engine"
+        else:
+            lane = "platform-engine"
+        item.add_marker(pytest.mark.xdist_group(lane))
 
 
 @dataclass(frozen=True, slots=True)
