@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -348,3 +349,17 @@ def apply_series(patches: list[Patch], workdir: Path, *, skip_included: bool = F
             "(check-upstream says which patches a release carries)",
         )
     return included
+
+
+def modules_of(files: Iterable[str]) -> list[str]:
+    """Dotted module names of the Python files among ``files`` (paths from site-packages), sorted."""
+    out: set[str] = set()
+    for path in files:
+        parts = PurePosixPath(path).parts
+        if not parts or not parts[-1].endswith(".py"):
+            continue
+        stem = parts[-1][: -len(".py")]
+        names = list(parts[:-1]) + ([] if stem == "__init__" else [stem])
+        if names and all(n.isidentifier() for n in names):
+            out.add(".".join(names))
+    return sorted(out)

@@ -36,10 +36,10 @@ import json
 import logging
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from . import (
@@ -158,20 +158,6 @@ def as_check(raw: dict[str, Any], seconds: float, probe: str) -> Check:
         return Check(name or probe, Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
     return Check(check.name, check.status, check.detail, seconds, check.data, check.ran_against, check.stubs,
                  check.import_errors)
-
-
-def modules_of(files: Iterable[str]) -> list[str]:
-    """Dotted module names of the Python files among ``files`` (paths from site-packages), sorted."""
-    out: set[str] = set()
-    for path in files:
-        parts = PurePosixPath(path).parts
-        if not parts or not parts[-1].endswith(".py"):
-            continue
-        stem = parts[-1][: -len(".py")]
-        names = list(parts[:-1]) + ([] if stem == "__init__" else [stem])
-        if names and all(n.isidentifier() for n in names):
-            out.add(".".join(names))
-    return sorted(out)
 
 
 def _probe(name: str) -> bytes:
@@ -300,7 +286,7 @@ class Smoke:
         its job. Its GPU checks are judged again here, where the image's base
         can be asked which imports fail in it too.
         """
-        from .launchers import plan
+        from .launchers import facts, plan
         from .launchers.docker import DockerLauncher
 
         image = self.engine.image(ref)
@@ -334,7 +320,7 @@ class Smoke:
             launched = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request,
                                   checks=[c.to_dict() for c in report.checks], host=report.host,
                                   expected_from=report.expected_from,
-                                  compiled_missing=missing_compiled(files.judged) if files is not None else (),
+                                  compiled_missing=facts.missing_compiled(files.judged) if files is not None else (),
                                   landed=landed, gpu_unavailable=unavailable, echo=False)
         except EngineLost as exc:
             return self._ended(report, start, "incomplete", str(exc))
@@ -465,69 +451,6 @@ class Smoke:
             self.say(f"    the base's imports gave no answer ({'; '.join(c.detail for c in found)[:200]})")
             return None
         return {m: e for c in found for m, e in c.import_errors.items()}
-
-
-def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
-    """Compiled files RECORD lists but the image lacks; the base's named so. They keep it from GPU-verified."""
-    return (*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base))
-
-
-@dataclass(frozen=True, slots=True)
-class FileFacts:
-    """The file checks of a run whose other checks a runner makes elsewhere, and what they found."""
-
-    checks: tuple[dict[str, Any], ...]
-    expected_from: str
-    compiled_missing: tuple[str, ...] = ()  # compiled files RECORD lists but the image lacks (the base's named so)
-
-
-FILE_CHECKS = ("patch-landed", "package-version", "integrity")
-
-
-def unread_file_checks(why: str) -> list[dict[str, Any]]:
-    """The file checks as incomplete, saying ``why``: a run cannot pass without them."""
-    return [{"name": name, "status": "incomplete", "detail": why, "data": {"answered_by": integrity.FILESYSTEM}}
-            for name in FILE_CHECKS]
-
-
-def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
-               say: Callable[[str], None] = lambda _l: None) -> FileFacts:
-    """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
-
-    For ``--launcher podman|kubernetes``: the same expectation and judgement
-    as a Docker run (:func:`~vllm_hotfix.integrity.check_image`), only the
-    files come from wherever the image is started. ``expect_from``: the Docker
-    engine that may hold the base to recompute the expectation from (None:
-    none; the build record alone then). Files that cannot be read make the
-    checks incomplete: the run cannot pass without them.
-    """
-    fs = {"answered_by": integrity.FILESYSTEM}
-    try:
-        try:
-            found: expected.Expected | str = expected.for_image(expect_from, root, image)
-        except EngineError as exc:
-            say(f"    no Docker engine to read the base from ({str(exc).splitlines()[0]}): the build record alone")
-            found = expected.for_image(None, root, image)
-    except UnknownExpectation as exc:
-        found = str(exc)
-    if isinstance(found, str):
-        return FileFacts(({"name": "patch-landed", "status": "fail", "detail": found, "data": fs},), "unknown")
-    extra: list[dict[str, Any]] = []
-    pinned: list[str] = []
-    try:
-        defn = definitions.load(root, found.definition)
-        pinset = pins.load(root, defn.patch_set, defn.package)
-        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
-    except (DefinitionError, PinError) as exc:
-        extra.append({"name": "pins", "status": "fail", "detail": str(exc)})
-    try:
-        files = integrity.check_image(files_from, sources.cache_dir(root), image.id, found, pinned, say)
-    except EngineError as exc:
-        why = f"the image's files could not be read: {str(exc).splitlines()[0]}"
-        return FileFacts(tuple(unread_file_checks(why) + extra), found.source)
-    judged = files.judged
-    return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
-                     found.source, missing_compiled(judged))
 
 
 def landed_problem(engine: Engine, root: Path, image: ImageInfo,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from conftest import Registry, cli, derive, docker_cli
 from vllm_hotfix import blobs, registry
-from vllm_hotfix import smoke as smokelib
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.launchers import facts
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
@@ -26,7 +26,7 @@ def pushed(project: Path, ref: str, reg: Registry) -> dict[str, str]:
     return {"name": name, "by_digest": f"{name}@{data['digest']}", "digest": data["digest"]}
 
 
-def by_status(facts: smokelib.FileFacts) -> dict[str, str]:
+def by_status(facts: facts.FileFacts) -> dict[str, str]:
     return {c["name"]: c["status"] for c in facts.checks}
 
 
@@ -41,10 +41,10 @@ def test_registry_blobs_give_the_facts_the_engine_gives(engine: Engine, built: t
     files = source(engine, where["by_digest"])
     info = files.image(where["digest"])
     assert info is not None and info.id == image_id  # the config digest is the image ID the engine gives
-    from_registry = smokelib.file_facts(project, info, files, engine)
+    from_registry = facts.file_facts(project, info, files, engine)
     local = engine.image(image_id)
     assert local is not None
-    from_engine = smokelib.file_facts(project, local, engine, engine)
+    from_engine = facts.file_facts(project, local, engine, engine)
     assert by_status(from_registry) == by_status(from_engine) == {
         "patch-landed": "pass", "package-version": "pass", "integrity": "pass"}
     landed = {c["name"]: c for c in from_registry.checks}["patch-landed"]
@@ -75,8 +75,8 @@ def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
         files = source(engine, digest)
         info = files.image(digest.partition("@")[2])
         assert info is not None
-        facts = by_status(smokelib.file_facts(project, info, files, engine))
-        assert facts["patch-landed"] == "fail"
+        statuses = by_status(facts.file_facts(project, info, files, engine))
+        assert statuses["patch-landed"] == "fail"
 
         # The registry's copy of the top layer altered on disk: the read stops and names the layer.
         top = json.loads(registry_manifest(registry, digest))["layers"][-1]["digest"]
@@ -84,7 +84,7 @@ def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
         body = bytearray(data.read_bytes())
         body[-1] ^= 0xFF  # the gzip trailer's last byte: the tar inside still reads, only the digest tells
         data.write_bytes(bytes(body))
-        found = smokelib.file_facts(project, info, source(engine, digest), engine)
+        found = facts.file_facts(project, info, source(engine, digest), engine)
         assert by_status(found)["patch-landed"] == "incomplete"
         assert f"layer {top[:19]}" in found.checks[0]["detail"] and "hash" in found.checks[0]["detail"]
     finally:

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO
 from vllm_hotfix.errors import Malformed, SmokeError
-from vllm_hotfix.smoke import modules_of
+from vllm_hotfix.patches import modules_of
 from vllm_hotfix.verdicts import Check, Status, judge, judge_gpu, require_pass
 
 TORCH = Check("gpu-torch", Status.PASS, "1 device(s)", ran_against="torch")

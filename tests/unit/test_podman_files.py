@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import smoke
 from vllm_hotfix.engine import ImageInfo
 from vllm_hotfix.expected import Expected
+from vllm_hotfix.launchers import facts
 from vllm_hotfix.launchers.podman import PodmanFiles, PodmanLauncher
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -92,7 +92,7 @@ def test_reads_folders_names_missing_and_links_and_removes_its_container(
 
 def _expect(monkeypatch: pytest.MonkeyPatch, good: bytes) -> None:
     want = Expected({"pkg/a.py": hashlib.sha256(good).hexdigest()}, "pkg", "1.0", "x", "test", site_dir="/site")
-    monkeypatch.setattr(smoke.expected, "for_image", lambda _e, _r, _i: want)
+    monkeypatch.setattr(facts.expected, "for_image", lambda _e, _r, _i: want)
 
 
 def _info() -> ImageInfo:
@@ -104,7 +104,7 @@ def test_an_altered_patched_file_fails_patch_landed_read_through_podman(
     files, _, _ = podman
     _expect(monkeypatch, b"patched\n")
     monkeypatch.setenv("VLLM_HOTFIX_CACHE", str(tmp_path / "cache"))
-    found = smoke.file_facts(tmp_path, _info(), files, None)
+    found = facts.file_facts(tmp_path, _info(), files, None)
     by_name = {c["name"]: c for c in found.checks}
     landed = by_name["patch-landed"]
     assert landed["status"] == "fail" and "altered after the build" in landed["detail"]
@@ -115,8 +115,8 @@ def test_files_that_cannot_be_read_are_incomplete_never_skipped(monkeypatch: pyt
                                                                 tmp_path: Path) -> None:
     _expect(monkeypatch, b"patched\n")
     files = PodmanFiles(PodmanLauncher(podman=str(tmp_path / "no-podman")))
-    found = smoke.file_facts(tmp_path, _info(), files, None)
+    found = facts.file_facts(tmp_path, _info(), files, None)
     statuses = {c["name"]: c["status"] for c in found.checks}
-    assert {statuses[n] for n in smoke.FILE_CHECKS} == {"incomplete"}, statuses
+    assert {statuses[n] for n in facts.FILE_CHECKS} == {"incomplete"}, statuses
     assert "skip" not in statuses.values()
     assert json.dumps(found.checks)

@@ -16,10 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import smoke as smokelib
 from ..engine import Engine
 from ..errors import EngineError, UsageError
-from . import plan
+from . import facts, plan
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +40,28 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: An
     from .podman import PodmanFiles, PodmanLauncher
 
     launcher = PodmanLauncher(python=options.python)
-    facts = launcher.image_facts(image_ref)
-    config = facts.get("Config") or {}
-    labels = dict(config.get("Labels") or facts.get("Labels") or {})
-    image_id = "sha256:" + str(facts.get("Id", "")).removeprefix("sha256:")
+    inspected = launcher.image_facts(image_ref)
+    config = inspected.get("Config") or {}
+    labels = dict(config.get("Labels") or inspected.get("Labels") or {})
+    image_id = "sha256:" + str(inspected.get("Id", "")).removeprefix("sha256:")
     target = plan.Target(image_ref, image_id, image_id, labels,
-                         f"{facts.get('Os', '')}/{facts.get('Architecture', '')}",
+                         f"{inspected.get('Os', '')}/{inspected.get('Architecture', '')}",
                          entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
-                         repo_digests=tuple(facts.get("RepoDigests") or ()))
+                         repo_digests=tuple(inspected.get("RepoDigests") or ()))
     # File facts from podman's own copy, the one it starts; the expectation from the base where a Docker
     # engine holds it, else from the build record.
     files = PodmanFiles(launcher)
     info = files.image(image_id)
     missing: tuple[str, ...] = ()
     if info is None:
-        checks = smokelib.unread_file_checks(f"podman has no image {image_id}: its files were not read")
+        checks = facts.unread_file_checks(f"podman has no image {image_id}: its files were not read")
         expected_from = ""
     else:
         try:
             docker: Engine | None = engine()
         except EngineError:
             docker = None
-        found = smokelib.file_facts(root, info, files, docker, say)
+        found = facts.file_facts(root, info, files, docker, say)
         checks, expected_from, missing = list(found.checks), found.expected_from, found.compiled_missing
     key = key_file(sign_key)
     try:
@@ -96,9 +95,9 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     except EngineError as exc:
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
         say(f"    {why}")
-        return smokelib.unread_file_checks(why), "", (), None
+        return facts.unread_file_checks(why), "", (), None
     say(f"==> reading the files of {ref} from its registry's blobs")
-    found = smokelib.file_facts(root, info, source, docker, say)
+    found = facts.file_facts(root, info, source, docker, say)
     return list(found.checks), found.expected_from, found.compiled_missing, info
 
 

@@ -81,8 +81,6 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
     ``gpu_unavailable`` the ``gpu`` check (status, detail, why) a host that
     found no GPU request reaching the image settled before the launch.
     """
-    from ..smoke import modules_of
-
     if getattr(options, "record_reference", None) is not None and launcher != "docker":
         raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
                          f"Docker, then give them to the {launcher} launcher with --reference")
@@ -121,7 +119,7 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
         except PinError as exc:
             out["checks"].append({"name": "pins", "status": "fail", "detail": str(exc)})
             pinset = None
-        out["gpu"]["modules"] = modules_of(f for patch in series for f in patch.files)
+        out["gpu"]["modules"] = patches.modules_of(f for patch in series for f in patch.files)
         if pinset is not None:
             out["env_names"] = [p.spelled for p in pinset.pins]
             out["pins"] = {"pins": [{"name": p.spelled, "version": p.version, "record": _record(root, p)}
