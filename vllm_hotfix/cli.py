@@ -303,13 +303,15 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
 
     wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
-    smoke = None
-    if not no_smoke:
+    def smoke(engine: Engine, image_id: str, want: Any) -> Any:
+        # Imported when a build is smoked, not for one that is reused (the sweep's HTTP stack is ~0.1 s).
         from . import smoke as smokelib
 
-        smoke = smokelib.runner(obj.root, progress)
+        return smokelib.runner(obj.root, progress)(engine, image_id, want)
+
     options = pipeline.BuildOptions(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
-                                    builder=builder, wheelhouse=wheelhouse, smoke=smoke, progress=progress)
+                                    builder=builder, wheelhouse=wheelhouse, smoke=None if no_smoke else smoke,
+                                    progress=progress)
     local = obj.engine.image(plan.base_ref)
     bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
                                     local=local, progress=progress)
