@@ -301,7 +301,7 @@ class Smoke:
         clock.mark("files")
         early_stop = bool(report.failed()) and not self.opt.keep_going
         request, unavailable = (None, None) if early_stop else self.gpu_plan(report, image)
-        if "gpu_access" not in report.phases and not early_stop and self.opt.gpu != "off":
+        if not early_stop and self.opt.gpu != "off":
             clock.mark("gpu_access")
         cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
         if cache is not None:
@@ -333,7 +333,7 @@ class Smoke:
         verdict = launched.verdict
         if launched.answers is not None and self.opt.record_reference is not None:
             self.keep_answers(launched.answers)
-        verdict = self.rejudge(verdict, image, request)
+        verdict = self.rejudge(verdict, image)
         # The runner's GPU facts, with the host's own on how the request was found.
         gpu = {**dict(verdict.gpu), **{k: v for k, v in report.gpu.items()
                                        if k not in ("mode", "verified", "why_unverified")}}
@@ -421,19 +421,16 @@ class Smoke:
             return None, {"status": "skip", "detail": f"{why}: image is GPU-unverified", "why": why}
         return str(access.chosen), None
 
-    def rejudge(self, verdict: Verdict, image: ImageInfo, request: str | None) -> Verdict:
+    def rejudge(self, verdict: Verdict, image: ImageInfo) -> Verdict:
         """The runner's GPU checks judged here, from what they said: an import that fails in the image is asked
         of its base too (same GPU request), so that the base's own failures are named as the base's."""
+        access = self._access.get(image.id)
         raw = [as_check(c, float(c.get("seconds", 0)), "gpu") for c in verdict.gpu.get("raw_checks") or []
                if isinstance(c, dict)]
-        if not raw or request is None:
+        if not raw or access is None or access.chosen is None:
             return verdict
         unimportable = sorted({m for c in raw for m in c.import_errors})
-        base_errors = None
-        if unimportable:
-            from .launchers.docker import gpu_request
-
-            base_errors = self.base_import_errors(image, unimportable, gpu_request(request))  # type: ignore[arg-type]
+        base_errors = self.base_import_errors(image, unimportable, access.chosen) if unimportable else None
         return verdicts.rejudge_gpu(verdict, raw, require=self.opt.gpu == "require", base_import_errors=base_errors)
 
     def base_import_errors(self, image: ImageInfo, modules: Sequence[str], gpu: GpuRequest) -> dict[str, str] | None:

@@ -187,3 +187,26 @@ def test_topk_worker_keeps_what_it_stubbed_when_the_import_fails(topk: ModuleTyp
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     assert "error" in rec and "vllm._C_stable_libtorch" in rec["import"]["import_errors"]
     assert topk.provenance({"tp1": rec})["ran_against"] == "stub"
+
+
+def test_the_host_judges_a_runners_gpu_checks_again_with_the_base() -> None:
+    """The runner judged without the base; the host, which can ask the base, names the base's import as the base's."""
+    from vllm_hotfix.verdicts import rejudge_gpu
+
+    said = [TORCH, IMPORTS_BAD]
+    inside = judge_gpu(said, require=False, base_import_errors=None)
+    files = Check("patch-landed", Status.PASS, "2 patched file(s) match")
+    runner = judge("img", "sha256:" + "a" * 64, [files, *inside.checks], gpu_verified=inside.verified,
+                   gpu={"mode": "auto", "way": "cdi:nvidia.com/gpu=all", "verified": inside.verified,
+                        "why_unverified": inside.why_unverified})
+    assert "the base was not probed" in runner.checks[2].detail
+    base = dict(IMPORTS_BAD.import_errors)
+    again = rejudge_gpu(runner, said, require=False, base_import_errors=base)
+    assert [c.name for c in again.checks] == ["patch-landed", "gpu-torch", "model-imports"]
+    assert "in the base too: the base's deviation" in again.checks[2].detail
+    assert again.checks[2].status is Status.FAIL  # the check itself said fail: it stays a failure
+    assert again.gpu_verified is False and "model-imports fail" in again.gpu["why_unverified"]
+    # Compiled files the image lacks keep it unverified whatever the GPU checks say.
+    passing = judge("img", "sha256:" + "a" * 64, [files, TORCH], gpu_verified=True,
+                    gpu={"mode": "auto", "way": "gpus", "verified": True, "compiled_missing": ["vllm/_C.abi3.so"]})
+    assert rejudge_gpu(passing, [TORCH], require=False, base_import_errors=None).gpu_verified is False
