@@ -539,9 +539,13 @@ class Registry:
                                      stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                # Its port taken in the meantime (workers run side by side): another registry may answer there.
+                raise RuntimeError(f"registry on {self.addr} exited at once (exit {self.proc.returncode})")
             try:
                 if requests.get(f"http://{self.addr}/v2/", timeout=1).status_code in (200, 401):
-                    return
+                    if self.proc.poll() is None:
+                        return
             except requests.RequestException:
                 time.sleep(0.2)
         raise RuntimeError("registry did not start")
