@@ -9,7 +9,8 @@
 #   engine.tar.xz    Debian 13's docker.io 26.1 dockerd, containerd,
 #                    containerd-shim-runc-v2 and runc, Debian 12's tini-static
 #                    as docker-init (no CLI: the tool talks to the engine itself)
-#   vllm-src.tar.gz  vLLM's Python sources and its dist-info from the wheel
+#   vllm-src.tar.gz  vLLM's Python sources and its dist-info from the wheel (VLLM_FULL=1: the
+#                    whole wheel less two members, as vllm-src.tar.gz.part-NN + vllm-src.SHA256SUMS)
 #   wheels/tool/     what the tool needs beyond a typical GPU host's Python
 #   wheels/base/     what `vllm.models.minimax_m3.common` needs to import beyond
 #                    the same (installed into the GPU base image, not the host)
@@ -47,10 +48,23 @@ strip --strip-unneeded "$tmp"/engine/dockerd "$tmp"/engine/containerd "$tmp"/eng
 # -9e: a third slower than -6 here, 4 MB less to carry.
 tar -C "$tmp/engine" -cf - . | xz -T0 -9e >"$dest/engine.tar.xz"
 
-# vLLM's Python sources with their dist-info (the probes read RECORD and METADATA).
+# vLLM's Python sources with their dist-info (the probes read RECORD and METADATA). With VLLM_FULL=1,
+# the whole wheel (its compiled files too, so the GPU checks run vLLM's own kernels and the image can be
+# GPU-verified) less the Ampere flash-attention build and the opt-in Rust front end, whose RECORD lines go
+# with them (as bundle-serve.sh), split into parts of PART_SIZE (default 62M) that travel one at a time.
 mkdir -p "$tmp/vllm"
-(cd "$tmp/vllm" && unzip -q "$wheel" 'vllm/*.py' 'vllm-*.dist-info/*')
-tar -C "$tmp/vllm" -czf "$dest/vllm-src.tar.gz" .
+if [ -n "${VLLM_FULL:-}" ]; then
+  (cd "$tmp/vllm" && unzip -q "$wheel" -x 'vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs')
+  record=$(cd "$tmp/vllm" && ls -d vllm-*.dist-info)/RECORD
+  grep -v -e '^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so,' -e '^vllm/vllm-rs,' "$tmp/vllm/$record" >"$tmp/RECORD"
+  mv "$tmp/RECORD" "$tmp/vllm/$record"
+  rm -f "$dest"/vllm-src.tar.gz "$dest"/vllm-src.tar.gz.part-* "$dest"/vllm-src.SHA256SUMS
+  tar -C "$tmp/vllm" -czf - . | split -b "${PART_SIZE:-62M}" -d -a 2 - "$dest/vllm-src.tar.gz.part-"
+  (cd "$dest" && sha256sum vllm-src.tar.gz.part-* >vllm-src.SHA256SUMS)
+else
+  (cd "$tmp/vllm" && unzip -q "$wheel" 'vllm/*.py' 'vllm-*.dist-info/*')
+  tar -C "$tmp/vllm" -czf "$dest/vllm-src.tar.gz" .
+fi
 
 # Wheels for the GPU host's Python (3.12 on x86_64 unless PY_VERSION says otherwise).
 pyget() {

@@ -51,7 +51,16 @@ ENGINE=${GPU_HOST_ENGINE_DIR:-$WORK/engine}
 if [ ! -x "$ENGINE/dockerd" ]; then
   xz -dc "$BUNDLE/engine.tar.xz" | tar -C "$ENGINE" -xf - || die "cannot unpack $BUNDLE/engine.tar.xz"
 fi
-[ -d "$WORK/src/vllm" ] || tar -C "$WORK/src" -xzf "$BUNDLE/vllm-src.tar.gz" || die "cannot unpack vllm-src"
+if [ ! -d "$WORK/src/vllm" ]; then
+  if [ -f "$BUNDLE/vllm-src.SHA256SUMS" ]; then
+    # The whole wheel in parts (bundle.sh with VLLM_FULL=1): every part checked, then joined.
+    (cd "$BUNDLE" && sha256sum -c --quiet vllm-src.SHA256SUMS) || die "a vllm-src part is missing or damaged"
+    cat "$BUNDLE"/vllm-src.tar.gz.part-* | tar -C "$WORK/src" -xzf - || die "cannot unpack the vllm-src parts"
+  else
+    tar -C "$WORK/src" -xzf "$BUNDLE/vllm-src.tar.gz" || die "cannot unpack vllm-src"
+  fi
+  log "vLLM from the bundle: $(find "$WORK/src/vllm" -name '*.so' | wc -l) compiled file(s)"
+fi
 rm -rf "$WORK/repo" && mkdir -p "$WORK/repo" && tar -C "$WORK/repo" -xzf "$BUNDLE/repo.tar.gz" || die "no repo"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --upgrade \
   --target "$WORK/site" "$BUNDLE"/wheels/tool/*.whl >>"$LOG" 2>&1 || die "cannot install the tool's wheels"

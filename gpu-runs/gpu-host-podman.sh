@@ -14,7 +14,8 @@
 #    with STEPS_ENGINE=none when the images are already there);
 # 2. unpacks podman, writes the CDI spec podman reads (/var/run/cdi, CDI 0.5.0);
 # 3. saves the patched image and the unpatched base from the engine, loads them into podman;
-# 4. `build.py smoke --launcher podman --gpu require` on both (--sign-key SIGN_KEY when set);
+# 4. `build.py smoke --launcher podman --gpu require` on both, side by side (the base with --keep-going,
+#    so its GPU checks run after patch-landed fails; --sign-key SIGN_KEY when set);
 # 5. writes OUTDIR/record-podman.json (gpu_host.py record).
 # Environment as gpu-host-engine.sh, plus PODMAN_HOME (/var/lib/vllm-hotfix-podman),
 # SIGN_KEY (a PEM file: the runner signs inside the image), PODMAN_ULIMITS (see bundle-podman.sh).
@@ -82,13 +83,16 @@ done
 cd "$WORK/repo" || die "no $WORK/repo"
 sign=()
 [ -n "${SIGN_KEY:-}" ] && sign=(--sign-key "$SIGN_KEY" --attestation "$OUTDIR/patched-podman.dsse.json")
-log "smoke --launcher podman --gpu require: $PATCHED and $REPO_NAME:$TAG"
+# Side by side (one GPU is plenty for the GPU checks of two images; no server is started here).
+log "smoke --launcher podman --gpu require: $PATCHED and $REPO_NAME:$TAG, side by side"
 "$PY" build.py smoke "$PATCHED" --launcher podman --gpu require --gpu-request cdi:nvidia.com/gpu=all \
-  --report "$OUTDIR/patched-podman.json" "${sign[@]}" >"$OUTDIR/smoke-patched-podman.log" 2>&1
-r1=$?
+  --report "$OUTDIR/patched-podman.json" "${sign[@]}" >"$OUTDIR/smoke-patched-podman.log" 2>&1 &
+p1=$!
 "$PY" build.py smoke "$REPO_NAME:$TAG" --launcher podman --gpu require --gpu-request cdi:nvidia.com/gpu=all \
-  --definition "$TAG" --keep-going --report "$OUTDIR/unpatched-podman.json" >"$OUTDIR/smoke-unpatched-podman.log" 2>&1
-r2=$?
+  --definition "$TAG" --keep-going --report "$OUTDIR/unpatched-podman.json" >"$OUTDIR/smoke-unpatched-podman.log" 2>&1 &
+p2=$!
+wait $p1; r1=$?
+wait $p2; r2=$?
 log "smoke exit codes: patched $r1, unpatched $r2"
 
 # 5. the record
