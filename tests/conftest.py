@@ -85,7 +85,7 @@ KEPT_REPOSITORIES = (standin.ROOTFS_REF.split(":")[0],)
 RUN_LABEL = "io.vllm-hotfix.run"
 RUN_PREFIX = f"pytest-{RUN_TOKEN}"
 # Fixtures that reach the default engine: a test that asks for one runs in the default engine's lane.
-DEFAULT_ENGINE_FIXTURES = ("engine", "built", "built_once", "project_copy")
+DEFAULT_ENGINE_FIXTURES = ("engine", "built", "built_once")
 # Names the suite gives images: hotfix-test/..., and pushes' local tags to loopback registries.
 TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 
@@ -98,9 +98,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     per engine, each lane in order on one worker: every test that reaches the
     default engine; every one that reaches only the Docker 26.1 engine
     (platforms, GPU access); the fault tests that start and kill an engine of
-    their own. Unit and serve tests go to whichever worker is free. An engine
-    is never used by two tests at once, so each test's own leak check still
-    holds.
+    their own. Unit and serve tests go to whichever worker is free. Only one
+    lane builds on the default engine, so each test's own check for untagged
+    images there still names the test that left one (a test that compares
+    builds on both engines runs in the default lane; the 26.1 engine's
+    images are checked once, for the whole run).
     """
     here = Path(__file__).resolve().parent
     for item in items:
