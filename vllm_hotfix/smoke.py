@@ -24,11 +24,11 @@ is in the report (``phases``). The runner's container gets the compile cache
 of the image's base on that GPU model (:mod:`.compile_cache`), so a second
 image of the same base starts warm.
 
-It is one of the longer step modules because it is the one place a Docker
-smoke run is put together, and it also holds what the push gate re-reads
-from an image's layers (:func:`landed_problem`, :func:`pins_problem`) and
-the file facts the other launchers read from their own copy
-(:func:`file_facts`).
+It is one of the longer step modules (a little over 500 lines) because it
+is the one place a Docker smoke run is put together, and it also holds what
+the push gate re-reads from an image's layers (:func:`landed_problem`,
+:func:`pins_problem`). The file facts the other launchers read from their
+own copy are in :mod:`.launchers.facts`.
 """
 from __future__ import annotations
 
@@ -380,11 +380,11 @@ class Smoke:
             return None, None
         report.expected_from = found.source
         self.say(f"    expected hashes: {found.source}")
+        from .launchers.facts import pinned_names
+
         pinned: list[str] = []
         try:
-            defn = definitions.load(self.root, found.definition)
-            pinset = pins.load(self.root, defn.patch_set, defn.package)
-            pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+            pinned = pinned_names(self.root, found.definition)
         except (DefinitionError, PinError):
             pass  # the runner's job carries the same error as a failing pins check
         start_files = time.monotonic()
@@ -467,19 +467,17 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     problem = pins_problem(engine, root, image, found)
     if problem is not None:
         return problem
-    pinned: list[str] = []
+    from .launchers.facts import missing_compiled, pinned_names
+
     try:
-        defn = definitions.load(root, found.definition)
-        pinset = pins.load(root, defn.patch_set, defn.package)
-        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        pinned = pinned_names(root, found.definition)
     except (DefinitionError, PinError) as exc:
         return f"pins: {exc}"
     checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
     problems = checked.problems()
     if problems:
         return problems[0]
-    judged = checked.judged
-    missing = [*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base)]
+    missing = missing_compiled(checked.judged)
     if gpu_claimed and missing:
         return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
                 f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")

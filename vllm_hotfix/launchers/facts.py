@@ -41,6 +41,14 @@ def unread_file_checks(why: str) -> list[dict[str, Any]]:
             for name in FILE_CHECKS]
 
 
+def pinned_names(root: Path, definition: str) -> list[str]:
+    """The distributions the definition's patch set pins, as pins.txt spells them (integrity reads them as the
+    image's own); DefinitionError or PinError when the definition or its pins.txt is unusable."""
+    defn = definitions.load(root, definition)
+    pinset = pins.load(root, defn.patch_set, defn.package)
+    return [p.spelled for p in pinset.pins] if pinset is not None else []
+
+
 def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
                say: Callable[[str], None] = lambda _l: None) -> FileFacts:
     """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
@@ -66,9 +74,7 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
     extra: list[dict[str, Any]] = []
     pinned: list[str] = []
     try:
-        defn = definitions.load(root, found.definition)
-        pinset = pins.load(root, defn.patch_set, defn.package)
-        pinned = [p.spelled for p in pinset.pins] if pinset is not None else []
+        pinned = pinned_names(root, found.definition)
     except (DefinitionError, PinError) as exc:
         extra.append({"name": "pins", "status": "fail", "detail": str(exc)})
     try:
