@@ -10,7 +10,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import Registry, cli, fails
+from conftest import RegistryPlace, cli, fails
 from vllm_hotfix.engine import Engine
 
 
@@ -32,7 +32,7 @@ def _checkout(project: Path, where: Path) -> Path:
 
 
 def test_signed_verdict_travels_with_the_image(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, tmp_path: Path
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path
 ) -> None:
     project, ref, image_id = built
     key, pub = _keys(tmp_path, "site")
@@ -45,7 +45,7 @@ def test_signed_verdict_travels_with_the_image(
     assert statement["subject"][0]["digest"]["sha256"] == image_id.removeprefix("sha256:")
     assert statement["predicate"]["status"] == "pass" and statement["predicate"]["patches"]
 
-    dest = f"{registry.addr}/ops"
+    dest = f"{registry.place}/ops"
     r = cli("push", ref, "--registry", dest, "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
@@ -65,13 +65,13 @@ def test_signed_verdict_travels_with_the_image(
     assert r.rc == 24 and "not on H200" in r.err
 
     # The host that pushes need not be the one that ran smoke: a signed verdict and the key suffice.
-    r = cli("push", ref, "--registry", f"{registry.addr}/second", "--require-attestation", pub,
+    r = cli("push", ref, "--registry", f"{registry.place}/second", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
-    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", other_pub,
+    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", other_pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 22, r.err
-    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", pub,
+    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 21 and "no signed verdict" in r.err
 
@@ -82,13 +82,13 @@ def test_signed_verdict_travels_with_the_image(
     doc["payload"] = base64.b64encode(json.dumps(inner).encode()).decode()
     tampered = tmp_path / "tampered.dsse.json"
     tampered.write_text(json.dumps(doc))
-    r = cli("push", ref, "--registry", f"{registry.addr}/third", "--require-attestation", pub,
+    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--attestation", str(tampered), root=elsewhere)
     assert r.rc == 23 and "does not match its content" in r.err
 
 
 def test_a_signed_verdict_of_another_image_lets_nothing_through(
-    engine: Engine, built: tuple[Path, str, str], base_v0251: str, registry: Registry, tmp_path: Path
+    engine: Engine, built: tuple[Path, str, str], base_v0251: str, registry: RegistryPlace, tmp_path: Path
 ) -> None:
     project, ref, _image_id = built
     key, pub = _keys(tmp_path, "site")
@@ -97,16 +97,16 @@ def test_a_signed_verdict_of_another_image_lets_nothing_through(
     cli("smoke", base_v0251, "--definition", "v0.25.1", "--sign-key", key, "--attestation", str(envelope),
         root=project)
     assert envelope.exists()
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--require-attestation", pub,
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=_checkout(project, tmp_path / "elsewhere"))
     assert r.rc == 24 and "another image" in r.err
 
 
-def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str], registry: Registry,
+def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str], registry: RegistryPlace,
                                                     tmp_path: Path) -> None:
     project, ref, _image_id = built
     _key, pub = _keys(tmp_path, "site")
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", "--json", root=project)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     target = json.loads(r.out)["ref"]
     (tmp_path / "x").mkdir()

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from conftest import Registry, cli, fails
+from conftest import RegistryPlace, cli, fails
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.verdicts import Check, Status, judge
@@ -28,13 +28,13 @@ def _list(project: Path, image_id: str) -> dict[str, object]:
 
 
 def test_attack_2_a_truncated_newest_verdict_stops_the_push(built: tuple[Path, str, str],
-                                                            registry: Registry) -> None:
+                                                            registry: RegistryPlace) -> None:
     project, ref, image_id = built
     # A later run of the same image failed (written as smoke writes it), then its entry was cut short.
     failed = records.append_verdict(project, judge(ref, image_id, [Check("patch-landed", Status.FAIL, "edited")],
                                                    gpu_verified=False))
     failed.path.write_bytes(failed.path.read_bytes()[:100])
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
     fails(r, str(failed.path), "not a whole JSON entry")
     assert r.rc == 10 and "move it out of" in r.err
     assert records.pushes(project, image_id) == []
@@ -44,13 +44,13 @@ def test_attack_2_a_truncated_newest_verdict_stops_the_push(built: tuple[Path, s
     # Renamed so that its name tells no image: still refused (it may be this image's newest).
     hidden = failed.path.with_name(f"{failed.seq:020d}-0123456789ab.json")
     failed.path.rename(hidden)
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
     fails(r, str(hidden))
     assert r.rc == 10
 
 
 def test_attack_3_a_smoke_run_with_its_clock_a_day_behind_is_still_the_newest(
-    built: tuple[Path, str, str], registry: Registry, tmp_path: Path
+    built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path
 ) -> None:
     project, ref, image_id = built
     [passed] = records.verdicts(project, image_id)
@@ -73,14 +73,14 @@ def test_attack_3_a_smoke_run_with_its_clock_a_day_behind_is_still_the_newest(
     failed = records.verdicts(project, image_id)[0]
     assert failed.verdict.status is Status.FAIL and failed.path != passed.path
     assert failed.created < passed.created and failed.seq > passed.seq  # a day "older", yet the newest
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
     fails(r, "failed its newest smoke run")
     assert r.rc == 8
     assert _list(project, image_id)["verdict"] == "fail"
 
 
 def test_attack_4_a_poisoned_facts_cache_never_reaches_the_image(
-    engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path, registry: Registry
+    engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path, registry: RegistryPlace
 ) -> None:
     ref = f"hotfix-test/poison-{unique}:v0.25.1-m3patch"
     env = {"VLLM_HOTFIX_CACHE": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
@@ -112,7 +112,7 @@ def test_attack_4_a_poisoned_facts_cache_never_reaches_the_image(
         assert r.out.split()[-1] == image_id
         originals = {v["original_sha256"] for v in records.builds_of_image(project, image_id)[0].data["files"].values()}
         assert real in originals and digest not in originals
-        r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project, env=env)
+        r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project, env=env)
         assert r.rc == 0, r.err
     finally:
         engine.remove_image(ref)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import requests
 
-from conftest import Registry, cli, derive, fails
+from conftest import RegistryPlace, cli, derive, fails
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 
@@ -31,13 +31,13 @@ def forge_pass(project: Path, template: Path, image_id: str) -> Path:
     return forged
 
 
-def not_pushed(registry: Registry, ref: str) -> None:
+def not_pushed(registry: RegistryPlace, ref: str) -> None:
     name = ref.split("/")[1].split(":")[0]
-    assert requests.get(f"http://{registry.addr}/v2/ops/{name}/tags/list", timeout=5).status_code == 404
+    assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
 
 
 def test_unpatched_base_with_copied_labels_and_a_lying_python_is_refused(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:
     project, _ref, image_id = built
     info = engine.image(image_id)
@@ -52,7 +52,7 @@ def test_unpatched_base_with_copied_labels_and_a_lying_python_is_refused(
         said = engine.run(fake_id, ["python3", "-c", "print(1)"], timeout=60)
         assert '"status": "pass"' in said.stdout
         forge_pass(project, records.verdicts(project, image_id)[0].path, fake_id)
-        r = cli("push", fake, "--registry", f"{registry.addr}/ops", root=project)
+        r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
         fails(r, "refusing to push", "patch-landed", f"{SITE}/{INDEXER}", "expected")
         assert r.rc == 8
         not_pushed(registry, fake)
@@ -61,7 +61,7 @@ def test_unpatched_base_with_copied_labels_and_a_lying_python_is_refused(
 
 
 def test_edited_verdict_of_a_file_changed_outside_the_patch_set_is_refused(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:
     project, _ref, image_id = built
     changed = f"hotfix-test/outside-{unique}:x"
@@ -73,7 +73,7 @@ def test_edited_verdict_of_a_file_changed_outside_the_patch_set_is_refused(
         data = json.loads(verdict.path.read_text())
         data.update(status="pass", gpu_verified=True)
         verdict.path.write_text(json.dumps(data))
-        r = cli("push", changed, "--registry", f"{registry.addr}/ops", root=project)
+        r = cli("push", changed, "--registry", f"{registry.place}/ops", root=project)
         fails(r, "refusing to push", "integrity", UNTOUCHED)
         assert r.rc == 8
         not_pushed(registry, changed)

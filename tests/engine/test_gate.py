@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import STANDIN_REPO, Registry, Result, cli, derive, fails
+from conftest import STANDIN_REPO, Registry, RegistryPlace, Result, cli, derive, fails
 from vllm_hotfix import records, registry
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import PushError
@@ -96,7 +96,7 @@ def test_push_to_a_registry_that_needs_a_login(built: tuple[Path, str, str], aut
 
 
 def test_relabelled_unpatched_image_fails_smoke_and_push(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:
     project, ref, image_id = built
     info = engine.image(image_id)
@@ -116,7 +116,7 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
         assert "expected " in r.err and "altered after the build" in r.err
         # Even with the failing verdict edited into a pass, the push re-checks the files.
         edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
-        r = cli("push", fake, "--registry", f"{registry.addr}/ops", root=project)
+        r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
         fails(r, "refusing to push", "patch-landed")
         assert r.rc == 8
     finally:
@@ -124,7 +124,7 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
 
 
 def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:
     project, ref, image_id = built
     verdict = records.verdicts(project, image_id)[0]
@@ -137,17 +137,17 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
     alias = f"hotfix-test/base-alias-{unique}:x"
     engine.tag(base_id, alias)
     try:
-        r = cli("push", alias, "--registry", f"{registry.addr}/ops", root=project)
+        r = cli("push", alias, "--registry", f"{registry.place}/ops", root=project)
         fails(r, "refusing to push", "not built by this tool")
         assert r.rc == 8
         name = alias.split("/")[1].split(":")[0]
-        assert requests.get(f"http://{registry.addr}/v2/ops/{name}/tags/list", timeout=5).status_code == 404
+        assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
     finally:
         engine.untag(alias)
 
 
 def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
-    engine: Engine, base_v0251: str, project: Path, registry: Registry, unique: str, tmp_path: Path
+    engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, unique: str, tmp_path: Path
 ) -> None:
     ref = f"hotfix-test/shared-{unique}:v0.25.1-m3patch"
     # The assemble builder gives the same image ID for the same inputs, so a --rebuild (which takes
@@ -165,7 +165,7 @@ def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
         model.mkdir()
         r = cli("smoke", ref, "--serve-model", str(model), "--concurrency", "1", "--requests", "1", root=project)
         assert r.rc == 7, r.err
-        r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "failed its newest smoke run")
         # ...and `image` says why it does not reuse it.
         r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder", "assemble",
@@ -217,7 +217,7 @@ def _parallel(n: int, fn: object) -> list[Result]:
         return list(pool.map(fn, range(n)))  # type: ignore[arg-type]
 
 
-def test_eight_parallel_runs_lose_no_entry(engine: Engine, built: tuple[Path, str, str], registry: Registry,
+def test_eight_parallel_runs_lose_no_entry(engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace,
                                            unique: str) -> None:
     project, ref, image_id = built
     before = {k: len(records.load(project, k)) for k in records.KINDS}
@@ -231,7 +231,7 @@ def test_eight_parallel_runs_lose_no_entry(engine: Engine, built: tuple[Path, st
         assert len(made) == 1
         smokes = _parallel(8, lambda i: cli("smoke", ref, root=project))
         assert all(r.rc == 0 for r in smokes), [r.err for r in smokes if r.rc]
-        pushes = _parallel(8, lambda i: cli("push", ref, "--registry", f"{registry.addr}/ops{i}",
+        pushes = _parallel(8, lambda i: cli("push", ref, "--registry", f"{registry.place}/ops{i}",
                                             "--allow-gpu-unverified", root=project))
         assert all(r.rc == 0 for r in pushes), [r.err for r in pushes if r.rc]
         after = {k: len(records.load(project, k)) for k in records.KINDS}

@@ -15,12 +15,12 @@ import re
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, Registry, Result, cli, fails
+from conftest import REPO, STANDIN_REPO, RegistryPlace, Result, cli, fails
 from vllm_hotfix import integrity, records, standin
 from vllm_hotfix.engine import Engine
 
@@ -74,23 +74,43 @@ def test_integrity_fails_the_sub_wheel_race_and_passes_the_serial_install(engine
     assert "nvidia-cutlass-dsl-libs-cu13" in serial["data"]["distributions"]
 
 
-def _added_layers(image: str, base: str) -> list[tuple[str, bytes]]:
-    """(layer name, layer tar) of each layer ``image`` has on top of ``base``."""
-    def layers(ref: str) -> list[str]:
-        return json.loads(subprocess.run(["docker", "image", "inspect", ref], capture_output=True, text=True,
-                                         check=True).stdout)[0]["RootFS"]["Layers"]
-    below = len(layers(base))
+def _inspect(ref: str) -> dict:  # type: ignore[type-arg]
+    return json.loads(subprocess.run(["docker", "image", "inspect", ref], capture_output=True, text=True,
+                                     check=True).stdout)[0]
+
+
+def _added_layers(image: str, base: str) -> list[tuple[str, list[tuple[str, int, Callable[[], bytes]]]]]:
+    """Each layer ``image`` has on top of ``base``: its name and its files (path, size, a reader of the bytes).
+
+    Read from the engine's own overlay2 folders where this process can see
+    them (a local engine: seconds), else from ``docker save`` of the whole
+    image; either way without the tool.
+    """
+    info, below = _inspect(image), len(_inspect(base)["RootFS"]["Layers"])
+    added = len(info["RootFS"]["Layers"]) - below
+    driver = info.get("GraphDriver") or {}
+    data = driver.get("Data") or {}
+    # overlay2: UpperDir is the top layer, LowerDir the ones under it, nearest first.
+    dirs = [data.get("UpperDir", ""), *(data.get("LowerDir") or "").split(":")][:added]
+    if driver.get("Name") == "overlay2" and len(dirs) == added and all(os.path.isdir(d) for d in dirs):
+        out = []
+        for folder in reversed(dirs):
+            paths = [f for f in Path(folder).rglob("*") if f.is_file() and not f.is_symlink()]
+            out.append((folder, [(str(f.relative_to(folder)), f.stat().st_size, f.read_bytes) for f in paths]))
+        return out
     saved = subprocess.run(["docker", "save", image], capture_output=True, check=True).stdout
     out = []
     with tarfile.open(fileobj=io.BytesIO(saved)) as outer:
         manifest = json.load(outer.extractfile("manifest.json"))  # type: ignore[arg-type]
         for name in manifest[0]["Layers"][below:]:
-            out.append((name, outer.extractfile(name).read()))  # type: ignore[union-attr]
+            layer = tarfile.open(fileobj=io.BytesIO(outer.extractfile(name).read()))  # type: ignore[union-attr]
+            out.append((name, [(m.name, m.size, lambda m=m, layer=layer: layer.extractfile(m).read())  # type: ignore
+                               for m in layer.getmembers() if m.isfile()]))
     return out
 
 
 def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
-        engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str, registry: Registry) -> None:
+        engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str, registry: RegistryPlace) -> None:
     ref = f"hotfix-test/sm100-{unique}:v0.25.1-m3patch-sm100"
     base_repo = RACE.split(":")[0]
     r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", root=project)
@@ -143,19 +163,18 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         wheel_hashes = {w.get("sha256") for w in pinned.values()}
         layers = _added_layers(image_id, sm100_bases["race"])
         assert len(layers) == 2  # the pins' RUN and the patched files' COPY
-        for name, blob in layers:
-            with tarfile.open(fileobj=io.BytesIO(blob)) as layer:
-                for member in layer.getmembers():
-                    assert not member.name.endswith(".whl"), f"{name}: {member.name}"
-                    if member.isfile() and member.size > 4096:
-                        data = layer.extractfile(member).read()  # type: ignore[union-attr]
-                        assert hashlib.sha256(data).hexdigest() not in wheel_hashes, f"{name}: {member.name}"
+        for name, files in layers:
+            assert files, f"{name}: no file read"
+            for path, size, read in files:
+                assert not path.endswith(".whl"), f"{name}: {path}"
+                if size > 4096:
+                    assert hashlib.sha256(read()).hexdigest() not in wheel_hashes, f"{name}: {path}"
 
         # What the pins must be is pins.txt's, read again at push time: once it
         # names another version, the image it no longer describes is not pushed.
         pin_file = project / "patches" / SM100 / "pins.txt"
         pin_file.write_text(pin_file.read_text().replace("quack-kernels==0.6.4", "quack-kernels==0.6.3"))
-        refused = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        refused = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(refused, "refusing to push", "pins: quack-kernels is 0.6.4 in the image", "pins 0.6.3")
         assert refused.rc == 8
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Registry, cli, derive, docker_cli
+from conftest import RegistryPlace, cli, derive, docker_cli
 from vllm_hotfix import blobs, registry
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.launchers import facts
@@ -18,8 +18,8 @@ SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
 
 
-def pushed(project: Path, ref: str, reg: Registry) -> dict[str, str]:
-    r = cli("push", ref, "--registry", f"{reg.addr}/ops", "--allow-gpu-unverified", "--json", root=project)
+def pushed(project: Path, ref: str, reg: RegistryPlace) -> dict[str, str]:
+    r = cli("push", ref, "--registry", f"{reg.place}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     data = json.loads(r.out)
     name = data["ref"].rpartition(":")[0]
@@ -35,7 +35,7 @@ def source(engine: Engine, ref: str) -> blobs.RegistryFiles:
 
 
 def test_registry_blobs_give_the_facts_the_engine_gives(engine: Engine, built: tuple[Path, str, str],
-                                                        registry: Registry) -> None:
+                                                        registry: RegistryPlace) -> None:
     project, ref, image_id = built
     where = pushed(project, ref, registry)
     files = source(engine, where["by_digest"])
@@ -61,13 +61,13 @@ def test_registry_blobs_give_the_facts_the_engine_gives(engine: Engine, built: t
 
 
 def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
-    engine: Engine, built: tuple[Path, str, str], registry: Registry, unique: str
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:
     project, ref, image_id = built
     # A later layer deletes the patched file (a whiteout entry in the layer tar).
     removed = f"hotfix-test/removed-{unique}:x"
     derive(engine, image_id, removed, f"RUN rm {SITE}/{INDEXER}")
-    target = f"{registry.addr}/ops/removed-{unique}:x"
+    target = f"{registry.place}/ops/removed-{unique}:x"
     try:
         engine.tag(removed, target)
         docker_cli("push", target)
@@ -80,7 +80,7 @@ def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
 
         # The registry's copy of the top layer altered on disk: the read stops and names the layer.
         top = json.loads(registry_manifest(registry, digest))["layers"][-1]["digest"]
-        data = registry.config.parent / "data/docker/registry/v2/blobs/sha256" / top[7:9] / top[7:] / "data"
+        data = registry.storage / "docker/registry/v2/blobs/sha256" / top[7:9] / top[7:] / "data"
         body = bytearray(data.read_bytes())
         body[-1] ^= 0xFF  # the gzip trailer's last byte: the tar inside still reads, only the digest tells
         data.write_bytes(bytes(body))
@@ -92,7 +92,7 @@ def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
         engine.remove_image(removed)
 
 
-def registry_manifest(reg: Registry, by_digest: str) -> bytes:
+def registry_manifest(reg: RegistryPlace, by_digest: str) -> bytes:
     import requests
 
     name, _, digest = by_digest.partition("@")
@@ -126,7 +126,7 @@ def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
-def _push_layers(reg: Registry, repo: str, layers: list[bytes], sizes: list[int] | None = None) -> str:
+def _push_layers(reg: RegistryPlace, repo: str, layers: list[bytes], sizes: list[int] | None = None) -> str:
     """Upload ``layers`` and a config as blobs, put a manifest over them; its digest."""
     import hashlib
 
@@ -161,7 +161,7 @@ def _push_layers(reg: Registry, repo: str, layers: list[bytes], sizes: list[int]
     return res.headers["Docker-Content-Digest"]
 
 
-def test_layers_laid_over_each_other_as_an_engine_does(registry: Registry) -> None:
+def test_layers_laid_over_each_other_as_an_engine_does(registry: RegistryPlace) -> None:
     from vllm_hotfix.errors import EngineError
 
     client = registry_module_client(registry)
@@ -174,8 +174,8 @@ def test_layers_laid_over_each_other_as_an_engine_does(registry: Registry) -> No
                   ("site/pkg", "link", "/elsewhere"), ("site/.wh.gone.py", "file", b""),
                   ("site/opaque/.wh..wh..opq", "file", b""), ("site/opaque/z.py", "file", "z\n"),
                   ("site/twin.py", "hard", "opt/store/a.py")])
-    digest = _push_layers(registry, "ops/layers", [lower, upper])
-    files = blobs.RegistryFiles(client, "ops/layers", digest)
+    digest = _push_layers(registry, f"{registry.ns}/ops/layers", [lower, upper])
+    files = blobs.RegistryFiles(client, f"{registry.ns}/ops/layers", digest)
     info = files.image(digest)
     assert info is not None and info.labels == {"x": "y"}
     with files.files(info.id) as reader:
@@ -189,8 +189,8 @@ def test_layers_laid_over_each_other_as_an_engine_does(registry: Registry) -> No
         assert reader.read(["/nowhere"]).missing == ("/nowhere",)
 
     # A registry sending more than the manifest says of a blob is stopped.
-    short = _push_layers(registry, "ops/short", [lower], sizes=[len(lower) - 10])
-    with blobs.RegistryFiles(client, "ops/short", short).files(short) as reader:
+    short = _push_layers(registry, f"{registry.ns}/ops/short", [lower], sizes=[len(lower) - 10])
+    with blobs.RegistryFiles(client, f"{registry.ns}/ops/short", short).files(short) as reader:
         try:
             reader.read(["/site"])
             raise AssertionError("an oversized blob was read")
@@ -198,5 +198,5 @@ def test_layers_laid_over_each_other_as_an_engine_does(registry: Registry) -> No
             assert "more than the" in str(exc)
 
 
-def registry_module_client(reg: Registry) -> registry.Client:
+def registry_module_client(reg: RegistryPlace) -> registry.Client:
     return registry.Client(reg.addr, secure=False, credentials=None)

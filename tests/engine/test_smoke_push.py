@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, cli, derive, requests_layer
+from conftest import REPO, Registry, RegistryPlace, cli, derive, requests_layer
 from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.verdicts import Status
@@ -128,7 +128,7 @@ def test_stale_bytecode_fails_smoke(engine: Engine, built: tuple[Path, str, str]
         engine.remove_image(stale)
 
 
-def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, str, str], registry: Registry
+def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, str, str], registry: RegistryPlace
                                                              ) -> None:
     project, ref, image_id = built
     r = cli("smoke", ref, "--gpu", "require", root=project)
@@ -143,7 +143,7 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     rows = json.loads(cli("list", "--json", root=project).out)
     [build] = [b for b in rows[0]["builds"] if b["image_id"] == image_id]
     assert build["verdict"] == "pass" and build["incomplete_runs"] == 1
-    r = cli("push", ref, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
     assert r.rc == 0, r.err
     # And the next `image` reuses it instead of rebuilding.
     r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
@@ -204,9 +204,9 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
         engine.remove_image(served)
 
 
-def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: Registry) -> None:
+def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace) -> None:
     project, ref, image_id = built
-    dest = f"{registry.addr}/ops"
+    dest = f"{registry.place}/ops"
     # GPU-unverified: refused without the flag.
     r = cli("push", ref, "--registry", dest, root=project)
     assert r.rc != 0 and "GPU-unverified" in r.last_error
@@ -218,7 +218,7 @@ def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], regist
     assert line.startswith(f"pushed {target} sha256:")
     digest = line.split()[-1]
     resp = requests.get(
-        f"http://{registry.addr}/v2/ops/{name}/manifests/v0.25.1-m3patch",
+        registry.api(f"ops/{name}/manifests/v0.25.1-m3patch"),
         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}, timeout=10,
     )
     assert resp.status_code == 200 and resp.headers["Docker-Content-Digest"] == digest
@@ -227,15 +227,15 @@ def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], regist
     assert engine.image(target) is None  # the push tag is not left behind
 
 
-def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str], registry: Registry,
+def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace,
                                      unique: str) -> None:
     project, ref, image_id = built
     untested = f"hotfix-test/untested-{unique}:x"
     derive(engine, image_id, untested, "LABEL extra=1")
     try:
-        r = cli("push", untested, "--registry", f"{registry.addr}/ops", "--allow-gpu-unverified", root=project)
+        r = cli("push", untested, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         assert r.rc == 8 and "no passing smoke verdict" in r.last_error and untested in r.last_error
-        assert requests.get(f"http://{registry.addr}/v2/ops/untested-{unique}/tags/list", timeout=5).status_code == 404
+        assert requests.get(registry.api(f"ops/untested-{unique}/tags/list"), timeout=5).status_code == 404
     finally:
         engine.remove_image(untested)
 
