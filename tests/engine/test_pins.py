@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,14 @@ def wheel_cache() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def sm100_bases(engine: Engine) -> Iterator[dict[str, str]]:
-    made = {}
-    for mode, ref in (("race", RACE), ("serial", SERIAL)):
-        made[mode] = standin.make(engine, REPO, "0.25.1", ref, lambda _l: None, deps=mode).id
+    def make(mode: str, ref: str) -> str:
+        # A connection of its own: one Engine's connection serves one thread.
+        return standin.make(Engine.connect(), REPO, "0.25.1", ref, lambda _l: None, deps=mode).id
+
+    # Side by side: each is mostly the engine installing the same wheels, the only difference the order.
+    with ThreadPoolExecutor(2) as pool:
+        race, serial = pool.submit(make, "race", RACE), pool.submit(make, "serial", SERIAL)
+        made = {"race": race.result(), "serial": serial.result()}
     yield made
     for ref in (RACE, SERIAL):
         info = engine.image(ref)

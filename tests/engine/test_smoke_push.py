@@ -240,12 +240,13 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
         engine.remove_image(untested)
 
 
-def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_path: Path) -> None:
+def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], worker_registry: Registry,
+                                            registry: RegistryPlace) -> None:
     project, ref, _ = built
-    reg = Registry(tmp_path)  # configured, not started: down when the push starts
+    worker_registry.stop()  # down when the push starts; back on the same port and storage below
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "build.py"), "--root", str(project), "push", ref, "--registry",
-         f"{reg.addr}/ops", "--allow-gpu-unverified"],
+         f"{registry.place}/ops", "--allow-gpu-unverified"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -254,16 +255,17 @@ def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], tmp_p
         for line in proc.stderr:
             err.append(line)
             if "retrying" in line:
-                reg.start()  # the registry comes back while the tool waits to retry
+                worker_registry.start()  # the registry comes back while the tool waits to retry
                 break
         out, rest = proc.communicate(timeout=300)
         err.append(rest)
         assert proc.returncode == 0, "".join(err)
         assert "transient registry error" in "".join(err)
-        assert out.startswith(f"pushed {reg.addr}/ops/")
+        assert out.startswith(f"pushed {registry.place}/ops/")
     finally:
         proc.kill()
-        reg.stop()
+        if worker_registry.proc is None:
+            worker_registry.start()  # the next tests of this worker push to it
 
 
 def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
