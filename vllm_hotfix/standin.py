@@ -108,10 +108,12 @@ def dep_wheel(root: Path, name: str, version: str, progress: Callable[[str], Non
     """A dependency's real wheel for the stand-in's Python (3.11) on ``machine``, cached."""
     folder = cache_dir(root) / "wheels"
     target = wheels.Target("3.11", "cp", ("abi3", "cp311", "none"), (f"manylinux_2_28_{machine}",))
-    found = wheels.for_machine(wheels.find(folder, name, version), machine)
-    if not found:
-        progress(f"downloading {name}=={version} from PyPI")
-        found = wheels.for_machine(wheels.download(name, version, folder, target), machine)
+    # Under the lock, as wheels.release: two stand-ins made side by side share the cache.
+    with one_writer(folder / f"{name}-{version}-{machine}"):
+        found = wheels.for_machine(wheels.find(folder, name, version), machine)
+        if not found:
+            progress(f"downloading {name}=={version} from PyPI")
+            found = wheels.for_machine(wheels.download(name, version, folder, target), machine)
     if not found:
         raise UpstreamError(f"pip download {name}=={version} gave no wheel for {target.describe()} in {folder}")
     return found[0]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import csv
 import hashlib
 import logging
+import os
 import platform as pyplatform
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -159,24 +161,31 @@ def download(
     wheels of that version now in ``folder``. A failure raises ``error``,
     one line that starts with ``context`` and names the distribution and
     the last thing pip said.
+
+    pip writes into a scratch folder beside ``folder`` and each wheel is
+    moved in whole, so another process looking in ``folder`` meanwhile sees
+    a wheel complete or not at all.
     """
     spec = f"{name}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(folder)]
-    if target is not None:
-        cmd += target.pip_args()
-    cmd.append(spec)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise error(f"{context}cannot download {spec} into {folder}: {exc.strerror or exc}", hint=hint) from exc
     for_what = f" for {target.describe()}" if target is not None else ""
-    log.debug("%s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()] or [f"pip exited {proc.returncode}"]
-        raise error(f"{context}cannot download {spec}{for_what} from the package index: "
-                    f"{said[-1].removeprefix('ERROR: ')}", hint=hint)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as scratch:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", scratch]
+        if target is not None:
+            cmd += target.pip_args()
+        cmd.append(spec)
+        log.debug("%s", " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()] or [f"pip exited {proc.returncode}"]
+            raise error(f"{context}cannot download {spec}{for_what} from the package index: "
+                        f"{said[-1].removeprefix('ERROR: ')}", hint=hint)
+        for got in Path(scratch).glob("*.whl"):
+            os.replace(got, folder / got.name)
     found = find(folder, name, version)
     if not found:
         raise error(f"{context}pip download {spec}{for_what} gave no wheel of it in {folder}", hint=hint)
@@ -187,11 +196,10 @@ def release(root: Path, version: str, progress: Progress, plat: Platform | None 
     """The vLLM ``version`` wheel of ``plat`` (default: this machine's) from PyPI, downloaded once into the cache."""
     machine = plat.machine if plat is not None else host_machine()
     folder = cache_dir(root) / "wheels"
-    found = for_machine(find(folder, "vllm", version), machine)
-    if found:
-        return found[0]
+    # Looked for under the lock too: pip writes into the folder in place, so another process's half-written
+    # wheel must not be taken for a cached one.
     with one_writer(folder / f"vllm-{version}-{machine}"):
-        found = for_machine(find(folder, "vllm", version), machine)  # another process may have fetched it
+        found = for_machine(find(folder, "vllm", version), machine)
         if found:
             return found[0]
         progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")

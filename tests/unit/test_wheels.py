@@ -40,6 +40,43 @@ def test_pip_that_succeeds_without_the_wheel_is_an_error(tmp_path: Path, monkeyp
     assert str(err.value) == f"pip download einops==0.8.1 gave no wheel of it in {tmp_path}"
 
 
+def _tiny_wheel(folder: Path, name: str, version: str) -> Path:
+    """A minimal valid pure wheel, for pip to find in a folder of links."""
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}/__init__.py", "")
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_a_wheel_appears_in_the_folder_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip writes into a scratch folder; the wheel is moved in whole after it ends, the scratch folder goes."""
+    links = tmp_path / "links"
+    links.mkdir()
+    made = _tiny_wheel(links, "tinypkg", "1.0")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    out = tmp_path / "out"
+    seen_while_pip_ran: list[list[str]] = []
+    real_run = subprocess.run
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        done = real_run(cmd, **kw)  # type: ignore[call-overload]
+        seen_while_pip_ran.append(sorted(p.name for p in out.glob("*.whl")))
+        return done  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(wheels.subprocess, "run", run)
+    got = wheels.download("tinypkg", "1.0", out)
+    assert seen_while_pip_ran == [[]]  # nothing under the wheel's own name until pip had finished
+    assert got == [out / made.name] and got[0].read_bytes() == made.read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [made.name]  # no scratch folder left
+
+
 def test_for_machine_keeps_that_machine_and_pure_wheels() -> None:
     paths = [Path("a-1-cp311-cp311-manylinux_2_28_x86_64.whl"), Path("a-1-cp311-cp311-manylinux_2_28_aarch64.whl"),
              Path("a-1-py3-none-any.whl"), Path("README.txt")]
