@@ -1,0 +1,94 @@
+"""The command line: parse, call the library, print; map its errors to exit codes.
+
+One module per group of commands, each adding its commands to :data:`app.main`:
+
+- ``app``: the group, shared options, checked argument types, printing helpers
+- ``image_commands``: image, render, standin
+- ``smoke_commands``: smoke, serve-check
+- ``push_commands``: push, verify
+- ``patchset_commands``: check-upstream, new-patchset
+- ``history_commands``: list, rollback
+
+Only :func:`_run`, here, turns errors into an exit code (the table in
+``--help`` is made from errors.py, so it names every one). Each command's
+body only calls the library and prints what comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
+from . import history_commands, image_commands, patchset_commands, push_commands, smoke_commands
+from .app import EXIT_CODES, Checked, _set_root, _verbose, main, report_error
+
+__all__ = ["EXIT_CODES", "Checked", "main", "run"]
+# The command modules register their commands with `main` as they are imported.
+COMMAND_MODULES = (image_commands, smoke_commands, push_commands, patchset_commands, history_commands)
+
+
+def _accept_verbose_anywhere() -> None:
+    for command in main.commands.values():
+        command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                           callback=_verbose, help="Debug logging of the tool."))
+        command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
+                                           expose_value=False, callback=_set_root,
+                                           help="Folder holding images/ and patches/ (as before the subcommand)."))
+
+
+_accept_verbose_anywhere()
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """The process entry point: only here do errors become exit codes."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return _run(argv, prog)
+
+
+def _on_sigterm(_signum: int, _frame: object) -> None:
+    """Unwind as Ctrl-C does, so that containers, scratch folders and notes are cleaned up.
+
+    Further SIGTERMs are ignored from here: cleanup must not be cut short
+    halfway (whoever sent it escalates to SIGKILL if it waits too long).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
+
+
+def _run(argv: Sequence[str] | None, prog: str) -> int:
+    try:
+        main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
+    except PipelineError as exc:
+        return report_error(exc)
+    except click.exceptions.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else prog
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        click.echo(f"hint: {where} --help", err=True)
+        return UsageError.exit_code
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click turns an interrupt into Abort, keeping the interrupt as its cause.
+        if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
+            click.secho("error: terminated", fg="red", err=True)
+            return EXIT_TERMINATED
+        click.secho("error: interrupted", fg="red", err=True)
+        return EXIT_INTERRUPTED
+    except click.ClickException as exc:
+        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        return UsageError.exit_code
+    except Exception:
+        # Not an error the pipeline knows: a bug. The traceback is what a fix needs.
+        traceback.print_exc()
+        click.secho("error: internal error (a bug); the traceback above says where", fg="red", err=True)
+        return PipelineError.exit_code
+    return 0

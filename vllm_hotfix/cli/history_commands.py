@@ -1,0 +1,79 @@
+"""list and rollback: every build with its verdicts and pushes, and moving a tag back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from .app import IMAGE_ID, TAG, Ctx, base_option, main, print_json, progress
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+def list_cmd(obj: Ctx, as_json: bool) -> None:
+    """Each image definition, its patch set, and every build with its newest verdict and pushes."""
+    import json
+
+    from .. import lifecycle
+
+    rows = lifecycle.overview(obj.root)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, sort_keys=True))
+        return
+    for row in rows:
+        made = f"{len(row['builds'])} build(s)" if row["builds"] else "never built"
+        click.echo(f"{row['definition']}  base {row['base']}  patch set {row['patch_set']} "
+                   f"({len(row['patches'])} patch(es))  {made}")
+        for b in row["builds"]:
+            verdict = b["verdict"] or "not judged"
+            if b["verdict"] == "pass":
+                verdict += " (GPU-verified)" if b["gpu_verified"] else " (GPU-unverified)"
+            if b["incomplete_runs"]:
+                verdict += f", {b['incomplete_runs']} later incomplete run(s)"
+            pushes = ", ".join(f"{p['ref']}@{p['digest']}" for p in b["pushes"]) or "none"
+            click.echo(f"  {b['created']}  {b['image_id']}  {b['output_ref']}  smoke {verdict}  push {pushes}")
+
+
+@main.command()
+@base_option
+@click.option("--to", "to_image", type=IMAGE_ID, default=None,
+              help="Image ID of a recorded build (default: the one before the tag's current image).")
+@click.option("--tag", "output_ref", type=TAG, default=None,
+              help="Reference to move (default: the newest build's output reference).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_obj
+def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
+    """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
+    from .. import lifecycle
+
+    moves = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
+    rows = [{"ref": m.ref, "image_id": m.to.image_id, "was": m.was, "direction": m.direction,
+             "platform": m.to.platform} for m in moves]
+    if as_json:
+        # One tag: the object as before; a multi-platform output: each tag moved, in one object.
+        print_json({k: v for k, v in rows[0].items() if k != "platform"} if len(rows) == 1
+              else {"ref": _rolled_output(moves), "moved": rows})
+        return
+    for moved in moves:
+        target = moved.to
+        if moved.direction == "unchanged":
+            click.echo(f"{moved.ref} already points at {target.image_id}; nothing moved")
+            continue
+        verb = "rolled back" if moved.direction == "back" else "moved forward"
+        click.echo(f"{verb} {moved.ref} to {target.image_id} (built {target.created}, "
+                   f"smoke {target.verdict or 'not judged'}; was {moved.was or 'untagged'})")
+    if any(m.direction != "unchanged" for m in moves):
+        progress(f"push it to move the registry tag too: python build.py push {_rolled_output(moves)} "
+                 "--registry HOST:PORT/PATH")
+
+
+def _rolled_output(moves: Any) -> str:
+    """The tag a rollback moved; for a multi-platform output, its plain TAG (a push of it pushes them all)."""
+    from .. import platforms
+
+    if len(moves) == 1:
+        return str(moves[0].ref)
+    parents = {got[0] for m in moves if (got := platforms.parent_ref(m.ref)) is not None}
+    return parents.pop() if len(parents) == 1 else str(moves[-1].ref)

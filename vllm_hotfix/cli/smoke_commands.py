@@ -1,0 +1,258 @@
+"""smoke and serve-check: the checks inside an image, and the sweep against a running server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..engine import Engine
+from ..errors import BaseImageError, UsageError
+from .app import IMAGE, Ctx, check_output_file, main, progress
+
+
+def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
+                   requests_n: int, gpu_request: str = "auto", definition: str | None = None,
+                   min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
+                   compile_cache: bool = True) -> Any:
+    from .. import reference, sweep
+    from .. import smoke as smokelib
+
+    answers = answers or reference.answer_options(None, None, None)
+    if serve_model is None and (answers.reference is not None or answers.record is not None):
+        raise UsageError("--reference and --record-reference need --serve-model (the model the answers are of)")
+    sweep.check_min_tokens(min_tokens, answers.reference.max_tokens if answers.reference else sweep.MAX_TOKENS)
+    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
+                                 serve_model=serve_model, serve_args=serve_args,
+                                 levels=sweep.parse_levels(concurrency), requests=requests_n,
+                                 min_tokens=min_tokens, reference=answers.reference,
+                                 record_reference=answers.record, logprob_tolerance=answers.tolerance,
+                                 keep_going=keep_going, compile_cache=compile_cache)
+
+
+def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from .. import gpu_access
+    from ..errors import SmokeError
+
+    try:
+        return gpu_access.parse_request(value)
+    except SmokeError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+sweep_options = [
+    click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="Concurrency levels."),
+    click.option("--requests", "requests_n", type=click.IntRange(1), default=32, show_default=True,
+                 help="Requests per level."),
+    click.option("--min-tokens", type=int, default=None,
+                 help="Fail a request whose reply has fewer completion tokens (each asks for 32): for a model "
+                      "that cannot stop early, where a short reply means it went wrong."),
+    click.option("--reference", "reference_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                 help="Reference answers (from --record-reference on a trusted image, same model and GPU model): "
+                      "every reply at every level must equal its answer, or diverge from it only at a near-tie."),
+    click.option("--record-reference", "record_path", type=click.Path(dir_okay=False, path_type=Path),
+                 default=None,
+                 help="Record reference answers to this new file first (the prompt set once each, concurrency 1, "
+                      "temperature 0, top-5 logprobs), then sweep against them. Only from a trusted image."),
+    click.option("--logprob-tolerance", type=float, default=None, metavar="NATS",
+                 help="A divergence from the reference passes if the reference's token is in the served top-5 "
+                      "and at most this far below the served token (default 0.5)."),
+]
+
+
+def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    def apply(fn: Any) -> Any:
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+
+    return apply
+
+
+@main.command()
+@click.argument("image_ref", metavar="IMAGE", type=IMAGE)
+@click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
+              help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
+@click.option("--gpu-request", default="auto", show_default=True, callback=_gpu_request_option,
+              help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
+                   "cdi[:DEVICE], gpus or runtime[:NAME].")
+@click.option("--definition", default=None, metavar="TAG",
+              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
+                   "e.g. on the unpatched base to see them catch the bug.")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
+@click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
+              help="Model folder to serve with the image's own entrypoint for the sweep.")
+@click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
+@click.option("--sign-key", default=None, metavar="KEY",
+              help="Sign the verdict with this ECDSA P-256 private key (PEM file, or env:NAME); kept in the journal "
+                   "and attached beside the image when it is pushed.")
+@click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
+@click.option("--keep-going", is_flag=True,
+              help="Run every phase (checks, GPU checks, serve sweep) even after one failed; by default a failed "
+                   "phase ends the run and the later ones are recorded as skipped.")
+@click.option("--compile-cache/--no-compile-cache", default=True, show_default=True,
+              help="Keep Triton, torch, vLLM and FlashInfer compile caches in "
+                   "VLLM_HOTFIX_CACHE/compile/<base ID>/<GPU model>/, mounted at /root/.cache in GPU containers.")
+@click.option("--launcher", type=click.Choice(["docker", "podman", "kubernetes"]), default="docker",
+              show_default=True,
+              help="What starts the checks in the image: the Docker engine (as always), the one-entry runner "
+                   "through podman (GPUs by CDI), or a Kubernetes Job.")
+@click.option("--emit", "emit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubernetes: write the Job and its ConfigMap (multi-document YAML) here.")
+@click.option("--submit", is_flag=True, help="kubernetes: create the Job, follow it to its end, attach its "
+                                              "signed verdict in the registry and report the one read back.")
+@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), help="kubernetes: config.")
+@click.option("--namespace", default="default", show_default=True, help="kubernetes: the Job's namespace.")
+@click.option("--node-selector", default=None, metavar="KEY=VALUE",
+              help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
+@click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
+              help="kubernetes: nvidia.com/gpu the Job asks for.")
+@click.option("--sign-secret", default=None, metavar="NAME",
+              help="kubernetes: the Secret holding the signing key (key key.pem); the runner in the Job signs.")
+@click.option("--deadline", type=click.IntRange(60), default=3600, show_default=True,
+              help="kubernetes: the Job's activeDeadlineSeconds.")
+@with_options(sweep_options)
+@click.pass_obj
+def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
+          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
+          attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
+          emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
+          gpu_count: int, sign_secret: str | None, deadline: int, concurrency: str, requests_n: int,
+          min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+          logprob_tolerance: float | None) -> None:
+    """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
+    from .. import attest, records, reference, signing
+    from .. import smoke as smokelib
+
+    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
+                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
+                             keep_going=keep_going, compile_cache=compile_cache)
+    if attestation_path is not None and sign_key is None and sign_secret is None:
+        raise UsageError("--attestation needs --sign-key")
+    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
+                         (emit_path, "--emit")):
+        check_output_file(path, option)
+    if launcher != "kubernetes" and (emit_path or submit or sign_secret or node_selector or kubeconfig):
+        raise UsageError("--emit, --submit, --kubeconfig, --node-selector and --sign-secret need "
+                         "--launcher kubernetes")
+    if sign_key is not None:
+        signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
+    if launcher == "kubernetes":
+        from ..launchers import kubernetes as k8s
+
+        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}", namespace=namespace, gpus=gpu_count,
+                           node_selector=k8s.parse_selector(node_selector), key_secret=sign_secret,
+                           deadline_s=deadline)
+        if sign_key is not None:
+            raise UsageError("--launcher kubernetes signs in the cluster: give --sign-secret NAME, not --sign-key")
+        if not emit_path and not submit:
+            raise UsageError("--launcher kubernetes needs --emit FILE, --submit, or both")
+    records.ensure_writable(obj.root)
+    if launcher != "docker":
+        verdict, envelope = _smoke_elsewhere(obj, image_ref, options, launcher, sign_key, emit_path,
+                                             spec if launcher == "kubernetes" else None, submit, kubeconfig)
+        if verdict is None:
+            return
+        entry = records.append_verdict(obj.root, verdict)
+        if envelope is not None:
+            from ..launchers.plan import keep_envelope
+
+            progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
+        _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+        return
+    if obj.engine.image(image_ref) is None:
+        # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
+        raise BaseImageError(f"image {image_ref!r} is not in the engine",
+                             hint="build it with `image`, or pull it first")
+    verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
+    entry = records.append_verdict(obj.root, verdict)
+    if sign_key is not None and verdict.judged:
+        info = obj.engine.image(verdict.image_id)
+        if info is not None:
+            signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
+            progress(f"==> signed verdict: {signed}")
+    _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+
+
+def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path | None,
+                  junit_path: Path | None) -> None:
+    from .. import smoke as smokelib
+    from .. import verdicts
+
+    if report_path:
+        smokelib.write_json(verdict, report_path)
+    if junit_path:
+        smokelib.write_junit(verdict, junit_path)
+    verdicts.require_pass(
+        verdict, image_ref, fail_hint=f"verdict: {entry}",
+        incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
+    )
+    gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
+    click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s; phases: "
+               f"{smokelib.format_phases(dict(verdict.phases))})")
+
+
+def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
+                     emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
+    """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
+    from ..launchers import elsewhere
+
+    def engine() -> Engine:
+        return obj.engine
+
+    if launcher == "podman":
+        return elsewhere.podman(obj.root, engine, image_ref, options, sign_key, progress)
+    verdict, envelope, wrote = elsewhere.kubernetes(obj.root, engine, image_ref, options, spec, emit_path, submit,
+                                                    kubeconfig, progress)
+    if wrote:
+        click.echo(wrote)
+    return verdict, envelope
+
+
+@main.command("serve-check")
+@click.option("--url", required=True, help="Base URL of a running OpenAI-compatible server.")
+@click.option("--model", default=None, help="Model name (default: the first /v1/models lists).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
+@click.option("--wait", "wait_s", type=click.FloatRange(0), default=30, show_default=True,
+              help="Seconds to wait for the server's /health before giving up.")
+@click.option("--keep-going", is_flag=True, help="Run every level even after one failed (while the server lives).")
+@with_options(sweep_options)
+def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, keep_going: bool,
+                concurrency: str,
+                requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
+                logprob_tolerance: float | None) -> None:
+    """Run the concurrency sweep against an already running server."""
+    import json
+
+    from .. import reference as refmod
+    from .. import sweep
+    from ..errors import SmokeError
+
+    sweep.check_url(url)
+    levels = sweep.parse_levels(concurrency)
+    answers = refmod.answer_options(reference_path, record_path, logprob_tolerance)
+    ref = answers.reference
+    sweep.check_min_tokens(min_tokens, ref.max_tokens if ref else sweep.MAX_TOKENS)
+    check_output_file(report_path, "--report")
+    progress(f"==> waiting up to {wait_s:.0f} s for {url.rstrip('/')}/health")
+    sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
+    if answers.record is not None:
+        progress(f"==> recording reference answers from {url.rstrip('/')} (concurrency 1)")
+        ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
+        click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
+    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
+                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
+                         keep_going=keep_going)
+    if report_path:
+        from ..atomic import write_atomic  # a full disk is one line naming the file, not a dump
+
+        write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
+    if not result.ok:
+        raise SmokeError(sweep.failure_message(result))
+    checked = f", every reply matched {ref.path} (near-ties within {answers.tolerance} nats)" if ref else ""
+    click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")
