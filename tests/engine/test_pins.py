@@ -49,16 +49,19 @@ def sm100_bases(engine: Engine) -> Iterator[dict[str, str]]:
         # A connection of its own: one Engine's connection serves one thread.
         return standin.make(Engine.connect(), REPO, "0.25.1", ref, lambda _l: None, deps=mode).id
 
-    # Side by side: each is mostly the engine installing the same wheels, the only difference the order.
-    with ThreadPoolExecutor(2) as pool:
-        race, serial = pool.submit(make, "race", RACE), pool.submit(make, "serial", SERIAL)
-        made = {"race": race.result(), "serial": serial.result()}
-    yield made
-    for ref in (RACE, SERIAL):
-        info = engine.image(ref)
-        if info is not None and standin.LABEL in info.labels:
-            engine.untag(ref)
-            engine.remove_untagged(info.id, force=False)
+    try:
+        # Side by side: each is mostly the engine installing the same wheels, the only difference the order.
+        with ThreadPoolExecutor(2) as pool:
+            race, serial = pool.submit(make, "race", RACE), pool.submit(make, "serial", SERIAL)
+            made = {"race": race.result(), "serial": serial.result()}
+        yield made
+    finally:
+        # Also when one of the two failed: the other's image goes.
+        for ref in (RACE, SERIAL):
+            info = engine.image(ref)
+            if info is not None and standin.LABEL in info.labels:
+                engine.untag(ref)
+                engine.remove_untagged(info.id, force=False)
 
 
 def _integrity(engine: Engine, image: str) -> dict:
