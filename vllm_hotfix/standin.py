@@ -77,6 +77,11 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
         tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
         cmd.append(f"--architectures={plat.debian_arch}")
     with one_writer(tar):
+        # Imported under the lock too: a second process made to wait here finds the image, not only the tar
+        # (importing it again would leave the first import untagged).
+        info = engine.image(ref)
+        if info is not None and (plat is None or info.architecture == plat.architecture):
+            return info
         if not tar.exists():
             slow = plat is not None and plat.machine != wheels.host_machine()
             progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 "
@@ -88,8 +93,8 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
                 last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise BaseImageError(f"mmdebstrap failed: {last}")
             part.rename(tar)
-    progress(f"importing {tar.name} as {ref}")
-    return engine.import_rootfs(str(tar), ref, str(plat) if plat is not None else None)
+        progress(f"importing {tar.name} as {ref}")
+        return engine.import_rootfs(str(tar), ref, str(plat) if plat is not None else None)
 
 
 def wheel_sources(path: Path, version: str) -> dict[str, bytes]:
