@@ -27,7 +27,7 @@ import click
 
 from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
 from . import history_commands, image_commands, patchset_commands, push_commands, smoke_commands
-from .app import EXIT_CODES, Checked, _set_root, _verbose, main, report_error
+from .app import EXIT_CODES, Checked, main, report_error, set_root, set_verbose
 
 __all__ = ["EXIT_CODES", "Checked", "main", "run"]
 # The command modules register their commands with `main` as they are imported.
@@ -37,9 +37,9 @@ COMMAND_MODULES = (image_commands, smoke_commands, push_commands, patchset_comma
 def _accept_verbose_anywhere() -> None:
     for command in main.commands.values():
         command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
-                                           callback=_verbose, help="Debug logging of the tool."))
+                                           callback=set_verbose, help="Debug logging of the tool."))
         command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
-                                           expose_value=False, callback=_set_root,
+                                           expose_value=False, callback=set_root,
                                            help="Folder holding images/ and patches/ (as before the subcommand)."))
 
 

@@ -146,7 +146,7 @@ Environment:
 """
 
 
-def _verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+def set_verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     if value:
         logging.getLogger("vllm_hotfix").setLevel(logging.DEBUG)
 
@@ -162,7 +162,7 @@ def _check_root(root: Path, where: str) -> Path:
     return root.resolve()
 
 
-def _set_root(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+def set_root(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
     # --root after the subcommand: the same as before it.
     if value is not None:
         ctx.find_object(Ctx).root = _check_root(value, "--root")  # type: ignore[union-attr]
@@ -225,7 +225,7 @@ def check_output_file(path: Path | None, option: str) -> None:
     show_default="the repository",
     help="Folder holding images/ and patches/ (and build/ records); also accepted after the subcommand.",
 )
-@click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_verbose,
+@click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=set_verbose,
               help="Debug logging of the tool (also accepted after the subcommand).")
 @click.version_option(__version__)
 @click.pass_context
