@@ -484,9 +484,7 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
         before_dangling = _dangling()
     yield
     assert _scratch_dirs() <= before_dirs, "scratch folders left behind"
-    strays = glob.glob(str(REPO / "**" / "*.rej"), recursive=True) + glob.glob(
-        str(REPO / "**" / "*.orig"), recursive=True
-    )
+    strays = _patch_strays()
     assert not strays, f"reject/backup files left behind: {strays}"
     if uses_engine:
         after = set(Engine.connect().containers_with_role(RUN_ID))
@@ -495,6 +493,19 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
         # named here, by the test that made it, and not only by the session's check at the end.
         made = _dangling() - before_dangling
         assert not made, f"untagged images left behind: {sorted(made)}"
+
+
+def _patch_strays() -> list[str]:
+    """Reject and backup files (``*.rej``, ``*.orig``) anywhere in the checkout, hidden ones aside (as a glob).
+
+    One walk of the tree after every test (two recursive globs took 6 ms, a
+    quarter of the unit tier's time).
+    """
+    found = []
+    for top, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(top, f) for f in files if f.endswith((".rej", ".orig")) and not f.startswith(".")]
+    return found
 
 
 def _dangling() -> set[str]:
