@@ -62,8 +62,12 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
     architecture's is made under emulation (minutes, not seconds).
     """
     ref = ROOTFS_REF if plat is None else f"{ROOTFS_REF}-{plat.debian_arch}"
-    info = engine.image(ref)
-    if info is not None and (plat is None or info.architecture == plat.architecture):
+
+    def made() -> ImageInfo | None:
+        info = engine.image(ref)
+        return info if info is not None and (plat is None or info.architecture == plat.architecture) else None
+
+    if (info := made()) is not None:
         return info
     if shutil.which("mmdebstrap") is None:
         raise BaseImageError("mmdebstrap is not installed", hint="apt-get install -y mmdebstrap")
@@ -79,8 +83,7 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
     with one_writer(tar):
         # Imported under the lock too: a second process made to wait here finds the image, not only the tar
         # (importing it again would leave the first import untagged).
-        info = engine.image(ref)
-        if info is not None and (plat is None or info.architecture == plat.architecture):
+        if (info := made()) is not None:
             return info
         if not tar.exists():
             slow = plat is not None and plat.machine != wheels.host_machine()

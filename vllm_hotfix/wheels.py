@@ -196,10 +196,11 @@ def release(root: Path, version: str, progress: Progress, plat: Platform | None 
     """The vLLM ``version`` wheel of ``plat`` (default: this machine's) from PyPI, downloaded once into the cache."""
     machine = plat.machine if plat is not None else host_machine()
     folder = cache_dir(root) / "wheels"
-    # Looked for under the lock too: pip writes into the folder in place, so another process's half-written
-    # wheel must not be taken for a cached one.
+    found = for_machine(find(folder, "vllm", version), machine)  # a wheel in the folder is whole (see download)
+    if found:
+        return found[0]
     with one_writer(folder / f"vllm-{version}-{machine}"):
-        found = for_machine(find(folder, "vllm", version), machine)
+        found = for_machine(find(folder, "vllm", version), machine)  # another process may have fetched it
         if found:
             return found[0]
         progress(f"downloading the vllm=={version} {machine} wheel from PyPI (about 250-310 MB)")
