@@ -185,7 +185,11 @@ def download(
             raise error(f"{context}cannot download {spec}{for_what} from the package index: "
                         f"{said[-1].removeprefix('ERROR: ')}", hint=hint)
         for got in Path(scratch).glob("*.whl"):
-            os.replace(got, folder / got.name)
+            try:
+                os.replace(got, folder / got.name)
+            except OSError as exc:
+                raise error(f"{context}cannot move {got.name} into {folder}: {exc.strerror or exc}",
+                            hint=hint) from exc
     found = find(folder, name, version)
     if not found:
         raise error(f"{context}pip download {spec}{for_what} gave no wheel of it in {folder}", hint=hint)

@@ -77,6 +77,22 @@ def test_a_wheel_appears_in_the_folder_whole_or_not_at_all(tmp_path: Path, monke
     assert sorted(p.name for p in out.iterdir()) == [made.name]  # no scratch folder left
 
 
+def test_a_wheel_that_cannot_be_moved_in_is_one_line_and_leaves_no_scratch(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    links = tmp_path / "links"
+    links.mkdir()
+    made = _tiny_wheel(links, "tinypkg", "1.0")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    out = tmp_path / "out"
+    (out / made.name).mkdir(parents=True)  # a folder where the wheel must go: the move is refused
+    with pytest.raises(PinError) as err:
+        wheels.download("tinypkg", "1.0", out, error=PinError, context="pins.txt: line 1: ")
+    assert str(err.value).startswith(f"pins.txt: line 1: cannot move {made.name} into {out}: ")
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in out.iterdir()) == [made.name]  # no scratch folder left
+
+
 def test_for_machine_keeps_that_machine_and_pure_wheels() -> None:
     paths = [Path("a-1-cp311-cp311-manylinux_2_28_x86_64.whl"), Path("a-1-cp311-cp311-manylinux_2_28_aarch64.whl"),
              Path("a-1-py3-none-any.whl"), Path("README.txt")]
