@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,8 @@ import pytest
 import requests.exceptions
 import urllib3.exceptions
 
-from vllm_hotfix.engine import Engine
+from vllm_hotfix.engine import Engine, facade
 from vllm_hotfix.engine.mapping import translate, translating
-from vllm_hotfix.engine.transport import UnixTransport
 from vllm_hotfix.errors import BaseImageError, EngineError, EngineLost, PipelineError
 
 
@@ -97,10 +97,15 @@ class _Container:
 
 
 class _Sdk:
-    """Just enough of the SDK client to create a container."""
+    """The SDK's low-level client of a socket path, with just enough of the high-level one to create a container."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str, timeout: float) -> None:
         self.containers = self
+        # The API version given: the client asks the engine nothing before the first call.
+        self.api = docker.APIClient(base_url=f"unix://{path}", version="1.41", timeout=timeout)
+
+    def close(self) -> None:
+        self.api.close()
 
     def create(self, image: str, **_kwargs: Any) -> _Container:
         return _Container()
@@ -110,10 +115,11 @@ class _Sdk:
 def vanished(tmp_path: Path) -> Iterator[tuple[Engine, list[int]]]:
     """An engine that answered (its SDK client exists) and whose socket file is gone since."""
     path = str(tmp_path / "docker.sock")
-    engine = Engine(base_url=f"unix://{path}", timeout=2, transport=UnixTransport(path, 2), client=_Sdk())
+    engine = Engine(base_url=f"unix://{path}", timeout=2, client=_Sdk(path, 2))
     changes: list[int] = []
     engine.on_container = changes.append
     yield engine, changes
+    engine.close()
 
 
 def test_engine_gone_while_a_container_is_removed_is_one_line(vanished: tuple[Engine, list[int]]) -> None:
@@ -121,7 +127,7 @@ def test_engine_gone_while_a_container_is_removed_is_one_line(vanished: tuple[En
     with pytest.raises(EngineLost) as caught, engine.box("some-image"):
         pass
     assert _one_line(caught.value) == (
-        "removing container abc123def456: the Docker engine stopped answering ([Errno 2] No such file or directory)")
+        "removing container abc123def456: the Docker engine stopped answering (No such file or directory)")
     # Not counted as removed: the run's note sends the next run to remove it.
     assert changes == [+1]
 
@@ -154,24 +160,56 @@ def test_no_engine_at_the_socket_is_one_line_not_a_lost_engine() -> None:
     assert str(caught.value) == "no Docker engine answers (unix:///nonexistent/docker.sock: No such file or directory)"
 
 
-# -- the transport's deadline -----------------------------------------------------------
+# -- the deadline of every call ---------------------------------------------------------
 
 
-def test_a_frozen_engine_ends_the_call_at_its_deadline(tmp_path: Path) -> None:
-    """An engine that accepts the connection and never answers: the call ends at the deadline, as a lost engine."""
+@pytest.fixture
+def frozen(tmp_path: Path) -> Iterator[str]:
+    """A socket that accepts connections and never answers (an engine stopped with SIGSTOP): its path."""
     path = str(tmp_path / "frozen.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
-    server.listen(1)
+    server.listen(4)
     held: list[socket.socket] = []
-    accept = threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True)
-    accept.start()
-    engine = Engine(base_url=f"unix://{path}", timeout=0.5, transport=UnixTransport(path, 0.5))
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(server.accept()[0])
+        except OSError:
+            pass  # closed at the end of the test
+
+    threading.Thread(target=accept, daemon=True).start()
     try:
-        with pytest.raises(EngineError) as caught:
-            engine.image("x")
-        assert "timed out" in _one_line(caught.value)
+        yield path
     finally:
         server.close()
         for conn in held:
             conn.close()
+
+
+def test_a_frozen_engine_ends_the_first_call_at_its_deadline(frozen: str) -> None:
+    """Frozen before it ever answered: the SDK's version question ends at the deadline; no engine answers."""
+    engine = Engine(base_url=f"unix://{frozen}", timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(EngineError) as caught:
+        engine.image("x")
+    assert time.monotonic() - started < 5
+    assert not isinstance(caught.value, EngineLost)
+    assert _one_line(caught.value).startswith(f"no Docker engine answers (unix://{frozen}: ")
+    assert "timed out" in str(caught.value)
+
+
+def test_an_engine_frozen_mid_run_is_lost_at_the_deadline_and_later_calls_wait_less(frozen: str) -> None:
+    engine = Engine(base_url=f"unix://{frozen}", timeout=0.5, client=_Sdk(frozen, 0.5))
+    try:
+        with pytest.raises(EngineLost) as caught:
+            engine.image("x")
+        assert _one_line(caught.value).startswith("inspecting image x: the Docker engine stopped answering (")
+        assert "timed out" in str(caught.value)
+        # Within a longer deadline too, a lost engine gets only LOST_DEADLINE per call.
+        with engine.deadline(30):
+            assert engine.call_timeout == min(0.5, facade.LOST_DEADLINE)
+            assert engine.sdk.api.timeout == engine.call_timeout
+    finally:
+        engine.close()

@@ -6,14 +6,15 @@ package's parts:
 - :mod:`.facade`: :class:`Engine`, the typed operations the pipeline uses;
 - :mod:`.containers`: the containers it starts, each removed before the call returns;
 - :mod:`.files`: files of an image read from its layers (a container created, never started), hashed as they stream;
-- :mod:`.transport`: plain HTTP over the engine's unix socket (``http.client``);
+- :mod:`.streams`: the streamed work (pull, build, push), progress handed on as it comes;
 - :mod:`.mapping`: every SDK, HTTP and socket error as one PipelineError naming the operation;
 - :mod:`.dockerconfig`: references, stored logins, registries the engine trusts without TLS;
 - :mod:`.labels`: every label key the tool uses, and the labels its containers get;
 - :mod:`.model`: the data the engine's answers become.
 
-Importing it does not import the Docker SDK (about 150 ms, more than an
-unchanged rebuild takes in all): the SDK is imported where it is first used.
+Every engine call goes through the Docker SDK. Importing this package does
+not import the SDK (about 85 ms): a command that never calls the engine
+(``--help``, a refused argument) does not pay for it; the first engine call does.
 """
 
 from __future__ import annotations

@@ -1,65 +1,51 @@
 """The engine as the pipeline sees it: typed operations, no policy.
 
-One :class:`Engine` per run. The calls an unchanged rebuild or an assembled
-build makes go as plain HTTP over the engine's unix socket
-(:mod:`.transport`) when it is local, else through the SDK client's session;
-streaming work (build, pull, push, containers) goes through the Docker SDK,
-imported on first use. Every call runs under :func:`.mapping.translating`,
-so whatever goes wrong leaves as one PipelineError naming the operation.
-Which image to pull when, which registry speaks TLS, and which labels a
-container gets are decided elsewhere (:mod:`vllm_hotfix.pulling`,
-:mod:`.dockerconfig`, :mod:`.labels`).
-
-It holds one typed method per engine operation the pipeline uses (about forty),
-which is why it is over 500 lines; containers, file reads, the transport, the
-error mapper and the docker config are modules of their own.
+One :class:`Engine` per run, every call through the Docker SDK: its
+high-level client for containers, its low-level ``APIClient`` for the rest,
+and plain requests over the SDK's own session for the one call the SDK
+lacks (importing a root file system for a given platform). The SDK is
+imported on the first call. Every call runs under
+:func:`.mapping.translating`, so whatever goes wrong leaves as one
+PipelineError naming the operation. Which image to pull when, which
+registry speaks TLS, and which labels a container gets are decided
+elsewhere (:mod:`vllm_hotfix.pulling`, :mod:`.dockerconfig`, :mod:`.labels`).
+Containers, file reads, streamed work (build, pull, push), the error mapper
+and the docker config are modules of their own.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import json
 import logging
 import os
-import re
 import socket
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
-from urllib.parse import quote, urlencode, urlparse
+from urllib.parse import urlparse
 
-from ..errors import BaseImageError, BuildError, EngineError, EngineLost, PipelineError, PushError
-from . import containers, dockerconfig, labels
+from ..errors import BuildError, EngineError, EngineLost, PipelineError, PushError
+from . import containers, dockerconfig, labels, streams
 from . import files as layers
-from .mapping import Refused, refusal, short, translating, unreachable
+from .mapping import Refused, short, status, translating
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
-from .transport import DEFAULT_HOST, UnixTransport, local_socket
 
 log = logging.getLogger(__name__)
 
-LOG_TAIL_LINES = 50
+DEFAULT_HOST = "unix:///var/run/docker.sock"
 # Once the engine stopped answering, each later call (removing what the run
 # started) waits this long at most: the run ends with one line soon after.
 LOST_DEADLINE = 3.0
-_STEP_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})$")
-
-
-def _q(text: str) -> str:
-    """A path parameter as the SDK spells it ("/" and ":" stay)."""
-    return quote(text, safe="/:")
 
 
 class Engine:
     """A connection to one Docker engine."""
 
-    def __init__(self, *, base_url: str | None = None, timeout: float = 120,
-                 transport: UnixTransport | None = None, client: Any = None) -> None:
+    def __init__(self, *, base_url: str | None = None, timeout: float = 120, client: Any = None) -> None:
         self._base_url = base_url
         self.address = base_url or os.environ.get("DOCKER_HOST") or DEFAULT_HOST
         self.timeout = timeout
-        self._transport = transport
         self._client = client
         self._answered = client is not None  # after that, a failure is an engine lost, not a missing one
         # Told +1 before each container this engine starts for us and -1 once it is
@@ -69,28 +55,19 @@ class Engine:
         self._lost = False
 
     @classmethod
-    def connect(cls, timeout: float = 120, base_url: str | None = None, *, transport: str = "auto",
-                ping: bool = True) -> Engine:
+    def connect(cls, timeout: float = 120, base_url: str | None = None, *, ping: bool = True) -> Engine:
         """Connect through ``base_url``, else DOCKER_HOST (or the default socket), and ping.
 
-        ``transport``: ``auto`` speaks plain HTTP to a local unix socket and
-        uses the SDK for anything else; ``sdk`` always uses the SDK.
         ``ping=False`` skips the ping: the first real call then fails with the
         same error if no engine answers.
         """
-        path = local_socket(base_url) if transport == "auto" else None
-        if path is not None:
-            engine = cls(base_url=f"unix://{path}", timeout=timeout, transport=UnixTransport(path, timeout))
-        else:
-            engine = cls(base_url=base_url, timeout=timeout)
+        engine = cls(base_url=base_url, timeout=timeout)
         if ping:
             engine.ping()
         return engine
 
     def close(self) -> None:
-        """Let go of the engine."""
-        if self._transport is not None:
-            self._transport.close()
+        """Let go of the engine's connections (a later call opens new ones)."""
         if self._client is not None:
             self._client.close()
 
@@ -100,7 +77,7 @@ class Engine:
     def translating(self, operation: str, refused: Refused | None = None) -> Iterator[None]:
         """:func:`.mapping.translating` for this engine (a failure before it ever answered: none answers).
 
-        An engine found lost gets only :data:`LOST_DEADLINE` per call from then on.
+        An engine found lost gets only :data:`LOST_DEADLINE` per call from then on, until it answers again.
         """
         try:
             with translating(operation, refused=refused, address=None if self._answered else self.address):
@@ -109,6 +86,10 @@ class Engine:
             self._lost = True
             self._apply_deadline()
             raise
+        self._answered = True
+        if self._lost:  # it answers again
+            self._lost = False
+            self._apply_deadline()
 
     @property
     def call_timeout(self) -> float:
@@ -145,7 +126,11 @@ class Engine:
 
     @property
     def sdk(self) -> Any:
-        """The Docker SDK client for this engine, made (and the SDK imported) on first use."""
+        """The Docker SDK client for this engine, made (and the SDK imported) on first use.
+
+        Making it asks the engine its API version, so the SDK speaks the
+        engine's own (an older engine refuses a newer client's).
+        """
         if self._client is None:
             import docker
 
@@ -155,42 +140,17 @@ class Engine:
                 else:
                     # The environment's way, TLS settings (DOCKER_TLS_VERIFY, DOCKER_CERT_PATH) included.
                     self._client = docker.from_env(timeout=self.call_timeout)
-            self._answered = True
             self._apply_deadline()
         return self._client
 
-    def request(self, method: str, path: str, operation: str, *, params: Mapping[str, str] | None = None,
-                body: bytes | io.BufferedReader | None = None, headers: Mapping[str, str] | None = None,
-                ) -> tuple[int, bytes]:
-        """One request to the engine's API (unversioned path: the engine's own version); status and body."""
-        url = path + ("?" + urlencode(params) if params else "")
-        with self.translating(operation):
-            if self._transport is not None:
-                status, data = self._transport.request(method, url, body, headers, timeout=self.call_timeout)
-            else:
-                api = self.sdk.api
-                resp = api.request(method, api.base_url + url, data=body, headers=dict(headers or {}),
-                                   timeout=self.call_timeout)
-                status, data = resp.status_code, resp.content
-        self._answered = True
-        if self._lost:  # it answers again
-            self._lost = False
-            self._apply_deadline()
-        return status, data
-
-    def _json(self, method: str, path: str, operation: str, **kwargs: Any) -> Any:
-        """The JSON answer of one call, None for 404, the operation's error for any other refusal."""
-        status, data = self.request(method, path, operation, **kwargs)
-        if status == 404:
-            return None
-        if status >= 300:
-            raise refusal(operation, status, data)
-        return json.loads(data) if data.strip() else {}
+    @property
+    def api(self) -> Any:
+        """The SDK's low-level client (``docker.APIClient``) for this engine."""
+        return self.sdk.api
 
     def ping(self) -> None:
-        status, _data = self.request("GET", "/_ping", "pinging the engine")
-        if status != 200:
-            raise unreachable(self.address, f"HTTP {status} to a ping")
+        with self.translating("pinging the engine"):
+            self.api.ping()
 
     @property
     def local(self) -> bool:
@@ -207,9 +167,24 @@ class Engine:
 
     # -- images ------------------------------------------------------------
 
+    @contextmanager
+    def _absent_ok(self, operation: str, refused: Refused | None = None) -> Iterator[list[bool]]:
+        """:meth:`translating`, with the engine's 404 (no such image or container) no error: the list says it."""
+        absent: list[bool] = []
+        with self.translating(operation, refused):
+            try:
+                yield absent
+            except Exception as exc:
+                if status(exc) != 404:
+                    raise
+                absent.append(True)
+
     def inspect(self, ref: str) -> dict[str, Any] | None:
         """The engine's description of image ``ref`` (``docker image inspect``), or None."""
-        return self._json("GET", f"/images/{_q(ref)}/json", f"inspecting image {ref}")  # type: ignore[no-any-return]
+        found: dict[str, Any] | None = None
+        with self._absent_ok(f"inspecting image {ref}"):
+            found = self.api.inspect_image(ref)
+        return found
 
     def image(self, ref: str) -> ImageInfo | None:
         attrs = self.inspect(ref)
@@ -217,34 +192,35 @@ class Engine:
 
     def history(self, image_id: str) -> list[dict[str, Any]]:
         """The image's history as the engine reports it, oldest first."""
-        found = self._json("GET", f"/images/{_q(image_id)}/history", f"reading the history of {image_id}")
-        if found is None:
+        with self._absent_ok(f"reading the history of {image_id}") as absent:
+            found = self.api.history(image_id)
+        if absent:
             raise EngineError(f"{image_id}: no such image")
         return list(reversed(found))
 
     def info(self) -> dict[str, Any]:
-        return self._json("GET", "/info", "asking the engine to describe itself") or {}  # type: ignore[no-any-return]
+        with self.translating("asking the engine to describe itself"):
+            return dict(self.api.info() or {})
 
     def image_ids(self) -> set[str]:
         """Every image in the engine, intermediate ones included."""
-        return {i["Id"] for i in self._json("GET", "/images/json", "listing images", params={"all": "1"}) or []}
+        with self.translating("listing images"):
+            return set(self.api.images(all=True, quiet=True))
 
     def load(self, archive: bytes) -> list[str]:
         """``docker load`` of a save-format archive; layers the engine has need not be in it.
 
         Returns what the engine says it loaded (image IDs or names).
         """
-        status, data = self.request("POST", "/images/load", "loading an image", params={"quiet": "1"},
-                                    body=archive, headers={"Content-Type": "application/x-tar"})
-        messages = []
-        for line in data.decode("utf-8", "replace").splitlines():
-            try:
-                messages.append(json.loads(line))
-            except ValueError:
-                messages.append({"error": line} if status >= 300 else {"stream": line})
+        def refused(message: str) -> PipelineError:
+            return BuildError(f"the engine refused to load the image: {message}")
+
+        with self.translating("loading an image", refused):
+            messages = [m if isinstance(m, dict) else {"stream": str(m)}
+                        for m in self.api.load_image(archive, quiet=True)]
         errors = [str(m.get("error") or m.get("message")) for m in messages if m.get("error") or m.get("message")]
-        if status >= 300 or errors:
-            raise BuildError("the engine refused to load the image: " + ("; ".join(errors) or f"HTTP {status}"),
+        if errors:
+            raise BuildError("the engine refused to load the image: " + "; ".join(errors),
                              log_tail=[str(m.get("stream", "")).strip() for m in messages if m.get("stream")])
         loaded = []
         for m in messages:
@@ -256,40 +232,18 @@ class Engine:
 
     def pull(self, ref: str, progress: Callable[[str], None] | None = None, platform: str | None = None) -> None:
         """Pull ``ref`` (of one ``platform`` when given; only engines from API 1.32 take it)."""
-        repo, tag = dockerconfig.split_reference(ref)
-        shown: dict[str, str] = {}
-        extra = {"platform": platform} if platform else {}
-
-        def refused(message: str) -> PipelineError:
-            return BaseImageError(f"cannot pull base image {ref}: {message}",
-                                  hint="check the registry is reachable, or load the image and use --pull never")
-
-        with self.translating(f"pulling {ref}", refused):
-            for chunk in self.sdk.api.pull(repo, tag=tag, stream=True, decode=True, **extra):
-                if "error" in chunk:
-                    raise BaseImageError(f"cannot pull base image {ref}: {chunk['error']}")
-                status = chunk.get("status", "")
-                layer = chunk.get("id", "")
-                # One line per layer state change keeps a pull readable in CI logs.
-                if progress is not None and shown.get(layer) != status:
-                    shown[layer] = status
-                    progress(f"{layer}: {status} {chunk.get('progress', '')}".strip())
+        streams.pull(self, ref, progress, platform)
 
     def tag(self, image_id: str, ref: str) -> None:
-        # The whole reference as `repo`, no `tag`: the engine parses it with its
-        # own reference grammar (a missing tag is `latest`), and a reused build
-        # needs no SDK import to split it.
-        operation = f"tagging {image_id} as {ref}"
-        status, data = self.request("POST", f"/images/{_q(image_id)}/tag", operation, params={"repo": ref})
-        if status >= 300:
-            raise refusal(operation, status, data)
+        # The whole reference as `repo`, no `tag`: the engine parses it with
+        # its own reference grammar (a missing tag is `latest`).
+        with self.translating(f"tagging {image_id} as {ref}"):
+            self.api.tag(image_id, ref)
 
     def untag(self, ref: str) -> None:
         """Remove the tag ``ref`` (the image stays); no such tag is no error."""
-        operation = f"removing tag {ref}"
-        status, data = self.request("DELETE", f"/images/{_q(ref)}", operation, params={"noprune": "1"})
-        if status >= 300 and status != 404:
-            raise refusal(operation, status, data)
+        with self._absent_ok(f"removing tag {ref}"):
+            self.api.remove_image(ref, noprune=True)
 
     def remove_image(self, ref: str, force: bool = True) -> None:
         """Remove ``ref``; an image that is gone already, or that others still use (409), is no error.
@@ -297,12 +251,13 @@ class Engine:
         Any other refusal is (an engine shutting down answers 500): the caller
         then keeps the image in its note for the next run to remove.
         """
-        operation = f"removing image {ref}"
-        status, data = self.request("DELETE", f"/images/{_q(ref)}", operation, params={"force": "1" if force else "0"})
-        if status == 409:
-            log.warning("could not remove image %s: %s", ref, short(data))
-        elif status >= 300 and status != 404:
-            raise refusal(operation, status, data)
+        with self._absent_ok(f"removing image {ref}"):
+            try:
+                self.api.remove_image(ref, force=force)
+            except Exception as exc:
+                if status(exc) != 409:
+                    raise
+                log.warning("could not remove image %s: %s", ref, short(exc))
 
     def remove_untagged(self, image_id: str, force: bool = True) -> None:
         info = self.image(image_id)
@@ -312,18 +267,28 @@ class Engine:
     def import_rootfs(self, tar_path: str, ref: str, platform: str | None = None) -> ImageInfo:
         """Import a root file system tar as ``ref``; ``platform`` says which one it is.
 
-        The engine's API has taken the platform since 1.32 (Docker 20.10 accepts it but records its own).
+        The engine's API has taken the platform since 1.32 (Docker 20.10
+        accepts it but records its own); the SDK's ``import_image`` does not
+        pass it, so this one call is a request of its own over the SDK's session.
         """
+        import docker.errors
+        import requests.exceptions
+
         repo, tag = dockerconfig.split_reference(ref)
         operation = f"importing {tar_path} as {ref}"
         params = {"fromSrc": "-", "repo": repo, "tag": tag, **({"platform": platform} if platform else {})}
-        with open(tar_path, "rb") as fh:
-            status, data = self.request("POST", "/images/create", operation, params=params, body=fh,
-                                        headers={"Content-Type": "application/tar"})
-        said = [json.loads(line) for line in data.splitlines() if line.strip().startswith(b"{")]
+        with self.translating(operation), open(tar_path, "rb") as fh:
+            api = self.api
+            res = api.post(f"{api.base_url}/v{api.api_version}/images/create", params=params, data=fh,
+                           headers={"Content-Type": "application/tar"}, timeout=self.call_timeout)
+            try:
+                res.raise_for_status()
+            except requests.exceptions.HTTPError as exc:
+                docker.errors.create_api_error_from_http_exception(exc)
+            said = [json.loads(line) for line in res.content.splitlines() if line.strip().startswith(b"{")]
         errors = [str(m["error"]) for m in said if m.get("error")]
-        if status >= 300 or errors:
-            raise refusal(operation, status, "; ".join(errors).encode() or data)
+        if errors:
+            raise EngineError(f"{operation}: {short('; '.join(errors))}")
         info = self.image(ref)
         if info is None:
             raise EngineError(f"imported {tar_path} but {ref} is missing")
@@ -333,8 +298,7 @@ class Engine:
         """``docker import`` of a tar stream (e.g. a host's own filesystem), with Dockerfile ``changes``."""
         repo, tag = dockerconfig.split_reference(ref)
         with self.translating(f"importing a filesystem as {ref}"):
-            self.sdk.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes),
-                                      stream_src=True)
+            self.api.import_image(src=iter(chunks), repository=repo, tag=tag, changes=list(changes), stream_src=True)
         info = self.image(ref)
         if info is None:
             raise EngineError(f"imported a filesystem but {ref} is missing")
@@ -362,81 +326,11 @@ class Engine:
         after. If the build fails or is interrupted, the images its steps made
         are removed here, unless other images depend on them.
         """
-        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-        made: list[str] = []
-
-        def refused(message: str) -> PipelineError:
-            return BuildError(f"docker build failed: {message}", log_tail=tail)
-
-        try:
-            with self.translating("building the image", refused):
-                image_id = self._build(context, tail, made, progress, on_image, dict(buildargs or {}), network,
-                                       nocache)
-        except BaseException:
-            for step in reversed(made):
-                try:
-                    self.remove_untagged(step, force=False)
-                except PipelineError as exc:
-                    log.debug("build step %s stays: %s", step[:19], exc)
-            raise
-        return image_id
-
-    def _build(self, context: bytes, tail: deque[str], made: list[str], progress: Callable[[str], None] | None,
-               on_image: Callable[[str], None] | None, buildargs: dict[str, str], network: str | None,
-               nocache: bool = False) -> str:
-        image_id: str | None = None
-        for chunk in self.sdk.api.build(fileobj=io.BytesIO(context), custom_context=True, rm=True, forcerm=True,
-                                        decode=True, buildargs=buildargs or None, network_mode=network,
-                                        nocache=nocache):
-            if "error" in chunk:
-                tail.append(chunk["error"].rstrip())
-                raise BuildError("docker build failed: " + chunk["error"].strip(), log_tail=tail)
-            if "aux" in chunk and "ID" in chunk["aux"]:
-                image_id = chunk["aux"]["ID"]
-            for line in chunk.get("stream", "").splitlines():
-                step = _STEP_ID.match(line)
-                if step:
-                    made.append(step.group(1))
-                    if on_image is not None:
-                        on_image(step.group(1))
-                if line.strip():
-                    tail.append(line)
-                    if progress is not None:
-                        progress(line)
-        if image_id is None:
-            for line in reversed(tail):
-                if line.startswith("Successfully built "):
-                    found = self.image(line.split()[-1])
-                    image_id = found.id if found is not None else None
-                    break
-        if image_id is None:
-            raise BuildError("docker build reported no image ID", log_tail=tail)
-        return image_id
+        return streams.build(self, context, progress, on_image, buildargs or {}, network, nocache)
 
     def push(self, ref: str, progress: Callable[[str], None] | None = None) -> str:
-        """Push ``ref`` with the credentials `docker login` stored; return the manifest digest.
-
-        The SDK reads them the docker way (:mod:`.dockerconfig`) and hands them to the engine.
-        """
-        repo, tag = dockerconfig.split_reference(ref)
-        host = dockerconfig.registry_of(ref)
-        digest: str | None = None
-        shown: dict[str, str] = {}
-        with self.translating(f"push of {ref}", lambda message: dockerconfig.push_error(ref, host, message)):
-            for chunk in self.sdk.api.push(repo, tag=tag, stream=True, decode=True):
-                if "error" in chunk:
-                    raise dockerconfig.push_error(ref, host, chunk["error"].strip())
-                aux = chunk.get("aux") or {}
-                if "Digest" in aux:
-                    digest = aux["Digest"]
-                status = chunk.get("status", "")
-                layer = chunk.get("id", "")
-                if progress is not None and shown.get(layer) != status:
-                    shown[layer] = status
-                    progress(f"{layer}: {status}".strip(": "))
-        if digest is None:
-            raise PushError(f"push of {ref} reported no digest")
-        return digest
+        """Push ``ref`` with the credentials `docker login` stored; return the manifest digest."""
+        return streams.push(self, ref, progress)
 
     def registry_digest(self, ref: str) -> str:
         """The digest the registry holds for ``ref``, asked through the engine.
@@ -461,7 +355,8 @@ class Engine:
 
     @functools.cached_property
     def _version(self) -> dict[str, Any]:
-        return self._json("GET", "/version", "asking the engine its version") or {}  # type: ignore[no-any-return]
+        with self.translating("asking the engine its version"):
+            return dict(self.api.version() or {})
 
     @property
     def arch(self) -> str:
@@ -543,9 +438,8 @@ class Engine:
         return containers.service(self, image, command, mounts=mounts, gpu=gpu, env=env, writable=writable)
 
     def _containers(self, label: str) -> list[dict[str, Any]]:
-        found = self._json("GET", "/containers/json", "listing containers",
-                           params={"all": "1", "filters": json.dumps({"label": [label]})})
-        return list(found or [])
+        with self.translating("listing containers"):
+            return list(self.api.containers(all=True, filters={"label": [label]}) or [])
 
     def containers_with_role(self, run_id: str | None = None) -> list[str]:
         """Containers this tool started (and, given run_id, that run)."""
@@ -560,8 +454,5 @@ class Engine:
 
     def remove_container(self, container_id: str) -> None:
         """Remove it, running or not; one that is gone already is no error."""
-        operation = f"removing container {container_id[:12]}"
-        status, data = self.request("DELETE", f"/containers/{_q(container_id)}", operation, params={"force": "1"})
-        if status >= 300 and status != 404:
-            raise refusal(operation, status, data)
-
+        with self._absent_ok(f"removing container {container_id[:12]}"):
+            self.api.remove_container(container_id, force=True)

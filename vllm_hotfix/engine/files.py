@@ -27,6 +27,7 @@ from typing import IO, Any, cast
 
 from ..errors import EngineError, PipelineError
 from .containers import lifetime
+from .mapping import status
 from .model import Refused, Seam
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,6 @@ def add(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, parent: str, k
         entries[path] = FileFact(path, "other", mode=member.mode)
 
 
-def _not_found(exc: BaseException) -> bool:
-    return getattr(exc, "status_code", None) == 404 or getattr(getattr(exc, "response", None), "status_code",
-                                                                None) == 404
-
-
 class Reader:
     """Reads folders of one created (never started) container of an image."""
 
@@ -173,7 +169,7 @@ class Reader:
                 try:
                     chunks, _stat = self._container.get_archive(path, chunk_size=CHUNK)
                 except Exception as exc:
-                    if _not_found(exc):
+                    if status(exc) == 404:
                         return None
                     raise
                 return scan_tar(chunks, posixpath.dirname(path), keep)

@@ -1,22 +1,23 @@
 """The one place where what goes wrong between the tool and the engine becomes a PipelineError.
 
 Every engine call runs under :func:`translating`, which names the operation.
-An engine that answered and refused becomes the operation's own error
-(:class:`EngineError` unless the caller says otherwise, e.g. a refused pull
-is a base-image error); an engine that is gone (its socket removed, the
-connection refused, reset or cut mid-answer, or silent past the deadline)
-becomes :class:`EngineLost`, one line naming the operation. Errors of other
-kinds (a bug, an interrupt) pass through untouched.
+An engine that answered and refused (the SDK's ``APIError``) becomes the
+operation's own error (:class:`EngineError` unless the caller says
+otherwise, e.g. a refused pull is a base-image error); an engine that is
+gone (its socket removed, the connection refused, reset or cut mid-answer,
+or silent past the deadline) becomes :class:`EngineLost`, one line naming
+the operation. Errors of other kinds (a bug, an interrupt) pass through
+untouched.
 
-The Docker SDK, ``requests`` and ``urllib3`` are looked up among the loaded
-modules, not imported: an error cannot come from a library nobody loaded,
-and the commands that never need the SDK must not pay for importing it.
+The error classes are those of the Docker SDK and the libraries under it
+(``requests``, ``urllib3``), imported on the first error to translate: every
+engine call goes through the SDK, and a command that never calls the engine
+does not pay for importing it.
 """
 
 from __future__ import annotations
 
-import http.client
-import sys
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,41 +30,36 @@ LOST_HINT = ("check the engine (docker version); containers and images this run 
 NO_ENGINE_HINT = "start one (make services), or point DOCKER_HOST at a running engine"
 
 
+@functools.cache
+def _kinds() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(errors that say the engine is not there any more, errors of talking to an engine at all)."""
+    import docker.errors
+    import requests.exceptions
+    import urllib3.exceptions
 
-def _loaded(module: str, *names: str) -> tuple[type[BaseException], ...]:
-    found = sys.modules.get(module)
-    return tuple(getattr(found, name) for name in names) if found is not None else ()
-
-
-def _gone_types() -> tuple[type[BaseException], ...]:
-    """Errors that say the engine is not there (any more), not that it refused."""
-    return (
+    gone_kinds = (
         ConnectionError,  # refused, reset, broken pipe
         FileNotFoundError,  # its socket file is gone (an engine stopped with SIGTERM removes it)
         TimeoutError,  # silent past the deadline
-        http.client.IncompleteRead,
-        http.client.BadStatusLine,  # RemoteDisconnected among them
-        *_loaded("requests.exceptions", "ConnectionError", "Timeout", "ChunkedEncodingError"),
-        *_loaded("urllib3.exceptions", "ProtocolError", "TimeoutError"),
+        requests.exceptions.ConnectionError,
+        requests.exceptions.Timeout,
+        requests.exceptions.ChunkedEncodingError,  # the answer cut mid-stream
+        urllib3.exceptions.ProtocolError,
+        urllib3.exceptions.TimeoutError,
     )
-
-
-def _engine_types() -> tuple[type[BaseException], ...]:
-    """Errors of talking to an engine at all: the transport's, the SDK's and its libraries'."""
-    return (
-        OSError,
-        http.client.HTTPException,
-        *_loaded("docker.errors", "DockerException"),
-        *_loaded("requests.exceptions", "RequestException"),
-        *_loaded("urllib3.exceptions", "HTTPError"),
+    engine_kinds = (
+        OSError,  # requests' errors, the SDK's APIError among them, are OSErrors too
+        docker.errors.DockerException,
+        urllib3.exceptions.HTTPError,
     )
+    return gone_kinds, engine_kinds
 
 
 def gone(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) says the engine is not answering."""
-    kinds = _gone_types()
+    kinds = _kinds()[0]
     seen: BaseException | None = exc
-    for _ in range(8):  # the SDK wraps what urllib3 wraps what the socket raised
+    for _ in range(8):  # the SDK wraps what requests wraps what urllib3 wraps what the socket raised
         if seen is None:
             return False
         if isinstance(seen, kinds):
@@ -72,14 +68,32 @@ def gone(exc: BaseException) -> bool:
     return False
 
 
+def status(exc: BaseException) -> int | None:
+    """The HTTP status of the engine's refusal ``exc`` (the SDK's ``APIError``), else None."""
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _why(exc: BaseException | str) -> str:
+    """The socket's own words (``Connection refused``) when the SDK's error was raised from one, else its line."""
+    seen: BaseException | str | None = exc
+    for _ in range(8):
+        if not isinstance(seen, BaseException):
+            break
+        if isinstance(seen, OSError) and seen.strerror:
+            return str(seen.strerror)
+        seen = seen.__cause__ or seen.__context__
+    return short(exc)
+
+
 def lost(operation: str, exc: BaseException) -> EngineLost:
-    return EngineLost(f"{operation}: the Docker engine stopped answering ({short(exc)})", hint=LOST_HINT)
+    return EngineLost(f"{operation}: the Docker engine stopped answering ({_why(exc)})", hint=LOST_HINT)
 
 
 def unreachable(address: str, exc: BaseException | str) -> EngineError:
     """No engine answers at ``address`` (and none ever did in this run)."""
-    why = getattr(exc, "strerror", None) or short(exc)
-    return EngineError(f"no Docker engine answers ({address}: {why})", hint=NO_ENGINE_HINT)
+    return EngineError(f"no Docker engine answers ({address}: {_why(exc)})", hint=NO_ENGINE_HINT)
 
 
 def translate(operation: str, exc: BaseException, *, refused: Refused | None = None,
@@ -93,9 +107,9 @@ def translate(operation: str, exc: BaseException, *, refused: Refused | None = N
         return exc
     if gone(exc):
         return unreachable(address, exc) if address is not None else lost(operation, exc)
-    if isinstance(exc, _engine_types()):
+    if isinstance(exc, _kinds()[1]):
         # A credential helper that cannot run is the login's fault whatever the operation (exit 8).
-        helper = helper_error(exc) if "docker" in sys.modules else None
+        helper = helper_error(exc)
         if helper is not None:
             return helper
         message = short(exc)
@@ -113,9 +127,3 @@ def translating(operation: str, *, refused: Refused | None = None, address: str 
         if mapped is None or mapped is exc:
             raise
         raise mapped from exc
-
-
-def refusal(operation: str, status: int, body: bytes, refused: Refused | None = None) -> PipelineError:
-    """What an HTTP error answer of the engine becomes."""
-    message = short(body) or f"HTTP {status}"
-    return refused(message) if refused is not None else EngineError(f"{operation}: {message}")

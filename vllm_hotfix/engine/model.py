@@ -103,7 +103,7 @@ class ExecResult:
 
 
 class Seam(Protocol):
-    """What the container and file helpers need of an :class:`~vllm_hotfix.engine.facade.Engine`.
+    """What the container, file and stream helpers need of an :class:`~vllm_hotfix.engine.facade.Engine`.
 
     They are the facade's parts, written against this so that they import
     nothing of the facade that imports them.
@@ -119,3 +119,7 @@ class Seam(Protocol):
     def notify(self, change: int) -> None: ...
 
     def remove_container(self, container_id: str) -> None: ...
+
+    def image(self, ref: str) -> ImageInfo | None: ...
+
+    def remove_untagged(self, image_id: str, force: bool = True) -> None: ...
