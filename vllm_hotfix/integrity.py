@@ -18,17 +18,13 @@ started) and judged here, on the host:
   read from the base) are named as the base's.
 
 Everything here but :func:`read_site` is pure: trees in, findings out.
-
-The rules of judging a tree (the landed files and their bytecode,
-distributions and what they require, paths two of them claim, what the base
-already had) are kept together here, all but the reading pure, which is why
-it is over 500 lines.
+Which distributions are installed and what each requires in the image's
+environment is read in :mod:`.installed`.
 """
 
 from __future__ import annotations
 
 import base64
-import csv
 import hashlib
 import importlib.util
 import logging
@@ -37,11 +33,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from email.parser import HeaderParser
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine import FileFact, ImageInfo, Tree
+from .installed import Environment, canonical, closure, distributions, environment
 
 if TYPE_CHECKING:
     from .expected import Expected
@@ -52,8 +48,6 @@ FILESYSTEM, IMAGE_PYTHON = "filesystem", "image-python"
 LIMIT = 2000  # deviations kept per kind; enough for any base worth patching
 EXAMPLES = 5  # named in a check's detail
 _COMPILED = re.compile(r"\.(so(\.\d+)*|pyd|dylib)$")
-_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[([^\]]*)\])?")
-_EXTRA = re.compile(r"""extra\s*==\s*['"]([^'"]+)['"]""")
 
 # Deviation kinds that fail an image even when its base already had them.
 KNOWN_BAD = {
@@ -69,10 +63,6 @@ WORDS = {
     "missing_compiled": "compiled file(s) listed in RECORD but absent",
     "unlisted": "file(s) under the package that no RECORD lists",
 }
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def record_hash(hex_digest: str) -> str:
@@ -117,78 +107,6 @@ def read_site(engine: FileSource, image_id: str, site_dir: str, keep: Callable[[
             return tree
         more = reader.read(outside)
     return Tree({**tree.entries, **more.entries}, tree.kept, tree.missing + more.missing)
-
-
-# -- distributions ------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Dist:
-    name: str  # canonical
-    version: str
-    info_dir: str
-    requires: tuple[str, ...]
-    rows: tuple[tuple[str, str], ...]  # (absolute path, RECORD hash or "")
-
-
-def distributions(tree: Tree, site_dir: str) -> dict[str, Dist]:
-    """Each distribution whose dist-info sits directly in ``site_dir``, by canonical name."""
-    found: dict[str, Dist] = {}
-    for path in sorted(tree.kept):
-        folder, name = posixpath.split(path)
-        if name != "METADATA" or posixpath.dirname(folder) != posixpath.normpath(site_dir):
-            continue
-        meta = HeaderParser().parsestr(tree.kept[path].decode("utf-8", "replace"))
-        dist_name = meta.get("Name")
-        if not dist_name:
-            continue
-        rows: list[tuple[str, str]] = []
-        record = tree.kept.get(posixpath.join(folder, "RECORD"))
-        for row in csv.reader((record or b"").decode("utf-8", "replace").splitlines()):
-            if not row or not row[0]:
-                continue
-            digest = row[1][len("sha256="):] if len(row) > 1 and row[1].startswith("sha256=") else ""
-            rows.append((posixpath.normpath(posixpath.join(site_dir, row[0])), digest))
-        found.setdefault(canonical(dist_name), Dist(canonical(dist_name), meta.get("Version") or "", folder,
-                                                    tuple(meta.get_all("Requires-Dist") or ()), tuple(rows)))
-    return found
-
-
-def required(dist: Dist, extras: set[str]) -> list[tuple[str, set[str]]]:
-    """(name, extras it asks for) of each requirement, with those of the given extras."""
-    out = []
-    for req in dist.requires:
-        head, _, marker = req.partition(";")
-        if "extra" in marker:
-            m = _EXTRA.search(marker)
-            if not m or canonical(m.group(1)) not in extras:
-                continue
-        m = _NAME.match(head)
-        if m:
-            wanted = {canonical(e) for e in (m.group(2) or "").split(",") if e.strip()}
-            out.append((canonical(m.group(1)), wanted))
-    return out
-
-
-def closure(installed: Mapping[str, Dist], roots: Iterable[str]) -> tuple[dict[str, Dist], dict[str, set[str]]]:
-    """The installed distributions ``roots`` need (with the extras asked for), and each one's requirers."""
-    todo: list[tuple[str, set[str], str | None]] = [(canonical(r), set(), None) for r in roots]
-    seen: dict[str, Dist] = {}
-    parents: dict[str, set[str]] = {}
-    done: set[tuple[str, str]] = set()
-    while todo:
-        name, extras, parent = todo.pop()
-        if name not in installed:
-            continue
-        if parent is not None:
-            parents.setdefault(name, set()).add(parent)
-        key = (name, ",".join(sorted(extras)))
-        if key in done:
-            continue
-        done.add(key)
-        seen[name] = installed[name]
-        todo.extend((n, e, name) for n, e in required(installed[name], extras))
-    return seen, parents
 
 
 # -- the landed check ---------------------------------------------------------
@@ -352,12 +270,16 @@ def _observed(fact: FileFact) -> str:
 
 
 def scan(tree: Tree, site_dir: str, package: str, patched: Mapping[str, str] | None = None,
-         roots: Sequence[str] = ()) -> Findings:
-    """Every RECORD-listed file of ``package``'s distribution and what it requires, against the tree."""
+         roots: Sequence[str] = (), env: Environment | None = None) -> Findings:
+    """Every RECORD-listed file of ``package``'s distribution and what it requires, against the tree.
+
+    ``env``: the image's environment, which decides the requirements whose
+    markers name one (default: what ``site_dir`` says of its Python).
+    """
     patched = patched or {}
     site_dir = posixpath.normpath(site_dir)
     installed = distributions(tree, site_dir)
-    dists, parents = closure(installed, [package, *roots])
+    dists, parents = closure(installed, [package, *roots], env or environment(site_dir))
     dev: dict[str, dict[str, str]] = {k: {} for k in KINDS}
     if canonical(package) not in dists:
         return Findings(dev, installed=False)
@@ -509,7 +431,7 @@ class FileChecks:
 
 
 def base_findings(engine: FileSource, cache: Path | None, base_id: str, package: str, site_dir: str,
-                  roots: Sequence[str] = (), say: Callable[[str], None] = lambda _l: None,
+                  roots: Sequence[str] = (), say: Callable[[str], None] = lambda _l: None, cache_tag: str = "",
                   ) -> dict[str, dict[str, str]] | None:
     """The base's own deviations (cached per base image ID), or None when the base is not in the engine."""
     from . import sources  # here: only a judgement relative to a base needs the cache
@@ -518,10 +440,12 @@ def base_findings(engine: FileSource, cache: Path | None, base_id: str, package:
     found = sources.cached_findings(cache, base_id, key)
     if found is not None:
         return found
-    if engine.image(base_id) is None:
+    info = engine.image(base_id)
+    if info is None:
         say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
         return None
-    read = scan(read_site(engine, base_id, site_dir), site_dir, package, roots=roots).to_dict()
+    env = environment(site_dir, cache_tag, info.architecture)
+    read = scan(read_site(engine, base_id, site_dir), site_dir, package, roots=roots, env=env).to_dict()
     sources.store_findings(cache, base_id, key, read)
     return read
 
@@ -553,7 +477,9 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
                    "data": {"answered_by": FILESYSTEM}})
     base = None
     if want.base_id and want.base_id != image_id:
-        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say)
-    judged = judge(scan(tree, site_dir, want.package, want.files, roots), want.package, base)
+        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say, want.cache_tag)
+    info = engine.image(image_id)
+    env = environment(site_dir, want.cache_tag, info.architecture if info is not None else "")
+    judged = judge(scan(tree, site_dir, want.package, want.files, roots, env), want.package, base)
     checks.append(judged.check)
     return FileChecks(tuple(checks), judged)

@@ -379,4 +379,5 @@ def store_findings(cache: Path | None, image_id: str, key: str, found: Mapping[s
 
 
 def findings_key(package: str, site_dir: str, roots: list[str]) -> str:
-    return _key(package, site_dir, *sorted(roots))
+    # Requirements followed by their markers in the image's environment (packaging), not by a pattern.
+    return _key(package, site_dir, *sorted(roots), "requirements=markers")
