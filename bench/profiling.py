@@ -17,23 +17,23 @@ from common import MACHINE_PYTHON, REPO, median, sh
 # step -> (file suffix, function name), summed
 STEPS: list[tuple[str, list[tuple[str, str]]]] = [
     ("imports (all, incl. lazy)", [("<frozen importlib._bootstrap>", "_find_and_load")]),
-    ("plan: definition + patch parse", [("vllm_hotfix/pipeline.py", "plan")]),
+    ("plan: definition + patch parse", [("vllm_hotfix/building/pipeline.py", "plan")]),
     ("engine connect + ping", [("vllm_hotfix/engine.py", "connect")]),
     ("resolve base (inspect)", [("vllm_hotfix/engine.py", "resolve")]),
     ("probe container create/start/remove", [("vllm_hotfix/engine.py", "box")]),
     ("probe execs (locate, compile)", [("vllm_hotfix/engine.py", "exec")]),
     ("probe file reads (get_archive)", [("vllm_hotfix/engine.py", "read")]),
     ("probe file write (put_archive)", [("vllm_hotfix/engine.py", "write")]),
-    ("facts cache (read, check)", [("vllm_hotfix/sources.py", "_cached")]),
-    ("GNU patch (dry run + apply)", [("vllm_hotfix/base.py", "apply_in_scratch")]),
+    ("facts cache (read, check)", [("vllm_hotfix/building/sources.py", "_cached")]),
+    ("GNU patch (dry run + apply)", [("vllm_hotfix/building/base.py", "apply_in_scratch")]),
     ("render Dockerfile + context",
-     [("vllm_hotfix/render.py", "render"), ("vllm_hotfix/render.py", "context")]),
+     [("vllm_hotfix/building/render.py", "render"), ("vllm_hotfix/building/render.py", "context")]),
     ("engine build (dockerfile builder)", [("vllm_hotfix/engine.py", "build")]),
     ("assemble: layer + config + archive", [("vllm_hotfix/tarball.py", "write"),
-                                            ("vllm_hotfix/assemble.py", "image_config")]),
+                                            ("vllm_hotfix/building/assemble.py", "image_config")]),
     ("engine history (base)", [("vllm_hotfix/engine.py", "history")]),
     ("engine load", [("vllm_hotfix/engine.py", "load")]),
-    ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/records.py", "new")]),
+    ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/journal/records.py", "new")]),
 ]
 
 
@@ -80,10 +80,8 @@ def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict
             secs += s
             calls += c
         steps.append({"step": label, "seconds": round(secs, 4), "calls": calls})
-    # Engine round trips: plain HTTP on a local socket, or the SDK's session.
-    http_s, http_n = _ct(raw, "vllm_hotfix/engine/transport.py", "request")
-    sdk_s, sdk_n = _ct(raw, "requests/sessions.py", "request")
-    http_s, http_n = http_s + sdk_s, http_n + sdk_n
+    # Engine round trips: every one goes through the SDK's session.
+    http_s, http_n = _ct(raw, "requests/sessions.py", "request")
     return {
         "wall_s": run.seconds,
         "profiled_s": total,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hotfix import integrity
+from vllm_hotfix.checking import integrity
+from vllm_hotfix.checking.installed import Environment, closure, distributions, environment
 from vllm_hotfix.engine import Tree
-from vllm_hotfix.installed import Environment, closure, distributions, environment
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 

@@ -8,7 +8,8 @@ imported on the first call. Every call runs under
 :func:`.mapping.translating`, so whatever goes wrong leaves as one
 PipelineError naming the operation. Which image to pull when, which
 registry speaks TLS, and which labels a container gets are decided
-elsewhere (:mod:`vllm_hotfix.pulling`, :mod:`.dockerconfig`, :mod:`.labels`).
+elsewhere (:mod:`vllm_hotfix.registry.pulling`,
+:mod:`.dockerconfig`, :mod:`.labels`).
 Containers, file reads, streamed work (build, pull, push), the error mapper
 and the docker config are modules of their own.
 """
