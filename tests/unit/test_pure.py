@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
-import random
-import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import tarball
 from vllm_hotfix.checking import smoke, sweep
 from vllm_hotfix.checking.probes import env_report
 from vllm_hotfix.engine import split_reference
@@ -124,39 +120,3 @@ def test_known_bad_pair_that_cannot_be_confirmed_is_incomplete(monkeypatch: pyte
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     check = next(c for c in out["checks"] if c["name"] == "known-bad-deps")
     assert check["status"] == "incomplete" and "cannot be imported here" in check["detail"]
-
-
-def _entries(seed: int) -> list[tarball.Entry]:
-    """Members of every kind the tool writes: folders and files, short, 100-byte, long and non-ASCII names."""
-    rng = random.Random(seed)
-    out = [tarball.Entry("x" * 100, b"", 0o644), tarball.Entry("y" * 101, b"abc", 0o600),
-           tarball.Entry("d" * 99, None, 0o700, 1000, 1000, 1_700_000_000),
-           tarball.Entry("ünï/çødé.py", b"data", 0o644)]
-    for _ in range(rng.randint(1, 8)):
-        name = "/".join("".join(rng.choice("abcü_.-") for _ in range(rng.randint(1, 60)))
-                        for _ in range(rng.randint(1, 5)))
-        data = None if rng.random() < 0.3 else bytes(rng.randrange(256) for _ in range(rng.randint(0, 1500)))
-        out.append(tarball.Entry(name, data, rng.choice([0o755, 0o644, 0o600, 0o4755]), rng.randint(0, 70000),
-                                 rng.randint(0, 70000), rng.randint(0, 2**33)))
-    return out
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_tar_writer_writes_what_tarfile_writes(seed: int) -> None:
-    # The tool's own writer keeps the bytes (and so assembled image IDs) of
-    # the pax archives tarfile wrote for the same entries, and they read back.
-    entries = _entries(seed)
-    ours = tarball.write(entries)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for e in sorted(entries, key=lambda e: e.name.split("/")):
-            info = tarfile.TarInfo(e.name)
-            info.mode, info.uid, info.gid, info.mtime = e.mode, e.uid, e.gid, e.mtime
-            info.type = tarfile.DIRTYPE if e.data is None else tarfile.REGTYPE
-            info.size = len(e.data or b"")
-            tar.addfile(info, io.BytesIO(e.data) if e.data is not None else None)
-    assert ours == buf.getvalue()
-    with tarfile.open(fileobj=io.BytesIO(ours)) as tar:
-        back = {m.name: (m.isdir(), m.mode, tar.extractfile(m).read() if m.isfile() else None)  # type: ignore[union-attr]
-                for m in tar}
-    assert back == {e.name: (e.data is None, e.mode, e.data) for e in entries}
