@@ -9,15 +9,17 @@ entrypoint, healthy and dying at concurrency 2 as the bug did.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import REPO, Registry, RegistryPlace, cli, derive, requests_layer
+from conftest import REPO, Registry, RegistryPlace, cli, derive, fails, requests_layer
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Status
@@ -240,10 +242,24 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
         engine.remove_image(untested)
 
 
-def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], worker_registry: Registry,
-                                            registry: RegistryPlace) -> None:
+def test_push_retries_while_registry_cuts_connections(built: tuple[Path, str, str], worker_registry: Registry,
+                                                    registry: RegistryPlace) -> None:
+    """The registry's port closes every connection at once (a registry restarting): tried again until it is back."""
     project, ref, _ = built
-    worker_registry.stop()  # down when the push starts; back on the same port and storage below
+    worker_registry.stop()  # back on the same port and storage below
+    cutter = socket.socket()
+    cutter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    cutter.bind(("127.0.0.1", worker_registry.port))
+    cutter.listen(16)
+
+    def cut() -> None:
+        try:
+            while True:
+                cutter.accept()[0].close()
+        except OSError:
+            pass  # closed below, when the registry comes back
+
+    threading.Thread(target=cut, daemon=True).start()
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "build.py"), "--root", str(project), "push", ref, "--registry",
          f"{registry.place}/ops", "--allow-gpu-unverified"],
@@ -255,17 +271,34 @@ def test_push_retries_while_registry_is_down(built: tuple[Path, str, str], worke
         for line in proc.stderr:
             err.append(line)
             if "retrying" in line:
+                cutter.close()
                 worker_registry.start()  # the registry comes back while the tool waits to retry
                 break
         out, rest = proc.communicate(timeout=300)
         err.append(rest)
         assert proc.returncode == 0, "".join(err)
-        assert "transient registry error" in "".join(err)
+        assert "transient registry error (connection cut short (EOF))" in "".join(err)
         assert out.startswith(f"pushed {registry.place}/ops/")
     finally:
         proc.kill()
+        cutter.close()
         if worker_registry.proc is None:
             worker_registry.start()  # the next tests of this worker push to it
+
+
+@pytest.mark.parametrize("where", ["refused", "no-name"])
+def test_push_to_a_registry_that_cannot_be_reached_fails_at_once(built: tuple[Path, str, str], where: str) -> None:
+    """Nothing listens at the address, or its name does not resolve: one attempt, one line, a hint (no retries)."""
+    project, ref, _ = built
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    host = f"127.0.0.1:{port}" if where == "refused" else "registry.invalid:5000"
+    r = cli("push", ref, "--registry", f"{host}/ops", "--allow-gpu-unverified", root=project)
+    fails(r, f"push of {host}/ops/", "connection refused" if where == "refused" else "no such host")
+    assert r.rc == 8
+    assert "(attempt 1/4)" in r.err and "(attempt 2/4)" not in r.err and "retrying" not in r.err, r.err
+    assert f"check the registry address ({host})" in r.err, r.err
 
 
 def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:

@@ -32,11 +32,6 @@ def test_push_target_uses_last_path_part_and_tag() -> None:
         push.target_ref("a/b:c", "HTTP://registry.internal/x")
 
 
-def test_transient_errors_are_told_apart() -> None:
-    assert push._transient("dial tcp 127.0.0.1:5001: connect: connection refused")
-    assert not push._transient("denied: requested access to the resource is denied")
-
-
 def test_parse_levels() -> None:
     assert sweep.parse_levels("1,2,4,8,16") == (1, 2, 4, 8, 16)
     for bad in ("", "0,1", "a"):

@@ -8,6 +8,7 @@ package's parts:
 - :mod:`.files`: files of an image read from its layers (a container created, never started), hashed as they stream;
 - :mod:`.streams`: the streamed work (pull, build, push), progress handed on as it comes;
 - :mod:`.mapping`: every SDK, HTTP and socket error as one PipelineError naming the operation;
+- :mod:`.registry_errors`: a registry's failure told apart: transient (tried again), unreachable, or final;
 - :mod:`.dockerconfig`: references, stored logins, registries the engine trusts without TLS;
 - :mod:`.labels`: every label key the tool uses, and the labels its containers get;
 - :mod:`.model`: the data the engine's answers become.

@@ -25,9 +25,6 @@ _STORE_ERROR = "Credentials store error"
 # The SDK also warns on stderr when a helper is missing; the error says it in one line.
 warnings.filterwarnings("ignore", message=r"docker-credential-.* not installed", category=UserWarning)
 
-_AUTH_WORDS = ("no basic auth credentials", "unauthorized", "authentication required", "denied",
-               "incorrect username or password")
-
 
 def split_reference(ref: str) -> tuple[str, str]:
     """Split ``repo[:tag]`` or ``repo@sha256:...`` into repository and tag or digest (``latest`` if none)."""
@@ -120,20 +117,3 @@ def registry_secure(registry_config: Mapping[str, Any], host: str) -> bool:
         if addresses and all(a in net for a in addresses):
             return False
     return True
-
-
-def auth_refused(message: str) -> bool:
-    """Whether a registry's answer (relayed by the engine) says the login was missing or wrong."""
-    low = message.lower()
-    return any(word in low for word in _AUTH_WORDS)
-
-
-def push_error(ref: str, host: str, message: str, *, asking: bool = False) -> PushError:
-    """A push (or asking the registry for a digest) that the registry refused."""
-    doing = f"asking {host} for {ref}" if asking else f"push of {ref}"
-    if auth_refused(message):
-        return PushError(
-            f"{doing}: registry {host} refused the credentials (not logged in, or wrong login): {message}",
-            hint=f"docker login {host}",
-        )
-    return PushError(f"{doing} failed: {message}")

@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import BuildError, EngineError, EngineLost, PipelineError, PushError
-from . import containers, dockerconfig, labels, streams
+from . import containers, dockerconfig, labels, registry_errors, streams
 from . import files as layers
 from .mapping import Refused, short, status, translating
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
@@ -341,7 +341,7 @@ class Engine:
         """
         host = dockerconfig.registry_of(ref)
         with self.translating(f"asking {host} for {ref}",
-                              lambda message: dockerconfig.push_error(ref, host, message, asking=True)):
+                              lambda message: registry_errors.push_error(ref, host, message, asking=True)):
             data = self.sdk.api.inspect_distribution(ref)
         digest = (data.get("Descriptor") or {}).get("digest")
         if not digest:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from ..errors import BaseImageError, BuildError, PipelineError, PushError
-from . import dockerconfig
+from . import dockerconfig, registry_errors
 from .model import Seam
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ def push(engine: Seam, ref: str, progress: Progress | None = None) -> str:
     host = dockerconfig.registry_of(ref)
     digest: str | None = None
     shown: dict[str, str] = {}
-    with engine.translating(f"push of {ref}", lambda message: dockerconfig.push_error(ref, host, message)):
+    with engine.translating(f"push of {ref}", lambda message: registry_errors.push_error(ref, host, message)):
         for chunk in engine.sdk.api.push(repo, tag=tag, stream=True, decode=True):
             if "error" in chunk:
-                raise dockerconfig.push_error(ref, host, chunk["error"].strip())
+                raise registry_errors.push_error(ref, host, chunk["error"].strip())
             aux = chunk.get("aux") or {}
             if "Digest" in aux:
                 digest = aux["Digest"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 
-from ..engine import Engine
+from ..engine import Engine, registry_errors
 from ..engine.dockerconfig import registry_credentials, registry_of, split_reference
 from ..errors import PushError
 
@@ -158,7 +158,7 @@ class Client:
                 res = self._session.request(method, url, headers=headers, timeout=TIMEOUT, **kwargs)
             except requests.RequestException as exc:
                 raise PushError(f"cannot reach registry {self.host}: {type(exc).__name__}: "
-                                f"{str(exc)[:200]}") from exc
+                                f"{str(exc)[:200]}", hint=registry_errors.classify(exc).hint(self.host)) from exc
             if res.status_code != 401 or attempt == 1:
                 break
             res.close()  # the 401 is answered by asking again; its connection goes back to the pool

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..building import platforms
 from ..building.platforms import Platform, child_ref
 from ..checking import smoke
-from ..engine import Engine, ImageInfo, registry_of, split_reference
+from ..engine import Engine, ImageInfo, registry_errors, registry_of, split_reference
 from ..errors import AttestationError, PipelineError, PushError, RecordError, Refused
 from ..journal import leftovers, records
 from ..registry import client as registry
@@ -381,24 +381,22 @@ def push_index(
 
 
 def _push_with_retries(engine: Engine, target: str, attempts: int, say: Callable[[str], None]) -> str:
+    """Push, trying again after a transient registry failure (HTTP 429 or 5xx, a timeout, a cut connection).
+
+    Any other failure ends the push at once: a refusal is the registry's
+    answer, and a registry whose name does not resolve or that refuses
+    connections is at a wrong address or not running, which waiting does not mend.
+    """
     delay = 1.0
     for attempt in range(1, attempts + 1):
         try:
             say(f"==> pushing {target} (attempt {attempt}/{attempts})")
             return engine.push(target, lambda line: say("    " + line))
         except PushError as exc:
-            if attempt == attempts or not _transient(str(exc)):
+            failure = registry_errors.classify(exc)
+            if attempt == attempts or not failure.transient:
                 raise
-            say(f"    transient registry error, retrying in {delay:.0f} s: {exc}")
+            say(f"    transient registry error ({failure.why}), retrying in {delay:.0f} s: {exc}")
             time.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")
-
-
-_TRANSIENT = ("connection refused", "connection reset", "timeout", "timed out", "eof",
-              "503", "502", "504", "429", "temporarily", "no such host", "i/o")
-
-
-def _transient(message: str) -> bool:
-    low = message.lower()
-    return any(word in low for word in _TRANSIENT)
