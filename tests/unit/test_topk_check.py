@@ -13,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -69,8 +70,14 @@ def test_verdict(check: ModuleType, kinds: dict[str, str], status: str, lead: st
     assert got_status == status and lead in got_lead
 
 
-def test_a_worker_that_times_out_is_inconclusive(check: ModuleType) -> None:
-    args = argparse.Namespace(device="cuda", seed=0, vllm_src=None, timeout=0.05)
+def test_a_worker_that_times_out_is_inconclusive(check: ModuleType, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker (the check's own file, run with --worker) waits on an event nobody sets: it never
+    # answers, so the timeout is what ends it, however fast or slow the machine starts a process.
+    silent = tmp_path / "silent_worker.py"
+    silent.write_text("import threading\nthreading.Event().wait()\n")
+    monkeypatch.setattr(check, "__file__", str(silent))
+    args = argparse.Namespace(device="cuda", seed=0, vllm_src=None, timeout=0.2)
     rec = check.run_worker(args, "tp1")
     assert check.outcome(rec) == "timeout"
     assert check.verdict({"tp1": check.outcome(rec)})[0] == "fail"
