@@ -77,10 +77,34 @@ def _job(**more: object) -> dict[str, object]:
             "checks": [{"name": "patch-landed", "status": "pass", "detail": "read from the layers"}], **more}
 
 
-def _run(folder: Path) -> subprocess.CompletedProcess[str]:
-    # -I: nothing of this checkout on sys.path, as in an image; the folder alone must do.
-    return subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
+def _run(folder: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    # -I: nothing of this checkout on sys.path, as in an image; -S: no site-packages either (an image's
+    # hold anything, or nothing): the staged folder and the standard library alone must do.
+    return subprocess.run([sys.executable, "-I", "-S", *flags, str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder)
+
+
+def test_the_runner_imports_nothing_but_the_standard_library(tmp_path: Path) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    key_file = tmp_path / "k.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    folder = tmp_path / "runner"
+    sign = {"key": str(folder / base.KEY_FILE), "subjects": {"ops/vllm:fix": IMAGE_ID}, "predicate": {}}
+    base.stage(folder, _job(sign=sign), key=key_file)
+    done = _run(folder, "-X", "importtime")
+    assert done.returncode == 0, done.stderr
+    assert base.results(done.stdout, done.stderr, "test runner").envelope is not None  # signed, too
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                if line.startswith("import time:") and not line.endswith("imported package")}
+    assert "vllm_hotfix" in imported  # the staged copy: nothing else of the tool is on the path
+    outside = sorted(imported - set(sys.stdlib_module_names) - {"vllm_hotfix"})
+    # importtime also lists imports that were tried and failed (pickle looks for Jython's org.python): such a
+    # name must not be importable here, so the runner did without it.
+    found = subprocess.run([sys.executable, "-I", "-S", "-c", "import importlib.util, sys; "
+                            "print([n for n in sys.argv[1:] if importlib.util.find_spec(n)])", *outside],
+                           capture_output=True, text=True, cwd=folder)
+    assert found.stdout.strip() == "[]", (outside, found.stdout, found.stderr)
 
 
 def test_staged_runner_runs_alone_and_signs(tmp_path: Path) -> None:
