@@ -170,19 +170,25 @@ def frozen(tmp_path: Path) -> Iterator[str]:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(4)
+    server.settimeout(0.05)
     held: list[socket.socket] = []
+    done = threading.Event()
 
     def accept() -> None:
-        try:
-            while True:
+        while not done.is_set():
+            try:
                 held.append(server.accept()[0])
-        except OSError:
-            pass  # closed at the end of the test
+            except TimeoutError:
+                continue
 
-    threading.Thread(target=accept, daemon=True).start()
+    # Ended and joined after the test: a thread left running would keep the CLI tests from forking.
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
     try:
         yield path
     finally:
+        done.set()
+        thread.join(5)
         server.close()
         for conn in held:
             conn.close()
