@@ -90,8 +90,10 @@ class PrivateEngine:
         try:
             pid = self.pid()
             os.kill(pid, signal.SIGTERM)
-            # Until it is gone; an exited dockerd nobody reaped yet (a zombie) counts as gone.
-            for _ in range(100):
+            # Until it is gone; an exited dockerd nobody reaped yet (a zombie) counts as gone. One that
+            # stops a running container first takes ten seconds and more: a restart before it is gone
+            # would find the old one still answering on the socket, and lose the new one's pid file.
+            for _ in range(300):
                 if pid not in self.processes():
                     break
                 time.sleep(0.1)
