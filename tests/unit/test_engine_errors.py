@@ -219,3 +219,23 @@ def test_an_engine_frozen_mid_run_is_lost_at_the_deadline_and_later_calls_wait_l
             assert engine.sdk.api.timeout == engine.call_timeout
     finally:
         engine.close()
+
+
+def test_a_lost_engine_is_told_in_the_socket_or_http_clients_words() -> None:
+    """What the SDK wraps (requests wraps urllib3 wraps the socket's or http.client's error) reads as the latter."""
+    import http.client
+
+    for inner, words in ((http.client.RemoteDisconnected("Remote end closed connection without response"),
+                          "Remote end closed connection without response"),
+                         (ConnectionResetError(104, "Connection reset by peer"), "Connection reset by peer")):
+        try:
+            try:
+                try:
+                    raise inner
+                except Exception as exc:
+                    raise urllib3.exceptions.ProtocolError("Connection aborted.", exc) from exc
+            except urllib3.exceptions.ProtocolError as exc:
+                raise requests.exceptions.ConnectionError(exc) from exc
+        except requests.exceptions.ConnectionError as exc:
+            mapped = translate("removing container abc123", exc)
+        assert str(mapped) == f"removing container abc123: the Docker engine stopped answering ({words})"

@@ -18,6 +18,7 @@ does not pay for importing it.
 from __future__ import annotations
 
 import functools
+import http.client
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -76,13 +77,20 @@ def status(exc: BaseException) -> int | None:
 
 
 def _why(exc: BaseException | str) -> str:
-    """The socket's own words (``Connection refused``) when the SDK's error was raised from one, else its line."""
+    """Why, in the socket's or the HTTP client's own words when the SDK's error was raised from theirs.
+
+    ``Connection refused``, ``No such file or directory``, ``Remote end closed
+    connection without response``; else the error's own line (a read timeout
+    says its deadline there).
+    """
     seen: BaseException | str | None = exc
     for _ in range(8):
         if not isinstance(seen, BaseException):
             break
         if isinstance(seen, OSError) and seen.strerror:
             return str(seen.strerror)
+        if isinstance(seen, http.client.HTTPException) and str(seen):
+            return short(seen)
         seen = seen.__cause__ or seen.__context__
     return short(exc)
 
