@@ -48,6 +48,7 @@ from . import (
     expected,
     gpu_access,
     integrity,
+    oracle,
     pins,
     records,
     sources,
@@ -89,7 +90,7 @@ class SmokeOptions:
     min_tokens: int | None = None
     reference: answers.Reference | None = None  # judge every reply against these answers
     record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
-    logprob_tolerance: float = answers.DEFAULT_TOLERANCE
+    noise_multiple: float = oracle.NOISE_MULTIPLE  # tolerance above concurrency 1 = this x the recorded noise
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
@@ -303,6 +304,8 @@ class Smoke:
         request, unavailable = (None, None) if early_stop else self.gpu_plan(report, image)
         if not early_stop and self.opt.gpu != "off":
             clock.mark("gpu_access")
+        if self.opt.reference is not None and self._access.get(image.id) is not None:  # another GPU model: refused
+            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(self._access[image.id].devices)})
         cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
         if cache is not None:
             report.environment["compile_cache"] = cache.to_dict()
@@ -332,7 +335,8 @@ class Smoke:
             return self._ended(report, start, "incomplete" if exc.incomplete else "fail", str(exc))
         verdict = launched.verdict
         if launched.answers is not None and self.opt.record_reference is not None:
-            self.keep_answers(launched.answers)
+            self.keep_answers(launched.answers, {**plan.serve_settings(self.opt, target),
+                                                 **plan.run_settings(verdict)})
         verdict = self.rejudge(verdict, image)
         # The runner's GPU facts, with the host's own on how the request was found.
         gpu = {**dict(verdict.gpu), **{k: v for k, v in report.gpu.items()
@@ -357,13 +361,11 @@ class Smoke:
         report.seconds = time.monotonic() - start
         return report.verdict()
 
-    def keep_answers(self, data: bytes) -> None:
-        """Write the reference answers the runner recorded, as ``--record-reference`` asked; check them back."""
-        path = self.opt.record_reference
-        assert path is not None
-        write_atomic(path, data)
-        ref = answers.load(path, "--record-reference")
-        self.say(f"    wrote {path} (sha256 {ref.sha256})")
+    def keep_answers(self, data: bytes, settings: dict[str, Any]) -> None:
+        """Write the reference answers the runner recorded (``--record-reference``) with their settings."""
+        assert self.opt.record_reference is not None
+        ref = answers.keep(self.opt.record_reference, data, settings)
+        self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)})")
 
     def file_checks(self, report: Report, image: ImageInfo, ref: str, want: expected.Expected | None,
                     ) -> tuple[integrity.FileChecks | None, dict[str, str] | None]:

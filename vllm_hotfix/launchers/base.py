@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 # What the runner imports from the package: itself, and the verdict code it judges with.
 # The sweep and reference answers are the host's own, so a verdict from the image judges replies the same way.
-PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "atomic.py", "reference.py", "sweep.py",
-                 "runner/__init__.py", "runner/main.py", "runner/p256.py", "runner/serve.py")
+PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "atomic.py", "reference.py", "sweep.py", "oracle.py",
+                 "recording.py", "runner/__init__.py", "runner/main.py", "runner/p256.py", "runner/serve.py")
 BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 run.py JOB.json (this folder is put first on sys.path)."""
 import os
 import sys

@@ -17,11 +17,11 @@ import the package from; or null); ``env_names``; ``pins`` (the pins_check spec,
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
 ``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
 check the host already settled, when no GPU request reaches this image);
-``serve`` (``argv``, ``port``, ``levels``, ``requests``, ``timeout``,
+``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
-back after :data:`~vllm_hotfix.runner.ANSWERS_MARK`), ``tolerance``; or
-null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
+back after :data:`~vllm_hotfix.runner.ANSWERS_MARK`), ``noise_multiple``,
+``overlap`` (start the server while the GPU checks run); or null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
 null); ``probe_timeout``.
 """
 
@@ -215,9 +215,9 @@ class Run:
                    "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
         return False
 
-    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """One server start and the sweep against it (:func:`.serve.run`)."""
-        return serve.run(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+    def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
+        """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
+        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
 
     def failed(self) -> list[str]:
         """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
@@ -271,20 +271,29 @@ class Run:
         verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
         sweep = None
         if not self.stop(("gpu", "serve-sweep")):
+            spec = job.get("serve")
+            serving = self.serving(spec, phases) if spec else None
+            if serving is not None and spec.get("overlap"):
+                # The server does not measure the GPU's free memory (its KV cache size is given), so it can start
+                # while the GPU checks' processes come and go; server_start and gpu_checks then overlap.
+                say("==> runner: the server starts while the GPU checks run")
+                serving.start()
             say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
             mark = time.monotonic()
             verified, gpu = self.gpu()
             verified = self.compiled_stop(verified, gpu)
             phases["gpu_checks"] = round(time.monotonic() - mark, 1)
-            if not self.stop(("serve-sweep",)):
-                spec = job.get("serve")
+            if self.stop(("serve-sweep",)):
+                if serving is not None:
+                    serving.stop()
+            else:
                 say("==> runner: serve sweep")
-                if not spec:
+                if serving is None:
                     self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0,
                              "serve")
                 else:
                     t0 = time.monotonic()
-                    check, sweep = self.sweep(spec, phases)
+                    check, sweep = serving.finish()
                     self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
             gpu["why_unverified"] = "not run: an earlier phase failed"
