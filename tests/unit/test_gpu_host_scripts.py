@@ -94,7 +94,7 @@ def test_the_four_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert not (out / "signing-key.pem").exists()
     [record] = [argv for argv in commands if "record" in argv]
     assert {"--reference-run", "--patched-again", "--inputs-from", "--public-key", "--reference", "--base",
-            "--source-manifest", "--source-call"} <= set(record)
+            "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "90"
     assert "smoke reference: exit code 0" in log
     # This checkout is no clean commit with a manifest here: a real run would refuse before any step.
