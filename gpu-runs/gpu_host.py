@@ -284,8 +284,8 @@ def attestations(given: list[str], public_key: str | None, reports: dict[str, di
         return {}
     if public_key is None:
         raise InputMismatch("--attestation needs --public-key (the key the envelopes are verified with)")
-    from vllm_hotfix import signing
     from vllm_hotfix.errors import PipelineError
+    from vllm_hotfix.trust import signing
 
     try:
         public = signing.load_public_key(public_key)
@@ -346,7 +346,7 @@ def builder_of(image_id: str | None) -> str | None:
     if not image_id:
         return None
     try:
-        from vllm_hotfix import records
+        from vllm_hotfix.journal import records
 
         found = records.builds_of_image(Path(__file__).resolve().parent.parent, image_id)
     except Exception:  # noqa: BLE001 - a journal that cannot be read names no builder

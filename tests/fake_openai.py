@@ -214,6 +214,8 @@ def main(argv: list[str]) -> int:
                           "total_tokens": prompt_tokens + len(tokens)},
             })
 
+    # A listen backlog for 16 connections arriving at once (the default 5 can reset some under load).
+    ThreadingHTTPServer.request_queue_size = 64
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"fake server for {model_name} on 127.0.0.1:{args.port}", flush=True)
     server.serve_forever()
