@@ -239,3 +239,29 @@ def test_not_applicable_under_require_is_incomplete_not_a_failure() -> None:
     assert not got.verified and got.checks[1].status is Status.INCOMPLETE
     verdict = judge("img", PATCHED, list(got.checks), gpu_verified=got.verified)
     assert verdict.status is Status.INCOMPLETE
+
+
+# -- the GPU checks side by side --------------------------------------------------
+
+def test_gpu_checks_run_side_by_side_and_report_in_order(tmp_path: Path) -> None:
+    """gpu_check.py: the imports and each extra script run at once (two scripts of 1 s take about 1 s, not 2);
+    their checks come back in the order they are named."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    for name in ("a_first", "b_second"):
+        (tmp_path / f"{name}.py").write_text(
+            "import json, time\ntime.sleep(1.0)\n"
+            f"print(json.dumps({{'checks': [{{'name': '{name}', 'status': 'pass', 'detail': 'slept'}}]}}))\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(REPO / "vllm_hotfix" / "checking" / "probes" / "gpu_check.py"),
+                           "--extra", str(tmp_path), "--modules", "json"], capture_output=True, text=True,
+                          timeout=60)
+    took = time.monotonic() - start
+    names = [c["name"] for c in json.loads(done.stdout.strip().splitlines()[-1])["checks"]]
+    assert names[-3:] == ["model-imports", "a_first", "b_second"]
+    assert took < 1.9, f"the extra scripts ran one after the other ({took:.1f} s)"
