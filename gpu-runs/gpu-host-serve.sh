@@ -161,7 +161,7 @@ PYEOF
     log "unpacked: $(du -sh "$PAYLOAD" | cut -f1)"
   fi
   # The checkout running this script, as gpu-host-engine.sh unpacks it (refreshed on every run).
-  tar -C "$HERE" --exclude=./.gpucarry --exclude=./build -czf "$PAYLOAD/repo.tar.gz" .
+  tar -C "$HERE" --exclude=./.gpucarry --exclude=./build --exclude=./gpu-parts --exclude=./.git -czf "$PAYLOAD/repo.tar.gz" .
 fi
 
 if step engine; then
