@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_record  # noqa: E402
+
 from vllm_hotfix.engine import Engine  # noqa: E402
 from vllm_hotfix.tarball import tar_bytes  # noqa: E402
 
@@ -384,7 +385,7 @@ def _record(args: argparse.Namespace) -> int:
     if args.public_key:
         inputs["public_key"] = {"path": args.public_key, "sha256": _sha256_file(Path(args.public_key))}
     images = {kind: gpu_record.image(report) for kind, report in reports.items()}
-    for kind, img in images.items():
+    for img in images.values():
         img["builder"] = builder_of(img.get("id"))
     for kind, found in signed.items():
         images[kind]["attestation"] = found

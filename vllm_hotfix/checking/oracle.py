@@ -49,10 +49,17 @@ SETTING_KEYS = ("serve_args", "env", "gpu", "vllm", "torch", "base_image_id", "m
 class Tokens(Protocol):
     """A reply or a reference answer: tokens, their log-probabilities, the top-k per position."""
 
-    tokens: Sequence[str] | None
-    logprobs: Sequence[float | None]
-    top: Sequence[Mapping[str, float]]
-    finish_reason: str
+    @property
+    def tokens(self) -> Sequence[str] | None: ...
+
+    @property
+    def logprobs(self) -> Sequence[float | None]: ...
+
+    @property
+    def top(self) -> Sequence[Mapping[str, float]]: ...
+
+    @property
+    def finish_reason(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)

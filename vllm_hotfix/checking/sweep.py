@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import requests
 import requests.adapters
 
-from .. import __version__
 from ..errors import SmokeError, UsageError
 from . import oracle
 from . import reference as answers

@@ -21,8 +21,8 @@ check the host already settled, when no GPU request reaches this image);
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
 back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
-``overlap`` (start the server while the GPU checks run); or null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
-null); ``probe_timeout``.
+``overlap`` (start the server while the GPU checks run); or null);
+``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or null); ``probe_timeout``.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class Run:
         if not self.stop(("gpu", "serve-sweep")):
             spec = job.get("serve")
             serving = self.serving(spec, phases) if spec else None
-            if serving is not None and spec.get("overlap"):
+            if serving is not None and bool(spec and spec.get("overlap")):
                 # The server does not measure the GPU's free memory (its KV cache size is given), so it can start
                 # while the GPU checks' processes come and go; server_start and gpu_checks then overlap.
                 say("==> runner: the server starts while the GPU checks run")

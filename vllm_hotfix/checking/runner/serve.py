@@ -104,13 +104,13 @@ class Serving:
     def _sweep(self, server: Process) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
             from ...errors import PipelineError
-            from .. import recording, sweep
+            from .. import oracle, recording, sweep
             from .. import reference as answers
         except ImportError as exc:
             return _failed(f"the image's Python cannot run the sweep: {exc}"), None
         spec, say, phases = self.spec, self.say, self.phases
         levels = [int(v) for v in spec.get("levels") or [1]]
-        multiple = float(spec.get("noise_multiple") or 0) or None
+        multiple = float(spec.get("noise_multiple") or oracle.NOISE_MULTIPLE)
         min_tokens = spec.get("min_tokens")
         ref = None
         if spec.get("reference") is not None:
@@ -145,10 +145,9 @@ class Serving:
                 phases["reference_record"] = round(time.monotonic() - t0, 1)
                 say(f"    recorded {len(ref.answers)} reference answers (sha256 {ref.sha256})")
             t0 = time.monotonic()
-            more = {"noise_multiple": multiple} if multiple is not None else {}
             result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
-                                 min_tokens=min_tokens, reference=ref, progress=say,
-                                 keep_going=bool(spec.get("keep_going")), **more)
+                                 min_tokens=min_tokens, reference=ref, progress=say, noise_multiple=multiple,
+                                 keep_going=bool(spec.get("keep_going")))
             phases["sweep"] = round(time.monotonic() - t0, 1)
         except PipelineError as exc:
             return _failed(str(exc).splitlines()[0], list(server.lines)), None
