@@ -35,7 +35,9 @@ arrived (K=2: concurrent requests, while single ones are answered right):
                         token NaN, as Python writes it).
 With --prompt-log FILE it appends each request's prompt length to FILE.
 Where VLLM_CACHE_ROOT is set (the smoke run's compile cache), each start
-appends a line to fake-openai-starts there, as vLLM writes its own cache.
+appends a line to fake-openai-starts there, as vLLM writes its own cache,
+naming whether prefix caching was on (``--no-enable-prefix-caching``) and
+``VLLM_BATCH_INVARIANT``.
 """
 
 from __future__ import annotations
@@ -127,12 +129,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--nan-at-concurrency", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
+    ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     args = ap.parse_args(argv)
     cache = os.environ.get("VLLM_CACHE_ROOT")
     if cache:
         os.makedirs(cache, exist_ok=True)
         with open(os.path.join(cache, "fake-openai-starts"), "a", encoding="utf-8") as fh:
-            fh.write("started\n")
+            fh.write(f"started prefix_caching={args.prefix_caching} "
+                     f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT')}\n")
     model_name = args.model
 
     class Handler(BaseHTTPRequestHandler):

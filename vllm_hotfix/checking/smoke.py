@@ -295,8 +295,9 @@ class Smoke:
         request, unavailable = (None, None) if early_stop else self.gpu_plan(report, image)
         if not early_stop and self.opt.gpu != "off":
             clock.mark("gpu_access")
-        if self.opt.reference is not None and self._access.get(image.id) is not None:  # another GPU model: refused
-            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(self._access[image.id].devices)})
+        seen = self._access[image.id].devices if image.id in self._access else []
+        if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
+            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
         cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
         if cache is not None:
             report.environment["compile_cache"] = cache.to_dict()
