@@ -16,9 +16,10 @@ and the overlay2 driver keeps them as folders (``GraphDriver`` ``UpperDir``
 and ``LowerDir``, the image's layers top first): each layer's folder holds
 the files it adds or changes, a character device 0/0 for each it removes,
 and ``trusted.overlay.opaque=y`` on a folder that replaces the one below.
-Where that is not so (another driver, a remote engine, a folder that cannot
-be read, a layer that touches a folder above the site folder), the whole
-site folder is read through the archive as before, and kept.
+Where a layer touches a folder above the site folder, the whole site folder
+is read through the archive as before, and kept. Where the engine is not a
+local overlay2 one (another driver, a remote engine, podman's own store),
+nothing is kept: the copy that runs is read whole every time.
 
 The facts are kept with the facts cache's storage (:class:`~vllm_hotfix.journal.cache.Store`):
 under ``VLLM_HOTFIX_CACHE/layers/<chain ID>/``, an index only this host can
@@ -190,6 +191,12 @@ def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str
               say: Callable[[str], None] = lambda _l: None) -> Tree:
     """The facts of ``site_dir`` in the image: kept ones, kept ones of a lower chain and the layers above, or a
     whole read through ``reader`` (kept for next time)."""
+    folders = layer_folders(info) if info is not None else None
+    if folders is None:
+        # Facts are kept only where the layers above a kept chain can be read here: a local overlay2 engine.
+        # Elsewhere (podman's own store, a remote engine) the copy that runs is read whole, every time.
+        say("    site folder facts: every layer read (not a local overlay2 engine: nothing kept)")
+        return reader.read([site_dir], keep)
     layers = [str(d) for d in (((info.attrs if info else None) or {}).get("RootFS") or {}).get("Layers") or []]
     chains = chain_ids(layers)
     tree, start = None, -1
@@ -200,9 +207,8 @@ def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str
             break
     how = ""
     if tree is not None and start < len(chains) - 1:
-        folders = layer_folders(info) if info is not None else None
         entries, kept = dict(tree.entries), dict(tree.kept)
-        if folders is not None and all(apply_layer(folders[i], site_dir, entries, kept, keep)
+        if all(apply_layer(folders[i], site_dir, entries, kept, keep)
                                        for i in range(start + 1, len(chains))):
             tree = Tree(entries, kept, tree.missing)
             how = (f"the facts of its first {start + 1} layer(s) kept from before, its top "
