@@ -46,7 +46,9 @@ def _dry(tmp_path: Path, steps: str, **more: str) -> tuple[list[list[str]], str,
     parts, out, work = tmp_path / "parts", tmp_path / "out", tmp_path / "work"
     parts.mkdir(exist_ok=True)
     (parts / "SHA256SUMS").write_text("")
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work), **more}
+    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work),
+           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), **more}
     r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
