@@ -17,7 +17,7 @@ from conftest import REPO, free_port
 from vllm_hotfix.checking import recording, reference, sweep
 from vllm_hotfix.checking.launchers import base, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
-from vllm_hotfix.errors import UsageError
+from vllm_hotfix.errors import SmokeError, UsageError
 from vllm_hotfix.verdicts import Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -143,3 +143,29 @@ def test_a_reference_recorded_under_other_settings_is_refused_naming_the_differe
     with pytest.raises(UsageError, match=r"recorded under other settings \(gpu 'NVIDIA H100' there, "
                                          r"'NVIDIA H200' here\)"):
         reference.refuse_other_settings(ref, plan.run_settings(ran))
+
+
+def test_the_runner_records_the_settings_and_judges_with_the_file_the_host_keeps(tmp_path: Path) -> None:
+    """Recording in the runner: the host's settings plus the run's own facts go into the file it records, so the
+    sweep after it judges with the very file the host keeps (one sha256 in the report and on disk)."""
+    opts = replace(options(tmp_path, record_reference=tmp_path / "new.json"), levels=(1, 2))
+    job, extra = plan.job(tmp_path, TARGET, opts, launcher="docker", gpu_request=None)
+    port = free_port()
+    job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
+    job["serve"]["port"] = port
+    folder = base.stage(tmp_path / "runner", job, extra)
+    done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
+                          capture_output=True, text=True, timeout=180, cwd=folder)
+    assert done.returncode == 0, done.stderr
+    launched = base.results(done.stdout, done.stderr, "test runner")
+    assert launched.answers is not None and launched.verdict.status is Status.PASS
+    settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(launched.verdict)}
+    kept = reference.keep(tmp_path / "new.json", launched.answers, settings)
+    # This Python has neither vLLM nor torch: the image's env-report says so, and the file keeps it.
+    assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": "absent"}
+    assert launched.verdict.sweep is not None and launched.verdict.sweep["reference"]["sha256"] == kept.sha256
+    # A recording whose settings are not this run's is refused and not kept.
+    with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch 'absent' there, "
+                                         r"'2.11.0' here\); nothing written"):
+        reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
+    assert not (tmp_path / "other.json").exists()

@@ -224,10 +224,20 @@ def write(ref: Reference, path: Path) -> Reference:
 
 
 def keep(path: Path, data: bytes, settings: dict[str, Any]) -> Reference:
-    """The answers a runner recorded (the file's bytes) written to ``path`` with the settings they were recorded
-    under, as the host knows them and the run reported them; read back and checked."""
+    """The answers a runner recorded (the file's bytes, the settings inside) written to ``path`` as they came,
+    read back and checked: their settings must be ``settings`` (what the host knows, and what the run reported),
+    or the file is removed and the recording refused."""
+    from ..errors import SmokeError
+    from . import oracle
+
     write_atomic(path, data)
-    return write(replace(load(path, "--record-reference"), settings=settings), path)
+    ref = load(path, "--record-reference")
+    differ = oracle.settings_difference(ref.settings, settings)
+    if differ:
+        path.unlink()
+        raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
+                         f"({differ}); nothing written")
+    return ref
 
 
 def describe(settings: dict[str, Any]) -> str:

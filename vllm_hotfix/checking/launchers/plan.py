@@ -149,7 +149,9 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
             out["serve"]["reference_file"] = ref.path
         record = getattr(options, "record_reference", None)
         if record is not None:
-            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})"}
+            # The settings the host knows; the runner adds the GPU model and the versions the image reports.
+            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
+                                      "settings": settings}
     if key_path is not None:
         out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra

@@ -96,6 +96,7 @@ class Run:
         self.environment: dict[str, Any] = {}
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
         self.recorded: list[bytes] = []
+        self.devices: list[str] = []  # the GPUs the container saw
 
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
@@ -157,7 +158,7 @@ class Run:
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             seen = {"devices": [], "error": "the GPU listing gave no answer"}
         devices = [str(d) for d in seen.get("devices") or []]
-        facts["devices"] = devices
+        facts["devices"] = self.devices = devices
         if not devices:
             why = f"the container started with {request} sees no GPU ({seen.get('error') or 'no device'})"
             facts["why_unverified"] = why
@@ -218,7 +219,15 @@ class Run:
 
     def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
         """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
-        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts)
+
+    def facts(self) -> dict[str, Any]:
+        """What this run saw of the settings a reference names: the GPU model, vLLM's and torch's versions."""
+        packages = self.environment.get("packages") or {}
+        found: dict[str, Any] = {"vllm": packages.get("vllm"), "torch": packages.get("torch")}
+        if self.devices:
+            found["gpu"] = ", ".join(self.devices)
+        return found
 
     def failed(self) -> list[str]:
         """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,

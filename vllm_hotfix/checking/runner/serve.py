@@ -71,8 +71,10 @@ class Serving:
     """
 
     def __init__(self, spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None],
-                 phases: dict[str, float], recorded: list[bytes] | None = None) -> None:
+                 phases: dict[str, float], recorded: list[bytes] | None = None,
+                 facts: Callable[[], dict[str, Any]] = dict) -> None:
         self.spec, self.scratch, self.say, self.phases, self.recorded = spec, scratch, say, phases, recorded
+        self.facts = facts  # the GPU model and versions this run saw, for the settings a recording names
         self.server: Process | None = None
         self.started = 0.0
         self.failed: dict[str, Any] | None = None
@@ -137,8 +139,10 @@ class Serving:
             if isinstance(record, Mapping):
                 t0 = time.monotonic()
                 named = str(record.get("file") or "reference answers")
-                made = answers.write(recording.record(url, recorded_from=str(record.get("recorded_from") or url),
-                                                      progress=say), Path(self.scratch) / "recorded.json")
+                settings = {**dict(record.get("settings") or {}), **self.facts()}
+                source = str(record.get("recorded_from") or url)
+                made = answers.write(replace(recording.record(url, recorded_from=source, progress=say),
+                                             settings=settings), Path(self.scratch) / "recorded.json")
                 if self.recorded is not None:
                     self.recorded.append((Path(self.scratch) / "recorded.json").read_bytes())
                 ref = replace(made, path=named)
