@@ -216,6 +216,11 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
     assert signed["key_id"] == signing.key_id(key.public_key()) and signed["status"] == "fail"
     assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched"}
     assert rec["gpu_devices"] == ["NVIDIA H200"]
+    # A podman run's record names podman as what started the smokes.
+    (tmp_path / "record.json").unlink()
+    assert record(*args, "--launcher", "podman", "--launcher-version", "podman version 4.3.1").returncode == 0
+    assert json.loads((tmp_path / "record.json").read_text())["launcher"] == {"name": "podman",
+                                                                              "version": "podman version 4.3.1"}
 
     # An envelope of another run (here: the second start's, offered as the first's) is refused.
     (tmp_path / "record.json").unlink()
