@@ -49,6 +49,9 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
             click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
         click.echo(f"pushed index {index.ref} {index.digest}")
         return
+    from ..regpull import pull_missing
+
+    pull_missing(obj.engine, obj.root, image_ref, progress, index=False)  # made in its registry: pulled by digest
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
     if as_json:
         print_json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,

@@ -165,6 +165,9 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
             progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
         _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
         return
+    from ..regpull import pull_missing
+
+    pull_missing(obj.engine, obj.root, image_ref, progress)  # an image only its registry holds, by digest
     if obj.engine.image(image_ref) is None:
         # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
         raise BaseImageError(f"image {image_ref!r} is not in the engine",
