@@ -42,7 +42,7 @@ from .layerscan import Located, layer_refs, locate
 from .platforms import Platform, child_ref
 from .regbase import Base, bases, read_blob, repo_of
 from .regbase import opener as opener_for
-from .regwrite import Repo, Writer
+from .regwrite import Repo, Writer, check_size
 from .sources import BaseFacts
 from .tarball import Entry, write
 
@@ -353,6 +353,8 @@ def _one(p: Any, plat: Platform | None, base: Base, writer: Writer, opts: Option
     if made is None:
         return None
     gz = gzip.compress(made.layer, compresslevel=6, mtime=0)
+    media, body = manifest_for(base, made.config, gz)
+    check_size(body, f"{writer.target.name}@{registry.sha256(body)}")  # before anything is written
     say(f"==> writing into {writer.target.name}: layer {len(made.layer)} bytes ({len(gz)} gzipped), "
         f"config {len(made.config)} bytes, {len(base.layers)} base layer(s)")
     counts: dict[str, int] = {}
@@ -361,7 +363,6 @@ def _one(p: Any, plat: Platform | None, base: Base, writer: Writer, opts: Option
         counts[how] = counts.get(how, 0) + 1
     writer.put_blob(gz, "the hotfix layer")
     image_id = writer.put_blob(made.config, "the image config")
-    media, body = manifest_for(base, made.config, gz)
     digest = writer.put_manifest(registry.sha256(body), media, body)
     say(f"    {image_id[:19]} as {writer.target.name}@{digest} (base layers: "
         f"{', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})")

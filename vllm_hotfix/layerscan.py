@@ -172,6 +172,7 @@ class Wanted:
     package: str
     rels: Sequence[str]
     site: str | None = None  # known once an installation is found
+    dist_info: str | None = None  # its dist-info folder
 
     def keep(self, path: str) -> bool:
         """Whether a member's bytes are kept: a touched file, its pycs, a dist-info's METADATA or RECORD."""
@@ -193,6 +194,8 @@ class Wanted:
         """Every path the build must have decided, once the site folder is known."""
         assert self.site is not None
         files = [f"{self.site}/{self.package}/__init__.py", *(f"{self.site}/{rel}" for rel in self.rels)]
+        if self.dist_info is not None:
+            files += [f"{self.dist_info}/METADATA", f"{self.dist_info}/RECORD"]
         out: dict[str, None] = {}
         for f in files:
             for a in _ancestors(f):
@@ -203,11 +206,15 @@ class Wanted:
         """A key past which a path-ordered layer holds nothing more that is wanted here."""
         assert self.site is not None
         ends: list[tuple[str, ...]] = []
+        leaves = {f"{self.site}/{self.package}/__init__.py", *(f"{self.site}/{rel}" for rel in self.rels),
+                  *([f"{self.dist_info}/METADATA", f"{self.dist_info}/RECORD"] if self.dist_info else [])}
         for path in self.needed():
             parent, name = posixpath.split(path)
-            ends.append(after_subtree(path))
-            ends.append(after_subtree(posixpath.join(parent, WHITEOUT + name)))
-            ends.append(after_subtree(posixpath.join(path, OPAQUE)))
+            # A folder on the way matters for its own entry, a whiteout of it and its opaque marker, not for
+            # all it holds; the first key past an entry k is k + ("",).
+            ends.append(after_subtree(path) if path in leaves else (*key(path), ""))
+            ends.append((*key(posixpath.join(parent, WHITEOUT + name)), ""))
+            ends.append((*key(posixpath.join(path, OPAQUE)), ""))
         for rel in self.rels:
             ends.append(after_subtree(f"{self.site}/{posixpath.dirname(rel)}/__pycache__"))
         ends.append((*key(self.site), dist_prefix(self.package)[:-1] + "."))  # past every <name>-*.dist-info
@@ -372,7 +379,7 @@ def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], packa
             raise BaseImageError(f"{where}: {package} is installed in {' and '.join(sorted(chosen))}",
                                  hint="build from the engine: its Python says which one it imports")
         if chosen:
-            wanted.site = next(iter(chosen))
+            wanted.site, wanted.dist_info = next(iter(chosen.items()))
 
     for index in range(len(layers) - 1, -1, -1):
         layer = layers[index]
