@@ -24,8 +24,11 @@ import registry_proxy
 import requests
 
 from conftest import REPO, RUN_ID, Registry, RegistryPlace, cli, derive, docker_cli, fails
-from vllm_hotfix import layerscan, records, regbase, sources
+from vllm_hotfix.building import inregistry, sources
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.journal import records
+from vllm_hotfix.registry import layerscan
+from vllm_hotfix.registry import remote as regbase
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
@@ -140,7 +143,7 @@ def test_the_registry_build_is_the_assemble_builders_image_and_the_dockerfile_bu
     assert loads(engine, pulled) == "source patched"
 
     # Where vLLM lives, from the layers alone, is what the base's own Python says.
-    found, _ = regbase.bases(f"{repo}:v0.25.1", None, False, lambda _l: None)
+    found, _ = inregistry.bases(f"{repo}:v0.25.1", None, False, lambda _l: None)
     base = found[None]
     where = layerscan.locate(layerscan.layer_refs(base.layers), regbase.opener(base.repo), "vllm", RELS, repo)
     info = engine.image(stale)
@@ -148,7 +151,8 @@ def test_the_registry_build_is_the_assemble_builders_image_and_the_dockerfile_bu
     with sources.ImageReader(engine, info, stale, "vllm", "python3", None) as reader:
         facts, probed = reader.locate(RELS)
     assert (where.site_dir, where.package_dir, where.version) == (facts.site_dir, facts.package_dir, facts.version)
-    assert where.folders == facts.folders
+    assert [(f.path, f.mode, f.uid, f.gid, f.mtime) for f in where.folders] == \
+        [(f.path, f.mode, f.uid, f.gid, f.mtime) for f in facts.folders]
     for rel in RELS:
         assert where.files[rel]["data"] == sources.content(probed[rel])
         assert where.files[rel]["mode"] == probed[rel]["mode"]

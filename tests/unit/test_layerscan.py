@@ -12,10 +12,12 @@ import tarfile
 
 import pytest
 
-from vllm_hotfix import hostbytecode, layerscan, regwrite
+from vllm_hotfix.building import bytecode as hostbytecode
 from vllm_hotfix.engine.dockerconfig import registry_secure_without_engine
 from vllm_hotfix.errors import BaseImageError, BuildError, PushError
-from vllm_hotfix.layerscan import LayerRef, locate
+from vllm_hotfix.registry import layerscan
+from vllm_hotfix.registry import write as regwrite
+from vllm_hotfix.registry.layerscan import LayerRef, locate
 
 SITE = "usr/local/lib/python3.12/dist-packages"
 REL = "vllm/models/m/indexer.py"

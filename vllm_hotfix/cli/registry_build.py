@@ -15,7 +15,7 @@ def image_in_registry(plan: Any, wanted: Any, asked: bool, *, in_registry: bool,
                       builder: str, wheelhouse: Path | None, rebuild: bool, skip_included: bool, force: bool,
                       as_json: bool) -> None:
     """Make the image in the registry (no engine is asked anything) and print where it landed."""
-    from .. import inregistry, pipeline
+    from ..building import inregistry, pipeline
 
     if not in_registry:
         raise UsageError("--bytecode is for --in-registry (the engine's builders compile with the image's Python)")

@@ -43,8 +43,7 @@ from email.parser import HeaderParser
 from typing import Any, Protocol
 from zlib import error as zlib_error
 
-from .errors import BaseImageError
-from .sources import Folder
+from ..errors import BaseImageError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +65,17 @@ class LayerRef:
     digest: str
     media_type: str
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Folder:
+    """A folder above the site folder as the image shows it: what a layer writing below it must restate."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import platforms, registry
-from .engine import ImageInfo, registry_credentials, registry_of, split_reference
-from .engine.dockerconfig import registry_secure_without_engine
-from .errors import BaseImageError
+from ..engine import ImageInfo, registry_credentials, registry_of, split_reference
+from ..engine.dockerconfig import registry_secure_without_engine
+from ..errors import BaseImageError
+from . import client as registry
 from .layerscan import LayerRef
-from .platforms import Platform
-from .regwrite import Repo
+from .write import Repo
 
 
 def repo_of(ref: str) -> tuple[Repo, str]:
@@ -44,8 +43,10 @@ class Base:
     bytes_read: int
 
     @property
-    def platform(self) -> Platform | None:
-        return platforms.of(str(self.config.get("os") or ""), str(self.config.get("architecture") or ""))
+    def os_arch(self) -> tuple[str, str, str]:
+        """(os, architecture, variant) as its config gives them."""
+        return (str(self.config.get("os") or ""), str(self.config.get("architecture") or ""),
+                str(self.config.get("variant") or ""))
 
     def info(self) -> ImageInfo:
         name, _ = split_reference(self.ref)
@@ -81,47 +82,6 @@ def read_base(repo: Repo, ref: str, manifest: registry.Manifest) -> Base:
     if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
         raise BaseImageError(f"{ref}: its config names {len(diff_ids or [])} layers, its manifest {len(layers)}")
     return Base(ref, repo, manifest, config_digest, config, layers, manifest.size + len(raw))
-
-
-def bases(base_ref: str, wanted: list[Platform] | None, asked: bool, say: Callable[[str], None]
-          ) -> tuple[dict[Platform | None, Base], registry.Manifest]:
-    """Each platform's base (None: the one image a plain manifest names, built under the plain tag)."""
-    repo, tag = repo_of(base_ref)
-    say(f"==> reading base {base_ref} from {repo.client.host}")
-    top = repo.client.manifest(repo.path, tag)
-    if top is None:
-        raise BaseImageError(f"registry {repo.client.host} has no {base_ref}",
-                             hint="check --base/--base-repo, or push the base there first")
-    name, _ = split_reference(base_ref)
-    if not top.is_index:
-        one = read_base(repo, base_ref, top)
-        if not asked:
-            return {None: one}, top
-        plat = one.platform
-        if wanted is not None and (len(wanted) != 1 or wanted[0] != plat):
-            raise BaseImageError(f"base {base_ref} is one {one.config.get('os')}/{one.config.get('architecture')} "
-                                 f"image, not an index over {', '.join(map(str, wanted))}")
-        return {plat: one}, top
-    offered: dict[Platform, str] = {}
-    for kid in registry.children(top):
-        plat = platforms.of(kid.os, kid.architecture, kid.variant)
-        if plat is not None and plat not in offered:
-            offered[plat] = kid.digest
-    chosen = wanted if wanted is not None else list(offered)
-    lacking = [str(w) for w in chosen if w not in offered]
-    if lacking:
-        raise BaseImageError(f"base {base_ref} is an index over {', '.join(map(str, offered)) or 'nothing'}; "
-                             f"it has no {', '.join(lacking)} image")
-    say(f"    base {base_ref} is an index ({top.digest}); building for {', '.join(map(str, chosen))}")
-    out: dict[Platform | None, Base] = {}
-    for plat in chosen:
-        found = repo.client.manifest(repo.path, offered[plat])
-        if found is None or found.is_index:
-            raise BaseImageError(f"{name}@{offered[plat]} ({plat}) is not an image in {repo.client.host}")
-        out[plat] = read_base(repo, f"{name}@{offered[plat]}", found)
-        if out[plat].platform != plat:
-            raise BaseImageError(f"{name}@{offered[plat]} is listed as {plat} but its config says otherwise")
-    return out, top
 
 
 def opener(repo: Repo) -> Callable[[LayerRef], Any]:

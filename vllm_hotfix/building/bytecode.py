@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import BuildError, PatchError, UsageError
+from ..errors import BuildError, PatchError, UsageError
 from .sources import probe_source, probe_timeout, scratch_tree
 
 log = logging.getLogger(__name__)

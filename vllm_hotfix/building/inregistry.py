@@ -31,20 +31,22 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from . import definitions, records, registry, render
+from ..engine import labels, registry_of, split_reference
+from ..errors import BaseImageError, PinError, PushError, Refused, UsageError
+from ..journal import records
+from ..registry import client as registry
+from ..registry.layerscan import Located, layer_refs, locate
+from ..registry.remote import Base, read_base, read_blob, repo_of
+from ..registry.remote import opener as opener_for
+from ..registry.write import Repo, Writer, check_size
+from ..tarball import Entry, write
+from . import definitions, platforms, render
 from . import patches as patchlib
 from .assemble import image_config, layer_entries
 from .base import PatchedFile, apply_in_scratch, check_targets, check_version, touched_files
-from .engine import labels, registry_of, split_reference
-from .errors import BaseImageError, PinError, PushError, Refused, UsageError
-from .hostbytecode import Choice, choose, compile_here, levels, version_of
-from .layerscan import Located, layer_refs, locate
+from .bytecode import Choice, choose, compile_here, levels, version_of
 from .platforms import Platform, child_ref
-from .regbase import Base, bases, read_blob, repo_of
-from .regbase import opener as opener_for
-from .regwrite import Repo, Writer, check_size
-from .sources import BaseFacts
-from .tarball import Entry, write
+from .sources import BaseFacts, Folder
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,51 @@ class Result:
     index: bool
 
 
+def platform_of(base: Base) -> Platform | None:
+    return platforms.of(*base.os_arch)
+
+
+def bases(base_ref: str, wanted: list[Platform] | None, asked: bool, say: Callable[[str], None]
+          ) -> tuple[dict[Platform | None, Base], registry.Manifest]:
+    """Each platform's base (None: the one image a plain manifest names, built under the plain tag)."""
+    repo, tag = repo_of(base_ref)
+    say(f"==> reading base {base_ref} from {repo.client.host}")
+    top = repo.client.manifest(repo.path, tag)
+    if top is None:
+        raise BaseImageError(f"registry {repo.client.host} has no {base_ref}",
+                             hint="check --base/--base-repo, or push the base there first")
+    name, _ = split_reference(base_ref)
+    if not top.is_index:
+        one = read_base(repo, base_ref, top)
+        if not asked:
+            return {None: one}, top
+        plat = platform_of(one)
+        if wanted is not None and (len(wanted) != 1 or wanted[0] != plat):
+            raise BaseImageError(f"base {base_ref} is one {one.config.get('os')}/{one.config.get('architecture')} "
+                                 f"image, not an index over {', '.join(map(str, wanted))}")
+        return {plat: one}, top
+    offered: dict[Platform, str] = {}
+    for kid in registry.children(top):
+        plat = platforms.of(kid.os, kid.architecture, kid.variant)
+        if plat is not None and plat not in offered:
+            offered[plat] = kid.digest
+    chosen = wanted if wanted is not None else list(offered)
+    lacking = [str(w) for w in chosen if w not in offered]
+    if lacking:
+        raise BaseImageError(f"base {base_ref} is an index over {', '.join(map(str, offered)) or 'nothing'}; "
+                             f"it has no {', '.join(lacking)} image")
+    say(f"    base {base_ref} is an index ({top.digest}); building for {', '.join(map(str, chosen))}")
+    out: dict[Platform | None, Base] = {}
+    for plat in chosen:
+        found = repo.client.manifest(repo.path, offered[plat])
+        if found is None or found.is_index:
+            raise BaseImageError(f"{name}@{offered[plat]} ({plat}) is not an image in {repo.client.host}")
+        out[plat] = read_base(repo, f"{name}@{offered[plat]}", found)
+        if platform_of(out[plat]) != plat:
+            raise BaseImageError(f"{name}@{offered[plat]} is listed as {plat} but its config says otherwise")
+    return out, top
+
+
 # -- the parts of one platform's image ----------------------------------------------
 
 
@@ -114,10 +161,11 @@ def config_for(base: Base, diff_id: str, label_items: list[tuple[str, str]], des
 
 
 def _facts(base: Base, defn: definitions.ImageDefinition, where: Located, choice_tag: str) -> BaseFacts:
-    plat = base.platform
+    plat = platform_of(base)
     return BaseFacts(ref=base.ref, image=base.info(), python=defn.python, python_version=version_of(choice_tag),
                      cache_tag=choice_tag, site_dir=where.site_dir, package_dir=where.package_dir,
-                     version=where.version, machine=plat.machine if plat else "", folders=where.folders)
+                     version=where.version, machine=plat.machine if plat else "",
+                     folders=tuple(Folder(f.path, f.mode, f.uid, f.gid, f.mtime) for f in where.folders))
 
 
 @dataclass

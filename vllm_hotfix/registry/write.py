@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 import requests
 import urllib3
 
-from . import registry
-from .errors import PushError
+from ..errors import PushError
+from . import client as registry
 
 log = logging.getLogger(__name__)
 
