@@ -240,8 +240,8 @@ def test_a_base_behind_a_login_on_another_registry_is_copied_with_the_stored_log
         empty.mkdir()
         r = cli("image", "--base", "v0.25.1", "--base-repo", f"{auth.addr}/vllm/vllm-openai", "--in-registry",
                 "--tag", out, root=project, env={"DOCKER_CONFIG": str(empty)})
-        fails(r, auth.addr, "refused the credentials")
-        assert r.rc == 8 and f"hint: docker login {auth.addr}" in r.err
+        fails(r, "cannot read base", auth.addr, "refused the credentials")
+        assert r.rc == 4 and f"hint: docker login {auth.addr}" in r.err
 
         got = in_registry(project, f"{auth.addr}/vllm/vllm-openai", out, env={"DOCKER_CONFIG": str(login)})
         [image] = got["images"]

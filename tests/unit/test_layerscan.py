@@ -9,9 +9,11 @@ import io
 import random
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
+from conftest import cli, fails
 from vllm_hotfix.building import bytecode as hostbytecode
 from vllm_hotfix.engine.dockerconfig import registry_secure_without_engine
 from vllm_hotfix.errors import BaseImageError, BuildError, PushError
@@ -173,7 +175,7 @@ def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() 
     assert b"/tmp/vllm-hotfix/vllm/models/m/indexer.py" in pyc  # the name the image's own compile gives
 
 
-def test_manifest_size_limit_and_tls_without_an_engine(tmp_path) -> None:  # noqa: ANN001
+def test_manifest_size_limit_and_tls_without_an_engine(tmp_path: Path) -> None:
     regwrite.check_size(b"x" * regwrite.MANIFEST_LIMIT, "ok")
     with pytest.raises(PushError, match="over the 4194304 bytes"):
         regwrite.check_size(b"x" * (regwrite.MANIFEST_LIMIT + 1), "big/repo@sha256:x")
@@ -184,3 +186,16 @@ def test_manifest_size_limit_and_tls_without_an_engine(tmp_path) -> None:  # noq
     assert not registry_secure_without_engine("10.9.1.2:443", str(conf))
     assert registry_secure_without_engine("10.8.1.2:443", str(conf))
     assert registry_secure_without_engine("10.8.1.2:443", str(tmp_path / "absent.json"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--in-registry",), "--in-registry writes the image into a registry: hotfix-test/"),
+    (("--bytecode", "whiteout"), "--bytecode is for --in-registry"),
+    (("--in-registry", "--builder", "assemble", "--tag", "127.0.0.1:9/x:y"), "--builder is for a build in the engine"),
+    (("--in-registry", "--pull", "never", "--tag", "127.0.0.1:9/x:y"), "--pull is for a build in the engine"),
+])
+def test_in_registry_refusals_come_before_any_registry_or_engine(args: tuple[str, ...], needle: str,
+                                                                 project: Path) -> None:
+    r = cli("image", "--base", "v0.25.1", *args, root=project)
+    fails(r, needle)
+    assert r.rc == 64

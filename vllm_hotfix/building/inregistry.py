@@ -26,7 +26,8 @@ import gzip
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -295,6 +296,15 @@ def check_tag(writer: Writer, tag: str, base_digests: set[str], force: bool, roo
                       "refusing to move it", hint="choose another --tag, or pass --force to move it anyway")
 
 
+@contextmanager
+def reading(ref: str) -> Iterator[None]:
+    """The base's registry refusing a read (a login, an outage) is a base that cannot be had (exit 4)."""
+    try:
+        yield
+    except PushError as exc:
+        raise BaseImageError(f"cannot read base {ref}: {exc}", hint=exc.hint) from exc
+
+
 @dataclass
 class _Pushed:
     """One platform's manifest, in the target by digest, not yet tagged."""
@@ -320,9 +330,10 @@ def build(p: Any, wanted: list[Platform] | None, asked: bool, opts: Options) -> 
         raise PinError(f"{p.pinset.path}: patch set {p.pinset.patch_set} pins {len(p.pinset.pins)} "
                        "distribution(s), which needs pip to run in the image; --in-registry runs nothing",
                        hint="build this definition from the engine (--builder dockerfile)")
-    records.ensure_writable(p.root)
     target, tag = target_of(p)
-    found, top = bases(p.base_ref, wanted, asked, say)
+    records.ensure_writable(p.root)
+    with reading(p.base_ref):
+        found, top = bases(p.base_ref, wanted, asked, say)
     multi = None not in found
     writer = Writer(target, say)
     base_digests = {top.digest, *(b.manifest.digest for b in found.values())}
@@ -397,7 +408,8 @@ def _one(p: Any, plat: Platform | None, base: Base, writer: Writer, opts: Option
                 say(f"==> inputs unchanged since {rec.path.name}: reusing {digest} (--rebuild forces a build)")
                 return _Pushed(digest, kept.media_type, kept.size, rec.image_id, str(rec.data.get("platform") or ""),
                                {}, rec)
-    made = prepare(p, base, opts)
+    with reading(base.ref):
+        made = prepare(p, base, opts)
     if made is None:
         return None
     gz = gzip.compress(made.layer, compresslevel=6, mtime=0)
