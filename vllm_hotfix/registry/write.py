@@ -104,10 +104,6 @@ class Writer:
     def __init__(self, target: Repo, say: Any = lambda _l: None) -> None:
         self.target = target
         self.say = say
-        self.copied_bytes = 0
-        self.mounted = 0
-        self.copied = 0
-        self.present = 0
 
     # -- blobs ------------------------------------------------------------------
 
@@ -160,7 +156,6 @@ class Writer:
         """A new blob (the hotfix layer, a config), put whole; its digest."""
         digest = registry.sha256(data)
         if self.has_blob(digest):
-            self.present += 1
             return digest
         _mounted, location = self._start(what)
         self._finish(location, digest, f"{what} {digest[:19]}", data)
@@ -172,12 +167,10 @@ class Writer:
         if descriptor.get("urls"):
             return "foreign"  # a layer fetched from its own URLs (non-distributable): never pushed
         if self.has_blob(digest):
-            self.present += 1
             return "present"
         same = source.client.host == self.target.client.host
         mounted, location = self._start(f"layer {digest[:19]}", (digest, source) if same else None)
         if mounted:
-            self.mounted += 1
             return "mounted"
         why = "the registry would not mount it" if same else "another registry"
         self.say(f"    copying layer {digest[:19]} ({size} bytes) from {source.name}: {why}")
@@ -189,8 +182,6 @@ class Writer:
             self._finish(location, digest, f"layer {digest[:19]}", body)
         finally:
             res.close()
-        self.copied += 1
-        self.copied_bytes += size
         return "copied"
 
     # -- manifests and tags -------------------------------------------------------
