@@ -50,6 +50,11 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
             click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
         click.echo(f"pushed index {index.ref} {index.digest}")
         return
+    from ..journal.records import registry_digest
+    from ..registry.pulling import pull_missing
+
+    # Made in its registry (image --in-registry) and smoked elsewhere: pulled by digest.
+    pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress, index=False)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
     if as_json:
         print_json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,

@@ -169,6 +169,11 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
             progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
         _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
         return
+    from ..journal.records import registry_digest
+    from ..registry.pulling import pull_missing
+
+    # An image only its registry holds (made there by image --in-registry): pulled by digest.
+    pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress)
     if obj.engine.image(image_ref) is None:
         # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
         raise BaseImageError(f"image {image_ref!r} is not in the engine",
