@@ -19,7 +19,7 @@ from vllm_hotfix import compile_cache
 from vllm_hotfix.engine import ImageInfo, labels
 from vllm_hotfix.errors import SmokeError
 from vllm_hotfix.runner.main import Run
-from vllm_hotfix.smoke import Clock, format_phases
+from vllm_hotfix.launchers.docker import Clock, format_phases
 from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu
 
 BASE = "sha256:" + "b" * 64

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from vllm_hotfix import cli, errors, pipeline, records, smoke, upstream
+from vllm_hotfix import cli, errors, pipeline, records, upstream
 from vllm_hotfix import patches as patchlib
 from vllm_hotfix.assemble import AssembleBuilder
 from vllm_hotfix.builders import BUILDERS
@@ -69,13 +69,15 @@ def test_require_pass_raises_the_error_of_each_outcome() -> None:
 
 
 def test_a_probes_malformed_check_is_a_failing_check() -> None:
-    assert smoke.as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
+    from vllm_hotfix.runner.main import as_check, parse
+
+    assert as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
         Check("x", Status.PASS, "ok", 0.5)
     for raw in ({"name": "x", "status": "maybe"}, {"name": "x", "status": "pass", "detail": 3},
                 {"status": "pass"}, {"name": ["x"], "status": "pass"}):
-        check = smoke.as_check(raw, 0, "landed.py")
+        check = as_check(raw, 0, "landed.py")
         assert check.status is Status.FAIL and "malformed" in check.detail, raw
-    checks, info = smoke._parse_checks("landed.py", json.dumps({"checks": ["junk"], "info": 7}), "", 0)
+    checks, info = parse("landed.py", json.dumps({"checks": ["junk"], "info": 7}), "", 0)
     assert checks[0]["status"] == "fail" and info == {}
 
 
