@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
-from vllm_hotfix import standin
+from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine, labels
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from conftest import REPO, free_port
-from vllm_hotfix import reference, sweep
+from vllm_hotfix.checking import reference, sweep
+from vllm_hotfix.checking.launchers import base, judging, plan
+from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.launchers import base, plan
-from vllm_hotfix.smoke import SmokeOptions
 from vllm_hotfix.verdicts import Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -52,7 +52,7 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder)
     assert done.returncode == 0, done.stderr
-    return base.results(done.stdout, done.stderr, "test runner").verdict
+    return judging.host_verdict(job, base.results(done.stdout, done.stderr, "test runner").report)
 
 
 def options(tmp_path: Path, **more: object) -> SmokeOptions:

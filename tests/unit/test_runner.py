@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hotfix.checking.launchers import base, judging
 from vllm_hotfix.errors import SmokeError
-from vllm_hotfix.launchers import base, judging
 
 IMAGE_ID = "sha256:" + "cd" * 32
 
@@ -90,8 +90,8 @@ def test_compiled_files_missing_fail_under_require_with_a_gpu_reached() -> None:
 
 
 def test_the_job_names_where_the_package_must_import_from(tmp_path: Path) -> None:
-    from vllm_hotfix.launchers import plan
-    from vllm_hotfix.smoke import SmokeOptions
+    from vllm_hotfix.checking.launchers import plan
+    from vllm_hotfix.checking.smoke import SmokeOptions
 
     target = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {})
     landed = {"package": "vllm", "site_dir": "/usr/lib/python3/dist-packages"}

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from vllm_hotfix import cli, errors, pipeline, records, upstream
-from vllm_hotfix import patches as patchlib
-from vllm_hotfix.assemble import AssembleBuilder
-from vllm_hotfix.builders import BUILDERS
+from vllm_hotfix import cli, errors
+from vllm_hotfix.building import patches as patchlib
+from vllm_hotfix.building import pipeline, upstream
+from vllm_hotfix.building.assemble import AssembleBuilder
+from vllm_hotfix.building.builders import BUILDERS
+from vllm_hotfix.building.pipeline import builder
+from vllm_hotfix.building.render import DockerfileBuilder
 from vllm_hotfix.errors import (
     Malformed,
     PipelineError,
@@ -24,8 +27,7 @@ from vllm_hotfix.errors import (
     SmokeIncomplete,
     UsageError,
 )
-from vllm_hotfix.pipeline import builder
-from vllm_hotfix.render import DockerfileBuilder
+from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge, require_pass
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -69,7 +71,7 @@ def test_require_pass_raises_the_error_of_each_outcome() -> None:
 
 
 def test_a_probes_malformed_check_is_a_failing_check() -> None:
-    from vllm_hotfix.runner.main import as_check, parse
+    from vllm_hotfix.checking.runner.main import as_check, parse
 
     assert as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
         Check("x", Status.PASS, "ok", 0.5)

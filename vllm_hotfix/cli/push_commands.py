@@ -32,8 +32,9 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
          platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...]) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
-    from .. import platforms, refs
-    from .. import push as pushlib
+    from ..building import platforms
+    from ..registry import refs
+    from ..release import push as pushlib
 
     refs.check_registry(registry)
     policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_paths)
@@ -75,7 +76,7 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gpu_unverified: bool,
            attestation_paths: tuple[Path, ...], as_json: bool) -> None:
     """Check the signed smoke verdicts of REF: the newest one found must pass."""
-    from .. import attest, signing
+    from ..trust import attest, signing
 
     products = [p.strip() for p in require_gpu.split(",") if p.strip()]
     public = signing.load_public_keys(keys)
@@ -102,9 +103,9 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gp
 
 
 def _in_a_registry(ref: str) -> bool:
-    from .. import registry
     from ..engine import split_reference
     from ..errors import PushError
+    from ..registry import client as registry
 
     try:
         registry.split_repo(split_reference(ref)[0])

@@ -13,8 +13,8 @@ from ..errors import UsageError
 from .app import IMAGE, Ctx, check_output_file, main, progress
 
 if TYPE_CHECKING:
-    from ..launchers.options import SmokeOptions
-    from ..reference import AnswerOptions
+    from ..checking.launchers.options import SmokeOptions
+    from ..checking.reference import AnswerOptions
     from ..verdicts import Verdict
 
 
@@ -22,8 +22,8 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
                    compile_cache: bool = True) -> SmokeOptions:
-    from .. import reference, sweep
-    from ..launchers.options import SmokeOptions
+    from ..checking import reference, sweep
+    from ..checking.launchers.options import SmokeOptions
 
     answers = answers or reference.answer_options(None, None, None)
     if serve_model is None and (answers.reference is not None or answers.record is not None):
@@ -36,7 +36,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    from .. import gpu_access
+    from ..checking import gpu_access
     from ..errors import SmokeError
 
     try:
@@ -130,8 +130,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
           logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from .. import reference
-    from .. import smoke as smokelib
+    from ..checking import reference
+    from ..checking import smoke as smokelib
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
@@ -141,8 +141,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
         check_output_file(path, option)
     cluster = None
     if emit_path or submit or collect or node_selector or kubeconfig:
-        from ..launchers import elsewhere
-        from ..launchers import kubernetes as k8s
+        from ..checking.launchers import elsewhere
+        from ..checking.launchers import kubernetes as k8s
 
         name = collect.removeprefix("job/") if collect and collect.startswith("job/") else \
             f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}"
@@ -161,8 +161,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 
 def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Path | None,
                   junit_path: Path | None) -> None:
-    from .. import smoke as smokelib
     from .. import verdicts
+    from ..checking import smoke as smokelib
 
     if report_path:
         smokelib.write_json(verdict, report_path)
@@ -192,8 +192,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     """Run the concurrency sweep against an already running server."""
     import json
 
-    from .. import reference as refmod
-    from .. import sweep
+    from ..checking import reference as refmod
+    from ..checking import sweep
     from ..errors import SmokeError
 
     sweep.check_url(url)
@@ -212,7 +212,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
                          tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
                          keep_going=keep_going)
     if report_path:
-        from ..atomic import write_atomic  # a full disk is one line naming the file, not a dump
+        from ..journal.atomic import write_atomic  # a full disk is one line naming the file, not a dump
 
         write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:

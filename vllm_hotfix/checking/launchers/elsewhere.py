@@ -1,0 +1,217 @@
+"""Smoke through the runner where no Docker engine starts it: podman on the host, or a Kubernetes Job.
+
+From an image reference to the host's verdict: where the launcher's copy of
+the image is (podman's store, the registry a cluster pulls from), its file
+facts read from that copy without running it, the job planned (:mod:`.plan`,
+the same checks a docker run has), the runner started, and its report
+judged here (:mod:`.judging`). Nothing is signed here and no key goes
+anywhere: the caller signs the verdict this returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...engine import Engine, ImageInfo, split_reference
+from ...errors import EngineError, PushError, RunnerFailed, UsageError
+from ...journal import records
+from ...registry import client as registry
+from . import facts, plan
+from .base import Launched, results
+from .kubernetes import JobSpec
+from .options import SmokeOptions
+
+log = logging.getLogger(__name__)
+
+
+def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions,
+           say: Callable[[str], None]) -> tuple[plan.Ran, plan.Target]:
+    """Smoke ``image_ref`` as podman's store holds it: (the host's run, the image as the host knows it)."""
+    from .podman import PodmanFiles, PodmanLauncher
+
+    launcher = PodmanLauncher(python=options.python)
+    inspected = launcher.image_facts(image_ref)
+    config = inspected.get("Config") or {}
+    labels = dict(config.get("Labels") or inspected.get("Labels") or {})
+    image_id = "sha256:" + str(inspected.get("Id", "")).removeprefix("sha256:")
+    target = plan.Target(image_ref, image_id, image_id, labels,
+                         f"{inspected.get('Os', '')}/{inspected.get('Architecture', '')}",
+                         entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
+                         repo_digests=tuple(inspected.get("RepoDigests") or ()))
+    # File facts from podman's own copy, the one it starts; the expectation from the base where a Docker
+    # engine holds it, else from the build record.
+    files = PodmanFiles(launcher)
+    info = files.image(image_id)
+    if info is None:
+        found = facts.FileFacts(tuple(facts.unread_file_checks(f"podman has no image {image_id}: its files were "
+                                                               "not read")), "")
+    else:
+        try:
+            docker: Engine | None = engine()
+        except EngineError:
+            docker = None
+        found = facts.file_facts(root, info, files, docker, say)
+    ran = plan.smoke(launcher, root, target, options,
+                     gpu_request=None if options.gpu == "off" else options.gpu_request,
+                     checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
+                     landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing))
+    return ran, target
+
+
+def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, image_id: str,
+                        say: Callable[[str], None]) -> tuple[facts.FileFacts, ImageInfo | None]:
+    """The file facts of the image a cluster pulls, read from the registry's blobs (never run).
+
+    The copy judged is the registry's (manifest by digest, every blob checked
+    against its digest, :mod:`vllm_hotfix.registry.blobs`). A registry that cannot be
+    read leaves the checks incomplete, so the Job's verdict cannot pass on the
+    runner's checks alone.
+    """
+    from ...registry import blobs
+
+    try:
+        docker = engine()
+        source = blobs.for_reference(lambda host: registry.client_for(docker, host), ref)
+        info = source.image(image_id) if image_id else source.image(ref.partition("@")[2])
+        if info is None:
+            raise EngineError(f"{ref} holds another image than {image_id[:19]} (the engine's copy differs)")
+    except EngineError as exc:
+        why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
+        say(f"    {why}")
+        return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None
+    say(f"==> reading the files of {ref} from its registry's blobs")
+    return facts.file_facts(root, info, source, docker, say), info
+
+
+def _registry_digest(engine: Engine, ref: str, local: ImageInfo | None) -> str | None:
+    """``ref`` (a tag in a registry) as ``NAME@sha256:...`` by asking that registry; None if it has no such tag.
+
+    An index resolves to its child holding the local image, when the engine has one.
+    """
+    repo, tag = split_reference(ref)
+    try:
+        host, path = registry.split_repo(repo)
+    except PushError:
+        return None
+    manifest = registry.client_for(engine, host).manifest(path, tag)
+    if manifest is None:
+        return None
+    if manifest.is_index:
+        client = registry.client_for(engine, host)
+        for child in registry.children(manifest):
+            found = client.manifest(path, child.digest)
+            config = (found.json().get("config") or {}).get("digest") if found is not None else None
+            if local is not None and config == local.id:
+                return f"{repo}@{child.digest}"
+        raise UsageError(f"{ref} is an index over several platforms: name one platform's image (NAME@sha256:...)")
+    return f"{repo}@{manifest.digest}"
+
+
+def by_digest(root: Path, engine: Callable[[], Engine], image_ref: str) -> tuple[str, dict[str, str], str]:
+    """The image a cluster pulls, as (``NAME@sha256:...``, the engine's labels, the engine's image ID).
+
+    A digest is taken as given. A tag is resolved through the engine's repo
+    digests, else through the registry: the one the reference names, or the
+    ones the journal says the engine's image was pushed to (an engine records
+    no repo digest for an image it pushed and no longer tags there).
+    """
+    if "@sha256:" in image_ref:
+        return image_ref, {}, ""
+    docker = engine()
+    local = docker.image(image_ref)
+    if local is not None and local.repo_digests:
+        return local.repo_digests[0], dict(local.labels), local.id
+    tried = [image_ref]
+    if local is not None:
+        tried += [str(e.data.get("ref")) for e in records.pushes(root, local.id) if e.data.get("ref")]
+    for ref in dict.fromkeys(tried):
+        try:
+            found = _registry_digest(docker, ref, local)
+        except PushError as exc:
+            raise UsageError(f"{image_ref}: cannot resolve {ref} to a digest through its registry: {exc}",
+                             hint="name the image by digest (NAME@sha256:...)") from None
+        if found is not None:
+            return found, dict(local.labels) if local is not None else {}, local.id if local is not None else ""
+    raise UsageError(f"{image_ref}: a cluster pulls the image by digest, and no registry holds it under that "
+                     "name: push it, then name it NAME or NAME@sha256:...")
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """What to do with the Job: write it, submit it and follow it, or collect the report of one that ended."""
+
+    spec: JobSpec
+    emit: Path | None = None
+    submit: bool = False
+    collect: str | None = None  # job/NAME (read through the client), or a file holding its pod's log
+    kubeconfig: str | None = None
+
+
+def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions, cluster: Cluster,
+               say: Callable[[str], None]) -> tuple[plan.Ran | None, plan.Target, str]:
+    """Emit, submit or collect the Job for ``image_ref``: (the host's run, or None after --emit alone; the image
+    as the host knows it; what was written)."""
+    from . import kubernetes as k8s
+    from .base import stage
+
+    if options.serve_model is not None:
+        # Refused before the registry is read or anything is written: a Job has no folder of this host's.
+        raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
+    ref, labels, image_id = by_digest(root, engine, image_ref)
+    found, info = registry_file_facts(root, engine, ref, image_id, say)
+    if info is not None:
+        labels, image_id = labels or dict(info.labels), info.id
+    target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
+    spec = cluster.spec
+    job, extra = plan.job(root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
+                          host={"launcher": "kubernetes", "namespace": spec.namespace}, checks=found.checks,
+                          expected_from=found.expected_from, landed=found.landed)
+    wrote = ""
+    if cluster.emit is not None:
+        cluster.emit.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
+        wrote = (f"wrote {cluster.emit}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}; once it has "
+                 f"ended: smoke {image_ref} --launcher kubernetes --collect job/{spec.name} (or the pod's log "
+                 "saved to a file) [--sign-key KEY]")
+    host_facts = plan.HostFacts(found.compiled_missing)
+    started = records.now_iso()
+    launched: Launched | RunnerFailed
+    if cluster.collect is not None:
+        try:
+            launched = _collected(cluster, say)
+        except RunnerFailed as exc:
+            launched = exc
+    elif cluster.submit:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = stage(Path(tmp) / "runner", job, extra)
+            try:
+                launched = k8s.KubernetesLauncher(spec, cluster.kubeconfig, say, extra).launch(ref, folder, job,
+                                                                                                None)
+            except RunnerFailed as exc:
+                launched = exc
+    else:
+        return None, target, wrote
+    verdict = plan.judged(job, launched, host_facts, started=started)
+    for c in verdict.checks:
+        say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+    return plan.Ran(verdict, job), target, wrote
+
+
+def _collected(cluster: Cluster, say: Callable[[str], None]) -> Launched:
+    """The runner's report of a Job that has ended: through the client (job/NAME), or from its saved log."""
+    from .kubernetes import KubernetesLauncher
+
+    given = cluster.collect or ""
+    if given.startswith("job/"):
+        say(f"==> reading the report of Job {cluster.spec.namespace}/{cluster.spec.name} through the cluster's API")
+        return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say).collect()
+    try:
+        text = Path(given).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
+    say(f"==> reading the runner's report from {given}")
+    return results(text, text, f"the pod's log {given}")
+

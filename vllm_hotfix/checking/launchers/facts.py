@@ -1,0 +1,146 @@
+"""The file facts: what the host reads from an image's files and judges itself, never running the image.
+
+Podman's store, a registry's blobs or the Docker engine: wherever the image
+is started from, its files are read from there and judged the same way
+(:func:`~vllm_hotfix.checking.integrity.check_image`). A smoke run's job carries the
+finished checks (:func:`file_facts`); the host's verdict keeps them as the
+host made them, whatever the runner reports. The push gate reads them again
+right before a push (:func:`landed_problem`, :func:`pins_problem`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...building import definitions, expected, pins, sources
+from ...engine import Engine, ImageInfo
+from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
+from .. import integrity
+
+
+def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
+    """Compiled files RECORD lists but the image lacks; the base's named so. They keep it from GPU-verified."""
+    return (*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base))
+
+
+@dataclass(frozen=True, slots=True)
+class FileFacts:
+    """The file checks of a run whose other checks a runner makes elsewhere, and what they found."""
+
+    checks: tuple[dict[str, Any], ...]
+    expected_from: str
+    compiled_missing: tuple[str, ...] = ()  # compiled files RECORD lists but the image lacks (the base's named so)
+    landed: Mapping[str, str] | None = None  # package and site folder its Python must import it from
+
+
+def landed_of(found: expected.Expected) -> dict[str, str] | None:
+    """Where the image's Python must import the package from (the runner's import-location check)."""
+    return {"package": found.package, "site_dir": found.site_dir} if found.site_dir else None
+
+
+FILE_CHECKS = ("patch-landed", "package-version", "integrity")
+
+
+def unread_file_checks(why: str) -> list[dict[str, Any]]:
+    """The file checks as incomplete, saying ``why``: a run cannot pass without them."""
+    return [{"name": name, "status": "incomplete", "detail": why, "data": {"answered_by": integrity.FILESYSTEM}}
+            for name in FILE_CHECKS]
+
+
+def pinned_names(root: Path, definition: str) -> list[str]:
+    """The distributions the definition's patch set pins, as pins.txt spells them (integrity reads them as the
+    image's own); DefinitionError or PinError when the definition or its pins.txt is unusable."""
+    defn = definitions.load(root, definition)
+    pinset = pins.load(root, defn.patch_set, defn.package)
+    return [p.spelled for p in pinset.pins] if pinset is not None else []
+
+
+def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
+               say: Callable[[str], None] = lambda _l: None) -> FileFacts:
+    """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
+
+    For ``--launcher podman|kubernetes``: the same expectation and judgement
+    as a Docker run (:func:`~vllm_hotfix.checking.integrity.check_image`), only the
+    files come from wherever the image is started. ``expect_from``: the Docker
+    engine that may hold the base to recompute the expectation from (None:
+    none; the build record alone then). Files that cannot be read make the
+    checks incomplete: the run cannot pass without them.
+    """
+    fs = {"answered_by": integrity.FILESYSTEM}
+    try:
+        try:
+            found: expected.Expected | str = expected.for_image(expect_from, root, image)
+        except EngineError as exc:
+            say(f"    no Docker engine to read the base from ({str(exc).splitlines()[0]}): the build record alone")
+            found = expected.for_image(None, root, image)
+    except UnknownExpectation as exc:
+        found = str(exc)
+    if isinstance(found, str):
+        return FileFacts(({"name": "patch-landed", "status": "fail", "detail": found, "data": fs},), "unknown")
+    extra: list[dict[str, Any]] = []
+    pinned: list[str] = []
+    try:
+        pinned = pinned_names(root, found.definition)
+    except (DefinitionError, PinError) as exc:
+        extra.append({"name": "pins", "status": "fail", "detail": str(exc)})
+    try:
+        files = integrity.check_image(files_from, sources.cache_dir(root), image.id, found, pinned, say)
+    except EngineError as exc:
+        why = f"the image's files could not be read: {str(exc).splitlines()[0]}"
+        return FileFacts(tuple(unread_file_checks(why) + extra), found.source, landed=landed_of(found))
+    judged = files.judged
+    return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
+                     found.source, missing_compiled(judged), landed_of(found))
+
+
+def landed_problem(engine: Engine, root: Path, image: ImageInfo,
+                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
+    """The file checks alone, read from the image's layers: None if its files are what they must be.
+
+    The patched files with the hashes the patch set and the base give, the
+    whole installed distribution against its RECORD relative to the base, the
+    pinned versions: neither an edited journal nor the image's own
+    interpreter can vouch for its files. ``gpu_claimed``: the verdict says
+    GPU-verified, which an image lacking compiled files cannot be.
+    """
+    try:
+        found = expected.for_image(engine, root, image)
+    except UnknownExpectation as exc:
+        return str(exc)
+    problem = pins_problem(engine, root, image, found)
+    if problem is not None:
+        return problem
+    try:
+        pinned = pinned_names(root, found.definition)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
+    problems = checked.problems()
+    if problems:
+        return problems[0]
+    missing = missing_compiled(checked.judged)
+    if gpu_claimed and missing:
+        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
+                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return None
+
+
+def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
+    """None if every distribution the definition's pins.txt names has its pinned version, once."""
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    if pinset is None:
+        return None
+    state = pins.probe(engine, image.id, defn.python, pinset.names)
+    for pin in pinset.pins:
+        have = sorted(c.version for c in state.dists.get(pin.name) or ())
+        if have != [pin.version]:
+            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image, but "
+                    f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+    return None

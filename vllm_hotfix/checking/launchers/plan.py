@@ -1,0 +1,203 @@
+"""From an image and the smoke options to a runner job, and a whole smoke run through a launcher.
+
+The job is data the runner reads; everything the host knows and the image
+must not decide (which patch set, which pins, which modules must import,
+where the package must import from) is settled here, from the project's
+files. Every launcher gets the same job for the same image, so every one
+runs the same named checks. The job holds no key: the runner signs nothing.
+A run ends with the host's verdict (:mod:`.judging`), not the runner's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...building import definitions, patches, pins, wheels
+from ...building.pinfile import Pin
+from ...engine import labels as L
+from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
+from ...journal import records
+from ...verdicts import Verdict
+from . import judging
+from .base import Launched, Launcher, stage
+from .options import SmokeOptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ENTRYPOINT = ("vllm", "serve")
+SERVE_PORT = 8000
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The image a launcher starts, as the host knows it."""
+
+    ref: str  # what the user named
+    image_id: str  # config digest
+    start: str  # what the launcher starts: an ID, or name@manifest-digest for a cluster
+    labels: Mapping[str, str]
+    platform: str = ""
+    entrypoint: Sequence[str] = DEFAULT_ENTRYPOINT
+    repo_digests: Sequence[str] = ()
+
+
+def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu_request: str | None,
+        checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
+        expected_from: str = "", landed: Mapping[str, str] | None = None,
+        gpu_unavailable: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The runner job for ``target`` and the patch set's check files it names.
+
+    ``checks`` are the host's own checks (file facts), shown by the runner
+    and kept by the host's verdict as the host made them;
+    ``landed`` the package and folder its Python must import it from;
+    ``gpu_unavailable`` the ``gpu`` check (status, detail, why) a host that
+    found no GPU request reaching the image settled before the launch.
+    """
+    if options.record_reference is not None and launcher != "docker":
+        raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
+                         f"Docker, then give them to the {launcher} launcher with --reference")
+    extra: dict[str, bytes] = {}
+    out: dict[str, Any] = {
+        "image": target.ref, "image_id": target.image_id, "platform": target.platform, "launcher": launcher,
+        "host": dict(host or {}), "checks": [dict(c) for c in checks], "env_names": [], "pins": None,
+        "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None,
+        "expected_from": expected_from, "keep_going": options.keep_going,
+        "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
+                "unavailable": dict(gpu_unavailable) if gpu_unavailable else None},
+        "landed": dict(landed) if landed else None,
+    }
+    tag = options.definition or target.labels.get(L.DEFINITION)
+    defn = None
+    if tag:
+        try:
+            defn = definitions.load(root, tag)
+        except DefinitionError as exc:
+            if options.definition:
+                raise SmokeError(f"--definition {tag}: {exc}") from exc
+    if defn is not None:
+        folder = root / "patches" / defn.patch_set / "checks"
+        for path in sorted(folder.glob("*.py")):
+            extra[f"checks/{path.name}"] = path.read_bytes()
+            out["gpu"]["extra"].append(f"checks/{path.name}")
+        for path in sorted((folder / "cpu").glob("*.py")):
+            extra[f"checks/cpu/{path.name}"] = path.read_bytes()
+            out["cpu_checks"].append(f"checks/cpu/{path.name}")
+        try:
+            series = patches.load_series(root, defn.patch_set, defn.package)
+            pinset = pins.load(root, defn.patch_set, defn.package)
+        except PatchError as exc:
+            raise SmokeError(f"patches/{defn.patch_set}: {exc}") from exc
+        except PinError as exc:
+            out["checks"].append({"name": "pins", "status": "fail", "detail": str(exc)})
+            pinset = None
+        out["gpu"]["modules"] = patches.modules_of(f for patch in series for f in patch.files)
+        if pinset is not None:
+            out["env_names"] = [p.spelled for p in pinset.pins]
+            out["pins"] = {"pins": [{"name": p.spelled, "version": p.version, "record": _record(root, p)}
+                                    for p in pinset.pins]}
+    if options.serve_model is not None:
+        if not Path(options.serve_model).exists():
+            raise SmokeError(f"--serve-model {options.serve_model}: no such file or folder")
+        out["serve"] = {"argv": [*target.entrypoint, "/model", "--port", str(SERVE_PORT), *options.serve_args],
+                        "port": SERVE_PORT, "levels": list(options.levels), "requests": options.requests,
+                        "min_tokens": options.min_tokens, "timeout": options.serve_timeout,
+                        "keep_going": options.keep_going, "tolerance": options.logprob_tolerance,
+                        "reference": None}
+        ref = options.reference
+        if ref is not None:
+            # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
+            try:
+                out["serve"]["reference"] = json.loads(Path(ref.path).read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
+            out["serve"]["reference_file"] = ref.path
+        record = options.record_reference
+        if record is not None:
+            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})"}
+    return out, extra
+
+
+def _record(root: Path, pin: Pin) -> dict[str, str] | None:
+    cache = pins.cache(root)
+    for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
+        if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
+            return dict(wheels.record(path))
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """A run through a launcher: the host's verdict, the job it judged by, and what the runner recorded."""
+
+    verdict: Verdict
+    job: Mapping[str, Any]
+    answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    """What the host knows of a run beside its job: its file facts' compiled files, how it found the GPU
+    request, its own environment notes, and a way to ask the image's base which imports fail there too."""
+
+    compiled_missing: Sequence[str] = ()
+    gpu: Mapping[str, Any] | None = None
+    environment: Mapping[str, Any] | None = None
+    base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None
+
+
+def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
+           started: str = "", seconds: float = 0.0) -> Verdict:
+    """The host's verdict on what came back: the report judged, or the runner's failure to give one."""
+    facts = facts or HostFacts()
+    if isinstance(launched, RunnerFailed):
+        return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
+                                  started=started, seconds=seconds, gpu_facts=facts.gpu)
+    return judging.host_verdict(job, launched.report, compiled_missing=facts.compiled_missing,
+                                base_imports=facts.base_imports, started=started, seconds=seconds,
+                                gpu_facts=facts.gpu, environment=facts.environment)
+
+
+def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions, *, gpu_request: str | None,
+          checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
+          say: Callable[[str], None] = lambda _l: None, expected_from: str = "",
+          landed: Mapping[str, str] | None = None, gpu_unavailable: Mapping[str, str] | None = None,
+          facts: HostFacts | None = None, echo: bool = True) -> Ran:
+    """Stage the runner for ``target``, start it through ``launcher``, and judge what it reported, here.
+
+    The staged folder lives in a temporary folder removed before this
+    returns. A runner that gives no report is the run's failing (incomplete
+    when it ran out of time), as the host records it. ``echo``: print each
+    check after the run (a launcher that followed the runner's progress has
+    shown the runner's).
+    """
+    spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
+                      host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable)
+    started, start = records.now_iso(), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
+        folder = stage(Path(tmp) / "runner", spec, extra)
+        say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
+        model = Path(options.serve_model).resolve() if options.serve_model is not None else None
+        try:
+            launched: Launched | RunnerFailed = launcher.launch(target.start, folder, spec, gpu_request, model)
+        except RunnerFailed as exc:
+            say(f"    {exc}" + (f"\n{exc.hint}" if exc.hint else ""))
+            launched = exc
+    verdict = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start)
+    if echo:
+        for c in verdict.checks:
+            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None)

@@ -1,0 +1,151 @@
+"""Smoke an image: one library call that chooses the launcher, judges, records and signs.
+
+:func:`run` takes a :class:`SmokeRequest` and starts the runner
+(:mod:`vllm_hotfix.checking.runner`) through the launcher it names: the Docker engine
+(:mod:`.launchers.docker`, also what ``image`` runs after a build), podman,
+or a Kubernetes Job (:mod:`.launchers.elsewhere`). Whichever it is, the
+host's own facts (the image's files, the GPU request it made) decide what
+the host can judge, and the runner's report only adds the checks that need
+the image's Python (:mod:`.launchers.judging`). The verdict is appended to
+the journal, and with a key it is signed here, by the host that started the
+runner, after it judged the report (:mod:`.attest`); no key ever goes near
+the image under test. The CLI only parses options and prints what comes
+back.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..building import expected
+from ..engine import Engine
+from ..errors import BaseImageError, UsageError
+from ..journal import records
+from ..journal.atomic import write_atomic
+from ..trust import attest, signing
+from ..verdicts import Status, Verdict
+from .launchers import NAMES, elsewhere
+from .launchers.docker import DockerRun, format_phases
+from .launchers.options import GPU_MODES, SmokeOptions
+
+__all__ = ["GPU_MODES", "SmokeOptions", "SmokeRequest", "SmokeResult", "format_phases", "run", "runner"]
+
+
+@dataclass(frozen=True, slots=True)
+class SmokeRequest:
+    """What to smoke, how, and whether to sign: everything ``smoke`` is asked."""
+
+    image: str
+    options: SmokeOptions = field(default_factory=SmokeOptions)
+    launcher: str = "docker"  # one of launchers.NAMES
+    sign_key: str | None = None  # a PEM file (mode 0600 or stricter) or env:NAME
+    attestation: Path | None = None  # also write the signed verdict here
+    cluster: elsewhere.Cluster | None = None  # kubernetes: emit, submit or collect the Job
+
+
+@dataclass(frozen=True, slots=True)
+class SmokeResult:
+    """A smoke run as the host concluded it; ``verdict`` None when a Job was only written (``--emit``)."""
+
+    verdict: Verdict | None
+    entry: Path | None = None  # the journal entry
+    signed: Path | None = None  # the signed verdict kept in the journal folder
+    wrote: str = ""  # what was written instead of a run (the Job), in words
+
+
+def check(request: SmokeRequest) -> None:
+    """UsageError (or AttestationError for a key that cannot sign) before anything runs."""
+    if request.launcher not in NAMES:
+        raise UsageError(f"--launcher {request.launcher}: expected one of {', '.join(NAMES)}")
+    if request.attestation is not None and request.sign_key is None:
+        raise UsageError("--attestation needs --sign-key")
+    cluster = request.cluster
+    if request.launcher != "kubernetes" and cluster is not None:
+        raise UsageError("--emit, --submit, --collect, --kubeconfig and --node-selector need --launcher kubernetes")
+    if request.launcher == "kubernetes":
+        if cluster is None or (cluster.emit is None and not cluster.submit and cluster.collect is None):
+            raise UsageError("--launcher kubernetes needs --emit FILE, --submit, or --collect job/NAME|LOG")
+        if cluster.submit and cluster.collect is not None:
+            raise UsageError("--submit runs a new Job and --collect reads one that ran: give one of them")
+        if request.sign_key is not None and not cluster.submit and cluster.collect is None:
+            raise UsageError("--emit writes a Job that holds no key: sign when its report is read, with "
+                             "--collect job/NAME (or the pod's log) --sign-key KEY")
+    if request.sign_key is not None:
+        signing.load_private_key(request.sign_key)  # a key that cannot sign fails before the run, not after it
+
+
+def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
+        progress: Callable[[str], None] = lambda _l: None) -> SmokeResult:
+    """Smoke ``request.image`` through its launcher; record the host's verdict, and sign it when asked.
+
+    ``engine`` gives the Docker engine when one is needed (podman and a Job
+    written for a cluster may do without it).
+    """
+    check(request)
+    records.ensure_writable(root)
+    options = request.options
+    if request.launcher == "docker":
+        docker = engine()
+        if docker.image(request.image) is None:
+            # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
+            raise BaseImageError(f"image {request.image!r} is not in the engine",
+                                 hint="build it with `image`, or pull it first")
+        ran, target = DockerRun(docker, root, options, progress).smoke(request.image)
+    elif request.launcher == "podman":
+        ran, target = elsewhere.podman(root, engine, request.image, options, progress)
+    else:
+        assert request.cluster is not None
+        found, target, wrote = elsewhere.kubernetes(root, engine, request.image, options, request.cluster, progress)
+        if found is None:
+            return SmokeResult(None, wrote=wrote)
+        ran = found
+    verdict = ran.verdict
+    entry = records.append_verdict(root, verdict)
+    signed = None
+    if request.sign_key is not None and verdict.judged:
+        subjects = signing.subjects(target.ref, verdict.image_id, target.repo_digests)
+        signed, envelope = attest.sign(root, verdict, target.labels, subjects, request.sign_key, request.attestation)
+        progress(f"==> signed verdict: {signed}")
+        if request.launcher == "kubernetes":
+            attest.attach_and_read_back(engine(), target.start, envelope)
+            progress(f"    signed verdict attached to {target.start} and read back from its registry")
+    return SmokeResult(verdict, entry.path, signed)
+
+
+def runner(
+    root: Path, progress: Callable[[str], None], options: SmokeOptions | None = None
+) -> Callable[[Engine, str, expected.Expected | None], Verdict]:
+    """The hook `image` calls after a build, before tagging."""
+
+    def smoke(engine: Engine, image_id: str, want: expected.Expected | None) -> Verdict:
+        return DockerRun(engine, root, options or SmokeOptions(), progress).run(image_id, want)
+
+    return smoke
+
+
+def write_json(verdict: Verdict, path: Path) -> None:
+    # write_atomic: a full disk or an unwritable folder is one line naming the file (exit 10).
+    write_atomic(path, json.dumps(verdict.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def write_junit(verdict: Verdict, path: Path) -> None:
+    checks = verdict.checks
+    suite = ET.Element(
+        "testsuite",
+        name=f"smoke {verdict.image}",
+        tests=str(len(checks)),
+        failures=str(sum(c.status is Status.FAIL for c in checks)),
+        skipped=str(sum(c.status is Status.SKIP for c in checks)),
+        time=f"{verdict.seconds:.3f}",
+    )
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname="smoke", name=c.name, time=f"{c.seconds:.3f}")
+        if c.status is Status.FAIL:
+            ET.SubElement(case, "failure", message=c.detail).text = json.dumps(c.data or {})[:4000]
+        elif c.status is Status.SKIP:
+            ET.SubElement(case, "skipped", message=c.detail)
+    write_atomic(path, ET.tostring(suite, encoding="utf-8", xml_declaration=True))
