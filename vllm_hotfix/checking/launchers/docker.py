@@ -218,7 +218,7 @@ class DockerRun:
         try:
             ran = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
                              host=host, expected_from=found.expected_from, landed=found.landed,
-                             gpu_unavailable=unavailable, facts=host_facts, echo=False)
+                             gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False)
         except EngineLost as exc:
             ran = self._ended(target, found, host, "incomplete", str(exc))
         except EngineError as exc:

@@ -43,9 +43,11 @@ def required(job: Mapping[str, Any]) -> list[str]:
 
 
 def gpu_given(job: Mapping[str, Any]) -> bool:
-    """Whether the host gave the runner's container a GPU request (its own record: the job it wrote)."""
-    request = (job.get("gpu") or {}).get("request")
-    return bool(request) and request != "none"
+    """Whether the host gave the runner's container a GPU request for GPU checks (its own record: the job it
+    wrote). Under ``--gpu off`` none counts, whatever the container was given."""
+    spec = job.get("gpu") or {}
+    request = spec.get("request")
+    return spec.get("mode") != "off" and bool(request) and request != "none"
 
 
 def _mine(check: Check) -> Check:

@@ -180,24 +180,29 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
 
     The staged folder lives in a temporary folder removed before this
     returns. A runner that gives no report is the run's failing (incomplete
-    when it ran out of time), as the host records it. ``echo``: print each
-    check after the run (a launcher that followed the runner's progress has
-    shown the runner's).
+    when it ran out of time), as the host records it. ``echo``: say what
+    starts and each check after the run (a launcher that followed the
+    runner's progress has shown the runner's).
     """
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
                       host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable)
     started, start = records.now_iso(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
         folder = stage(Path(tmp) / "runner", spec, extra)
-        say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
+        if echo:
+            say(f"==> smoke through {launcher.name}: the runner in {target.start} "
+                f"(GPU request: {gpu_request or 'none'})")
         model = Path(options.serve_model).resolve() if options.serve_model is not None else None
         try:
             launched: Launched | RunnerFailed = launcher.launch(target.start, folder, spec, gpu_request, model)
         except RunnerFailed as exc:
-            say(f"    {exc}" + (f"\n{exc.hint}" if exc.hint else ""))
+            if exc.hint:
+                say(exc.hint)
             launched = exc
     verdict = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start)
-    if echo:
-        for c in verdict.checks:
-            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+    said = {(c.name, c.status, c.detail) for c in launched.report.checks} if isinstance(launched, Launched) else set()
+    shown = {(c.get("name"), c.get("status"), c.get("detail")) for c in spec["checks"]}
+    for c in verdict.checks:
+        if echo or ((c.name, c.status, c.detail) not in said and (c.name, c.status.value, c.detail) not in shown):
+            say(f"    {c.status.value:<4} {c.name}: {c.detail}" + ("" if echo else " (judged here)"))
     return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None)
