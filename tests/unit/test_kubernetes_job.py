@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import cli
 from vllm_hotfix.checking.launchers import kubernetes as k8s
@@ -94,13 +96,18 @@ def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "t"}}],
     }))
+    key = tmp_path / "site.key"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig),
-            root=tmp_path, timeout=120)
+            "--sign-key", str(key), root=tmp_path, timeout=120)
     assert r.rc == 7, r.err
     assert "cannot reach the cluster" in r.last_error
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--collect", "job/vllm-hotfix-smoke-gone", "--kubeconfig",
-            str(kubeconfig), root=tmp_path, timeout=120)
+            str(kubeconfig), "--sign-key", str(key), root=tmp_path, timeout=120)
     assert r.rc == 7 and "cannot reach the cluster" in r.last_error, r.err
+    assert not list((tmp_path / "build").rglob("*.dsse.json"))  # nothing judged, nothing signed
 
 
 def test_a_runner_too_big_for_a_config_map_is_refused_before_anything_is_written() -> None:

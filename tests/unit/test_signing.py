@@ -152,6 +152,11 @@ def test_a_signing_key_others_may_read_is_refused_as_ssh_refuses_it(tmp_path: Pa
     with pytest.raises(AttestationError, match=f"others may read it \\(mode {mode:04o}\\)") as info:
         signing.load_private_key(str(key))
     assert info.value.hint == f"chmod 600 {key}"
+    # smoke refuses it before anything runs (here: no engine at all).
+    from conftest import cli
+
+    r = cli("smoke", "ops/vllm:fix", "--sign-key", str(key), root=tmp_path)
+    assert r.rc == 20 and "others may read it" in r.last_error, r.err
     key.chmod(0o400)
     assert signing.load_private_key(str(key)).curve.name == "secp256r1"
 
