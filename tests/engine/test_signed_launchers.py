@@ -19,12 +19,17 @@ on the Docker engine, and its log is collected with `smoke --collect`.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import http.server
 import json
 import shutil
 import subprocess
+import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -43,9 +48,9 @@ needs_podman = pytest.mark.skipif(not PODMAN, reason="podman is not installed (`
 # A hostile interpreter: reads every file it can and its whole environment for a private key, says what it
 # found on its last line, and gives the runner no report. (The pattern is split so that it never finds itself.)
 KEY_SEARCH = b"""#!/bin/sh
-pat="PRIVATE"" KEY"
-found=$(grep -RlsI -D skip --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev -e "$pat" / | tr '\\n' ' ')
-inenv=$(env | grep -c -e "$pat")
+pat='-----BEGIN [A-Z ]*PRIV''ATE KEY-----'
+found=$(grep -RlsIE -D skip --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev -e "$pat" / | tr '\\n' ' ')
+inenv=$(env | grep -cE -e "$pat")
 echo "searched every file and $(env | wc -l) environment variables" >&2
 if [ -n "$found" ] || [ "$inenv" != "0" ]; then
   echo "key-search: FOUND files: $found environment: $inenv" >&2
@@ -126,7 +131,7 @@ def _pushed(engine: Engine, local: str, registry: RegistryPlace, name: str) -> s
         engine.untag(target)
 
 
-def run_as_a_node(engine: Engine, job_yaml: Path, image_id: str, folder: Path,
+def run_as_a_node(engine: Engine, job_yaml: Path | list[dict[str, Any]], image_id: str, folder: Path,
                   secrets: dict[str, dict[str, bytes]]) -> str:
     """Start the emitted Job's container as a node would, and return its log (stdout and stderr).
 
@@ -134,7 +139,9 @@ def run_as_a_node(engine: Engine, job_yaml: Path, image_id: str, folder: Path,
     environment, and its volumes (a ConfigMap's items as files; a Secret's
     keys, from ``secrets``, the Secrets the cluster holds, as files).
     """
-    config_map, job = [json.loads(doc) for doc in job_yaml.read_text().split("---\n") if doc.strip()]
+    docs = job_yaml if isinstance(job_yaml, list) else \
+        [json.loads(doc) for doc in job_yaml.read_text().split("---\n") if doc.strip()]
+    config_map, job = docs
     pod = job["spec"]["template"]["spec"]
     [container] = pod["containers"]
     assert "@sha256:" in container["image"]  # a node pulls it by digest; here it is the engine's copy
@@ -156,6 +163,80 @@ def run_as_a_node(engine: Engine, job_yaml: Path, image_id: str, folder: Path,
     assert not container.get("envFrom"), container
     done = engine.run(image_id, container["command"], mounts=mounts, env=env, timeout=600)
     return done.stdout + done.stderr
+
+
+class FakeCluster:
+    """The few Kubernetes API calls `--submit` and `--collect job/NAME` make, answered on loopback.
+
+    A Job created through it runs at its first status read, as a node would
+    run it (:func:`run_as_a_node`); ``logs`` holds the pod logs of Jobs that
+    ran elsewhere (an emitted Job, applied and run).
+    """
+
+    def __init__(self, engine: Engine, image_id: str, folder: Path) -> None:
+        self.engine, self.image_id, self.folder = engine, image_id, folder
+        self.config_maps: dict[str, dict[str, Any]] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.logs: dict[str, str] = {}
+        cluster = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *_args: object) -> None:
+                pass
+
+            def answer(self, code: int, body: object, kind: str = "application/json") -> None:
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self) -> None:  # noqa: N802 - the name http.server calls
+                doc = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                store = cluster.config_maps if self.path.endswith("/configmaps") else cluster.jobs
+                store[doc["metadata"]["name"]] = doc
+                self.answer(201, doc)
+
+            def do_GET(self) -> None:  # noqa: N802
+                parts = self.path.split("?")[0].strip("/").split("/")
+                if parts[-1] == "status":  # /apis/batch/v1/namespaces/NS/jobs/NAME/status
+                    name = parts[-2]
+                    if name in cluster.jobs and name not in cluster.logs:
+                        cluster.logs[name] = run_as_a_node(cluster.engine, [cluster.config_maps[name],
+                                                                            cluster.jobs[name]],
+                                                           cluster.image_id, cluster.folder / name, {})
+                    if name not in cluster.logs:
+                        return self.answer(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+                    return self.answer(200, {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+                                             "status": {"succeeded": 1}})
+                if parts[-1] == "pods":  # /api/v1/namespaces/NS/pods?labelSelector=job-name=NAME
+                    name = urllib.parse.parse_qs(self.path.partition("?")[2])["labelSelector"][0].split("=")[1]
+                    return self.answer(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {},
+                                             "items": [{"metadata": {"name": f"{name}-pod"}}]})
+                if parts[-1] == "log":  # /api/v1/namespaces/NS/pods/POD/log
+                    return self.answer(200, cluster.logs[parts[-2].removesuffix("-pod")], "text/plain")
+                self.answer(404, {"kind": "Status", "code": 404})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeCluster:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def kubeconfig(self, path: Path) -> Path:
+        server = f"http://127.0.0.1:{self.server.server_address[1]}"
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": server}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}]}))
+        return path
 
 
 @pytest.fixture
@@ -207,6 +288,7 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, built: tu
                 _to_podman(ref, in_podman, hostile)
             r = cli("smoke", ref, "--launcher", launcher, "--gpu", "off", "--sign-key", "env:HOTFIX_SITE_KEY",
                     "--attestation", str(envelope), "--report", str(out), root=project, env=env_key)
+        assert "key-search: nothing found" in r.err and "key-search: FOUND" not in r.err, r.err
         # The image said nothing the host could judge: a failure, recorded and signed as one, here.
         assert r.rc == 7, r.err
         runner = _checks(_report(out))["runner"]
@@ -265,6 +347,42 @@ def test_every_launcher_runs_the_same_checks_and_signs_a_verdict_that_verifies(
     # The Job's verdict was attached beside the image by the host that collected it, and reads back.
     r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0 and json.loads(r.out)["key"] == str(pub), r.err
+
+
+def test_a_job_submitted_or_collected_through_the_clusters_api_is_judged_and_signed_here(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
+    project, ref, image_id = built
+    key, pub, private = _keys(tmp_path)
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    target = json.loads(r.out)["ref"]
+    with FakeCluster(engine, image_id, tmp_path / "nodes") as cluster:
+        config = cluster.kubeconfig(tmp_path / "kubeconfig")
+        out, envelope = tmp_path / "submitted.json", tmp_path / "submitted.dsse.json"
+        r = cli("smoke", target, "--launcher", "kubernetes", "--gpu", "off", "--submit", "--kubeconfig", str(config),
+                "--sign-key", str(key), "--attestation", str(envelope), "--report", str(out), root=project)
+        assert r.rc == 0, r.err
+        [name] = cluster.jobs
+        pod = cluster.jobs[name]["spec"]["template"]["spec"]
+        assert [v["name"] for v in pod["volumes"]] == ["runner"]  # what was submitted holds no key either
+        assert _checks(_report(out))["import-location"]["status"] == "pass"
+        assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "pass"  # type: ignore[index]
+        # An emitted Job, applied and run elsewhere: its report read through the API once it has ended.
+        job = tmp_path / "job.yaml"
+        r = cli("smoke", target, "--launcher", "kubernetes", "--gpu", "off", "--emit", str(job), root=project)
+        assert r.rc == 0, r.err
+        emitted = json.loads(job.read_text().split("---\n")[2])["metadata"]["name"]
+        assert f"--collect job/{emitted}" in r.out
+        cluster.logs[emitted] = run_as_a_node(engine, job, image_id, tmp_path / "elsewhere", {})
+        envelope = tmp_path / "collected.dsse.json"
+        r = cli("smoke", target, "--launcher", "kubernetes", "--gpu", "off", "--collect", f"job/{emitted}",
+                "--kubeconfig", str(config), "--sign-key", str(key), "--attestation", str(envelope), root=project)
+        assert r.rc == 0, r.err
+        assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "pass"  # type: ignore[index]
+    # Both signed verdicts were attached beside the image by this host, and `verify` reads them back.
+    r = cli("verify", target, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    assert r.rc == 0 and f"signed pass by key {pub}" in r.out, r.err
 
 
 # -- 3. the host's own facts decide -----------------------------------------------------------------------
@@ -341,17 +459,16 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
 def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
     project, ref, image_id = built
-    key, pub, _private = _keys(tmp_path)
+    key, pub, private = _keys(tmp_path)
     older = tmp_path / "older.dsse.json"
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), "--attestation", str(older), root=project)
     assert r.rc == 0, r.err
     # A later run on the same image failed (say, its GPU checks on a GPU host), signed there with the same key.
-    info = engine.image(image_id)
-    assert info is not None
     failed = judge(ref, image_id, [Check("gpu-torch", Status.FAIL, "CUDA error")], gpu_verified=False)
-    kept, envelope = attest.sign(project, failed, info.labels, signing.subjects(ref, image_id), str(key))
-    newer = tmp_path / "newer.dsse.json"
-    newer.write_bytes(envelope)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    envelope = signing.sign(signing.statement({ref: image_id}, {**failed.to_dict(), "signed_at": now}), private)
+    kept = attest.folder(project, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
+    kept.write_bytes(envelope)  # kept in the journal folder, as smoke keeps what it signs
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--attestation", str(older), "--allow-gpu-unverified", root=project)
     assert r.rc == 24, r.err

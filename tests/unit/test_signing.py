@@ -30,7 +30,7 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 def _signed(key: ec.EllipticCurvePrivateKey, report: dict[str, object] = REPORT,
             at: str = "2026-12-05T10:00:00.000000Z") -> bytes:
-    doc = signing.statement({"ops/vllm-openai:v0.25.1-m3patch": IMAGE_ID}, signing.predicate(report, {}, at))
+    doc = signing.statement({"ops/vllm-openai:v0.25.1-m3patch": IMAGE_ID}, {**report, "signed_at": at})
     return signing.sign(doc, key)
 
 
