@@ -11,6 +11,12 @@ against its RECORD relative to the base, so an edited journal can hide
 neither wrong patched files nor a failed integrity. After
 the push, the engine asks the registry (with the same credentials and scheme)
 which digest the tag resolves to.
+
+With ``--require-attestation`` the gate reads signed verdicts instead of the
+journal (those given, those the journal keeps, those already beside the image
+in the target registry): the newest that verifies with one of the keys
+decides (:func:`vllm_hotfix.trust.attest.judge`), as the journal's newest
+does without it.
 """
 
 from __future__ import annotations

@@ -117,6 +117,20 @@ def _compiled(gpu: dict[str, Any], missing: Sequence[str]) -> Check:
                  f"{why}: image is GPU-unverified", data={"missing": names[:50], "answered_by": FILESYSTEM})
 
 
+def _other_run(job: Mapping[str, Any], report: Verdict) -> list[Check]:
+    """A report of another image or of another job (a log of another Job, or collected with other options)."""
+    why = []
+    if report.image_id != job.get("image_id"):
+        why.append(f"the report is about {report.image_id[:19] or 'no image'}, not {str(job.get('image_id'))[:19]}")
+    mode, said = (job.get("gpu") or {}).get("mode", "auto"), report.gpu.get("mode")
+    if said is not None and said != mode:
+        why.append(f"the runner ran with --gpu {said}, the host judges --gpu {mode}")
+    if not why:
+        return []
+    return [Check("runner", Status.FAIL, f"{'; '.join(why)}: not this run's report (collect a Job with the options "
+                                         "it was emitted with)", data={"answered_by": FILESYSTEM})]
+
+
 def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: Sequence[str] = (),
                  base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None,
                  started: str = "", seconds: float = 0.0, phases: Mapping[str, float] | None = None,
@@ -167,7 +181,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
                           if c is said else c for c in checks]
             gpu["verified"] = False
             gpu.setdefault("why_unverified", "no GPU check ran")
-    theirs = ("mode", "verified", "why_unverified") + (() if given else ("devices", "way"))
+    theirs = ("mode", "verified", "why_unverified") + (() if given else ("devices",))
     gpu.update({k: v for k, v in (gpu_facts or {}).items() if k not in theirs})
     if compiled_missing:
         compiled = _compiled(gpu, compiled_missing)
@@ -177,6 +191,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
     present = {c.name for c in checks}
     checks += [Check(name, Status.FAIL, "the runner did not report this check", data={"answered_by": FILESYSTEM})
                for name in required(job) if name not in present]
+    checks += _other_run(job, report)
     if verified:
         gpu.pop("why_unverified", None)
     return judge(str(job.get("image", "")), str(job.get("image_id", "")), [*host, *checks], gpu_verified=verified,
