@@ -14,10 +14,7 @@ from conftest import REPO
 from vllm_hotfix import cli, errors
 from vllm_hotfix.building import patches as patchlib
 from vllm_hotfix.building import pipeline, upstream
-from vllm_hotfix.building.assemble import AssembleBuilder
-from vllm_hotfix.building.builders import BUILDERS
-from vllm_hotfix.building.pipeline import builder
-from vllm_hotfix.building.render import DockerfileBuilder
+from vllm_hotfix.building.builders import BUILDERS, AssembleBuilder, DockerfileBuilder, builder
 from vllm_hotfix.errors import (
     Malformed,
     PipelineError,

@@ -1,4 +1,4 @@
-"""The ``assemble`` builder: write the image the Dockerfile would build, and load it.
+"""What the ``assemble`` builder does: write the image the Dockerfile would build, and load it.
 
 From exactly the inputs :mod:`render` puts in the Dockerfile (the patched
 files, their bytecode, the labels, the base pinned by ID) this writes
@@ -37,29 +37,12 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..errors import AssembleUnsupported, BuildError
 from ..tarball import Entry, write
-from .builders import BuildJob
-from .render import labels
 
 if TYPE_CHECKING:
     from ..engine import Engine
     from .base import BaseFacts, PatchedFile
 
 log = logging.getLogger(__name__)
-
-class AssembleBuilder:
-    """Write the layer and config the Dockerfile build would make, and load them."""
-
-    name = "assemble"
-
-    def build(self, engine: Engine, job: BuildJob) -> str:
-        job.say(f"==> assembling {job.output_ref} ({len(job.files)} patched file(s)) and loading it")
-        image_id = build(engine, job.facts, job.files,
-                         labels(job.definition, job.facts, list(job.files), list(job.applied)),
-                         f"vllm-hotfix: {job.definition.tag} patched files and bytecode into {job.facts.site_dir}",
-                         on_image=job.on_image)
-        job.say(f"    loaded {image_id}")
-        return image_id
-
 
 # Fields of the base's runtime config an image carries (OCI image config and
 # Docker's extensions). Anything else the engine reports (Hostname, Image,

@@ -1,11 +1,11 @@
-"""The ``image`` job: definition -> patched files -> Dockerfile -> image.
+"""The ``image`` and ``render`` jobs: definition -> patched files -> Dockerfile -> image.
 
 Each step lives in its own module; this one only puts them in order, keeps
-the build records, and makes sure a failure leaves nothing tagged. How a job
-is built is a :class:`BuildOptions` value; which builder makes the image is
-chosen by name in :func:`builder`.
-It is a little over 500 lines because it also reuses recorded builds and
-builds every platform of an index, each a short step of its own.
+the build records, and makes sure a failure leaves nothing tagged. Both jobs
+start from one prepare step (:func:`prepare`); :func:`build` decides between
+one image and one per platform of the base. How a job is built is a
+:class:`BuildOptions` value; which builder makes the image is chosen by name
+in :func:`.builders.builder`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..engine import Engine, ImageInfo, labels, split_reference
+from ..engine import Engine, ImageInfo, labels
 from ..errors import AssembleUnsupported, BaseImageError, PipelineError, Refused, UsageError
 from ..journal import leftovers, records
 from ..registry import refs
@@ -26,21 +26,14 @@ from ..registry.pulling import PULL_POLICIES, resolve
 from ..verdicts import Status, Verdict, require_pass
 from . import base, definitions, platforms, render, sources
 from . import patches as patchlib
-from .assemble import AssembleBuilder
-from .builders import Builder, BuildJob, known_builder
+from .builders import BuildJob, builder, known_builder
 from .platforms import Platform, child_ref
-from .render import DockerfileBuilder
 
 if TYPE_CHECKING:
     from . import expected, pins
 
 log = logging.getLogger(__name__)
 
-
-def builder(name: str) -> Builder:
-    """The builder called ``name`` (one of ``builders.BUILDERS``): the one place a name becomes a builder."""
-    known: dict[str, type[Builder]] = {"dockerfile": DockerfileBuilder, "assemble": AssembleBuilder}
-    return known[known_builder(name)]()
 
 # (engine, image ID, the build's own expectation or None) -> the run's verdict
 SmokeRunner = Callable[[Engine, str, "expected.Expected | None"], Verdict]
@@ -184,37 +177,55 @@ def _pins(engine: Engine, p: Plan, facts: base.BaseFacts, wheelhouse: Path | Non
                         cache=pins.cache(p.root), say=say)
 
 
-def render_only(
-    engine: Engine,
-    p: Plan,
-    pull: str = "missing",
-    progress: Callable[[str], None] | None = None,
-    *,
-    skip_included: bool = False,
-    wheelhouse: Path | None = None,
-    platform: Platform | None = None,
-    builder: str = "dockerfile",
-) -> str | NoHotfix:
-    """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
+@dataclass(frozen=True, slots=True)
+class Patched:
+    """The prepare step's result: the base's facts, its patched files, the patches applied, the pins fetched."""
 
-    Pinned wheels are fetched: they are inputs.
+    facts: base.BaseFacts
+    files: list[base.PatchedFile]
+    applied: list[patchlib.Patch]
+    pinned: pins.Prepared | None
+
+
+def prepare(engine: Engine, p: Plan, info: ImageInfo, opts: BuildOptions) -> Patched | NoHotfix:
+    """Read the base, patch its files and fetch the pinned wheels: what ``render`` and ``image`` both start from.
+
+    A base that already carries every patch gives :class:`NoHotfix`.
     """
-    _check_builder(p, builder)
-    if platform is not None:
-        platforms.require_engine(engine, platform)
-        bases = platform_bases(engine, p, [platform], pull, asked=True, local=engine.image(p.base_ref),
-                               progress=progress)
-        assert bases is not None
-        p = replace(p, base_ref=bases[platform])
-    info = resolve(engine, p.base_ref, pull, progress, str(platform) if platform else None)
+    say = opts.say
+    say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
     facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=skip_included,
+        engine, p.definition, p.base_ref, info, p.patches, skip_included=opts.skip_included,
         cache=sources.cache_dir(p.root),
     )
     if p.patches and not applied:
         return NoHotfix(p.base_ref, p.definition.patch_set, tuple(pt.name for pt in p.patches))
-    pinned = _pins(engine, p, facts, wheelhouse, progress or _quiet)
-    return render.render(p.template, p.definition, facts, files, applied, pinned)
+    skipped = [pt.name for pt in p.patches if pt not in applied]
+    if skipped:
+        say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
+    say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
+    return Patched(facts, files, applied, _pins(engine, p, facts, opts.wheelhouse, say))
+
+
+def render_only(engine: Engine, p: Plan, opts: BuildOptions | None = None, platform: Platform | None = None
+                ) -> str | NoHotfix:
+    """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
+
+    Pinned wheels are fetched: they are inputs.
+    """
+    opts = opts or BuildOptions()
+    _check_builder(p, opts.builder)
+    if platform is not None:
+        platforms.require_engine(engine, platform)
+        chosen = platforms.bases(engine, p.base_ref, [platform], opts.pull, asked=True,
+                                 local=engine.image(p.base_ref), progress=opts.progress)
+        assert chosen is not None
+        p = replace(p, base_ref=chosen[platform])
+    info = _resolve_base(engine, p, opts, platform, None, opts.say)
+    done = prepare(engine, p, info, opts)
+    if isinstance(done, NoHotfix):
+        return done
+    return render.render(p.template, p.definition, done.facts, done.files, done.applied, done.pinned)
 
 
 def check_output_ref(engine: Engine, p: Plan, base: ImageInfo, force: bool) -> None:
@@ -368,18 +379,10 @@ def build_image(
         if reused is not None:
             return reused
 
-    say(f"==> checking {p.definition.package} in the base and applying {len(p.patches)} patch(es)")
-    facts, files, applied = base.prepare(
-        engine, p.definition, p.base_ref, info, p.patches, skip_included=opts.skip_included,
-        cache=sources.cache_dir(p.root),
-    )
-    if p.patches and not applied:
-        return NoHotfix(p.base_ref, p.definition.patch_set, tuple(pt.name for pt in p.patches))
-    skipped = [pt.name for pt in p.patches if pt not in applied]
-    if skipped:
-        say(f"    skipping {', '.join(skipped)}: the base already carries them (upstream shipped them)")
-    say(f"    {p.definition.package} {facts.version} imported from {facts.package_dir}")
-    pinned = _pins(engine, p, facts, opts.wheelhouse, say)
+    done = prepare(engine, p, info, opts)
+    if isinstance(done, NoHotfix):
+        return done
+    facts, files, applied, pinned = done.facts, done.files, done.applied, done.pinned
     pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
     # lost, process killed) stays noted in `pending` for the next run to sweep.
@@ -421,68 +424,21 @@ def _remove_unfinished(engine: Engine, image_id: str, pending: leftovers.Pending
     pending.clear()
 
 
-def platform_bases(
-    engine: Engine, p: Plan, wanted: list[Platform] | None, pull: str, *, asked: bool,
-    local: ImageInfo | None, progress: Callable[[str], None] | None = None,
-) -> dict[Platform, str] | None:
-    """Each platform's base, by digest in the base's index; None: the single-platform build of old.
+def build(engine: Engine, p: Plan, opts: BuildOptions | None = None, wanted: list[Platform] | None = None,
+          *, asked: bool = False) -> BuildResult | list[BuildResult] | NoHotfix:
+    """The ``image`` step: one image, or one per platform of the base (a list).
 
-    Without ``--platform`` (``asked`` False) a base already in the engine is
-    built for the engine's platform alone, as before; otherwise the
-    registry's answer decides: every platform of an index (or those
-    ``wanted``), or the one image a plain manifest names. ``local``: the
-    base as the engine has it (``engine.image``), None if it has not.
+    ``asked``: the platforms were named (``wanted``, or every platform of the
+    base's index when ``wanted`` is None); otherwise a base already in the
+    engine is built for the engine's platform alone (see :func:`platforms.bases`).
     """
-    say = progress or (lambda _line: None)
-    if not asked and (pull == "never" or (local is not None and pull != "always")):
-        return None
-    if not asked and engine.api_version < platforms.MIN_API:
-        # An engine that loses other platforms still builds its own, as it always did.
-        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
-            "--platform all needs Docker 26.1 or newer")
-        return None
-    from ..registry import client as registry  # here: an ordinary build never asks a registry (nor imports requests)
-
-    try:
-        found = registry.read_index(engine, p.base_ref) if pull != "never" else None
-    except PipelineError as exc:
-        if asked and wanted is not None and local is None:
-            raise BaseImageError(f"cannot read {p.base_ref} from its registry to find its platforms: {exc}") \
-                from exc
-        say(f"    cannot read {p.base_ref} from its registry ({exc}); building for one platform")
-        found = None
-    if found is None or not found.is_index:
-        return _single(engine, p, wanted, local, found is not None)
-    repo, _ = split_reference(p.base_ref)
-    offered: dict[Platform, str] = {}
-    for child in registry.children(found):
-        plat = platforms.of(child.os, child.architecture, child.variant)
-        if plat is not None and plat not in offered:
-            offered[plat] = f"{repo}@{child.digest}"
-    chosen = wanted if wanted is not None else list(offered)
-    lacking = [str(w) for w in chosen if w not in offered]
-    if lacking:
-        raise BaseImageError(f"base {p.base_ref} is an index over {', '.join(map(str, offered)) or 'nothing'}; "
-                             f"it has no {', '.join(lacking)} image")
-    say(f"    base {p.base_ref} is an index ({found.digest}); building for {', '.join(map(str, chosen))}")
-    return {plat: offered[plat] for plat in chosen}
-
-
-def _single(engine: Engine, p: Plan, wanted: list[Platform] | None, local: ImageInfo | None,
-            in_registry: bool) -> dict[Platform, str] | None:
-    """A base that is one image: build for its platform, if that is what was asked."""
-    if wanted is None:
-        return None
-    if len(wanted) > 1:
-        where = "a single image in its registry" if in_registry else "not an index in a registry"
-        raise BaseImageError(f"base {p.base_ref} is {where}: it has no image for each of "
-                             f"{', '.join(map(str, wanted))}",
-                             hint="build one platform at a time from per-platform bases (--base-repo), "
-                                  "or publish an index")
-    if local is not None and platforms.of(local.os, local.architecture) != wanted[0]:
-        raise BaseImageError(f"base {p.base_ref} in the engine is {local.os}/{local.architecture}, "
-                             f"not {wanted[0]}")
-    return {wanted[0]: p.base_ref}
+    opts = opts or BuildOptions()
+    local = engine.image(p.base_ref)
+    chosen = platforms.bases(engine, p.base_ref, wanted, opts.pull, asked=asked, local=local,
+                             progress=opts.progress)
+    if chosen is None:
+        return build_image(engine, p, opts, base_info=local)
+    return build_platforms(engine, p, chosen, opts)
 
 
 def build_platforms(

@@ -1,20 +1,22 @@
-"""Platforms: which CPU architectures an image is built for, and whether this host can run them.
+"""Platforms: which CPU architectures an image is built for, from which base, and whether this host can run them.
 
 Upstream publishes ``vX.Y.Z-x86_64`` and ``vX.Y.Z-aarch64`` and makes
 ``vX.Y.Z`` an index over both. The tool builds one hotfix image per platform
 of the base, each from that platform's base image, probed, patched and
 compiled by that platform's own Python; a platform other than the engine's
 runs under emulation (qemu registered in the host's ``binfmt_misc``).
+:func:`bases` reads the base's index to find each platform's base image.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine import Engine, split_reference
-from ..errors import BaseImageError, EngineError, UsageError
+from ..engine import Engine, ImageInfo, split_reference
+from ..errors import BaseImageError, EngineError, PipelineError, UsageError
 from ..registry import refs
 
 
@@ -205,3 +207,67 @@ def mismatch(ref: str, os_name: str, architecture: str, variant: str = "",
     if recorded is not None and recorded != str(plat):
         return f"{ref} is a {seen} image, but the journal recorded its build as {recorded}"
     return None
+
+
+def bases(
+    engine: Engine, base_ref: str, wanted: list[Platform] | None, pull: str, *, asked: bool,
+    local: ImageInfo | None, progress: Callable[[str], None] | None = None,
+) -> dict[Platform, str] | None:
+    """Each platform's base, by digest in the base's index; None: the single-platform build of old.
+
+    Without ``--platform`` (``asked`` False) a base already in the engine is
+    built for the engine's platform alone, as before; otherwise the
+    registry's answer decides: every platform of an index (or those
+    ``wanted``), or the one image a plain manifest names. ``local``: the
+    base as the engine has it (``engine.image``), None if it has not.
+    """
+    say = progress or (lambda _line: None)
+    if not asked and (pull == "never" or (local is not None and pull != "always")):
+        return None
+    if not asked and engine.api_version < MIN_API:
+        # An engine that loses other platforms still builds its own, as it always did.
+        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
+            "--platform all needs Docker 26.1 or newer")
+        return None
+    from ..registry import client as registry  # here: an ordinary build never asks a registry (nor imports requests)
+
+    try:
+        found = registry.read_index(engine, base_ref) if pull != "never" else None
+    except PipelineError as exc:
+        if asked and wanted is not None and local is None:
+            raise BaseImageError(f"cannot read {base_ref} from its registry to find its platforms: {exc}") \
+                from exc
+        say(f"    cannot read {base_ref} from its registry ({exc}); building for one platform")
+        found = None
+    if found is None or not found.is_index:
+        return _single(base_ref, wanted, local, found is not None)
+    repo, _ = split_reference(base_ref)
+    offered: dict[Platform, str] = {}
+    for child in registry.children(found):
+        plat = of(child.os, child.architecture, child.variant)
+        if plat is not None and plat not in offered:
+            offered[plat] = f"{repo}@{child.digest}"
+    chosen = wanted if wanted is not None else list(offered)
+    lacking = [str(w) for w in chosen if w not in offered]
+    if lacking:
+        raise BaseImageError(f"base {base_ref} is an index over {', '.join(map(str, offered)) or 'nothing'}; "
+                             f"it has no {', '.join(lacking)} image")
+    say(f"    base {base_ref} is an index ({found.digest}); building for {', '.join(map(str, chosen))}")
+    return {plat: offered[plat] for plat in chosen}
+
+
+def _single(base_ref: str, wanted: list[Platform] | None, local: ImageInfo | None,
+             in_registry: bool) -> dict[Platform, str] | None:
+    """A base that is one image: build for its platform, if that is what was asked."""
+    if wanted is None:
+        return None
+    if len(wanted) > 1:
+        where = "a single image in its registry" if in_registry else "not an index in a registry"
+        raise BaseImageError(f"base {base_ref} is {where}: it has no image for each of "
+                             f"{', '.join(map(str, wanted))}",
+                             hint="build one platform at a time from per-platform bases (--base-repo), "
+                                  "or publish an index")
+    if local is not None and of(local.os, local.architecture) != wanted[0]:
+        raise BaseImageError(f"base {base_ref} in the engine is {local.os}/{local.architecture}, "
+                             f"not {wanted[0]}")
+    return {wanted[0]: base_ref}

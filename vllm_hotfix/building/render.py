@@ -1,6 +1,7 @@
 """Render the Dockerfile and its build context.
 
-A pure function of its inputs: the same definition, base and patch results
+A pure function of its inputs (no engine, no network: the builders in
+builders.py take its text to one): the same definition, base and patch results
 always give the same bytes, so the engine's layer cache and the build records
 can trust them. The base's ENTRYPOINT, CMD, ENV and USER are inherited
 untouched: the template only adds COPY and LABEL instructions.
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -24,8 +23,6 @@ from .definitions import ImageDefinition
 from .patches import Patch
 
 if TYPE_CHECKING:
-    from ..engine import Engine
-    from .builders import BuildJob
     from .pins import Prepared
 
 TEMPLATE_NAME = "Dockerfile.j2"
@@ -152,33 +149,3 @@ def context(dockerfile: str, base: BaseFacts, files: list[PatchedFile]) -> bytes
         for pyc_rel, data in f.bytecode:
             entries[f"{CONTEXT_DIR}/{PurePosixPath(pyc_rel)}"] = data
     return tar_bytes(entries, modes)
-
-
-@contextmanager
-def _served(pinned: Prepared | None) -> Iterator[dict[str, str]]:
-    """The pinned wheels on loopback for the build (its build arguments); nothing to serve without pins."""
-    if pinned is None:
-        yield {}
-        return
-    from .pins import serve  # here: most patch sets pin nothing
-
-    with serve(pinned) as buildargs:
-        yield buildargs
-
-
-class DockerfileBuilder:
-    """The engine builds the rendered Dockerfile from a context of the patched files."""
-
-    name = "dockerfile"
-
-    def build(self, engine: Engine, job: BuildJob) -> str:
-        files = list(job.files)
-        dockerfile = render(job.template, job.definition, job.facts, files, list(job.applied), job.pinned)
-        ctx = context(dockerfile, job.facts, files)
-        job.say(f"==> building {job.output_ref} ({len(files)} patched file(s), context {len(ctx)} bytes)")
-        # Pins: the wheels are served on loopback for the RUN step, which needs the
-        # host's network to reach them; nothing else in the build uses a network.
-        with _served(job.pinned) as buildargs:
-            return engine.build(ctx, lambda line: job.say("    " + line), on_image=job.on_image,
-                                buildargs=buildargs, network="host" if job.pinned is not None else None,
-                                nocache=job.nocache)

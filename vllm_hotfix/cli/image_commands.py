@@ -62,19 +62,12 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
     options = pipeline.BuildOptions(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
                                     builder=builder, wheelhouse=wheelhouse, smoke=None if no_smoke else smoke,
                                     progress=progress)
-    local = obj.engine.image(plan.base_ref)
-    bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
-                                    local=local, progress=progress)
-    if bases is not None:
-        results = pipeline.build_platforms(obj.engine, plan, bases, options)
-        if isinstance(results, pipeline.NoHotfix):
-            _report_no_hotfix(results, as_json)
-        else:
-            _report_platforms(plan, results, as_json)
-        return
-    result = pipeline.build_image(obj.engine, plan, options, base_info=local)
+    result = pipeline.build(obj.engine, plan, options, wanted, asked=platform_text is not None)
     if isinstance(result, pipeline.NoHotfix):
         _report_no_hotfix(result, as_json)
+        return
+    if isinstance(result, list):
+        _report_platforms(plan, result, as_json)
         return
     how = "reused" if result.reused else "built"
     if as_json:
@@ -133,7 +126,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = one_platform(platform_text)
-    dockerfile = pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat)
+    options = pipeline.BuildOptions(pull=pull, wheelhouse=wheelhouse, progress=progress)
+    dockerfile = pipeline.render_only(obj.engine, plan, options, plat)
     if isinstance(dockerfile, pipeline.NoHotfix):
         progress(dockerfile.message())
         return

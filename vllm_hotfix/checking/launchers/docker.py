@@ -30,7 +30,6 @@ from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo, labels
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
 from ...journal import records
-from ...journal.atomic import write_atomic
 from ...verdicts import Status, Verdict
 from .. import compile_cache, gpu_access, integrity
 from .. import reference as answers
@@ -201,6 +200,9 @@ class DockerRun:
         request, unavailable = (None, None) if early_stop else self.gpu_plan(image, gpu_facts)
         if not early_stop and self.opt.gpu != "off":
             clock.mark("gpu_access")
+        seen = self._access[image.id].devices if image.id in self._access else []
+        if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
+            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
         cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
         environment = {"compile_cache": cache.to_dict()} if cache is not None else {}
         if cache is not None:
@@ -223,9 +225,9 @@ class DockerRun:
             ran = self._ended(target, found, host, "incomplete", str(exc))
         except EngineError as exc:
             ran = self._ended(target, found, host, "fail", str(exc))
-        if ran.answers is not None and self.opt.record_reference is not None:
-            self.keep_answers(ran.answers)
         verdict = ran.verdict
+        if ran.answers is not None and self.opt.record_reference is not None:
+            self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target), **plan.run_settings(verdict)})
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)
@@ -245,13 +247,11 @@ class DockerRun:
         self.say(f"    {status:<4} runner: {why}")
         return plan.Ran(judging.unanswered(job, status, why), job)
 
-    def keep_answers(self, data: bytes) -> None:
-        """Write the reference answers the runner recorded, as ``--record-reference`` asked; check them back."""
-        path = self.opt.record_reference
-        assert path is not None
-        write_atomic(path, data)
-        ref = answers.load(path, "--record-reference")
-        self.say(f"    wrote {path} (sha256 {ref.sha256})")
+    def keep_answers(self, data: bytes, settings: dict[str, Any]) -> None:
+        """Write the reference answers the runner recorded (``--record-reference``) with their settings."""
+        assert self.opt.record_reference is not None
+        ref = answers.keep(self.opt.record_reference, data, settings)
+        self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)})")
 
     def file_facts(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> facts.FileFacts:
         """The checks read from the image's layers (patched files, integrity), and where its package must import
