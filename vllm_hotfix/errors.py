@@ -245,10 +245,6 @@ class AttestationMismatch(AttestationError):
     meaning = "a valid signed verdict about another image, or one that does not pass what was required"
 
 
-class UnusableKey(ValueError):
-    """A signing key the runner inside an image cannot use (its message never holds key material)."""
-
-
 class Malformed(ValueError):
     """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
 

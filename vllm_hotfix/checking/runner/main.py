@@ -4,10 +4,11 @@ Reads the job (what to check and how; written by a launcher, see
 :func:`vllm_hotfix.checking.launchers.base.job`), runs each check as a subprocess of the
 image's own Python under a timeout, judges them with the same
 :func:`~vllm_hotfix.verdicts.judge` and :func:`~vllm_hotfix.verdicts.judge_gpu`
-the host uses, and prints the verdict on one line after
-:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON); with a signing key, the
-DSSE envelope after :data:`~vllm_hotfix.checking.runner.ENVELOPE_MARK`. Progress goes
-to stderr. A job it cannot read ends it with exit 2 and one line.
+the host uses, and prints its report on one line after
+:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON). Progress goes to
+stderr. A job it cannot read ends it with exit 2 and one line. It holds no
+key and signs nothing: the report is the image's word, which the host that
+launched it judges (:mod:`vllm_hotfix.checking.launchers.judging`) and signs.
 
 The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 ``host`` and ``launcher`` (facts for the report); ``checks`` (checks made
@@ -15,14 +16,14 @@ outside, such as file facts read from the image's layers, judged with the
 rest); ``landed`` (``package``, ``site_dir``: where the image's Python must
 import the package from; or null); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
-``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
+``base_import_errors``, ``unavailable``: the ``gpu``
 check the host already settled, when no GPU request reaches this image);
-``serve`` (``argv``, ``port``, ``levels``, ``requests``, ``timeout``,
+``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
-back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``tolerance``; or
-null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
-null); ``probe_timeout``.
+back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
+``overlap`` (start the server while the GPU checks run); or null);
+``keep_going``; ``probe_timeout``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, REPORT_MARK, p256, serve
+from . import ANSWERS_MARK, JOB_VERSION, REPORT_MARK, serve
 
 # As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -61,7 +62,10 @@ def path_of(rel: str) -> str:
 
 
 def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none."""
+    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none.
+
+    The one reader of probe output: the runner's, and the host's for the probes it starts itself.
+    """
     for line in reversed(stdout.strip().splitlines()):
         try:
             data = json.loads(line)
@@ -80,11 +84,14 @@ def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str
     return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
 
 
-def as_check(raw: dict[str, Any], seconds: float, name: str) -> verdicts.Check:
+def as_check(raw: Any, seconds: float, name: str) -> verdicts.Check:
+    """A probe's check as a typed Check; a malformed one is a failing check under its own name (else ``name``)."""
     try:
         c = verdicts.Check.from_dict(raw)
     except Malformed as exc:
-        return verdicts.Check(name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+        said = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
+        return verdicts.Check(said or name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}",
+                              seconds)
     return verdicts.Check(c.name, c.status, c.detail, seconds, c.data, c.ran_against, c.stubs, c.import_errors)
 
 
@@ -96,6 +103,7 @@ class Run:
         self.environment: dict[str, Any] = {}
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
         self.recorded: list[bytes] = []
+        self.devices: list[str] = []  # the GPUs the container saw
 
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
@@ -157,7 +165,7 @@ class Run:
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             seen = {"devices": [], "error": "the GPU listing gave no answer"}
         devices = [str(d) for d in seen.get("devices") or []]
-        facts["devices"] = devices
+        facts["devices"] = self.devices = devices
         if not devices:
             why = f"the container started with {request} sees no GPU ({seen.get('error') or 'no device'})"
             facts["why_unverified"] = why
@@ -192,33 +200,17 @@ class Run:
             facts["why_unverified"] = f"GPU checks through {request}: {judged.why_unverified}"
         return judged.verified, facts
 
-    def compiled_stop(self, verified: bool, gpu: dict[str, Any]) -> bool:
-        """Compiled files RECORD lists but the image lacks (read outside, in the job): never GPU-verified.
+    def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
+        """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
+        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts)
 
-        As the Docker run's :meth:`vllm_hotfix.checking.smoke.Smoke.compiled_stop`: a GPU
-        check that passed without vLLM's kernels checked a stub; under
-        ``--gpu require`` with a GPU reached it is a failure, else a skip that
-        leaves the image GPU-unverified.
-        """
-        spec = self.job.get("gpu") or {}
-        names = [str(n) for n in spec.get("compiled_missing") or []]
-        if not names:
-            return verified
-        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
-               f"{', '.join(names[:5])}")
-        gpu["verified"] = False
-        gpu["compiled_missing"] = names[:50]
-        earlier = gpu.get("why_unverified")
-        gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
-        reached = spec.get("mode") == "require" and bool(gpu.get("devices"))
-        self.add([{"name": "compiled-files", "status": "fail" if reached else "skip",
-                   "detail": f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified",
-                   "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
-        return False
-
-    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """One server start and the sweep against it (:func:`.serve.run`)."""
-        return serve.run(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+    def facts(self) -> dict[str, Any]:
+        """What this run saw of the settings a reference names: the GPU model, vLLM's and torch's versions."""
+        packages = self.environment.get("packages") or {}
+        found: dict[str, Any] = {"vllm": packages.get("vllm"), "torch": packages.get("torch")}
+        if self.devices:
+            found["gpu"] = ", ".join(self.devices)
+        return found
 
     def failed(self) -> list[str]:
         """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
@@ -272,20 +264,28 @@ class Run:
         verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
         sweep = None
         if not self.stop(("gpu", "serve-sweep")):
+            spec = job.get("serve")
+            serving = self.serving(spec, phases) if spec else None
+            if serving is not None and bool(spec and spec.get("overlap")):
+                # The server does not measure the GPU's free memory (its KV cache size is given), so it can start
+                # while the GPU checks' processes come and go; server_start and gpu_checks then overlap.
+                say("==> runner: the server starts while the GPU checks run")
+                serving.start()
             say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
             mark = time.monotonic()
             verified, gpu = self.gpu()
-            verified = self.compiled_stop(verified, gpu)
             phases["gpu_checks"] = round(time.monotonic() - mark, 1)
-            if not self.stop(("serve-sweep",)):
-                spec = job.get("serve")
+            if self.stop(("serve-sweep",)):
+                if serving is not None:
+                    serving.stop()
+            else:
                 say("==> runner: serve sweep")
-                if not spec:
+                if serving is None:
                     self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0,
                              "serve")
                 else:
                     t0 = time.monotonic()
-                    check, sweep = self.sweep(spec, phases)
+                    check, sweep = serving.finish()
                     self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
             gpu["why_unverified"] = "not run: an earlier phase failed"
@@ -317,24 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         say(f"runner job {args[0]}: {exc}")
         return 2
-    secret = None
-    sign = job.get("sign") or {}
-    if sign:
-        # The key is read before anything runs: a key that cannot sign is known before an hour of checks.
-        try:
-            with open(str(sign["key"]), "rb") as fh:
-                secret = p256.load_private(fh.read())
-        except (OSError, KeyError, TypeError, p256.UnusableKey) as exc:
-            say(f"signing key {sign.get('key', '?')}: {exc}")
-            return 2
     run = Run(job)
     verdict = run.run()
     report = verdict.to_dict()
     for answers in run.recorded:
         emit(ANSWERS_MARK, answers)
     emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
-    if secret is not None and verdict.judged:
-        predicate = {**report, **dict(sign.get("predicate") or {})}
-        doc = p256.statement(dict(sign.get("subjects") or {job["image"]: job["image_id"]}), predicate)
-        emit(ENVELOPE_MARK, p256.sign_envelope(doc, secret))
     return 0
