@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Registry, RegistryPlace, cli, derive, fails, requests_layer
+from conftest import REPO, RegistryPlace, cli, derive, fails, requests_layer
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Status
@@ -256,27 +256,72 @@ def test_push_refuses_untested_image(engine: Engine, built: tuple[Path, str, str
         engine.remove_image(untested)
 
 
-def test_push_retries_while_registry_cuts_connections(built: tuple[Path, str, str], worker_registry: Registry,
-                                                    registry: RegistryPlace) -> None:
-    """The registry's port closes every connection at once (a registry restarting): tried again until it is back."""
-    project, ref, _ = built
-    worker_registry.stop()  # back on the same port and storage below
-    cutter = socket.socket()
-    cutter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    cutter.bind(("127.0.0.1", worker_registry.port))
-    cutter.listen(16)
+class _Cutter:
+    """A loopback port before the worker's registry that cuts every connection at once while ``cutting``
+    (a registry restarting, or a proxy before it), then relays each one to the registry untouched."""
 
-    def cut() -> None:
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.cutting = True
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = int(self.listener.getsockname()[1])
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
         try:
             while True:
-                cutter.accept()[0].close()
+                conn = self.listener.accept()[0]
+                if self.cutting:
+                    conn.close()
+                    continue
+                up = socket.create_connection(("127.0.0.1", self.upstream))
+                self._sockets += [conn, up]
+                for a, b in ((conn, up), (up, conn)):
+                    pipe = threading.Thread(target=self._pipe, args=(a, b), daemon=True)
+                    pipe.start()
+                    self._threads.append(pipe)
         except OSError:
-            pass  # closed below, when the registry comes back
+            pass  # closed at the end of the test
 
-    threading.Thread(target=cut, daemon=True).start()
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (src, dst):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop listening and end every relayed connection (the engine keeps idle ones open)."""
+        for sock in [self.listener, *self._sockets]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(10)
+        for sock in [self.listener, *self._sockets]:
+            sock.close()
+
+
+def test_push_retries_while_registry_cuts_connections(built: tuple[Path, str, str], registry: RegistryPlace) -> None:
+    """The registry's port closes every connection at once (a registry restarting): tried again until it answers."""
+    project, ref, _ = built
+    cutter = _Cutter(int(registry.addr.rsplit(":", 1)[1]))
+    place = f"127.0.0.1:{cutter.port}/{registry.ns}"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "build.py"), "--root", str(project), "push", ref, "--registry",
-         f"{registry.place}/ops", "--allow-gpu-unverified"],
+         f"{place}/ops", "--allow-gpu-unverified"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -285,19 +330,17 @@ def test_push_retries_while_registry_cuts_connections(built: tuple[Path, str, st
         for line in proc.stderr:
             err.append(line)
             if "retrying" in line:
-                cutter.close()
-                worker_registry.start()  # the registry comes back while the tool waits to retry
+                cutter.cutting = False  # the registry answers again while the tool waits to retry
                 break
         out, rest = proc.communicate(timeout=300)
         err.append(rest)
         assert proc.returncode == 0, "".join(err)
         assert "transient registry error (connection cut short (EOF))" in "".join(err)
-        assert out.startswith(f"pushed {registry.place}/ops/")
+        assert out.startswith(f"pushed {place}/ops/")
     finally:
         proc.kill()
+        proc.wait()
         cutter.close()
-        if worker_registry.proc is None:
-            worker_registry.start()  # the next tests of this worker push to it
 
 
 @pytest.mark.parametrize("where", ["refused", "no-name"])
