@@ -317,3 +317,29 @@ def test_sigterm_to_the_tool_cleans_up(private: tuple[PrivateEngine, Engine], pr
     assert engine.containers_by_owner() == {}, "the terminated run left containers"
     assert engine.image_ids() - before == set(), "the terminated run left images"
     assert not list((project / "build" / "runs").glob("*.json")), "the terminated run left its note"
+
+
+def test_smoke_reports_to_a_device_leave_the_device(built: tuple[Path, str, str], tmp_path: Path) -> None:
+    """--report/--junit/--attestation naming a character device (a mknod copy of /dev/null): it stays a device."""
+    import stat
+
+    project, ref, _image_id = built
+    nodes = {name: tmp_path / name for name in ("report", "junit", "attestation")}
+    for node in nodes.values():
+        try:
+            os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError as exc:
+            pytest.skip(f"cannot make a device node here: {exc}")
+    key = tmp_path / "key.pem"
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    r = cli("smoke", ref, "--report", str(nodes["report"]), "--junit", str(nodes["junit"]),
+            "--sign-key", str(key), "--attestation", str(nodes["attestation"]), root=project)
+    assert r.rc == 0, r.err
+    for name, node in nodes.items():
+        st = node.stat()
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3), f"--{name}: {oct(st.st_mode)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attestation", "junit", "key.pem", "project", "report"]

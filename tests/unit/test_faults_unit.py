@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import pytest
 
 from conftest import REPO, cli
 from vllm_hotfix import records
-from vllm_hotfix.errors import EXIT_TERMINATED, RecordError, exit_table
+from vllm_hotfix.atomic import write_atomic
+from vllm_hotfix.errors import EXIT_TERMINATED, RecordError, StorageError, exit_table
 
 
 def test_sigterm_ends_like_ctrl_c_with_one_line() -> None:
@@ -250,6 +254,94 @@ def test_report_on_a_full_disk(small_disk: Path, kind: str) -> None:
     assert "disk is full" in str(caught.value) and str(path) in str(caught.value)
     assert caught.value.exit_code == 10
     assert not path.exists() and [p.name for p in small_disk.iterdir()] == ["filler"]
+
+
+# -- reports written to what is not a regular file: in place or refused, never renamed over ----------
+
+
+@pytest.fixture
+def null_copy(tmp_path: Path) -> Path:
+    """A copy of /dev/null made by mknod in a temporary folder (needs the right to make device nodes)."""
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    return node
+
+
+@pytest.mark.parametrize("kind", ["json", "junit", "attestation"])
+def test_report_to_a_device_writes_through_it(null_copy: Path, kind: str) -> None:
+    """--report / --junit / --attestation /dev/null: the node stays a device (it was replaced by a regular file)."""
+    from vllm_hotfix import smoke
+    from vllm_hotfix.atomic import write_atomic
+    from vllm_hotfix.errors import AttestationError
+    from vllm_hotfix.verdicts import Check, Status, Verdict
+
+    verdict = Verdict(image="x:1", image_id="sha256:" + "a" * 64, status=Status.PASS, gpu_verified=False,
+                      checks=(Check("c", Status.PASS, "d" * 4_000, 0.1),))
+    before = null_copy.stat()
+    if kind == "attestation":
+        write_atomic(null_copy, b"{}" * 5_000, error=AttestationError)
+    else:
+        (smoke.write_json if kind == "json" else smoke.write_junit)(verdict, null_copy)
+    after = null_copy.stat()
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and after.st_ino == before.st_ino
+    assert [p.name for p in null_copy.parent.iterdir()] == ["null"]
+
+
+def test_report_to_a_full_device_is_one_line(tmp_path: Path) -> None:
+    """/dev/full (a copy): the device says no space; one line naming it, the node left as it was."""
+    node = tmp_path / "full"
+    try:
+        os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 7))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    with pytest.raises(StorageError) as caught:
+        write_atomic(node, "x" * 100)
+    assert str(node) in str(caught.value) and "no space" in str(caught.value)
+    assert stat.S_ISCHR(node.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["full"]
+
+
+def test_report_to_a_fifo_goes_to_its_reader(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    # The reader must have the FIFO open before the write, or the write (rightly) finds nobody reading.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            write_atomic(fifo, "through the pipe\n")
+            break
+        except StorageError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    reader.join(10)
+    assert got == [b"through the pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_report_to_a_fifo_nobody_reads_fails_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(StorageError) as caught:
+        write_atomic(fifo, "x")
+    assert time.monotonic() - started < 5
+    assert str(fifo) in str(caught.value) and "no process is reading" in str(caught.value)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_report_to_a_socket_is_refused(tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        with pytest.raises(StorageError) as caught:
+            write_atomic(path, "x")
+    assert "is a socket" in str(caught.value) and stat.S_ISSOCK(path.stat().st_mode)
 
 
 # -- a push's local target tag: noted, put back, removed by the next run ---------
