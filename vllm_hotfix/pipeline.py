@@ -91,6 +91,7 @@ class BuildResult:
     record: records.Entry
     smoke: Verdict | None = None
     platform: str | None = None
+    was: str | None = None  # the image the output tag named before, if it moved off another one
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +248,15 @@ def _smoke(engine: Engine, p: Plan, image_id: str, smoke: SmokeRunner,
     return verdict
 
 
-def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> None:
-    """Journal first, then the tag: an unrecordable move does not happen."""
-    records.append(p.root, "tag", {"ref": p.output_ref, "image_id": image_id, "why": why})
+def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> str | None:
+    """Journal first, then the tag: an unrecordable move does not happen. The image the tag named before,
+    if another (a reused build can move it back from a newer one: the caller says so, as rollback does)."""
+    now = engine.image(p.output_ref)
+    was = now.id if now is not None and now.id != image_id else None
+    records.append(p.root, "tag", {"ref": p.output_ref, "image_id": image_id, "why": why,
+                                   **({"from": was} if was else {})})
     engine.tag(image_id, p.output_ref)
+    return was
 
 
 def _resolve_base(engine: Engine, p: Plan, opts: BuildOptions, platform: Platform | None,
@@ -297,8 +303,8 @@ def _reuse(engine: Engine, p: Plan, key: str, opts: BuildOptions, platform: Plat
             # Built earlier with --no-smoke (or only incomplete runs): smoke it before it gets the tag.
             say("    no smoke verdict on it yet")
             verdict = _smoke(engine, p, rec.image_id, opts.smoke, None, say)
-        _move_tag(engine, p, rec.image_id, "reused")
-        return BuildResult(p.output_ref, rec.image_id, True, rec, verdict, str(platform) if platform else None)
+        was = _move_tag(engine, p, rec.image_id, "reused")
+        return BuildResult(p.output_ref, rec.image_id, True, rec, verdict, str(platform) if platform else None, was)
     return None
 
 
@@ -398,12 +404,12 @@ def build_image(
                                        facts.site_dir, facts.cache_tag)
             verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
         record = records.append(p.root, "build", meta)
-        _move_tag(engine, p, image_id, "built")
+        was = _move_tag(engine, p, image_id, "built")
     except BaseException:
         _remove_unfinished(engine, image_id, pending)
         raise
     pending.clear()
-    return BuildResult(p.output_ref, image_id, False, record, verdict, str(platform) if platform else None)
+    return BuildResult(p.output_ref, image_id, False, record, verdict, str(platform) if platform else None, was)
 
 
 def _remove_unfinished(engine: Engine, image_id: str, pending: leftovers.Pending) -> None:
@@ -435,18 +441,27 @@ def platform_bases(
         return None
     if not asked and engine.api_version < platforms.MIN_API:
         # An engine that loses other platforms still builds its own, as it always did.
-        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
-            "--platform all needs Docker 26.1 or newer")
+        say(f"    the engine ({engine.version_text}) keeps no other platform's images: building for its own "
+            "platform only (the base's other platforms need Docker 26.1 or newer)")
         return None
+    # Every platform, or more than one: only the registry's index can say what they are, and getting
+    # fewer than asked for is a failure, never a quiet single-platform build.
+    several = asked and (wanted is None or len(wanted) > 1)
+    asked_for = "--platform all" if wanted is None else f"--platform {','.join(map(str, wanted))}"
+    if several and pull == "never":
+        raise UsageError(f"{asked_for} reads the base's index from its registry; --pull never reads no registry",
+                         hint="drop --pull never, or name the one platform the base in the engine has")
     from . import registry  # here: an ordinary build never asks a registry (nor imports requests)
 
     try:
         found = registry.read_index(engine, p.base_ref) if pull != "never" else None
     except PipelineError as exc:
-        if asked and wanted is not None and local is None:
-            raise BaseImageError(f"cannot read {p.base_ref} from its registry to find its platforms: {exc}") \
-                from exc
-        say(f"    cannot read {p.base_ref} from its registry ({exc}); building for one platform")
+        if several or (asked and local is None):
+            raise BaseImageError(f"{asked_for}: cannot read {p.base_ref} from its registry to find its "
+                                 f"platforms: {exc}",
+                                 hint="check the registry and your login (docker login), or build the "
+                                      "platform the base in the engine has: --platform linux/<arch>") from exc
+        say(f"    cannot read {p.base_ref} from its registry; building for one platform: {exc}")
         found = None
     if found is None or not found.is_index:
         return _single(engine, p, wanted, local, found is not None)
@@ -506,6 +521,7 @@ def build_platforms(
             return result
         results.append(result)
     own = next((r for plat, r in zip(bases, results, strict=True) if plat == platforms.native(engine)), None)
-    if own is not None and len(results) > 1:
+    if own is not None:
+        # Also for an index of one platform: OUTPUT names the engine's own platform's image, as the runbook says.
         _move_tag(engine, p, own.image_id, f"platform {own.platform} of a multi-platform build")
     return results

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive, fails
+from conftest import REPO, cli, derive, fails, free_port
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine
 
@@ -127,3 +127,24 @@ def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
         assert {c.name: c.status for c in entry.verdict.checks}["patch-landed"] is Status.PASS
     finally:
         engine.remove_image(ref)
+
+
+@pytest.mark.parametrize("platform", ["all", "linux/amd64,linux/arm64"])
+def test_every_platform_from_a_registry_that_does_not_answer_fails(engine: Engine, base_v0251: str, project: Path,
+                                                                   unique: str, platform: str) -> None:
+    """--platform all (or two) with the base in the engine but its registry down: never one platform, exit 0."""
+    repo = f"127.0.0.1:{free_port()}/hostile-{unique}"
+    engine.tag(base_v0251, f"{repo}:v0.25.1")
+    out = f"hotfix-test/every-platform-{unique}:x"
+    try:
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--tag", out,
+                "--no-smoke", root=project)
+        fails(r, f"--platform {platform}", f"cannot read {repo}:v0.25.1 from its registry")
+        assert r.rc == 4
+        assert engine.image(out) is None and engine.image(f"{out}-x86_64") is None
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--pull", "never",
+                "--tag", out, "--no-smoke", root=project)
+        fails(r, f"--platform {platform}", "--pull never")
+        assert r.rc == 64
+    finally:
+        engine.untag(f"{repo}:v0.25.1")

@@ -89,3 +89,28 @@ def _fails(r: Result, *needles: str) -> None:
 def test_rollback_without_records(project: Path) -> None:
     r = cli("rollback", "--base", "v0.25.1", root=project)
     _fails(r, "no build records for v0.25.1")
+
+
+def _placeholder(value: str) -> bool:
+    """IMAGE, ID, sha256:...: words the reader replaces."""
+    return value.isupper() or "..." in value
+
+
+@pytest.mark.parametrize("args", runbook_commands(), ids=lambda a: " ".join(a))
+def test_runbook_values_pass_their_checks(args: list[str]) -> None:
+    """Every reference, tag, registry and image ID written out in the runbook is one the CLI accepts as it stands
+    (its `rollback --to sha256:0123abcd` was refused as no image ID, exit 64, where it documents exit 1)."""
+    from vllm_hotfix.cli.app import Checked
+    from vllm_hotfix.errors import UsageError
+
+    sub_args = args[2:] if args[:1] == ["--root"] else args
+    command = climod.main.commands[sub_args[0]]
+    checked = {opt: param.type for param in command.params for opt in getattr(param, "opts", [])
+               if isinstance(param.type, Checked)}
+    words = [w for w in sub_args[1:] if not w.startswith("#")]
+    for opt, value in zip(words, words[1:], strict=False):
+        if opt in checked and not _placeholder(value):
+            try:
+                checked[opt].convert(value, None, None)
+            except UsageError as exc:
+                pytest.fail(f"runbook command `{' '.join(args)}`: {exc}")
