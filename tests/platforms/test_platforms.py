@@ -318,3 +318,28 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
     fails(r, "linux/arm64", "no emulator for aarch64")
     assert r.rc == 4 and "qemu-user-static" in r.err
     assert not records.builds(project)
+
+
+def test_an_index_of_one_platform_gets_the_plain_tag_too(plat_engine: Engine, project: Path, unique: str,
+                                                         tmp_path: Path) -> None:
+    """--platform all on an index holding the engine's own platform alone: OUTPUT-<machine> and OUTPUT, one image."""
+    own = Platform("linux", plat_engine.arch)
+    reg = Registry(tmp_path)
+    reg.start()
+    where = f"one-{unique}"
+    out = f"hotfix-test/one-platform-{unique}:v0.25.1-m3patch"
+    try:
+        r = cli("standin", "--version", "0.25.1", "--platform", str(own), "--publish", f"{reg.addr}/{where}",
+                env=PENV, timeout=1200)
+        assert r.rc == 0, r.err
+        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{reg.addr}/{where}/vllm-openai", "--platform", "all",
+                "--tag", out, "--no-smoke", root=project, env=PENV, timeout=1200)
+        assert r.rc == 0, r.err
+        child, plain = plat_engine.image(f"{out}-{own.suffix}"), plat_engine.image(out)
+        assert child is not None and plain is not None and plain.id == child.id
+    finally:
+        reg.stop()
+        base = plat_engine.image(f"{where}/vllm-openai:v0.25.1-{own.suffix}")  # what --publish made locally
+        for ref in (out, f"{out}-{own.suffix}", f"{where}/vllm-openai:v0.25.1-{own.suffix}",
+                    *(base.repo_digests if base is not None else ())):
+            plat_engine.remove_image(ref, force=False)
