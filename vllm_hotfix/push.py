@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import attest, leftovers, platforms, records, refs, registry, smoke
 from .engine import Engine, ImageInfo, registry_of, split_reference
-from .errors import AttestationError, PipelineError, PushError, RecordError, Refused
+from .errors import AttestationError, PipelineError, PushError, RecordError, Refused, StorageError
 from .platforms import Platform, child_ref
 
 log = logging.getLogger(__name__)
@@ -260,26 +261,57 @@ def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts
     before it is made, so that a run killed mid-push has the next run remove
     it, and afterwards it is put back as it was: removed, or pointed again
     at the image it named before. A tag found there is never taken as the
-    pushed image: the push always re-tags ``info`` first.
+    pushed image: the push always re-tags ``info`` first. Runs on this host
+    pushing to the same target take turns (:func:`_one_push`): one run's
+    clean-up never takes the tag away from under another's push, nor puts
+    another image under it.
     """
-    had = engine.image(target)
-    before = had.id if had is not None else None
-    note = leftovers.pending(root)
-    if before != info.id:
-        note.tag(target, info.id)
-    engine.tag(info.id, target)
-    try:
-        digest = _push_with_retries(engine, target, attempts, say)
-        seen = engine.registry_digest(target)
-        if seen != digest:
-            raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
-    finally:
-        if before is None:
-            engine.untag(target)
-        elif before != info.id:
-            engine.tag(before, target)
-        note.untag(target)
+    with _one_push(target, say):
+        had = engine.image(target)
+        before = had.id if had is not None else None
+        note = leftovers.pending(root)
+        if before != info.id:
+            note.tag(target, info.id)
+        engine.tag(info.id, target)
+        try:
+            digest = _push_with_retries(engine, target, attempts, say)
+            seen = engine.registry_digest(target)
+            if seen != digest:
+                raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
+        finally:
+            if before is None:
+                engine.untag(target)
+            elif before != info.id:
+                engine.tag(before, target)
+            note.untag(target)
     return digest
+
+
+@contextmanager
+def _one_push(target: str, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold this host's lock for ``target`` (a file under the temporary folder, named by its hash)."""
+    import fcntl
+    import hashlib
+    import os
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"vllm-hotfix-push-locks-{os.getuid()}" / (
+        hashlib.sha256(target.encode()).hexdigest()[:32] + ".lock")
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fh = open(path, "a")  # noqa: SIM115 - held open for the lock's whole life
+    except OSError as exc:
+        raise StorageError(f"cannot make the push lock {path}: {exc.strerror or exc}") from exc
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"    another run is pushing {target} from this host; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
+from conftest import REPO, RUN_ID, STANDIN_REPO, RegistryPlace, cli, fails
 from vllm_hotfix import standin
 from vllm_hotfix.engine import Engine, labels
 
@@ -343,3 +343,34 @@ def test_smoke_reports_to_a_device_leave_the_device(built: tuple[Path, str, str]
         st = node.stat()
         assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3), f"--{name}: {oct(st.st_mode)}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attestation", "junit", "key.pem", "project", "report"]
+
+
+def test_parallel_pushes_to_one_target_take_turns(engine: Engine, built: tuple[Path, str, str],
+                                                  registry: RegistryPlace, unique: str) -> None:
+    """Six runs push one image under one target at once: none loses the shared local tag to another's clean-up."""
+    import threading
+
+    from vllm_hotfix import push
+
+    project, _ref, image_id = built
+    info = engine.image(image_id)
+    assert info is not None
+    target = f"{registry.place}/parallel:{unique}"
+    results: list[object] = []
+
+    def one() -> None:
+        try:
+            results.append(push._push_one(Engine.connect(), project, info, target, 1, lambda _line: None))
+        except Exception as exc:  # noqa: BLE001 - the failure itself is what the test reports
+            results.append(exc)
+
+    for _round in range(3):
+        results.clear()
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(results) == 6 and all(isinstance(r, str) for r in results), results
+        assert len(set(results)) == 1  # one image, one digest
+        assert engine.image(target) is None  # put back as it was: absent
