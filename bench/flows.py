@@ -143,9 +143,9 @@ def patched_files(root: Path, base_tag: str) -> tuple[str, dict[str, bytes]]:
     Uses the tool's own library once, outside any timing, so the floor copies
     the same content the tool's image gets.
     """
-    from vllm_hotfix import base, pipeline
+    from vllm_hotfix.building import base, pipeline
     from vllm_hotfix.engine import Engine
-    from vllm_hotfix.pulling import resolve
+    from vllm_hotfix.registry.pulling import resolve
 
     engine = Engine.connect()
     plan = pipeline.plan(root, base_tag)

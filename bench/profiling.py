@@ -17,23 +17,23 @@ from common import MACHINE_PYTHON, REPO, median, sh
 # step -> (file suffix, function name), summed
 STEPS: list[tuple[str, list[tuple[str, str]]]] = [
     ("imports (all, incl. lazy)", [("<frozen importlib._bootstrap>", "_find_and_load")]),
-    ("plan: definition + patch parse", [("vllm_hotfix/pipeline.py", "plan")]),
+    ("plan: definition + patch parse", [("vllm_hotfix/building/pipeline.py", "plan")]),
     ("engine connect + ping", [("vllm_hotfix/engine.py", "connect")]),
     ("resolve base (inspect)", [("vllm_hotfix/engine.py", "resolve")]),
     ("probe container create/start/remove", [("vllm_hotfix/engine.py", "box")]),
     ("probe execs (locate, compile)", [("vllm_hotfix/engine.py", "exec")]),
     ("probe file reads (get_archive)", [("vllm_hotfix/engine.py", "read")]),
     ("probe file write (put_archive)", [("vllm_hotfix/engine.py", "write")]),
-    ("facts cache (read, check)", [("vllm_hotfix/sources.py", "_cached")]),
-    ("GNU patch (dry run + apply)", [("vllm_hotfix/base.py", "apply_in_scratch")]),
+    ("facts cache (read, check)", [("vllm_hotfix/building/sources.py", "_cached")]),
+    ("GNU patch (dry run + apply)", [("vllm_hotfix/building/base.py", "apply_in_scratch")]),
     ("render Dockerfile + context",
-     [("vllm_hotfix/render.py", "render"), ("vllm_hotfix/render.py", "context")]),
+     [("vllm_hotfix/building/render.py", "render"), ("vllm_hotfix/building/render.py", "context")]),
     ("engine build (dockerfile builder)", [("vllm_hotfix/engine.py", "build")]),
     ("assemble: layer + config + archive", [("vllm_hotfix/tarball.py", "write"),
-                                            ("vllm_hotfix/assemble.py", "image_config")]),
+                                            ("vllm_hotfix/building/assemble.py", "image_config")]),
     ("engine history (base)", [("vllm_hotfix/engine.py", "history")]),
     ("engine load", [("vllm_hotfix/engine.py", "load")]),
-    ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/records.py", "new")]),
+    ("tag + record", [("vllm_hotfix/engine.py", "tag"), ("vllm_hotfix/journal/records.py", "new")]),
 ]
 
 

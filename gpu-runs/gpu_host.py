@@ -430,8 +430,8 @@ def attestations(given: list[str], public_key: str | None, reports: dict[str, di
         return {}
     if public_key is None:
         raise InputMismatch("--attestation needs --public-key (the key the envelopes are verified with)")
-    from vllm_hotfix import signing
     from vllm_hotfix.errors import PipelineError
+    from vllm_hotfix.trust import signing
 
     try:
         public = signing.load_public_key(public_key)

@@ -125,10 +125,10 @@ def weights(layers: int, seed: int) -> dict:
 
     rng = np.random.default_rng(seed)
 
-    def w(*shape: int, scale: float = 0.02) -> "np.ndarray":
+    def w(*shape: int, scale: float = 0.02) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
 
-    def ones(n: int) -> "np.ndarray":
+    def ones(n: int) -> np.ndarray:
         # Gemma-style RMSNorm multiplies by (1 + weight): zeros keep the scale at one.
         return np.zeros((n,), dtype=np.float32)
 

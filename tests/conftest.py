@@ -10,7 +10,7 @@ GPU request paths). Importing this file connects to nothing: engine fixtures
 connect only when a test asks for them.
 
 Nothing here mocks the engine. Stand-in bases are made once per machine from
-the real vLLM wheels (see vllm_hotfix/standin.py) and reused across runs.
+the real vLLM wheels (see vllm_hotfix/building/standin.py) and reused across runs.
 
 A session that reaches an engine ends by comparing every engine it could use
 with what they held when it started, and fails naming any image, tag or
@@ -49,7 +49,7 @@ import pytest
 import requests
 
 import github_api
-from vllm_hotfix import standin
+from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.tarball import tar_bytes
 
@@ -369,7 +369,7 @@ def _preloaded() -> types.ModuleType:
 
     for mod in pkgutil.walk_packages(vllm_hotfix.__path__, "vllm_hotfix."):
         # Not the scripts run inside images, nor entry scripts (importing one runs it).
-        if not mod.name.startswith("vllm_hotfix.probes") and not mod.name.endswith("__main__"):
+        if not mod.name.startswith("vllm_hotfix.checking.probes") and not mod.name.endswith("__main__"):
             importlib.import_module(mod.name)
     return entry
 

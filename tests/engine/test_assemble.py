@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import cli
-from vllm_hotfix import pipeline
+from vllm_hotfix.building import pipeline
 from vllm_hotfix.engine import Engine
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
@@ -202,10 +202,11 @@ def test_assembled_build_and_reuse_import_no_sdk_or_template_engine(
             assert r.out.strip().splitlines()[-1].startswith("reused " if not extra else "built "), r.out
             imported = {line.rsplit("|", 1)[-1].strip() for line in r.err.splitlines()
                         if line.startswith("import time:")}
-            assert "vllm_hotfix.assemble" in imported or not extra
+            assert "vllm_hotfix.building.assemble" in imported or not extra
             assert not {"docker", "requests", "jinja2", "urllib3"} & imported, sorted(imported)
             # A set without pins, a run without smoke: no HTTP server, no pins, no expectations.
-            assert not {"http.server", "vllm_hotfix.pins", "vllm_hotfix.expected"} & imported, sorted(imported)
+            assert not {"http.server", "vllm_hotfix.building.pins", "vllm_hotfix.building.expected"} & imported, \
+                sorted(imported)
             # A run that ends normally leaves no note of leftovers for the next one.
             assert not list((project / "build" / "runs").glob("*.json"))
     finally:

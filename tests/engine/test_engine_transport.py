@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_hotfix import assemble, tarball
+from vllm_hotfix import tarball
+from vllm_hotfix.building import assemble
 from vllm_hotfix.engine import Engine, labels
 from vllm_hotfix.engine.transport import UnixHTTPConnection, UnixTransport, local_socket
 

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from conftest import RegistryPlace, cli, fails
-from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Check, Status, judge
 
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"

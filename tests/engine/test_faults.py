@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RUN_ID, STANDIN_REPO, RegistryPlace, cli, fails
-from vllm_hotfix import standin
+from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine, labels
 
 
@@ -350,7 +350,7 @@ def test_parallel_pushes_to_one_target_take_turns(engine: Engine, built: tuple[P
     """Six runs push one image under one target at once: none loses the shared local tag to another's clean-up."""
     import threading
 
-    from vllm_hotfix import push
+    from vllm_hotfix.release import push
 
     project, _ref, image_id = built
     info = engine.image(image_id)

@@ -12,8 +12,8 @@ from pathlib import Path
 import requests
 
 from conftest import RegistryPlace, cli, derive, fails
-from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.journal import records
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"

@@ -21,9 +21,10 @@ import pytest
 import requests
 
 from conftest import STANDIN_REPO, Registry, RegistryPlace, Result, cli, derive, fails
-from vllm_hotfix import records, registry
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import PushError
+from vllm_hotfix.journal import records
+from vllm_hotfix.registry import client as registry
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli, derive, fails, free_port
-from vllm_hotfix import standin
+from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
 CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
@@ -110,7 +110,7 @@ def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v025
 def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
         engine: Engine, built: tuple[Path, str, str], unique: str) -> None:
     """The runner is the image's own Python: one that prints garbage is the image's failing, recorded as such."""
-    from vllm_hotfix import records
+    from vllm_hotfix.journal import records
     from vllm_hotfix.verdicts import Status
 
     project, _, image_id = built

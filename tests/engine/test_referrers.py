@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from vllm_hotfix import referrers, signing
-from vllm_hotfix.registry import Client
+from vllm_hotfix.registry.client import Client
+from vllm_hotfix.trust import referrers, signing
 
 REGISTRY = "127.0.0.1:5000"
 

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 from conftest import RegistryPlace, cli, derive, docker_cli
-from vllm_hotfix import blobs, registry
+from vllm_hotfix.checking.launchers import facts
 from vllm_hotfix.engine import Engine
-from vllm_hotfix.launchers import facts
+from vllm_hotfix.registry import blobs
+from vllm_hotfix.registry import client as registry
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"

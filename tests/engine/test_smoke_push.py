@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from conftest import REPO, Registry, RegistryPlace, cli, derive, requests_layer
-from vllm_hotfix import records
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Status
 
 SITE = "/usr/local/lib/python3.12/dist-packages"

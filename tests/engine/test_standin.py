@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, docker_cli
-from vllm_hotfix import standin
+from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
 MAKE_ROOTFS = (

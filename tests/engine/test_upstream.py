@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Result, cli, fails
-from vllm_hotfix import records, wheels
+from vllm_hotfix.building import wheels
 from vllm_hotfix.engine import Engine
+from vllm_hotfix.journal import records
 
 PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"

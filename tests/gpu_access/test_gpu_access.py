@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin, unique_name
+from vllm_hotfix.checking.smoke import Smoke, SmokeOptions
 from vllm_hotfix.engine import Engine, GpuRequest
-from vllm_hotfix.smoke import Smoke, SmokeOptions
 
 CDI_HOST = os.environ.get("CDI_DOCKER_HOST", "unix:///run/vllm-hotfix-cdi/docker.sock")
 ENV_PROBE = ["python3", "-c", "import os; print(os.environ.get('VLLM_HOTFIX_CDI_DEVICE', '-')); "

@@ -20,12 +20,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import cli
-from vllm_hotfix import signing
+from vllm_hotfix.checking.launchers import plan
+from vllm_hotfix.checking.launchers.docker import DockerLauncher
+from vllm_hotfix.checking.launchers.podman import PodmanLauncher
+from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.engine import Engine
-from vllm_hotfix.launchers import plan
-from vllm_hotfix.launchers.docker import DockerLauncher
-from vllm_hotfix.launchers.podman import PodmanLauncher
-from vllm_hotfix.smoke import SmokeOptions
+from vllm_hotfix.trust import signing
 
 from .test_gpu_access import CDI_HOST, cdi_base, cdi_built, cdi_engine  # noqa: F401  (fixtures)
 
@@ -97,7 +97,7 @@ def test_smoke_cli_through_podman(in_podman: tuple[Path, str, str], tmp_path: Pa
 def test_an_altered_patched_file_fails_patch_landed_read_from_podmans_copy(
         cdi_engine: Engine, in_podman: tuple[Path, str, str], tmp_path: Path) -> None:  # noqa: F811
     """The altered image is only in podman's store: its files can only have been read from podman's copy."""
-    from vllm_hotfix import expected
+    from vllm_hotfix.building import expected
 
     project, ref, image_id = in_podman
     info = cdi_engine.image(image_id)

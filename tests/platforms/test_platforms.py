@@ -22,9 +22,11 @@ import pytest
 import requests
 
 from conftest import REPO, RUN_ID, RUN_TOKEN, STANDIN_REPO, Registry, cli, fails
-from vllm_hotfix import platforms, records, registry
+from vllm_hotfix.building import platforms
+from vllm_hotfix.building.platforms import Platform
 from vllm_hotfix.engine import Engine
-from vllm_hotfix.platforms import Platform
+from vllm_hotfix.journal import records
+from vllm_hotfix.registry import client as registry
 
 AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
 PLAT_HOST = (os.environ.get("VLLM_HOTFIX_PLATFORM_ENGINE") or os.environ.get("CDI_DOCKER_HOST")

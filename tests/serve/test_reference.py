@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from conftest import REPO, cli, fails, free_port
-from vllm_hotfix import reference
-from vllm_hotfix.reference import Answer, Reply
+from vllm_hotfix.checking import reference
+from vllm_hotfix.checking.reference import Answer, Reply
 
 FAKE = REPO / "tests" / "fake_openai.py"
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from conftest import REPO, free_port
-from vllm_hotfix import reference, sweep
+from vllm_hotfix.checking import reference, sweep
+from vllm_hotfix.checking.launchers import base, plan
+from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.launchers import base, plan
-from vllm_hotfix.smoke import SmokeOptions
 from vllm_hotfix.verdicts import Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix import assemble
+from vllm_hotfix.building import assemble
 from vllm_hotfix.errors import BuildError
 
 

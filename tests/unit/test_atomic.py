@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import atomic
-from vllm_hotfix.atomic import write_atomic
 from vllm_hotfix.errors import PipelineError, RecordError
+from vllm_hotfix.journal import atomic
+from vllm_hotfix.journal.atomic import write_atomic
 
 
 def test_replaces_the_old_content_and_leaves_no_temporary_file(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_one_writer_makes_a_file_once_for_two_processes(tmp_path: Path) -> None:
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from vllm_hotfix.atomic import one_writer\n"
+        "from vllm_hotfix.journal.atomic import one_writer\n"
         "target, made = Path(sys.argv[1]), Path(sys.argv[2])\n"
         "with one_writer(target):\n"
         "    if not target.exists():\n"

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix import cache, sources
+from vllm_hotfix.building import sources
 from vllm_hotfix.engine import ImageInfo
 from vllm_hotfix.engine.model import ExecResult
+from vllm_hotfix.journal import cache
 
 IMAGE_ID = "sha256:" + "ef" * 32
 REL = "vllm/models/minimax_m3/common/indexer.py"

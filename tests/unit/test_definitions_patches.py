@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import definitions, patches
+from vllm_hotfix.building import definitions, patches
 from vllm_hotfix.errors import DefinitionError, PatchError
 
 REPO = Path(__file__).resolve().parents[2]

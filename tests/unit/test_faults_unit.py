@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, cli
-from vllm_hotfix import records
-from vllm_hotfix.atomic import write_atomic
 from vllm_hotfix.errors import EXIT_TERMINATED, RecordError, StorageError, exit_table
+from vllm_hotfix.journal import records
+from vllm_hotfix.journal.atomic import write_atomic
 
 
 def test_sigterm_ends_like_ctrl_c_with_one_line() -> None:
@@ -178,7 +178,7 @@ def _scratch_under(disk: Path) -> list[Path]:
 def test_scratch_tree_on_a_full_tmpdir(small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
-    from vllm_hotfix import sources
+    from vllm_hotfix.building import sources
     from vllm_hotfix.errors import StorageError
 
     monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
@@ -194,7 +194,7 @@ def test_patching_on_a_full_tmpdir_is_not_blamed_on_the_patch(small_disk: Path, 
     """The files fit in the scratch folder, patch's own copy of them does not: a full disk, not a conflict."""
     import tempfile
 
-    from vllm_hotfix import base, patches
+    from vllm_hotfix.building import base, patches
     from vllm_hotfix.errors import PatchError, StorageError
 
     old = "".join(f"line {i}\n" for i in range(1, 21)) + "# pad\n" * 12_000  # ~72 KiB
@@ -220,8 +220,8 @@ def test_patching_on_a_full_tmpdir_is_not_blamed_on_the_patch(small_disk: Path, 
 @pytest.mark.parametrize("what", ["index", "blob"])
 def test_cache_on_a_full_disk(small_disk: Path, what: str, monkeypatch: pytest.MonkeyPatch,
                               tmp_path: Path) -> None:
-    from vllm_hotfix import cache
     from vllm_hotfix.errors import StorageError
+    from vllm_hotfix.journal import cache
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     store = cache.Store.open(small_disk, "sha256:" + "ab" * 32)
@@ -240,7 +240,7 @@ def test_cache_on_a_full_disk(small_disk: Path, what: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("kind", ["json", "junit"])
 def test_report_on_a_full_disk(small_disk: Path, kind: str) -> None:
     """--report / --junit on a full disk: one line naming the file, exit 10, no half-written report."""
-    from vllm_hotfix import smoke
+    from vllm_hotfix.checking import smoke
     from vllm_hotfix.errors import StorageError
     from vllm_hotfix.verdicts import Check, Status, Verdict
 
@@ -273,9 +273,9 @@ def null_copy(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("kind", ["json", "junit", "attestation"])
 def test_report_to_a_device_writes_through_it(null_copy: Path, kind: str) -> None:
     """--report / --junit / --attestation /dev/null: the node stays a device (it was replaced by a regular file)."""
-    from vllm_hotfix import smoke
-    from vllm_hotfix.atomic import write_atomic
+    from vllm_hotfix.checking import smoke
     from vllm_hotfix.errors import AttestationError
+    from vllm_hotfix.journal.atomic import write_atomic
     from vllm_hotfix.verdicts import Check, Status, Verdict
 
     verdict = Verdict(image="x:1", image_id="sha256:" + "a" * 64, status=Status.PASS, gpu_verified=False,
@@ -384,7 +384,7 @@ TARGET = "registry.internal:5000/ops/vllm-openai:v1"
 def _one(engine: TagEngine, root: Path) -> str:
     from types import SimpleNamespace
 
-    from vllm_hotfix import push
+    from vllm_hotfix.release import push
 
     return push._push_one(engine, root, SimpleNamespace(id=NEW_ID), TARGET, 1, lambda _l: None)  # type: ignore[arg-type]
 
@@ -409,8 +409,8 @@ def test_stale_target_tag_is_not_taken_as_the_image(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fault", ["engine", "tool"])
 def test_killed_push_leaves_a_note_the_next_run_follows(tmp_path: Path, fault: str) -> None:
     """The engine lost mid-push (or the tool killed, its note never settled): the next run removes the tag."""
-    from vllm_hotfix import leftovers
     from vllm_hotfix.errors import EngineLost
+    from vllm_hotfix.journal import leftovers
 
     class Killed(BaseException):
         pass
@@ -443,7 +443,7 @@ def test_killed_push_leaves_a_note_the_next_run_follows(tmp_path: Path, fault: s
 
 def test_sweep_leaves_a_noted_tag_moved_since(tmp_path: Path) -> None:
     """A noted target tag that names another image now (someone moved it) is not the dead run's to remove."""
-    from vllm_hotfix import leftovers
+    from vllm_hotfix.journal import leftovers
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import gpu_access
+from vllm_hotfix.checking import gpu_access
 from vllm_hotfix.engine import EngineFacts
 from vllm_hotfix.errors import SmokeError
 

@@ -17,8 +17,8 @@ from types import ModuleType
 import pytest
 
 from conftest import REPO
+from vllm_hotfix.building.patches import modules_of
 from vllm_hotfix.errors import Malformed, SmokeError
-from vllm_hotfix.patches import modules_of
 from vllm_hotfix.verdicts import Check, Status, judge, judge_gpu, require_pass
 
 TORCH = Check("gpu-torch", Status.PASS, "1 device(s)", ran_against="torch")
@@ -120,7 +120,7 @@ def test_modules_of_the_patched_files() -> None:
     assert modules_of(files) == ["vllm.models.minimax_m3", "vllm.models.minimax_m3.common.indexer"]
 
 
-GPU_CHECK = REPO / "vllm_hotfix" / "probes" / "gpu_check.py"
+GPU_CHECK = REPO / "vllm_hotfix" / "checking" / "probes" / "gpu_check.py"
 
 
 def test_gpu_check_imports_each_module_and_names_those_that_fail() -> None:

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import REPO
-from vllm_hotfix import signing
+from vllm_hotfix.trust import signing
 
 SCRIPTS = REPO / "gpu-runs"
 SERVE = SCRIPTS / "gpu-host-serve.sh"

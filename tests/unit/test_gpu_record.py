@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import Any
 
 from conftest import REPO
-from vllm_hotfix import sweep
+from vllm_hotfix.checking import sweep
 
 SCRIPT = REPO / "gpu-runs" / "gpu_host.py"
 

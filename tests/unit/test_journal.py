@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import lifecycle, push, records
 from vllm_hotfix.errors import PushError, RecordError
+from vllm_hotfix.journal import records
+from vllm_hotfix.release import lifecycle, push
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge
 
 IMAGE_ID = "sha256:" + "ab" * 32

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
+from vllm_hotfix.checking.launchers import kubernetes as k8s
+from vllm_hotfix.checking.runner import MOUNT
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.launchers import kubernetes as k8s
-from vllm_hotfix.runner import MOUNT
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
 
@@ -47,7 +47,7 @@ def test_emitted_job_is_accepted_by_the_client_models() -> None:
     assert volumes["sign-key"].secret.secret_name == "smoke-sign-key"
     assert "-----BEGIN PRIVATE KEY-----" not in text and "-----BEGIN EC PRIVATE KEY-----" not in text
     paths = {item.path for item in volumes["runner"].config_map.items}
-    assert {"run.py", "job.json", "vllm_hotfix/runner/main.py", "probes/gpu_check.py",
+    assert {"run.py", "job.json", "vllm_hotfix/checking/runner/main.py", "probes/gpu_check.py",
             "checks/gpu_topk_layout.py"} <= paths
     assert set(config_map.data) == {item.key for item in volumes["runner"].config_map.items}
     assert json.loads(config_map.data["job.json"])["gpu"]["mode"] == "require"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from vllm_hotfix import definitions, pinfile, pins, wheels
+from vllm_hotfix.building import definitions, pinfile, pins, wheels
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import DefinitionError, PinError
 

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, fails
-from vllm_hotfix import platforms, push, registry
+from vllm_hotfix.building import platforms
+from vllm_hotfix.building.platforms import Platform
 from vllm_hotfix.errors import BaseImageError, PushError, UsageError
-from vllm_hotfix.platforms import Platform
+from vllm_hotfix.registry import client as registry
+from vllm_hotfix.release import push
 
 AMD64, ARM64 = Platform("linux", "amd64"), Platform("linux", "arm64")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hotfix.building.expected import Expected
+from vllm_hotfix.checking.launchers import facts
+from vllm_hotfix.checking.launchers.podman import PodmanFiles, PodmanLauncher
 from vllm_hotfix.engine import ImageInfo
-from vllm_hotfix.expected import Expected
-from vllm_hotfix.launchers import facts
-from vllm_hotfix.launchers.podman import PodmanFiles, PodmanLauncher
 
 IMAGE_ID = "sha256:" + "ab" * 32
 

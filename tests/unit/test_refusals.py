@@ -233,7 +233,7 @@ def test_every_reference_argument_is_checked_while_parsing() -> None:
 
 
 def test_references_with_a_registry_host_are_still_valid() -> None:
-    from vllm_hotfix import refs
+    from vllm_hotfix.registry import refs
 
     for ok in ("vllm/vllm-openai:v0.25.1", "Registry.Example.com:5000/ops/vllm:v1", "localhost/x:1",
                "127.0.0.1:5000/ops/vllm@sha256:" + "a" * 64):
@@ -354,7 +354,7 @@ def test_patch_names_that_would_reach_a_label_key_are_refused(project: Path, nam
 
 
 def test_patch_file_name_is_checked_when_the_patch_loads(tmp_path: Path) -> None:
-    from vllm_hotfix import patches
+    from vllm_hotfix.building import patches
     from vllm_hotfix.errors import PatchError
 
     path = tmp_path / "0001-a b.patch"
@@ -374,7 +374,7 @@ def test_patch_changing_a_mode_is_refused(project: Path, mode_lines: str) -> Non
 
 
 def test_label_values_are_escaped_and_keys_checked() -> None:
-    from vllm_hotfix import render
+    from vllm_hotfix.building import render
 
     assert render._label_value('a\\b"c$d\te\nf\rg') == 'a\\\\b\\"c\\$d e f g'
     assert render.LABEL_KEY.match("io.vllm-hotfix.patch.0001-x.patch")
@@ -416,14 +416,14 @@ def test_from_pr_offline_names_the_cause(project: Path, api: str, cause: str) ->
 def test_from_pr_timeout_is_named() -> None:
     import requests
 
-    from vllm_hotfix import newpatch
+    from vllm_hotfix.building import newpatch
 
     exc = requests.exceptions.ConnectTimeout("timed out")
     assert "did not answer in time" in newpatch.network_cause(exc, "http://10.0.0.1/x")
 
 
 def _upstream_report(pin_verdicts: tuple[str, ...], *patch_verdicts: str) -> Any:
-    from vllm_hotfix import upstream
+    from vllm_hotfix.building import upstream
 
     return upstream.Report(
         "v0.25.1-sm100", "v0.27.0", "wheel", "vllm", "0.27.0",
@@ -443,7 +443,7 @@ def test_check_upstream_conclusion_agrees_with_its_pins(
     patches: tuple[str, ...], rc: int, needle: str,
 ) -> None:
     from vllm_hotfix import cli as climod
-    from vllm_hotfix import upstream
+    from vllm_hotfix.building import upstream
 
     monkeypatch.setattr(upstream, "check", lambda *a, **k: _upstream_report(pins, *patches))
     got = climod._run(["check-upstream", "--patches", "v0.25.1-sm100", "--base", "v0.27.0", "--from-wheel"], "t")

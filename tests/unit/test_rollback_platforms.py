@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix import definitions, lifecycle, records
+from vllm_hotfix.building import definitions
 from vllm_hotfix.engine import ImageInfo
 from vllm_hotfix.errors import NothingToRollBack, Refused
+from vllm_hotfix.journal import records
+from vllm_hotfix.release import lifecycle
 
 
 class Tags:

@@ -14,10 +14,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from vllm_hotfix import signing
+from vllm_hotfix.checking.launchers import base
+from vllm_hotfix.checking.runner import p256
 from vllm_hotfix.errors import SmokeError
-from vllm_hotfix.launchers import base
-from vllm_hotfix.runner import p256
+from vllm_hotfix.trust import signing
 
 IMAGE_ID = "sha256:" + "cd" * 32
 
@@ -139,7 +139,7 @@ def test_compiled_files_the_image_lacks_keep_it_gpu_unverified(tmp_path: Path) -
 
 
 def test_compiled_files_missing_fail_under_require_with_a_gpu_reached() -> None:
-    from vllm_hotfix.runner.main import Run
+    from vllm_hotfix.checking.runner.main import Run
 
     run = Run(_job(gpu={"mode": "require", "compiled_missing": ["vllm/_C.abi3.so"]}))
     gpu: dict[str, object] = {"mode": "require", "verified": True, "devices": ["NVIDIA H200"]}
@@ -151,8 +151,8 @@ def test_compiled_files_missing_fail_under_require_with_a_gpu_reached() -> None:
 
 
 def test_the_job_carries_the_compiled_files_the_file_facts_found(tmp_path: Path) -> None:
-    from vllm_hotfix.launchers import plan
-    from vllm_hotfix.smoke import SmokeOptions
+    from vllm_hotfix.checking.launchers import plan
+    from vllm_hotfix.checking.smoke import SmokeOptions
 
     target = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {})
     job, _ = plan.job(tmp_path, target, SmokeOptions(), launcher="podman", gpu_request=None,

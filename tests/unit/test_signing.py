@@ -12,13 +12,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from vllm_hotfix import signing
 from vllm_hotfix.errors import (
     AttestationError,
     AttestationMismatch,
     AttestationTampered,
     AttestationWrongKey,
 )
+from vllm_hotfix.trust import signing
 
 IMAGE_ID = "sha256:" + "ab" * 32
 REPORT = {"status": "pass", "gpu_verified": True, "gpu": {"devices": ["NVIDIA H200"]}, "checks": []}

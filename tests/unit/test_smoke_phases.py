@@ -1,6 +1,6 @@
 """A smoke run's phases without an engine: the compile cache folder's key, phase times, ordering, --keep-going.
 
-The runner's checks are replaced by recorders (:class:`vllm_hotfix.runner.main.Run`
+The runner's checks are replaced by recorders (:class:`vllm_hotfix.checking.runner.main.Run`
 runs them in every launcher, the default Docker one included), so what is
 tested is the order they run in and when a failure ends the run.
 """
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix import compile_cache
+from vllm_hotfix.checking import compile_cache
+from vllm_hotfix.checking.runner.main import Run
+from vllm_hotfix.checking.smoke import Clock, format_phases
 from vllm_hotfix.engine import ImageInfo, labels
 from vllm_hotfix.errors import SmokeError
-from vllm_hotfix.runner.main import Run
-from vllm_hotfix.smoke import Clock, format_phases
 from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu
 
 BASE = "sha256:" + "b" * 64

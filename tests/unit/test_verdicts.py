@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from vllm_hotfix import cli, errors, pipeline, records, smoke, upstream
-from vllm_hotfix import patches as patchlib
-from vllm_hotfix.assemble import AssembleBuilder
-from vllm_hotfix.builders import BUILDERS
+from vllm_hotfix import cli, errors
+from vllm_hotfix.building import patches as patchlib
+from vllm_hotfix.building import pipeline, upstream
+from vllm_hotfix.building.builders import BUILDERS, AssembleBuilder, DockerfileBuilder, builder
+from vllm_hotfix.checking import smoke
 from vllm_hotfix.errors import (
     Malformed,
     PipelineError,
@@ -24,8 +25,7 @@ from vllm_hotfix.errors import (
     SmokeIncomplete,
     UsageError,
 )
-from vllm_hotfix.pipeline import builder
-from vllm_hotfix.render import DockerfileBuilder
+from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge, require_pass
 
 IMAGE_ID = "sha256:" + "ab" * 32

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix import wheels
+from vllm_hotfix.building import wheels
 from vllm_hotfix.errors import PinError, UpstreamError
 
 

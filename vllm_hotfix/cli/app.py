@@ -18,7 +18,7 @@ import click
 from .. import __version__
 from ..engine import Engine
 from ..errors import BuildError, PipelineError, UsageError, exit_table
-from ..pulling import PULL_POLICIES
+from ..registry.pulling import PULL_POLICIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: vllm_hotfix/cli/app.py
 
@@ -68,7 +68,7 @@ class Ctx:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            from .. import leftovers
+            from ..journal import leftovers
 
             # No ping: the first real call says just as clearly that no engine answers.
             self._engine = Engine.connect(ping=False)
@@ -102,13 +102,13 @@ class Checked(click.ParamType):
 
 
 def _tag_only(value: str, what: str) -> str:
-    from .. import refs
+    from ..registry import refs
 
     return refs.check_reference(value, what, tag_only=True)
 
 
 def _image_id(value: str, what: str) -> str:
-    from .. import refs
+    from ..registry import refs
 
     if not refs.IMAGE_ID.match(value):
         raise UsageError(f"{what} {refs.shown(value)}: not an image ID (sha256:HEX or 12+ hex digits; list shows them)")
@@ -117,7 +117,7 @@ def _image_id(value: str, what: str) -> str:
 
 def _refs_check(name: str) -> Callable[[str, str], str]:
     def check(value: str, what: str) -> str:
-        from .. import refs
+        from ..registry import refs
 
         fn: Callable[[str, str], str] = getattr(refs, name)
         return fn(value, what)
@@ -153,7 +153,7 @@ def set_verbose(_ctx: click.Context, _param: click.Parameter, value: bool) -> No
 
 def _check_root(root: Path, where: str) -> Path:
     """The project folder must exist: a mistyped --root would otherwise show an empty project and exit 0."""
-    from .. import refs
+    from ..registry import refs
 
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
@@ -175,7 +175,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 def check_environment(command: str | None) -> None:
     """Environment values the tool puts into names, labels and paths, checked before any work."""
-    from .. import refs
+    from ..registry import refs
 
     run_id = os.environ.get("VLLM_HOTFIX_RUN_ID")
     if run_id and not _RUN_ID.fullmatch(run_id):
@@ -207,7 +207,7 @@ def check_output_file(path: Path | None, option: str) -> None:
     """A file a command writes at its end (--report, --junit): its folder must be makeable before the work."""
     if path is None:
         return
-    from .. import refs
+    from ..registry import refs
 
     if path.is_dir():
         raise UsageError(f"{option} {refs.shown(str(path))}: is a folder; give a file name")
@@ -256,7 +256,7 @@ pull_option = click.option(
 
 
 def one_platform(text: str | None) -> Any:
-    from .. import platforms
+    from ..building import platforms
 
     if text is None:
         return None

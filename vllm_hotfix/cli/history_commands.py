@@ -16,7 +16,7 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
     """Each image definition, its patch set, and every build with its newest verdict and pushes."""
     import json
 
-    from .. import lifecycle
+    from ..release import lifecycle
 
     rows = lifecycle.overview(obj.root)
     if as_json:
@@ -46,7 +46,7 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
 @click.pass_obj
 def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
     """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
-    from .. import lifecycle
+    from ..release import lifecycle
 
     moves = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)
     rows = [{"ref": m.ref, "image_id": m.to.image_id, "was": m.was, "direction": m.direction,
@@ -71,7 +71,7 @@ def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | No
 
 def _rolled_output(moves: Any) -> str:
     """The tag a rollback moved; for a multi-platform output, its plain TAG (a push of it pushes them all)."""
-    from .. import platforms
+    from ..building import platforms
 
     if len(moves) == 1:
         return str(moves[0].ref)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..builders import BUILDERS
+from ..building.builders import BUILDERS
 from ..engine import Engine
 from ..errors import UsageError
 from .app import (
@@ -24,7 +24,7 @@ from .app import (
 )
 
 if TYPE_CHECKING:
-    from .. import pipeline
+    from ..building import pipeline
 
 
 @main.command()
@@ -49,32 +49,25 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None) -> None:
     """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
-    from .. import pipeline, platforms
+    from ..building import pipeline, platforms
 
     wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
     def smoke(engine: Engine, image_id: str, want: Any) -> Any:
         # Imported when a build is smoked, not for one that is reused (the sweep's HTTP stack is ~0.1 s).
-        from .. import smoke as smokelib
+        from ..checking import smoke as smokelib
 
         return smokelib.runner(obj.root, progress)(engine, image_id, want)
 
     options = pipeline.BuildOptions(pull=pull, rebuild=rebuild, skip_included=skip_included, force=force,
                                     builder=builder, wheelhouse=wheelhouse, smoke=None if no_smoke else smoke,
                                     progress=progress)
-    local = obj.engine.image(plan.base_ref)
-    bases = pipeline.platform_bases(obj.engine, plan, wanted, pull, asked=platform_text is not None,
-                                    local=local, progress=progress)
-    if bases is not None:
-        results = pipeline.build_platforms(obj.engine, plan, bases, options)
-        if isinstance(results, pipeline.NoHotfix):
-            _report_no_hotfix(results, as_json)
-        else:
-            _report_platforms(plan, results, as_json)
-        return
-    result = pipeline.build_image(obj.engine, plan, options, base_info=local)
+    result = pipeline.build(obj.engine, plan, options, wanted, asked=platform_text is not None)
     if isinstance(result, pipeline.NoHotfix):
         _report_no_hotfix(result, as_json)
+        return
+    if isinstance(result, list):
+        _report_platforms(plan, result, as_json)
         return
     how = "reused" if result.reused else "built"
     _say_moved(result, base_tag)
@@ -139,11 +132,12 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
     `image` sends to the engine as the build context; render writes no context,
     so `docker build` of this text alone fails: build with `image`.
     """
-    from .. import pipeline
+    from ..building import pipeline
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = one_platform(platform_text)
-    dockerfile = pipeline.render_only(obj.engine, plan, pull, progress, wheelhouse=wheelhouse, platform=plat)
+    options = pipeline.BuildOptions(pull=pull, wheelhouse=wheelhouse, progress=progress)
+    dockerfile = pipeline.render_only(obj.engine, plan, options, plat)
     if isinstance(dockerfile, pipeline.NoHotfix):
         progress(dockerfile.message())
         return
@@ -169,7 +163,8 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
 def standin_cmd(obj: Ctx, version: str, ref: str | None, sources_version: str | None, deps: str | None,
                 platform_text: str | None, publish: str | None) -> None:
     """Make a stand-in vLLM base image from the real wheel."""
-    from .. import platforms, refs, standin
+    from ..building import platforms, standin
+    from ..registry import refs
 
     plats = platforms.parse(platform_text)
     if publish is not None:

@@ -25,7 +25,7 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
     """Say per patch of a set whether release TAG still needs it: needed, included or conflicts."""
     import json
 
-    from .. import upstream
+    from ..building import upstream
 
     report = upstream.check(obj.root, patch_set, base_tag, engine=lambda: obj.engine, base_repo=base_repo,
                             pull=pull, from_wheel=from_wheel, progress=progress,
@@ -82,7 +82,7 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
                  api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
                  from_wheel: bool, pin_specs: tuple[str, ...], wheelhouse: Path | None) -> None:
     """Add an upstream PR (or a diff file) as the next patch of base TAG's set, or pins with --pin."""
-    from .. import newpatch
+    from ..building import newpatch
 
     if pin_specs and (pr is not None or diff_file is not None):
         raise UsageError("--pin goes alone: add the patch and the pins in two runs")
@@ -92,7 +92,7 @@ def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None
     if pr is not None:
         newpatch.parse_pr(pr, gh_repo)
     for spec in pin_specs:
-        from .. import pinfile
+        from ..building import pinfile
 
         if pinfile.exact(spec.strip()) is None:
             raise UsageError(f"--pin {spec!r}: write NAME==VERSION (one exact version)")

@@ -30,8 +30,9 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
          platform_text: str | None, require_attestation: str | None, attestation_path: Path | None) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
-    from .. import platforms, refs
-    from .. import push as pushlib
+    from ..building import platforms
+    from ..registry import refs
+    from ..release import push as pushlib
 
     refs.check_registry(registry)
     policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
@@ -72,7 +73,7 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool,
            attestation_path: Path | None, as_json: bool) -> None:
     """Check the signed smoke verdict attached to REF in its registry (or given as a file)."""
-    from .. import attest
+    from ..trust import attest
 
     products = [p.strip() for p in require_gpu.split(",") if p.strip()]
     if attestation_path is not None:

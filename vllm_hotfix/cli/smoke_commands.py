@@ -18,8 +18,8 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
                    compile_cache: bool = True) -> Any:
-    from .. import reference, sweep
-    from .. import smoke as smokelib
+    from ..checking import reference, sweep
+    from ..checking import smoke as smokelib
 
     answers = answers or reference.answer_options(None, None, None)
     if serve_model is None and (answers.reference is not None or answers.record is not None):
@@ -34,7 +34,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    from .. import gpu_access
+    from ..checking import gpu_access
     from ..errors import SmokeError
 
     try:
@@ -126,8 +126,10 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
           logprob_tolerance: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from .. import attest, records, reference, signing
-    from .. import smoke as smokelib
+    from ..checking import reference
+    from ..checking import smoke as smokelib
+    from ..journal import records
+    from ..trust import attest, signing
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
@@ -143,7 +145,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
     if sign_key is not None:
         signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
     if launcher == "kubernetes":
-        from ..launchers import kubernetes as k8s
+        from ..checking.launchers import kubernetes as k8s
 
         spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}", namespace=namespace, gpus=gpu_count,
                            node_selector=k8s.parse_selector(node_selector), key_secret=sign_secret,
@@ -160,7 +162,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
             return
         entry = records.append_verdict(obj.root, verdict)
         if envelope is not None:
-            from ..launchers.plan import keep_envelope
+            from ..checking.launchers.plan import keep_envelope
 
             progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
         _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
@@ -181,8 +183,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 
 def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path | None,
                   junit_path: Path | None) -> None:
-    from .. import smoke as smokelib
     from .. import verdicts
+    from ..checking import smoke as smokelib
 
     if report_path:
         smokelib.write_json(verdict, report_path)
@@ -200,7 +202,7 @@ def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path |
 def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
                      emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
     """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
-    from ..launchers import elsewhere
+    from ..checking.launchers import elsewhere
 
     def engine() -> Engine:
         return obj.engine
@@ -229,8 +231,8 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     """Run the concurrency sweep against an already running server."""
     import json
 
-    from .. import reference as refmod
-    from .. import sweep
+    from ..checking import reference as refmod
+    from ..checking import sweep
     from ..errors import SmokeError
 
     sweep.check_url(url)
@@ -249,7 +251,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
                          tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
                          keep_going=keep_going)
     if report_path:
-        from ..atomic import write_atomic  # a full disk is one line naming the file, not a dump
+        from ..journal.atomic import write_atomic  # a full disk is one line naming the file, not a dump
 
         write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:

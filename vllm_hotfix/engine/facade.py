@@ -7,7 +7,7 @@ streaming work (build, pull, push, containers) goes through the Docker SDK,
 imported on first use. Every call runs under :func:`.mapping.translating`,
 so whatever goes wrong leaves as one PipelineError naming the operation.
 Which image to pull when, which registry speaks TLS, and which labels a
-container gets are decided elsewhere (:mod:`vllm_hotfix.pulling`,
+container gets are decided elsewhere (:mod:`vllm_hotfix.registry.pulling`,
 :mod:`.dockerconfig`, :mod:`.labels`).
 
 It holds one typed method per engine operation the pipeline uses (about forty),

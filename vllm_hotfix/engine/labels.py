@@ -4,7 +4,7 @@ Images the tool builds carry their provenance (base, definition, patches,
 files, pins) under ``io.vllm-hotfix.*``; stand-in bases and bench images carry
 their own keys; every container the tool starts is labelled with its role and
 its owner (``host:pid``), so that a run that died can be cleaned up after by
-the next one (:mod:`vllm_hotfix.leftovers`). The keys live here, once.
+the next one (:mod:`vllm_hotfix.journal.leftovers`). The keys live here, once.
 """
 
 from __future__ import annotations

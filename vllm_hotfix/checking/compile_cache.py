@@ -1,0 +1,108 @@
+"""The compile caches a smoke run keeps between runs, so the second image of a base starts warm.
+
+Most of a GPU smoke's time is start-up work that is the same on every run:
+Triton compiling kernels, torch's inductor, vLLM's own compile cache,
+FlashInfer's JIT and the CUDA driver's PTX cache. All of them live under one
+folder in the container (``/root/.cache``, the environment below points each
+one there), which is a host folder kept under the tool's cache:
+
+    <VLLM_HOTFIX_CACHE>/compile/<base image ID, hex>/<GPU model slug>/
+
+Keyed by the *base* image's ID (a patched image's ``io.vllm-hotfix.base.id``
+label, the image's own ID for an unpatched base), so a patched image and its
+base share one folder; and by the GPU model, since compiled kernels are for
+one architecture. Sharing is safe because every one of these caches keys its
+entries by the source it compiled (Triton and inductor hash the kernel source
+and options, vLLM hashes its config and the traced files): code the patch
+changed compiles to new entries, it never reuses the base's.
+
+The folders above the leaf are the invoking user's only (0700), so another
+user of the host cannot reach the kernels; the leaf is writable by anyone
+(0777) because the container's user may be mapped to another host user (a
+user-namespaced engine), and Triton fails a server start on an unwritable
+cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SmokeError
+
+log = logging.getLogger(__name__)
+
+CONTAINER_ROOT = "/root/.cache"
+# Each cache's own variable, all inside CONTAINER_ROOT (one mount holds them all).
+ENVIRONMENT: Mapping[str, str] = {
+    "XDG_CACHE_HOME": CONTAINER_ROOT,
+    "TRITON_CACHE_DIR": f"{CONTAINER_ROOT}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CONTAINER_ROOT}/torchinductor",
+    "VLLM_CACHE_ROOT": f"{CONTAINER_ROOT}/vllm",
+    # FlashInfer's JIT writes under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer.
+    "FLASHINFER_WORKSPACE_BASE": "/root",
+    "CUDA_CACHE_PATH": f"{CONTAINER_ROOT}/nv/ComputeCache",
+}
+NO_GPU = "no-gpu"
+_IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCache:
+    """One cache folder: where it is on the host, and what it is keyed by."""
+
+    host: Path
+    base_id: str  # hex, without "sha256:"
+    gpu: str  # the GPU model slug
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(ENVIRONMENT)
+
+    @property
+    def mount(self) -> tuple[str, str]:
+        return (str(self.host), CONTAINER_ROOT)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"host": str(self.host), "container": CONTAINER_ROOT, "base_id": self.base_id, "gpu": self.gpu}
+
+
+def base_key(image_id: str, base_label: str | None) -> str:
+    """The hex ID the cache is keyed by: the base's (from the label) or, for a base itself, the image's own.
+
+    The label comes from the image under test, so it is used only when it is an
+    image ID: anything else keys the cache by the image's own ID (no sharing,
+    and no path outside the cache).
+    """
+    own = _IMAGE_ID.match(image_id)
+    if own is None:
+        raise SmokeError(f"image ID {image_id!r} is not a sha256 image ID: no compile cache folder for it")
+    label = _IMAGE_ID.match(base_label or "")
+    return label.group(1) if label else own.group(1)
+
+
+def gpu_slug(devices: Iterable[str]) -> str:
+    """The GPU model as a folder name: ``NVIDIA H200`` -> ``nvidia-h200``; mixed models joined by ``+``."""
+    slugs = sorted({re.sub(r"[^a-z0-9]+", "-", d.lower()).strip("-")[:48] for d in devices} - {""})
+    return "+".join(slugs)[:120] if slugs else NO_GPU
+
+
+def folder(cache_root: Path, image_id: str, base_label: str | None, devices: Iterable[str]) -> CompileCache:
+    """The cache folder of an image on the GPUs ``devices``, made if missing (see the module's doc)."""
+    base, gpu = base_key(image_id, base_label), gpu_slug(devices)
+    top = cache_root / "compile"
+    leaf = top / base / gpu
+    try:
+        for path in (top, top / base):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        leaf.mkdir(exist_ok=True)
+        # mkdir's mode passes through the umask: set the leaf's bits as meant.
+        os.chmod(leaf, 0o777)
+    except OSError as exc:
+        raise SmokeError(f"cannot make the compile cache folder {leaf}: {exc.strerror or exc}",
+                         hint="set VLLM_HOTFIX_CACHE to a folder this user can write") from exc
+    return CompileCache(leaf, base, gpu)

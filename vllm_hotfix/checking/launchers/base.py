@@ -1,0 +1,136 @@
+"""What every launcher shares: the interface, the runner folder, the job, and reading results back."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+from ...errors import Malformed, RunnerFailed
+from ...verdicts import Verdict
+from ..runner import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, MOUNT, REPORT_MARK
+
+log = logging.getLogger(__name__)
+
+# What the runner imports from the package: itself, and the verdict code it judges with.
+# The sweep and reference answers are the host's own, so a verdict from the image judges replies the same way.
+PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py", "journal/atomic.py",
+                 "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/runner/__init__.py",
+                 "checking/runner/main.py", "checking/runner/p256.py", "checking/runner/serve.py")
+BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 run.py JOB.json (this folder is put first on sys.path)."""
+import os
+import sys
+
+# This folder first, even under -I or with another vllm_hotfix installed in the image.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vllm_hotfix.checking.runner.main import main  # noqa: E402
+
+sys.exit(main())
+'''
+KEY_FILE = "key.pem"
+TAIL = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """What came back from a runner: its verdict, its signed envelope (when it had a key), its last log lines,
+    and the reference answers it recorded (the file's bytes, when the job asked it to record)."""
+
+    verdict: Verdict
+    envelope: bytes | None
+    log_tail: str = ""
+    answers: bytes | None = None
+
+
+class Launcher(Protocol):
+    """Start the runner in the container image ``image`` (by ID or digest) and bring its results back.
+
+    ``runner_dir`` is the staged folder (:func:`stage`), mounted read-only at
+    :data:`~vllm_hotfix.checking.runner.MOUNT`; ``job`` is what it was staged with;
+    ``gpu`` the GPU request in ``--gpu-request`` words (``cdi:DEVICE``,
+    ``gpus``, ``runtime:NAME``), None for none; ``model`` a folder mounted
+    read-only at /model for the serve sweep.
+    """
+
+    name: str
+
+    def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
+               model: Path | None = None) -> Launched: ...
+
+
+def package_root() -> Path:
+    return Path(str(resources.files("vllm_hotfix")))
+
+
+def runner_files(extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
+    """Every file of the runner folder (relative path -> bytes), without the job and the key."""
+    root = package_root()
+    files = {f"vllm_hotfix/{rel}": (root / rel).read_bytes() for rel in PACKAGE_FILES}
+    files["run.py"] = BOOTSTRAP
+    for probe in sorted((root / "checking" / "probes").glob("*.py")):
+        files[f"probes/{probe.name}"] = probe.read_bytes()
+    files.update(extra or {})
+    return dict(sorted(files.items()))
+
+
+def job_bytes(job: Mapping[str, Any]) -> bytes:
+    return json.dumps({**job, "version": JOB_VERSION}, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def stage(folder: Path, job: Mapping[str, Any], extra: Mapping[str, bytes] | None = None,
+          key: Path | None = None) -> Path:
+    """Write the runner folder (runner, probes, ``extra`` checks, job.json, and the key when signing)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    for rel, data in {**runner_files(extra), "job.json": job_bytes(job)}.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if key is not None:
+        dest = folder / KEY_FILE
+        dest.touch(mode=0o600)
+        dest.write_bytes(key.read_bytes())
+    # World-readable: the image's user may not be root, and the mount is read-only anyway.
+    for path in [folder, *folder.rglob("*")]:
+        if path.name != KEY_FILE:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+def argv(python: str = "python3") -> list[str]:
+    """The command a launcher runs in the image."""
+    return [python, f"{MOUNT}/run.py", f"{MOUNT}/job.json"]
+
+
+def results(stdout: str, stderr: str, where: str) -> Launched:
+    """The verdict (and envelope) a runner printed; SmokeError naming ``where`` when it printed none."""
+    verdict: Verdict | None = None
+    envelope: bytes | None = None
+    answers: bytes | None = None
+    tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
+    what = {REPORT_MARK: "report", ENVELOPE_MARK: "envelope", ANSWERS_MARK: "recorded answers"}
+    for line in stdout.splitlines():
+        mark, _, body = line.strip().partition(" ")
+        if mark not in what:
+            continue
+        try:
+            data = base64.b64decode(body, validate=True)
+            if mark == REPORT_MARK:
+                verdict = Verdict.from_dict(json.loads(data))
+            elif mark == ENVELOPE_MARK:
+                envelope = data
+            else:
+                answers = data
+        except (binascii.Error, ValueError, Malformed) as exc:
+            raise RunnerFailed(f"{where}: the runner's {what[mark]} is unreadable ({exc})") from None
+    if verdict is None:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
+    return Launched(verdict, envelope, tail, answers)

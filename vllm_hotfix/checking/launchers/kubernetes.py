@@ -1,0 +1,171 @@
+"""The runner as a Kubernetes Job: emitted as YAML, or submitted and followed with the official client.
+
+The Job starts the image by digest (a cluster pulls; it has no local
+images), asks for ``nvidia.com/gpu``, mounts the runner from a ConfigMap
+(emitted with it) and the signing key from a Secret named by the user (the
+key never leaves the cluster's Secret), never retries and has a deadline.
+
+The verdict comes back in the pod's log: the runner prints its report and
+its signed envelope on marked lines. ``--submit`` reads them from the log,
+attaches the envelope to the image in the registry (:mod:`vllm_hotfix.trust.referrers`)
+and reads it back from there, so the verdict the host reports is the one
+the registry holds. The ``kubernetes`` package is imported only here, only
+for ``--submit``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import SmokeError, UsageError
+from ..runner import MOUNT
+from .base import Launched, argv, job_bytes, results, runner_files
+
+log = logging.getLogger(__name__)
+
+KEY_MOUNT = "/var/run/vllm-hotfix-key"
+KEY_SECRET_KEY = "key.pem"  # the key inside the Secret
+POLL_S = 10
+CONFIGMAP_LIMIT = 1024 * 1024  # what the API server accepts for one ConfigMap's data
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    name: str
+    namespace: str = "default"
+    gpus: int = 1
+    node_selector: Mapping[str, str] | None = None
+    key_secret: str | None = None
+    deadline_s: int = 3600
+    python: str = "python3"
+
+
+def config_key(rel: str) -> str:
+    """A ConfigMap key for a runner file (keys may not hold '/')."""
+    return rel.replace("/", "__")
+
+
+def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[str, bytes]) -> list[dict[str, Any]]:
+    """The ConfigMap with the runner and the Job that runs it, as plain dicts (Kubernetes API objects)."""
+    if "@sha256:" not in image:
+        raise UsageError(f"{image}: a cluster starts the image by digest (NAME@sha256:...): push it first")
+    files = {**runner_files(extra), "job.json": job_bytes(job)}
+    labels = {"app.kubernetes.io/name": "vllm-hotfix-smoke"}
+    meta: dict[str, Any] = {"name": spec.name, "namespace": spec.namespace, "labels": labels}
+    config_map = {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta),
+        "data": {config_key(rel): data.decode("utf-8") for rel, data in files.items()},
+    }
+    size = sum(len(data) for data in files.values())
+    if size > CONFIGMAP_LIMIT:
+        # The API server refuses such an object; say so before anything is written or created.
+        raise UsageError(f"the runner and its job come to {size} bytes, over the {CONFIGMAP_LIMIT} bytes a "
+                         "ConfigMap may hold: fewer patch-set checks, or smaller reference answers")
+    volumes: list[dict[str, Any]] = [{
+        "name": "runner",
+        "configMap": {"name": spec.name, "items": [{"key": config_key(rel), "path": rel} for rel in files]},
+    }]
+    mounts: list[dict[str, Any]] = [{"name": "runner", "mountPath": MOUNT, "readOnly": True}]
+    if spec.key_secret:
+        volumes.append({"name": "sign-key", "secret": {"secretName": spec.key_secret, "defaultMode": 0o400,
+                                                      "items": [{"key": KEY_SECRET_KEY, "path": KEY_SECRET_KEY}]}})
+        mounts.append({"name": "sign-key", "mountPath": KEY_MOUNT, "readOnly": True})
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [{
+            "name": "runner", "image": image, "imagePullPolicy": "IfNotPresent",
+            "command": argv(spec.python),
+            "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
+            "resources": {"limits": {"nvidia.com/gpu": str(spec.gpus)}},
+            "volumeMounts": mounts,
+        }],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    batch_job = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": dict(meta),
+        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": spec.deadline_s, "ttlSecondsAfterFinished": 86400,
+                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod}},
+    }
+    return [config_map, batch_job]
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    """A multi-document YAML stream; each document is JSON, which YAML reads as it is."""
+    return "".join(f"---\n{json.dumps(doc, indent=2, sort_keys=True)}\n" for doc in docs)
+
+
+def parse_selector(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value:
+        raise UsageError(f"--node-selector {text!r}: expected KEY=VALUE, e.g. nvidia.com/gpu.product=NVIDIA-H200")
+    return {key: value}
+
+
+class KubernetesLauncher:
+    """Submits the Job with the official client and follows it to its end."""
+
+    name = "kubernetes"
+
+    def __init__(self, spec: JobSpec, kubeconfig: str | None = None, say: Callable[[str], None] = lambda _l: None,
+                 extra: Mapping[str, bytes] | None = None) -> None:
+        self.spec = spec
+        self.kubeconfig = kubeconfig
+        self.say = say
+        self.extra = dict(extra or {})
+
+    def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
+               model: Path | None = None) -> Launched:
+        if model is not None:
+            raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
+        try:
+            from kubernetes import client, config
+            from kubernetes.client.rest import ApiException
+        except ImportError:
+            raise UsageError("--launcher kubernetes --submit needs the kubernetes package: "
+                             "pip install 'vllm-hotfix[kubernetes]'") from None
+        import urllib3.exceptions
+        from kubernetes.config.config_exception import ConfigException
+
+        try:
+            config.load_kube_config(config_file=self.kubeconfig)
+        except (ConfigException, OSError) as exc:
+            raise UsageError(f"kubeconfig {self.kubeconfig or '(default)'}: {exc}") from None
+        api: Any = client.ApiClient()
+        # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
+        core: Any = client.CoreV1Api(api)
+        batch: Any = client.BatchV1Api(api)
+        config_map, batch_job = manifests(image, self.spec, job, self.extra)
+        ns = self.spec.namespace
+        try:
+            core.create_namespaced_config_map(ns, config_map)
+            batch.create_namespaced_job(ns, batch_job)
+            self.say(f"    submitted Job {ns}/{self.spec.name}")
+            deadline = time.monotonic() + self.spec.deadline_s + 300
+            while True:
+                status = batch.read_namespaced_job_status(self.spec.name, ns).status
+                if status.succeeded or status.failed:
+                    break
+                if time.monotonic() > deadline:
+                    raise SmokeError(f"Job {ns}/{self.spec.name} did not end within its deadline")
+                time.sleep(POLL_S)
+            pods = core.list_namespaced_pod(ns, label_selector=f"job-name={self.spec.name}").items
+            if not pods:
+                raise SmokeError(f"Job {ns}/{self.spec.name} ended with no pod to read the verdict from")
+            text = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container="runner")
+        except ApiException as exc:
+            raise SmokeError(f"the cluster refused the Job {ns}/{self.spec.name}: {exc.status} {exc.reason}") \
+                from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise SmokeError(f"cannot reach the cluster of {self.kubeconfig or 'the default kubeconfig'}: "
+                             f"{str(exc).splitlines()[0][:300]}") from None
+        return results(text, text, f"Job {ns}/{self.spec.name}")

@@ -1,0 +1,217 @@
+"""The runner in a container started by podman: no daemon, GPUs as CDI devices.
+
+Everything goes through the podman CLI as argument lists (never a shell).
+Debian's podman (4.3) reads CDI specs from /etc/cdi and /var/run/cdi, so
+``nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`` is what a GPU host
+needs; the request is ``--device nvidia.com/gpu=all``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ...engine import ImageInfo, Tree
+from ...engine import labels as L
+from ...engine.files import FileFact, scan_tar
+from ...errors import EngineError, SmokeError
+from ..runner import MOUNT
+from .base import Launched, argv, results
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE = "nvidia.com/gpu=all"
+
+
+def device_of(gpu: str | None) -> str | None:
+    """The CDI device for a ``--gpu-request``; podman has no other way to hand out GPUs."""
+    if not gpu or gpu == "none":
+        return None
+    way, _, arg = gpu.partition(":")
+    if way in ("auto", "gpus"):
+        return DEFAULT_DEVICE
+    if way == "cdi":
+        return arg or DEFAULT_DEVICE
+    raise SmokeError(f"--gpu-request {gpu}: podman reaches GPUs through CDI devices only (cdi[:DEVICE])")
+
+
+class PodmanLauncher:
+    name = "podman"
+
+    def __init__(self, podman: str = "podman", python: str = "python3", timeout: float = 3600,
+                 global_args: Sequence[str] = ()) -> None:
+        self.podman = podman
+        self.python = python
+        self.timeout = timeout
+        self.global_args = list(global_args)  # e.g. --root/--runroot for a private store
+
+    def command(self, *args: str) -> list[str]:
+        return [self.podman, *self.global_args, *args]
+
+    def run_argv(self, image: str, runner_dir: Path, gpu: str | None, model: Path | None, name: str) -> list[str]:
+        """The ``podman run`` command line, as data."""
+        cmd = self.command("run", "--rm", "--name", name, "--network", "none", "--pull", "never",
+                           "--label", f"{L.OWNER}={L.owner()}", "--entrypoint", self.python,
+                           "--volume", f"{runner_dir}:{MOUNT}:ro")
+        if model is not None:
+            cmd += ["--volume", f"{model}:/model:ro"]
+        device = device_of(gpu)
+        if device is not None:
+            cmd += ["--device", device]
+        return [*cmd, image, *argv(self.python)[1:]]
+
+    def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
+               model: Path | None = None) -> Launched:
+        if shutil.which(self.podman) is None:
+            raise EngineError(f"podman: {self.podman} is not installed or not on PATH")
+        name = f"vllm-hotfix-runner-{uuid.uuid4().hex[:12]}"
+        cmd = self.run_argv(image, runner_dir, gpu, model, name)
+        log.debug("running %s", cmd)
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            subprocess.run(self.command("rm", "--force", name), capture_output=True, check=False)
+            raise SmokeError(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s") from None
+        if done.returncode in (125, 126, 127) and "@@vllm-hotfix-runner" not in done.stdout:
+            # podman's own failures: the image missing, a CDI device unknown, a runtime refusing.
+            said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise EngineError(f"podman could not run {image}: {said}")
+        return results(done.stdout, done.stderr, f"runner in {image} (podman)")
+
+    def image_facts(self, image: str) -> dict[str, Any]:
+        """``podman image inspect`` of ``image``; EngineError when podman does not have it."""
+        done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
+                              errors="replace")
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["no such image"])[-1]
+            raise EngineError(f"podman has no image {image}: {said}",
+                              hint="load it: docker save IMAGE | podman load (or podman pull by digest)")
+        found = json.loads(done.stdout)
+        return dict(found[0]) if found else {}
+
+
+# A created container's entrypoint: never started, and inert even if someone started it.
+NEVER_STARTED = "/nonexistent-vllm-hotfix-never-started"
+
+
+class PodmanFiles:
+    """Files of an image in podman's store, read without running it (an
+    :class:`~vllm_hotfix.checking.integrity.FileSource`).
+
+    As the Docker engine's reader (:mod:`vllm_hotfix.engine.files`) does: a
+    container is created and never started, each folder comes out of it as a
+    tar stream (``podman cp CTR:PATH -``) parsed by the same
+    :func:`~vllm_hotfix.engine.files.scan_tar`, and the container is removed
+    whatever happens. So where podman starts the image, its file facts are
+    read from the copy podman starts, with no Docker engine involved.
+
+    One difference: ``podman cp`` follows a link named as the path itself
+    (never one inside the folder). A followed link whose target has another
+    name shows as such and is reported as a link; one whose target has the
+    same name reads as the folder it points to.
+    """
+
+    def __init__(self, podman: PodmanLauncher) -> None:
+        self.podman = podman
+
+    def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        if shutil.which(self.podman.podman) is None:
+            raise EngineError(f"podman: {self.podman.podman} is not installed or not on PATH")
+        try:
+            return subprocess.run(self.podman.command(*args), capture_output=True, text=True, errors="replace",
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"podman {args[0]} did not answer within {timeout:.0f} s") from None
+
+    def image(self, ref: str) -> ImageInfo | None:
+        """The image as podman's store holds it (its ID as the Docker engine writes it); None if absent."""
+        done = self._run("image", "inspect", ref)
+        if done.returncode != 0:
+            return None
+        try:
+            found = json.loads(done.stdout)
+            attrs = dict(found[0])
+            attrs["Id"] = "sha256:" + str(attrs["Id"]).removeprefix("sha256:")
+        except (ValueError, LookupError, TypeError) as exc:
+            raise EngineError(f"podman image inspect {ref}: unreadable answer ({exc})") from None
+        return ImageInfo.from_inspect(attrs)
+
+    @contextmanager
+    def files(self, image: str) -> Iterator[PodmanReader]:
+        """A reader of ``image``'s filesystem; its container (created, never started) removed after."""
+        name = f"vllm-hotfix-read-{uuid.uuid4().hex[:12]}"
+        done = self._run("create", "--name", name, "--pull", "never", "--network", "none",
+                         "--label", f"{L.OWNER}={L.owner()}", "--entrypoint", NEVER_STARTED, image)
+        try:
+            if done.returncode != 0:
+                said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+                raise EngineError(f"cannot read the files of {image} through podman: {said}")
+            yield PodmanReader(self.podman, image, name)
+        finally:
+            # Also after a failed create: podman may have made the container before failing.
+            subprocess.run(self.podman.command("rm", "--force", name), capture_output=True, check=False)
+
+
+class PodmanReader:
+    """Reads folders of one created (never started) podman container."""
+
+    def __init__(self, podman: PodmanLauncher, image: str, container: str) -> None:
+        self.podman = podman
+        self.image = image
+        self.container = container
+
+    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
+        """The entries under each of ``paths``; a path the image lacks is named in ``missing``."""
+        entries: dict[str, FileFact] = {}
+        kept: dict[str, bytes] = {}
+        missing: list[str] = []
+        for path in paths:
+            path = posixpath.normpath(path)
+            found = self._one(path, keep)
+            if found is None:
+                missing.append(path)
+                continue
+            entries.update(found[0])
+            kept.update(found[1])
+        log.info("read %d entries of %s under %s (podman)", len(entries), self.image[:19], ", ".join(paths))
+        return Tree(entries, kept, tuple(missing))
+
+    def _one(self, path: str, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]] | None:
+        parent, name = posixpath.split(path)
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(self.podman.command("cp", f"{self.container}:{path}", "-"),
+                                    stdout=subprocess.PIPE, stderr=err)
+            assert proc.stdout is not None
+            try:
+                found = scan_tar(proc.stdout, parent, keep)
+                failure: str | None = None
+            except tarfile.TarError as exc:
+                found, failure = ({}, {}), str(exc)
+            finally:
+                proc.stdout.close()
+                code = proc.wait()
+            err.seek(0)
+            said = err.read().decode("utf-8", "replace").strip()
+        if code != 0:
+            if "no such file or directory" in said or "could not be found" in said:
+                return None
+            last = (said.splitlines() or [f"exit {code}"])[-1]
+            raise EngineError(f"cannot read {path} of {self.image} through podman: {last}")
+        if failure is not None:
+            raise EngineError(f"podman's archive of {path} in {self.image} is not a readable tar: {failure}")
+        entries, kept = found
+        if path not in entries and entries:
+            # podman followed a link named as the path itself: the image holds a link there, not this folder.
+            top = min(entries, key=len)
+            return {path: FileFact(path, "link", target=posixpath.basename(top))}, {}
+        return entries, kept

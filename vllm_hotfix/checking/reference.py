@@ -1,0 +1,322 @@
+"""Reference answers: what a trusted image replied, and a reply judged against them.
+
+A server that survives a bug can still answer garbage with HTTP 200, and a
+real model may stop early, so neither the status nor the reply's length tells
+a wrong answer from a right one. What does is the answer itself, compared
+with the answer a trusted image (the site's running image, or an earlier
+verified hotfix) gave to the same prompt on the same model. The reference must
+never come from the code under test: an unpatched MiniMax-M3 with four index
+heads on one GPU is wrong even at concurrency 1.
+
+Exact equality is too strict. Measured on an H200 (the patched image, a tiny
+MiniMax-M3): replies at concurrency 1 were identical across server restarts,
+but at concurrency 16 two of 24 replies took another token after a few tokens,
+where the two best candidates were nearly tied (batching changes the order of
+floating-point sums), with or without ``VLLM_BATCH_INVARIANT=1``. So a reply
+passes if it equals the reference, or if at its first divergence the
+reference's token was a near-tie there: among the served top-k and at most
+``tolerance`` nats below the token the server chose. After an accepted
+divergence the prefixes differ, so the rest is not compared.
+
+The file is JSON and carries the sha256 of its own canonical content, so a
+file changed after it was recorded is refused instead of quietly judging
+against other answers.
+
+This module is pure (no network): :mod:`vllm_hotfix.checking.sweep` sends the requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..journal.atomic import write_atomic
+
+log = logging.getLogger(__name__)
+
+FORMAT = "vllm-hotfix-reference/1"
+TOP_LOGPROBS = 5  # top-k the completions API is asked for (vLLM allows up to 20 by default)
+DEFAULT_TOLERANCE = 0.5  # nats; the widest near-tie measured on the patched image must fit under it
+
+# The prompt set. Fixed text, chosen by a hash of (seed, prompt, sentence) rather
+# than a random generator, so every version of the tool and of Python makes the
+# same prompts. Lengths are mixed as in production: the MiniMax-M3 bug needed
+# sequences with different numbers of KV blocks in one batch. 80 sentences are
+# about 5,600 characters (2,640 tokens with the tiny test model's tokenizer).
+SEED = 20261203
+PROMPT_COUNT = 24
+CONTEXT_SENTENCES = (0, 39, 7, 79, 2, 20, 60, 12)
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog while the band plays on. ",
+    "A ship in the harbour is safe, but that is not what ships are built for. ",
+    "Seven lighthouse keepers counted the waves that broke on the northern rocks. ",
+    "The library opens at nine and closes when the last reader leaves the hall. ",
+    "Rain fell on the orchard all night, and by morning the river had risen. ",
+    "An old clock in the station ran four minutes fast for eleven years. ",
+    "The baker sold bread to the miners before the sun came over the hill. ",
+    "Two trains left the city at noon, one going east and one going south. ",
+    "The committee met on Tuesday and agreed on nothing but the next meeting. ",
+    "A map of the coast hung above the desk, its edges brown with age. ",
+    "The children built a bridge of sticks across the stream behind the school. ",
+    "Every winter the geese flew over the valley in a long uneven line. ",
+)
+QUESTIONS = (
+    "Count from one to ten in words, separated by commas.",
+    "Name the days of the week in order.",
+    "Write the alphabet from A to M with spaces between the letters.",
+    "List five colours of the rainbow.",
+)
+
+
+def _pick(*parts: int) -> int:
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "big")
+
+
+def make_prompts(count: int = PROMPT_COUNT, seed: int = SEED) -> tuple[str, ...]:
+    """The fixed prompt set: a context of 0 to 79 sentences, then a short question."""
+    out = []
+    for i in range(count):
+        n = CONTEXT_SENTENCES[i % len(CONTEXT_SENTENCES)]
+        context = "".join(SENTENCES[_pick(seed, i, j) % len(SENTENCES)] for j in range(n))
+        out.append(context + QUESTIONS[_pick(seed, i, -1) % len(QUESTIONS)])
+    return tuple(out)
+
+
+PROMPTS = make_prompts()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One completion as the server returned it (tokens None: it returned no logprobs)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int | None
+    completion_tokens: int
+    tokens: tuple[str, ...] | None
+    logprobs: tuple[float | None, ...]
+    top: tuple[dict[str, float], ...]
+
+    @property
+    def sha256(self) -> str:
+        """Of the reply's tokens where the server named them, else of its text."""
+        data = json.dumps(list(self.tokens), separators=(",", ":")) if self.tokens is not None else self.text
+        return hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def _lp(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def parse_reply(body: Any) -> Reply:
+    """A completions API answer as a Reply; ValueError when it has no usable choice."""
+    try:
+        choice = body["choices"][0]
+        usage = body.get("usage") or {}
+        lp = choice.get("logprobs") or None
+        tokens = None
+        logprobs: tuple[float | None, ...] = ()
+        top: tuple[dict[str, float], ...] = ()
+        if isinstance(lp, dict) and isinstance(lp.get("tokens"), list):
+            tokens = tuple(str(t) for t in lp["tokens"])
+            logprobs = tuple(_lp(x) for x in lp.get("token_logprobs") or [])
+            top = tuple({str(k): float(v) for k, v in (entry or {}).items()} for entry in lp.get("top_logprobs") or [])
+        count = usage.get("completion_tokens")
+        prompt_tokens = usage.get("prompt_tokens")
+        return Reply(
+            text=str(choice.get("text") or ""),
+            finish_reason=str(choice.get("finish_reason")),
+            prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
+            completion_tokens=int(count) if count is not None else len(tokens or ()),
+            tokens=tokens, logprobs=logprobs, top=top,
+        )
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"not a completions answer ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The reference reply to one prompt."""
+
+    prompt: str
+    prompt_tokens: int | None
+    tokens: tuple[str, ...]
+    logprobs: tuple[float | None, ...]
+    top: tuple[dict[str, float], ...]
+    finish_reason: str
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "tokens": list(self.tokens),
+                "logprobs": list(self.logprobs), "top_logprobs": [dict(t) for t in self.top],
+                "finish_reason": self.finish_reason, "reply_sha256": self.sha256}
+
+
+def answer_of(prompt: str, reply: Reply) -> Answer:
+    assert reply.tokens is not None
+    return Answer(prompt, reply.prompt_tokens, reply.tokens, reply.logprobs, reply.top, reply.finish_reason,
+                  reply.sha256)
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """Reference answers to a fixed prompt set, recorded at concurrency 1, temperature 0."""
+
+    model: str  # the name the requests asked for
+    served_model: str  # the name the server's replies carried
+    max_tokens: int
+    top_logprobs: int
+    answers: tuple[Answer, ...]
+    tool_version: str
+    recorded: str
+    recorded_from: str  # the server's URL (smoke: the image it served)
+    sha256: str = ""  # of the canonical content; set by :func:`load` and :func:`write`
+    path: str = ""
+
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        return tuple(a.prompt for a in self.answers)
+
+    def content(self) -> dict[str, Any]:
+        """What the file holds, without its own sha256."""
+        return {"format": FORMAT, "model": self.model, "served_model": self.served_model,
+                "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs, "temperature": 0,
+                "concurrency": 1, "tool_version": self.tool_version, "recorded": self.recorded,
+                "recorded_from": self.recorded_from, "answers": [a.to_dict() for a in self.answers]}
+
+    def summary(self) -> dict[str, Any]:
+        """What a sweep report says about the reference it judged against."""
+        return {"file": self.path, "sha256": self.sha256, "model": self.model, "served_model": self.served_model,
+                "prompts": len(self.answers), "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs,
+                "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version}
+
+
+def digest(content: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def write(ref: Reference, path: Path) -> Reference:
+    """Write ``ref`` to ``path`` with its sha256 inside; the reference as it now stands on disk."""
+    content = ref.content()
+    sha = digest(content)
+    write_atomic(path, json.dumps({**content, "sha256": sha}, indent=1, sort_keys=True) + "\n")
+    return Reference(ref.model, ref.served_model, ref.max_tokens, ref.top_logprobs, ref.answers, ref.tool_version,
+                     ref.recorded, ref.recorded_from, sha, str(path))
+
+
+def load(path: Path, option: str = "--reference") -> Reference:
+    """The reference in ``path``; UsageError (one line naming the file) if it is unusable or was changed."""
+    where = f"{option} {path}"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise UsageError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise UsageError(f"{where}: not a reference answers file (format {FORMAT!r} expected)")
+    sha = data.pop("sha256", None)
+    if not isinstance(sha, str) or digest(data) != sha:
+        raise UsageError(f"{where}: its content does not match the sha256 it carries (changed after it was "
+                         "recorded); record it again from a trusted image")
+    try:
+        answers = tuple(
+            Answer(str(a["prompt"]), None if a["prompt_tokens"] is None else int(a["prompt_tokens"]),
+                   tuple(str(t) for t in a["tokens"]), tuple(_lp(x) for x in a["logprobs"]),
+                   tuple({str(k): float(v) for k, v in t.items()} for t in a["top_logprobs"]),
+                   str(a["finish_reason"]), str(a["reply_sha256"]))
+            for a in data["answers"])
+        ref = Reference(str(data["model"]), str(data["served_model"]), int(data["max_tokens"]),
+                        int(data["top_logprobs"]), answers, str(data["tool_version"]), str(data["recorded"]),
+                        str(data["recorded_from"]), sha, str(path))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+    if not answers or ref.max_tokens < 1:
+        raise UsageError(f"{where}: holds no answers")
+    return ref
+
+
+def check_tolerance(tolerance: float) -> None:
+    if not (tolerance >= 0 and math.isfinite(tolerance)):
+        raise UsageError(f"--logprob-tolerance {tolerance}: must be a number of nats, 0 or more")
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerOptions:
+    """How a sweep judges answers: against a loaded reference, one to record first, or neither."""
+
+    reference: Reference | None
+    record: Path | None
+    tolerance: float
+
+
+def answer_options(reference: Path | None, record: Path | None, tolerance: float | None) -> AnswerOptions:
+    """--reference, --record-reference and --logprob-tolerance, checked (and the reference loaded) up front.
+
+    A reference that cannot be used, or a recording that would replace one,
+    fails here, before a server starts.
+    """
+    if reference is not None and record is not None:
+        raise UsageError("--reference and --record-reference: give one (record once from a trusted image, "
+                         "then check against it)")
+    if record is not None and record.exists():
+        raise UsageError(f"--record-reference {record}: already exists; a reference is recorded once "
+                         "(remove it first to record it again)")
+    if tolerance is not None and reference is None and record is None:
+        raise UsageError("--logprob-tolerance needs --reference or --record-reference")
+    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    check_tolerance(tol)
+    return AnswerOptions(load(reference) if reference is not None else None, record, tol)
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """A reply against its reference answer."""
+
+    ok: bool
+    position: int | None = None  # the first reply token (from 0) that differs; None: identical
+    gap: float | None = None  # nats the reference's token lay below the served one there, where known
+    detail: str = ""
+
+
+def judge(answer: Answer, reply: Reply, tolerance: float = DEFAULT_TOLERANCE) -> Judgement:
+    """Identical, a divergence at a near-tie (passes), or a wrong answer (says where and which tokens)."""
+    if reply.tokens is None:
+        return Judgement(False, detail="the server returned no logprobs; the reference check needs them")
+    if answer.prompt_tokens is not None and reply.prompt_tokens is not None \
+            and reply.prompt_tokens != answer.prompt_tokens:
+        return Judgement(False, detail=f"the prompt was {reply.prompt_tokens} tokens, in the reference "
+                                       f"{answer.prompt_tokens}: another model or tokenizer than the reference's")
+    ref, got = answer.tokens, reply.tokens
+    n = 0
+    while n < len(ref) and n < len(got) and ref[n] == got[n]:
+        n += 1
+    if n == len(ref) == len(got):
+        return Judgement(True)
+    if n == len(ref):
+        return Judgement(False, n, detail=f"wrong answer at position {n}: served {got[n]} where the reference "
+                                          f"ended (finish_reason {answer.finish_reason})")
+    want = ref[n]
+    if n == len(got):
+        return Judgement(False, n, detail=f"wrong answer at position {n}: the reply ended there (finish_reason "
+                                          f"{reply.finish_reason}), the reference went on with {want}")
+    top = reply.top[n] if n < len(reply.top) else {}
+    chosen = reply.logprobs[n] if n < len(reply.logprobs) and reply.logprobs[n] is not None else top.get(got[n])
+    ending = " (the reply ends there, finish_reason stop)" if n == len(got) - 1 and reply.finish_reason == "stop" \
+        else ""
+    if want not in top or chosen is None:
+        return Judgement(False, n, detail=f"wrong answer at position {n}: served {got[n]}{ending}, the reference's "
+                                          f"{want} is not among the served top-{len(top)} there")
+    gap = round(chosen - top[want], 4)
+    if gap <= tolerance:
+        return Judgement(True, n, gap, detail=f"near-tie at position {n}: served {got[n]}, the reference's {want} "
+                                              f"{gap:.3f} nats below (tolerance {tolerance})")
+    return Judgement(False, n, gap, detail=f"wrong answer at position {n}: served {got[n]} (logprob {chosen:.3f})"
+                                           f"{ending}, the reference's {want} {gap:.3f} nats below it "
+                                           f"(tolerance {tolerance})")

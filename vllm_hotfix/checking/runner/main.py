@@ -1,0 +1,340 @@
+"""The runner: ``python3 /opt/vllm-hotfix-runner/run.py JOB.json`` inside the image under test.
+
+Reads the job (what to check and how; written by a launcher, see
+:func:`vllm_hotfix.checking.launchers.base.job`), runs each check as a subprocess of the
+image's own Python under a timeout, judges them with the same
+:func:`~vllm_hotfix.verdicts.judge` and :func:`~vllm_hotfix.verdicts.judge_gpu`
+the host uses, and prints the verdict on one line after
+:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON); with a signing key, the
+DSSE envelope after :data:`~vllm_hotfix.checking.runner.ENVELOPE_MARK`. Progress goes
+to stderr. A job it cannot read ends it with exit 2 and one line.
+
+The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
+``host`` and ``launcher`` (facts for the report); ``checks`` (checks made
+outside, such as file facts read from the image's layers, judged with the
+rest); ``landed`` (``package``, ``site_dir``: where the image's Python must
+import the package from; or null); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
+``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
+``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
+check the host already settled, when no GPU request reaches this image);
+``serve`` (``argv``, ``port``, ``levels``, ``requests``, ``timeout``,
+``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
+content, its sha256 inside), ``record`` (record the answers first; they come
+back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``tolerance``; or
+null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
+null); ``probe_timeout``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from ... import verdicts
+from ...errors import Malformed
+from . import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, REPORT_MARK, p256, serve
+
+# As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
+IMAGE_PYTHON = "image-python"
+# The runner folder: this file is vllm_hotfix/checking/runner/main.py in it.
+HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def path_of(rel: str) -> str:
+    """A file of the runner folder (probes/..., checks/...), never outside it."""
+    full = os.path.normpath(os.path.join(HERE, rel))
+    if not full.startswith(HERE + os.sep):
+        raise Malformed(f"{rel!r} is outside the runner folder")
+    return full
+
+
+def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("checks"), list):
+            info = data.get("info")
+            checks = [c if isinstance(c, dict) else {"name": name, "status": "fail",
+                                                     "detail": f"malformed check {c!r:.80}"}
+                      for c in data["checks"]]
+            return checks, info if isinstance(info, dict) else {}
+    if code == 124:
+        tail = (stderr.strip().splitlines() or [""])[-1]
+        return [{"name": name, "status": "incomplete", "detail": f"probe did not finish: {tail}".strip()}], {}
+    why = (stderr.strip().splitlines() or [f"exit {code}, no output"])[-1]
+    return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
+
+
+def as_check(raw: dict[str, Any], seconds: float, name: str) -> verdicts.Check:
+    try:
+        c = verdicts.Check.from_dict(raw)
+    except Malformed as exc:
+        return verdicts.Check(name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+    return verdicts.Check(c.name, c.status, c.detail, seconds, c.data, c.ran_against, c.stubs, c.import_errors)
+
+
+class Run:
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.timeout = float(job.get("probe_timeout") or 600)
+        self.checks: list[verdicts.Check] = []
+        self.environment: dict[str, Any] = {}
+        self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
+        self.recorded: list[bytes] = []
+
+    def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
+                                                                            float]:
+        start = time.monotonic()
+        # The runner folder is read-only: no bytecode next to the probes.
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            done = subprocess.run([sys.executable, path_of(script), *args], capture_output=True, text=True,
+                                  errors="replace", timeout=self.timeout, env=env, cwd=self.scratch)
+            out, err, code = done.stdout, done.stderr, done.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode("utf-8", "replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            err, code = f"timed out after {self.timeout:.0f} s", 124
+        took = time.monotonic() - start
+        checks, info = parse(name, out, err, code)
+        return checks, info, took
+
+    def add(self, raw: list[dict[str, Any]], took: float, name: str,
+            answered_by: str | None = IMAGE_PYTHON, quiet: bool = False) -> list[verdicts.Check]:
+        """Record checks; a probe's (``answered_by``: the image's Python, whatever it claims) or ones made
+        outside the image and handed in with the job (None: as they say)."""
+        made = [as_check(c, round(took / max(len(raw), 1), 3), name) for c in raw]
+        if answered_by is not None:
+            made = [replace(c, data={**(c.data if isinstance(c.data, dict) else {}), "answered_by": answered_by})
+                    for c in made]
+        for c in made:
+            self.checks.append(c)
+            if not quiet:
+                say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+        return made
+
+    def spec_file(self, name: str, content: Any) -> str:
+        path = os.path.join(self.scratch, name)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(content, fh)
+        return path
+
+    def gpu(self) -> tuple[bool, dict[str, Any]]:
+        spec = self.job.get("gpu") or {}
+        mode, request = str(spec.get("mode", "auto")), str(spec.get("request") or "none")
+        facts: dict[str, Any] = {"mode": mode, "verified": False, "way": request, "launcher": self.job.get("launcher")}
+        if mode == "off":
+            facts["why_unverified"] = "--gpu off"
+            self.add([{"name": "gpu", "status": "skip", "detail": "--gpu off"}], 0, "gpu")
+            return False, facts
+        settled = spec.get("unavailable")
+        if isinstance(settled, dict):
+            # The host found no GPU request that reaches this image: its check, as it settled it.
+            facts["why_unverified"] = str(settled.get("why", ""))
+            self.add([{"name": "gpu", "status": str(settled.get("status", "incomplete")),
+                       "detail": str(settled.get("detail", ""))}], 0, "gpu")
+            return False, facts
+        start = time.monotonic()
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            listed = subprocess.run([sys.executable, path_of("probes/gpu_list.py")], capture_output=True,
+                                    text=True, errors="replace", timeout=120, env=env, cwd=self.scratch)
+            seen = json.loads(listed.stdout.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            seen = {"devices": [], "error": "the GPU listing gave no answer"}
+        devices = [str(d) for d in seen.get("devices") or []]
+        facts["devices"] = devices
+        if not devices:
+            why = f"the container started with {request} sees no GPU ({seen.get('error') or 'no device'})"
+            facts["why_unverified"] = why
+            status = "incomplete" if mode == "require" else "skip"
+            detail = f"--gpu require: {why}" if mode == "require" else f"{why}: image is GPU-unverified"
+            self.add([{"name": "gpu", "status": status, "detail": detail}], time.monotonic() - start, "gpu")
+            return False, facts
+        say(f"    the container sees {len(devices)} GPU(s): {', '.join(devices)}")
+        args: list[str] = []
+        extra = [path_of(p) for p in spec.get("extra") or []]
+        if extra:
+            args += ["--extra", *extra]
+        if spec.get("modules"):
+            args += ["--modules", *[str(m) for m in spec["modules"]]]
+        raw, info, took = self.probe("probes/gpu_check.py", args, "gpu")
+        if info:
+            self.environment["gpu"] = info
+        checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
+        # As they said, before judgement: a host that can ask the image's base re-judges them (rejudge_gpu).
+        facts["raw_checks"] = [c.to_dict() for c in checks]
+        base = spec.get("base_import_errors")
+        judged = verdicts.judge_gpu(checks, require=mode == "require",
+                                    base_import_errors=base if isinstance(base, dict) else None)
+        for c in judged.checks:
+            c = replace(c, data={**(c.data if isinstance(c.data, dict) else {}), "answered_by": IMAGE_PYTHON})
+            self.checks.append(c)
+            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+        facts["verified"] = judged.verified
+        if judged.not_real:
+            facts["not_real"] = list(judged.not_real)
+        if not judged.verified:
+            facts["why_unverified"] = f"GPU checks through {request}: {judged.why_unverified}"
+        return judged.verified, facts
+
+    def compiled_stop(self, verified: bool, gpu: dict[str, Any]) -> bool:
+        """Compiled files RECORD lists but the image lacks (read outside, in the job): never GPU-verified.
+
+        As the Docker run's :meth:`vllm_hotfix.checking.smoke.Smoke.compiled_stop`: a GPU
+        check that passed without vLLM's kernels checked a stub; under
+        ``--gpu require`` with a GPU reached it is a failure, else a skip that
+        leaves the image GPU-unverified.
+        """
+        spec = self.job.get("gpu") or {}
+        names = [str(n) for n in spec.get("compiled_missing") or []]
+        if not names:
+            return verified
+        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
+               f"{', '.join(names[:5])}")
+        gpu["verified"] = False
+        gpu["compiled_missing"] = names[:50]
+        earlier = gpu.get("why_unverified")
+        gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
+        reached = spec.get("mode") == "require" and bool(gpu.get("devices"))
+        self.add([{"name": "compiled-files", "status": "fail" if reached else "skip",
+                   "detail": f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified",
+                   "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
+        return False
+
+    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One server start and the sweep against it (:func:`.serve.run`)."""
+        return serve.run(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+
+    def failed(self) -> list[str]:
+        """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
+        such as file facts it could not read) does not."""
+        return [c.name for c in self.checks if c.status is verdicts.Status.FAIL]
+
+    def stop(self, skipped: Sequence[str]) -> bool:
+        """As the host's smoke: a failed phase ends the run (the rest recorded as not run), unless keep_going."""
+        failed = self.failed()
+        if not failed or self.job.get("keep_going"):
+            return False
+        why = f"not run: {', '.join(failed)} failed first (--keep-going runs every check)"
+        say(f"==> runner: {why}")
+        self.add([{"name": name, "status": "skip", "detail": why} for name in skipped], 0, "skipped", None)
+        return True
+
+    def run(self) -> verdicts.Verdict:
+        job = self.job
+        start = time.monotonic()
+        mark = start
+        phases: dict[str, float] = {}
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for raw in job.get("checks") or []:
+            # Made and shown by the host before the launch.
+            self.add([raw], float(raw.get("seconds", 0)) if isinstance(raw, dict) else 0, "check", None, quiet=True)
+
+        landed = job.get("landed")
+        if isinstance(landed, dict):
+            say("==> runner: where the image's Python imports the package from")
+            raw, _, took = self.probe("probes/landed.py", [str(landed.get("package")), str(landed.get("site_dir"))],
+                                      "import-location")
+            self.add(raw, took, "import-location")
+
+        say("==> runner: environment report")
+        raw, _, took = self.probe("probes/env_report.py", [str(n) for n in job.get("env_names") or []],
+                                  "env-report")
+        data = next((c.get("data") for c in raw if c.get("name") == "env-report"), None)
+        self.environment.update(data if isinstance(data, dict) else {})
+        self.add(raw, took, "env-report")
+
+        if job.get("pins") is not None:
+            say("==> runner: pinned distributions")
+            raw, _, took = self.probe("probes/pins_check.py", [self.spec_file("pins.json", job["pins"])], "pins")
+            self.add(raw, took, "pins")
+        for script in job.get("cpu_checks") or []:
+            name = f"check:{os.path.splitext(os.path.basename(script))[0]}"
+            raw, _, took = self.probe(script, [], name)
+            self.add(raw, took, name)
+        phases["checks"] = round(time.monotonic() - mark, 1)
+
+        verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
+        sweep = None
+        if not self.stop(("gpu", "serve-sweep")):
+            say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
+            mark = time.monotonic()
+            verified, gpu = self.gpu()
+            verified = self.compiled_stop(verified, gpu)
+            phases["gpu_checks"] = round(time.monotonic() - mark, 1)
+            if not self.stop(("serve-sweep",)):
+                spec = job.get("serve")
+                say("==> runner: serve sweep")
+                if not spec:
+                    self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0,
+                             "serve")
+                else:
+                    t0 = time.monotonic()
+                    check, sweep = self.sweep(spec, phases)
+                    self.add([check], time.monotonic() - t0, "serve-sweep")
+        else:
+            gpu["why_unverified"] = "not run: an earlier phase failed"
+        seconds = time.monotonic() - start
+        say(f"==> runner: phases: {', '.join(f'{k} {v:.1f} s' for k, v in phases.items())} (total {seconds:.1f} s)")
+        return verdicts.judge(
+            str(job.get("image", "")), str(job.get("image_id", "")), self.checks, gpu_verified=verified,
+            platform=str(job.get("platform", "")), started=started, seconds=seconds,
+            expected_from=str(job.get("expected_from", "")), gpu=gpu, host=dict(job.get("host") or {}),
+            environment=self.environment, sweep=sweep, phases=phases,
+        )
+
+
+def emit(mark: str, data: bytes) -> None:
+    sys.stdout.write(f"{mark} {base64.b64encode(data).decode()}\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        say("usage: run.py JOB.json")
+        return 2
+    try:
+        with open(args[0], encoding="utf-8") as fh:
+            job = json.load(fh)
+        if not isinstance(job, dict) or job.get("version") != JOB_VERSION:
+            raise ValueError(f"not a version {JOB_VERSION} runner job")
+    except (OSError, ValueError) as exc:
+        say(f"runner job {args[0]}: {exc}")
+        return 2
+    secret = None
+    sign = job.get("sign") or {}
+    if sign:
+        # The key is read before anything runs: a key that cannot sign is known before an hour of checks.
+        try:
+            with open(str(sign["key"]), "rb") as fh:
+                secret = p256.load_private(fh.read())
+        except (OSError, KeyError, TypeError, p256.UnusableKey) as exc:
+            say(f"signing key {sign.get('key', '?')}: {exc}")
+            return 2
+    run = Run(job)
+    verdict = run.run()
+    report = verdict.to_dict()
+    for answers in run.recorded:
+        emit(ANSWERS_MARK, answers)
+    emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
+    if secret is not None and verdict.judged:
+        predicate = {**report, **dict(sign.get("predicate") or {})}
+        doc = p256.statement(dict(sign.get("subjects") or {job["image"]: job["image_id"]}), predicate)
+        emit(ENVELOPE_MARK, p256.sign_envelope(doc, secret))
+    return 0

@@ -1,0 +1,436 @@
+"""Push a smoke-tested image to the internal registry, and prove it landed.
+
+The gate asks the journal, not a mutable record: the newest verdict (by the
+journal's sequence, with no unreadable entry that may be about the image) that
+judged this exact image ID must be a pass (and GPU-verified unless the caller
+allows otherwise). Then, right before the push, the image's files are judged
+again, read from its layers (nothing of it runs, so its own interpreter cannot
+vouch for it): the patched files against hashes recomputed from the patch set
+and the base (never from the image), and the whole installed distribution
+against its RECORD relative to the base, so an edited journal can hide
+neither wrong patched files nor a failed integrity. After
+the push, the engine asks the registry (with the same credentials and scheme)
+which digest the tag resolves to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..building import platforms
+from ..building.platforms import Platform, child_ref
+from ..checking import smoke
+from ..engine import Engine, ImageInfo, registry_of, split_reference
+from ..errors import AttestationError, PipelineError, PushError, RecordError, Refused, StorageError
+from ..journal import leftovers, records
+from ..registry import client as registry
+from ..registry import refs
+from ..trust import attest
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Pushed:
+    ref: str
+    digest: str
+    image_id: str
+    verdict: str  # the journal entry (or signed verdict) that let it through
+    attestations: tuple[str, ...] = ()  # digests of the signed verdicts attached beside it
+
+
+def target_ref(image_ref: str, registry: str) -> str:
+    """HOST[:PORT]/PATH + the last part of the image's repository + its tag."""
+    registry = refs.check_registry(registry)
+    repo, tag = split_reference(image_ref)
+    if tag.startswith("sha256:"):
+        raise PushError(f"{image_ref}: push a tagged reference, not a digest")
+    return refs.check_reference(f"{registry}/{repo.rsplit('/', 1)[-1]}:{tag}", "push target", tag_only=True)
+
+
+def recorded_platforms(root: Path, image_id: str) -> set[str]:
+    """The platforms the journal's build entries give for this image (empty: built before they were kept)."""
+    return {str(e.data["platform"]) for e in records.builds_of_image(root, image_id) if e.data.get("platform")}
+
+
+def check_platform(root: Path, info: ImageInfo, ref: str, expected: Platform | None = None) -> None:
+    """Refuse (before anything is pushed) an image whose platform its tag or its build record contradicts.
+
+    The image's own config is the truth a node pulling it gets: its OS,
+    architecture and variant must be what the tag's suffix names
+    (``-x86_64``: amd64, ``-aarch64``: arm64), what the journal recorded for
+    its build, and (for one platform's image of an index) ``expected``.
+    """
+    recorded: list[str | None] = [*sorted(recorded_platforms(root, info.id))] or [None]
+    problem = None
+    for rec in recorded:
+        problem = problem or platforms.mismatch(ref, info.os, info.architecture, info.variant, rec)
+    if problem is None and expected is not None and platforms.of(info.os, info.architecture) != expected:
+        problem = f"{ref} is a {info.os}/{info.architecture} image, not {expected}"
+    if problem is not None:
+        raise Refused(f"refusing to push {info.id[:19]}: {problem}",
+                      hint="tag each platform's image under its own suffix (python build.py list shows the builds)")
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """One platform's image that `image` built under ``TAG-<machine>``, as the engine and journal have it."""
+
+    platform: Platform
+    ref: str
+    image_id: str
+    family: str  # the definition and the inputs every platform of one build shares
+
+
+_FAMILY = ("definition", "definition_sha256", "patches", "template_sha256", "pins_sha256")
+
+
+def family(inputs: object) -> str:
+    """What ties the platforms of one build together: its inputs less each platform's own base."""
+    got = inputs if isinstance(inputs, dict) else {}
+    return records.inputs_key({k: got.get(k) for k in _FAMILY})
+
+
+def built_children(engine: Engine, root: Path, image_ref: str) -> list[Child]:
+    """Each ``TAG-<machine>`` in the engine whose image the journal says this tool built under that name."""
+    found = []
+    for plat in (Platform("linux", "amd64"), Platform("linux", "arm64")):
+        ref = child_ref(image_ref, plat)
+        info = engine.image(ref)
+        if info is None:
+            continue
+        made = [e for e in records.builds_of_image(root, info.id)
+                if e.data.get("output_ref") == ref and e.data.get("platform") in (None, str(plat))]
+        if made:
+            found.append(Child(plat, ref, info.id, family(made[0].data.get("inputs"))))
+    return found
+
+
+def plain_platforms(image_ref: str, tag_image: str | None, children: list[Child]) -> list[Platform] | None:
+    """What a push without ``--platform`` pushes: the platforms `image` built for TAG, or None for TAG alone.
+
+    A multi-platform build leaves ``TAG-<machine>`` per platform and TAG on
+    one of them (or on none, when it built one other platform): those
+    children, and an index over them, are what was built. TAG on an image
+    that is none of them (a later single-platform build) is pushed alone.
+    """
+    if not children:
+        return None
+    ids = {c.image_id: c for c in children}
+    if tag_image is not None and tag_image not in ids:
+        return None
+    if tag_image is not None:
+        anchor = ids[tag_image].family
+    else:
+        families = {c.family for c in children}
+        if len(families) > 1:
+            raise PushError(f"{', '.join(c.ref for c in children)} were built from different definitions or "
+                            f"inputs, and {image_ref} names none of them",
+                            hint="name the platforms to push with --platform")
+        anchor = families.pop()
+    return [c.platform for c in children if c.family == anchor]
+
+
+def plain_selection(engine: Engine, root: Path, image_ref: str) -> list[Platform] | None:
+    """The platforms a plain ``push IMAGE`` pushes (see :func:`plain_platforms`); None: IMAGE alone."""
+    if platforms.parent_ref(image_ref) is not None:
+        return None  # one platform's own tag: that image alone
+    children = built_children(engine, root, image_ref)
+    info = engine.image(image_ref)
+    chosen = plain_platforms(image_ref, info.id if info is not None else None, children)
+    if chosen is None and children:
+        log.warning("%s names an image that is none of %s; pushing %s alone", image_ref,
+                    ", ".join(c.ref for c in children), image_ref)
+    return chosen
+
+
+def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
+    """The newest verdict that judged this exact image ID, if it lets the image through.
+
+    Ordered by the journal's own sequence, never by the clocks of the runs.
+    A journal entry of any kind that may be about this image and cannot be
+    read stops the gate with a RecordError naming the file: skipping it could
+    let an older pass stand in for a newer fail.
+    """
+    records.require_readable(root, image_id, ("build", "tag", "push"))
+    entry = records.judgement(root, image_id)  # the verdict folder: checked the same way, read once
+    if entry is None:
+        pending = records.verdicts(root, image_id)
+        why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
+        raise PushError(
+            f"{image_ref} ({image_id[:19]}) has no passing smoke verdict{why}; refusing to push an untested image",
+            hint=f"run: python build.py smoke {image_ref}",
+        )
+    if not entry.verdict.passed:
+        raise PushError(
+            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({entry.created}); refusing to push",
+            hint=f"see {entry.path}",
+        )
+    if not entry.verdict.gpu_verified and not allow_gpu_unverified:
+        raise PushError(
+            f"{image_ref} passed smoke without GPU checks (GPU-unverified); refusing to push",
+            hint="smoke-test it on a GPU host, or pass --allow-gpu-unverified",
+        )
+    return entry
+
+
+@dataclass(frozen=True, slots=True)
+class Clearance:
+    """What let an image through: a journal verdict, or a signed verdict checked with the given key."""
+
+    source: str  # the journal entry's or the signed verdict's file name
+    gpu_verified: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """How the push gate judges: the local journal, or signed verdicts and a public key."""
+
+    allow_gpu_unverified: bool = False
+    require_attestation: str | None = None  # public key: a file or env:NAME
+    attestation: Path | None = None  # a signed verdict given on the command line
+
+    def clear(self, root: Path, info: ImageInfo, image_ref: str) -> Clearance:
+        if self.require_attestation is not None:
+            accepted = attest.judge(attest.local_candidates(root, info.id, self.attestation), {info.id},
+                                    f"{image_ref} ({info.id[:19]})", self.require_attestation,
+                                    gpu_verified=not self.allow_gpu_unverified)
+            return Clearance(Path(accepted.source).name, accepted.gpu_verified)
+        entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
+        return Clearance(entry.path.name, entry.verdict.gpu_verified)
+
+    def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
+               say: Callable[[str], None]) -> list[str]:
+        """Put the image's signed verdicts beside it in the registry."""
+        extra = [self.attestation] if self.attestation is not None and attest.names(self.attestation, info.id) else []
+        try:
+            return attest.attach(engine, root, info.id, target, digest, extra, say)
+        except PipelineError as exc:
+            raise AttestationError(f"{target} landed in the registry as {digest}, but its signed verdicts could "
+                                   f"not be attached: {exc}", hint="push it again to attach them") from exc
+
+
+def push(
+    engine: Engine,
+    root: Path,
+    image_ref: str,
+    registry: str,
+    *,
+    policy: Gate | None = None,
+    attempts: int = ATTEMPTS,
+    progress: Callable[[str], None] | None = None,
+) -> Pushed:
+    """Gate, re-check the landed files, push, confirm the digest, attach signed verdicts, record the push."""
+    say = progress or (lambda _line: None)
+    policy = policy or Gate()
+    target = target_ref(image_ref, registry)
+    info = engine.image(image_ref)
+    if info is None:
+        raise PushError(f"image {image_ref} is not in the engine")
+    check_platform(root, info, image_ref)
+    verdict = policy.clear(root, info, image_ref)
+    records.ensure_writable(root)
+    say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
+    problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
+    if problem is not None:
+        raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
+                        hint="its verdict does not match its files; rebuild and smoke-test it")
+    digest = _push_one(engine, root, info, target, attempts, say)
+    attached = policy.attach(engine, root, info, target, digest, say)
+    try:
+        records.append(root, "push", {
+            "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
+            "registry": registry_of(target), "verdict": verdict.source,
+            "gpu_verified": verdict.gpu_verified, "attestations": attached,
+        })
+    except RecordError as exc:
+        raise RecordError(
+            f"{target} landed in the registry as {digest}, but the push could not be recorded: {exc}",
+            hint="free or fix the records folder; the registry already holds the image",
+        ) from exc
+    return Pushed(target, digest, info.id, verdict.source, tuple(attached))
+
+
+def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts: int,
+              say: Callable[[str], None]) -> str:
+    """Push one image under ``target`` and confirm the registry resolves it to the pushed digest.
+
+    The local ``target`` tag exists only to name the push. It is noted
+    before it is made, so that a run killed mid-push has the next run remove
+    it, and afterwards it is put back as it was: removed, or pointed again
+    at the image it named before. A tag found there is never taken as the
+    pushed image: the push always re-tags ``info`` first. Runs on this host
+    pushing to the same target take turns (:func:`_one_push`): one run's
+    clean-up never takes the tag away from under another's push, nor puts
+    another image under it.
+    """
+    with _one_push(target, say):
+        had = engine.image(target)
+        before = had.id if had is not None else None
+        note = leftovers.pending(root)
+        if before != info.id:
+            note.tag(target, info.id)
+        engine.tag(info.id, target)
+        try:
+            digest = _push_with_retries(engine, target, attempts, say)
+            seen = engine.registry_digest(target)
+            if seen != digest:
+                raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
+        finally:
+            if before is None:
+                engine.untag(target)
+            elif before != info.id:
+                engine.tag(before, target)
+            note.untag(target)
+    return digest
+
+
+@contextmanager
+def _one_push(target: str, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold this host's lock for ``target`` (a file under the temporary folder, named by its hash)."""
+    import fcntl
+    import hashlib
+    import os
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"vllm-hotfix-push-locks-{os.getuid()}" / (
+        hashlib.sha256(target.encode()).hexdigest()[:32] + ".lock")
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fh = open(path, "a")  # noqa: SIM115 - held open for the lock's whole life
+    except OSError as exc:
+        raise StorageError(f"cannot make the push lock {path}: {exc.strerror or exc}") from exc
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"    another run is pushing {target} from this host; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@dataclass(frozen=True, slots=True)
+class PushedIndex:
+    ref: str
+    digest: str
+    media_type: str
+    children: list[dict[str, str]]  # platform, image_id, ref, digest, verdict
+
+
+def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Platform] | None
+                    ) -> list[tuple[Platform, ImageInfo]]:
+    """Each platform's image, ``IMAGE-<machine>`` as `image --platform` tagged it (None: every one present)."""
+    repo, tag = split_reference(image_ref)
+    if tag.startswith("sha256:"):
+        raise PushError(f"{image_ref}: push a tagged reference, not a digest")
+    wanted = plats if plats is not None else [platforms.Platform("linux", a) for a in ("amd64", "arm64")]
+    found: list[tuple[Platform, ImageInfo]] = []
+    for plat in wanted:
+        ref = child_ref(image_ref, plat)
+        info = engine.image(ref)
+        if info is None:
+            if plats is None:
+                continue
+            raise PushError(f"no {plat} image {ref} in the engine",
+                            hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
+        check_platform(root, info, ref, plat)
+        found.append((plat, info))
+    if not found:
+        raise PushError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
+                        hint="build them with: python build.py image --base TAG --platform all")
+    return found
+
+
+def push_index(
+    engine: Engine,
+    root: Path,
+    image_ref: str,
+    registry_path: str,
+    plats: list[Platform] | None,
+    *,
+    policy: Gate | None = None,
+    attempts: int = ATTEMPTS,
+    progress: Callable[[str], None] | None = None,
+) -> PushedIndex:
+    """Push each platform's image as ``TAG-<machine>`` and one index over them as ``TAG``.
+
+    Every platform's image must pass the gate (and the landed re-check)
+    before anything is pushed: an index is never put over an untested image.
+    """
+    say = progress or (lambda _line: None)
+    policy = policy or Gate()
+    target = target_ref(image_ref, registry_path)
+    found = platform_images(engine, root, image_ref, plats)
+    verdicts = {}
+    for plat, info in found:
+        verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
+    records.ensure_writable(root)
+    for plat, info in found:
+        say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
+        problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
+        if problem is not None:
+            raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
+                            hint="its verdict does not match its files; rebuild and smoke-test it")
+    repo, _ = split_reference(target)
+    children: list[dict[str, str]] = []
+    entries: list[tuple[str, str, str, str]] = []
+    for plat, info in found:
+        child_target = child_ref(target, plat)
+        digest = _push_one(engine, root, info, child_target, attempts, say)
+        attached = policy.attach(engine, root, info, child_target, digest, say)
+        children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
+                         "verdict": verdicts[plat].source,
+                         "gpu_verified": str(verdicts[plat].gpu_verified).lower(),
+                         "attestations": ",".join(attached)})
+        entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
+    say(f"==> putting the index {target} over {', '.join(c['platform'] for c in children)}")
+    index_digest, index = registry.put_index(engine, target, entries)
+    seen = engine.registry_digest(target)
+    if seen != index_digest:
+        raise PushError(f"registry resolves {target} to {seen}, not the index put there ({index_digest})")
+    try:
+        records.append(root, "push", {
+            "image": image_ref, "ref": target, "digest": index_digest, "media_type": index.media_type,
+            "registry": registry_of(target), "children": children,
+            "image_ids": [c["image_id"] for c in children],
+        })
+    except RecordError as exc:
+        raise RecordError(
+            f"{target} landed in the registry as index {index_digest}, but the push could not be recorded: {exc}",
+            hint="free or fix the records folder; the registry already holds the images and the index",
+        ) from exc
+    return PushedIndex(target, index_digest, index.media_type, children)
+
+
+def _push_with_retries(engine: Engine, target: str, attempts: int, say: Callable[[str], None]) -> str:
+    delay = 1.0
+    for attempt in range(1, attempts + 1):
+        try:
+            say(f"==> pushing {target} (attempt {attempt}/{attempts})")
+            return engine.push(target, lambda line: say("    " + line))
+        except PushError as exc:
+            if attempt == attempts or not _transient(str(exc)):
+                raise
+            say(f"    transient registry error, retrying in {delay:.0f} s: {exc}")
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+_TRANSIENT = ("connection refused", "connection reset", "timeout", "timed out", "eof",
+              "503", "502", "504", "429", "temporarily", "no such host", "i/o")
+
+
+def _transient(message: str) -> bool:
+    low = message.lower()
+    return any(word in low for word in _TRANSIENT)

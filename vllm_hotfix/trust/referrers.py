@@ -1,0 +1,152 @@
+"""Signed verdicts stored beside the image they speak of, in the registry.
+
+An envelope is stored as an OCI 1.1 artifact: a manifest whose
+``artifactType`` is an in-toto statement, whose one layer is the DSSE
+envelope, and whose ``subject`` is the image's manifest. A registry with the
+referrers API indexes it by its subject; for one without, the OCI fallback
+applies: an index under the tag ``sha256-<subject hex>`` lists the
+artifacts, and whoever adds one rewrites that index. Readers try the API
+first and the fallback tag second, so both kinds of registry work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PushError
+from ..registry.client import OCI_INDEX, OCI_MANIFEST, Client, sha256
+from .signing import ENVELOPE_MEDIA_TYPE, PAYLOAD_TYPE
+
+log = logging.getLogger(__name__)
+
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY = b"{}"
+
+
+@dataclass(frozen=True, slots=True)
+class Subject:
+    """The image an artifact speaks of, as its manifest's descriptor."""
+
+    digest: str
+    media_type: str
+    size: int
+
+    def descriptor(self) -> dict[str, Any]:
+        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+
+
+def fallback_tag(digest: str) -> str:
+    return digest.replace(":", "-")
+
+
+def _put_blob(client: Client, repo: str, data: bytes) -> str:
+    digest = sha256(data)
+    scope = f"repository:{repo}:pull,push"
+    if client.request("HEAD", f"/v2/{repo}/blobs/{digest}", scope).status_code == 200:
+        return digest
+    started = client.request("POST", f"/v2/{repo}/blobs/uploads/", scope)
+    location = started.headers.get("Location", "")
+    if started.status_code != 202 or not location:
+        raise PushError(f"registry {client.host} refused to start an upload to {repo} ({started.status_code})")
+    if location.startswith("/"):
+        location = client.base + location
+    sep = "&" if "?" in location else "?"
+    # Monolithic upload: the whole blob in the closing PUT.
+    path = location.removeprefix(client.base) + f"{sep}digest={digest}"
+    done = client.request("PUT", path, scope, data=data, headers={"Content-Type": "application/octet-stream"})
+    if done.status_code != 201:
+        raise PushError(f"registry {client.host} refused the blob {digest} in {repo} ({done.status_code})")
+    return digest
+
+
+def attach(client: Client, repo: str, subject: Subject, envelope: bytes) -> str:
+    """Store ``envelope`` as an artifact referring to ``subject``; return the artifact's digest."""
+    _put_blob(client, repo, EMPTY)
+    layer = _put_blob(client, repo, envelope)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": PAYLOAD_TYPE,
+        "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": sha256(EMPTY), "size": len(EMPTY)},
+        "layers": [{"mediaType": ENVELOPE_MEDIA_TYPE, "digest": layer, "size": len(envelope)}],
+        "subject": subject.descriptor(),
+    }
+    body = json.dumps(manifest, indent=2).encode()
+    digest = sha256(body)
+    res = client.request("PUT", f"/v2/{repo}/manifests/{digest}", f"repository:{repo}:pull,push",
+                         data=body, headers={"Content-Type": OCI_MANIFEST})
+    if res.status_code != 201:
+        raise PushError(f"registry {client.host} refused the signed verdict for {repo}@{subject.digest} "
+                        f"({res.status_code})")
+    if res.headers.get("OCI-Subject") == subject.digest:
+        log.info("registry %s indexes referrers itself", client.host)
+        return digest
+    _add_to_fallback(client, repo, subject, {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(body),
+                                             "artifactType": PAYLOAD_TYPE})
+    return digest
+
+
+def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[str, Any]) -> None:
+    tag = fallback_tag(subject.digest)
+    found = client.manifest(repo, tag)
+    entries: list[dict[str, Any]] = []
+    if found is not None:
+        if found.media_type != OCI_INDEX:
+            raise PushError(f"registry {client.host}: {repo}:{tag} exists and is not a referrers index; "
+                            f"not overwriting it")
+        entries = [e for e in found.json().get("manifests") or [] if isinstance(e, dict)]
+    if any(e.get("digest") == entry["digest"] for e in entries):
+        return
+    index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, entry]}
+    client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+
+
+def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
+    """Descriptors of the signed verdicts referring to ``repo@digest`` (referrers API, else fallback tag)."""
+    res = client.request("GET", f"/v2/{repo}/referrers/{digest}", f"repository:{repo}:pull",
+                         params={"artifactType": PAYLOAD_TYPE}, headers={"Accept": OCI_INDEX})
+    entries: list[Any] = []
+    if res.status_code == 200 and res.headers.get("Content-Type", "").startswith(OCI_INDEX):
+        try:
+            entries = res.json().get("manifests") or []
+        except ValueError:
+            raise PushError(f"registry {client.host} answered the referrers of {repo}@{digest} with "
+                            f"something that is not JSON") from None
+    else:
+        found = client.manifest(repo, fallback_tag(digest))
+        if found is not None and found.media_type == OCI_INDEX:
+            entries = found.json().get("manifests") or []
+    return [e for e in entries if isinstance(e, dict) and e.get("artifactType") == PAYLOAD_TYPE]
+
+
+def envelopes(client: Client, repo: str, digest: str) -> list[tuple[str, bytes]]:
+    """(artifact digest, envelope bytes) of every signed verdict referring to ``repo@digest``.
+
+    Each artifact and blob is checked against its digest; one that does not
+    name ``digest`` as its subject is left out (a fallback index anyone can
+    write may list strangers).
+    """
+    out: list[tuple[str, bytes]] = []
+    for entry in listed(client, repo, str(digest)):
+        artifact = client.manifest(repo, str(entry.get("digest")))
+        if artifact is None:
+            continue
+        body = artifact.json()
+        if (body.get("subject") or {}).get("digest") != digest:
+            log.warning("%s@%s is listed as a referrer of %s but names another subject", repo, artifact.digest,
+                        digest)
+            continue
+        for layer in body.get("layers") or []:
+            if layer.get("mediaType") != ENVELOPE_MEDIA_TYPE:
+                continue
+            res = client.request("GET", f"/v2/{repo}/blobs/{layer.get('digest')}", f"repository:{repo}:pull")
+            if res.status_code != 200:
+                raise PushError(f"registry {client.host} answered {res.status_code} for the signed verdict "
+                                f"{repo}@{layer.get('digest')}")
+            if sha256(res.content) != layer.get("digest"):
+                raise PushError(f"registry {client.host} sent {repo}@{layer.get('digest')} with other bytes")
+            out.append((artifact.digest, res.content))
+    return out

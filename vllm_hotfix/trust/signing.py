@@ -1,0 +1,194 @@
+"""Signed verdicts: an in-toto Statement about an image, in a DSSE envelope.
+
+A smoke run's report becomes the predicate of an in-toto Statement v1 whose
+subject is the image (its config digest, which is the engine's image ID,
+and its manifest digest where a registry gave it one). The statement is
+signed with an ECDSA P-256 key (the key type cosign makes) in a DSSE
+envelope, so that any DSSE implementation can check it, not only this one.
+
+Keys come from a PEM file or from an environment variable (``env:NAME``),
+and never appear in messages or logs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ..errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey
+
+PAYLOAD_TYPE = "application/vnd.in-toto+json"
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE = "urn:vllm-hotfix:smoke-report:v1"
+ENVELOPE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
+# The password of an encrypted PEM private key, when it has one.
+PASSWORD_ENV = "VLLM_HOTFIX_SIGN_KEY_PASSWORD"
+
+
+def _read_pem(source: str, what: str) -> tuple[bytes, str]:
+    """The PEM bytes behind ``source`` (a path, or ``env:NAME``) and a name for messages."""
+    if source.startswith("env:"):
+        name = source.removeprefix("env:")
+        value = os.environ.get(name)
+        if not value:
+            raise AttestationError(f"{what} ${name}: the variable is not set or empty")
+        return value.encode(), f"${name}"
+    try:
+        return Path(source).read_bytes(), source
+    except OSError as exc:
+        raise AttestationError(f"{what} {source}: cannot read it ({exc.strerror or exc})") from None
+
+
+def load_private_key(source: str) -> ec.EllipticCurvePrivateKey:
+    """An ECDSA P-256 private key from a PEM file or ``env:NAME``."""
+    data, name = _read_pem(source, "signing key")
+    password = os.environ.get(PASSWORD_ENV)
+    try:
+        key = serialization.load_pem_private_key(data, password.encode() if password else None)
+    except TypeError:
+        raise AttestationError(f"signing key {name}: it is encrypted; put its password in ${PASSWORD_ENV}") \
+            from None
+    except ValueError:
+        raise AttestationError(f"signing key {name}: not a PEM private key (or a wrong password)") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise AttestationError(f"signing key {name}: not an ECDSA P-256 key")
+    return key
+
+
+def load_public_key(source: str) -> ec.EllipticCurvePublicKey:
+    """An ECDSA P-256 public key from a PEM file or ``env:NAME``."""
+    data, name = _read_pem(source, "public key")
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError:
+        raise AttestationError(f"public key {name}: not a PEM public key") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise AttestationError(f"public key {name}: not an ECDSA P-256 key")
+    return key
+
+
+def key_id(public: ec.EllipticCurvePublicKey) -> str:
+    """The SHA-256 of the key's DER SubjectPublicKeyInfo: names the key without showing it."""
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding: what the signature covers."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %b %d %b" % (len(kind), kind, len(payload), payload)
+
+
+def statement(subjects: Mapping[str, str], predicate: Mapping[str, Any]) -> dict[str, Any]:
+    """An in-toto Statement v1: ``subjects`` maps a name (an image reference) to a ``sha256:`` digest."""
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": name, "digest": {"sha256": digest.removeprefix("sha256:")}}
+                    for name, digest in subjects.items()],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": dict(predicate),
+    }
+
+
+def sign(doc: Mapping[str, Any], key: ec.EllipticCurvePrivateKey) -> bytes:
+    """The DSSE envelope (JSON bytes) of ``doc`` signed with ``key``."""
+    payload = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    signature = key.sign(pae(PAYLOAD_TYPE, payload), ec.ECDSA(hashes.SHA256()))
+    envelope = {
+        "payloadType": PAYLOAD_TYPE,
+        "payload": base64.b64encode(payload).decode(),
+        "signatures": [{"keyid": key_id(key.public_key()), "sig": base64.b64encode(signature).decode()}],
+    }
+    return json.dumps(envelope, indent=2).encode() + b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Attested:
+    """A statement whose envelope verified with the given key."""
+
+    statement: dict[str, Any]
+    key_id: str
+
+    @property
+    def digests(self) -> set[str]:
+        return {f"sha256:{s.get('digest', {}).get('sha256', '')}" for s in self.statement.get("subject") or []
+                if isinstance(s, dict)}
+
+    @property
+    def predicate(self) -> dict[str, Any]:
+        found = self.statement.get("predicate")
+        return found if isinstance(found, dict) else {}
+
+
+def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) -> Attested:
+    """Verify a DSSE envelope with ``public`` and return its statement.
+
+    AttestationWrongKey: no signature was made with this key;
+    AttestationTampered: one claims this key but does not verify, or the
+    envelope or statement is malformed. ``where`` names it in messages.
+    """
+    try:
+        envelope = json.loads(data)
+        payload_type = envelope["payloadType"]
+        payload = base64.b64decode(envelope["payload"], validate=True)
+        signatures = [(s.get("keyid", ""), base64.b64decode(s["sig"], validate=True))
+                      for s in envelope["signatures"]]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise AttestationTampered(f"{where}: not a DSSE envelope") from None
+    if payload_type != PAYLOAD_TYPE:
+        raise AttestationTampered(f"{where}: payload type {payload_type!r}, not an in-toto statement")
+    ours = key_id(public)
+    tried = [sig for kid, sig in signatures if kid in ("", ours)]
+    if not tried:
+        raise AttestationWrongKey(f"{where}: signed with another key (key IDs "
+                                  f"{', '.join(k[:12] for k, _ in signatures) or 'none'}; this key is {ours[:12]})")
+    for sig in tried:
+        try:
+            public.verify(sig, pae(payload_type, payload), ec.ECDSA(hashes.SHA256()))
+            break
+        except InvalidSignature:
+            continue
+    else:
+        raise AttestationTampered(f"{where}: the signature does not match its content (tampered, or "
+                                  f"signed with another key)")
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        raise AttestationTampered(f"{where}: the signed payload is not JSON") from None
+    if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != PREDICATE_TYPE:
+        raise AttestationTampered(f"{where}: not a smoke-report statement")
+    return Attested(doc, ours)
+
+
+def require_subject(found: Attested, digests: Iterable[str], image: str, where: str) -> None:
+    """AttestationMismatch unless the statement names one of ``digests`` (the image's)."""
+    wanted = set(digests)
+    if not found.digests & wanted:
+        raise AttestationMismatch(f"{where}: its subject ({', '.join(sorted(found.digests)) or 'none'}) is "
+                                  f"another image than {image} ({', '.join(sorted(wanted))})")
+
+
+def require_verdict(found: Attested, image: str, where: str, *, gpu_verified: bool = True,
+                    gpu_products: Iterable[str] = ()) -> None:
+    """AttestationError unless the signed report is a pass (GPU-verified, on the named GPU products)."""
+    report = found.predicate
+    if report.get("status") != "pass":
+        raise AttestationMismatch(f"{where}: the signed smoke verdict of {image} is {report.get('status')!r}, "
+                                  f"not a pass")
+    if gpu_verified and report.get("gpu_verified") is not True:
+        raise AttestationMismatch(f"{where}: the signed smoke run of {image} was not GPU-verified")
+    devices = [str(d) for d in (report.get("gpu") or {}).get("devices") or []]
+    for product in gpu_products:
+        if not any(product.lower() in d.lower() for d in devices):
+            raise AttestationMismatch(f"{where}: the signed smoke run of {image} ran on "
+                                      f"{', '.join(devices) or 'no GPU'}, not on {product}")
