@@ -119,7 +119,7 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateE
 
 
 def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None],
-                env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+                env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> tuple[int, str]:
     """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``.
 
     An empty ``point`` calls ``hit`` at once (it may wait itself).
@@ -131,7 +131,7 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
                            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     proc = subprocess.Popen(
         [sys.executable, "-c", with_default_sigint, str(REPO / "build.py"), "--root", str(project), "image",
-         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild"],
+         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     assert proc.stderr is not None
@@ -298,6 +298,54 @@ def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, E
     fails(r, "not in the engine")
     assert engine.containers_by_owner() == {}
     assert engine.image_ids() - before == set()
+
+
+SLOW_PY = b"""#!/bin/sh
+# The probe's Python, slow to answer: the engine is frozen while the probe's exec is in flight.
+case "$2" in *time.sleep*) exec python3 "$@";; esac
+sleep 6
+exec python3 "$@"
+"""
+
+
+def test_frozen_engine_during_the_probes_exec_ends_in_time(private: tuple[PrivateEngine, Engine], project: Path,
+                                                           unique: str, tmp_path: Path) -> None:
+    """SIGSTOP to the engine while the probe runs in its container (no facts cached): the probe timeout holds.
+
+    The SDK reads an exec's answer with an untimed poll: this run waited until the engine was resumed.
+    """
+    from conftest import derive
+
+    eng, engine = private
+    repo = f"hotfix-test/slow-python-{unique}"
+    derive(engine, f"{STANDIN_REPO}:v0.25.1", f"{repo}:v0.25.1", "COPY slowpy /usr/local/bin/slowpy",
+           {"slowpy": SLOW_PY}, {"slowpy": 0o755})
+    toml = project / "images/v0.25.1.toml"
+    toml.write_text(toml.read_text().replace('name = "vllm"', 'name = "vllm"\npython = "/usr/local/bin/slowpy"'))
+    out = f"hotfix-test/frozen-exec-{unique}:x"
+    pid = eng.pid()
+    frozen_at: list[float] = []
+
+    def freeze(_proc: subprocess.Popen[str]) -> None:
+        time.sleep(2)
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
+
+    try:
+        rc, err = run_and_hit(eng, project, out, "==> checking", freeze,
+                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")},
+                              ("--base-repo", repo))
+        took = time.monotonic() - frozen_at[0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    line = _one_error_line(err)
+    print(f"frozen engine during the probe's exec: exit {rc} after {took:.1f} s: {line}")
+    assert rc == 5 and "the Docker engine stopped answering" in line, err
+    assert took < 10 + 12, f"took {took:.1f} s"
+    r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url})
+    fails(r, "not in the engine")
+    assert engine.containers_by_owner() == {}
+    engine.remove_image(f"{repo}:v0.25.1")
 
 
 @pytest.mark.parametrize("point", ["==> checking", "==> building", "==> smoke-testing"])

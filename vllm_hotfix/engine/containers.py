@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import BaseImageError, EngineError, PipelineError
 from . import labels
-from .mapping import gone
+from .mapping import gone, lost
 from .model import ExecResult, GpuRequest, Refused, Seam
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,10 @@ class Box:
         # exec_run has no timeout of its own: wrap the command in one when
         # `timeout` exists in the image, which every Debian-based image has.
         # The engine must answer within that time and a little more.
-        with self._engine.deadline(timeout + EXEC_GRACE), self._engine.translating("running a probe in a container"):
-            result = self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True)
+        limit = timeout + EXEC_GRACE
+        with self._engine.deadline(limit), self._engine.translating("running a probe in a container"):
+            result = _within(limit, "running a probe in a container",
+                             lambda: self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True))
         out, err = result.output
         stderr = (err or b"").decode("utf-8", "replace")
         if result.exit_code == 124:
@@ -150,6 +152,32 @@ class Served:
         """Its last SERVICE_LOG_LINES lines."""
         with self._engine.translating("reading the server container's log"):
             return str(self._container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace"))
+
+
+def _within(seconds: float, operation: str, call: Callable[[], Any]) -> Any:
+    """``call()``, or the engine lost after ``seconds``.
+
+    The SDK reads an exec's output with an untimed poll on its socket, which
+    the client's timeout does not bound: an engine frozen mid-exec would hold
+    the run forever. The call runs in a thread of its own; one that the engine
+    never answers is left behind (a daemon), and the run ends with one line.
+    """
+    got: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            got["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            got["error"] = exc
+
+    thread = threading.Thread(target=target, name="engine-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise lost(operation, TimeoutError(f"no answer within {seconds:.0f} s"))
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
 
 
 def _foreign_arch(image: str, said: str) -> BaseImageError:
