@@ -148,3 +148,34 @@ def test_every_platform_from_a_registry_that_does_not_answer_fails(engine: Engin
         assert r.rc == 64
     finally:
         engine.untag(f"{repo}:v0.25.1")
+
+
+def test_push_of_an_image_not_in_the_engine_is_a_missing_image(engine: Engine, unique: str) -> None:
+    """As under smoke: exit 4 with a hint (it was 8, the push gate's code, with none)."""
+    ref = f"hotfix-test/nosuch-{unique}:1"
+    r = cli("push", ref, "--registry", "127.0.0.1:5000/ops")
+    fails(r, f"'{ref}'", "is not in the engine")
+    assert r.rc == 4 and "hint: build it with `image`" in r.err
+
+
+def test_smoke_through_podman_of_an_image_podman_lacks_is_a_missing_image(unique: str) -> None:
+    import shutil
+
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    ref = f"hotfix-test/nosuch-{unique}:1"
+    r = cli("smoke", ref, "--launcher", "podman")
+    fails(r, f"podman has no image {ref}")
+    assert r.rc == 4 and "podman load" in r.err
+
+
+def test_a_base_from_elsewhere_on_an_older_engine_says_nothing_of_platform_all(engine: Engine, base_v0251: str,
+                                                                              project: Path, unique: str) -> None:
+    """`image --base-repo X` without --platform on a 20.10 engine: no word of a --platform all nobody asked for."""
+    if engine.api_version >= (1, 45):
+        pytest.skip(f"the default engine is {engine.version_text}; this is about engines that lose platforms")
+    repo = f"127.0.0.1:{free_port()}/elsewhere-{unique}"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--no-smoke", "--tag", f"hotfix-test/x-{unique}:1",
+            root=project)
+    assert r.rc == 4, r.err
+    assert "--platform" not in r.err and "building for its own platform only" in r.err, r.err

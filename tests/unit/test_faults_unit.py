@@ -91,6 +91,22 @@ def test_list_names_a_wrong_typed_push_entry(project: Path) -> None:
     assert r.rc == 0 and str(path) in r.err and "malformed" in r.err, r.err
 
 
+def test_list_names_each_damaged_entry_once_and_each_push_once(project: Path) -> None:
+    """One warning per damaged file (it was said once per definition read), one line per ref@digest pushed."""
+    image = "sha256:" + "a" * 64
+    records.append(project, "build", {"image_id": image, "output_ref": "r/x:v1", "inputs": {"definition": "v0.25.1"}})
+    for _ in range(3):
+        records.append(project, "push", {"image_id": image, "ref": "reg:5000/ops/x:v1", "digest": "sha256:" + "d" * 64})
+    verdict = _entry(project, "verdict", {"seq": "abc", "image_id": image})
+    push = project / "build" / "records" / "push" / f"{'0' * 19}9-bad.json"
+    push.write_text("{not json")
+    r = cli("list", root=project)
+    assert r.rc == 0, r.err
+    assert r.err.count(str(verdict)) == 1 and r.err.count(str(push)) == 1, r.err
+    assert r.out.count("reg:5000/ops/x:v1@sha256:" + "d" * 64) == 1 and "(3 pushes)" in r.out, r.out
+    assert len(json.loads(cli("list", "--json", root=project).out)[0]["builds"][0]["pushes"]) == 3
+
+
 # -- a credential helper named in the docker config that is not installed ------
 
 
@@ -456,3 +472,19 @@ def test_sweep_leaves_a_noted_tag_moved_since(tmp_path: Path) -> None:
     engine = TagEngine({TARGET: OLD_ID})
     leftovers.sweep(engine, tmp_path)  # type: ignore[arg-type]
     assert engine.tags[TARGET] == OLD_ID and not (runs / "x.json").exists()
+
+
+def test_output_closed_under_the_tool_is_its_own_exit(project: Path) -> None:
+    """`list | head` with the reader gone before the tool writes: exit 141 and one line (it was 1, silently)."""
+    for n in range(40):  # enough lines that the output does not fit in what the pipe takes at once
+        records.append(project, "build", {"image_id": "sha256:" + f"{n:064x}", "output_ref": f"r/x:v{n}",
+                                          "inputs": {"definition": "v0.25.1"}})
+    proc = subprocess.Popen([sys.executable, str(REPO / "build.py"), "--root", str(project), "list", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away at once, as `head` does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: output closed (what read it went away); the run stopped and cleaned up"], err

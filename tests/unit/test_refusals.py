@@ -462,3 +462,20 @@ def test_runbook_shaped_commands_with_bad_values_fail_before_work() -> None:
     r = cli("smoke", "ops/vllm:v1", "--gpu", "require", "--sign-key", "env:NOPE", "--attestation",
             "/etc/hostname/verdict.dsse.json")
     _one_line(r, 64, "--attestation", "cannot write there")
+
+
+def test_hints_under_make_name_its_variables_but_keep_commands_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Run by make, a flag in a hint becomes the make variable; a `python build.py ...` command stays a command
+    (it read `python build.py image --base TAG PLATFORM=all`)."""
+    from vllm_hotfix.cli.app import report_error
+    from vllm_hotfix.errors import BaseImageError, PushError
+
+    monkeypatch.setenv("VLLM_HOTFIX_VIA_MAKE", "1")
+    assert report_error(PushError("not GPU-verified", hint="pass --allow-gpu-unverified to push it anyway")) == 8
+    assert "hint: run make again with ALLOW_GPU_UNVERIFIED=1 to push it anyway" in capsys.readouterr().err
+    report_error(BaseImageError("no per-platform images",
+                                hint="build them with: python build.py image --base TAG --platform all"))
+    err = capsys.readouterr().err
+    assert "hint: build them with: python build.py image --base TAG --platform all" in err
+    assert "PLATFORM=all" not in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import shlex
 from pathlib import Path
 
@@ -114,3 +115,44 @@ def test_runbook_values_pass_their_checks(args: list[str]) -> None:
                 checked[opt].convert(value, None, None)
             except UsageError as exc:
                 pytest.fail(f"runbook command `{' '.join(args)}`: {exc}")
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """Markdown tables whose first header cell is `exit`: their rows' cells (an escaped `\\|` stays in its cell)."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] | None = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if current is None:
+            current = [] if cells[:1] == ["exit"] else None
+            if current is not None:
+                tables.append(current)
+        elif not set("".join(cells)) <= set("-: "):
+            current.append(cells)
+    return tables
+
+
+def test_readme_exit_table_is_errors_py() -> None:
+    """README's exit table is exit_table(), row for row, as --help prints it."""
+    from vllm_hotfix.errors import exit_table
+
+    [table] = _tables((REPO / "README.md").read_text(encoding="utf-8"))
+    assert [(int(code), meaning) for code, meaning in table] == exit_table()
+    shown = " ".join(climod.EXIT_CODES.split())
+    for code, meaning in exit_table():
+        assert f"{code} {' '.join(meaning.split())}" in shown
+
+
+def test_runbook_exit_codes_are_the_tools() -> None:
+    """Every exit code the runbook's tables give is one errors.py has (or `-`, for warnings)."""
+    from vllm_hotfix.errors import exit_table
+
+    codes = {str(code) for code, _ in exit_table()} | {"-"}
+    tables = _tables(RUNBOOK.read_text(encoding="utf-8"))
+    assert len(tables) >= 2
+    for table in tables:
+        for row in table:
+            assert row[0] in codes, f"runbook row names exit {row[0]}, which the tool does not have: {row}"

@@ -65,7 +65,7 @@ def builds(root: Path, definition: str) -> list[Build]:
     # Each kind of entry is read once, not once per build.
     all_verdicts, all_pushes = records.load_verdicts(root), records.load(root, "push")
     for d in all_verdicts.damaged:
-        log.warning("journal entry %s %s", d.path, d.why)
+        records.warn(d)
     out: list[Build] = []
     seen: set[str] = set()
     for entry in records.builds(root, definition):

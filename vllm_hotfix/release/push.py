@@ -26,7 +26,15 @@ from ..building import platforms
 from ..building.platforms import Platform, child_ref
 from ..checking import smoke
 from ..engine import Engine, ImageInfo, registry_of, split_reference
-from ..errors import AttestationError, PipelineError, PushError, RecordError, Refused, StorageError
+from ..errors import (
+    AttestationError,
+    BaseImageError,
+    PipelineError,
+    PushError,
+    RecordError,
+    Refused,
+    StorageError,
+)
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
@@ -233,7 +241,9 @@ def push(
     target = target_ref(image_ref, registry)
     info = engine.image(image_ref)
     if info is None:
-        raise PushError(f"image {image_ref} is not in the engine")
+        # Nothing to push, and no gate refused it: the image is missing (exit 4), as under smoke.
+        raise BaseImageError(f"image {image_ref!r} is not in the engine",
+                             hint="build it with `image` (which smoke-tests it), or pull it first")
     check_platform(root, info, image_ref)
     verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
@@ -341,12 +351,12 @@ def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Plat
         if info is None:
             if plats is None:
                 continue
-            raise PushError(f"no {plat} image {ref} in the engine",
+            raise BaseImageError(f"no {plat} image {ref} in the engine",
                             hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
         check_platform(root, info, ref, plat)
         found.append((plat, info))
     if not found:
-        raise PushError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
+        raise BaseImageError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
                         hint="build them with: python build.py image --base TAG --platform all")
     return found
 

@@ -24,7 +24,7 @@ from typing import Any
 from ...engine import ImageInfo, Tree
 from ...engine import labels as L
 from ...engine.files import FileFact, scan_tar
-from ...errors import EngineError, SmokeError
+from ...errors import BaseImageError, EngineError, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
 
@@ -89,12 +89,12 @@ class PodmanLauncher:
         return results(done.stdout, done.stderr, f"runner in {image} (podman)")
 
     def image_facts(self, image: str) -> dict[str, Any]:
-        """``podman image inspect`` of ``image``; EngineError when podman does not have it."""
+        """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
         done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
                               errors="replace")
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or ["no such image"])[-1]
-            raise EngineError(f"podman has no image {image}: {said}",
+            raise BaseImageError(f"podman has no image {image}: {said}",
                               hint="load it: docker save IMAGE | podman load (or podman pull by digest)")
         found = json.loads(done.stdout)
         return dict(found[0]) if found else {}
