@@ -18,7 +18,8 @@
 #    so its GPU checks run after patch-landed fails; --sign-key SIGN_KEY when set);
 # 5. writes OUTDIR/record-podman.json (gpu_host.py record).
 # Environment as gpu-host-engine.sh, plus PODMAN_HOME (/var/lib/vllm-hotfix-podman),
-# SIGN_KEY (a PEM file: the runner signs inside the image), PODMAN_ULIMITS (see bundle-podman.sh).
+# SIGN_KEY (a PEM file: the runner signs inside the image), PODMAN_ULIMITS (see bundle-podman.sh),
+# SOURCE_MANIFEST (the record's source check, as in gpu-host-serve.sh).
 set -u
 BUNDLE=$(cd "${1:?usage: gpu-host-podman.sh BUNDLE OUTDIR}" && pwd)
 mkdir -p "${2:?usage: gpu-host-podman.sh BUNDLE OUTDIR}"
@@ -96,6 +97,10 @@ wait $p2; r2=$?
 log "smoke exit codes: patched $r1, unpatched $r2"
 
 # 5. the record
+# podman started the smokes: the record names it (the engine only built the images). SOURCE_MANIFEST: see
+# gpu-host-serve.sh; the record is refused unless the checkout that ran is that clean commit.
 "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record-podman.json" --patched "$OUTDIR/patched-podman.json" \
-  --unpatched "$OUTDIR/unpatched-podman.json" --timings "$LOG" | tee -a "$LOG"
+  --unpatched "$OUTDIR/unpatched-podman.json" --timings "$LOG" --launcher podman \
+  --launcher-version "$(podman --version)" --source-manifest "${SOURCE_MANIFEST:-gpu-parts/source.json}" \
+  --source-root "$(pwd)" | tee -a "$LOG"
 log "done"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The seed's failure and fix end to end on a GPU host without Docker or a
 # package registry, and the record of it, made by this script alone: a real
-# `vllm serve` of a tiny MiniMax-M3 in the image the pipeline patched and in
-# the unpatched GPU base, through the engine, at concurrency 1, 2, 4, 8, 16,
-# every reply judged against reference answers (no --min-tokens).
+# `vllm serve` of a tiny MiniMax-M3 in the image the pipeline patched, in
+# another build of the same definition (the reference image) and in the
+# unpatched GPU base, through the engine, at concurrency 1, 2, 4, 8, 16, every
+# reply judged by the oracle (bit for bit at concurrency 1, within recorded
+# noise above it) against answers recorded from the reference image.
 #
 #   bash gpu-runs/gpu-host-serve.sh PARTS_DIR OUTDIR
 #
@@ -14,6 +16,15 @@
 # GPU-verified for a compiled file RECORD lists but the image lacks), plus the
 # requirements the host's Python lacks.
 #
+# What ran: every call first checks this checkout against SOURCE_MANIFEST
+# (default CHECKOUT/gpu-parts/source.json, made where the tree was sent from by
+# `python3 gpu-runs/source_manifest.py make`: the commit, its tree, every
+# tracked file's git blob ID) and refuses to go on unless every tracked file
+# hashes as in that commit and no other file lies beside them
+# (OUTDIR/source-<time>.json keeps each call's check; the record step refuses
+# unless every call's tree is the commit's). OUTDIR must lie outside the
+# checkout.
+#
 # Steps (STEPS, default all of them, in order); each skips what is done, so a
 # step cut short is run again as it was:
 #   unpack    check and join the parts; unzip vLLM's wheel (vllm/ + dist-info),
@@ -22,40 +33,52 @@
 #             (gpu-runs/gpu-host-engine.sh's engine step)
 #   base      GPU base REPO:v0.25.1 (gpu_host.py base --cuda); made again when
 #             the parts it came from changed
-#   image     build.py image --base v0.25.1 --base-repo REPO (the patched image)
-#   model     gpu-runs/tiny_minimax_m3.py writes the tiny model
+#   image     build.py image --base v0.25.1 --base-repo REPO (the patched image,
+#             REPO:v0.25.1-m3patch, the Dockerfile builder)
+#   refimage  the same definition by the assemble builder (REPO:v0.25.1-m3patch-assembled):
+#             the reference image, another image than the one judged
+#   model     gpu-runs/tiny_minimax_m3.py writes the tiny model (with the gains
+#             that make it read its prompt)
 #   inputs    hashes the model and the base into WORK/inputs.json the first
 #             time (after either was made), and refuses (gpu_host.py inputs
 #             --check) to go on with a model or base whose hash changed since
 #   check     (not in the default) imports vLLM's server, engine core, model
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
-#   cold      the patched image, compile caches emptied first, records the
-#             reference answers: --record-reference OUTDIR/answers.json
-#   warm      the patched image again, caches warm, --reference answers.json
+#   reference the reference image, compile caches emptied first (cold), records
+#             the reference answers: --record-reference OUTDIR/answers.json
+#             (concurrency 1 twice, then 16 for the noise), then its own sweep
+#   patched   the patched image, caches warm, --reference answers.json
+#   patched2  the patched image again: a second server start (OUTDIR/patched-again.json)
 #   unpatched the base, --definition v0.25.1 --reference answers.json
 #   record    OUTDIR/record.json (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
 # verdict with a P-256 key made here (WORK/signing-key.pem; the public key is
-# copied to OUTDIR/signing-key.pub.pem) into OUTDIR/<which>.dsse.json.
+# copied to OUTDIR/signing-key.pub.pem) into OUTDIR/<which>.dsse.json. The
+# sweep's server runs with --no-enable-prefix-caching and VLLM_BATCH_INVARIANT=1
+# (the tool adds both) and here with --kv-cache-memory-bytes, so that vLLM does
+# not measure the GPU's free memory and the server starts while the GPU checks
+# run.
 #
-# On a host that allows 10 minutes per command, three calls:
-#   STEPS="unpack engine base image model inputs"   (about 4 min; base 2 min)
-#   STEPS="cold"                                    (cold server start about 3 min)
-#   STEPS="warm unpatched record"                   (if it runs out: STEPS="unpatched record")
+# On a host that allows 10 minutes per command, three calls after the parts:
+#   STEPS="unpack engine base image refimage model inputs"  (about 4 min; base 2 min)
+#   STEPS="reference"                                        (cold server start, about 4 min)
+#   STEPS="patched patched2 unpatched record"                (warm, at most 90 s each)
 #
-# OUTDIR gets run.log, dockerd.log, smoke-<which>.log, <which>.json (patched-cold,
-# patched, unpatched), <which>.dsse.json, answers.json, signing-key.pub.pem and
-# record.json.
+# OUTDIR gets run.log, dockerd.log, smoke-<which>.log, <which>.json (reference,
+# patched, patched-again, unpatched), <which>.dsse.json, answers.json,
+# signing-key.pub.pem, source-*.json and record.json.
 #
 # REFERENCE_FROM (an earlier run's folder: its answers.json, for a model of the same hash).
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
-# (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), CONCURRENCY (1,2,4,8,16),
-# REQUESTS (32 per level), SERVE_ARGS (extra `vllm serve` arguments),
-# TIMEOUT_COLD (540), TIMEOUT_WARM (240), TIMEOUT_UNPATCHED (300) seconds per
-# smoke (the tool cleans up on TERM), TARGET_SECONDS (120, the record's smoke
-# time target), DRY_RUN (1: print each engine-touching command instead of
-# running it; a self-test of the steps' logic without a GPU or an engine).
+# (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), KV_BYTES (4294967296; empty: let
+# vLLM size the KV cache, and start the server after the GPU checks),
+# CONCURRENCY (1,2,4,8,16), REQUESTS (32 per level), SERVE_ARGS (extra `vllm
+# serve` arguments), TIMEOUT_REFERENCE (540), TIMEOUT_WARM (240) seconds per
+# smoke (the tool cleans up on TERM), TARGET_SECONDS (90, the record's smoke
+# time target for the warm runs), SOURCE_MANIFEST, DRY_RUN (1: print each
+# engine-touching command instead of running it, and say where a source check
+# would refuse; a self-test of the steps' logic without a GPU or an engine).
 set -u
 PARTS=$(cd "${1:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}" && pwd)
 mkdir -p "${2:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}"
@@ -67,7 +90,8 @@ REPO_NAME=${GPU_BASE_REPO:-vllm-gpu-base}
 TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
-STEPS=${STEPS:-unpack engine base image model inputs cold warm unpatched record}
+REFIMG=$REPO_NAME:$TAG-m3patch-assembled
+STEPS=${STEPS:-unpack engine base image refimage model inputs reference patched patched2 unpatched record}
 DRY_RUN=${DRY_RUN:-}
 PAYLOAD=$WORK/payload
 MODEL=$WORK/tiny-minimax-m3
@@ -92,7 +116,22 @@ act() {
   "$@"
 }
 mkdir -p "$WORK"
-log "checkout $HERE: $(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo 'not a git checkout'); steps: $STEPS"
+SOURCE_MANIFEST=${SOURCE_MANIFEST:-$HERE/gpu-parts/source.json}
+case "$OUTDIR/" in "$HERE"/*) die "OUTDIR $OUTDIR lies inside the checkout $HERE: put it outside (the source check would count its files)" ;; esac
+# What runs here: the tracked files of the commit SOURCE_MANIFEST names, nothing else beside them.
+src="$OUTDIR/source-$(date -u +%Y%m%dT%H%M%S)-$$.json"
+if "$PY" "$HERE/gpu-runs/source_manifest.py" check "$SOURCE_MANIFEST" --root "$HERE" --write "$src" >/dev/null 2>"$src.err"; then
+  log "checkout $HERE: commit $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['commit'], 'tree', d['tree'], 'clean')" "$src"); steps: $STEPS"
+  rm -f "$src.err"
+else
+  why=$(cat "$src.err" 2>/dev/null; "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print('tree', d['tree'], 'not', d['tree_expected'], 'differ', d['differ'], 'missing', d['missing'], 'extra', d['extra'], 'sender_clean', d['sender_clean'])" "$src" 2>/dev/null)
+  rm -f "$src.err"
+  if [ -n "$DRY_RUN" ]; then
+    log "source check: would refuse (${why:-no manifest}); steps: $STEPS"
+  else
+    die "source check against $SOURCE_MANIFEST: not the clean commit it names (${why:-no manifest}); make it with gpu-runs/source_manifest.py make in a clean checkout, and send that tree"
+  fi
+fi
 PARTS_SUM=$(sha256sum "$PARTS/SHA256SUMS" 2>/dev/null | cut -d' ' -f1)
 
 if step unpack; then
@@ -122,7 +161,7 @@ PYEOF
     log "unpacked: $(du -sh "$PAYLOAD" | cut -f1)"
   fi
   # The checkout running this script, as gpu-host-engine.sh unpacks it (refreshed on every run).
-  tar -C "$HERE" --exclude=./.gpucarry --exclude=./build -czf "$PAYLOAD/repo.tar.gz" .
+  tar -C "$HERE" --exclude=./.gpucarry --exclude=./build --exclude=./gpu-parts --exclude=./.git -czf "$PAYLOAD/repo.tar.gz" .
 fi
 
 if step engine; then
@@ -160,6 +199,14 @@ if step image; then
   act "$PY" build.py image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --tag "$PATCHED" \
     >>"$LOG" 2>&1 || die "build.py image failed (see run.log)"
   log "image done: $(tail -1 "$LOG")"
+fi
+
+if step refimage; then
+  # Another image of the same definition: the reference answers must not come from the image judged.
+  log "build.py image --builder assemble --tag $REFIMG (the reference image)"
+  act "$PY" build.py image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --builder assemble \
+    --tag "$REFIMG" >>"$LOG" 2>&1 || die "build.py image --builder assemble failed (see run.log)"
+  log "reference image done: $(tail -1 "$LOG")"
 fi
 
 if step model; then
@@ -239,11 +286,16 @@ open(sys.argv[2], 'wb').write(key.public_key().public_bytes(serialization.Encodi
 
 # --enforce-eager: no torch.compile and no CUDA graph capture at start-up (the
 # bug is in the kernels' buffer layout, which eager mode runs the same way).
-# No --min-tokens: every reply is judged against the reference answers, as a
-# site judges its own model, which can stop early.
+# --kv-cache-memory-bytes: vLLM sizes the KV cache from it instead of measuring
+# the GPU's free memory, so the GPU checks' processes may come and go while it
+# starts (the smoke then overlaps the two).
+# No --min-tokens: every reply is judged by the oracle, as a site judges its
+# own model, which can stop early.
 serve=(--serve-model "$MODEL" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
+KV_BYTES=${KV_BYTES-4294967296}
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
-for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.3}" ${SERVE_ARGS:-}; do
+for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.3}" \
+         ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} ${SERVE_ARGS:-}; do
   serve+=(--serve-arg="$a")
 done
 # smoke WHICH IMAGE TIMEOUT ARGS...: one smoke, unless its report is there already.
@@ -267,21 +319,17 @@ smoke() {
   [ "$rc" != 124 ] || log "smoke $which: cut short at $limit s; run this step again"
 }
 
-if step cold; then
-  if [ ! -f "$OUTDIR/patched-cold.json" ]; then
+if step reference; then
+  if [ ! -f "$OUTDIR/reference.json" ]; then
     # Cold means no compile cache of any base on any GPU, and answers recorded afresh.
     act rm -rf "$VLLM_HOTFIX_CACHE/compile"
     rm -f "$ANSWERS"
   fi
-  smoke patched-cold "$PATCHED" "${TIMEOUT_COLD:-540}" --record-reference "$ANSWERS"
-fi
-if step warm; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the cold step first"
-  smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+  smoke reference "$REFIMG" "${TIMEOUT_REFERENCE:-540}" --record-reference "$ANSWERS"
 fi
 # REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
 # gpu-runs/), on a model whose hash must equal the one that run's inputs.json names.
-if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step warm; }; then
+if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step patched || step patched2; }; then
   want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" \
          "$REFERENCE_FROM/inputs.json") || die "cannot read $REFERENCE_FROM/inputs.json"
   have=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" "$INPUTS") \
@@ -292,25 +340,37 @@ if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step
   fi
   log "reference answers from $REFERENCE_FROM (model $have): $(sha256sum "$ANSWERS" | cut -c1-64)"
 fi
-
+if step patched; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+fi
+if step patched2; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  smoke patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+fi
 if step unpatched; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the cold step first"
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
   # The base carries no labels: --definition judges it by the patch set it lacks.
-  smoke unpatched "$BASE" "${TIMEOUT_UNPATCHED:-300}" --definition "$TAG" --reference "$ANSWERS"
+  smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
 fi
 
 if step record; then
-  for which in patched-cold patched unpatched; do
-    [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run the $which smoke first"
+  for which in reference patched patched-again unpatched; do
+    [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run its smoke first"
   done
   signed=()
-  for which in patched-cold patched unpatched; do
+  for which in reference patched patched-again unpatched; do
     [ ! -f "$OUTDIR/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$OUTDIR/$which.dsse.json")
   done
-  act "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --patched "$OUTDIR/patched.json" \
-    --patched-cold "$OUTDIR/patched-cold.json" --unpatched "$OUTDIR/unpatched.json" --timings "$LOG" \
-    --model "$MODEL" --base "$BASE" --reference "$ANSWERS" --inputs-from "$INPUTS" --public-key "$PUBKEY" \
-    --target-seconds "${TARGET_SECONDS:-120}" "${signed[@]}" | tee -a "$LOG.summary"
+  calls=()
+  for f in "$OUTDIR"/source-*.json; do
+    [ ! -f "$f" ] || calls+=(--source-call "$f")
+  done
+  act "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --reference-run "$OUTDIR/reference.json" \
+    --patched "$OUTDIR/patched.json" --patched-again "$OUTDIR/patched-again.json" \
+    --unpatched "$OUTDIR/unpatched.json" --timings "$LOG" --model "$MODEL" --base "$BASE" --reference "$ANSWERS" \
+    --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
+    --source-manifest "$SOURCE_MANIFEST" --source-root "$HERE" "${calls[@]}" "${signed[@]}" | tee -a "$LOG.summary"
   rc=${PIPESTATUS[0]}
   cat "$LOG.summary" >>"$LOG" && rm -f "$LOG.summary"
   [ "$rc" = 0 ] || die "gpu_host.py record refused (exit $rc)"

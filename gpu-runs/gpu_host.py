@@ -1,10 +1,11 @@
 """Helpers for running the pipeline on a GPU host through its own Docker engine.
 
     python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...] [--cuda]
-    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT [--patched-cold REPORT]
+    python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT --source-manifest FILE
+                                    [--patched-again REPORT] [--reference-run REPORT] [--source-call FILE ...]
                                     [--timings RUN_LOG] [--model DIR] [--base REF] [--reference FILE]
                                     [--inputs-from FILE] [--public-key PEM] [--attestation KIND=FILE ...]
-                                    [--target-seconds S] [--no-engine]
+                                    [--target-seconds S] [--launcher docker|podman] [--no-engine]
     python3 gpu-runs/gpu_host.py inputs [--model DIR] [--base REF] [--reference FILE] [--write FILE | --check FILE]
 
 ``base`` makes a GPU base image from the host's own filesystem (its Python,
@@ -19,19 +20,23 @@ and CUDA_HOME names it, as in the upstream image, where FlashInfer compiles its
 kernels at first use.
 
 ``record`` folds the smoke reports (``build.py smoke --report``) into the run
-record committed under gpu-runs/: the patched image with warm compile caches
-(``--patched``), the same image's first, cold run that recorded the reference
-answers (``--patched-cold``), and the unpatched base (``--unpatched``). Every
-sentence it writes is derived from the reports (``result``: per image its
-verdict, its smoke time and phase times against ``--target-seconds``, then per
-level how many requests passed, their HTTP statuses, reply lengths and finish
-reasons, the check that judged them, wrong answers with their first
-divergence, near-ties); the per-request evidence, the phase times, the compile
-cache key and the reference answers' summary are kept beside them. Each
-``--attestation KIND=FILE`` (the DSSE envelope ``smoke --attestation`` wrote)
-is verified with ``--public-key`` and recorded by file name and key ID, so the
-verdicts can be verified again on another machine. Its ``inputs`` are hashed
-(the model folder file by file, the base image's ID, the reference file, the
+record committed under gpu-runs/: the run that recorded the reference
+answers (``--reference-run``: the reference image, another build of the same
+definition), the patched image (``--patched``, and ``--patched-again``: a
+second server start) and the unpatched base (``--unpatched``). What it holds
+and says is derived from the reports alone (:mod:`gpu_record`: per image its
+verdict, smoke and phase times against ``--target-seconds``, checks, and per
+level every request's evidence; ``findings``: the questions the run answers).
+It refuses (exit 2) to write anything unless the checkout is the clean
+commit ``--source-manifest`` names and every ``--source-call`` (each call's
+own check) ran from that same tree; ``source`` says which commit and tree,
+and how that was checked (:mod:`source_manifest`). ``launcher`` names what
+started the smokes' containers (``--launcher podman`` for podman runs), and
+``engine`` the Docker engine that built the images. Each ``--attestation
+KIND=FILE`` (the DSSE envelope ``smoke --attestation`` wrote) is verified
+with ``--public-key`` and recorded by file name and key ID, so the verdicts
+can be verified again on another machine. Its ``inputs`` are hashed (the
+model folder file by file, the base image's ID, the reference file, the
 reports, the public key); the base must be the image the unpatched report
 judged, and a report or envelope that does not verify is refused.
 ``--no-engine`` leaves out the engine's facts and the base (a self-test
@@ -61,6 +66,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_record  # noqa: E402
 
 from vllm_hotfix.engine import Engine  # noqa: E402
 from vllm_hotfix.tarball import tar_bytes  # noqa: E402
@@ -252,160 +261,6 @@ def compare_inputs(have: dict[str, Any], recorded: dict[str, Any], where: str) -
                                 f"{recorded[name].get(key)}: not the same input (make it again, or use that one)")
 
 
-def _image(report: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "ref": report.get("image"),
-        "id": report.get("image_id"),
-        "status": report.get("status"),
-        "gpu_verified": report.get("gpu_verified"),
-        "gpu": report.get("gpu"),
-        "seconds": report.get("seconds"),
-        "phases": report.get("phases") or {},
-        "compile_cache": (report.get("environment") or {}).get("compile_cache"),
-        "checks": [{"name": c.get("name"), "status": c.get("status"), "detail": c.get("detail")}
-                   for c in report.get("checks", [])],
-        "topk_layout": _topk(report),
-        "serve": _serve(report),
-    }
-
-
-EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
-                    "finish_reason", "reply_sha256", "judged_by", "passed", "divergence", "gap_nats", "error")
-
-
-def _serve(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The serve sweep: per level its summary, per request its evidence (as rows), and how the server ended."""
-    check = next((c for c in report.get("checks", []) if c.get("name") == "serve-sweep"), None)
-    if check is None:
-        return None
-    sweep = report.get("sweep") or {}
-    levels = []
-    for level in sweep.get("levels") or []:
-        summary = {k: v for k, v in level.items() if k != "per_request"}
-        rows = [[ev.get(c) for c in EVIDENCE_COLUMNS] for ev in level.get("per_request") or []]
-        levels.append({**summary, "per_request": {"columns": list(EVIDENCE_COLUMNS), "rows": rows}})
-    return {
-        "status": check.get("status"),
-        "detail": check.get("detail"),
-        "seconds": check.get("seconds"),
-        "model": sweep.get("model"),
-        "max_tokens": sweep.get("max_tokens"),
-        "min_tokens": sweep.get("min_tokens"),
-        "reference": sweep.get("reference"),
-        "failed_level": sweep.get("failed_level"),
-        "levels": levels,
-        "server_log_tail": (check.get("data") or {}).get("server_log")
-        or (sweep.get("server_log") or "").splitlines()[-40:],
-    }
-
-
-def _topk(report: dict[str, Any]) -> dict[str, Any] | None:
-    """Per scenario: how it ended, the views the installed code used, the row counts."""
-    check = next((c for c in report.get("checks", []) if c.get("name") == "topk-layout"), None)
-    if check is None:
-        return None
-    data = check.get("data") or {}
-    runs: dict[str, Any] = {}
-    for scenario, run in (data.get("runs") or {}).items():
-        result = run.get("result") or {}
-        entry = {k: run[k] for k in ("outcome", "seconds", "fault", "timeout") if k in run}
-        entry.update({k: result[k] for k in ("impls", "config", "write_views", "read_views", "decode", "prefill",
-                                             "attention", "error", "read_out_of_bounds") if k in result})
-        runs[scenario] = entry
-    stubs = next((r.get("import", {}).get("stubs") for r in (data.get("runs") or {}).values() if r.get("import")), None)
-    path = data.get("path") or next((r.get("path") for r in (data.get("runs") or {}).values() if r.get("path")),
-                                    None)
-    return {"outcomes": data.get("outcomes"), "stubs": stubs, "path": path, "runs": runs}
-
-
-def _counts(values: list[Any]) -> str:
-    seen: dict[str, int] = {}
-    for v in values:
-        seen[str(v)] = seen.get(str(v), 0) + 1
-    return ", ".join(f"{k} {n}" for k, n in sorted(seen.items()))
-
-
-def _span(values: list[int]) -> str:
-    return "-" if not values else str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
-
-
-def level_sentence(level: dict[str, Any]) -> str:
-    """One level in words, from its requests' evidence alone (its summary where a report has none)."""
-    c, n = level.get("concurrency"), level.get("requests")
-    evidence = level.get("per_request") or []
-    if not evidence:
-        return (f"concurrency {c}: {level.get('successes')}/{n} passed (no per-request evidence in the report; "
-                f"shortest reply {level.get('shortest_reply_tokens')} tokens, finish reasons "
-                f"{_counts([k for k, m in (level.get('finish_reasons') or {}).items() for _ in range(m)]) or 'none'})")
-    passed = sum(bool(ev.get("passed")) for ev in evidence)
-    parts = [f"concurrency {c}: {passed}/{len(evidence)} passed",
-             f"HTTP status {_counts([ev.get('http_status') or 'no answer' for ev in evidence])}"]
-    replies = [ev for ev in evidence if ev.get("reply_tokens") is not None]
-    if replies:
-        parts.append(f"replies of {_span(sorted(ev['reply_tokens'] for ev in replies))} tokens "
-                     f"(finish_reason {_counts([ev.get('finish_reason') for ev in replies])})")
-    parts.append(f"judged by {_counts([ev.get('judged_by') for ev in evidence])}")
-    wrong = [ev for ev in replies if ev.get("judged_by") == "reference" and not ev.get("passed")]
-    ties = [ev for ev in replies if ev.get("judged_by") == "reference" and ev.get("passed")
-            and ev.get("divergence") is not None]
-    if any(ev.get("judged_by") == "reference" for ev in replies):
-        where = sorted(ev["divergence"] for ev in wrong if ev.get("divergence") is not None)
-        first = f" (first divergence at token {_span(where)})" if where else ""
-        parts.append(f"{len(wrong)} wrong answer(s){first}")
-        gaps = [ev["gap_nats"] for ev in ties if ev.get("gap_nats") is not None]
-        parts.append(f"{len(ties)} near-tie(s)" + (f" (widest {max(gaps):.3f} nats)" if gaps else ""))
-    short = [ev for ev in evidence if ev.get("judged_by") == "min-tokens" and not ev.get("passed")]
-    if short:
-        parts.append(f"{len(short)} short repl(ies)")
-    return "; ".join(parts)
-
-
-def time_sentence(img: dict[str, Any], target: float | None = None) -> str:
-    """The smoke's wall time and each phase's, from the report."""
-    seconds = img.get("seconds")
-    phases = img.get("phases") or {}
-    words = f"smoke {seconds:.1f} s" if isinstance(seconds, (int, float)) else "smoke time not reported"
-    if target is not None and isinstance(seconds, (int, float)):
-        words += f" ({'at or under' if seconds <= target else 'over'} the {target:g} s target)"
-    words += "; phases: " + (", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) or "not reported")
-    cache = img.get("compile_cache")
-    if cache:
-        words += f"; compile cache {cache.get('base_id', '')[:12]}/{cache.get('gpu')}"
-    return words
-
-
-def image_sentences(img: dict[str, Any], target: float | None = None) -> list[str]:
-    """What one image's report shows, in words: its verdict and times, then each level the sweep ran."""
-    serve = img.get("serve") or {}
-    head = f"{img.get('status')} ({'GPU-verified' if img.get('gpu_verified') else 'GPU-unverified'})"
-    not_applicable = (img.get("gpu") or {}).get("not_applicable")
-    if not_applicable:
-        head += f"; not applicable on this GPU family: {'; '.join(map(str, not_applicable))}"
-    failing = [c["name"] for c in img.get("checks") or [] if c.get("status") not in ("pass", "skip")]
-    if failing:
-        head += f"; checks not passed: {', '.join(failing)}"
-    head += f"; {time_sentence(img, target)}"
-    if not serve:
-        return [head + "; no serve sweep"]
-    ref = serve.get("reference")
-    how = (f"reference answers {ref.get('file')} (sha256 {ref.get('sha256')}, {ref.get('prompts')} prompts, "
-           f"tolerance {ref.get('tolerance_nats')} nats)" if ref else
-           f"at least {serve['min_tokens']} tokens per reply" if serve.get("min_tokens") else "HTTP status only")
-    head += f"; serve sweep {serve.get('status')}, judged by {how}"
-    if serve.get("failed_level") is not None:
-        head += f", failed at concurrency {serve['failed_level']}"
-    rows = [_rows_to_evidence(level) for level in serve.get("levels") or []]
-    return [head, *(level_sentence(level) for level in rows)]
-
-
-def _rows_to_evidence(level: dict[str, Any]) -> dict[str, Any]:
-    table = level.get("per_request") or {}
-    if isinstance(table, dict):
-        cols = table.get("columns") or []
-        return {**level, "per_request": [dict(zip(cols, row, strict=True)) for row in table.get("rows") or []]}
-    return level
-
-
 def _load_json(path: str, what: str) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -459,19 +314,63 @@ def attestations(given: list[str], public_key: str | None, reports: dict[str, di
     return out
 
 
+def source(manifest: str, root: str, calls: list[str]) -> dict[str, Any]:
+    """What ran (:mod:`source_manifest`): the checkout here checked against the manifest now, and every call's
+    own check (the tree each smoke ran from) the same tree; InputMismatch unless clean."""
+    import source_manifest
+
+    try:
+        data = json.loads(Path(manifest).read_text(encoding="utf-8"))
+        now = source_manifest.check(data, Path(root))
+    except (OSError, ValueError) as exc:
+        raise InputMismatch(f"--source-manifest {manifest}: cannot use it ({exc})") from None
+    trees = {}
+    for path in calls:
+        call = _load_json(path, "--source-call")
+        trees[Path(path).name] = call.get("tree")
+        if not call.get("clean"):
+            raise InputMismatch(f"--source-call {path}: that call ran from a tree that is not the clean commit "
+                                f"({call.get('differ') or call.get('extra') or call.get('tree')})")
+    other = sorted(name for name, tree in trees.items() if tree != now["tree"])
+    if not now["clean"] or other:
+        why = (f"calls {', '.join(other)} ran from another tree" if other and now["clean"] else
+               f"tree {now['tree']} here, the commit's {now['tree_expected']}; differ {now['differ']}, missing "
+               f"{now['missing']}, extra {now['extra']}, sender clean {now['sender_clean']}")
+        raise InputMismatch(f"the checkout {root} is not the clean commit {now['commit']} ({why}): no record is "
+                            "written from an unclean tree")
+    return {"commit": now["commit"], "tree": now["tree"], "clean": True, "files": now["files"],
+            "calls": dict(sorted(trees.items())), "how": now["how"] + "; each call of the run checked the same way"}
+
+
+def builder_of(image_id: str | None) -> str | None:
+    """The builder the journal of this checkout names for ``image_id`` (None where it has no build of it)."""
+    if not image_id:
+        return None
+    try:
+        from vllm_hotfix.journal import records
+
+        found = records.builds_of_image(Path(__file__).resolve().parent.parent, image_id)
+    except Exception:  # noqa: BLE001 - a journal that cannot be read names no builder
+        return None
+    return str(found[0].data.get("builder")) if found else None
+
+
 def _record(args: argparse.Namespace) -> int:
-    given = {"patched": args.patched, "patched_cold": args.patched_cold, "unpatched": args.unpatched}
+    given = {"reference": args.reference_run, "patched": args.patched, "patched_again": args.patched_again,
+             "unpatched": args.unpatched}
     reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
     patched, unpatched = reports["patched"], reports["unpatched"]
+    src = source(args.source_manifest, args.source_root, args.source_call or [])
     engine = None if args.no_engine else Engine.connect()
     facts = engine.facts() if engine is not None else None
     inputs = hash_inputs(args.model, None if engine is None else args.base, args.reference, engine)
     if "base" in inputs and inputs["base"]["id"] != unpatched.get("image_id"):
         raise InputMismatch(f"base {args.base} is {inputs['base']['id']}, but the unpatched report "
                             f"{args.unpatched} judged {unpatched.get('image_id')}")
-    if "patched_cold" in reports and reports["patched_cold"].get("image_id") != patched.get("image_id"):
-        raise InputMismatch(f"--patched-cold {args.patched_cold} judged {reports['patched_cold'].get('image_id')}, "
-                            f"but --patched {args.patched} judged {patched.get('image_id')}: not the same image")
+    again = reports.get("patched_again")
+    if again is not None and again.get("image_id") != patched.get("image_id"):
+        raise InputMismatch(f"--patched-again {args.patched_again} judged {again.get('image_id')}, but --patched "
+                            f"{args.patched} judged {patched.get('image_id')}: not the same image")
     for kind, report in reports.items():
         ref = ((report.get("sweep") or {}).get("reference") or {})
         if "reference" in inputs and ref and ref.get("sha256") != inputs["reference"]["content_sha256"]:
@@ -485,30 +384,47 @@ def _record(args: argparse.Namespace) -> int:
                          for kind, path in given.items() if path}
     if args.public_key:
         inputs["public_key"] = {"path": args.public_key, "sha256": _sha256_file(Path(args.public_key))}
-    images = {kind: _image(report) for kind, report in reports.items()}
+    images = {kind: gpu_record.image(report) for kind, report in reports.items()}
+    for img in images.values():
+        img["builder"] = builder_of(img.get("id"))
     for kind, found in signed.items():
         images[kind]["attestation"] = found
+    answers = _load_json(args.reference, "--reference") if args.reference else {}
+    reference = {k: answers.get(k) for k in ("recorded", "recorded_from", "settings", "noise", "repeat",
+                                             "prompt_sensitivity", "sha256", "format")}
+    reference["tolerance_nats"] = ((patched.get("sweep") or {}).get("reference") or {}).get("tolerance_nats")
+    launcher = {"name": args.launcher, "version": args.launcher_version or (facts.server_version if facts and
+                                                                           args.launcher == "docker" else None)}
     rec: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "engine": {"version": facts.server_version, "api": facts.api_version,
+        "source": src,
+        # The engine that built the images (and, with the docker launcher, ran the smokes).
+        "engine": {"name": "docker", "version": facts.server_version, "api": facts.api_version,
                    "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)} if facts else None,
+        "launcher": launcher,
         "gpu_request_way": (patched.get("gpu") or {}).get("way"),
         "gpu_devices": (patched.get("gpu") or {}).get("devices"),
         "inputs": inputs,
+        "reference": reference,
         "images": images,
         "smoke_seconds_target": args.target_seconds,
-        "result": {kind: image_sentences(img, args.target_seconds) for kind, img in images.items()},
+        "result": {kind: gpu_record.image_sentences(img, args.target_seconds) for kind, img in images.items()},
     }
+    rec["findings"] = gpu_record.findings(images, reference, args.target_seconds)
+    rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
         rec["timings"] = [ln for ln in Path(args.timings).read_text().splitlines() if ln.startswith(("[", "  gpu:"))]
     Path(args.out).write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
+    print(f"source: commit {src['commit']} tree {src['tree']} (clean)")
     for kind, img in rec["images"].items():
-        print(f"{kind}: {img['ref']} {img['id']}")
+        print(f"{kind}: {img['ref']} {img['id']}" + (f" (builder {img['builder']})" if img.get("builder") else ""))
         for line in rec["result"][kind]:
             print(f"  {line}")
         for c in img["checks"]:
             print(f"  {c['status']:<4} {c['name']}: {str(c['detail'])[:400]}")
+    for line in rec["result"]["findings"]:
+        print(line)
     return 0
 
 
@@ -538,16 +454,29 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--paths", nargs="+", default=DEFAULT_PATHS, help="top-level paths of / to import")
     b.add_argument("--rebuild", action="store_true", help="import the filesystem again even if REF-hostfs exists")
     b.add_argument("--cuda", action="store_true", help="bring the host's CUDA toolkit (nvcc) and set CUDA_HOME")
-    r = sub.add_parser("record", help="fold two smoke reports into a run record")
+    r = sub.add_parser("record", help="fold the smoke reports into a run record")
     r.add_argument("out")
-    r.add_argument("--patched", required=True)
-    r.add_argument("--unpatched", required=True)
-    r.add_argument("--patched-cold", default=None, help="the patched image's first run, with cold compile caches")
+    r.add_argument("--patched", required=True, help="the patched image's report")
+    r.add_argument("--unpatched", required=True, help="the unpatched base's report")
+    r.add_argument("--patched-again", default=None, help="the patched image's report from a second server start")
+    r.add_argument("--reference-run", default=None,
+                   help="the report of the run that recorded the reference answers (the reference image's)")
     r.add_argument("--timings", default=None)
     r.add_argument("--public-key", default=None, help="PEM public key the --attestation envelopes verify with")
     r.add_argument("--attestation", action="append", default=None, metavar="KIND=FILE",
-                   help="a DSSE envelope of one report (KIND: patched, patched_cold, unpatched); repeatable")
-    r.add_argument("--target-seconds", type=float, default=120.0, help="the smoke time each image should meet")
+                   help="a DSSE envelope of one report (KIND: reference, patched, patched_again, unpatched); "
+                        "repeatable")
+    r.add_argument("--target-seconds", type=float, default=90.0, help="the smoke time each warm image should meet")
+    r.add_argument("--source-manifest", required=True,
+                   help="the manifest of the commit sent (source_manifest.py make): refused unless this checkout "
+                        "is that clean commit")
+    r.add_argument("--source-root", default=str(Path(__file__).resolve().parent.parent),
+                   help="the checkout that ran (default: this script's)")
+    r.add_argument("--source-call", action="append", default=None, metavar="FILE",
+                   help="a source check one call of the run wrote (source_manifest.py check --write); repeatable")
+    r.add_argument("--launcher", default="docker", choices=["docker", "podman"],
+                   help="what started the smokes' containers (the record names it)")
+    r.add_argument("--launcher-version", default=None, help="its version (podman: `podman --version`)")
     r.add_argument("--no-engine", action="store_true", help="record without an engine (no engine facts, no base)")
     for parser in (r, i := sub.add_parser("inputs", help="hash the inputs a host keeps; check them before reuse")):
         parser.add_argument("--model", default=None, help="the model folder served")

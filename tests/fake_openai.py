@@ -3,7 +3,9 @@
 
 Usage (the same argv shape as `vllm serve`):
     fake_openai.py serve MODEL --port N [--die-at-concurrency K] [--short-at-concurrency K [--short-length L]]
-                         [--wrong-at-concurrency K] [--tie-at-concurrency K [--tie-gap G]] [--prompt-log FILE]
+                         [--wrong-at-concurrency K] [--tie-at-concurrency K [--tie-gap G]]
+                         [--jitter-at-concurrency K [--jitter J]] [--nudge-at-concurrency K] [--nan-at-concurrency K]
+                         [--prompt-log FILE]
 
 It answers the completions API as vLLM does at temperature 0: the reply's
 tokens follow from the prompt alone (a hash of it), so the same prompt gets the
@@ -25,9 +27,17 @@ arrived (K=2: concurrent requests, while single ones are answered right):
 --tie-at-concurrency K  at position 1 the runner-up is chosen instead, the right
                         token --tie-gap G nats (default 0.2) below it: the near-tie
                         batching produces on a real GPU; the rest follows the new prefix.
+--jitter-at-concurrency K  every logprob of the reply J nats lower (default 0.01): the
+                        numerical noise of batching, with the same tokens.
+--nudge-at-concurrency K  the chosen token's logprob at position 3 one bit lower (the next
+                        float towards minus infinity): a reply that is not bitwise the same.
+--nan-at-concurrency K  the chosen token's logprob at position 2 is NaN (sent as the JSON
+                        token NaN, as Python writes it).
 With --prompt-log FILE it appends each request's prompt length to FILE.
 Where VLLM_CACHE_ROOT is set (the smoke run's compile cache), each start
-appends a line to fake-openai-starts there, as vLLM writes its own cache.
+appends a line to fake-openai-starts there, as vLLM writes its own cache,
+naming whether prefix caching was on (``--no-enable-prefix-caching``) and
+``VLLM_BATCH_INVARIANT``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import threading
@@ -112,14 +123,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--wrong-at-concurrency", type=int, default=0)
     ap.add_argument("--tie-at-concurrency", type=int, default=0)
     ap.add_argument("--tie-gap", type=float, default=0.2)
+    ap.add_argument("--jitter-at-concurrency", type=int, default=0)
+    ap.add_argument("--jitter", type=float, default=0.01)
+    ap.add_argument("--nudge-at-concurrency", type=int, default=0)
+    ap.add_argument("--nan-at-concurrency", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
+    ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     args = ap.parse_args(argv)
     cache = os.environ.get("VLLM_CACHE_ROOT")
     if cache:
         os.makedirs(cache, exist_ok=True)
         with open(os.path.join(cache, "fake-openai-starts"), "a", encoding="utf-8") as fh:
-            fh.write("started\n")
+            fh.write(f"started prefix_caching={args.prefix_caching} "
+                     f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT')}\n")
     model_name = args.model
 
     class Handler(BaseHTTPRequestHandler):
@@ -175,6 +192,12 @@ def main(argv: list[str]) -> int:
             k = body.get("logprobs")
             n = int(body.get("max_tokens", 16))
             tokens, tops, finish = reply_tokens(prompt, n, int(k or 0), mode, args)
+            if args.jitter_at_concurrency and now >= args.jitter_at_concurrency:
+                tops = [{t: lp - args.jitter for t, lp in top.items()} for top in tops]
+            if args.nudge_at_concurrency and now >= args.nudge_at_concurrency and len(tokens) > 3:
+                tops[3] = {**tops[3], tokens[3]: math.nextafter(tops[3][tokens[3]], -math.inf)}
+            if args.nan_at_concurrency and now >= args.nan_at_concurrency and len(tokens) > 2:
+                tops[2] = {**tops[2], tokens[2]: math.nan}
             as_ids = bool(body.get("return_tokens_as_token_ids"))
 
             def name(t: int) -> str:
@@ -195,6 +218,8 @@ def main(argv: list[str]) -> int:
                           "total_tokens": prompt_tokens + len(tokens)},
             })
 
+    # A listen backlog for 16 connections arriving at once (the default 5 can reset some under load).
+    ThreadingHTTPServer.request_queue_size = 64
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"fake server for {model_name} on 127.0.0.1:{args.port}", flush=True)
     server.serve_forever()

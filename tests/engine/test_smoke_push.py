@@ -186,20 +186,34 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
             starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
             assert starts.read_text().count("started") >= 1
+            # The oracle's settings reached the server: prefix caching off, batch-invariant mode on.
+            assert "started prefix_caching=False VLLM_BATCH_INVARIANT=1" in starts.read_text()
             # Reference answers recorded from this (trusted) image, then every reply judged against them.
             answers = tmp_path / "answers.json"
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
                     str(answers), "--concurrency", "1,2", "--requests", "6", root=project)
             assert r.rc == 0, r.err
-            assert len(json.loads(answers.read_text())["answers"]) == 24
+            recorded = json.loads(answers.read_text())
+            assert len(recorded["answers"]) == 24 and recorded["repeat"]["identical"] == 24
+            # The settings it was recorded under, as the host knows them and the image reported them.
+            settings = recorded["settings"]
+            assert settings["serve_args"] == ["--no-enable-prefix-caching"]
+            assert settings["env"] == {"VLLM_BATCH_INVARIANT": "1"} and settings["vllm"] == "0.25.1"
+            assert settings["base_image_id"] == base_id and len(settings["model"]) == 64
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
                     "--concurrency", "1,2,4", "--requests", "6", "--report", str(tmp_path / "ref.json"),
                     root=project)
             assert r.rc == 0, r.err
             report = json.loads((tmp_path / "ref.json").read_text())
             sweep_check = next(c for c in report["checks"] if c["name"] == "serve-sweep")
-            assert "every reply matched the reference answers" in sweep_check["detail"]
-            assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == {"reference"}
+            assert "every reply at concurrency 1 bitwise the reference answer" in sweep_check["detail"]
+            assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == \
+                {"exact", "noise"}
+            # Another model than the one recorded with: refused before the server starts, naming it (exit 64).
+            (model / "config.json").write_text('{"other": 1}')
+            r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
+                    root=project)
+            assert r.rc == 64 and "recorded under other settings (model '" in r.err
     finally:
         engine.remove_image(served)
 

@@ -1,14 +1,19 @@
-"""Reference answers: `serve-check --record-reference` and `--reference` against tests/fake_openai.py.
+"""Reference answers and the oracle: `serve-check --record-reference` and `--reference` against
+tests/fake_openai.py.
 
 The fake server's replies follow from the prompt alone, so answers recorded
-from a healthy one are the answers any healthy one gives. Its switches make
-concurrent requests answer wrongly, diverge at a near-tie, or stop early,
-all with HTTP 200 and without --min-tokens.
+from a healthy one are the answers any healthy one gives, bit for bit. Its
+switches make concurrent requests answer wrongly, diverge at a near-tie,
+stop early, carry batching's noise (--jitter) or a NaN, or differ from the
+reference in one bit (--nudge), all with HTTP 200 and without --min-tokens.
+The recorded noise comes from a tie at concurrency 2 and above (0.2 nats), so
+the tolerance above concurrency 1 is 4 x 0.2 = 0.8 nats.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,7 +24,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO, cli, fails, free_port
-from vllm_hotfix.checking import reference
+from vllm_hotfix.checking import oracle, reference
 from vllm_hotfix.checking.reference import Answer, Reply
 
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -42,12 +47,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     """Answers recorded once from a healthy server (the trusted image), and the sweep that followed."""
     folder = tmp_path_factory.mktemp("reference")
     ref, report = folder / "answers.json", folder / "recorded.json"
-    with fake("--delay", "0.01") as url:
+    with fake("--delay", "0.01", "--tie-at-concurrency", "2", "--tie-gap", "0.2") as url:
         r = cli("serve-check", "--url", url, "--record-reference", str(ref), "--concurrency", "1,4",
                 "--requests", "24", "--report", str(report))
     assert r.rc == 0, r.err
     assert f"recorded 24 reference answers to {ref} (sha256 " in r.out
-    assert "every reply matched" in r.out
+    assert "every reply at concurrency 1 bitwise" in r.out
     return ref, json.loads(report.read_text())
 
 
@@ -64,18 +69,46 @@ def test_recorded_reference_then_matched(recorded: tuple[Path, dict[str, Any]], 
     assert [a["prompt"] for a in data["answers"]] == list(reference.PROMPTS)
     assert all(len(a["tokens"]) == 32 and all(t.startswith("token_id:") for t in a["tokens"]) for a in data["answers"])
     assert all(len(top) == 5 for a in data["answers"] for top in a["top_logprobs"])
-    assert first["reference"]["sha256"] == data["sha256"] and first["reference"]["tolerance_nats"] == 0.5
+    # What recording measured: the prompt set again at concurrency 1 (bitwise equal), the noise at 16.
+    assert data["repeat"] == {"concurrency": 1, "requests": 24, "identical": 24}
+    noise = data["noise"]
+    assert noise["concurrency"] == 16 and noise["requests"] == 48 and noise["spread_nats"] == pytest.approx(0.2)
+    assert noise["token_divergences"] + noise["identical"] == 48 and noise["token_divergences"] > 0
+    assert data["prompt_sensitivity"] == {"prompts": 24, "distinct_replies": 24,
+                                          "median_first_token_gap_nats": pytest.approx(2.4)}
+    assert data["settings"] == {"server": data["recorded_from"], "known": False}  # serve-check: not known here
+    assert first["reference"]["sha256"] == data["sha256"]
+    assert first["reference"]["tolerance_nats"] == pytest.approx(0.8) and first["reference"]["noise_multiple"] == 4
     with fake() as url:
         r = _check(url, ref_path, tmp_path / "r.json", levels="1,2,4")
     assert r.rc == 0, r.err
-    assert "wrong answers 0, near-ties 0" in r.err
+    assert "wrong answers 0, identical 8, within noise 0" in r.err
     report = json.loads((tmp_path / "r.json").read_text())
     by_prompt = {k: a["reply_sha256"] for k, a in enumerate(data["answers"])}
     for level in report["levels"]:
-        assert level["successes"] == 8 and level["wrong_answers"] == 0 and level["near_ties"] == 0
+        assert level["successes"] == 8 and level["wrong_answers"] == 0 and level["identical"] == 8
+        assert level["tolerance_nats"] == (0 if level["concurrency"] == 1 else pytest.approx(0.8))
         for ev in level["per_request"]:
-            assert ev["judged_by"] == "reference" and ev["passed"] and ev["divergence"] is None
+            assert ev["judged_by"] == ("exact" if level["concurrency"] == 1 else "noise") and ev["passed"]
+            assert ev["basis"] == ("reference" if level["concurrency"] == 1 else "concurrency-1")
+            assert ev["divergence"] is None and ev["max_logprob_diff"] == 0
             assert ev["reply_sha256"] == by_prompt[ev["prompt"]]
+
+
+def test_one_bit_off_at_concurrency_1_is_a_wrong_answer_with_evidence(recorded: tuple[Path, dict[str, Any]],
+                                                                      tmp_path: Path) -> None:
+    ref_path, _ = recorded
+    with fake("--nudge-at-concurrency", "1") as url:
+        r = _check(url, ref_path, tmp_path / "r.json", levels="1")
+    fails(r, "serve sweep failed at concurrency 1", "wrong answer (not bitwise the reference)",
+          "first difference at position 3")
+    level = json.loads((tmp_path / "r.json").read_text())["levels"][0]
+    assert level["wrong_answers"] == level["failures"] == 8 and level["identical"] == 0
+    for ev in level["per_request"]:
+        # Same tokens, one logprob one bit lower: the first differing position and the difference, named.
+        assert not ev["passed"] and ev["judged_by"] == "exact" and ev["http_status"] == 200
+        assert ev["divergence"] == 3 and ev["token_divergence"] is None
+        assert 0 < ev["max_logprob_diff"] < 1e-15
 
 
 def test_wrong_answer_fails_without_min_tokens(recorded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -85,41 +118,62 @@ def test_wrong_answer_fails_without_min_tokens(recorded: tuple[Path, dict[str, A
         r = cli("serve-check", "--url", url, "--concurrency", "1,2", "--requests", "8")
         assert r.rc == 0, r.err
         r = _check(url, ref_path, tmp_path / "r.json")
-    fails(r, "serve sweep failed at concurrency 2", "wrong answer at position 2: served token_id:",
+    fails(r, "serve sweep failed at concurrency 2", "wrong answer: served token_id:",
           "is not among the served top-5 there")
     assert r.rc == 7 and "concurrency   1:    8/8" in r.err
     level = json.loads((tmp_path / "r.json").read_text())["levels"][1]
     wrong = [ev for ev in level["per_request"] if not ev["passed"]]
     assert wrong and level["wrong_answers"] == len(wrong) == level["failures"]
-    assert all(ev["divergence"] == 2 and ev["http_status"] == 200 and ev["reply_tokens"] == 32 for ev in wrong)
+    assert all(ev["token_divergence"] == 2 and ev["http_status"] == 200 and ev["reply_tokens"] == 32
+               and ev["deviation_nats"] is None for ev in wrong)
 
 
-def test_near_tie_passes_and_a_wider_gap_needs_more_tolerance(recorded: tuple[Path, dict[str, Any]],
-                                                              tmp_path: Path) -> None:
+def test_tolerance_above_concurrency_1_comes_from_the_recorded_noise(recorded: tuple[Path, dict[str, Any]],
+                                                                     tmp_path: Path) -> None:
     ref_path, _ = recorded
-    with fake("--tie-at-concurrency", "2") as url:
+    # A tie of 0.5 nats is within 4 x the 0.2 recorded; 1.0 is not, unless the multiple is raised to 6.
+    with fake("--tie-at-concurrency", "2", "--tie-gap", "0.5") as url:
         r = _check(url, ref_path, tmp_path / "tie.json")
     assert r.rc == 0, r.err
     level = json.loads((tmp_path / "tie.json").read_text())["levels"][1]
-    ties = [ev for ev in level["per_request"] if ev["divergence"] is not None]
-    assert ties and level["near_ties"] == len(ties) and level["successes"] == 8
-    assert all(ev["divergence"] == 1 and ev["passed"] and ev["gap_nats"] == pytest.approx(0.2) for ev in ties)
-    assert level["widest_near_tie_nats"] == pytest.approx(0.2)
-    with fake("--tie-at-concurrency", "2", "--tie-gap", "0.8") as url:
+    ties = [ev for ev in level["per_request"] if ev["token_divergence"] is not None]
+    assert ties and level["deviated"] == len(ties) and level["successes"] == 8
+    assert all(ev["token_divergence"] == 1 and ev["passed"] and ev["gap_nats"] == pytest.approx(0.5) for ev in ties)
+    assert level["widest_deviation_nats"] == pytest.approx(0.5)
+    with fake("--tie-at-concurrency", "2", "--tie-gap", "1.0") as url:
         r = _check(url, ref_path, tmp_path / "wide.json")
-        fails(r, "serve sweep failed at concurrency 2", "wrong answer at position 1:",
-              "0.800 nats below it (tolerance 0.5)")
-        r = cli("serve-check", "--url", url, "--reference", str(ref_path), "--logprob-tolerance", "1",
-                "--concurrency", "1,2", "--requests", "8")
+        fails(r, "serve sweep failed at concurrency 2", "deviation 1 nats, over the tolerance 0.8 from the "
+              "recorded noise")
+        r = _check(url, ref_path, tmp_path / "wider.json", "--noise-multiple", "6")
         assert r.rc == 0, r.err
+    # Noise without a divergence: every logprob shifted, the tokens the same.
+    with fake("--jitter-at-concurrency", "2", "--jitter", "0.3") as url:
+        assert _check(url, ref_path, tmp_path / "j.json").rc == 0
+    with fake("--jitter-at-concurrency", "2", "--jitter", "0.9") as url:
+        fails(_check(url, ref_path, tmp_path / "j2.json"), "log-probabilities differ from position 0",
+              "over the tolerance 0.8")
+
+
+def test_nan_above_concurrency_1_fails(recorded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    ref_path, _ = recorded
+    with fake("--nan-at-concurrency", "2") as url:
+        r = _check(url, ref_path, tmp_path / "r.json")
+    fails(r, "serve sweep failed at concurrency 2", "a NaN or infinite log-probability in the reply")
+
+
+def test_a_recording_that_does_not_repeat_or_is_not_noise_is_refused(tmp_path: Path) -> None:
+    with fake("--wrong-at-concurrency", "2") as url:
+        r = cli("serve-check", "--url", url, "--record-reference", str(tmp_path / "a.json"))
+    fails(r, "at concurrency 16 a reply is not noise around its concurrency-1 answer")
+    assert not (tmp_path / "a.json").exists()
 
 
 def test_early_stop_at_a_non_tie_fails(recorded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     ref_path, _ = recorded
     with fake("--short-at-concurrency", "2", "--short-length", "3") as url:
         r = _check(url, ref_path, tmp_path / "r.json")
-    fails(r, "serve sweep failed at concurrency 2", "wrong answer at position 2: served token_id:0",
-          "(the reply ends there, finish_reason stop)", "5.000 nats below it")
+    fails(r, "serve sweep failed at concurrency 2", "served token_id:0 at position 2", "5 nats below it",
+          "over the tolerance")
     level = json.loads((tmp_path / "r.json").read_text())["levels"][1]
     short = [ev for ev in level["per_request"] if not ev["passed"]]
     assert short and all(ev["reply_tokens"] == 3 and ev["finish_reason"] == "stop" for ev in short)
@@ -169,10 +223,17 @@ def test_a_changed_reference_is_refused(recorded: tuple[Path, dict[str, Any]], t
           "bad.json: not JSON")
     r = cli("serve-check", "--url", "http://127.0.0.1:9", "--record-reference", str(ref_path))
     fails(r, f"--record-reference {ref_path}: already exists")
-    r = cli("serve-check", "--url", "http://127.0.0.1:9", "--logprob-tolerance", "1")
-    fails(r, "--logprob-tolerance needs --reference or --record-reference")
+    r = cli("serve-check", "--url", "http://127.0.0.1:9", "--noise-multiple", "1")
+    fails(r, "--noise-multiple needs --reference or --record-reference")
     r = cli("smoke", "some/image:x", "--reference", str(ref_path))
     fails(r, "--reference and --record-reference need --serve-model")
+    # A file of the earlier format (no settings, no noise) is refused, not judged with a constant.
+    old = {k: v for k, v in data.items() if k not in ("settings", "noise", "repeat", "prompt_sensitivity", "sha256")}
+    old["format"] = "vllm-hotfix-reference/1"
+    (tmp_path / "old.json").write_text(json.dumps({**old, "sha256": reference.digest(old)}))
+    r = cli("serve-check", "--url", "http://127.0.0.1:9", "--reference", str(tmp_path / "old.json"))
+    fails(r, "recorded by an earlier version (vllm-hotfix-reference/1), without the settings")
+    assert r.rc == 64
 
 
 def _answer(tokens: list[str]) -> Answer:
@@ -184,22 +245,48 @@ def _reply(tokens: list[str], top: list[dict[str, float]], finish: str = "length
                  tuple(top))
 
 
-def test_judge_edge_cases() -> None:
+def test_oracle_edge_cases() -> None:
     ans = _answer(["a", "b", "c"])
-    assert reference.judge(ans, _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1}, {"c": -0.1}])).ok
-    # Ended early with no token at the divergence: nothing says it was a tie.
-    j = reference.judge(ans, _reply(["a"], [{"a": -0.1}], "stop"))
-    assert not j.ok and j.position == 1 and "the reply ended there (finish_reason stop)" in j.detail
+    assert oracle.exact(ans, _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1}, {"c": -0.1}])).ok
+    # Ended early: not comparable, wrong at any tolerance.
+    v = oracle.within(ans, _reply(["a"], [{"a": -0.1}], "stop"), 100)
+    assert not v.ok and v.deviation.token_divergence == 1 and "the reply ends at position 1" in v.detail
     # Went on where the reference ended.
-    j = reference.judge(_answer(["a"]), _reply(["a", "x"], [{"a": -0.1}, {"x": -0.1}]))
-    assert not j.ok and j.position == 1
-    # A tie exactly at the tolerance passes; another tokenizer fails before any token is compared.
-    j = reference.judge(ans, _reply(["a", "x"], [{"a": -0.1}, {"x": -1.0, "b": -1.5}]), 0.5)
-    assert j.ok and j.position == 1 and j.gap == pytest.approx(0.5)
-    other = Reply("", "length", 4, 3, ("a", "b", "c"), (-0.1,) * 3, ({},) * 3)
-    assert "another model or tokenizer" in reference.judge(ans, other).detail
+    v = oracle.within(_answer(["a"]), _reply(["a", "x"], [{"a": -0.1}, {"x": -0.1}]), 100)
+    assert not v.ok and v.deviation.token_divergence == 1
+    # A divergence exactly at the tolerance passes above concurrency 1, never at concurrency 1.
+    tie = _reply(["a", "x"], [{"a": -0.1}, {"x": -1.0, "b": -1.5}])
+    v = oracle.within(_answer(["a", "b"]), tie, 0.5)
+    assert v.ok and v.deviation.token_divergence == 1 and v.deviation.gap == pytest.approx(0.5)
+    assert not oracle.exact(_answer(["a", "b"]), tie).ok
+    # One bit in a top-k entry (not the chosen token's) is a difference too.
+    bit = _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1, "z": -3.0}, {"c": -0.1}])
+    base = Answer("p", 3, ("a", "b", "c"), (-0.1,) * 3, ({"a": -0.1}, {"b": -0.1, "z": -3.0}, {"c": -0.1}),
+                  "length", "")
+    assert oracle.exact(base, bit).ok
+    off = Answer("p", 3, ("a", "b", "c"), (-0.1,) * 3,
+                 ({"a": -0.1}, {"b": -0.1, "z": math.nextafter(-3.0, 0)}, {"c": -0.1}), "length", "")
+    v = oracle.exact(off, bit)
+    assert not v.ok and v.deviation.first_difference == 1 and v.deviation.max_logprob_diff > 0
     no_logprobs = Reply("abc", "length", 3, 3, None, (), ())
-    assert "no logprobs" in reference.judge(ans, no_logprobs).detail
+    assert "no logprobs" in oracle.exact(ans, no_logprobs).detail
+    assert math.isinf(oracle.compare(ans, no_logprobs).size)
+    with pytest.raises(ValueError, match="not among the served top-1"):
+        oracle.spread([oracle.compare(_answer(["a", "b"]), _reply(["a", "y"], [{"a": -0.1}, {"y": -0.1}]))])
+    assert oracle.tolerance({"spread_nats": 0.25}, 4) == 1.0
+    with pytest.raises(ValueError, match="records no noise"):
+        oracle.tolerance({}, 4)
+
+
+def test_settings_difference_names_each_setting() -> None:
+    recorded = {"serve_args": ["--no-enable-prefix-caching"], "env": {"VLLM_BATCH_INVARIANT": "1"},
+                "gpu": "NVIDIA H200", "vllm": "0.25.1", "torch": "2.11.0", "base_image_id": "sha256:b", "model": "m"}
+    assert oracle.settings_difference(recorded, dict(recorded)) is None
+    assert oracle.settings_difference(recorded, {"gpu": "NVIDIA H200"}) is None  # only what is known is compared
+    said = oracle.settings_difference(recorded, {"gpu": "NVIDIA H100", "torch": "2.10.0", "vllm": "0.25.1"})
+    assert said == "gpu 'NVIDIA H200' there, 'NVIDIA H100' here; torch '2.11.0' there, '2.10.0' here"
+    with pytest.raises(ValueError, match="--serve-arg=--enable-prefix-caching"):
+        oracle.check_serve_args(["--max-model-len", "8192", "--enable-prefix-caching"])
 
 
 def test_prompt_set_is_fixed_and_mixed() -> None:

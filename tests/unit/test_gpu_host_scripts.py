@@ -42,11 +42,13 @@ def test_shellcheck_finds_no_warning_in_the_serve_scripts() -> None:
     assert r.returncode == 0, r.stdout
 
 
-def _dry(tmp_path: Path, steps: str) -> tuple[list[list[str]], str, Path]:
+def _dry(tmp_path: Path, steps: str, **more: str) -> tuple[list[list[str]], str, Path]:
     parts, out, work = tmp_path / "parts", tmp_path / "out", tmp_path / "work"
     parts.mkdir(exist_ok=True)
     (parts / "SHA256SUMS").write_text("")
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work)}
+    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work),
+           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), **more}
     r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -64,10 +66,10 @@ def _smokes(commands: list[list[str]]) -> dict[str, list[str]]:
     return found
 
 
-def test_the_three_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
-    commands, log, out = _dry(tmp_path, "cold warm unpatched record")
+def test_the_four_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
+    commands, log, out = _dry(tmp_path, "refimage reference patched patched2 unpatched record")
     smokes = _smokes(commands)
-    assert list(smokes) == ["patched-cold", "patched", "unpatched"]
+    assert list(smokes) == ["reference", "patched", "patched-again", "unpatched"]
     answers = str(out / "answers.json")
     for which, argv in smokes.items():
         assert "--min-tokens" not in argv
@@ -75,29 +77,57 @@ def test_the_three_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
         assert argv[argv.index("--attestation") + 1] == str(out / f"{which}.dsse.json")
         assert Path(argv[argv.index("--sign-key") + 1]).name == "signing-key.pem"
         assert argv[0] == "timeout"
-    assert smokes["patched-cold"][smokes["patched-cold"].index("--record-reference") + 1] == answers
-    assert "--reference" not in smokes["patched-cold"]
-    for which in ("patched", "unpatched"):
+        # vLLM sizes the KV cache from the given bytes (no free-memory measurement): the GPU checks overlap.
+        assert "--serve-arg=--kv-cache-memory-bytes" in argv and "--serve-arg=4294967296" in argv
+    assert smokes["reference"][smokes["reference"].index("--record-reference") + 1] == answers
+    assert "--reference" not in smokes["reference"]
+    for which in ("patched", "patched-again", "unpatched"):
         assert smokes[which][smokes[which].index("--reference") + 1] == answers
     assert smokes["unpatched"][smokes["unpatched"].index("--definition") + 1] == "v0.25.1"
+    # The reference comes from another image of the same definition: the assemble builder's.
+    assert smokes["reference"][5].endswith(":v0.25.1-m3patch-assembled")
     assert smokes["unpatched"][5].endswith(":v0.25.1") and smokes["patched"][5].endswith(":v0.25.1-m3patch")
+    assert smokes["patched-again"][5] == smokes["patched"][5]
+    build = next(argv for argv in commands if "--builder" in argv)
+    assert build[build.index("--builder") + 1] == "assemble" and build[-1].endswith("-m3patch-assembled")
     # Cold means the compile caches go first; the key stays on the host, its public half in OUTDIR.
     assert ["rm", "-rf", str(tmp_path / "work" / "cache" / "compile")] in commands
     assert (out / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
     assert not (out / "signing-key.pem").exists()
     [record] = [argv for argv in commands if "record" in argv]
-    assert {"--patched-cold", "--inputs-from", "--public-key", "--reference", "--base"} <= set(record)
-    assert "smoke patched-cold: exit code 0" in log
+    assert {"--reference-run", "--patched-again", "--inputs-from", "--public-key", "--reference", "--base",
+            "--source-manifest"} <= set(record)
+    assert record[record.index("--target-seconds") + 1] == "90"
+    assert "smoke reference: exit code 0" in log
+    # This checkout is no clean commit with a manifest here: a real run would refuse before any step.
+    assert "source check: would refuse" in log
 
 
 def test_a_step_whose_report_is_there_is_skipped(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / "patched-cold.json").write_text("{}")
-    commands, log, _ = _dry(tmp_path, "cold warm")
+    (out / "reference.json").write_text("{}")
+    commands, log, _ = _dry(tmp_path, "reference patched")
     assert list(_smokes(commands)) == ["patched"]
-    assert "smoke patched-cold: done already" in log
+    assert "smoke reference: done already" in log
     assert not any(argv[:2] == ["rm", "-rf"] for argv in commands)  # a done cold run keeps the warm caches
+
+
+def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Path) -> None:
+    (tmp_path / "m.json").write_text(json.dumps({"format": "vllm-hotfix-source/1", "commit": "c" * 40,
+                                                 "tree": "0" * 40, "sender_clean": True,
+                                                 "files": [["README.md", "100644", "0" * 40]], "ignore": []}))
+    env = {**os.environ, "STEPS": "engine", "GPU_HOST_WORK": str(tmp_path / "work"),
+           "SOURCE_MANIFEST": str(tmp_path / "m.json")}
+    r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 1
+    assert "error: source check against" in r.stdout and "not the clean commit it names" in r.stdout
+    assert "differ ['README.md']" in r.stdout
+    # An OUTDIR inside the checkout would be files beside the commit's: refused.
+    r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(REPO / "build" / "gpu-out-test")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "lies inside the checkout" in r.stdout
 
 
 def _gpu_host() -> Any:
@@ -118,16 +148,32 @@ def _report(image: str, image_id: str, status: str, seconds: float, phases: dict
             "sweep": {"levels": [], "reference": {"file": "answers.json", "sha256": "ab" * 32}}}
 
 
+def _clean_checkout(folder: Path) -> tuple[Path, Path]:
+    """A git checkout with one file, and the manifest of its clean HEAD (as the sending side makes it)."""
+    folder.mkdir()
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", "-C", str(folder), *cmd], check=True)
+    (folder / "README.md").write_text("x\n")
+    subprocess.run(["git", "-C", str(folder), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(folder), "commit", "-qm", "c"], check=True)
+    manifest = folder.parent / "source.json"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "make", str(manifest), "--root",
+                        str(folder)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return folder, manifest
+
+
 def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_path: Path) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     pub = tmp_path / "signing-key.pub.pem"
     pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo))
-    patched_id, base_id = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    patched_id, base_id, ref_id = "sha256:" + "a" * 64, "sha256:" + "b" * 64, "sha256:" + "c" * 64
     reports = {
-        "patched-cold": _report("p", patched_id, "pass", 301.5, {"checks": 20.0, "server_start": 188.0}),
-        "patched": _report("p", patched_id, "pass", 97.25, {"checks": 12.0, "server_start": 36.0, "sweep": 40.0}),
-        "unpatched": _report("b", base_id, "fail", 150.0, {"checks": 12.0, "gpu_checks": 30.0}),
+        "reference": _report("r", ref_id, "pass", 301.5, {"files": 20.0, "server_start": 188.0}),
+        "patched": _report("p", patched_id, "pass", 87.25, {"files": 2.0, "server_start": 36.0, "sweep": 10.0}),
+        "patched-again": _report("p", patched_id, "pass", 85.5, {"files": 2.0, "server_start": 35.0}),
+        "unpatched": _report("b", base_id, "fail", 150.0, {"files": 1.0, "gpu_checks": 30.0}),
     }
     args = []
     for which, report in reports.items():
@@ -135,38 +181,68 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
         envelope = signing.sign(signing.statement({report["image"]: report["image_id"]}, report), key)
         (tmp_path / f"{which}.dsse.json").write_bytes(envelope)
         args += ["--attestation", f"{which.replace('-', '_')}={tmp_path / f'{which}.dsse.json'}"]
+    checkout, manifest = _clean_checkout(tmp_path / "checkout")
+    call = tmp_path / "source-1.json"
+    subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "check", str(manifest), "--root",
+                    str(checkout), "--write", str(call)], capture_output=True, check=True, timeout=60)
 
     def record(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(RECORD), "record", str(tmp_path / "record.json"), "--no-engine",
+                               "--reference-run", str(tmp_path / "reference.json"),
                                "--patched", str(tmp_path / "patched.json"),
-                               "--patched-cold", str(tmp_path / "patched-cold.json"),
-                               "--unpatched", str(tmp_path / "unpatched.json"), "--public-key", str(pub), *extra],
+                               "--patched-again", str(tmp_path / "patched-again.json"),
+                               "--unpatched", str(tmp_path / "unpatched.json"), "--public-key", str(pub),
+                               "--source-manifest", str(manifest), "--source-root", str(checkout),
+                               "--source-call", str(call), *extra],
                               capture_output=True, text=True, timeout=60)
 
     r = record(*args)
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "record.json").read_text())
-    assert rec["images"]["patched"]["phases"] == {"checks": 12.0, "server_start": 36.0, "sweep": 40.0}
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD", "HEAD^{tree}"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    assert rec["source"]["commit"] == head[0] and rec["source"]["tree"] == head[1] and rec["source"]["clean"] is True
+    assert rec["source"]["calls"] == {"source-1.json": head[1]}
+    assert rec["launcher"] == {"name": "docker", "version": None}
+    assert rec["images"]["patched"]["phases"] == {"files": 2.0, "server_start": 36.0, "sweep": 10.0}
     assert rec["result"]["patched"][0].startswith(
-        "pass (GPU-verified); smoke 97.2 s (at or under the 120 s target); phases: checks 12.0 s, "
-        "server_start 36.0 s, sweep 40.0 s; compile cache bbbbbbbbbbbb/nvidia-h200")
-    assert "smoke 301.5 s (over the 120 s target)" in rec["result"]["patched_cold"][0]
+        "pass (GPU-verified); smoke 87.2 s (at or under the 90 s target); phases: files 2.0 s, "
+        "server_start 36.0 s, sweep 10.0 s; compile cache bbbbbbbbbbbb/nvidia-h200")
+    assert "smoke 150.0 s (over the 90 s target)" in rec["result"]["unpatched"][0]
+    assert rec["findings"]["reference_from_another_image"]["met"] is True
+    assert rec["findings"]["warm_smoke_seconds"]["met"] is False and rec["findings"]["done"] is False
     signed = rec["images"]["unpatched"]["attestation"]
     assert signed["file"] == "unpatched.dsse.json" and signed["verified"] is True
     assert signed["key_id"] == signing.key_id(key.public_key()) and signed["status"] == "fail"
-    assert set(rec["inputs"]["reports"]) == {"patched", "patched_cold", "unpatched"}
+    assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched"}
     assert rec["gpu_devices"] == ["NVIDIA H200"]
-
-    # An envelope of another run (here: the warm run's, offered as the cold one's) is refused.
+    # A podman run's record names podman as what started the smokes.
     (tmp_path / "record.json").unlink()
-    swapped = [a.replace("patched_cold=" + str(tmp_path / "patched-cold.dsse.json"),
-                         "patched_cold=" + str(tmp_path / "patched.dsse.json")) for a in args]
+    assert record(*args, "--launcher", "podman", "--launcher-version", "podman version 4.3.1").returncode == 0
+    assert json.loads((tmp_path / "record.json").read_text())["launcher"] == {"name": "podman",
+                                                                              "version": "podman version 4.3.1"}
+
+    # An envelope of another run (here: the second start's, offered as the first's) is refused.
+    (tmp_path / "record.json").unlink()
+    swapped = [a.replace("patched=" + str(tmp_path / "patched.dsse.json"),
+                         "patched=" + str(tmp_path / "patched-again.dsse.json")) for a in args]
     r = record(*swapped)
     assert r.returncode == 2 and "not the verdict of that run" in r.stderr
     assert not (tmp_path / "record.json").exists()
+    # A checkout with a file beside the commit's, or a call that ran from another tree: no record.
+    (checkout / "stray.py").write_text("")
+    r = record(*args)
+    assert r.returncode == 2 and "is not the clean commit" in r.stderr and "extra ['stray.py']" in r.stderr
+    (checkout / "stray.py").unlink()
+    other = json.loads(call.read_text())
+    (tmp_path / "source-2.json").write_text(json.dumps({**other, "tree": "f" * 40}))
+    r = record(*args, "--source-call", str(tmp_path / "source-2.json"))
+    assert r.returncode == 2 and "calls source-2.json ran from another tree" in r.stderr
+    assert not (tmp_path / "record.json").exists()
     # An envelope signed with another key is refused too.
-    other = ec.generate_private_key(ec.SECP256R1())
+    other_key = ec.generate_private_key(ec.SECP256R1())
     report = reports["patched"]
-    (tmp_path / "patched.dsse.json").write_bytes(signing.sign(signing.statement({"p": patched_id}, report), other))
+    (tmp_path / "patched.dsse.json").write_bytes(signing.sign(signing.statement({"p": patched_id}, report),
+                                                              other_key))
     r = record(*args)
     assert r.returncode == 2 and "signed with another key" in r.stderr

@@ -1,4 +1,5 @@
-"""gpu-runs/gpu_host.py: the record's sentences come from the reports, reused inputs must hash the same."""
+"""gpu-runs/gpu_host.py and gpu_record.py: the record's sentences and findings come from the reports, reused
+inputs must hash the same, and gpu-runs/source_manifest.py proves which commit ran."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ from conftest import REPO
 from vllm_hotfix.checking import sweep
 
 SCRIPT = REPO / "gpu-runs" / "gpu_host.py"
+MANIFEST = REPO / "gpu-runs" / "source_manifest.py"
 
 
-def _gpu_host() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_host", SCRIPT)
+def _module(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "gpu-runs" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_host() -> ModuleType:
+    return _module("gpu_record")
 
 
 def _level(c: int, evidence: list[sweep.RequestEvidence]) -> sweep.Level:
@@ -34,7 +40,7 @@ def _level(c: int, evidence: list[sweep.RequestEvidence]) -> sweep.Level:
 def _report(levels: list[sweep.Level], failed: int | None) -> dict[str, Any]:
     result = sweep.SweepResult("http://x", "/model", levels, failed_level=failed,
                                reference={"file": "ref.json", "sha256": "ab" * 32, "prompts": 24,
-                                          "tolerance_nats": 0.5})
+                                          "tolerance_nats": 0.08, "noise_multiple": 4.0})
     status = "fail" if failed else "pass"
     return {"image": "img:x", "image_id": "sha256:1", "status": status, "gpu_verified": True, "seconds": 90.0,
             "checks": [{"name": "serve-sweep", "status": status, "detail": "d", "seconds": 40.0}],
@@ -43,33 +49,112 @@ def _report(levels: list[sweep.Level], failed: int | None) -> dict[str, Any]:
 
 def ok(c: int, i: int, **kw: Any) -> sweep.RequestEvidence:
     base = dict(http_status=200, latency_s=0.1, prompt_tokens=20, reply_tokens=32, finish_reason="length",
-                reply_sha256="0" * 64, judged_by="reference", passed=True)
+                reply_sha256="0" * 64, judged_by="exact" if c == 1 else "noise", passed=True,
+                basis="reference" if c == 1 else "concurrency-1", max_logprob_diff=0.0, deviation_nats=0.0)
     return sweep.RequestEvidence(c, i, i, **{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_sentences_are_derived_from_the_evidence() -> None:
     host = _gpu_host()
     patched = _report([_level(1, [ok(1, 0), ok(1, 1)]),
-                       _level(16, [ok(16, 0), ok(16, 1, divergence=4, gap_nats=0.21)])], None)
+                       _level(16, [ok(16, 0), ok(16, 1, divergence=4, token_divergence=4, gap_nats=0.021,
+                                                  deviation_nats=0.021)])], None)
+    patched["sweep"]["levels"][1]["tolerance_nats"] = 0.08
     unpatched = _report([_level(1, [ok(1, 0), ok(1, 1, passed=False, divergence=0, reply_tokens=1,
-                                                 finish_reason="stop", error="wrong answer"),
+                                                 finish_reason="stop", error="wrong answer", deviation_nats=None),
                                     sweep.RequestEvidence(1, 2, 2, 500, 0.2, error="HTTP 500")])], 1)
-    lines = host.image_sentences(host._image(patched))
+    lines = host.image_sentences(host.image(patched))
     assert lines[0].startswith("pass (GPU-verified); smoke 90.0 s; phases: not reported; serve sweep pass, "
-                               "judged by reference answers ref.json")
+                               "judged by the oracle against ref.json")
+    assert "tolerance above concurrency 1 0.08 nats = 4.0 x the recorded noise" in lines[0]
     assert lines[1] == ("concurrency 1: 2/2 passed; HTTP status 200 2; replies of 32 tokens (finish_reason length 2); "
-                        "judged by reference 2; 0 wrong answer(s); 0 near-tie(s)")
-    assert lines[2].endswith("0 wrong answer(s); 1 near-tie(s) (widest 0.210 nats)")
-    lines = host.image_sentences(host._image(unpatched))
+                        "judged by exact 2; 0 wrong answer(s), 2 bitwise equal, 0 within noise (bit for bit; widest "
+                        "deviation 0 nats)")
+    assert lines[2].endswith("0 wrong answer(s), 1 bitwise equal, 1 within noise (within 0.08 nats of the "
+                             "concurrency-1 reply; widest deviation 0.021 nats)")
+    lines = host.image_sentences(host.image(unpatched))
     assert "failed at concurrency 1" in lines[0]
     assert lines[1] == ("concurrency 1: 1/3 passed; HTTP status 200 2, 500 1; replies of 1-32 tokens "
-                        "(finish_reason length 1, stop 1); judged by reference 2, status 1; "
-                        "1 wrong answer(s) (first divergence at token 0); 0 near-tie(s)")
+                        "(finish_reason length 1, stop 1); judged by exact 2, status 1; "
+                        "1 wrong answer(s) (first difference at position 0), 1 bitwise equal, 0 within noise "
+                        "(bit for bit; widest deviation 0 nats)")
     # Evidence travels as rows under named columns, one per request, and reads back the same.
-    level = host._image(unpatched)["serve"]["levels"][0]
+    level = host.image(unpatched)["serve"]["levels"][0]
     assert level["per_request"]["columns"][0] == "level" and len(level["per_request"]["rows"]) == 3
     failed = asdict(sweep.RequestEvidence(1, 2, 2, 500, 0.2, error="HTTP 500"))
-    assert host._rows_to_evidence(level)["per_request"][2] == failed
+    assert host.rows_to_evidence(level)["per_request"][2] == failed
+    assert set(host.EVIDENCE_COLUMNS) == set(failed)  # every field of the evidence is a column
+
+
+def test_findings_answer_the_runs_questions_from_the_evidence() -> None:
+    host = _gpu_host()
+    every = [_level(c, [ok(c, 0), ok(c, 1)]) for c in (1, 2, 4, 8, 16)]
+    patched = host.image({**_report(every, None), "image_id": "sha256:p", "seconds": 61.0})
+    wrong = [ok(1, i, passed=False, divergence=3, error="wrong answer") for i in range(8)]
+    base_levels = [_level(1, [*wrong, ok(1, 8), ok(1, 9), ok(1, 10, passed=False, divergence=0),
+                              sweep.RequestEvidence(1, 11, 11, 400, 0.1, error="HTTP 400 nan")])]
+    unpatched = host.image({**_report(base_levels, 1), "image_id": "sha256:b", "status": "fail", "seconds": 70.5})
+    reference_run = host.image({**_report(every, None), "image_id": "sha256:r", "seconds": 200.0})
+    sens = {"prompts": 24, "distinct_replies": 24, "median_first_token_gap_nats": 1.4}
+    found = host.findings({"reference": reference_run, "patched": patched, "patched_again": patched,
+                           "unpatched": unpatched}, {"prompt_sensitivity": sens}, 90.0)
+    assert found["patched_passes_every_level"]["met"] and found["patched_again_passes_every_level"]["met"]
+    # 9 of the 11 answered replies judged wrong (the HTTP 400 is not an answer): 82%.
+    assert found["unpatched_wrong_at_concurrency_1"] == {"requests": 12, "answered": 11, "judged_wrong": 9,
+                                                         "share": 0.8182, "at_least": 0.8, "met": True}
+    assert found["warm_smoke_seconds"]["met"] and found["model_reads_its_prompt"]["met"]
+    assert found["reference_from_another_image"]["met"] and found["done"] is True
+    # A slow warm run, a reference from the judged image, a flat model, or a level missing: not done.
+    slow = host.findings({"patched": patched, "unpatched": {**unpatched, "seconds": 91.0}, "reference": patched},
+                         {"prompt_sensitivity": {**sens, "median_first_token_gap_nats": 0.014}}, 90.0)
+    assert not slow["warm_smoke_seconds"]["met"] and not slow["reference_from_another_image"]["met"]
+    assert not slow["model_reads_its_prompt"]["met"] and slow["done"] is False
+    short = host.image({**_report(every[:4], None), "image_id": "sha256:p"})
+    ok_, words = host.passes_every_level(short)
+    assert not ok_ and "levels not run: [16]" in words
+    assert any(line.startswith("unpatched_wrong_at_concurrency_1: met") for line in host.finding_sentences(found))
+
+
+def _git_repo(folder: Path) -> Path:
+    folder.mkdir()
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", "-C", str(folder), *cmd], check=True)
+    (folder / "run.sh").write_text("echo hi\n")
+    (folder / "run.sh").chmod(0o755)
+    (folder / "pkg").mkdir()
+    (folder / "pkg" / "a.py").write_text("A = 1\n")
+    (folder / "pkg" / "link").symlink_to("a.py")
+    (folder / ".gitignore").write_text("/build/\n__pycache__/\n")
+    subprocess.run(["git", "-C", str(folder), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(folder), "commit", "-qm", "c"], check=True)
+    return folder
+
+
+def test_source_manifest_proves_the_commit_that_ran(tmp_path: Path) -> None:
+    src = _module("source_manifest")
+    repo = _git_repo(tmp_path / "repo")
+    out = tmp_path / "m.json"
+    manifest = src.make(repo, out)
+    tree = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD^{tree}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    # The copy where it ran has no .git: the tree is built from its files' hashes, and is the commit's.
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(repo), str(copy)], check=True)
+    subprocess.run(["rm", "-rf", str(copy / ".git")], check=True)
+    (copy / "build").mkdir()
+    (copy / "build" / "journal.json").write_text("{}")  # ignored: the tool's own output
+    got = src.check(manifest, copy)
+    assert got["tree"] == tree == manifest["tree"] and got["clean"] and got["commit"] == manifest["commit"]
+    (copy / "pkg" / "a.py").write_text("A = 2\n")
+    (copy / "stray.py").write_text("")
+    got = src.check(manifest, copy)
+    assert not got["clean"] and got["differ"] == ["pkg/a.py"] and got["extra"] == ["stray.py"]
+    assert got["tree"] != tree
+    # The sending side refuses to make a manifest of a tree with changes.
+    (repo / "pkg" / "a.py").write_text("A = 3\n")
+    r = subprocess.run([sys.executable, str(MANIFEST), "make", str(tmp_path / "n.json"), "--root", str(repo)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "has uncommitted changes" in r.stderr and not (tmp_path / "n.json").exists()
 
 
 def test_inputs_are_refused_when_their_hash_changed(tmp_path: Path) -> None:

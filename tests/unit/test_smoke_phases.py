@@ -112,12 +112,13 @@ def test_phases_are_in_the_report_and_read_back() -> None:
 class Recorder(Run):
     """The runner, each check faked: it records that it ran and reports the status it is told to."""
 
-    def __init__(self, outcomes: dict[str, str], *, serve: bool = True, keep_going: bool = False) -> None:
+    def __init__(self, outcomes: dict[str, str], *, serve: bool = True, keep_going: bool = False,
+                 overlap: bool = False) -> None:
         super().__init__({
             "image": "img", "image_id": PATCHED, "keep_going": keep_going, "gpu": {"mode": "auto"},
             # Made on the host from the image's layers, handed in with the job.
             "checks": [{"name": "patch-landed", "status": outcomes.get("patch-landed", "pass"), "detail": "faked"}],
-            "serve": {"argv": ["vllm", "serve"], "port": 8000} if serve else None,
+            "serve": {"argv": ["vllm", "serve"], "port": 8000, "overlap": overlap} if serve else None,
         })
         self.outcomes = outcomes
         self.ran: list[str] = []
@@ -134,9 +135,25 @@ class Recorder(Run):
         self.add([check], 0, "gpu")
         return check["status"] == "pass", {"mode": "auto", "verified": check["status"] == "pass"}
 
-    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        phases["sweep"] = 0.0
-        return self._fake("serve-sweep"), None
+    def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> Any:
+        run = self
+
+        class Serving:
+            started = False
+
+            def start(self) -> None:
+                self.started = True
+                run.ran.append("server-start")
+
+            def stop(self) -> None:
+                if self.started:
+                    run.ran.append("server-stop")
+
+            def finish(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                phases["sweep"] = 0.0
+                return run._fake("serve-sweep"), None
+
+        return Serving()
 
 
 def test_phases_run_cheapest_first_and_report_their_times() -> None:
@@ -179,6 +196,19 @@ def test_an_incomplete_phase_does_not_end_the_run() -> None:
     assert run.ran == ["env-report", "gpu", "serve-sweep"]
 
 
+def test_with_overlap_the_server_starts_before_the_gpu_checks_and_stops_when_they_fail() -> None:
+    run = Recorder({}, overlap=True)
+    assert run.run().status is Status.PASS
+    assert run.ran == ["env-report", "server-start", "gpu", "serve-sweep"]
+    failing = Recorder({"gpu": "fail"}, overlap=True)
+    verdict = failing.run()
+    assert failing.ran == ["env-report", "server-start", "gpu", "server-stop"]
+    assert {c.name: c.status for c in verdict.checks}["serve-sweep"] is Status.SKIP
+    kept = Recorder({"gpu": "fail"}, overlap=True, keep_going=True)
+    kept.run()
+    assert kept.ran == ["env-report", "server-start", "gpu", "serve-sweep"]
+
+
 def test_without_a_model_the_sweep_is_a_skip() -> None:
     run = Recorder({}, serve=False)
     verdict = run.run()
@@ -209,3 +239,29 @@ def test_not_applicable_under_require_is_incomplete_not_a_failure() -> None:
     assert not got.verified and got.checks[1].status is Status.INCOMPLETE
     verdict = judge("img", PATCHED, list(got.checks), gpu_verified=got.verified)
     assert verdict.status is Status.INCOMPLETE
+
+
+# -- the GPU checks side by side --------------------------------------------------
+
+def test_gpu_checks_run_side_by_side_and_report_in_order(tmp_path: Path) -> None:
+    """gpu_check.py: the imports and each extra script run at once (three scripts of 0.8 s take about 0.8 s, not
+    2.4); their checks come back in the order they are named."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    for name in ("a_first", "b_second", "c_third"):
+        (tmp_path / f"{name}.py").write_text(
+            "import json, time\ntime.sleep(0.8)\n"
+            f"print(json.dumps({{'checks': [{{'name': '{name}', 'status': 'pass', 'detail': 'slept'}}]}}))\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(REPO / "vllm_hotfix" / "checking" / "probes" / "gpu_check.py"),
+                           "--extra", str(tmp_path), "--modules", "json"], capture_output=True, text=True,
+                          timeout=60)
+    took = time.monotonic() - start
+    names = [c["name"] for c in json.loads(done.stdout.strip().splitlines()[-1])["checks"]]
+    assert names[-4:] == ["model-imports", "a_first", "b_second", "c_third"]
+    assert took < 2.2, f"the extra scripts ran one after the other ({took:.1f} s)"

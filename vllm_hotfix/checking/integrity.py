@@ -107,10 +107,19 @@ class FileSource(Protocol):
     def files(self, image: str) -> AbstractContextManager[TreeReader]: ...
 
 
-def read_site(engine: FileSource, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata) -> Tree:
-    """The image's site folder (every file hashed, dist-info metadata kept), and what RECORDs list outside it."""
+def read_site(engine: FileSource, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata,
+              cache: Path | None = None, say: Callable[[str], None] = lambda _l: None) -> Tree:
+    """The image's site folder (every file hashed, dist-info metadata kept), and what RECORDs list outside it.
+
+    With ``cache``, the site folder's facts are kept per layer chain and only the layers above a kept chain are
+    read (:mod:`.layer_facts`)."""
     with engine.files(image_id) as reader:
-        tree = reader.read([site_dir], keep)
+        if cache is not None:
+            from .layer_facts import site_tree
+
+            tree = site_tree(engine.image(image_id), reader, cache, site_dir, keep, say)
+        else:
+            tree = reader.read([site_dir], keep)
         outside = sorted({p for d in distributions(tree, site_dir).values() for p, _ in d.rows
                           if not p.startswith(site_dir.rstrip("/") + "/")})
         if not outside:
@@ -521,7 +530,7 @@ def base_findings(engine: FileSource, cache: Path | None, base_id: str, package:
     if engine.image(base_id) is None:
         say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
         return None
-    read = scan(read_site(engine, base_id, site_dir), site_dir, package, roots=roots).to_dict()
+    read = scan(read_site(engine, base_id, site_dir, cache=cache, say=say), site_dir, package, roots=roots).to_dict()
     sources.store_findings(cache, base_id, key, read)
     return read
 
@@ -535,7 +544,7 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
         failed = [{"name": n, "status": "fail", "detail": why, "data": {"answered_by": FILESYSTEM}}
                   for n in ("patch-landed", "integrity")]
         return FileChecks(tuple(failed), Judged(failed[1]))
-    tree = read_site(engine, image_id, site_dir, landed_keep(site_dir, want.files))
+    tree = read_site(engine, image_id, site_dir, landed_keep(site_dir, want.files), cache, say)
     sources = {rel: tree.kept[posixpath.join(site_dir, rel)] for rel in want.files
                if posixpath.join(site_dir, rel) in tree.kept}
     put = landed(tree, site_dir, want.files, want.cache_tag, sources)

@@ -1,22 +1,27 @@
-"""Reference answers: what a trusted image replied, and a reply judged against them.
+"""Reference answers: what a trusted image replied, and the settings it replied under.
 
 A server that survives a bug can still answer garbage with HTTP 200, and a
 real model may stop early, so neither the status nor the reply's length tells
 a wrong answer from a right one. What does is the answer itself, compared
-with the answer a trusted image (the site's running image, or an earlier
-verified hotfix) gave to the same prompt on the same model. The reference must
-never come from the code under test: an unpatched MiniMax-M3 with four index
-heads on one GPU is wrong even at concurrency 1.
+with the answer a trusted image (the site's running image, another build of
+the same definition, or an earlier verified hotfix) gave to the same prompt
+on the same model. The reference must never come from the code under test:
+an unpatched MiniMax-M3 with four index heads on one GPU is wrong even at
+concurrency 1.
 
-Exact equality is too strict. Measured on an H200 (the patched image, a tiny
-MiniMax-M3): replies at concurrency 1 were identical across server restarts,
-but at concurrency 16 two of 24 replies took another token after a few tokens,
-where the two best candidates were nearly tied (batching changes the order of
-floating-point sums), with or without ``VLLM_BATCH_INVARIANT=1``. So a reply
-passes if it equals the reference, or if at its first divergence the
-reference's token was a near-tie there: among the served top-k and at most
-``tolerance`` nats below the token the server chose. After an accepted
-divergence the prefixes differ, so the rest is not compared.
+How replies are judged against it is :mod:`vllm_hotfix.checking.oracle`: bit for bit
+at concurrency 1, within the noise recorded here above it. So the file
+names what decides the numerics (``settings``: the server's arguments and
+environment, the GPU model, the vLLM and torch versions, the base image and
+the model), and a run under other settings is refused, naming the
+difference. It also keeps what recording measured: ``repeat`` (the prompt set
+asked again at concurrency 1 on the same server, which must be bitwise
+equal), ``noise`` (the same image at concurrency
+:data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against its own answers: the
+spread the tolerance above concurrency 1 is a multiple of) and
+``prompt_sensitivity`` (distinct replies, and the median gap between the
+first token's two best candidates: a model that hardly reads its prompt
+makes a weak oracle).
 
 The file is JSON and carries the sha256 of its own canonical content, so a
 file changed after it was recorded is refused instead of quietly judging
@@ -31,7 +36,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +45,9 @@ from ..journal.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
-FORMAT = "vllm-hotfix-reference/1"
+FORMAT = "vllm-hotfix-reference/2"
+OLD_FORMATS = ("vllm-hotfix-reference/1",)
 TOP_LOGPROBS = 5  # top-k the completions API is asked for (vLLM allows up to 20 by default)
-DEFAULT_TOLERANCE = 0.5  # nats; the widest near-tie measured on the patched image must fit under it
 
 # The prompt set. Fixed text, chosen by a hash of (seed, prompt, sentence) rather
 # than a random generator, so every version of the tool and of Python makes the
@@ -102,6 +107,7 @@ class Reply:
     tokens: tuple[str, ...] | None
     logprobs: tuple[float | None, ...]
     top: tuple[dict[str, float], ...]
+    model: str = ""  # the model name the answer carried
 
     @property
     def sha256(self) -> str:
@@ -134,7 +140,7 @@ def parse_reply(body: Any) -> Reply:
             finish_reason=str(choice.get("finish_reason")),
             prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
             completion_tokens=int(count) if count is not None else len(tokens or ()),
-            tokens=tokens, logprobs=logprobs, top=top,
+            tokens=tokens, logprobs=logprobs, top=top, model=str(body.get("model") or ""),
         )
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"not a completions answer ({type(exc).__name__}: {exc})") from None
@@ -178,6 +184,10 @@ class Reference:
     recorded_from: str  # the server's URL (smoke: the image it served)
     sha256: str = ""  # of the canonical content; set by :func:`load` and :func:`write`
     path: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)  # what decides the numerics (oracle.SETTING_KEYS)
+    noise: dict[str, Any] = field(default_factory=dict)  # oracle.noise: the spread above concurrency 1
+    repeat: dict[str, Any] = field(default_factory=dict)  # the prompt set asked again at concurrency 1
+    prompt_sensitivity: dict[str, Any] = field(default_factory=dict)  # oracle.prompt_sensitivity
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -188,13 +198,17 @@ class Reference:
         return {"format": FORMAT, "model": self.model, "served_model": self.served_model,
                 "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs, "temperature": 0,
                 "concurrency": 1, "tool_version": self.tool_version, "recorded": self.recorded,
-                "recorded_from": self.recorded_from, "answers": [a.to_dict() for a in self.answers]}
+                "recorded_from": self.recorded_from, "settings": self.settings, "noise": self.noise,
+                "repeat": self.repeat, "prompt_sensitivity": self.prompt_sensitivity,
+                "answers": [a.to_dict() for a in self.answers]}
 
     def summary(self) -> dict[str, Any]:
         """What a sweep report says about the reference it judged against."""
         return {"file": self.path, "sha256": self.sha256, "model": self.model, "served_model": self.served_model,
                 "prompts": len(self.answers), "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs,
-                "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version}
+                "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version,
+                "settings": self.settings, "noise": self.noise, "repeat": self.repeat,
+                "prompt_sensitivity": self.prompt_sensitivity}
 
 
 def digest(content: dict[str, Any]) -> str:
@@ -206,8 +220,34 @@ def write(ref: Reference, path: Path) -> Reference:
     content = ref.content()
     sha = digest(content)
     write_atomic(path, json.dumps({**content, "sha256": sha}, indent=1, sort_keys=True) + "\n")
-    return Reference(ref.model, ref.served_model, ref.max_tokens, ref.top_logprobs, ref.answers, ref.tool_version,
-                     ref.recorded, ref.recorded_from, sha, str(path))
+    return replace(ref, sha256=sha, path=str(path))
+
+
+def keep(path: Path, data: bytes, settings: dict[str, Any]) -> Reference:
+    """The answers a runner recorded (the file's bytes, the settings inside) written to ``path`` as they came,
+    read back and checked: their settings must be ``settings`` (what the host knows, and what the run reported),
+    or the file is removed and the recording refused."""
+    from ..errors import SmokeError
+    from . import oracle
+
+    write_atomic(path, data)
+    ref = load(path, "--record-reference")
+    differ = oracle.settings_difference(ref.settings, settings)
+    if differ:
+        path.unlink()
+        raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
+                         f"({differ}); nothing written")
+    return ref
+
+
+def describe(settings: dict[str, Any]) -> str:
+    return "recorded on " + ", ".join(f"{k} {settings.get(k)}" for k in ("gpu", "vllm", "torch"))
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, found {type(value).__name__}")
+    return value
 
 
 def load(path: Path, option: str = "--reference") -> Reference:
@@ -219,6 +259,9 @@ def load(path: Path, option: str = "--reference") -> Reference:
         raise UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise UsageError(f"{where}: not JSON ({exc})") from None
+    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+        raise UsageError(f"{where}: recorded by an earlier version ({data.get('format')}), without the settings it "
+                         "was recorded under or its noise; record it again from a trusted image")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UsageError(f"{where}: not a reference answers file (format {FORMAT!r} expected)")
     sha = data.pop("sha256", None)
@@ -234,7 +277,8 @@ def load(path: Path, option: str = "--reference") -> Reference:
             for a in data["answers"])
         ref = Reference(str(data["model"]), str(data["served_model"]), int(data["max_tokens"]),
                         int(data["top_logprobs"]), answers, str(data["tool_version"]), str(data["recorded"]),
-                        str(data["recorded_from"]), sha, str(path))
+                        str(data["recorded_from"]), sha, str(path), _dict(data["settings"]), _dict(data["noise"]),
+                        _dict(data["repeat"]), _dict(data["prompt_sensitivity"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
     if not answers or ref.max_tokens < 1:
@@ -242,9 +286,30 @@ def load(path: Path, option: str = "--reference") -> Reference:
     return ref
 
 
-def check_tolerance(tolerance: float) -> None:
-    if not (tolerance >= 0 and math.isfinite(tolerance)):
-        raise UsageError(f"--logprob-tolerance {tolerance}: must be a number of nats, 0 or more")
+def check_noise_multiple(multiple: float) -> None:
+    if not (multiple > 0 and math.isfinite(multiple)):
+        raise UsageError(f"--noise-multiple {multiple}: must be a positive number (the tolerance above concurrency "
+                         "1 is this many times the noise recorded with the reference)")
+
+
+def tolerance(ref: Reference, multiple: float) -> float:
+    """The tolerance above concurrency 1 for ``ref``: UsageError (naming the file) when it records no noise."""
+    from . import oracle
+
+    try:
+        return oracle.tolerance(ref.noise, multiple)
+    except ValueError as exc:
+        raise UsageError(f"--reference {ref.path}: {exc}") from None
+
+
+def refuse_other_settings(ref: Reference, here: dict[str, Any]) -> None:
+    """UsageError, one line naming each difference, when ``here`` is not what ``ref`` was recorded under."""
+    from . import oracle
+
+    differ = oracle.settings_difference(ref.settings, here)
+    if differ:
+        raise UsageError(f"--reference {ref.path}: recorded under other settings ({differ}); record the reference "
+                         "again under these settings, or judge under the ones it names")
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,70 +318,28 @@ class AnswerOptions:
 
     reference: Reference | None
     record: Path | None
-    tolerance: float
+    noise_multiple: float
 
 
-def answer_options(reference: Path | None, record: Path | None, tolerance: float | None) -> AnswerOptions:
-    """--reference, --record-reference and --logprob-tolerance, checked (and the reference loaded) up front.
+def answer_options(reference: Path | None, record: Path | None, noise_multiple: float | None) -> AnswerOptions:
+    """--reference, --record-reference and --noise-multiple, checked (and the reference loaded) up front.
 
     A reference that cannot be used, or a recording that would replace one,
     fails here, before a server starts.
     """
+    from . import oracle
+
     if reference is not None and record is not None:
         raise UsageError("--reference and --record-reference: give one (record once from a trusted image, "
                          "then check against it)")
     if record is not None and record.exists():
         raise UsageError(f"--record-reference {record}: already exists; a reference is recorded once "
                          "(remove it first to record it again)")
-    if tolerance is not None and reference is None and record is None:
-        raise UsageError("--logprob-tolerance needs --reference or --record-reference")
-    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
-    check_tolerance(tol)
-    return AnswerOptions(load(reference) if reference is not None else None, record, tol)
-
-
-@dataclass(frozen=True, slots=True)
-class Judgement:
-    """A reply against its reference answer."""
-
-    ok: bool
-    position: int | None = None  # the first reply token (from 0) that differs; None: identical
-    gap: float | None = None  # nats the reference's token lay below the served one there, where known
-    detail: str = ""
-
-
-def judge(answer: Answer, reply: Reply, tolerance: float = DEFAULT_TOLERANCE) -> Judgement:
-    """Identical, a divergence at a near-tie (passes), or a wrong answer (says where and which tokens)."""
-    if reply.tokens is None:
-        return Judgement(False, detail="the server returned no logprobs; the reference check needs them")
-    if answer.prompt_tokens is not None and reply.prompt_tokens is not None \
-            and reply.prompt_tokens != answer.prompt_tokens:
-        return Judgement(False, detail=f"the prompt was {reply.prompt_tokens} tokens, in the reference "
-                                       f"{answer.prompt_tokens}: another model or tokenizer than the reference's")
-    ref, got = answer.tokens, reply.tokens
-    n = 0
-    while n < len(ref) and n < len(got) and ref[n] == got[n]:
-        n += 1
-    if n == len(ref) == len(got):
-        return Judgement(True)
-    if n == len(ref):
-        return Judgement(False, n, detail=f"wrong answer at position {n}: served {got[n]} where the reference "
-                                          f"ended (finish_reason {answer.finish_reason})")
-    want = ref[n]
-    if n == len(got):
-        return Judgement(False, n, detail=f"wrong answer at position {n}: the reply ended there (finish_reason "
-                                          f"{reply.finish_reason}), the reference went on with {want}")
-    top = reply.top[n] if n < len(reply.top) else {}
-    chosen = reply.logprobs[n] if n < len(reply.logprobs) and reply.logprobs[n] is not None else top.get(got[n])
-    ending = " (the reply ends there, finish_reason stop)" if n == len(got) - 1 and reply.finish_reason == "stop" \
-        else ""
-    if want not in top or chosen is None:
-        return Judgement(False, n, detail=f"wrong answer at position {n}: served {got[n]}{ending}, the reference's "
-                                          f"{want} is not among the served top-{len(top)} there")
-    gap = round(chosen - top[want], 4)
-    if gap <= tolerance:
-        return Judgement(True, n, gap, detail=f"near-tie at position {n}: served {got[n]}, the reference's {want} "
-                                              f"{gap:.3f} nats below (tolerance {tolerance})")
-    return Judgement(False, n, gap, detail=f"wrong answer at position {n}: served {got[n]} (logprob {chosen:.3f})"
-                                           f"{ending}, the reference's {want} {gap:.3f} nats below it "
-                                           f"(tolerance {tolerance})")
+    if noise_multiple is not None and reference is None and record is None:
+        raise UsageError("--noise-multiple needs --reference or --record-reference")
+    multiple = oracle.NOISE_MULTIPLE if noise_multiple is None else noise_multiple
+    check_noise_multiple(multiple)
+    loaded = load(reference) if reference is not None else None
+    if loaded is not None:
+        tolerance(loaded, multiple)
+    return AnswerOptions(loaded, record, multiple)

@@ -58,7 +58,7 @@ from ..errors import (
 from ..journal import records
 from ..journal.atomic import write_atomic
 from ..verdicts import Check, Status, Verdict, judge
-from . import compile_cache, gpu_access, integrity, sweep
+from . import compile_cache, gpu_access, integrity, oracle, sweep
 from . import reference as answers
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class SmokeOptions:
     min_tokens: int | None = None
     reference: answers.Reference | None = None  # judge every reply against these answers
     record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
-    logprob_tolerance: float = answers.DEFAULT_TOLERANCE
+    noise_multiple: float = oracle.NOISE_MULTIPLE  # tolerance above concurrency 1 = this x the recorded noise
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900
@@ -295,6 +295,9 @@ class Smoke:
         request, unavailable = (None, None) if early_stop else self.gpu_plan(report, image)
         if not early_stop and self.opt.gpu != "off":
             clock.mark("gpu_access")
+        seen = self._access[image.id].devices if image.id in self._access else []
+        if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
+            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
         cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
         if cache is not None:
             report.environment["compile_cache"] = cache.to_dict()
@@ -324,7 +327,8 @@ class Smoke:
             return self._ended(report, start, "incomplete" if exc.incomplete else "fail", str(exc))
         verdict = launched.verdict
         if launched.answers is not None and self.opt.record_reference is not None:
-            self.keep_answers(launched.answers)
+            self.keep_answers(launched.answers, {**plan.serve_settings(self.opt, target),
+                                                 **plan.run_settings(verdict)})
         verdict = self.rejudge(verdict, image)
         # The runner's GPU facts, with the host's own on how the request was found.
         gpu = {**dict(verdict.gpu), **{k: v for k, v in report.gpu.items()
@@ -349,13 +353,11 @@ class Smoke:
         report.seconds = time.monotonic() - start
         return report.verdict()
 
-    def keep_answers(self, data: bytes) -> None:
-        """Write the reference answers the runner recorded, as ``--record-reference`` asked; check them back."""
-        path = self.opt.record_reference
-        assert path is not None
-        write_atomic(path, data)
-        ref = answers.load(path, "--record-reference")
-        self.say(f"    wrote {path} (sha256 {ref.sha256})")
+    def keep_answers(self, data: bytes, settings: dict[str, Any]) -> None:
+        """Write the reference answers the runner recorded (``--record-reference``) with their settings."""
+        assert self.opt.record_reference is not None
+        ref = answers.keep(self.opt.record_reference, data, settings)
+        self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)})")
 
     def file_checks(self, report: Report, image: ImageInfo, ref: str, want: expected.Expected | None,
                     ) -> tuple[integrity.FileChecks | None, dict[str, str] | None]:

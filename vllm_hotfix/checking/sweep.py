@@ -1,26 +1,18 @@
 """The concurrency sweep against an OpenAI-compatible endpoint.
 
-The bug this project was born from crashed vLLM or made it answer wrongly
-under load, so each level sends N completions at that concurrency and any
-failed request, or a server that died, fails the sweep naming the level.
-Concurrency 1 is a level like the others: with four index heads on one GPU the
-unpatched MiniMax-M3 fails there too (a long prefill collides with itself).
+Each level sends N completions at that concurrency (concurrency 1 too: with
+four index heads on one GPU the unpatched MiniMax-M3 fails there); any failed
+request, or a server that died, fails the sweep naming the level. The
+requests are the fixed prompt set of :mod:`vllm_hotfix.checking.reference`, of mixed
+lengths as production traffic, at temperature 0 with the top-k logprobs.
 
-The requests of a level differ in length, as production traffic does: the
-bug reads one row's top-k block indices for another's, and only a batch with
-many rows of different lengths (several sequences, or one long prefill) shows
-it, which a run of identical short prompts never produces. They are the fixed prompt set of
-:mod:`vllm_hotfix.checking.reference`, sent to the completions API at temperature 0
-with the top-k logprobs of every reply token.
-
-A server can also survive such a bug and answer wrongly with HTTP 200. Each
-request is judged by the strictest check given: with ``reference`` (answers
-recorded once from a trusted image) every reply must equal its reference
-answer or diverge from it only at a near-tie; with ``min_tokens`` (for a model
-that cannot stop early) a shorter reply fails; else the HTTP status alone.
-Every request leaves its evidence in the report (token counts, finish reason,
-a hash of the reply tokens, latency, status, the check that judged it), beside
-each level's summary.
+A server can survive a bug and answer wrongly with HTTP 200, so each request
+is judged by the strictest check given: with ``reference`` by the oracle
+(:mod:`vllm_hotfix.checking.oracle`: at concurrency 1 bit for bit against the
+reference, above it against the same image's concurrency-1 reply within a
+multiple of the noise recorded with the reference); with ``min_tokens`` a
+shorter reply fails; else the HTTP status alone. Every request leaves its
+evidence in the report beside each level's summary.
 """
 
 from __future__ import annotations
@@ -36,8 +28,8 @@ from typing import Any, Protocol
 import requests
 import requests.adapters
 
-from .. import __version__
 from ..errors import SmokeError, SmokeIncomplete, UsageError
+from . import oracle
 from . import reference as answers
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
@@ -130,10 +122,14 @@ class RequestEvidence:
     reply_tokens: int | None = None
     finish_reason: str | None = None
     reply_sha256: str | None = None  # of the reply's token IDs (its text where the server named no tokens)
-    judged_by: str = "status"  # the check that passed or failed it: status, min-tokens or reference
+    judged_by: str = "status"  # the check that passed or failed it: status, min-tokens, exact or noise
     passed: bool = False
-    divergence: int | None = None  # reference: the first reply token (from 0) that differs from the answer
-    gap_nats: float | None = None  # reference: how far below the served token the answer's token lay there
+    basis: str | None = None  # what the reply was compared with: reference, or concurrency-1 (the same image's)
+    divergence: int | None = None  # the first position (from 0) where a token or a logprob differs from the basis
+    token_divergence: int | None = None  # the first position where the tokens differ
+    max_logprob_diff: float | None = None  # the largest logprob difference over the positions where tokens agree
+    gap_nats: float | None = None  # at the token divergence: how far below the served token the basis's lay
+    deviation_nats: float | None = None  # the deviation judged against the tolerance (None: unmeasurable)
     error: str | None = None
 
 
@@ -150,9 +146,11 @@ class Level:
     shortest_reply_tokens: int | None = None
     finish_reasons: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    wrong_answers: int = 0  # replies the reference check failed
-    near_ties: int = 0  # replies that diverged from the reference at a near-tie (passed)
-    widest_near_tie_nats: float | None = None
+    wrong_answers: int = 0  # replies the oracle failed
+    identical: int = 0  # replies bitwise equal to their basis
+    deviated: int = 0  # replies that differ from their basis within the tolerance (passed)
+    widest_deviation_nats: float | None = None  # the largest deviation of a judged reply, passed or not
+    tolerance_nats: float | None = None  # 0 at concurrency 1 (bit for bit); above it, from the recorded noise
     per_request: list[RequestEvidence] = field(default_factory=list)
 
 
@@ -165,7 +163,7 @@ class SweepResult:
     server_log: str = ""
     max_tokens: int = MAX_TOKENS
     min_tokens: int | None = None
-    reference: dict[str, Any] | None = None  # the reference answers judged against, and the tolerance
+    reference: dict[str, Any] | None = None  # the reference answers judged against, and the tolerance above c1
     prompts: int = len(PROMPTS)
     server_died: bool = False
 
@@ -258,68 +256,118 @@ def _post(session: requests.Session, url: str, model: str, text: str, max_tokens
     return time.monotonic() - start, resp
 
 
-def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int, i: int,
-         prompts: Sequence[str], min_tokens: int | None, ref: answers.Reference | None,
-         tolerance: float) -> RequestEvidence:
-    """Send request ``i`` of a level and judge its reply; never raises for the server's faults."""
-    k = i % len(prompts)
-    ev = RequestEvidence(level, i, k, None, 0.0)
+def ask(session: requests.Session, url: str, model: str, text: str, max_tokens: int, timeout: float,
+         ev: RequestEvidence) -> answers.Reply | None:
+    """One request; its status, latency and reply facts into ``ev``; the reply, or None (``ev.error`` says why)."""
     start = time.monotonic()
     try:
-        ev.latency_s, resp = _post(session, url, model, prompts[k], max_tokens, timeout)
+        ev.latency_s, resp = _post(session, url, model, text, max_tokens, timeout)
     except requests.RequestException as exc:
         ev.latency_s = time.monotonic() - start
         ev.error = f"no answer: {type(exc).__name__}: {exc}"
-        return ev
+        return None
     finally:
         ev.latency_s = round(ev.latency_s, 4)
     ev.http_status = resp.status_code
     if resp.status_code != 200:
         ev.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-        return ev
+        return None
     try:
         reply = answers.parse_reply(resp.json())
     except ValueError as exc:
         ev.error = f"HTTP 200 but {exc}"
-        return ev
+        return None
     ev.prompt_tokens, ev.reply_tokens = reply.prompt_tokens, reply.completion_tokens
     ev.finish_reason, ev.reply_sha256 = reply.finish_reason, reply.sha256
+    return reply
+
+
+def judge(ev: RequestEvidence, k: int, reply: answers.Reply, ref: answers.Reference,
+          basis: dict[int, answers.Reply], tolerance: float | None) -> None:
+    """The oracle's verdict on one reply into ``ev``: exact at concurrency 1 (``tolerance`` None), else within
+    ``tolerance`` of the same image's concurrency-1 reply to prompt ``k`` (the reference's where there is none)."""
+    answer = ref.answers[k]
+    if answer.prompt_tokens is not None and reply.prompt_tokens is not None \
+            and reply.prompt_tokens != answer.prompt_tokens:
+        ev.judged_by = "exact" if tolerance is None else "noise"
+        ev.error = (f"prompt {k}: the prompt was {reply.prompt_tokens} tokens, in the reference "
+                    f"{answer.prompt_tokens}: another model or tokenizer than the reference's")
+        return
+    if tolerance is None:
+        ev.judged_by, ev.basis = "exact", "reference"
+        verdict = oracle.exact(answer, reply)
+    else:
+        own = basis.get(k)
+        ev.judged_by, ev.basis = "noise", "concurrency-1" if own is not None else "reference"
+        verdict = oracle.within(own if own is not None else answer, reply, tolerance)
+    dev = verdict.deviation
+    ev.divergence, ev.token_divergence = dev.first_difference, dev.token_divergence
+    # Not rounded: one bit of difference at concurrency 1 must show in the evidence.
+    ev.max_logprob_diff, ev.gap_nats = dev.max_logprob_diff, dev.gap
+    ev.deviation_nats = None if dev.size == float("inf") else dev.size
+    ev.passed = verdict.ok
+    if not verdict.ok:
+        ev.error = f"prompt {k}: {verdict.detail}"
+
+
+def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int, i: int,
+         prompts: Sequence[str], min_tokens: int | None, ref: answers.Reference | None,
+         basis: dict[int, answers.Reply], tolerance: float | None) -> tuple[RequestEvidence, answers.Reply | None]:
+    """Send request ``i`` of a level and judge its reply; never raises for the server's faults."""
+    k = i % len(prompts)
+    ev = RequestEvidence(level, i, k, None, 0.0)
+    reply = ask(session, url, model, prompts[k], max_tokens, timeout, ev)
+    if reply is None:
+        return ev, None
     if ref is not None:
-        ev.judged_by = "reference"
-        verdict = answers.judge(ref.answers[k], reply, tolerance)
-        ev.divergence, ev.gap_nats = verdict.position, verdict.gap
-        if not verdict.ok:
-            ev.error = f"prompt {k}: {verdict.detail}"
-            return ev
+        judge(ev, k, reply, ref, basis, tolerance)
+        if not ev.passed:
+            return ev, reply
     if min_tokens is not None:
         # Both given: a reply the reference passed can still be too short (a test model that cannot stop early).
         if ref is None:
             ev.judged_by = "min-tokens"
         if reply.completion_tokens < min_tokens:
-            ev.judged_by = "min-tokens"
+            ev.judged_by, ev.passed = "min-tokens", False
             ev.error = (f"reply of {reply.completion_tokens} completion token(s), every reply must have "
                         f"at least {min_tokens} (finish_reason {reply.finish_reason})")
-            return ev
+            return ev, reply
     ev.passed = True
-    return ev
+    return ev, reply
 
 
-def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
-              min_tokens: int | None = None, ref: answers.Reference | None = None,
-              tolerance: float = answers.DEFAULT_TOLERANCE) -> Level:
-    level = Level(concurrency, n)
-    prompts = ref.prompts if ref is not None else PROMPTS
-    start = time.monotonic()
+def pool(concurrency: int, n: int, job: Callable[[requests.Session, int], Any]) -> list[Any]:
+    """``job(session, i)`` for i in 0..n-1 with ``concurrency`` in flight; results in request order."""
     with ThreadPoolExecutor(max_workers=concurrency) as pool, requests.Session() as session:
         # A pool of `concurrency` workers keeps that many requests in flight;
         # the session keeps one connection per worker alive between requests.
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
         session.mount("http://", adapter)
         session.mount("https://", adapter)
-        futures = [pool.submit(_one, session, url, model, timeout, max_tokens, concurrency, i, prompts,
-                               min_tokens, ref, tolerance) for i in range(n)]
-        level.per_request = [fut.result() for fut in futures]
+        futures = [pool.submit(job, session, i) for i in range(n)]
+        return [fut.result() for fut in futures]
+
+
+def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
+              min_tokens: int | None = None, ref: answers.Reference | None = None,
+              tolerance: float | None = None, basis: dict[int, answers.Reply] | None = None) -> Level:
+    """One level. With ``ref``: at concurrency 1 every reply bit for bit, and each prompt's first reply that
+    came back whole is kept in ``basis``; above it, within ``tolerance`` of ``basis``."""
+    level = Level(concurrency, n)
+    prompts = ref.prompts if ref is not None else PROMPTS
+    basis = {} if basis is None else basis
+    exact = ref is not None and concurrency == 1
+    level.tolerance_nats = 0.0 if exact else tolerance if ref is not None else None
+    start = time.monotonic()
+    done = pool(concurrency, n, lambda session, i: _one(session, url, model, timeout, max_tokens, concurrency, i,
+                                                         prompts, min_tokens, ref, basis,
+                                                         None if exact else tolerance))
     level.wall_s = round(time.monotonic() - start, 4)
+    level.per_request = [ev for ev, _ in done]
+    if exact:
+        for ev, reply in done:
+            if reply is not None and reply.tokens is not None:
+                basis.setdefault(ev.prompt, reply)
     summarise(level)
     return level
 
@@ -335,55 +383,18 @@ def summarise(level: Level) -> None:
     level.successes = len(passed)
     level.failures = len(level.per_request) - len(passed)
     level.errors = [" ".join(str(ev.error).split())[:300] for ev in level.per_request if not ev.passed][:3]
-    judged = [ev for ev in replies if ev.judged_by == "reference"]
+    judged = [ev for ev in replies if ev.judged_by in ("exact", "noise")]
     level.wrong_answers = sum(not ev.passed for ev in judged)
-    ties = [ev.gap_nats for ev in judged if ev.passed and ev.divergence is not None]
-    level.near_ties = len(ties)
-    level.widest_near_tie_nats = max((g for g in ties if g is not None), default=None)
+    level.identical = sum(ev.passed and ev.divergence is None for ev in judged)
+    level.deviated = sum(ev.passed and ev.divergence is not None for ev in judged)
+    level.widest_deviation_nats = max((ev.deviation_nats for ev in judged if ev.deviation_nats is not None),
+                                      default=None)
     if passed:
         latencies = [ev.latency_s for ev in passed]
         level.p50_s = round(percentile(latencies, 50), 4)
         level.p95_s = round(percentile(latencies, 95), 4)
         tokens = sum(ev.reply_tokens or 0 for ev in passed)
         level.output_tokens_per_s = round(tokens / level.wall_s, 2) if level.wall_s > 0 else None
-
-
-def record(url: str, model: str | None = None, *, prompts: Sequence[str] = PROMPTS, max_tokens: int = MAX_TOKENS,
-           timeout: float = 120, recorded_from: str | None = None,
-           progress: Callable[[str], None] | None = None) -> answers.Reference:
-    """Reference answers from the server at ``url``: each prompt once, one at a time, temperature 0.
-
-    Only a trusted server may be recorded (the site's running image, an
-    earlier verified hotfix): any failed request ends the recording.
-    """
-    url = url.rstrip("/")
-    model = model or first_model(url)
-    got: list[answers.Answer] = []
-    served = ""
-    with requests.Session() as session:
-        for k, text in enumerate(prompts):
-            try:
-                _, resp = _post(session, url, model, text, max_tokens, timeout)
-            except requests.RequestException as exc:
-                raise SmokeError(f"cannot record reference answers from {url}: prompt {k}: no answer "
-                                 f"({type(exc).__name__}: {exc})") from exc
-            if resp.status_code != 200:
-                raise SmokeError(f"cannot record reference answers from {url}: prompt {k}: "
-                                 f"HTTP {resp.status_code}: {' '.join(resp.text[:200].split())}")
-            try:
-                body = resp.json()
-                reply = answers.parse_reply(body)
-            except ValueError as exc:
-                raise SmokeError(f"cannot record reference answers from {url}: prompt {k}: {exc}") from None
-            if reply.tokens is None or len(reply.top) < len(reply.tokens):
-                raise SmokeError(f"cannot record reference answers from {url}: prompt {k}: the reply carries "
-                                 "no top logprobs per token (a server that does not speak vLLM's completions API?)")
-            served = served or str(body.get("model") or "")
-            got.append(answers.answer_of(text, reply))
-    if progress is not None:
-        progress(f"    recorded {len(got)} reference answers of {model} from {recorded_from or url}")
-    return answers.Reference(model, served, max_tokens, answers.TOP_LOGPROBS, tuple(got), __version__,
-                             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), recorded_from or url)
 
 
 def sweep(
@@ -397,7 +408,7 @@ def sweep(
     max_tokens: int = MAX_TOKENS,
     min_tokens: int | None = None,
     reference: answers.Reference | None = None,
-    tolerance: float = answers.DEFAULT_TOLERANCE,
+    noise_multiple: float = oracle.NOISE_MULTIPLE,
     progress: Callable[[str], None] | None = None,
     keep_going: bool = False,
 ) -> SweepResult:
@@ -405,21 +416,26 @@ def sweep(
     server lives, so a report shows each level's outcome; ``failed_level`` stays the first that failed).
 
     ``min_tokens``: every reply must carry at least this many completion tokens.
-    ``reference``: every reply must equal its reference answer up to a near-tie
-    (within ``tolerance`` nats); the reference's prompts and max_tokens are used.
+    ``reference``: every reply is judged by the oracle (bit for bit at
+    concurrency 1; above it within ``noise_multiple`` times the reference's
+    recorded noise of the same image's concurrency-1 reply); the reference's
+    prompts and max_tokens are used.
     """
+    tolerance = None
     if reference is not None:
         max_tokens = reference.max_tokens
+        answers.check_noise_multiple(noise_multiple)
+        tolerance = answers.tolerance(reference, noise_multiple)
     check_min_tokens(min_tokens, max_tokens)
-    answers.check_tolerance(tolerance)
     url = url.rstrip("/")
     model = model or first_model(url)
     result = SweepResult(url, model, [], max_tokens=max_tokens, min_tokens=min_tokens,
                          prompts=len(reference.answers) if reference is not None else len(PROMPTS))
     if reference is not None:
-        result.reference = {**reference.summary(), "tolerance_nats": tolerance}
+        result.reference = {**reference.summary(), "noise_multiple": noise_multiple, "tolerance_nats": tolerance}
+    basis: dict[int, answers.Reply] = {}
     for c in levels:
-        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, tolerance)
+        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, tolerance, basis)
         result.levels.append(level)
         alive = watch.running() if watch is not None else True
         if progress is not None:
@@ -443,8 +459,10 @@ def format_level(level: Level) -> str:
 
     tps = f"{level.output_tokens_per_s:8.1f}" if level.output_tokens_per_s is not None else "       -"
     shortest = "-" if level.shortest_reply_tokens is None else str(level.shortest_reply_tokens)
-    judged = any(ev.judged_by == "reference" for ev in level.per_request)
-    answers_note = f"  wrong answers {level.wrong_answers}, near-ties {level.near_ties}" if judged else ""
+    judged = any(ev.judged_by in ("exact", "noise") for ev in level.per_request)
+    widest = "-" if level.widest_deviation_nats is None else f"{level.widest_deviation_nats:.3g}"
+    answers_note = (f"  wrong answers {level.wrong_answers}, identical {level.identical}, within noise "
+                    f"{level.deviated} (widest {widest} nats)" if judged else "")
     return (
         f"    concurrency {level.concurrency:>3}: {level.successes:>4}/{level.requests:<4} ok  "
         f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s  shortest reply {shortest} tok"
@@ -468,7 +486,7 @@ def failure_message(result: SweepResult) -> str:
     )
 
 
-def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None, tolerance: float) -> dict[str, Any]:
+def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None) -> dict[str, Any]:
     """The serve-sweep check a finished sweep makes (the host's smoke and the runner in the image alike)."""
     if not result.ok:
         tail = result.server_log.strip().splitlines()[-12:]
@@ -478,7 +496,8 @@ def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None,
     if min_tokens is not None:
         detail += f", every reply at least {min_tokens} token(s)"
     if result.reference is not None:
-        ties = sum(lv.near_ties for lv in result.levels)
-        detail += (f", every reply matched the reference answers ({result.reference['file']}; {ties} "
-                   f"near-tie(s) within {tolerance} nats)")
+        deviated = sum(lv.deviated for lv in result.levels if lv.concurrency != 1)
+        detail += (f", every reply at concurrency 1 bitwise the reference answer ({result.reference['file']}) and "
+                   f"every reply above it within {result.reference['tolerance_nats']:.3g} nats of the same image's "
+                   f"concurrency-1 reply ({deviated} not bitwise equal)")
     return {"name": "serve-sweep", "status": "pass", "detail": detail}

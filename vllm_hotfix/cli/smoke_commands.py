@@ -29,7 +29,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                                  serve_model=serve_model, serve_args=serve_args,
                                  levels=sweep.parse_levels(concurrency), requests=requests_n,
                                  min_tokens=min_tokens, reference=answers.reference,
-                                 record_reference=answers.record, logprob_tolerance=answers.tolerance,
+                                 record_reference=answers.record, noise_multiple=answers.noise_multiple,
                                  keep_going=keep_going, compile_cache=compile_cache)
 
 
@@ -51,15 +51,17 @@ sweep_options = [
                  help="Fail a request whose reply has fewer completion tokens (each asks for 32): for a model "
                       "that cannot stop early, where a short reply means it went wrong."),
     click.option("--reference", "reference_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                 help="Reference answers (from --record-reference on a trusted image, same model and GPU model): "
-                      "every reply at every level must equal its answer, or diverge from it only at a near-tie."),
+                 help="Reference answers (from --record-reference on a trusted image, under the settings they "
+                      "name): every reply at concurrency 1 must equal its answer bit for bit; above it, the same "
+                      "image's concurrency-1 reply within the tolerance."),
     click.option("--record-reference", "record_path", type=click.Path(dir_okay=False, path_type=Path),
                  default=None,
-                 help="Record reference answers to this new file first (the prompt set once each, concurrency 1, "
-                      "temperature 0, top-5 logprobs), then sweep against them. Only from a trusted image."),
-    click.option("--logprob-tolerance", type=float, default=None, metavar="NATS",
-                 help="A divergence from the reference passes if the reference's token is in the served top-5 "
-                      "and at most this far below the served token (default 0.5)."),
+                 help="Record reference answers to this new file first (the prompt set at concurrency 1, twice, "
+                      "temperature 0, top-5 logprobs; then at concurrency 16 for the noise), then sweep against "
+                      "them. Only from a trusted image."),
+    click.option("--noise-multiple", type=float, default=None, metavar="X",
+                 help="Above concurrency 1 a reply may deviate from the same image's concurrency-1 reply by X times "
+                      "the noise recorded with the reference (default 4)."),
 ]
 
 
@@ -124,7 +126,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
           emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
           gpu_count: int, sign_secret: str | None, deadline: int, concurrency: str, requests_n: int,
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
-          logprob_tolerance: float | None) -> None:
+          noise_multiple: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from ..checking import reference
     from ..checking import smoke as smokelib
@@ -132,7 +134,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
     from ..trust import attest, signing
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
-                             min_tokens, reference.answer_options(reference_path, record_path, logprob_tolerance),
+                             min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
                              keep_going=keep_going, compile_cache=compile_cache)
     if attestation_path is not None and sign_key is None and sign_secret is None:
         raise UsageError("--attestation needs --sign-key")
@@ -227,17 +229,18 @@ def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign
 def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: float, keep_going: bool,
                 concurrency: str,
                 requests_n: int, min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
-                logprob_tolerance: float | None) -> None:
+                noise_multiple: float | None) -> None:
     """Run the concurrency sweep against an already running server."""
     import json
+    from dataclasses import replace
 
+    from ..checking import recording, sweep
     from ..checking import reference as refmod
-    from ..checking import sweep
     from ..errors import SmokeError
 
     sweep.check_url(url)
     levels = sweep.parse_levels(concurrency)
-    answers = refmod.answer_options(reference_path, record_path, logprob_tolerance)
+    answers = refmod.answer_options(reference_path, record_path, noise_multiple)
     ref = answers.reference
     sweep.check_min_tokens(min_tokens, ref.max_tokens if ref else sweep.MAX_TOKENS)
     check_output_file(report_path, "--report")
@@ -245,10 +248,12 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     sweep.wait_healthy(url.rstrip("/"), wait_s, progress=progress)
     if answers.record is not None:
         progress(f"==> recording reference answers from {url.rstrip('/')} (concurrency 1)")
-        ref = refmod.write(sweep.record(url, model, progress=progress), answers.record)
+        # A server nobody here started: its settings are not known here, and the file says so.
+        ref = refmod.write(replace(recording.record(url, model, progress=progress),
+                                   settings={"server": url, "known": False}), answers.record)
         click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
     result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
-                         tolerance=answers.tolerance, progress=progress, watch=sweep.HealthWatch(url),
+                         noise_multiple=answers.noise_multiple, progress=progress, watch=sweep.HealthWatch(url),
                          keep_going=keep_going)
     if report_path:
         from ..journal.atomic import write_atomic  # a full disk is one line naming the file, not a dump
@@ -256,5 +261,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
         write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:
         raise SmokeError(sweep.failure_message(result))
-    checked = f", every reply matched {ref.path} (near-ties within {answers.tolerance} nats)" if ref else ""
+    checked = (f", every reply at concurrency 1 bitwise {ref.path}'s and above it within "
+               f"{result.reference['tolerance_nats']:.3g} nats of the concurrency-1 reply" if ref and result.reference
+               else "")
     click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")

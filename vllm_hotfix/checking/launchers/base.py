@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 # What the runner imports from the package: itself, and the verdict code it judges with.
 # The sweep and reference answers are the host's own, so a verdict from the image judges replies the same way.
 PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py", "journal/atomic.py",
-                 "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/runner/__init__.py",
-                 "checking/runner/main.py", "checking/runner/p256.py", "checking/runner/serve.py")
+                 "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/oracle.py",
+                 "checking/recording.py", "checking/runner/__init__.py", "checking/runner/main.py",
+                 "checking/runner/p256.py", "checking/runner/serve.py")
 BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 run.py JOB.json (this folder is put first on sys.path)."""
 import os
 import sys

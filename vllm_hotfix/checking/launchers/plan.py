@@ -20,6 +20,7 @@ from ... import __version__
 from ...building import definitions, patches, pins, wheels
 from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, SmokeError, UsageError
+from .. import compile_cache, oracle
 from ..runner import MOUNT
 from .base import KEY_FILE, Launched, Launcher, stage
 
@@ -128,13 +129,18 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
     if options.serve_model is not None:
         if not Path(options.serve_model).exists():
             raise SmokeError(f"--serve-model {options.serve_model}: no such file or folder")
-        out["serve"] = {"argv": [*target.entrypoint, "/model", "--port", str(SERVE_PORT), *options.serve_args],
+        settings = serve_settings(options, target)
+        out["serve"] = {"argv": [*target.entrypoint, "/model", "--port", str(SERVE_PORT), *settings["serve_args"]],
+                        "env": settings["env"], "overlap": overlaps(settings["serve_args"]),
                         "port": SERVE_PORT, "levels": list(options.levels), "requests": options.requests,
                         "min_tokens": options.min_tokens, "timeout": options.serve_timeout,
-                        "keep_going": options.keep_going, "tolerance": options.logprob_tolerance,
+                        "keep_going": options.keep_going, "noise_multiple": options.noise_multiple,
                         "reference": None}
         ref = options.reference
         if ref is not None:
+            from ..reference import refuse_other_settings
+
+            refuse_other_settings(ref, settings)
             # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
             try:
                 out["serve"]["reference"] = json.loads(Path(ref.path).read_text(encoding="utf-8"))
@@ -143,10 +149,45 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
             out["serve"]["reference_file"] = ref.path
         record = getattr(options, "record_reference", None)
         if record is not None:
-            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})"}
+            # The settings the host knows; the runner adds the GPU model and the versions the image reports.
+            out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
+                                      "settings": settings}
     if key_path is not None:
         out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra
+
+
+def serve_settings(options: Any, target: Target) -> dict[str, Any]:
+    """What the host knows, before anything runs, of the settings a reference names (oracle.SETTING_KEYS): the
+    server's arguments (the user's, then the oracle's), its environment, the base image, the model."""
+    args = [str(a) for a in options.serve_args]
+    try:
+        oracle.check_serve_args(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        base = "sha256:" + compile_cache.base_key(target.image_id, target.labels.get(L.BASE_ID))
+    except SmokeError:
+        base = target.image_id  # not an image ID (a cluster's digest): the image stands for its base
+    return {"serve_args": [*args, *oracle.SERVE_ARGS], "env": dict(oracle.SERVE_ENV), "base_image_id": base,
+            "model": oracle.fingerprint(str(options.serve_model))}
+
+
+def run_settings(verdict: Any) -> dict[str, Any]:
+    """What a finished run reported of those settings: the GPU model its container saw, vLLM's and torch's
+    versions (the image's env-report)."""
+    packages = (verdict.environment or {}).get("packages") or {}
+    devices = (verdict.gpu or {}).get("devices") or []
+    found: dict[str, Any] = {"vllm": packages.get("vllm"), "torch": packages.get("torch")}
+    if devices:
+        found["gpu"] = ", ".join(str(d) for d in devices)
+    return found
+
+
+def overlaps(args: Sequence[str]) -> bool:
+    """Whether the server may start while the GPU checks run: only with its KV cache size given, where vLLM
+    does not measure the GPU's free memory (which the checks' processes change as they come and go)."""
+    return any(str(a).split("=", 1)[0] == "--kv-cache-memory-bytes" for a in args)
 
 
 def _record(root: Path, pin: Any) -> dict[str, str] | None:
@@ -183,6 +224,10 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_r
         say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
         model = Path(options.serve_model).resolve() if options.serve_model is not None else None
         launched = launcher.launch(target.start, folder, spec, gpu_request, model)
+    if options.reference is not None:
+        from ..reference import refuse_other_settings
+
+        refuse_other_settings(options.reference, run_settings(launched.verdict))
     if echo:
         for c in launched.verdict.checks:
             say(f"    {c.status.value:<4} {c.name}: {c.detail}")

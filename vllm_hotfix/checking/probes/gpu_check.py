@@ -29,7 +29,8 @@ and ``import_errors`` where it fell back.
 ``--imports-only``: only ``model-imports`` (to ask the image's base the same).
 
 ``--extra``: more check scripts (files, or every ``*.py`` in a directory,
-sorted) run with the same python as subprocesses (``--timeout`` each, default
+sorted) run with the same python as subprocesses, side by side with each
+other, with ``model-imports`` and with the torch checks (``--timeout`` each, default
 600 s); their ``checks`` are merged into the output. A script that times out,
 crashes or prints no JSON yields a failing check named after the script.
 ``--extra-args`` is split (shlex) and appended to every extra script's
@@ -306,19 +307,27 @@ def main(argv: list[str] | None = None) -> int:
         checks = [check_imports(args.modules, args.timeout)]
         print(json.dumps({"checks": checks, "info": info}))
         return 1 if checks[0]["status"] == "fail" else 0
-    checks, torch = check_torch()
-    if torch is not None:
-        checks.append(check_matmul(torch))
-        checks.append(check_triton(torch))
-    else:
-        reason = checks[0]["detail"]
-        checks.append(check("gpu-kernel", "skip", f"no usable GPU: {reason}"))
-        checks.append(check("gpu-triton", "skip", f"no usable GPU: {reason}"))
-    if args.modules:
-        checks.append(check_imports(args.modules, args.timeout))
+    # The imports and each extra script are processes of their own: they run side by side with the torch
+    # checks here (the GPU checks' wall time is the longest of them, not their sum), reported in this order.
+    from concurrent.futures import ThreadPoolExecutor
+
     extra_args = shlex.split(args.extra_args)
-    for script in extra_scripts(args.extra):
-        checks += run_extra(script, args.timeout, extra_args)
+    scripts = extra_scripts(args.extra)
+    with ThreadPoolExecutor(max_workers=1 + len(scripts)) as pool:
+        imports = pool.submit(check_imports, args.modules, args.timeout) if args.modules else None
+        extras = [pool.submit(run_extra, script, args.timeout, extra_args) for script in scripts]
+        checks, torch = check_torch()
+        if torch is not None:
+            checks.append(check_matmul(torch))
+            checks.append(check_triton(torch))
+        else:
+            reason = checks[0]["detail"]
+            checks.append(check("gpu-kernel", "skip", f"no usable GPU: {reason}"))
+            checks.append(check("gpu-triton", "skip", f"no usable GPU: {reason}"))
+        if imports is not None:
+            checks.append(imports.result())
+        for done in extras:
+            checks += done.result()
     print(json.dumps({"checks": checks, "info": info}))
     return 1 if any(c["status"] == "fail" for c in checks) else 0
 

@@ -17,12 +17,12 @@ import the package from; or null); ``env_names``; ``pins`` (the pins_check spec,
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
 ``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
 check the host already settled, when no GPU request reaches this image);
-``serve`` (``argv``, ``port``, ``levels``, ``requests``, ``timeout``,
+``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
-back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``tolerance``; or
-null); ``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or
-null); ``probe_timeout``.
+back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
+``overlap`` (start the server while the GPU checks run); or null);
+``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or null); ``probe_timeout``.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class Run:
         self.environment: dict[str, Any] = {}
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
         self.recorded: list[bytes] = []
+        self.devices: list[str] = []  # the GPUs the container saw
 
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
@@ -157,7 +158,7 @@ class Run:
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             seen = {"devices": [], "error": "the GPU listing gave no answer"}
         devices = [str(d) for d in seen.get("devices") or []]
-        facts["devices"] = devices
+        facts["devices"] = self.devices = devices
         if not devices:
             why = f"the container started with {request} sees no GPU ({seen.get('error') or 'no device'})"
             facts["why_unverified"] = why
@@ -216,9 +217,17 @@ class Run:
                    "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
         return False
 
-    def sweep(self, spec: dict[str, Any], phases: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """One server start and the sweep against it (:func:`.serve.run`)."""
-        return serve.run(spec, self.scratch, say=say, phases=phases, recorded=self.recorded)
+    def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
+        """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
+        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts)
+
+    def facts(self) -> dict[str, Any]:
+        """What this run saw of the settings a reference names: the GPU model, vLLM's and torch's versions."""
+        packages = self.environment.get("packages") or {}
+        found: dict[str, Any] = {"vllm": packages.get("vllm"), "torch": packages.get("torch")}
+        if self.devices:
+            found["gpu"] = ", ".join(self.devices)
+        return found
 
     def failed(self) -> list[str]:
         """As the host's smoke: a failing check ends the run early, an incomplete one (the host's shortcoming,
@@ -272,20 +281,29 @@ class Run:
         verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
         sweep = None
         if not self.stop(("gpu", "serve-sweep")):
+            spec = job.get("serve")
+            serving = self.serving(spec, phases) if spec else None
+            if serving is not None and bool(spec and spec.get("overlap")):
+                # The server does not measure the GPU's free memory (its KV cache size is given), so it can start
+                # while the GPU checks' processes come and go; server_start and gpu_checks then overlap.
+                say("==> runner: the server starts while the GPU checks run")
+                serving.start()
             say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
             mark = time.monotonic()
             verified, gpu = self.gpu()
             verified = self.compiled_stop(verified, gpu)
             phases["gpu_checks"] = round(time.monotonic() - mark, 1)
-            if not self.stop(("serve-sweep",)):
-                spec = job.get("serve")
+            if self.stop(("serve-sweep",)):
+                if serving is not None:
+                    serving.stop()
+            else:
                 say("==> runner: serve sweep")
-                if not spec:
+                if serving is None:
                     self.add([{"name": "serve-sweep", "status": "skip", "detail": "no --serve-model given"}], 0,
                              "serve")
                 else:
                     t0 = time.monotonic()
-                    check, sweep = self.sweep(spec, phases)
+                    check, sweep = serving.finish()
                     self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
             gpu["why_unverified"] = "not run: an earlier phase failed"

@@ -1,10 +1,12 @@
 """The serve sweep from inside the image: start the server, wait for its health, sweep, with the host's code.
 
 The sweep and its judgement are the host's own (:mod:`vllm_hotfix.checking.sweep`,
-:mod:`vllm_hotfix.checking.reference`, carried in the runner folder): the same
-prompts, the same per-request evidence, the same wrong-answer check against
-reference answers within a log-probability tolerance, the same check the
-host's smoke makes from a finished sweep. They speak HTTP through
+:mod:`vllm_hotfix.checking.oracle`, :mod:`vllm_hotfix.checking.reference`,
+:mod:`vllm_hotfix.checking.recording`, carried in the runner folder): the same
+prompts, the same per-request evidence, the same oracle (bit for bit at
+concurrency 1, within recorded noise above it), the same check the host's
+smoke makes from a finished sweep. The server gets the job's ``env``
+(``VLLM_BATCH_INVARIANT=1``) on top of the container's. They speak HTTP through
 ``requests``, which vLLM itself depends on; an image without it fails the
 sweep with one line. Only the server's start differs: here it is a process
 of the runner, not a container of an engine.
@@ -29,10 +31,10 @@ LOG_LINES = 200
 class Process:
     """The server process as the sweep watches it (:class:`vllm_hotfix.checking.sweep.Watcher`)."""
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.lines: deque[str] = deque(maxlen=LOG_LINES)
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     errors="replace")
+                                     errors="replace", env={**os.environ, **dict(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -59,67 +61,109 @@ def _failed(detail: str, log: Sequence[str] = ()) -> dict[str, Any]:
     return {"name": "serve-sweep", "status": "fail", "detail": detail, "data": {"server_log": list(log)[-12:]}}
 
 
+class Serving:
+    """The job's ``serve`` part in two steps, so that the server can start while the GPU checks run.
+
+    :meth:`start` starts the server (``server_start`` counts from here);
+    :meth:`finish` waits for its health, records reference answers when the
+    job asks, sweeps, and stops it. :meth:`stop` ends a server whose sweep
+    will not run.
+    """
+
+    def __init__(self, spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None],
+                 phases: dict[str, float], recorded: list[bytes] | None = None,
+                 facts: Callable[[], dict[str, Any]] = dict) -> None:
+        self.spec, self.scratch, self.say, self.phases, self.recorded = spec, scratch, say, phases, recorded
+        self.facts = facts  # the GPU model and versions this run saw, for the settings a recording names
+        self.server: Process | None = None
+        self.started = 0.0
+        self.failed: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        argv = [str(a) for a in self.spec["argv"]]
+        env = {str(k): str(v) for k, v in (self.spec.get("env") or {}).items()}
+        try:
+            self.server = Process(argv, env)
+        except OSError as exc:
+            self.failed = _failed(f"cannot start {argv[0]}: {exc}")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def finish(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(the serve-sweep check, the sweep's report); wall times into ``phases``."""
+        if self.server is None and self.failed is None:
+            self.start()
+        if self.failed is not None or self.server is None:
+            return self.failed or _failed("the server did not start"), None
+        try:
+            return self._sweep(self.server)
+        finally:
+            self.server.stop()
+
+    def _sweep(self, server: Process) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        try:
+            from ...errors import PipelineError
+            from .. import oracle, recording, sweep
+            from .. import reference as answers
+        except ImportError as exc:
+            return _failed(f"the image's Python cannot run the sweep: {exc}"), None
+        spec, say, phases = self.spec, self.say, self.phases
+        levels = [int(v) for v in spec.get("levels") or [1]]
+        multiple = float(spec.get("noise_multiple") or oracle.NOISE_MULTIPLE)
+        min_tokens = spec.get("min_tokens")
+        ref = None
+        if spec.get("reference") is not None:
+            path = os.path.join(self.scratch, "reference.json")
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(spec["reference"], fh)
+            named = str(spec.get("reference_file") or "reference answers")
+            try:
+                ref = answers.load(Path(path), f"--reference {named} (in the runner)")
+            except PipelineError as exc:
+                return _failed(str(exc).replace(f" {path}:", ":")), None
+            ref = replace(ref, path=named)  # reports name the user's file, not the runner's copy
+        url = f"http://127.0.0.1:{int(spec['port'])}"
+        try:
+            try:
+                sweep.wait_healthy(url, float(spec.get("timeout", 900)), server, say)
+            except PipelineError as exc:
+                phases["server_start"] = round(time.monotonic() - self.started, 1)
+                lines = str(exc).splitlines()
+                return _failed(lines[0], lines[1:]), None
+            phases["server_start"] = round(time.monotonic() - self.started, 1)
+            say(f"    server healthy after {phases['server_start']:.1f} s")
+            record = spec.get("record")
+            if isinstance(record, Mapping):
+                t0 = time.monotonic()
+                named = str(record.get("file") or "reference answers")
+                settings = {**dict(record.get("settings") or {}), **self.facts()}
+                source = str(record.get("recorded_from") or url)
+                made = answers.write(replace(recording.record(url, recorded_from=source, progress=say),
+                                             settings=settings), Path(self.scratch) / "recorded.json")
+                if self.recorded is not None:
+                    self.recorded.append((Path(self.scratch) / "recorded.json").read_bytes())
+                ref = replace(made, path=named)
+                phases["reference_record"] = round(time.monotonic() - t0, 1)
+                say(f"    recorded {len(ref.answers)} reference answers (sha256 {ref.sha256})")
+            t0 = time.monotonic()
+            result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
+                                 min_tokens=min_tokens, reference=ref, progress=say, noise_multiple=multiple,
+                                 keep_going=bool(spec.get("keep_going")))
+            phases["sweep"] = round(time.monotonic() - t0, 1)
+        except PipelineError as exc:
+            return _failed(str(exc).splitlines()[0], list(server.lines)), None
+        return sweep.as_check(result, levels, min_tokens), result.to_dict()
+
+
 def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], phases: dict[str, float],
         recorded: list[bytes] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(the serve-sweep check, the sweep's report) for the job's ``serve`` part; wall times into ``phases``.
+    """(the serve-sweep check, the sweep's report) for the job's ``serve`` part: start, wait, sweep, stop.
 
     With ``record`` in the spec, reference answers are recorded from the
     server first (as ``smoke --record-reference`` on the host), swept
     against, and their file's bytes appended to ``recorded``.
     """
-    try:
-        from ...errors import PipelineError
-        from .. import reference as answers
-        from .. import sweep
-    except ImportError as exc:
-        return _failed(f"the image's Python cannot run the sweep: {exc}"), None
-    levels = [int(v) for v in spec.get("levels") or [1]]
-    tolerance = float(spec.get("tolerance", answers.DEFAULT_TOLERANCE))
-    min_tokens = spec.get("min_tokens")
-    ref = None
-    if spec.get("reference") is not None:
-        path = os.path.join(scratch, "reference.json")
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(spec["reference"], fh)
-        named = str(spec.get("reference_file") or "reference answers")
-        try:
-            ref = answers.load(Path(path), f"--reference {named} (in the runner)")
-        except PipelineError as exc:
-            return _failed(str(exc).replace(f" {path}:", ":")), None
-        ref = replace(ref, path=named)  # reports name the user's file, not the runner's copy
-    url = f"http://127.0.0.1:{int(spec['port'])}"
-    start = time.monotonic()
-    try:
-        server = Process([str(a) for a in spec["argv"]])
-    except OSError as exc:
-        return _failed(f"cannot start {spec['argv'][0]}: {exc}"), None
-    try:
-        try:
-            sweep.wait_healthy(url, float(spec.get("timeout", 900)), server, say)
-        except PipelineError as exc:
-            phases["server_start"] = round(time.monotonic() - start, 1)
-            lines = str(exc).splitlines()
-            return _failed(lines[0], lines[1:]), None
-        phases["server_start"] = round(time.monotonic() - start, 1)
-        say(f"    server healthy after {phases['server_start']:.1f} s")
-        record = spec.get("record")
-        if isinstance(record, Mapping):
-            t0 = time.monotonic()
-            named = str(record.get("file") or "reference answers")
-            made = answers.write(sweep.record(url, recorded_from=str(record.get("recorded_from") or url),
-                                              progress=say), Path(scratch) / "recorded.json")
-            if recorded is not None:
-                recorded.append((Path(scratch) / "recorded.json").read_bytes())
-            ref = replace(made, path=named)
-            phases["reference_record"] = round(time.monotonic() - t0, 1)
-            say(f"    recorded {len(ref.answers)} reference answers (sha256 {ref.sha256})")
-        t0 = time.monotonic()
-        result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
-                             min_tokens=min_tokens, reference=ref, tolerance=tolerance, progress=say,
-                             keep_going=bool(spec.get("keep_going")))
-        phases["sweep"] = round(time.monotonic() - t0, 1)
-    except PipelineError as exc:
-        return _failed(str(exc).splitlines()[0], list(server.lines)), None
-    finally:
-        server.stop()
-    return sweep.as_check(result, levels, min_tokens, tolerance), result.to_dict()
+    return Serving(spec, scratch, say=say, phases=phases, recorded=recorded).finish()

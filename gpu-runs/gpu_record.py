@@ -1,0 +1,254 @@
+"""What a GPU run record says, derived from the smoke reports alone (gpu_host.py record writes it).
+
+Per image (``reference``: the image the reference answers were recorded
+from; ``patched`` and ``patched_again``: the image judged, in two server
+starts; ``unpatched``: the base): its verdict, smoke time and phase times,
+checks, the top-k check's scenarios, and the serve sweep per level with every
+request's evidence as rows. In words (``result``): each image's verdict and
+times against the target, then per level the requests passed, their HTTP
+statuses, reply lengths and finish reasons, how the oracle judged them (bit
+for bit at concurrency 1; within the tolerance above it: identical, within
+noise, wrong) and the widest deviation. ``findings`` answers the run's
+questions from the same evidence: does the patched image pass every level in
+both starts with no wrong answer; what share of the unpatched base's answered
+concurrency-1 replies the oracle judged wrong; is each warm smoke within the
+target; does the model read its prompt; was the reference recorded from
+another image than the one judged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
+                    "finish_reason", "reply_sha256", "judged_by", "passed", "basis", "divergence", "token_divergence",
+                    "max_logprob_diff", "gap_nats", "deviation_nats", "error")
+KINDS = ("reference", "patched", "patched_again", "unpatched")
+WRONG_SHARE = 0.8  # the unpatched base must have at least this share of its answered concurrency-1 replies wrong
+DISTINCT_TARGET = 24
+GAP_TARGET = 1.0  # nats: the median first-token top-two gap a prompt-reading model shows
+LEVELS = (1, 2, 4, 8, 16)
+
+
+def image(report: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ref": report.get("image"),
+        "id": report.get("image_id"),
+        "status": report.get("status"),
+        "gpu_verified": report.get("gpu_verified"),
+        "gpu": report.get("gpu"),
+        "seconds": report.get("seconds"),
+        "phases": report.get("phases") or {},
+        "compile_cache": (report.get("environment") or {}).get("compile_cache"),
+        "checks": [{"name": c.get("name"), "status": c.get("status"), "detail": c.get("detail")}
+                   for c in report.get("checks", [])],
+        "topk_layout": _topk(report),
+        "serve": _serve(report),
+    }
+
+
+def _serve(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The serve sweep: per level its summary, per request its evidence (as rows), and how the server ended."""
+    check = next((c for c in report.get("checks", []) if c.get("name") == "serve-sweep"), None)
+    if check is None:
+        return None
+    sweep = report.get("sweep") or {}
+    levels = []
+    for level in sweep.get("levels") or []:
+        summary = {k: v for k, v in level.items() if k != "per_request"}
+        rows = [[ev.get(c) for c in EVIDENCE_COLUMNS] for ev in level.get("per_request") or []]
+        levels.append({**summary, "per_request": {"columns": list(EVIDENCE_COLUMNS), "rows": rows}})
+    return {
+        "status": check.get("status"),
+        "detail": check.get("detail"),
+        "seconds": check.get("seconds"),
+        "model": sweep.get("model"),
+        "max_tokens": sweep.get("max_tokens"),
+        "min_tokens": sweep.get("min_tokens"),
+        "reference": sweep.get("reference"),
+        "failed_level": sweep.get("failed_level"),
+        "levels": levels,
+        "server_log_tail": (check.get("data") or {}).get("server_log")
+        or (sweep.get("server_log") or "").splitlines()[-40:],
+    }
+
+
+def _topk(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Per scenario: how it ended, the views the installed code used, the row counts."""
+    check = next((c for c in report.get("checks", []) if c.get("name") == "topk-layout"), None)
+    if check is None:
+        return None
+    data = check.get("data") or {}
+    runs: dict[str, Any] = {}
+    for scenario, run in (data.get("runs") or {}).items():
+        result = run.get("result") or {}
+        entry = {k: run[k] for k in ("outcome", "seconds", "fault", "timeout") if k in run}
+        entry.update({k: result[k] for k in ("impls", "config", "write_views", "read_views", "decode", "prefill",
+                                             "attention", "error", "read_out_of_bounds") if k in result})
+        runs[scenario] = entry
+    stubs = next((r.get("import", {}).get("stubs") for r in (data.get("runs") or {}).values() if r.get("import")), None)
+    path = data.get("path") or next((r.get("path") for r in (data.get("runs") or {}).values() if r.get("path")),
+                                    None)
+    return {"outcomes": data.get("outcomes"), "stubs": stubs, "path": path, "runs": runs}
+
+
+def _counts(values: list[Any]) -> str:
+    seen: dict[str, int] = {}
+    for v in values:
+        seen[str(v)] = seen.get(str(v), 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(seen.items()))
+
+
+def _span(values: list[int]) -> str:
+    return "-" if not values else str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def level_sentence(level: dict[str, Any]) -> str:
+    """One level in words, from its requests' evidence alone (its summary where a report has none)."""
+    c, n = level.get("concurrency"), level.get("requests")
+    evidence = level.get("per_request") or []
+    if not evidence:
+        return (f"concurrency {c}: {level.get('successes')}/{n} passed (no per-request evidence in the report; "
+                f"shortest reply {level.get('shortest_reply_tokens')} tokens, finish reasons "
+                f"{_counts([k for k, m in (level.get('finish_reasons') or {}).items() for _ in range(m)]) or 'none'})")
+    passed = sum(bool(ev.get("passed")) for ev in evidence)
+    parts = [f"concurrency {c}: {passed}/{len(evidence)} passed",
+             f"HTTP status {_counts([ev.get('http_status') or 'no answer' for ev in evidence])}"]
+    replies = [ev for ev in evidence if ev.get("reply_tokens") is not None]
+    if replies:
+        parts.append(f"replies of {_span(sorted(ev['reply_tokens'] for ev in replies))} tokens "
+                     f"(finish_reason {_counts([ev.get('finish_reason') for ev in replies])})")
+    parts.append(f"judged by {_counts([ev.get('judged_by') for ev in evidence])}")
+    judged = [ev for ev in replies if ev.get("judged_by") in ("exact", "noise")]
+    if judged:
+        wrong = [ev for ev in judged if not ev.get("passed")]
+        same = [ev for ev in judged if ev.get("passed") and ev.get("divergence") is None]
+        noisy = [ev for ev in judged if ev.get("passed") and ev.get("divergence") is not None]
+        where = sorted(ev["divergence"] for ev in wrong if ev.get("divergence") is not None)
+        first = f" (first difference at position {_span(where)})" if where else ""
+        sizes = [ev["deviation_nats"] for ev in judged if ev.get("deviation_nats") is not None]
+        tol = level.get("tolerance_nats")
+        rule = "bit for bit" if c == 1 else f"within {tol:.3g} nats of the concurrency-1 reply" \
+            if isinstance(tol, (int, float)) else "within the tolerance"
+        parts.append(f"{len(wrong)} wrong answer(s){first}, {len(same)} bitwise equal, {len(noisy)} within noise "
+                     f"({rule}; widest deviation {max(sizes):.3g} nats)" if sizes else
+                     f"{len(wrong)} wrong answer(s){first}, {len(same)} bitwise equal ({rule})")
+    short = [ev for ev in evidence if ev.get("judged_by") == "min-tokens" and not ev.get("passed")]
+    if short:
+        parts.append(f"{len(short)} short repl(ies)")
+    return "; ".join(parts)
+
+
+def time_sentence(img: dict[str, Any], target: float | None = None) -> str:
+    """The smoke's wall time and each phase's, from the report."""
+    seconds = img.get("seconds")
+    phases = img.get("phases") or {}
+    words = f"smoke {seconds:.1f} s" if isinstance(seconds, (int, float)) else "smoke time not reported"
+    if target is not None and isinstance(seconds, (int, float)):
+        words += f" ({'at or under' if seconds <= target else 'over'} the {target:g} s target)"
+    words += "; phases: " + (", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) or "not reported")
+    cache = img.get("compile_cache")
+    if cache:
+        words += f"; compile cache {cache.get('base_id', '')[:12]}/{cache.get('gpu')}"
+    return words
+
+
+def image_sentences(img: dict[str, Any], target: float | None = None) -> list[str]:
+    """What one image's report shows, in words: its verdict and times, then each level the sweep ran."""
+    serve = img.get("serve") or {}
+    head = f"{img.get('status')} ({'GPU-verified' if img.get('gpu_verified') else 'GPU-unverified'})"
+    not_applicable = (img.get("gpu") or {}).get("not_applicable")
+    if not_applicable:
+        head += f"; not applicable on this GPU family: {'; '.join(map(str, not_applicable))}"
+    failing = [c["name"] for c in img.get("checks") or [] if c.get("status") not in ("pass", "skip")]
+    if failing:
+        head += f"; checks not passed: {', '.join(failing)}"
+    head += f"; {time_sentence(img, target)}"
+    if not serve:
+        return [head + "; no serve sweep"]
+    ref = serve.get("reference")
+    how = (f"the oracle against {ref.get('file')} (sha256 {ref.get('sha256')}, {ref.get('prompts')} prompts; "
+           f"tolerance above concurrency 1 {ref.get('tolerance_nats')} nats = {ref.get('noise_multiple')} x the "
+           f"recorded noise)" if ref else
+           f"at least {serve['min_tokens']} tokens per reply" if serve.get("min_tokens") else "HTTP status only")
+    head += f"; serve sweep {serve.get('status')}, judged by {how}"
+    if serve.get("failed_level") is not None:
+        head += f", failed at concurrency {serve['failed_level']}"
+    rows = [rows_to_evidence(level) for level in serve.get("levels") or []]
+    return [head, *(level_sentence(level) for level in rows)]
+
+
+def rows_to_evidence(level: dict[str, Any]) -> dict[str, Any]:
+    table = level.get("per_request") or {}
+    if isinstance(table, dict):
+        cols = table.get("columns") or []
+        return {**level, "per_request": [dict(zip(cols, row, strict=True)) for row in table.get("rows") or []]}
+    return level
+
+
+
+
+def _evidence(img: dict[str, Any], concurrency: int) -> list[dict[str, Any]]:
+    for level in (img.get("serve") or {}).get("levels") or []:
+        if level.get("concurrency") == concurrency:
+            return rows_to_evidence(level).get("per_request") or []
+    return []
+
+
+def passes_every_level(img: dict[str, Any]) -> tuple[bool, str]:
+    """The image passed, at every level, every request, with no wrong answer; and in words."""
+    serve = img.get("serve") or {}
+    levels = {lv.get("concurrency"): lv for lv in serve.get("levels") or []}
+    missing = [c for c in LEVELS if c not in levels]
+    bad = [c for c, lv in levels.items() if lv.get("failures") or lv.get("wrong_answers")]
+    ok = img.get("status") == "pass" and serve.get("status") == "pass" and not missing and not bad
+    words = (f"{img.get('status')}; levels {','.join(str(c) for c in sorted(levels))} all passed, no wrong answer"
+             if ok else f"{img.get('status')}; levels not run: {missing or 'none'}; levels with a failure or wrong "
+                        f"answer: {bad or 'none'}")
+    return ok, words
+
+
+def wrong_share(img: dict[str, Any]) -> dict[str, Any]:
+    """Of the answered concurrency-1 replies (HTTP 200 with a reply), how many the oracle judged wrong."""
+    evidence = _evidence(img, 1)
+    answered = [ev for ev in evidence if ev.get("http_status") == 200 and ev.get("reply_tokens") is not None]
+    wrong = [ev for ev in answered if ev.get("judged_by") == "exact" and not ev.get("passed")]
+    share = len(wrong) / len(answered) if answered else 0.0
+    return {"requests": len(evidence), "answered": len(answered), "judged_wrong": len(wrong),
+            "share": round(share, 4), "at_least": WRONG_SHARE, "met": bool(answered) and share >= WRONG_SHARE}
+
+
+def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], target: float) -> dict[str, Any]:
+    """The run's questions answered from the reports (see the module's docstring)."""
+    out: dict[str, Any] = {}
+    for kind in ("patched", "patched_again"):
+        if kind in images:
+            ok, words = passes_every_level(images[kind])
+            out[f"{kind}_passes_every_level"] = {"met": ok, "detail": words}
+    if "unpatched" in images:
+        out["unpatched_wrong_at_concurrency_1"] = wrong_share(images["unpatched"])
+    warm = {kind: images[kind].get("seconds") for kind in ("patched", "patched_again", "unpatched") if kind in images}
+    out["warm_smoke_seconds"] = {"target": target, "seconds": warm,
+                                 "met": bool(warm) and all(isinstance(v, (int, float)) and v <= target
+                                                           for v in warm.values())}
+    sens = reference.get("prompt_sensitivity") or {}
+    gap = sens.get("median_first_token_gap_nats")
+    out["model_reads_its_prompt"] = {
+        **sens, "targets": {"distinct_replies": DISTINCT_TARGET, "median_first_token_gap_nats": GAP_TARGET},
+        "met": sens.get("distinct_replies") == DISTINCT_TARGET and isinstance(gap, (int, float)) and gap >= GAP_TARGET}
+    judged = {images[k].get("id") for k in ("patched", "patched_again", "unpatched") if k in images}
+    recorded = (images.get("reference") or {}).get("id")
+    out["reference_from_another_image"] = {"reference_image": recorded, "judged_images": sorted(filter(None, judged)),
+                                           "met": bool(recorded) and recorded not in judged}
+    out["done"] = all(v.get("met") for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def finding_sentences(found: dict[str, Any]) -> list[str]:
+    said = []
+    for name, value in found.items():
+        if isinstance(value, dict):
+            detail = value.get("detail") or {k: v for k, v in value.items() if k not in ("met", "detail")}
+            said.append(f"{name}: {'met' if value.get('met') else 'NOT met'} ({detail})")
+    said.append(f"done: {found.get('done')}")
+    return said
