@@ -348,19 +348,25 @@ def test_frozen_engine_during_the_probes_exec_ends_in_time(private: tuple[Privat
     engine.remove_image(f"{repo}:v0.25.1")
 
 
-@pytest.mark.parametrize("point", ["==> checking", "==> building", "==> smoke-testing"])
+@pytest.mark.parametrize(("point", "sig"), [("==> checking", signal.SIGTERM), ("==> building", signal.SIGTERM),
+                                            ("==> smoke-testing", signal.SIGTERM), ("==> smoke 3/3", signal.SIGTERM),
+                                            ("==> smoke 3/3", signal.SIGINT)])
 def test_sigterm_to_the_tool_cleans_up(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
-                                       point: str) -> None:
-    """SIGTERM (docker stop, systemd, CI) during probe, build or smoke: as Ctrl-C, one line, exit 143, nothing left."""
+                                       point: str, sig: signal.Signals) -> None:
+    """SIGTERM (docker stop, systemd, CI) during probe, build or smoke: as Ctrl-C, one line, exit 143, nothing left.
+
+    Just after "smoke 3/3" the runner's container is being created: a signal then left it `Created`.
+    """
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/terminated-{unique}:x"
     for _attempt in range(3):
-        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGTERM))
+        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig))
         if rc != 0:
             break
         engine.remove_image(out)  # finished before the signal reached it (a loaded machine): try again
-    assert rc == 143 and _one_error_line(err) == "error: terminated", err
+    said = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert rc == 128 + sig and _one_error_line(err) == f"error: {said}", err
     assert engine.image(out) is None
     assert engine.containers_by_owner() == {}, "the terminated run left containers"
     assert engine.image_ids() - before == set(), "the terminated run left images"
@@ -422,3 +428,27 @@ def test_parallel_pushes_to_one_target_take_turns(engine: Engine, built: tuple[P
         assert len(results) == 6 and all(isinstance(r, str) for r in results), results
         assert len(set(results)) == 1  # one image, one digest
         assert engine.image(target) is None  # put back as it was: absent
+
+
+@pytest.mark.parametrize("signal_like", [KeyboardInterrupt, "Terminated"])
+def test_a_signal_while_the_engine_creates_a_container_leaves_none(engine: Engine, base_v0251: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   signal_like: object) -> None:
+    """Ctrl-C or SIGTERM after the engine made a container but before its ID came back: none is left `Created`."""
+    import docker.models.containers
+
+    from vllm_hotfix.errors import Terminated
+
+    raised = Terminated if signal_like == "Terminated" else KeyboardInterrupt
+    real = docker.models.containers.ContainerCollection.create
+
+    def create(self: object, *args: object, **kwargs: object) -> object:
+        real(self, *args, **kwargs)  # the engine made it...
+        raise raised()  # ...and the signal came before the tool had its ID
+
+    before = set(engine.containers_with_role(RUN_ID))
+    monkeypatch.setattr(docker.models.containers.ContainerCollection, "create", create)
+    with pytest.raises(raised):
+        engine.run(base_v0251, ["true"], timeout=30)
+    monkeypatch.undo()
+    assert set(engine.containers_with_role(RUN_ID)) <= before, "a container was left behind"

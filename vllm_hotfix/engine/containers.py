@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -91,13 +92,19 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
     Only the creation runs under the error mapper here: the block's own engine
     calls name their operation themselves, and its other errors are not the engine's.
     """
+    # A name of its own, so that a container whose creation was interrupted (Ctrl-C, SIGTERM while the
+    # engine made it, before its ID came back) can still be found and removed, not left `Created`.
+    name = f"vllm-hotfix-{role}-{uuid.uuid4().hex[:20]}"
     with engine.translating(operation, refused):
         engine.notify(+1)
         try:
-            container = engine.sdk.containers.create(image, labels=labels.for_container(role), **create)
+            container = engine.sdk.containers.create(image, name=name, labels=labels.for_container(role), **create)
         except Exception as exc:
             if not gone(exc):
                 engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
+            raise
+        except BaseException:
+            remove(engine, name, quiet=True)  # made or not: removing a name that is not there is no error
             raise
     try:
         yield container
