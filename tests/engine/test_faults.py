@@ -452,3 +452,34 @@ def test_a_signal_while_the_engine_creates_a_container_leaves_none(engine: Engin
         engine.run(base_v0251, ["true"], timeout=30)
     monkeypatch.undo()
     assert set(engine.containers_with_role(RUN_ID)) <= before, "a container was left behind"
+
+
+def test_killed_during_smoke_its_staging_folder_goes_with_the_next_run(private: tuple[PrivateEngine, Engine],
+                                                                        project: Path, unique: str) -> None:
+    """SIGKILL while the runner runs: its staging folder stays (nothing can remove it then); the next run does."""
+    import glob
+    import tempfile
+
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/killed-smoke-{unique}:x"
+    pids: list[int] = []
+
+    def staged(pid: int) -> list[str]:
+        return glob.glob(os.path.join(tempfile.gettempdir(), f"vllm-hotfix-runner-{RUN_ID}-{pid}-*"))
+
+    def kill(proc: subprocess.Popen[str]) -> None:
+        pids.append(proc.pid)
+        deadline = time.monotonic() + 30
+        while not staged(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()  # as the runner starts
+
+    rc, _err = run_and_hit(eng, project, out, "==> smoke 3/3", kill)
+    left = staged(pids[0])
+    assert rc == -signal.SIGKILL and left, "the test did not kill the run while its runner was staged"
+    fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
+          "not in the engine")
+    assert not any(os.path.exists(p) for p in left), "the next run left the dead run's staging folder"
+    assert engine.containers_by_owner() == {}
+    assert engine.image(out) is None and engine.image_ids() - before == set()

@@ -77,6 +77,7 @@ class Ctx:
             # containers and images behind, and notes saying so: remove them
             # before new work, and note this run's own containers the same way.
             leftovers.sweep(self._engine, self.root, progress)
+            leftovers.sweep_staging()
             leftovers.watch(self._engine, self.root)
         return self._engine
 

@@ -20,6 +20,7 @@ from ... import __version__
 from ...building import definitions, patches, pins, wheels
 from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, SmokeError, UsageError
+from ...journal import leftovers
 from .. import compile_cache, oracle
 from ..runner import MOUNT
 from .base import KEY_FILE, Launched, Launcher, stage
@@ -219,7 +220,10 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_r
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
                       host=host, key_path=key_path, expected_from=expected_from,
                       compiled_missing=compiled_missing, landed=landed, gpu_unavailable=gpu_unavailable)
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
+    # A killed run cannot remove its staging folder (which may hold a copy of the signing key): the next
+    # run removes those of processes that are gone.
+    leftovers.sweep_staging()
+    with tempfile.TemporaryDirectory(prefix=leftovers.staging_prefix()) as tmp:
         folder = stage(Path(tmp) / "runner", spec, extra, key=sign_key)
         say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
         model = Path(options.serve_model).resolve() if options.serve_model is not None else None
