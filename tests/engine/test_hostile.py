@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive, fails, free_port
+from conftest import REPO, RegistryPlace, cli, derive, fails, free_port
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
@@ -179,3 +179,62 @@ def test_a_base_from_elsewhere_on_an_older_engine_says_nothing_of_platform_all(e
             root=project)
     assert r.rc == 4, r.err
     assert "--platform" not in r.err and "building for its own platform only" in r.err, r.err
+
+
+def _signing_key(folder: Path, public: bool = False) -> str:
+    """A P-256 key pair in ``folder``: the private key's path, or the public one's."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    made = ec.generate_private_key(ec.SECP256R1())
+    key, pub = folder / "site.key", folder / "site.pub"
+    key.write_bytes(made.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(made.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(pub if public else key)
+
+
+def test_push_refuses_an_attestation_about_another_image(built: tuple[Path, str, str], base_v0251: str,
+                                                          registry: RegistryPlace, tmp_path: Path) -> None:
+    """push IMAGE --attestation F where F names the unpatched base: refused before the push (it went out, exit 0)."""
+    import json
+
+    project, ref, image_id = built
+    envelope = tmp_path / "base.dsse.json"
+    cli("smoke", base_v0251, "--definition", "v0.25.1", "--sign-key", _signing_key(tmp_path), "--attestation",
+        str(envelope), root=project)
+    assert envelope.exists()
+    r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(envelope),
+            root=project)
+    fails(r, f"--attestation {envelope}", "about another image", image_id[:19])
+    assert r.rc == 24 and "pushing" not in r.err
+    # Its own envelope goes out with it, and the line names the file whole (it was cut to 16 characters).
+    own = tmp_path / "own-verdict-with-a-long-name.dsse.json"
+    cli("smoke", ref, "--sign-key", _signing_key(tmp_path), "--attestation", str(own), root=project)
+    r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(own),
+            "--json", root=project)
+    assert r.rc == 0, r.err
+    assert f"attached signed verdict {own.name} as" in r.err and json.loads(r.out)["attestations"]
+
+
+@pytest.mark.parametrize("command", ["push", "verify"])
+def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str, str], registry: RegistryPlace,
+                                                          tmp_path: Path, command: str) -> None:
+    """--attestation naming a FIFO nobody writes to: one line, exit 20 (push waited forever)."""
+    import os
+    import time
+
+    project, ref, image_id = built
+    fifo = tmp_path / "verdict.dsse.json"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    if command == "push":
+        r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(fifo),
+                root=project, timeout=60)
+    else:
+        r = cli("verify", image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
+                root=project,
+                timeout=60)
+    fails(r, str(fifo), "not a regular file")
+    assert r.rc == 20 and time.monotonic() - started < 30

@@ -205,6 +205,11 @@ class Gate:
     require_attestation: str | None = None  # public key: a file or env:NAME
     attestation: Path | None = None  # a signed verdict given on the command line
 
+    def given_is_about(self, image_ids: list[str], what: str) -> None:
+        """A signed verdict given on the command line must name one of the images pushed (checked first)."""
+        if self.attestation is not None:
+            attest.require_about(self.attestation, image_ids, what)
+
     def clear(self, root: Path, info: ImageInfo, image_ref: str) -> Clearance:
         if self.require_attestation is not None:
             accepted = attest.judge(attest.local_candidates(root, info.id, self.attestation), {info.id},
@@ -245,6 +250,7 @@ def push(
         raise BaseImageError(f"image {image_ref!r} is not in the engine",
                              hint="build it with `image` (which smoke-tests it), or pull it first")
     check_platform(root, info, image_ref)
+    policy.given_is_about([info.id], image_ref)
     verdict = policy.clear(root, info, image_ref)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
@@ -381,6 +387,7 @@ def push_index(
     policy = policy or Gate()
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, root, image_ref, plats)
+    policy.given_is_about([info.id for _plat, info in found], f"any platform's image of {image_ref}")
     verdicts = {}
     for plat, info in found:
         verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
