@@ -238,3 +238,40 @@ def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str
                 timeout=60)
     fails(r, str(fifo), "not a regular file")
     assert r.rc == 20 and time.monotonic() - started < 30
+
+
+def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, built: tuple[Path, str, str],
+                                                                 unique: str) -> None:
+    """The runner is the image's Python: one that never returns kept smoke waiting an hour. --deadline ends it,
+    incomplete (the host, not the image, stopped the check), and the container goes."""
+    import time
+
+    from vllm_hotfix.journal import records
+    from vllm_hotfix.verdicts import Status
+
+    project, _, image_id = built
+    ref = f"hotfix-test/hangingpython-{unique}:x"
+    derived = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3",
+                     {"python3": b"#!/bin/sh\nsleep 3600\n"}, {"python3": 0o755})
+    try:
+        started = time.monotonic()
+        r = cli("smoke", ref, "--gpu", "off", "--deadline", "8", root=project)
+        took = time.monotonic() - started
+        fails(r, "incomplete")
+        assert r.rc == 11 and "did not finish within 8 s" in r.err and "--deadline" in r.err
+        assert took < 60, f"took {took:.0f} s"
+        [entry] = records.verdicts(project, derived)
+        assert entry.verdict.status is Status.INCOMPLETE
+    finally:
+        engine.remove_image(ref)
+
+
+def test_the_default_deadline_fits_the_checks_asked_for() -> None:
+    from vllm_hotfix.checking import smoke
+    from vllm_hotfix.checking.launchers import plan
+
+    cpu = smoke.SmokeOptions(gpu="off")
+    assert plan.deadline(cpu, gpu=False) == 600
+    assert plan.deadline(cpu, gpu=True) == 600 + 1800
+    assert plan.deadline(smoke.SmokeOptions(serve_model=Path("/m")), gpu=True) == 600 + 1800 + 900 + 1800
+    assert plan.deadline(smoke.SmokeOptions(deadline=42), gpu=True) == 42

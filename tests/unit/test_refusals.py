@@ -479,3 +479,23 @@ def test_hints_under_make_name_its_variables_but_keep_commands_whole(monkeypatch
     err = capsys.readouterr().err
     assert "hint: build them with: python build.py image --base TAG --platform all" in err
     assert "PLATFORM=all" not in err
+
+
+@pytest.mark.parametrize("sign", [False, True])
+def test_podman_launcher_without_podman_is_one_line(tmp_path: Path, sign: bool) -> None:
+    """smoke --launcher podman on a host without podman (with and without --sign-key): exit 5, not a traceback."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    args = ["smoke", "ops/vllm:fix", "--launcher", "podman"]
+    if sign:
+        key = tmp_path / "k.pem"
+        key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        key.chmod(0o600)
+        args += ["--sign-key", str(key)]
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r = cli(*args, root=tmp_path, env={"PATH": str(empty)})
+    fails(r, "podman is not installed or not on PATH")
+    assert r.rc == 5 and "hint: install podman" in r.err

@@ -87,6 +87,7 @@ class SmokeOptions:
     serve_timeout: float = 900
     keep_going: bool = False  # run every phase even after one failed
     compile_cache: bool = True  # keep compile caches between runs (see compile_cache)
+    deadline: float | None = None  # seconds the runner may take in all (--deadline); None: plan.deadline's
 
 
 @dataclass(slots=True)
@@ -302,7 +303,7 @@ class Smoke:
         if cache is not None:
             report.environment["compile_cache"] = cache.to_dict()
             self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
-        launcher = DockerLauncher(self.engine, self.opt.python, self._runner_timeout(),
+        launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                   env=cache.env if cache is not None else None,
                                   writable=[cache.mount] if cache is not None else (),
                                   follow=lambda line: self.say(f"  {line}" if line.startswith("==>") else line))
@@ -341,11 +342,6 @@ class Smoke:
                      started=report.started, seconds=seconds, expected_from=report.expected_from, gpu=gpu,
                      host=report.host, environment={**dict(verdict.environment), **report.environment},
                      sweep=verdict.sweep, phases=phases)
-
-    def _runner_timeout(self) -> float:
-        """What the whole runner may take: every probe's timeout, and the server's start and sweep."""
-        serve = self.opt.serve_timeout + 3600 if self.opt.serve_model is not None else 0
-        return 6 * self.opt.probe_timeout + serve
 
     def _ended(self, report: Report, start: float, status: str, why: str) -> Verdict:
         """The run when the runner's container could not give an answer (the engine failed or went away)."""

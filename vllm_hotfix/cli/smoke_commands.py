@@ -17,7 +17,7 @@ from .app import IMAGE, Ctx, check_output_file, main, progress
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
-                   compile_cache: bool = True) -> Any:
+                   compile_cache: bool = True, deadline: int | None = None) -> Any:
     from ..checking import reference, sweep
     from ..checking import smoke as smokelib
 
@@ -30,7 +30,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                                  levels=sweep.parse_levels(concurrency), requests=requests_n,
                                  min_tokens=min_tokens, reference=answers.reference,
                                  record_reference=answers.record, noise_multiple=answers.noise_multiple,
-                                 keep_going=keep_going, compile_cache=compile_cache)
+                                 keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -116,15 +116,17 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="kubernetes: nvidia.com/gpu the Job asks for.")
 @click.option("--sign-secret", default=None, metavar="NAME",
               help="kubernetes: the Secret holding the signing key (key key.pem); the runner in the Job signs.")
-@click.option("--deadline", type=click.IntRange(60), default=3600, show_default=True,
-              help="kubernetes: the Job's activeDeadlineSeconds.")
+@click.option("--deadline", type=click.IntRange(5), default=None, metavar="S",
+              help="Seconds the checks in the image may take in all, for every launcher (a Job's "
+                   "activeDeadlineSeconds); past it the run is incomplete. Default: what the checks asked for "
+                   "need (600, +1800 with GPU checks, +2700 with --serve-model).")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
-          gpu_count: int, sign_secret: str | None, deadline: int, concurrency: str, requests_n: int,
+          gpu_count: int, sign_secret: str | None, deadline: int | None, concurrency: str, requests_n: int,
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
           noise_multiple: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
@@ -135,23 +137,36 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
-                             keep_going=keep_going, compile_cache=compile_cache)
+                             keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
     if attestation_path is not None and sign_key is None and sign_secret is None:
         raise UsageError("--attestation needs --sign-key")
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)
-    if launcher != "kubernetes" and (emit_path or submit or sign_secret or node_selector or kubeconfig):
-        raise UsageError("--emit, --submit, --kubeconfig, --node-selector and --sign-secret need "
-                         "--launcher kubernetes")
+    if launcher != "kubernetes":
+        # Options of the Job's alone: given to another launcher they would be ignored without a word.
+        ctx = click.get_current_context()
+        given = [name for name, param in (("--emit", "emit_path"), ("--submit", "submit"),
+                                          ("--kubeconfig", "kubeconfig"), ("--namespace", "namespace"),
+                                          ("--node-selector", "node_selector"), ("--gpus", "gpu_count"),
+                                          ("--sign-secret", "sign_secret"))
+                 if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UsageError(f"{', '.join(given)}: {'is an option' if len(given) == 1 else 'are options'} of "
+                             f"--launcher kubernetes, not {launcher}",
+                             hint="the docker and podman launchers ask for GPUs with --gpu-request")
     if sign_key is not None:
         signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
     if launcher == "kubernetes":
         from ..checking.launchers import kubernetes as k8s
+        from ..checking.launchers.plan import deadline as job_deadline
 
-        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}", namespace=namespace, gpus=gpu_count,
-                           node_selector=k8s.parse_selector(node_selector), key_secret=sign_secret,
-                           deadline_s=deadline)
+        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}",
+                           namespace=k8s.check_name(namespace, "--namespace", subdomain=False), gpus=gpu_count,
+                           node_selector=k8s.parse_selector(node_selector),
+                           key_secret=k8s.check_name(sign_secret, "--sign-secret", subdomain=True)
+                           if sign_secret is not None else None,
+                           deadline_s=int(job_deadline(options, gpu != "off")))
         if sign_key is not None:
             raise UsageError("--launcher kubernetes signs in the cluster: give --sign-secret NAME, not --sign-key")
         if not emit_path and not submit:

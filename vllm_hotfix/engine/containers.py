@@ -284,11 +284,18 @@ def _follow(container: Any, say: Callable[[str], None]) -> threading.Thread:
 def _wait(container: Any, timeout: float) -> int:
     """The container's exit code, or 124 when it did not end within ``timeout`` (it is removed after)."""
     import requests.exceptions
+    import urllib3.exceptions
 
     try:
         return int(container.wait(timeout=timeout).get("StatusCode", 1))
     except requests.exceptions.ReadTimeout:
         return 124
+    except requests.exceptions.ConnectionError as exc:
+        # Over a Unix socket the SDK's wait that runs out of time comes as a ConnectionError around urllib3's
+        # read timeout: the container outlived its time, the engine did not go away.
+        if any(isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in exc.args):
+            return 124
+        raise
 
 
 @contextmanager

@@ -63,5 +63,6 @@ class DockerLauncher:
                               mounts=mounts, timeout=self.timeout, env=self.env or None, writable=self.writable,
                               follow=self.follow)
         if res.exit_code == 124:
-            raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True)
+            raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True,
+                               hint="its Python may hang; give it longer with --deadline S if it is only slow")
         return results(res.stdout, res.stderr, f"runner in {image} (docker)")

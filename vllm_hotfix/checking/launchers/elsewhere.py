@@ -18,6 +18,7 @@ from typing import Any
 
 from ...engine import Engine
 from ...errors import EngineError, UsageError
+from ...journal.atomic import write_atomic
 from . import facts, plan
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: An
     """Smoke ``image_ref`` as podman's store holds it; (verdict, envelope)."""
     from .podman import PodmanFiles, PodmanLauncher
 
-    launcher = PodmanLauncher(python=options.python)
+    launcher = PodmanLauncher(python=options.python, timeout=plan.deadline(options, options.gpu != "off"))
     inspected = launcher.image_facts(image_ref)
     config = inspected.get("Config") or {}
     labels = dict(config.get("Labels") or inspected.get("Labels") or {})
@@ -130,7 +131,8 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
                           checks=checks, expected_from=expected_from, compiled_missing=missing)
     wrote = ""
     if emit_path is not None:
-        emit_path.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
+        # A folder that refuses the file, or a full disk: one line naming it (exit 10), never a half-written Job.
+        write_atomic(emit_path, k8s.to_yaml(k8s.manifests(ref, spec, job, extra)))
         wrote = f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}"
     if not submit:
         return None, None, wrote

@@ -205,6 +205,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the runner may take by default, by the checks asked for: the checks that need no GPU (the image's
+# Python imports the package, reports its environment and pins), the GPU checks, the server and its sweep.
+CPU_CHECKS_S, GPU_CHECKS_S, SWEEP_S = 600, 1800, 1800
+
+
+def deadline(options: Any, gpu: bool) -> float:
+    """``--deadline``, else what the checks asked for need, so an image whose Python hangs ends incomplete."""
+    if options.deadline is not None:
+        return float(options.deadline)
+    serve = options.serve_timeout + SWEEP_S if options.serve_model is not None else 0
+    return CPU_CHECKS_S + (GPU_CHECKS_S if gpu else 0) + serve
+
+
 def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_request: str | None,
           checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
           sign_key: Path | None = None, say: Callable[[str], None] = lambda _l: None,

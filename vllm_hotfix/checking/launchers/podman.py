@@ -24,7 +24,7 @@ from typing import Any
 from ...engine import ImageInfo, Tree
 from ...engine import labels as L
 from ...engine.files import FileFact, scan_tar
-from ...errors import BaseImageError, EngineError, SmokeError
+from ...errors import BaseImageError, EngineError, SmokeError, SmokeIncomplete
 from ..runner import MOUNT
 from .base import Launched, argv, results
 
@@ -58,6 +58,12 @@ class PodmanLauncher:
     def command(self, *args: str) -> list[str]:
         return [self.podman, *self.global_args, *args]
 
+    def require(self) -> None:
+        """EngineError (exit 5, one line) when podman is not there to run: before any command of it runs."""
+        if shutil.which(self.podman) is None:
+            raise EngineError(f"podman: {self.podman} is not installed or not on PATH",
+                              hint="install podman (apt-get install podman), or use --launcher docker")
+
     def run_argv(self, image: str, runner_dir: Path, gpu: str | None, model: Path | None, name: str) -> list[str]:
         """The ``podman run`` command line, as data."""
         cmd = self.command("run", "--rm", "--name", name, "--network", "none", "--pull", "never",
@@ -72,8 +78,7 @@ class PodmanLauncher:
 
     def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
                model: Path | None = None) -> Launched:
-        if shutil.which(self.podman) is None:
-            raise EngineError(f"podman: {self.podman} is not installed or not on PATH")
+        self.require()
         name = f"vllm-hotfix-runner-{uuid.uuid4().hex[:12]}"
         cmd = self.run_argv(image, runner_dir, gpu, model, name)
         log.debug("running %s", cmd)
@@ -81,7 +86,9 @@ class PodmanLauncher:
             done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout)
         except subprocess.TimeoutExpired:
             subprocess.run(self.command("rm", "--force", name), capture_output=True, check=False)
-            raise SmokeError(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s") from None
+            raise SmokeIncomplete(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s",
+                                  hint="its Python may hang; give it longer with --deadline S if it is only slow") \
+                from None
         if done.returncode in (125, 126, 127) and "@@vllm-hotfix-runner" not in done.stdout:
             # podman's own failures: the image missing, a CDI device unknown, a runtime refusing.
             said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
@@ -90,6 +97,7 @@ class PodmanLauncher:
 
     def image_facts(self, image: str) -> dict[str, Any]:
         """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
+        self.require()
         done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
                               errors="replace")
         if done.returncode != 0:
@@ -125,8 +133,7 @@ class PodmanFiles:
         self.podman = podman
 
     def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        if shutil.which(self.podman.podman) is None:
-            raise EngineError(f"podman: {self.podman.podman} is not installed or not on PATH")
+        self.podman.require()
         try:
             return subprocess.run(self.podman.command(*args), capture_output=True, text=True, errors="replace",
                                   timeout=timeout)
