@@ -18,7 +18,7 @@ GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 export VLLM_HOTFIX_VIA_MAKE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup tool services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms clean \
+.PHONY: help setup tool services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms bench-registry clean \
 	clean-records
 # The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
 PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
@@ -98,3 +98,6 @@ clean-records: ## Delete the journal of builds, verdicts and pushes (asks first)
 
 bench-platforms: tool ## Wall time of image + push, one platform vs two, on stand-ins (needs a 26.1 engine + qemu)
 	$(PYTHON) bench/platforms.py
+
+bench-registry: tool ## image --in-registry vs docker pull of the base, and bytes read, on 1 and 4 GiB stand-ins
+	$(PYTHON) bench/registry.py

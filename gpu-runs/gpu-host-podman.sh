@@ -18,8 +18,8 @@
 #    so its GPU checks run after patch-landed fails; --sign-key SIGN_KEY when set);
 # 5. writes OUTDIR/record-podman.json (gpu_host.py record).
 # Environment as gpu-host-engine.sh, plus PODMAN_HOME (/var/lib/vllm-hotfix-podman),
-# SIGN_KEY (a PEM file: the runner signs inside the image), PODMAN_ULIMITS (see bundle-podman.sh),
-# SOURCE_MANIFEST (the record's source check, as in gpu-host-serve.sh).
+# SIGN_KEY (a PEM file, mode 0600: this host signs after judging the report), PODMAN_ULIMITS (see
+# bundle-podman.sh), SOURCE_MANIFEST (the record's source check, as in gpu-host-serve.sh).
 set -u
 BUNDLE=$(cd "${1:?usage: gpu-host-podman.sh BUNDLE OUTDIR}" && pwd)
 mkdir -p "${2:?usage: gpu-host-podman.sh BUNDLE OUTDIR}"

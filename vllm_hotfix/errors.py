@@ -250,10 +250,6 @@ class AttestationMismatch(AttestationError):
                "(status, GPU-verified, GPU product)")
 
 
-class UnusableKey(ValueError):
-    """A signing key the runner inside an image cannot use (its message never holds key material)."""
-
-
 class Malformed(ValueError):
     """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
 

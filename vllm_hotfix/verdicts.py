@@ -381,10 +381,10 @@ def rejudge_gpu(verdict: Verdict, said: Sequence[Check], *, require: bool,
     """``verdict`` with its GPU checks judged again from ``said`` (what they reported, before judgement).
 
     A runner judges its GPU checks inside the image, where the image's base
-    cannot be asked; the host that can ask it judges them again with
-    ``base_import_errors`` (:func:`judge_gpu`). Each judged check replaces the
-    runner's of the same name; compiled files the image lacks still keep it
-    from being GPU-verified.
+    cannot be asked; the host judges them again, with ``base_import_errors``
+    where it could ask (:func:`judge_gpu`). Each judged check replaces the
+    runner's of the same name (one the runner left out is added); compiled
+    files the image lacks still keep it from being GPU-verified.
     """
     judged = judge_gpu(said, require=require, base_import_errors=base_import_errors)
     by_name = {c.name: c for c in judged.checks}
@@ -399,6 +399,8 @@ def rejudge_gpu(verdict: Verdict, said: Sequence[Check], *, require: bool,
                                                                            else {})}
         checks.append(Check(mine.name, mine.status, mine.detail, c.seconds, data, mine.ran_against, mine.stubs,
                             mine.import_errors))
+    # A GPU check said but missing from the verdict's own list is judged all the same.
+    checks += by_name.values()
     gpu = dict(verdict.gpu)
     verified = judged.verified and not gpu.get("compiled_missing")
     gpu["verified"] = verified

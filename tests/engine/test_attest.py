@@ -19,6 +19,7 @@ def _keys(folder: Path, name: str) -> tuple[str, str]:
     private, public = folder / f"{name}.key", folder / f"{name}.pub"
     private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                           serialization.NoEncryption()))
+    private.chmod(0o600)  # as people keep a private key; one others may read is refused
     public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
     return str(private), str(public)

@@ -403,6 +403,7 @@ def test_smoke_reports_to_a_device_leave_the_device(built: tuple[Path, str, str]
 
     key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)  # a signing key others may read is refused
     r = cli("smoke", ref, "--report", str(nodes["report"]), "--junit", str(nodes["junit"]),
             "--sign-key", str(key), "--attestation", str(nodes["attestation"]), root=project)
     assert r.rc == 0, r.err

@@ -190,6 +190,7 @@ def _signing_key(folder: Path, public: bool = False) -> str:
     key, pub = folder / "site.key", folder / "site.pub"
     key.write_bytes(made.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
+    key.chmod(0o600)  # a signing key others may read is refused
     pub.write_bytes(made.public_key().public_bytes(serialization.Encoding.PEM,
                                                    serialization.PublicFormat.SubjectPublicKeyInfo))
     return str(pub if public else key)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin, unique_name
-from vllm_hotfix.checking.smoke import Smoke, SmokeOptions
+from vllm_hotfix.checking.launchers.docker import DockerRun
+from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.engine import Engine, GpuRequest
 
 CDI_HOST = os.environ.get("CDI_DOCKER_HOST", "unix:///run/vllm-hotfix-cdi/docker.sock")
@@ -78,7 +79,7 @@ def cdi_built(cdi_engine: Engine, cdi_base: str,
 
 def test_auto_on_cdi_host_without_cuda_is_gpu_unverified(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> None:
     project, ref = cdi_built
-    report = Smoke(cdi_engine, project, SmokeOptions(gpu="auto"), lambda _l: None).run(ref)
+    report = DockerRun(cdi_engine, project, SmokeOptions(gpu="auto"), lambda _l: None).run(ref)
     assert report.status == "pass", report.checks
     gpu = next(c for c in report.checks if c.name == "gpu")
     assert gpu.status == "skip" and "GPU-unverified" in gpu.detail

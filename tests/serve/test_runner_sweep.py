@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, free_port
 from vllm_hotfix.checking import recording, reference, sweep
-from vllm_hotfix.checking.launchers import base, plan
+from vllm_hotfix.checking.launchers import base, judging, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import SmokeError, UsageError
 from vllm_hotfix.verdicts import Status, Verdict
@@ -58,7 +58,7 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder)
     assert done.returncode == 0, done.stderr
-    return base.results(done.stdout, done.stderr, "test runner").verdict
+    return judging.host_verdict(job, base.results(done.stdout, done.stderr, "test runner").report)
 
 
 def options(tmp_path: Path, **more: Any) -> SmokeOptions:
@@ -158,12 +158,13 @@ def test_the_runner_records_the_settings_and_judges_with_the_file_the_host_keeps
                           capture_output=True, text=True, timeout=180, cwd=folder)
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
-    assert launched.answers is not None and launched.verdict.status is Status.PASS
-    settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(launched.verdict)}
+    judged = judging.host_verdict(job, launched.report)
+    assert launched.answers is not None and judged.status is Status.PASS
+    settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
     kept = reference.keep(tmp_path / "new.json", launched.answers, settings)
     # This Python has neither vLLM nor torch: the image's env-report says so, and the file keeps it.
     assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": "absent"}
-    assert launched.verdict.sweep is not None and launched.verdict.sweep["reference"]["sha256"] == kept.sha256
+    assert judged.sweep is not None and judged.sweep["reference"]["sha256"] == kept.sha256
     # A recording whose settings are not this run's is refused and not kept.
     with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch 'absent' there, "
                                          r"'2.11.0' here\); nothing written"):

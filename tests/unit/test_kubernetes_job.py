@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import cli
 from vllm_hotfix.checking.launchers import kubernetes as k8s
@@ -24,8 +26,7 @@ def _load(doc: dict[str, object], kind: str) -> object:
 
 def test_emitted_job_is_accepted_by_the_client_models() -> None:
     spec = k8s.JobSpec("vllm-hotfix-smoke-abc", namespace="gpu", gpus=8,
-                       node_selector=k8s.parse_selector("nvidia.com/gpu.product=NVIDIA-H200"),
-                       key_secret="smoke-sign-key", deadline_s=5400)
+                       node_selector=k8s.parse_selector("nvidia.com/gpu.product=NVIDIA-H200"), deadline_s=5400)
     text = k8s.to_yaml(k8s.manifests(IMAGE, spec, {"image": "x", "gpu": {"mode": "require"}},
                                      {"checks/gpu_topk_layout.py": b"print('{}')\n"}))
     yaml = pytest.importorskip("yaml")
@@ -43,9 +44,10 @@ def test_emitted_job_is_accepted_by_the_client_models() -> None:
     mounts = {m.name: m for m in container.volume_mounts}
     assert mounts["runner"].read_only and mounts["runner"].mount_path == MOUNT
     volumes = {v.name: v for v in pod.volumes}
-    # The key by the Secret's name only: nothing of it in the manifests.
-    assert volumes["sign-key"].secret.secret_name == "smoke-sign-key"
-    assert "-----BEGIN PRIVATE KEY-----" not in text and "-----BEGIN EC PRIVATE KEY-----" not in text
+    # No key of any kind: no Secret, no other mount, no environment but the runner's own.
+    assert set(volumes) == {"runner"} and set(mounts) == {"runner"}
+    assert [e.name for e in container.env] == ["PYTHONDONTWRITEBYTECODE"] and not container.env_from
+    assert "PRIVATE KEY" not in text and "secret" not in text.lower()
     paths = {item.path for item in volumes["runner"].config_map.items}
     assert {"run.py", "job.json", "vllm_hotfix/checking/runner/main.py", "probes/gpu_check.py",
             "checks/gpu_topk_layout.py"} <= paths
@@ -63,13 +65,27 @@ def test_a_cluster_needs_the_image_by_digest_and_a_selector_is_key_value() -> No
 def test_emit_writes_the_job_without_an_engine(tmp_path: Path) -> None:
     out = tmp_path / "job.yaml"
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200",
-            "--sign-secret", "hotfix-sign-key", "--emit", str(out), root=tmp_path)
+            "--emit", str(out), root=tmp_path)
     assert r.rc == 0, r.err
+    assert "--collect job/vllm-hotfix-smoke-" in r.out
     yaml = pytest.importorskip("yaml")
     _config_map, job = list(yaml.safe_load_all(out.read_text()))
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
-    assert pod["volumes"][1]["secret"]["secretName"] == "hotfix-sign-key"
+    assert [v["name"] for v in pod["volumes"]] == ["runner"]
+
+
+def test_an_emitted_job_is_signed_when_its_report_is_collected_not_before(tmp_path: Path) -> None:
+    key = tmp_path / "site.key"
+    key.write_text("not used")
+    key.chmod(0o600)
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--sign-key", str(key), "--emit", str(out), root=tmp_path)
+    assert r.rc == 64 and "holds no key" in r.last_error and "--collect" in r.last_error, r.err
+    assert not out.exists()
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--sign-secret", "hotfix-sign-key", "--emit", str(out),
+            root=tmp_path)
+    assert r.rc != 0 and "--sign-secret" in r.err and not out.exists()
 
 
 def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
@@ -80,11 +96,19 @@ def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
         "users": [{"name": "u", "user": {"token": "t"}}],
     }))
-    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--sign-secret", "hotfix-sign-key", "--submit",
-            "--kubeconfig", str(kubeconfig), root=tmp_path, timeout=120)
+    key = tmp_path / "site.key"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig),
+            "--sign-key", str(key), root=tmp_path, timeout=120)
     # The host could not run the Job: incomplete (11), not a check the image failed (7).
     assert r.rc == 11, r.err
     assert "cannot reach the Kubernetes API server" in r.last_error and "hint: check the cluster" in r.err
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--collect", "job/vllm-hotfix-smoke-gone", "--kubeconfig",
+            str(kubeconfig), "--sign-key", str(key), root=tmp_path, timeout=120)
+    assert r.rc == 11 and "cannot reach the Kubernetes API server" in r.last_error, r.err
+    assert not list((tmp_path / "build").rglob("*.dsse.json"))  # nothing judged, nothing signed
 
 
 def test_a_runner_too_big_for_a_config_map_is_refused_before_anything_is_written() -> None:
@@ -105,7 +129,6 @@ def test_a_job_serves_no_model_of_this_host(tmp_path: Path) -> None:
     (("--launcher", "kubernetes", "--emit", "J", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200\nx=y"),
      "is not a label value"),
     (("--launcher", "kubernetes", "--emit", "J", "--node-selector", "-bad/key=v"), "is not a label key"),
-    (("--launcher", "kubernetes", "--emit", "J", "--sign-secret", "Hotfix_Key"), "not a Secret's name"),
     (("--launcher", "kubernetes", "--emit", "J", "--namespace", "gpu nodes"), "not a namespace"),
     (("--launcher", "kubernetes", "--emit", "J", "--namespace", "a.b"), "not a namespace"),
     (("--gpus", "2",), "--gpus: is an option of --launcher kubernetes, not docker"),

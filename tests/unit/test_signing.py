@@ -28,8 +28,23 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _signed(key: ec.EllipticCurvePrivateKey, report: dict[str, object] = REPORT) -> bytes:
-    return signing.sign(signing.statement({"ops/vllm-openai:v0.25.1-m3patch": IMAGE_ID}, report), key)
+def _signed(key: ec.EllipticCurvePrivateKey, report: dict[str, object] = REPORT,
+            at: str = "2026-12-05T10:00:00.000000Z") -> bytes:
+    doc = signing.statement({"ops/vllm-openai:v0.25.1-m3patch": IMAGE_ID}, {**report, "signed_at": at})
+    return signing.sign(doc, key)
+
+
+def _private(path: Path, data: bytes) -> Path:
+    """A private key file as people keep one: readable by its owner alone."""
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
+
+
+def _public(path: Path, key: ec.EllipticCurvePrivateKey) -> Path:
+    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    return path
 
 
 def test_an_independent_dsse_implementation_verifies_the_envelope() -> None:
@@ -42,10 +57,10 @@ def test_an_independent_dsse_implementation_verifies_the_envelope() -> None:
     doc = json.loads(envelope.payload)
     assert doc["_type"] == "https://in-toto.io/Statement/v1"
     assert doc["subject"] == [{"name": "ops/vllm-openai:v0.25.1-m3patch", "digest": {"sha256": "ab" * 32}}]
-    assert doc["predicate"]["status"] == "pass"
+    assert doc["predicate"]["status"] == "pass" and doc["predicate"]["signed_at"] == "2026-12-05T10:00:00.000000Z"
     # And what it signs, ours reads back.
     found = signing.open_envelope(data, key.public_key(), "x")
-    assert found.digests == {IMAGE_ID} and found.predicate == REPORT
+    assert found.digests == {IMAGE_ID} and found.predicate["checks"] == REPORT["checks"]
 
 
 def test_a_wrong_key_is_named_as_such() -> None:
@@ -89,12 +104,12 @@ def test_keys_from_files_and_the_environment_never_printed(tmp_path: Path, monke
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    (tmp_path / "k.pem").write_bytes(pem)
+    _private(tmp_path / "k.pem", pem)
     monkeypatch.setenv("HOTFIX_PUB", pub.decode())
     loaded = signing.load_private_key(str(tmp_path / "k.pem"))
     assert signing.key_id(loaded.public_key()) == signing.key_id(signing.load_public_key("env:HOTFIX_PUB"))
     # An RSA-looking or garbled key: one line naming the source, never its content.
-    (tmp_path / "bad.pem").write_bytes(pem[:60] + b"SECRETSECRET" + pem[60:])
+    _private(tmp_path / "bad.pem", pem[:60] + b"SECRETSECRET" + pem[60:])
     with pytest.raises(AttestationError) as info:
         signing.load_private_key(str(tmp_path / "bad.pem"))
     assert str(tmp_path / "bad.pem") in str(info.value) and "SECRET" not in str(info.value)
@@ -106,7 +121,7 @@ def test_keys_from_files_and_the_environment_never_printed(tmp_path: Path, monke
         signing.load_public_key(str(tmp_path / "k.pem"))
     encrypted = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                   serialization.BestAvailableEncryption(b"pw"))
-    (tmp_path / "enc.pem").write_bytes(encrypted)
+    _private(tmp_path / "enc.pem", encrypted)
     with pytest.raises(AttestationError, match="VLLM_HOTFIX_SIGN_KEY_PASSWORD"):
         signing.load_private_key(str(tmp_path / "enc.pem"))
     monkeypatch.setenv(signing.PASSWORD_ENV, "pw")
@@ -126,4 +141,82 @@ def test_verify_a_signed_verdict_file_offline(tmp_path: Path) -> None:
     r = cli("verify", "sha256:" + "cd" * 32, *args, root=tmp_path)
     assert r.rc == 24 and "another image" in r.err
     r = cli("verify", "ops/vllm:v1", *args, root=tmp_path)
-    assert r.rc == 64 and "must be the image's ID" in r.err
+    assert r.rc == 64 and "the image's ID" in r.err
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_signing_key_others_may_read_is_refused_as_ssh_refuses_it(tmp_path: Path, mode: int) -> None:
+    key = _private(tmp_path / "site.key", _key().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(mode)
+    with pytest.raises(AttestationError, match=f"others may read it \\(mode {mode:04o}\\)") as info:
+        signing.load_private_key(str(key))
+    assert info.value.hint == f"chmod 600 {key}"
+    # smoke refuses it before anything runs (here: no engine at all).
+    from conftest import cli
+
+    r = cli("smoke", "ops/vllm:fix", "--sign-key", str(key), root=tmp_path)
+    assert r.rc == 20 and "others may read it" in r.last_error, r.err
+    key.chmod(0o400)
+    assert signing.load_private_key(str(key)).curve.name == "secp256r1"
+
+
+def test_verify_takes_several_keys_and_names_the_one_that_signed(tmp_path: Path) -> None:
+    from conftest import cli
+
+    site, other = _key(), _key()
+    folder = tmp_path / "trusted"
+    folder.mkdir()
+    _public(folder / "a-other.pem", other)
+    _public(folder / "b-site.pub", site)
+    (folder / "README").write_text("not a key")
+    envelope = tmp_path / "v.dsse.json"
+    envelope.write_bytes(_signed(site))
+    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(folder), "--json", root=tmp_path)
+    assert r.rc == 0, r.err
+    assert json.loads(r.out)["key"] == str(folder / "b-site.pub")
+    lone = _public(tmp_path / "other.pub", other)
+    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone),
+            "--key", str(folder / "b-site.pub"), root=tmp_path)
+    assert r.rc == 0 and f"signed pass by key {folder / 'b-site.pub'}" in r.out, r.err
+    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone), "--key", str(lone),
+            root=tmp_path)
+    assert r.rc == 22 and "signed with another key" in r.err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(empty), root=tmp_path)
+    assert r.rc == 20 and "holds no *.pem or *.pub file" in r.err
+
+
+def test_the_newest_signed_verdict_decides_and_a_tie_is_refused(tmp_path: Path) -> None:
+    from conftest import cli
+
+    key = _key()
+    pub = _public(tmp_path / "k.pub", key)
+    older = tmp_path / "older-pass.dsse.json"
+    newer = tmp_path / "newer-fail.dsse.json"
+    older.write_bytes(_signed(key, REPORT, "2026-12-05T10:00:00.000000Z"))
+    newer.write_bytes(_signed(key, {**REPORT, "status": "fail"}, "2026-12-05T11:00:00.000000Z"))
+    r = cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+            root=tmp_path)
+    assert r.rc == 24, r.err
+    [line] = [x for x in r.err.splitlines() if x.startswith("error:")]
+    assert str(newer) in line and "'fail', not a pass" in line and str(older) in line and "does not count" in line
+    # The other way round the pass is the newest, and it stands.
+    older.write_bytes(_signed(key, {**REPORT, "status": "fail"}, "2026-12-05T10:00:00.000000Z"))
+    newer.write_bytes(_signed(key, REPORT, "2026-12-05T11:00:00.000000Z"))
+    assert cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+               root=tmp_path).rc == 0
+    # Two signed at the same instant: neither is the newest.
+    older.write_bytes(_signed(key, {**REPORT, "gpu_verified": False}, "2026-12-05T11:00:00.000000Z"))
+    r = cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+            root=tmp_path)
+    assert r.rc == 24 and "signed at the same instant" in r.err, r.err
+    # The same statement given twice is one verdict, not a tie.
+    assert cli("verify", IMAGE_ID, "--attestation", str(newer), "--attestation", str(newer), "--key", str(pub),
+               root=tmp_path).rc == 0
+    # A verdict that does not say when it was signed cannot be told the newest.
+    undated = tmp_path / "undated.dsse.json"
+    undated.write_bytes(signing.sign(signing.statement({"x": IMAGE_ID}, REPORT), key))
+    r = cli("verify", IMAGE_ID, "--attestation", str(undated), "--key", str(pub), root=tmp_path)
+    assert r.rc == 24 and "carry no signed time" in r.err

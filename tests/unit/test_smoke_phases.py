@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from vllm_hotfix.checking import compile_cache
+from vllm_hotfix.checking.launchers.docker import Clock, format_phases
 from vllm_hotfix.checking.runner.main import Run
-from vllm_hotfix.checking.smoke import Clock, format_phases
 from vllm_hotfix.engine import ImageInfo, labels
 from vllm_hotfix.errors import SmokeError
 from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu

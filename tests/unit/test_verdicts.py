@@ -15,7 +15,6 @@ from vllm_hotfix import cli, errors
 from vllm_hotfix.building import patches as patchlib
 from vllm_hotfix.building import pipeline, upstream
 from vllm_hotfix.building.builders import BUILDERS, AssembleBuilder, DockerfileBuilder, builder
-from vllm_hotfix.checking import smoke
 from vllm_hotfix.errors import (
     Malformed,
     PipelineError,
@@ -68,13 +67,15 @@ def test_require_pass_raises_the_error_of_each_outcome() -> None:
 
 
 def test_a_probes_malformed_check_is_a_failing_check() -> None:
-    assert smoke.as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
+    from vllm_hotfix.checking.runner.main import as_check, parse
+
+    assert as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
         Check("x", Status.PASS, "ok", 0.5)
     for raw in ({"name": "x", "status": "maybe"}, {"name": "x", "status": "pass", "detail": 3},
                 {"status": "pass"}, {"name": ["x"], "status": "pass"}):
-        check = smoke.as_check(raw, 0, "landed.py")
+        check = as_check(raw, 0, "landed.py")
         assert check.status is Status.FAIL and "malformed" in check.detail, raw
-    checks, info = smoke._parse_checks("landed.py", json.dumps({"checks": ["junk"], "info": 7}), "", 0)
+    checks, info = parse("landed.py", json.dumps({"checks": ["junk"], "info": 7}), "", 0)
     assert checks[0]["status"] == "fail" and info == {}
 
 

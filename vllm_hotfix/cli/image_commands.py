@@ -44,15 +44,29 @@ if TYPE_CHECKING:
 @click.option("--wheelhouse", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of wheels for the patch set's pins.txt (default: download them into the cache).")
 @platform_option
+@click.option("--in-registry", is_flag=True,
+              help="Make the image in the registry that holds the base (--base-repo HOST/PATH) and push it to "
+                   "--tag's: no engine, no pull; read only the layers holding the patched files. Not smoke-tested "
+                   "here: smoke it where the GPUs are (it is pulled by digest), then push it.")
+@click.option("--bytecode", type=click.Choice(("auto", "compile", "whiteout")), default=None,
+              help="--in-registry: compile the patched sources with a Python of the image's version on this host "
+                   "(auto: when one is here), or white out the base's stale pycs.")
 @click.pass_obj
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
-          wheelhouse: Path | None, platform_text: str | None) -> None:
+          wheelhouse: Path | None, platform_text: str | None, in_registry: bool, bytecode: str | None) -> None:
     """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
     from ..building import pipeline, platforms
 
     wanted = platforms.parse(platform_text)
     plan = pipeline.plan(obj.root, base_tag, base_repo, output_ref)
+    if in_registry or bytecode is not None:
+        from .registry_build import image_in_registry
+
+        image_in_registry(plan, wanted, platform_text is not None, in_registry=in_registry, bytecode=bytecode,
+                          pull=pull, builder=builder, wheelhouse=wheelhouse, rebuild=rebuild,
+                          skip_included=skip_included, force=force, as_json=as_json)
+        return
     def smoke(engine: Engine, image_id: str, want: Any) -> Any:
         # Imported when a build is smoked, not for one that is reused (the sweep's HTTP stack is ~0.1 s).
         from ..checking import smoke as smokelib

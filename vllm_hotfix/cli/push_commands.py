@@ -20,22 +20,24 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
                    "as IMAGE. Default: every platform `image` built for IMAGE (IMAGE alone after a "
                    "single-platform build).")
-@click.option("--require-attestation", default=None, metavar="PUBKEY",
-              help="Let the image through on a signed verdict that verifies with this public key (PEM file, or "
-                   "env:NAME) instead of the local journal's verdict.")
-@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
-                                 "attached beside the image.")
+@click.option("--require-attestation", "require_attestation", multiple=True, metavar="PUBKEY",
+              help="Let the image through on signed verdicts instead of the local journal's: the newest one found "
+                   "(given with --attestation, kept in the journal, beside the image in the target registry) "
+                   "must verify with one of these public keys and pass. A PEM file, a folder of them, or "
+                   "env:NAME; repeatable.")
+@click.option("--attestation", "attestation_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              multiple=True, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
+                                  "attached beside the image. Repeatable.")
 @click.pass_obj
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
-         platform_text: str | None, require_attestation: str | None, attestation_path: Path | None) -> None:
+         platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...]) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from ..building import platforms
     from ..registry import refs
     from ..release import push as pushlib
 
     refs.check_registry(registry)
-    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_path)
+    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_paths)
     # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
     plats = platforms.parse(platform_text) if platform_text is not None else \
         pushlib.plain_selection(obj.engine, obj.root, image_ref)
@@ -50,6 +52,11 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
             click.echo(f"pushed {child['ref']} {child['digest']} {child['platform']}")
         click.echo(f"pushed index {index.ref} {index.digest}")
         return
+    from ..journal.records import registry_digest
+    from ..registry.pulling import pull_missing
+
+    # Made in its registry (image --in-registry) and smoked elsewhere: pulled by digest.
+    pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress, index=False)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
     if as_json:
         print_json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,
@@ -60,35 +67,53 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
 
 @main.command()
 @click.argument("ref", metavar="REF", type=IMAGE)
-@click.option("--key", "key", required=True, metavar="PUBKEY",
-              help="The public key the verdict must be signed with (PEM file, or env:NAME).")
+@click.option("--key", "keys", required=True, multiple=True, metavar="PUBKEY",
+              help="A public key the verdict may be signed with: a PEM file, a folder of PEM files (*.pem, *.pub), "
+                   "or env:NAME. Repeatable; the answer names the key that signed.")
 @click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
               help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
 @click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
-@click.option("--attestation", "attestation_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="Check this signed verdict file instead of the registry's; REF is then the "
-                                 "image's ID (sha256:...), the subject it must name.")
+@click.option("--attestation", "attestation_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              multiple=True, help="A signed verdict file to judge with those in the registry (repeatable). With "
+                                  "REF the image's ID (sha256:...), the files alone are judged.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
-def verify(obj: Ctx, ref: str, key: str, require_gpu: str, allow_gpu_unverified: bool,
-           attestation_path: Path | None, as_json: bool) -> None:
-    """Check the signed smoke verdict attached to REF in its registry (or given as a file)."""
-    from ..trust import attest
+def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gpu_unverified: bool,
+           attestation_paths: tuple[Path, ...], as_json: bool) -> None:
+    """Check the signed smoke verdicts of REF: the newest one found must pass."""
+    from ..trust import attest, signing
 
     products = [p.strip() for p in require_gpu.split(",") if p.strip()]
-    if attestation_path is not None:
-        if not re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
-            raise UsageError(f"verify --attestation: REF {ref!r} must be the image's ID (sha256:<64 hex>)")
+    public = signing.load_public_keys(keys)
+    if re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
+        if not attestation_paths:
+            raise UsageError(f"verify {ref}: an image ID has no registry to read from; give --attestation FILE")
         digest = ref
-        accepted = attest.judge(attest.local_candidates(obj.root, ref, attestation_path), {ref}, ref, key,
+        accepted = attest.judge(attest.files(attestation_paths), {ref}, ref, public,
                                 gpu_verified=not allow_gpu_unverified, gpu_products=products)
+    elif ref.startswith("sha256:") or not _in_a_registry(ref):
+        raise UsageError(f"verify {ref!r}: REF must be HOST[:PORT]/PATH:TAG in a registry, or with --attestation "
+                         "the image's ID (sha256:<64 hex>)")
     else:
-        digest, accepted = attest.verify(obj.engine, ref, key, gpu_verified=not allow_gpu_unverified,
-                                         gpu_products=products)
+        digest, accepted = attest.verify(obj.engine, ref, public, given=attestation_paths,
+                                         gpu_verified=not allow_gpu_unverified, gpu_products=products)
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
     if as_json:
-        print_json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "status": accepted.report.get("status"),
-               "gpu_verified": accepted.gpu_verified, "devices": devices, "source": accepted.source})
+        print_json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "key": accepted.key_name,
+                    "status": accepted.report.get("status"), "gpu_verified": accepted.gpu_verified,
+                    "devices": devices, "source": accepted.source, "signed_at": accepted.signed_at})
         return
-    click.echo(f"verified {ref} {digest}: signed pass by key {accepted.key_id[:12]} "
-               f"({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
+    click.echo(f"verified {ref} {digest}: signed pass by key {accepted.key_name} ({accepted.key_id[:12]}), signed "
+               f"{accepted.signed_at} ({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
+
+
+def _in_a_registry(ref: str) -> bool:
+    from ..engine import split_reference
+    from ..errors import PushError
+    from ..registry import client as registry
+
+    try:
+        registry.split_repo(split_reference(ref)[0])
+    except PushError:
+        return False
+    return True

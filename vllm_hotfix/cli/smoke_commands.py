@@ -5,32 +5,35 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..engine import Engine
-from ..errors import BaseImageError, UsageError
+from ..errors import UsageError
 from .app import IMAGE, Ctx, check_output_file, main, progress
+
+if TYPE_CHECKING:
+    from ..checking.launchers.options import SmokeOptions
+    from ..checking.reference import AnswerOptions
+    from ..verdicts import Verdict
 
 
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
-                   min_tokens: int | None = None, answers: Any = None, keep_going: bool = False,
-                   compile_cache: bool = True, deadline: int | None = None) -> Any:
+                   min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
+                   compile_cache: bool = True, deadline: int | None = None) -> SmokeOptions:
     from ..checking import reference, sweep
-    from ..checking import smoke as smokelib
+    from ..checking.launchers.options import SmokeOptions
 
     answers = answers or reference.answer_options(None, None, None)
     if serve_model is None and (answers.reference is not None or answers.record is not None):
         raise UsageError("--reference and --record-reference need --serve-model (the model the answers are of)")
     sweep.check_min_tokens(min_tokens, answers.reference.max_tokens if answers.reference else sweep.MAX_TOKENS)
-    return smokelib.SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition,
-                                 serve_model=serve_model, serve_args=serve_args,
-                                 levels=sweep.parse_levels(concurrency), requests=requests_n,
-                                 min_tokens=min_tokens, reference=answers.reference,
-                                 record_reference=answers.record, noise_multiple=answers.noise_multiple,
-                                 keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
+    return SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition, serve_model=serve_model,
+                        serve_args=serve_args, levels=sweep.parse_levels(concurrency), requests=requests_n,
+                        min_tokens=min_tokens, reference=answers.reference, record_reference=answers.record,
+                        noise_multiple=answers.noise_multiple, keep_going=keep_going, compile_cache=compile_cache,
+                        deadline=deadline)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -90,8 +93,9 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="Model folder to serve with the image's own entrypoint for the sweep.")
 @click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
 @click.option("--sign-key", default=None, metavar="KEY",
-              help="Sign the verdict with this ECDSA P-256 private key (PEM file, or env:NAME); kept in the journal "
-                   "and attached beside the image when it is pushed.")
+              help="Sign the verdict with this ECDSA P-256 private key (PEM file readable by its owner alone, or "
+                   "env:NAME), here, after judging the runner's report; kept in the journal and attached beside the "
+                   "image when it is pushed. The key never goes into the image's container, Job or mounts.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
 @click.option("--keep-going", is_flag=True,
@@ -105,17 +109,18 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="What starts the checks in the image: the Docker engine (as always), the one-entry runner "
                    "through podman (GPUs by CDI), or a Kubernetes Job.")
 @click.option("--emit", "emit_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="kubernetes: write the Job and its ConfigMap (multi-document YAML) here.")
-@click.option("--submit", is_flag=True, help="kubernetes: create the Job, follow it to its end, attach its "
-                                              "signed verdict in the registry and report the one read back.")
+              help="kubernetes: write the Job and its ConfigMap (multi-document YAML) here; it holds no key.")
+@click.option("--submit", is_flag=True, help="kubernetes: create the Job, follow it to its end, judge its report "
+                                              "here, and sign it here with --sign-key (attached in the registry).")
+@click.option("--collect", default=None, metavar="job/NAME|LOG",
+              help="kubernetes: read the report of an emitted Job that has ended (job/NAME through the cluster's "
+                   "API, or LOG: its pod's log saved to a file), judge it here, and sign it here with --sign-key.")
 @click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), help="kubernetes: config.")
 @click.option("--namespace", default="default", show_default=True, help="kubernetes: the Job's namespace.")
 @click.option("--node-selector", default=None, metavar="KEY=VALUE",
               help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
 @click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
               help="kubernetes: nvidia.com/gpu the Job asks for.")
-@click.option("--sign-secret", default=None, metavar="NAME",
-              help="kubernetes: the Secret holding the signing key (key key.pem); the runner in the Job signs.")
 @click.option("--deadline", type=click.IntRange(5), default=None, metavar="S",
               help="Seconds the checks in the image may take in all, for every launcher (a Job's "
                    "activeDeadlineSeconds); past it the run is incomplete. Default: what the checks asked for "
@@ -125,80 +130,52 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
-          emit_path: Path | None, submit: bool, kubeconfig: str | None, namespace: str, node_selector: str | None,
-          gpu_count: int, sign_secret: str | None, deadline: int | None, concurrency: str, requests_n: int,
+          emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
+          node_selector: str | None, gpu_count: int, deadline: int | None, concurrency: str, requests_n: int,
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
           noise_multiple: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
     from ..checking import reference
     from ..checking import smoke as smokelib
-    from ..journal import records
-    from ..trust import attest, signing
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
                              keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
-    if attestation_path is not None and sign_key is None and sign_secret is None:
-        raise UsageError("--attestation needs --sign-key")
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)
     if launcher != "kubernetes":
         # Options of the Job's alone: given to another launcher they would be ignored without a word.
         ctx = click.get_current_context()
-        given = [name for name, param in (("--emit", "emit_path"), ("--submit", "submit"),
-                                          ("--kubeconfig", "kubeconfig"), ("--namespace", "namespace"),
-                                          ("--node-selector", "node_selector"), ("--gpus", "gpu_count"),
-                                          ("--sign-secret", "sign_secret"))
+        given = [name for name, param in (("--namespace", "namespace"), ("--gpus", "gpu_count"))
                  if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT]
         if given:
             raise UsageError(f"{', '.join(given)}: {'is an option' if len(given) == 1 else 'are options'} of "
                              f"--launcher kubernetes, not {launcher}",
                              hint="the docker and podman launchers ask for GPUs with --gpu-request")
-    if sign_key is not None:
-        signing.load_private_key(sign_key)  # a key that cannot sign fails before the run, not after it
-    if launcher == "kubernetes":
+    cluster = None
+    if emit_path or submit or collect or node_selector or kubeconfig:
+        from ..checking.launchers import elsewhere
         from ..checking.launchers import kubernetes as k8s
         from ..checking.launchers.plan import deadline as job_deadline
 
-        spec = k8s.JobSpec(f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}",
-                           namespace=k8s.check_name(namespace, "--namespace", subdomain=False), gpus=gpu_count,
-                           node_selector=k8s.parse_selector(node_selector),
-                           key_secret=k8s.check_name(sign_secret, "--sign-secret", subdomain=True)
-                           if sign_secret is not None else None,
+        name = collect.removeprefix("job/") if collect and collect.startswith("job/") else \
+            f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}"
+        spec = k8s.JobSpec(name, namespace=k8s.check_name(namespace, "--namespace", subdomain=False),
+                           gpus=gpu_count, node_selector=k8s.parse_selector(node_selector),
                            deadline_s=int(job_deadline(options, gpu != "off")))
-        if sign_key is not None:
-            raise UsageError("--launcher kubernetes signs in the cluster: give --sign-secret NAME, not --sign-key")
-        if not emit_path and not submit:
-            raise UsageError("--launcher kubernetes needs --emit FILE, --submit, or both")
-    records.ensure_writable(obj.root)
-    if launcher != "docker":
-        verdict, envelope = _smoke_elsewhere(obj, image_ref, options, launcher, sign_key, emit_path,
-                                             spec if launcher == "kubernetes" else None, submit, kubeconfig)
-        if verdict is None:
-            return
-        entry = records.append_verdict(obj.root, verdict)
-        if envelope is not None:
-            from ..checking.launchers.plan import keep_envelope
-
-            progress(f"==> signed verdict: {keep_envelope(obj.root, verdict.image_id, envelope, attestation_path)}")
-        _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+        cluster = elsewhere.Cluster(spec, emit_path, submit, collect, kubeconfig)
+    request = smokelib.SmokeRequest(image_ref, options, launcher, sign_key, attestation_path, cluster)
+    done = smokelib.run(lambda: obj.engine, obj.root, request, progress)
+    if done.wrote:
+        click.echo(done.wrote)
+    if done.verdict is None:
         return
-    if obj.engine.image(image_ref) is None:
-        # Nothing was checked, so nothing failed: the image is missing (exit 4), as a missing base is.
-        raise BaseImageError(f"image {image_ref!r} is not in the engine",
-                             hint="build it with `image`, or pull it first")
-    verdict = smokelib.Smoke(obj.engine, obj.root, options, progress).run(image_ref)
-    entry = records.append_verdict(obj.root, verdict)
-    if sign_key is not None and verdict.judged:
-        info = obj.engine.image(verdict.image_id)
-        if info is not None:
-            signed = attest.sign(obj.root, verdict, info, image_ref, sign_key, attestation_path)
-            progress(f"==> signed verdict: {signed}")
-    _finish_smoke(verdict, image_ref, entry.path, report_path, junit_path)
+    assert done.entry is not None
+    _finish_smoke(done.verdict, image_ref, done.entry, report_path, junit_path)
 
 
-def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path | None,
+def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Path | None,
                   junit_path: Path | None) -> None:
     from .. import verdicts
     from ..checking import smoke as smokelib
@@ -214,23 +191,6 @@ def _finish_smoke(verdict: Any, image_ref: str, entry: Path, report_path: Path |
     gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
     click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s; phases: "
                f"{smokelib.format_phases(dict(verdict.phases))})")
-
-
-def _smoke_elsewhere(obj: Ctx, image_ref: str, options: Any, launcher: str, sign_key: str | None,
-                     emit_path: Path | None, spec: Any, submit: bool, kubeconfig: str | None) -> tuple[Any, Any]:
-    """Smoke through the runner with podman or a Kubernetes Job; (verdict, envelope), or (None, None) after --emit."""
-    from ..checking.launchers import elsewhere
-
-    def engine() -> Engine:
-        return obj.engine
-
-    if launcher == "podman":
-        return elsewhere.podman(obj.root, engine, image_ref, options, sign_key, progress)
-    verdict, envelope, wrote = elsewhere.kubernetes(obj.root, engine, image_ref, options, spec, emit_path, submit,
-                                                    kubeconfig, progress)
-    if wrote:
-        click.echo(wrote)
-    return verdict, envelope
 
 
 @main.command("serve-check")

@@ -122,6 +122,26 @@ def registry_secure(registry_config: Mapping[str, Any], host: str) -> bool:
     return True
 
 
+DAEMON_JSON = "/etc/docker/daemon.json"
+
+
+def registry_secure_without_engine(host: str, daemon_json: str = DAEMON_JSON) -> bool:
+    """Whether ``host`` is spoken to over TLS when no engine is asked: as a Docker engine with this host's
+    daemon.json would (its insecure-registries, and loopback, which an engine trusts without TLS by default)."""
+    import json
+
+    insecure: list[str] = []
+    try:
+        with open(daemon_json, encoding="utf-8") as fh:
+            found = json.load(fh).get("insecure-registries") or []
+        insecure = [str(x) for x in found] if isinstance(found, list) else []
+    except (OSError, ValueError, AttributeError):
+        pass
+    config = {"InsecureRegistryCIDRs": ["127.0.0.0/8", "::1/128", *(x for x in insecure if "/" in x)],
+              "IndexConfigs": {x: {"Secure": False} for x in insecure if "/" not in x}}
+    return registry_secure(config, host)
+
+
 def auth_refused(message: str) -> bool:
     """Whether a registry's answer (relayed by the engine) says the login was missing or wrong."""
     low = message.lower()

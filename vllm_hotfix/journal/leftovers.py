@@ -44,7 +44,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# The folder a launcher stages the runner in (the job, the probes, with --sign-key a copy of the key).
+# The folder a launcher stages the runner in (the job, the probes, the patch set's checks).
 STAGING = "vllm-hotfix-runner-"
 
 

@@ -367,6 +367,16 @@ def builds_of_image(root: Path, image_id: str) -> list[Entry]:
     return [e for e in builds(root) if e.image_id == image_id]
 
 
+def registry_digest(root: Path, ref: str) -> str | None:
+    """The manifest digest the newest build made in a registry under ``ref`` names (``image --in-registry``)."""
+    for entry in builds(root):
+        where = entry.data.get("registry")
+        digest = str(where.get("digest") or "") if isinstance(where, dict) else ""
+        if digest.startswith("sha256:") and (entry.data.get("output_ref") == ref or ref.endswith("@" + digest)):
+            return digest
+    return None
+
+
 def builds_with_inputs(root: Path, key: str) -> list[Entry]:
     return [e for e in builds(root) if e.data.get("inputs_key") == key]
 

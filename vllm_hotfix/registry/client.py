@@ -116,7 +116,8 @@ class Client:
             realm = params.pop("realm", "")
             if not realm:
                 raise PushError(f"registry {self.host} asked for a token without saying where to get it")
-            params["scope"] = scope
+            # A cross-repository mount asks for two scopes at once ("repository:A:pull,push repository:B:pull").
+            params["scope"] = scope.split(" ") if " " in scope else scope
             try:
                 if self._credentials is not None and self._credentials[0] == "<token>":
                     # An identity token is exchanged by the OAuth2 refresh-token grant, as the docker client does.
@@ -148,7 +149,8 @@ class Client:
                          hint=f"docker login {self.host}")
 
     def request(self, method: str, path: str, scope: str, **kwargs: Any) -> requests.Response:
-        url = f"{self.base}{path}"
+        """``path`` under this host (or a whole URL the registry gave, such as an upload's Location)."""
+        url = path if path.startswith(("http://", "https://")) else f"{self.base}{path}"
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
             if scope in self._auth_header:

@@ -11,6 +11,12 @@ against its RECORD relative to the base, so an edited journal can hide
 neither wrong patched files nor a failed integrity. After
 the push, the engine asks the registry (with the same credentials and scheme)
 which digest the tag resolves to.
+
+With ``--require-attestation`` the gate reads signed verdicts instead of the
+journal (those given, those the journal keeps, those already beside the image
+in the target registry): the newest that verifies with one of the keys
+decides (:func:`vllm_hotfix.trust.attest.judge`), as the journal's newest
+does without it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 
 from ..building import platforms
 from ..building.platforms import Platform, child_ref
-from ..checking import smoke
+from ..checking.launchers import facts
 from ..engine import Engine, ImageInfo, registry_of, split_reference
 from ..errors import (
     AttestationError,
@@ -38,7 +44,7 @@ from ..errors import (
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
-from ..trust import attest
+from ..trust import attest, signing
 
 log = logging.getLogger(__name__)
 
@@ -199,21 +205,23 @@ class Clearance:
 
 @dataclass(frozen=True, slots=True)
 class Gate:
-    """How the push gate judges: the local journal, or signed verdicts and a public key."""
+    """How the push gate judges: the local journal, or signed verdicts and the public keys they may be made with."""
 
     allow_gpu_unverified: bool = False
-    require_attestation: str | None = None  # public key: a file or env:NAME
-    attestation: Path | None = None  # a signed verdict given on the command line
+    require_attestation: tuple[str, ...] = ()  # public keys: files, folders of PEM files, or env:NAME
+    attestations: tuple[Path, ...] = ()  # signed verdicts given on the command line
 
-    def given_is_about(self, image_ids: list[str], what: str) -> None:
-        """A signed verdict given on the command line must name one of the images pushed (checked first)."""
-        if self.attestation is not None:
-            attest.require_about(self.attestation, image_ids, what)
+    def given_are_about(self, image_ids: list[str], what: str) -> None:
+        """Each signed verdict given on the command line must name one of the images pushed (checked first)."""
+        for path in self.attestations:
+            attest.require_about(path, image_ids, what)
 
-    def clear(self, root: Path, info: ImageInfo, image_ref: str) -> Clearance:
-        if self.require_attestation is not None:
-            accepted = attest.judge(attest.local_candidates(root, info.id, self.attestation), {info.id},
-                                    f"{image_ref} ({info.id[:19]})", self.require_attestation,
+    def clear(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, target: str) -> Clearance:
+        if self.require_attestation:
+            keys = signing.load_public_keys(self.require_attestation)
+            found = attest.local_candidates(root, info.id, self.attestations) + _pushed_candidates(engine, target,
+                                                                                                   info.id)
+            accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys,
                                     gpu_verified=not self.allow_gpu_unverified)
             return Clearance(Path(accepted.source).name, accepted.gpu_verified)
         entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
@@ -222,12 +230,23 @@ class Gate:
     def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
                say: Callable[[str], None]) -> list[str]:
         """Put the image's signed verdicts beside it in the registry."""
-        extra = [self.attestation] if self.attestation is not None and attest.names(self.attestation, info.id) else []
+        extra = [path for path in self.attestations if attest.names(path, info.id)]
         try:
             return attest.attach(engine, root, info.id, target, digest, extra, say)
         except PipelineError as exc:
             raise AttestationError(f"{target} landed in the registry as {digest}, but its signed verdicts could "
                                    f"not be attached: {exc}", hint="push it again to attach them") from exc
+
+
+def _pushed_candidates(engine: Engine, target: str, image_id: str) -> list[tuple[str, bytes]]:
+    """The signed verdicts already beside ``target`` in its registry, when it holds this very image."""
+    repo, tag = split_reference(target)
+    host, path = registry.split_repo(repo)
+    client = registry.client_for(engine, host)
+    manifest = client.manifest(path, tag)
+    if manifest is None or manifest.is_index or (manifest.json().get("config") or {}).get("digest") != image_id:
+        return []
+    return attest.registry_candidates(client, path, manifest.digest)
 
 
 def push(
@@ -250,11 +269,11 @@ def push(
         raise BaseImageError(f"image {image_ref!r} is not in the engine",
                              hint="build it with `image` (which smoke-tests it), or pull it first")
     check_platform(root, info, image_ref)
-    policy.given_is_about([info.id], image_ref)
-    verdict = policy.clear(root, info, image_ref)
+    policy.given_are_about([info.id], image_ref)
+    verdict = policy.clear(engine, root, info, image_ref, target)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
-    problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
+    problem = facts.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
@@ -387,14 +406,15 @@ def push_index(
     policy = policy or Gate()
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, root, image_ref, plats)
-    policy.given_is_about([info.id for _plat, info in found], f"any platform's image of {image_ref}")
+    policy.given_are_about([info.id for _plat, info in found], f"any platform's image of {image_ref}")
     verdicts = {}
     for plat, info in found:
-        verdicts[plat] = policy.clear(root, info, f"{child_ref(image_ref, plat)} ({plat})")
+        verdicts[plat] = policy.clear(engine, root, info, f"{child_ref(image_ref, plat)} ({plat})",
+                                      child_ref(target, plat))
     records.ensure_writable(root)
     for plat, info in found:
         say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
-        problem = smoke.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
+        problem = facts.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")

@@ -1,6 +1,8 @@
 """Trust: signed verdicts that travel with an image and are checked wherever it is pulled.
 
-:mod:`.signing` makes and opens the in-toto statement in its DSSE envelope and handles keys;
-:mod:`.referrers` stores envelopes beside the image in the registry; :mod:`.attest` signs what smoke found,
-attaches it at push and checks it for ``verify``.
+:mod:`.signing` is the one place that builds what is signed (predicate, subjects, statement, PAE), signs
+and opens the DSSE envelope, and handles keys; :mod:`.referrers` stores envelopes beside the image in the
+registry; :mod:`.attest` signs the verdict the host judged (on the host that started the runner, never in
+the image), attaches it at push, and judges every envelope found by one rule: the newest signed verdict
+that verifies with a trusted key decides.
 """

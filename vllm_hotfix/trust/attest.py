@@ -1,12 +1,17 @@
-"""Signed verdicts: made where smoke ran, kept beside the image, checked wherever it is pulled.
+"""Signed verdicts: signed by the host that ran smoke, kept beside the image, checked wherever it is pulled.
 
-``smoke --sign-key`` signs the run's report (:mod:`signing`) and keeps the
-envelope in the journal folder, named by its own hash. ``push`` attaches
-every envelope kept for the image to the pushed manifest (:mod:`referrers`),
-and ``push --require-attestation`` lets the image through on a verified
-envelope instead of the local journal's verdict, so the GPU host that ran
-smoke and the host that pushes need share no files. ``verify`` reads the
-envelopes back from the registry.
+``smoke --sign-key`` signs the report the host judged (:mod:`signing` builds
+what is signed) and keeps the envelope in the journal folder, named by its
+own hash. ``push`` attaches every envelope kept for the image to the pushed
+manifest (:mod:`referrers`), and ``push --require-attestation`` lets the
+image through on signed verdicts instead of the local journal's, so the GPU
+host that ran smoke and the host that pushes need share no files. ``verify``
+reads the envelopes back from the registry.
+
+One rule wherever signed verdicts are judged (:func:`judge`): of every
+envelope found for the image that verifies with one of the given keys, the
+newest by its signed time decides; it must pass, and two newest signed at
+the same instant are refused. An older pass never stands in for a newer fail.
 """
 
 from __future__ import annotations
@@ -15,14 +20,12 @@ import base64
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..engine import Engine, ImageInfo, split_reference
-from ..engine import labels as L
+from ..engine import Engine, split_reference
 from ..errors import (
     AttestationError,
     AttestationMismatch,
@@ -43,44 +46,23 @@ def folder(root: Path, image_id: str) -> Path:
     return records_dir(root) / "attestations" / image_id.removeprefix("sha256:")
 
 
-def predicate(verdict: Verdict, info: ImageInfo) -> dict[str, Any]:
-    """The smoke report plus what the image says it was made from (checked by the report's landed check)."""
-    labels = dict(info.labels)
-    try:
-        patches = json.loads(labels.get(L.PATCHES, "{}"))
-    except ValueError:
-        patches = {}
-    return {
-        **verdict.to_dict(),
-        "tool_version": __version__,
-        "definition": labels.get(L.DEFINITION, ""),
-        "patches": patches if isinstance(patches, dict) else {},
-        "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
-                 "digest": labels.get(L.OCI_BASE_DIGEST, "")},
-    }
-
-
-def subjects(image_ref: str, info: ImageInfo) -> dict[str, str]:
-    """The image by config digest (its ID), and by manifest digest wherever a registry gave it one."""
-    found = {image_ref: info.id}
-    for repo_digest in info.repo_digests:
-        name, _, digest = repo_digest.partition("@")
-        if digest.startswith("sha256:"):
-            found[name] = digest
-    return found
-
-
-def sign(root: Path, verdict: Verdict, info: ImageInfo, image_ref: str, key_source: str,
-         copy_to: Path | None = None) -> Path:
-    """Sign ``verdict`` and keep the envelope in the journal folder (and at ``copy_to``); return its path."""
-    key = signing.load_private_key(key_source)
-    envelope = signing.sign(signing.statement(subjects(image_ref, info), predicate(verdict, info)), key)
-    path = folder(root, info.id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
+def keep(root: Path, image_id: str, envelope: bytes, copy_to: Path | None = None) -> Path:
+    """Keep a signed envelope in the journal folder (and at ``copy_to``); push attaches what is kept."""
+    path = folder(root, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, envelope, error=AttestationError)
     if copy_to is not None:
         write_atomic(copy_to, envelope, error=AttestationError)
     return path
+
+
+def sign(root: Path, verdict: Verdict, labels: Mapping[str, str], subjects: Mapping[str, str], key_source: str,
+         copy_to: Path | None = None) -> tuple[Path, bytes]:
+    """Sign the host's ``verdict`` now and keep the envelope; return where it is kept, and its bytes."""
+    key = signing.load_private_key(key_source)
+    doc = signing.statement(subjects, signing.predicate(verdict.to_dict(), labels, signing.now()))
+    envelope = signing.sign(doc, key)
+    return keep(root, verdict.image_id, envelope, copy_to), envelope
 
 
 def kept(root: Path, image_id: str) -> list[Path]:
@@ -90,43 +72,81 @@ def kept(root: Path, image_id: str) -> list[Path]:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """A signed verdict that let an image through, and where it came from."""
+    """The signed verdict that let an image through: the newest found, a pass, and where it came from."""
 
     source: str
     key_id: str
+    key_name: str
     report: dict[str, Any]
 
     @property
     def gpu_verified(self) -> bool:
         return self.report.get("gpu_verified") is True
 
+    @property
+    def signed_at(self) -> str:
+        return str(self.report.get("signed_at", ""))
 
-def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str, key_source: str, *,
-          gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> Accepted:
-    """The first envelope that verifies with the key, names the image and passes; else the closest refusal.
 
-    ``candidates``: (where it came from, envelope bytes). With none: AttestationMissing.
-    Refusals rank by how far an envelope got: a pass about this image signed
-    by this key wins; else the error of the envelope that got furthest.
+def _newest(found: list[tuple[str, signing.Attested]], image: str) -> tuple[str, signing.Attested,
+                                                                           list[tuple[str, signing.Attested]]]:
+    """The newest by signed time, and the others; refused when none says when, or two newest tie."""
+    timed = [(signing.signed_time(f.predicate), where, f) for where, f in found]
+    dated = [(when, where, f) for when, where, f in timed if when is not None]
+    if not dated:
+        raise AttestationMismatch(f"{image}: its signed verdict(s) ({', '.join(w for w, _ in found)}) carry no "
+                                  "signed time (made before verdicts were dated), so none can be told the newest",
+                                  hint="smoke it again with --sign-key")
+    latest = max(when for when, _, _ in dated)
+    top = [(where, f) for when, where, f in dated if when == latest]
+    if len(top) > 1:
+        raise AttestationMismatch(f"{image}: {len(top)} signed verdicts were signed at the same instant "
+                                  f"({top[0][1].predicate.get('signed_at')}): {' and '.join(w for w, _ in top)}; "
+                                  "neither is the newest", hint="smoke it again with --sign-key")
+    where, newest = top[0]
+    return where, newest, [(w, f) for w, f in found if f is not newest]
+
+
+def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str, keys: Sequence[signing.PublicKey],
+          *, gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> Accepted:
+    """The newest envelope about the image that verifies with one of ``keys``, if it passes.
+
+    ``candidates``: (where it came from, envelope bytes), every one found.
+    With none: AttestationMissing. When none verifies with the keys and
+    names the image, the refusal of the one that got furthest. The same
+    statement found twice (in the registry and given as a file) counts once.
     """
-    public = signing.load_public_key(key_source)
     if not candidates:
         raise AttestationMissing(f"{image}: no signed verdict found", hint="smoke it with --sign-key, then push it")
-    best: tuple[int, PipelineError] | None = None
+    refusal: tuple[int, PipelineError] | None = None
+    about: dict[str, tuple[str, signing.Attested]] = {}
     for where, data in candidates:
         stage = 0
         try:
-            found = signing.open_envelope(data, public, where)
+            found = signing.open_with_any(data, keys, where)
             stage = 1
             signing.require_subject(found, digests, image, where)
-            stage = 2
-            signing.require_verdict(found, image, where, gpu_verified=gpu_verified, gpu_products=gpu_products)
-            return Accepted(where, found.key_id, found.predicate)
         except AttestationError as exc:
-            if best is None or stage > best[0]:
-                best = (stage, exc)
-    assert best is not None
-    raise best[1]
+            if refusal is None or stage > refusal[0]:
+                refusal = (stage, exc)
+            continue
+        about.setdefault(json.dumps(found.statement, sort_keys=True), (where, found))
+    if not about:
+        assert refusal is not None
+        raise refusal[1]
+    where, newest, older = _newest(list(about.values()), image)
+    try:
+        signing.require_verdict(newest, image, where, gpu_verified=gpu_verified, gpu_products=gpu_products)
+    except AttestationMismatch as exc:
+        passes = [(w, f) for w, f in older if f.predicate.get("status") == "pass"]
+        if not passes:
+            raise
+        w, f = max(passes, key=lambda p: str(p[1].predicate.get("signed_at", "")))
+        raise AttestationMismatch(f"{exc} (the newest, signed {newest.predicate.get('signed_at')}); the older signed "
+                                  f"pass {w} (signed {f.predicate.get('signed_at') or 'at no stated time'}) does "
+                                  f"not count", hint="smoke the image again; the newest signed verdict decides") \
+            from None
+    return Accepted(where, newest.key_id, newest.key_name, newest.predicate)
 
 
 # A DSSE envelope of a smoke report is tens of kilobytes; a file far larger is not one.
@@ -196,16 +216,14 @@ def require_about(path: Path, image_ids: Sequence[str], what: str) -> None:
                                   hint="give the envelope smoke wrote for this image")
 
 
-def local_candidates(root: Path, image_id: str, given: Path | None) -> list[tuple[str, bytes]]:
-    """The envelope given on the command line, else every one the journal keeps for the image."""
-    paths = [given] if given is not None else kept(root, image_id)
-    out = []
-    for path in paths:
-        try:
-            out.append((str(path), path.read_bytes() if given is None else read_envelope(path)))
-        except OSError as exc:
-            raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
-    return out
+def files(paths: Iterable[Path]) -> list[tuple[str, bytes]]:
+    """Signed verdict files as candidates; AttestationError naming one that cannot be read (or is no file)."""
+    return [(str(path), read_envelope(path)) for path in paths]
+
+
+def local_candidates(root: Path, image_id: str, given: Sequence[Path] = ()) -> list[tuple[str, bytes]]:
+    """The envelopes given on the command line and every one the journal keeps for the image."""
+    return files(dict.fromkeys([*given, *kept(root, image_id)]))
 
 
 def attach(engine: Engine, root: Path, image_id: str, target: str, digest: str,
@@ -228,9 +246,35 @@ def attach(engine: Engine, root: Path, image_id: str, target: str, digest: str,
     return out
 
 
-def verify(engine: Engine, ref: str, key_source: str, *, gpu_verified: bool = True,
-           gpu_products: Sequence[str] = ()) -> tuple[str, Accepted]:
-    """Read the signed verdicts of ``ref`` from its registry and judge them; return (manifest digest, accepted)."""
+def attach_and_read_back(engine: Engine, image: str, envelope: bytes) -> bytes:
+    """Attach ``envelope`` to ``image`` (NAME@sha256:...) in its registry, and return it as read back from there."""
+    name, _, digest = image.partition("@")
+    host, path = registry.split_repo(name)
+    client = registry.client_for(engine, host)
+    manifest = client.manifest(path, digest)
+    if manifest is None:
+        raise AttestationMissing(f"registry {host} has no {path}@{digest} to attach the signed verdict to")
+    subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
+    artifact = referrers.attach(client, path, subject, envelope)
+    for found, data in referrers.envelopes(client, path, manifest.digest):
+        if found == artifact:
+            return data
+    raise AttestationMissing(f"registry {host}: the signed verdict {artifact[:19]} attached to {path}@{digest} "
+                             "is not listed among its referrers")
+
+
+def registry_candidates(client: registry.Client, path: str, digest: str) -> list[tuple[str, bytes]]:
+    """Every signed verdict the registry keeps beside ``path@digest``, named for messages."""
+    where = f"{path}@{digest}"
+    return [(f"{where} (signed verdict {d[:19]})", data) for d, data in referrers.envelopes(client, path, digest)]
+
+
+def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], *, given: Sequence[Path] = (),
+           gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> tuple[str, Accepted]:
+    """Judge every signed verdict of ``ref`` (its registry's, and ``given``); return (manifest digest, accepted).
+
+    An index is judged per platform: each platform's image must pass.
+    """
     repo, tag = split_reference(ref)
     host, path = registry.split_repo(repo)
     client = registry.client_for(engine, host)
@@ -244,16 +288,14 @@ def verify(engine: Engine, ref: str, key_source: str, *, gpu_verified: bool = Tr
             found = client.manifest(path, child.digest)
             if found is not None:
                 images.append(found)
+    extra = files(given)
     accepted: Accepted | None = None
     for image in images:
         digests = {image.digest}
         config = (image.json().get("config") or {}).get("digest")
         if isinstance(config, str):
             digests.add(config)
-        where = f"{path}@{image.digest}"
-        candidates = [(f"{where} (signed verdict {d[:19]})", data)
-                      for d, data in referrers.envelopes(client, path, image.digest)]
-        accepted = judge(candidates, digests, f"{ref} ({image.digest[:19]})", key_source,
-                         gpu_verified=gpu_verified, gpu_products=gpu_products)
+        accepted = judge(registry_candidates(client, path, image.digest) + extra, digests,
+                         f"{ref} ({image.digest[:19]})", keys, gpu_verified=gpu_verified, gpu_products=gpu_products)
     assert accepted is not None
     return manifest.digest, accepted

@@ -1,22 +1,30 @@
 """Signed verdicts: an in-toto Statement about an image, in a DSSE envelope.
 
-A smoke run's report becomes the predicate of an in-toto Statement v1 whose
-subject is the image (its config digest, which is the engine's image ID,
-and its manifest digest where a registry gave it one). The statement is
+The one place that builds what is signed: the predicate (the smoke report as
+the host judged it, what the image says it was made from, and the time it
+was signed), the subjects, the statement and DSSE's pre-authentication
+encoding. A smoke run's report becomes the predicate of an in-toto Statement
+v1 whose subject is the image (its config digest, which is the engine's image
+ID, and its manifest digest where a registry gave it one). The statement is
 signed with an ECDSA P-256 key (the key type cosign makes) in a DSSE
 envelope, so that any DSSE implementation can check it, not only this one.
 
-Keys come from a PEM file or from an environment variable (``env:NAME``),
-and never appear in messages or logs.
+Only the host that started the runner signs, after judging its report:
+nothing here runs inside the image under test. Keys come from a PEM file (a
+private one readable by its owner alone, as ssh demands) or from an
+environment variable (``env:NAME``), and never appear in messages or logs.
+Public keys may be several: files, or folders of PEM files.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+import stat
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from .. import __version__
+from ..engine import labels as L
 from ..errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -49,8 +59,22 @@ def _read_pem(source: str, what: str) -> tuple[bytes, str]:
         raise AttestationError(f"{what} {source}: cannot read it ({exc.strerror or exc})") from None
 
 
+def _private_enough(source: str) -> None:
+    """AttestationError when the key file may be read by others than its owner (as ssh refuses such a key)."""
+    if source.startswith("env:"):
+        return
+    try:
+        mode = stat.S_IMODE(os.stat(source).st_mode)
+    except OSError:
+        return  # _read_pem names why it cannot be read
+    if mode & 0o077:
+        raise AttestationError(f"signing key {source}: others may read it (mode {mode:04o}); a private key "
+                               f"must be readable by its owner alone", hint=f"chmod 600 {source}")
+
+
 def load_private_key(source: str) -> ec.EllipticCurvePrivateKey:
-    """An ECDSA P-256 private key from a PEM file or ``env:NAME``."""
+    """An ECDSA P-256 private key from a PEM file (mode 0600 or stricter) or ``env:NAME``."""
+    _private_enough(source)
     data, name = _read_pem(source, "signing key")
     password = os.environ.get(PASSWORD_ENV)
     try:
@@ -77,6 +101,38 @@ def load_public_key(source: str) -> ec.EllipticCurvePublicKey:
     return key
 
 
+@dataclass(frozen=True, slots=True)
+class PublicKey:
+    """A public key a signed verdict may be made with, and the file (or variable) it came from."""
+
+    name: str
+    key: ec.EllipticCurvePublicKey
+
+    @property
+    def id(self) -> str:
+        return key_id(self.key)
+
+
+PUBLIC_KEY_SUFFIXES = (".pem", ".pub")
+
+
+def load_public_keys(sources: Sequence[str]) -> list[PublicKey]:
+    """Every public key of ``sources``: PEM files, ``env:NAME``, or folders of ``*.pem``/``*.pub`` files."""
+    found: list[PublicKey] = []
+    for source in sources:
+        folder = Path(source)
+        if not source.startswith("env:") and folder.is_dir():
+            files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in PUBLIC_KEY_SUFFIXES)
+            if not files:
+                raise AttestationError(f"public keys {source}: the folder holds no *.pem or *.pub file")
+            found += [PublicKey(str(p), load_public_key(str(p))) for p in files]
+        else:
+            found.append(PublicKey(source, load_public_key(source)))
+    if not found:
+        raise AttestationError("no public key given")
+    return found
+
+
 def key_id(public: ec.EllipticCurvePublicKey) -> str:
     """The SHA-256 of the key's DER SubjectPublicKeyInfo: names the key without showing it."""
     der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -87,6 +143,50 @@ def pae(payload_type: str, payload: bytes) -> bytes:
     """DSSE's pre-authentication encoding: what the signature covers."""
     kind = payload_type.encode()
     return b"DSSEv1 %d %b %d %b" % (len(kind), kind, len(payload), payload)
+
+
+def now() -> str:
+    """The signing time as the predicate carries it: UTC, to the microsecond (so that two runs rarely tie)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def signed_time(predicate: Mapping[str, Any]) -> dt.datetime | None:
+    """When a statement says it was signed (``signed_at``); None when it does not say, or says it badly."""
+    text = predicate.get("signed_at")
+    if not isinstance(text, str):
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else None
+
+
+def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str) -> dict[str, Any]:
+    """The host's judged smoke report, what the image's labels say it was made from, and when it was signed."""
+    try:
+        patches = json.loads(labels.get(L.PATCHES, "{}"))
+    except ValueError:
+        patches = {}
+    return {
+        **report,
+        "tool_version": __version__,
+        "definition": labels.get(L.DEFINITION, ""),
+        "patches": patches if isinstance(patches, dict) else {},
+        "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
+                 "digest": labels.get(L.OCI_BASE_DIGEST, "")},
+        "signed_at": signed_at,
+    }
+
+
+def subjects(image_ref: str, image_id: str, repo_digests: Iterable[str] = ()) -> dict[str, str]:
+    """The image by config digest (its ID), and by manifest digest wherever a registry gave it one."""
+    found = {image_ref: image_id}
+    for repo_digest in repo_digests:
+        name, _, digest = repo_digest.partition("@")
+        if digest.startswith("sha256:"):
+            found[name] = digest
+    return found
 
 
 def statement(subjects: Mapping[str, str], predicate: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,10 +214,11 @@ def sign(doc: Mapping[str, Any], key: ec.EllipticCurvePrivateKey) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Attested:
-    """A statement whose envelope verified with the given key."""
+    """A statement whose envelope verified with the given key (``key_name``: where that key came from)."""
 
     statement: dict[str, Any]
     key_id: str
+    key_name: str = ""
 
     @property
     def digests(self) -> set[str]:
@@ -128,6 +229,10 @@ class Attested:
     def predicate(self) -> dict[str, Any]:
         found = self.statement.get("predicate")
         return found if isinstance(found, dict) else {}
+
+
+class _NoMatch(AttestationTampered):
+    """A signature that claims the key (or names none) and does not verify with it."""
 
 
 def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) -> Attested:
@@ -159,8 +264,7 @@ def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) ->
         except InvalidSignature:
             continue
     else:
-        raise AttestationTampered(f"{where}: the signature does not match its content (tampered, or "
-                                  f"signed with another key)")
+        raise _NoMatch(f"{where}: the signature does not match its content (tampered, or signed with another key)")
     try:
         doc = json.loads(payload)
     except ValueError:
@@ -168,6 +272,36 @@ def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) ->
     if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != PREDICATE_TYPE:
         raise AttestationTampered(f"{where}: not a smoke-report statement")
     return Attested(doc, ours)
+
+
+def open_with_any(data: bytes, keys: Sequence[PublicKey], where: str) -> Attested:
+    """Verify a DSSE envelope with whichever of ``keys`` signed it; else the closest refusal.
+
+    A signature that claims one of the keys but does not verify with it
+    (tampered) outranks "signed with another key"; a malformed envelope is
+    refused whatever the key.
+    """
+    refusal: AttestationError | None = None
+    for public in keys:
+        try:
+            found = open_envelope(data, public.key, where)
+        except _NoMatch as exc:
+            refusal = exc
+            continue
+        except AttestationWrongKey as exc:
+            refusal = refusal or exc
+            continue
+        return Attested(found.statement, found.key_id, public.name)
+    if isinstance(refusal, AttestationWrongKey) and len(keys) > 1:
+        try:
+            ids = [str(sig.get("keyid", ""))[:12] for sig in json.loads(data)["signatures"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ids = []
+        raise AttestationWrongKey(f"{where}: signed with another key (key IDs {', '.join(ids) or 'none'}; the "
+                                  f"{len(keys)} keys given are {', '.join(k.id[:12] for k in keys)})")
+    if refusal is None:
+        raise AttestationError("no public key given")
+    raise refusal
 
 
 def require_subject(found: Attested, digests: Iterable[str], image: str, where: str) -> None:

@@ -1,4 +1,9 @@
-"""What every launcher shares: the interface, the runner folder, the job, and reading results back."""
+"""What every launcher shares: the interface, the runner folder, the job, and reading the runner's report back.
+
+The folder holds the runner, the probes, the patch set's checks and the job:
+never a key. What comes back is the runner's report, the image's own word;
+the host judges it (:mod:`.judging`) before it is recorded or signed.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, Protocol
 
 from ...errors import Malformed, RunnerFailed
 from ...verdicts import Verdict
-from ..runner import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, MOUNT, REPORT_MARK
+from ..runner import ANSWERS_MARK, JOB_VERSION, MOUNT, REPORT_MARK
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ log = logging.getLogger(__name__)
 PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py", "journal/atomic.py",
                  "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/oracle.py",
                  "checking/recording.py", "checking/runner/__init__.py", "checking/runner/main.py",
-                 "checking/runner/p256.py", "checking/runner/serve.py")
+                 "checking/runner/serve.py")
 BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 run.py JOB.json (this folder is put first on sys.path)."""
 import os
 import sys
@@ -35,17 +40,15 @@ from vllm_hotfix.checking.runner.main import main  # noqa: E402
 
 sys.exit(main())
 '''
-KEY_FILE = "key.pem"
 TAIL = 20
 
 
 @dataclass(frozen=True, slots=True)
 class Launched:
-    """What came back from a runner: its verdict, its signed envelope (when it had a key), its last log lines,
-    and the reference answers it recorded (the file's bytes, when the job asked it to record)."""
+    """What came back from a runner: its report (the image's word, not yet judged by the host), its last log
+    lines, and the reference answers it recorded (the file's bytes, when the job asked it to record)."""
 
-    verdict: Verdict
-    envelope: bytes | None
+    report: Verdict
     log_tail: str = ""
     answers: bytes | None = None
 
@@ -71,7 +74,7 @@ def package_root() -> Path:
 
 
 def runner_files(extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
-    """Every file of the runner folder (relative path -> bytes), without the job and the key."""
+    """Every file of the runner folder (relative path -> bytes), without the job."""
     root = package_root()
     files = {f"vllm_hotfix/{rel}": (root / rel).read_bytes() for rel in PACKAGE_FILES}
     files["run.py"] = BOOTSTRAP
@@ -85,23 +88,17 @@ def job_bytes(job: Mapping[str, Any]) -> bytes:
     return json.dumps({**job, "version": JOB_VERSION}, indent=2, sort_keys=True).encode() + b"\n"
 
 
-def stage(folder: Path, job: Mapping[str, Any], extra: Mapping[str, bytes] | None = None,
-          key: Path | None = None) -> Path:
-    """Write the runner folder (runner, probes, ``extra`` checks, job.json, and the key when signing)."""
+def stage(folder: Path, job: Mapping[str, Any], extra: Mapping[str, bytes] | None = None) -> Path:
+    """Write the runner folder (runner, probes, ``extra`` checks, job.json)."""
     if folder.exists():
         shutil.rmtree(folder)
     for rel, data in {**runner_files(extra), "job.json": job_bytes(job)}.items():
         path = folder / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    if key is not None:
-        dest = folder / KEY_FILE
-        dest.touch(mode=0o600)
-        dest.write_bytes(key.read_bytes())
     # World-readable: the image's user may not be root, and the mount is read-only anyway.
     for path in [folder, *folder.rglob("*")]:
-        if path.name != KEY_FILE:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        path.chmod(0o755 if path.is_dir() else 0o644)
     return folder
 
 
@@ -111,12 +108,11 @@ def argv(python: str = "python3") -> list[str]:
 
 
 def results(stdout: str, stderr: str, where: str) -> Launched:
-    """The verdict (and envelope) a runner printed; SmokeError naming ``where`` when it printed none."""
+    """The report a runner printed; RunnerFailed naming ``where`` when it printed none."""
     verdict: Verdict | None = None
-    envelope: bytes | None = None
     answers: bytes | None = None
     tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
-    what = {REPORT_MARK: "report", ENVELOPE_MARK: "envelope", ANSWERS_MARK: "recorded answers"}
+    what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers"}
     for line in stdout.splitlines():
         mark, _, body = line.strip().partition(" ")
         if mark not in what:
@@ -124,9 +120,10 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
         try:
             data = base64.b64decode(body, validate=True)
             if mark == REPORT_MARK:
-                verdict = Verdict.from_dict(json.loads(data))
-            elif mark == ENVELOPE_MARK:
-                envelope = data
+                doc = json.loads(data)
+                if not isinstance(doc, dict):
+                    raise Malformed(f"a {type(doc).__name__}, not an object")
+                verdict = Verdict.from_dict(doc)
             else:
                 answers = data
         except (binascii.Error, ValueError, Malformed) as exc:
@@ -134,4 +131,4 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
-    return Launched(verdict, envelope, tail, answers)
+    return Launched(verdict, tail, answers)

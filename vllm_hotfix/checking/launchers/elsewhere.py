@@ -1,43 +1,37 @@
 """Smoke through the runner where no Docker engine starts it: podman on the host, or a Kubernetes Job.
 
-From an image reference to a verdict: where the launcher's copy of the
-image is (podman's store, the registry a cluster pulls from), its file facts
-read from that copy without running it, the job planned (:mod:`.plan`), the
-runner started, and its verdict and signed envelope brought back. The CLI
-only parses options and prints what comes back.
+From an image reference to the host's verdict: where the launcher's copy of
+the image is (podman's store, the registry a cluster pulls from), its file
+facts read from that copy without running it, the job planned (:mod:`.plan`,
+the same checks a docker run has), the runner started, and its report
+judged here (:mod:`.judging`). Nothing is signed here and no key goes
+anywhere: the caller signs the verdict this returns.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ...engine import Engine
-from ...errors import EngineError, UsageError
+from ...engine import Engine, ImageInfo, split_reference
+from ...errors import EngineError, PushError, RunnerFailed, UsageError
+from ...journal import records
 from ...journal.atomic import write_atomic
+from ...registry import client as registry
 from . import facts, plan
+from .base import Launched, results
+from .kubernetes import JobSpec
+from .options import SmokeOptions
 
 log = logging.getLogger(__name__)
 
-def key_file(sign_key: str | None) -> Path | None:
-    """The signing key as a file the runner folder can carry (env:NAME written to a private temporary file)."""
-    if sign_key is None:
-        return None
-    if not sign_key.startswith("env:"):
-        return Path(sign_key)
-    fd, name = tempfile.mkstemp(prefix="vllm-hotfix-key-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(os.environ.get(sign_key.removeprefix("env:"), "").encode())
-    return Path(name)
 
-
-def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Any, sign_key: str | None,
-           say: Callable[[str], None]) -> tuple[Any, bytes | None]:
-    """Smoke ``image_ref`` as podman's store holds it; (verdict, envelope)."""
+def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions,
+           say: Callable[[str], None]) -> tuple[plan.Ran, plan.Target]:
+    """Smoke ``image_ref`` as podman's store holds it: (the host's run, the image as the host knows it)."""
     from .podman import PodmanFiles, PodmanLauncher
 
     launcher = PodmanLauncher(python=options.python, timeout=plan.deadline(options, options.gpu != "off"))
@@ -53,32 +47,25 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: An
     # engine holds it, else from the build record.
     files = PodmanFiles(launcher)
     info = files.image(image_id)
-    missing: tuple[str, ...] = ()
     if info is None:
-        checks = facts.unread_file_checks(f"podman has no image {image_id}: its files were not read")
-        expected_from = ""
+        found = facts.FileFacts(tuple(facts.unread_file_checks(f"podman has no image {image_id}: its files were "
+                                                               "not read")), "")
     else:
         try:
             docker: Engine | None = engine()
         except EngineError:
             docker = None
         found = facts.file_facts(root, info, files, docker, say)
-        checks, expected_from, missing = list(found.checks), found.expected_from, found.compiled_missing
-    key = key_file(sign_key)
-    try:
-        launched = plan.smoke(launcher, root, target, options,
-                              gpu_request=None if options.gpu == "off" else options.gpu_request,
-                              checks=checks, expected_from=expected_from, host={"launcher": "podman"},
-                              sign_key=key, say=say, compiled_missing=missing)
-    finally:
-        if key is not None and sign_key is not None and sign_key.startswith("env:"):
-            key.unlink(missing_ok=True)
-    return launched.verdict, launched.envelope
+    ran = plan.smoke(launcher, root, target, options,
+                     gpu_request=None if options.gpu == "off" else options.gpu_request,
+                     checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
+                     landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing))
+    return ran, target
 
 
 def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, image_id: str,
-                        say: Callable[[str], None]) -> tuple[list[dict[str, Any]], str, tuple[str, ...], Any]:
-    """The file checks of the image a cluster pulls, read from the registry's blobs (never run).
+                        say: Callable[[str], None]) -> tuple[facts.FileFacts, ImageInfo | None]:
+    """The file facts of the image a cluster pulls, read from the registry's blobs (never run).
 
     The copy judged is the registry's (manifest by digest, every blob checked
     against its digest, :mod:`vllm_hotfix.registry.blobs`). A registry that cannot be
@@ -86,7 +73,6 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     runner's checks alone.
     """
     from ...registry import blobs
-    from ...registry import client as registry
 
     try:
         docker = engine()
@@ -97,50 +83,137 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     except EngineError as exc:
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
         say(f"    {why}")
-        return facts.unread_file_checks(why), "", (), None
+        return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None
     say(f"==> reading the files of {ref} from its registry's blobs")
-    found = facts.file_facts(root, info, source, docker, say)
-    return list(found.checks), found.expected_from, found.compiled_missing, info
+    return facts.file_facts(root, info, source, docker, say), info
 
 
-def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options: Any, spec: Any,
-               emit_path: Path | None, submit: bool, kubeconfig: str | None, say: Callable[[str], None],
-               ) -> tuple[Any, bytes | None, str]:
-    """Emit and/or submit the Job for ``image_ref``; (verdict, envelope, what was written), verdict None unless
-    submitted."""
+def _registry_digest(engine: Engine, ref: str, local: ImageInfo | None) -> str | None:
+    """``ref`` (a tag in a registry) as ``NAME@sha256:...`` by asking that registry; None if it has no such tag.
+
+    An index resolves to its child holding the local image, when the engine has one.
+    """
+    repo, tag = split_reference(ref)
+    try:
+        host, path = registry.split_repo(repo)
+    except PushError:
+        return None
+    manifest = registry.client_for(engine, host).manifest(path, tag)
+    if manifest is None:
+        return None
+    if manifest.is_index:
+        client = registry.client_for(engine, host)
+        for child in registry.children(manifest):
+            found = client.manifest(path, child.digest)
+            config = (found.json().get("config") or {}).get("digest") if found is not None else None
+            if local is not None and config == local.id:
+                return f"{repo}@{child.digest}"
+        raise UsageError(f"{ref} is an index over several platforms: name one platform's image (NAME@sha256:...)")
+    return f"{repo}@{manifest.digest}"
+
+
+def by_digest(root: Path, engine: Callable[[], Engine], image_ref: str) -> tuple[str, dict[str, str], str]:
+    """The image a cluster pulls, as (``NAME@sha256:...``, the engine's labels, the engine's image ID).
+
+    A digest is taken as given. A tag is resolved through the engine's repo
+    digests, else through the registry: the one the reference names, or the
+    ones the journal says the engine's image was pushed to (an engine records
+    no repo digest for an image it pushed and no longer tags there).
+    """
+    if "@sha256:" in image_ref:
+        return image_ref, {}, ""
+    docker = engine()
+    local = docker.image(image_ref)
+    if local is not None and local.repo_digests:
+        return local.repo_digests[0], dict(local.labels), local.id
+    tried = [image_ref]
+    if local is not None:
+        tried += [str(e.data.get("ref")) for e in records.pushes(root, local.id) if e.data.get("ref")]
+    for ref in dict.fromkeys(tried):
+        try:
+            found = _registry_digest(docker, ref, local)
+        except PushError as exc:
+            raise UsageError(f"{image_ref}: cannot resolve {ref} to a digest through its registry: {exc}",
+                             hint="name the image by digest (NAME@sha256:...)") from None
+        if found is not None:
+            return found, dict(local.labels) if local is not None else {}, local.id if local is not None else ""
+    raise UsageError(f"{image_ref}: a cluster pulls the image by digest, and no registry holds it under that "
+                     "name: push it, then name it NAME or NAME@sha256:...")
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """What to do with the Job: write it, submit it and follow it, or collect the report of one that ended."""
+
+    spec: JobSpec
+    emit: Path | None = None
+    submit: bool = False
+    collect: str | None = None  # job/NAME (read through the client), or a file holding its pod's log
+    kubeconfig: str | None = None
+
+
+def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions, cluster: Cluster,
+               say: Callable[[str], None]) -> tuple[plan.Ran | None, plan.Target, str]:
+    """Emit, submit or collect the Job for ``image_ref``: (the host's run, or None after --emit alone; the image
+    as the host knows it; what was written)."""
     from . import kubernetes as k8s
     from .base import stage
 
     if options.serve_model is not None:
         # Refused before the registry is read or anything is written: a Job has no folder of this host's.
         raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
-    if "@sha256:" in image_ref:
-        ref, labels, image_id = image_ref, {}, ""
-    else:
-        local = engine().image(image_ref)
-        if local is None or not local.repo_digests:
-            raise UsageError(f"{image_ref}: a cluster pulls the image by digest: push it, then name it NAME@sha256:...")
-        ref, labels, image_id = local.repo_digests[0], dict(local.labels), local.id
-    checks, expected_from, missing, found = registry_file_facts(root, engine, ref, image_id, say)
-    if found is not None:
-        labels, image_id = labels or dict(found.labels), found.id
+    ref, labels, image_id = by_digest(root, engine, image_ref)
+    found, info = registry_file_facts(root, engine, ref, image_id, say)
+    if info is not None:
+        labels, image_id = labels or dict(info.labels), info.id
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
-    key_path = f"{k8s.KEY_MOUNT}/{k8s.KEY_SECRET_KEY}" if spec.key_secret else None
+    spec = cluster.spec
     job, extra = plan.job(root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
-                          key_path=key_path, host={"launcher": "kubernetes", "namespace": spec.namespace},
-                          checks=checks, expected_from=expected_from, compiled_missing=missing)
+                          host={"launcher": "kubernetes", "namespace": spec.namespace}, checks=found.checks,
+                          expected_from=found.expected_from, landed=found.landed)
     wrote = ""
-    if emit_path is not None:
+    if cluster.emit is not None:
         # A folder that refuses the file, or a full disk: one line naming it (exit 10), never a half-written Job.
-        write_atomic(emit_path, k8s.to_yaml(k8s.manifests(ref, spec, job, extra)))
-        wrote = f"wrote {emit_path}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}"
-    if not submit:
-        return None, None, wrote
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = stage(Path(tmp) / "runner", job, extra)
-        launched = k8s.KubernetesLauncher(spec, kubeconfig, say, extra).launch(ref, folder, job, None)
-    envelope = launched.envelope
-    if envelope is not None:
-        envelope = plan.attach_and_read_back(engine(), ref, envelope)
-        say(f"    signed verdict attached to {ref} and read back from its registry")
-    return launched.verdict, envelope, wrote
+        write_atomic(cluster.emit, k8s.to_yaml(k8s.manifests(ref, spec, job, extra)))
+        wrote = (f"wrote {cluster.emit}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}; once it has "
+                 f"ended: smoke {image_ref} --launcher kubernetes --collect job/{spec.name} (or the pod's log "
+                 "saved to a file) [--sign-key KEY]")
+    host_facts = plan.HostFacts(found.compiled_missing)
+    started = records.now_iso()
+    launched: Launched | RunnerFailed
+    if cluster.collect is not None:
+        try:
+            launched = _collected(cluster, say)
+        except RunnerFailed as exc:
+            launched = exc
+    elif cluster.submit:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = stage(Path(tmp) / "runner", job, extra)
+            try:
+                launched = k8s.KubernetesLauncher(spec, cluster.kubeconfig, say, extra).launch(ref, folder, job,
+                                                                                                None)
+            except RunnerFailed as exc:
+                launched = exc
+    else:
+        return None, target, wrote
+    verdict = plan.judged(job, launched, host_facts, started=started)
+    for c in verdict.checks:
+        say(f"    {c.status.value:<4} {c.name}: {c.detail}")
+    return plan.Ran(verdict, job), target, wrote
+
+
+def _collected(cluster: Cluster, say: Callable[[str], None]) -> Launched:
+    """The runner's report of a Job that has ended: through the client (job/NAME), or from its saved log."""
+    from .kubernetes import KubernetesLauncher
+
+    given = cluster.collect or ""
+    if given.startswith("job/"):
+        say(f"==> reading the report of Job {cluster.spec.namespace}/{cluster.spec.name} through the cluster's API")
+        return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say).collect()
+    try:
+        text = Path(given).read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
+    say(f"==> reading the runner's report from {given}")
+    return results(text, text, f"the pod's log {given}")
+

@@ -1,14 +1,16 @@
-"""The file checks a launcher's job carries, read from the copy of the image it starts, never run.
+"""The file facts: what the host reads from an image's files and judges itself, never running the image.
 
 Podman's store, a registry's blobs or the Docker engine: wherever the image
 is started from, its files are read from there and judged the same way
-(:func:`~vllm_hotfix.checking.integrity.check_image`), and the runner gets the
-finished checks with the job.
+(:func:`~vllm_hotfix.checking.integrity.check_image`). A smoke run's job carries the
+finished checks (:func:`file_facts`); the host's verdict keeps them as the
+host made them, whatever the runner reports. The push gate reads them again
+right before a push (:func:`landed_problem`, :func:`pins_problem`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,12 @@ class FileFacts:
     checks: tuple[dict[str, Any], ...]
     expected_from: str
     compiled_missing: tuple[str, ...] = ()  # compiled files RECORD lists but the image lacks (the base's named so)
+    landed: Mapping[str, str] | None = None  # package and site folder its Python must import it from
+
+
+def landed_of(found: expected.Expected) -> dict[str, str] | None:
+    """Where the image's Python must import the package from (the runner's import-location check)."""
+    return {"package": found.package, "site_dir": found.site_dir} if found.site_dir else None
 
 
 FILE_CHECKS = ("patch-landed", "package-version", "integrity")
@@ -82,7 +90,57 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
         files = integrity.check_image(files_from, sources.cache_dir(root), image.id, found, pinned, say)
     except EngineError as exc:
         why = f"the image's files could not be read: {str(exc).splitlines()[0]}"
-        return FileFacts(tuple(unread_file_checks(why) + extra), found.source)
+        return FileFacts(tuple(unread_file_checks(why) + extra), found.source, landed=landed_of(found))
     judged = files.judged
     return FileFacts(tuple([{**c, "data": {**(c.get("data") or {}), **fs}} for c in files.checks] + extra),
-                     found.source, missing_compiled(judged))
+                     found.source, missing_compiled(judged), landed_of(found))
+
+
+def landed_problem(engine: Engine, root: Path, image: ImageInfo,
+                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
+    """The file checks alone, read from the image's layers: None if its files are what they must be.
+
+    The patched files with the hashes the patch set and the base give, the
+    whole installed distribution against its RECORD relative to the base, the
+    pinned versions: neither an edited journal nor the image's own
+    interpreter can vouch for its files. ``gpu_claimed``: the verdict says
+    GPU-verified, which an image lacking compiled files cannot be.
+    """
+    try:
+        found = expected.for_image(engine, root, image)
+    except UnknownExpectation as exc:
+        return str(exc)
+    problem = pins_problem(engine, root, image, found)
+    if problem is not None:
+        return problem
+    try:
+        pinned = pinned_names(root, found.definition)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
+    problems = checked.problems()
+    if problems:
+        return problems[0]
+    missing = missing_compiled(checked.judged)
+    if gpu_claimed and missing:
+        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
+                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return None
+
+
+def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
+    """None if every distribution the definition's pins.txt names has its pinned version, once."""
+    try:
+        defn = definitions.load(root, found.definition)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+    except (DefinitionError, PinError) as exc:
+        return f"pins: {exc}"
+    if pinset is None:
+        return None
+    state = pins.probe(engine, image.id, defn.python, pinset.names)
+    for pin in pinset.pins:
+        have = sorted(c.version for c in state.dists.get(pin.name) or ())
+        if have != [pin.version]:
+            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image, but "
+                    f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+    return None

@@ -2,15 +2,15 @@
 
 The Job starts the image by digest (a cluster pulls; it has no local
 images), asks for ``nvidia.com/gpu``, mounts the runner from a ConfigMap
-(emitted with it) and the signing key from a Secret named by the user (the
-key never leaves the cluster's Secret), never retries and has a deadline.
+(emitted with it), never retries and has a deadline. It holds no key, no
+Secret and no signing: the runner only reports.
 
-The verdict comes back in the pod's log: the runner prints its report and
-its signed envelope on marked lines. ``--submit`` reads them from the log,
-attaches the envelope to the image in the registry (:mod:`vllm_hotfix.trust.referrers`)
-and reads it back from there, so the verdict the host reports is the one
-the registry holds. The ``kubernetes`` package is imported only here, only
-for ``--submit``.
+The report comes back in the pod's log, on a marked line. ``--submit``
+follows the Job to its end and reads the log; ``--collect job/NAME`` reads
+the log of a Job that was emitted and has ended (:meth:`KubernetesLauncher.collect`),
+and ``--collect FILE`` reads a log saved from it. Either way the host that
+reads it judges it and signs it. The ``kubernetes`` package is imported
+only here, only to talk to a cluster.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from .base import Launched, argv, job_bytes, results, runner_files
 
 log = logging.getLogger(__name__)
 
-KEY_MOUNT = "/var/run/vllm-hotfix-key"
-KEY_SECRET_KEY = "key.pem"  # the key inside the Secret
 POLL_S = 10
 CONFIGMAP_LIMIT = 1024 * 1024  # what the API server accepts for one ConfigMap's data
 
@@ -43,7 +41,6 @@ class JobSpec:
     namespace: str = "default"
     gpus: int = 1
     node_selector: Mapping[str, str] | None = None
-    key_secret: str | None = None
     deadline_s: int = 3600
     python: str = "python3"
 
@@ -74,10 +71,6 @@ def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[
         "configMap": {"name": spec.name, "items": [{"key": config_key(rel), "path": rel} for rel in files]},
     }]
     mounts: list[dict[str, Any]] = [{"name": "runner", "mountPath": MOUNT, "readOnly": True}]
-    if spec.key_secret:
-        volumes.append({"name": "sign-key", "secret": {"secretName": spec.key_secret, "defaultMode": 0o400,
-                                                      "items": [{"key": KEY_SECRET_KEY, "path": KEY_SECRET_KEY}]}})
-        mounts.append({"name": "sign-key", "mountPath": KEY_MOUNT, "readOnly": True})
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [{
@@ -140,7 +133,7 @@ def check_name(value: str, option: str, *, subdomain: bool) -> str:
 
 
 class KubernetesLauncher:
-    """Submits the Job with the official client and follows it to its end."""
+    """Submits the Job with the official client and follows it to its end, or reads one that has ended."""
 
     name = "kubernetes"
 
@@ -155,11 +148,45 @@ class KubernetesLauncher:
                model: Path | None = None) -> Launched:
         if model is not None:
             raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
+        config_map, batch_job = manifests(image, self.spec, job, self.extra)
+        ns = self.spec.namespace
+
+        def submit(core: Any, batch: Any) -> bool:
+            core.create_namespaced_config_map(ns, config_map)
+            batch.create_namespaced_job(ns, batch_job)
+            self.say(f"    submitted Job {ns}/{self.spec.name}")
+            deadline = time.monotonic() + self.spec.deadline_s + 300
+            while not self._ended(batch):
+                if time.monotonic() > deadline:
+                    raise SmokeError(f"Job {ns}/{self.spec.name} did not end within its deadline")
+                time.sleep(POLL_S)
+            return True
+
+        return self._talk(submit)
+
+    def collect(self) -> Launched:
+        """The report of the Job ``spec.name``, which must have ended (emitted, applied and run elsewhere)."""
+        ns = self.spec.namespace
+
+        def ended(_core: Any, batch: Any) -> bool:
+            if not self._ended(batch):
+                raise SmokeError(f"Job {ns}/{self.spec.name} has not ended yet",
+                                 hint="collect it once `kubectl get job` shows it complete or failed")
+            return True
+
+        return self._talk(ended)
+
+    def _ended(self, batch: Any) -> bool:
+        status = batch.read_namespaced_job_status(self.spec.name, self.spec.namespace).status
+        return bool(status.succeeded or status.failed)
+
+    def _talk(self, first: Callable[[Any, Any], bool]) -> Launched:
+        """Run ``first`` against the cluster, then read the runner's report from the Job's pod log."""
         try:
             from kubernetes import client, config
             from kubernetes.client.rest import ApiException
         except ImportError:
-            raise UsageError("--launcher kubernetes --submit needs the kubernetes package: "
+            raise UsageError("--launcher kubernetes --submit/--collect job/NAME needs the kubernetes package: "
                              "pip install 'vllm-hotfix[kubernetes]'") from None
         import urllib3.exceptions
         import yaml  # the client's own YAML reader (a requirement of kubernetes)
@@ -177,23 +204,12 @@ class KubernetesLauncher:
         # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
         core: Any = client.CoreV1Api(api)
         batch: Any = client.BatchV1Api(api)
-        config_map, batch_job = manifests(image, self.spec, job, self.extra)
         ns = self.spec.namespace
         try:
-            core.create_namespaced_config_map(ns, config_map)
-            batch.create_namespaced_job(ns, batch_job)
-            self.say(f"    submitted Job {ns}/{self.spec.name}")
-            deadline = time.monotonic() + self.spec.deadline_s + 300
-            while True:
-                status = batch.read_namespaced_job_status(self.spec.name, ns).status
-                if status.succeeded or status.failed:
-                    break
-                if time.monotonic() > deadline:
-                    raise SmokeError(f"Job {ns}/{self.spec.name} did not end within its deadline")
-                time.sleep(POLL_S)
+            first(core, batch)
             pods = core.list_namespaced_pod(ns, label_selector=f"job-name={self.spec.name}").items
             if not pods:
-                raise SmokeError(f"Job {ns}/{self.spec.name} ended with no pod to read the verdict from")
+                raise SmokeError(f"Job {ns}/{self.spec.name} ended with no pod to read the report from")
             text = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container="runner")
         except ApiException as exc:
             raise SmokeError(f"the cluster refused the Job {ns}/{self.spec.name}: {exc.status} {exc.reason}") \

@@ -2,7 +2,10 @@
 
 The job is data the runner reads; everything the host knows and the image
 must not decide (which patch set, which pins, which modules must import,
-the signing subjects) is settled here, from the project's files.
+where the package must import from) is settled here, from the project's
+files. Every launcher gets the same job for the same image, so every one
+runs the same named checks. The job holds no key: the runner signs nothing.
+A run ends with the host's verdict (:mod:`.judging`), not the runner's.
 """
 
 from __future__ import annotations
@@ -11,19 +14,22 @@ import json
 import logging
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ... import __version__
 from ...building import definitions, patches, pins, wheels
+from ...building.pinfile import Pin
 from ...engine import labels as L
-from ...errors import DefinitionError, PatchError, PinError, SmokeError, UsageError
-from ...journal import leftovers
+from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
+from ...journal import leftovers, records
+from ...verdicts import Verdict
 from .. import compile_cache, oracle
-from ..runner import MOUNT
-from .base import KEY_FILE, Launched, Launcher, stage
+from . import judging
+from .base import Launched, Launcher, stage
+from .options import SmokeOptions
 
 log = logging.getLogger(__name__)
 
@@ -44,57 +50,28 @@ class Target:
     repo_digests: Sequence[str] = ()
 
 
-def predicate_extra(labels: Mapping[str, str]) -> dict[str, Any]:
-    """What the signed report says the image was made from (as :func:`vllm_hotfix.trust.attest.predicate`)."""
-    try:
-        made_of = json.loads(labels.get(L.PATCHES, "{}"))
-    except ValueError:
-        made_of = {}
-    return {
-        "tool_version": __version__,
-        "definition": labels.get(L.DEFINITION, ""),
-        "patches": made_of if isinstance(made_of, dict) else {},
-        "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
-                 "digest": labels.get(L.OCI_BASE_DIGEST, "")},
-    }
-
-
-def subjects(target: Target) -> dict[str, str]:
-    found = {target.ref: target.image_id}
-    for repo_digest in target.repo_digests:
-        name, _, digest = repo_digest.partition("@")
-        if digest.startswith("sha256:"):
-            found[name] = digest
-    return found
-
-
-def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request: str | None,
+def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu_request: str | None,
         checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
-        key_path: str | None = None, expected_from: str = "",
-        compiled_missing: Sequence[str] = (), landed: Mapping[str, str] | None = None,
+        expected_from: str = "", landed: Mapping[str, str] | None = None,
         gpu_unavailable: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The runner job for ``target`` and the patch set's check files it names.
 
-    ``options`` is a :class:`vllm_hotfix.checking.smoke.SmokeOptions`; ``checks`` are
-    checks made outside the image (file facts), judged with the rest;
-    ``key_path`` where the runner finds the signing key inside the container;
-    ``compiled_missing`` the compiled files the file facts found RECORD lists
-    but the image lacks (they keep it from being GPU-verified);
+    ``checks`` are the host's own checks (file facts), shown by the runner
+    and kept by the host's verdict as the host made them;
     ``landed`` the package and folder its Python must import it from;
     ``gpu_unavailable`` the ``gpu`` check (status, detail, why) a host that
     found no GPU request reaching the image settled before the launch.
     """
-    if getattr(options, "record_reference", None) is not None and launcher != "docker":
+    if options.record_reference is not None and launcher != "docker":
         raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
                          f"Docker, then give them to the {launcher} launcher with --reference")
     extra: dict[str, bytes] = {}
     out: dict[str, Any] = {
         "image": target.ref, "image_id": target.image_id, "platform": target.platform, "launcher": launcher,
         "host": dict(host or {}), "checks": [dict(c) for c in checks], "env_names": [], "pins": None,
-        "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None, "sign": None,
+        "cpu_checks": [], "probe_timeout": options.probe_timeout, "serve": None,
         "expected_from": expected_from, "keep_going": options.keep_going,
         "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
-                "compiled_missing": list(compiled_missing),
                 "unavailable": dict(gpu_unavailable) if gpu_unavailable else None},
         "landed": dict(landed) if landed else None,
     }
@@ -148,17 +125,15 @@ def job(root: Path, target: Target, options: Any, *, launcher: str, gpu_request:
             except (OSError, ValueError) as exc:
                 raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
             out["serve"]["reference_file"] = ref.path
-        record = getattr(options, "record_reference", None)
+        record = options.record_reference
         if record is not None:
             # The settings the host knows; the runner adds the GPU model and the versions the image reports.
             out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
                                       "settings": settings}
-    if key_path is not None:
-        out["sign"] = {"key": key_path, "subjects": subjects(target), "predicate": predicate_extra(target.labels)}
     return out, extra
 
 
-def serve_settings(options: Any, target: Target) -> dict[str, Any]:
+def serve_settings(options: SmokeOptions, target: Target) -> dict[str, Any]:
     """What the host knows, before anything runs, of the settings a reference names (oracle.SETTING_KEYS): the
     server's arguments (the user's, then the oracle's), its environment, the base image, the model."""
     args = [str(a) for a in options.serve_args]
@@ -174,7 +149,7 @@ def serve_settings(options: Any, target: Target) -> dict[str, Any]:
             "model": oracle.fingerprint(str(options.serve_model))}
 
 
-def run_settings(verdict: Any) -> dict[str, Any]:
+def run_settings(verdict: Verdict) -> dict[str, Any]:
     """What a finished run reported of those settings: the GPU model its container saw, vLLM's and torch's
     versions (the image's env-report)."""
     packages = (verdict.environment or {}).get("packages") or {}
@@ -191,7 +166,7 @@ def overlaps(args: Sequence[str]) -> bool:
     return any(str(a).split("=", 1)[0] == "--kv-cache-memory-bytes" for a in args)
 
 
-def _record(root: Path, pin: Any) -> dict[str, str] | None:
+def _record(root: Path, pin: Pin) -> dict[str, str] | None:
     cache = pins.cache(root)
     for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
         if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
@@ -210,7 +185,7 @@ def free_port() -> int:
 CPU_CHECKS_S, GPU_CHECKS_S, SWEEP_S = 600, 1800, 1800
 
 
-def deadline(options: Any, gpu: bool) -> float:
+def deadline(options: SmokeOptions, gpu: bool) -> float:
     """``--deadline``, else what the checks asked for need, so an image whose Python hangs ends incomplete."""
     if options.deadline is not None:
         return float(options.deadline)
@@ -218,75 +193,77 @@ def deadline(options: Any, gpu: bool) -> float:
     return CPU_CHECKS_S + (GPU_CHECKS_S if gpu else 0) + serve
 
 
-def smoke(launcher: Launcher, root: Path, target: Target, options: Any, *, gpu_request: str | None,
-          checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
-          sign_key: Path | None = None, say: Callable[[str], None] = lambda _l: None,
-          expected_from: str = "", compiled_missing: Sequence[str] = (), landed: Mapping[str, str] | None = None,
-          gpu_unavailable: Mapping[str, str] | None = None, echo: bool = True) -> Launched:
-    """Stage the runner for ``target``, start it through ``launcher``, return what it reported.
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """A run through a launcher: the host's verdict, the job it judged by, and what the runner recorded."""
 
-    The staged folder (with the key, when signing) lives in a temporary
-    folder removed before this returns. ``echo``: print each check after the
-    run (a launcher that followed the runner's progress has shown them).
+    verdict: Verdict
+    job: Mapping[str, Any]
+    answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    """What the host knows of a run beside its job: its file facts' compiled files, how it found the GPU
+    request, its own environment notes, and a way to ask the image's base which imports fail there too."""
+
+    compiled_missing: Sequence[str] = ()
+    gpu: Mapping[str, Any] | None = None
+    environment: Mapping[str, Any] | None = None
+    base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None
+
+
+def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
+           started: str = "", seconds: float = 0.0) -> Verdict:
+    """The host's verdict on what came back: the report judged, or the runner's failure to give one."""
+    facts = facts or HostFacts()
+    if isinstance(launched, RunnerFailed):
+        return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
+                                  started=started, seconds=seconds, gpu_facts=facts.gpu)
+    return judging.host_verdict(job, launched.report, compiled_missing=facts.compiled_missing,
+                                base_imports=facts.base_imports, started=started, seconds=seconds,
+                                gpu_facts=facts.gpu, environment=facts.environment)
+
+
+def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions, *, gpu_request: str | None,
+          checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
+          say: Callable[[str], None] = lambda _l: None, expected_from: str = "",
+          landed: Mapping[str, str] | None = None, gpu_unavailable: Mapping[str, str] | None = None,
+          facts: HostFacts | None = None, echo: bool = True) -> Ran:
+    """Stage the runner for ``target``, start it through ``launcher``, and judge what it reported, here.
+
+    The staged folder lives in a temporary folder removed before this
+    returns. A runner that gives no report is the run's failing (incomplete
+    when it ran out of time), as the host records it. ``echo``: say what
+    starts and each check after the run (a launcher that followed the
+    runner's progress has shown the runner's).
     """
-    key_path = f"{MOUNT}/{KEY_FILE}" if sign_key is not None else None
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
-                      host=host, key_path=key_path, expected_from=expected_from,
-                      compiled_missing=compiled_missing, landed=landed, gpu_unavailable=gpu_unavailable)
-    # A killed run cannot remove its staging folder (which may hold a copy of the signing key): the next
-    # run removes those of processes that are gone.
+                      host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable)
+    started, start = records.now_iso(), time.monotonic()
+    # A killed run cannot remove its staging folder: the next run removes those of processes that are gone.
     leftovers.sweep_staging()
     with tempfile.TemporaryDirectory(prefix=leftovers.staging_prefix()) as tmp:
-        folder = stage(Path(tmp) / "runner", spec, extra, key=sign_key)
-        say(f"==> smoke through {launcher.name}: the runner in {target.start} (GPU request: {gpu_request or 'none'})")
+        folder = stage(Path(tmp) / "runner", spec, extra)
+        if echo:
+            say(f"==> smoke through {launcher.name}: the runner in {target.start} "
+                f"(GPU request: {gpu_request or 'none'})")
         model = Path(options.serve_model).resolve() if options.serve_model is not None else None
-        launched = launcher.launch(target.start, folder, spec, gpu_request, model)
-    if options.reference is not None:
+        try:
+            launched: Launched | RunnerFailed = launcher.launch(target.start, folder, spec, gpu_request, model)
+        except RunnerFailed as exc:
+            if exc.hint:
+                say(exc.hint)
+            launched = exc
+    verdict = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start)
+    if options.reference is not None and isinstance(launched, Launched):
         from ..reference import refuse_other_settings
 
-        refuse_other_settings(options.reference, run_settings(launched.verdict))
-    if echo:
-        for c in launched.verdict.checks:
-            say(f"    {c.status.value:<4} {c.name}: {c.detail}")
-    return launched
-
-
-def keep_envelope(root: Path, image_id: str, envelope: bytes, copy_to: Path | None = None) -> Path:
-    """Keep a runner's signed envelope where ``smoke --sign-key`` keeps the host's (push attaches them)."""
-    import hashlib
-
-    from ...errors import AttestationError
-    from ...journal.atomic import write_atomic
-    from ...trust.attest import folder
-
-    path = folder(root, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, envelope, error=AttestationError)
-    if copy_to is not None:
-        write_atomic(copy_to, envelope, error=AttestationError)
-    return path
-
-
-def attach_and_read_back(engine: Any, image: str, envelope: bytes) -> bytes:
-    """Attach ``envelope`` to ``image`` (NAME@sha256:...) in its registry, and return it as read back from there.
-
-    The verdict a cluster run ends with is the one the registry holds, not the
-    one the pod printed: whoever pulls the image later reads the same bytes.
-    """
-    from ...errors import AttestationMissing
-    from ...registry import client as registry
-    from ...trust import referrers
-
-    name, _, digest = image.partition("@")
-    host, path = registry.split_repo(name)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, digest)
-    if manifest is None:
-        raise AttestationMissing(f"registry {host} has no {path}@{digest} to attach the signed verdict to")
-    subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
-    artifact = referrers.attach(client, path, subject, envelope)
-    for found, data in referrers.envelopes(client, path, manifest.digest):
-        if found == artifact:
-            return data
-    raise AttestationMissing(f"registry {host}: the signed verdict {artifact[:19]} attached to {path}@{digest} "
-                             "is not listed among its referrers")
+        # What the host judged the run to have had (a GPU model only where it gave one), as the reference names it.
+        refuse_other_settings(options.reference, run_settings(verdict))
+    said = {(c.name, c.status, c.detail) for c in launched.report.checks} if isinstance(launched, Launched) else set()
+    shown = {(c.get("name"), c.get("status"), c.get("detail")) for c in spec["checks"]}
+    for c in verdict.checks:
+        if echo or ((c.name, c.status, c.detail) not in said and (c.name, c.status.value, c.detail) not in shown):
+            say(f"    {c.status.value:<4} {c.name}: {c.detail}" + ("" if echo else " (judged here)"))
+    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None)

@@ -24,7 +24,7 @@ from typing import Any
 from ...engine import ImageInfo, Tree
 from ...engine import labels as L
 from ...engine.files import FileFact, scan_tar
-from ...errors import BaseImageError, EngineError, SmokeError, SmokeIncomplete
+from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
 
@@ -86,8 +86,9 @@ class PodmanLauncher:
             done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout)
         except subprocess.TimeoutExpired:
             subprocess.run(self.command("rm", "--force", name), capture_output=True, check=False)
-            raise SmokeIncomplete(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s",
-                                  hint="its Python may hang; give it longer with --deadline S if it is only slow") \
+            raise RunnerFailed(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s",
+                               incomplete=True,
+                               hint="its Python may hang; give it longer with --deadline S if it is only slow") \
                 from None
         if done.returncode in (125, 126, 127) and "@@vllm-hotfix-runner" not in done.stdout:
             # podman's own failures: the image missing, a CDI device unknown, a runtime refusing.

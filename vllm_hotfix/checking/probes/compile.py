@@ -1,9 +1,11 @@
 """Probe run inside an image: compile patched sources to fresh bytecode.
 
-Usage: python3 compile.py ROOT RELPATH=LEVELS ...
+Usage: python3 compile.py ROOT [--as=NAMED_ROOT] RELPATH=LEVELS ...
 Compiles ROOT/RELPATH at each optimisation level in LEVELS (e.g. "0,1") with the image's own Python, as
 checked-hash pycs: valid exactly while the source bytes are the ones compiled,
-whatever the file times in the image. Prints one JSON object mapping RELPATH
+whatever the file times in the image. With --as, the code objects name their
+source NAMED_ROOT/RELPATH instead (a Python of the image's version on the
+host then writes the bytes the image's own would). Prints one JSON object mapping RELPATH
 to its pyc paths relative to ROOT with their bytes (base64), or to an error.
 """
 
@@ -19,6 +21,9 @@ import sys
 
 def main(argv: list[str]) -> int:
     root, rels = argv[0], argv[1:]
+    named = root
+    if rels and rels[0].startswith("--as="):
+        named, rels = rels[0][len("--as="):], rels[1:]
     out: dict[str, dict[str, object]] = {}
     status = 0
     for arg in rels:
@@ -32,6 +37,7 @@ def main(argv: list[str]) -> int:
                 py_compile.compile(
                     src,
                     cfile=cfile,
+                    dfile=os.path.join(named, rel) if named != root else None,
                     doraise=True,
                     optimize=level,
                     invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH,

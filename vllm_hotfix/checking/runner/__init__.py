@@ -3,7 +3,9 @@
 The package is copied as it is (with :mod:`vllm_hotfix.verdicts` and
 :mod:`vllm_hotfix.errors`, the probes and the patch set's checks) into a
 folder that a launcher mounts read-only into a container of the image under
-test; nothing here imports beyond the standard library. See :mod:`.main`.
+test; nothing here imports beyond the standard library. It holds no key and
+signs nothing: what it prints is the image's word, judged and signed by the
+host that started it. See :mod:`.main`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,5 @@ from __future__ import annotations
 # Where launchers mount the runner folder, and the lines its results come back on.
 MOUNT = "/opt/vllm-hotfix-runner"
 REPORT_MARK = "@@vllm-hotfix-runner:report@@"
-ENVELOPE_MARK = "@@vllm-hotfix-runner:envelope@@"
 ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
-JOB_VERSION = 1
+JOB_VERSION = 2

@@ -4,10 +4,11 @@ Reads the job (what to check and how; written by a launcher, see
 :func:`vllm_hotfix.checking.launchers.base.job`), runs each check as a subprocess of the
 image's own Python under a timeout, judges them with the same
 :func:`~vllm_hotfix.verdicts.judge` and :func:`~vllm_hotfix.verdicts.judge_gpu`
-the host uses, and prints the verdict on one line after
-:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON); with a signing key, the
-DSSE envelope after :data:`~vllm_hotfix.checking.runner.ENVELOPE_MARK`. Progress goes
-to stderr. A job it cannot read ends it with exit 2 and one line.
+the host uses, and prints its report on one line after
+:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON). Progress goes to
+stderr. A job it cannot read ends it with exit 2 and one line. It holds no
+key and signs nothing: the report is the image's word, which the host that
+launched it judges (:mod:`vllm_hotfix.checking.launchers.judging`) and signs.
 
 The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 ``host`` and ``launcher`` (facts for the report); ``checks`` (checks made
@@ -15,14 +16,14 @@ outside, such as file facts read from the image's layers, judged with the
 rest); ``landed`` (``package``, ``site_dir``: where the image's Python must
 import the package from; or null); ``env_names``; ``pins`` (the pins_check spec, or null); ``cpu_checks``;
 ``gpu`` (``mode``, ``request``, ``extra``, ``modules``,
-``base_import_errors``, ``compiled_missing``, ``unavailable``: the ``gpu``
+``base_import_errors``, ``unavailable``: the ``gpu``
 check the host already settled, when no GPU request reaches this image);
 ``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
 back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
 ``overlap`` (start the server while the GPU checks run); or null);
-``keep_going``; ``sign`` (``key``, ``subjects``, ``predicate``; or null); ``probe_timeout``.
+``keep_going``; ``probe_timeout``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, ENVELOPE_MARK, JOB_VERSION, REPORT_MARK, p256, serve
+from . import ANSWERS_MARK, JOB_VERSION, REPORT_MARK, serve
 
 # As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -62,7 +63,10 @@ def path_of(rel: str) -> str:
 
 
 def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none."""
+    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none.
+
+    The one reader of probe output: the runner's, and the host's for the probes it starts itself.
+    """
     for line in reversed(stdout.strip().splitlines()):
         try:
             data = json.loads(line)
@@ -81,11 +85,14 @@ def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str
     return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
 
 
-def as_check(raw: dict[str, Any], seconds: float, name: str) -> verdicts.Check:
+def as_check(raw: Any, seconds: float, name: str) -> verdicts.Check:
+    """A probe's check as a typed Check; a malformed one is a failing check under its own name (else ``name``)."""
     try:
         c = verdicts.Check.from_dict(raw)
     except Malformed as exc:
-        return verdicts.Check(name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+        said = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
+        return verdicts.Check(said or name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}",
+                              seconds)
     return verdicts.Check(c.name, c.status, c.detail, seconds, c.data, c.ran_against, c.stubs, c.import_errors)
 
 
@@ -195,30 +202,6 @@ class Run:
             facts["why_unverified"] = f"GPU checks through {request}: {judged.why_unverified}"
         return judged.verified, facts
 
-    def compiled_stop(self, verified: bool, gpu: dict[str, Any]) -> bool:
-        """Compiled files RECORD lists but the image lacks (read outside, in the job): never GPU-verified.
-
-        As the Docker run's :meth:`vllm_hotfix.checking.smoke.Smoke.compiled_stop`: a GPU
-        check that passed without vLLM's kernels checked a stub; under
-        ``--gpu require`` with a GPU reached it is a failure, else a skip that
-        leaves the image GPU-unverified.
-        """
-        spec = self.job.get("gpu") or {}
-        names = [str(n) for n in spec.get("compiled_missing") or []]
-        if not names:
-            return verified
-        why = (f"{len(names)} compiled file(s) the installed RECORD lists are absent from the image, e.g. "
-               f"{', '.join(names[:5])}")
-        gpu["verified"] = False
-        gpu["compiled_missing"] = names[:50]
-        earlier = gpu.get("why_unverified")
-        gpu["why_unverified"] = f"{earlier}; {why}" if earlier else why
-        reached = spec.get("mode") == "require" and bool(gpu.get("devices"))
-        self.add([{"name": "compiled-files", "status": "fail" if reached else "skip",
-                   "detail": f"--gpu require, but {why}" if reached else f"{why}: image is GPU-unverified",
-                   "data": {"missing": names[:50], "answered_by": "filesystem"}}], 0, "compiled-files", None)
-        return False
-
     def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
         """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
         return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts)
@@ -293,7 +276,6 @@ class Run:
             say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
             mark = time.monotonic()
             verified, gpu = self.gpu()
-            verified = self.compiled_stop(verified, gpu)
             phases["gpu_checks"] = round(time.monotonic() - mark, 1)
             if self.stop(("serve-sweep",)):
                 if serving is not None:
@@ -337,16 +319,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         say(f"runner job {args[0]}: {exc}")
         return 2
-    secret = None
-    sign = job.get("sign") or {}
-    if sign:
-        # The key is read before anything runs: a key that cannot sign is known before an hour of checks.
-        try:
-            with open(str(sign["key"]), "rb") as fh:
-                secret = p256.load_private(fh.read())
-        except (OSError, KeyError, TypeError, p256.UnusableKey) as exc:
-            say(f"signing key {sign.get('key', '?')}: {exc}")
-            return 2
     run = Run(job)
     try:
         verdict = run.run()
@@ -356,8 +328,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     for answers in run.recorded:
         emit(ANSWERS_MARK, answers)
     emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
-    if secret is not None and verdict.judged:
-        predicate = {**report, **dict(sign.get("predicate") or {})}
-        doc = p256.statement(dict(sign.get("subjects") or {job["image"]: job["image_id"]}), predicate)
-        emit(ENVELOPE_MARK, p256.sign_envelope(doc, secret))
     return 0

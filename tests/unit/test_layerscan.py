@@ -1,0 +1,201 @@
+"""Reading a base's layers newest first: what the image shows, where the package lives, where reading stops."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import random
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, fails
+from vllm_hotfix.building import bytecode as hostbytecode
+from vllm_hotfix.engine.dockerconfig import registry_secure_without_engine
+from vllm_hotfix.errors import BaseImageError, BuildError, PushError
+from vllm_hotfix.registry import layerscan
+from vllm_hotfix.registry import write as regwrite
+from vllm_hotfix.registry.layerscan import LayerRef, locate
+
+SITE = "usr/local/lib/python3.12/dist-packages"
+REL = "vllm/models/m/indexer.py"
+RECORD = b"vllm/__init__.py,,\nvllm/models/m/indexer.py,,\n"
+META = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n"
+
+
+def member(name: str, data: bytes | None = None, *, kind: str = "file", mode: int = 0o644, mtime: int = 7,
+           target: str = "") -> tuple[str, bytes | None, str, int, int, str]:
+    return (name, data, kind, mode, mtime, target)
+
+
+def layer(members: list[tuple[str, bytes | None, str, int, int, str]], *, ordered: bool = True) -> bytes:
+    raw = io.BytesIO()
+    unique = list({m[0]: m for m in members}.values())  # one entry per path, as a layer holds it
+    items = sorted(unique, key=lambda m: m[0].split("/")) if ordered else unique
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data, kind, mode, mtime, target in items:
+            info = tarfile.TarInfo(name)
+            info.mode, info.mtime = mode, mtime
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, target
+                tar.addfile(info)
+            else:
+                info.size = len(data or b"")
+                tar.addfile(info, io.BytesIO(data or b""))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def folders(path: str) -> list[tuple[str, bytes | None, str, int, int, str]]:
+    parts = path.split("/")
+    return [member("/".join(parts[:i]), kind="dir", mode=0o755, mtime=i) for i in range(1, len(parts) + 1)]
+
+
+def installed(indexer: bytes = b"x = 1\n", extra: list | None = None) -> list:
+    return [*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/__init__.py", b""),
+            member(f"{SITE}/{REL}", indexer), *folders(f"{SITE}/vllm-0.25.1.dist-info"),
+            member(f"{SITE}/vllm-0.25.1.dist-info/METADATA", META),
+            member(f"{SITE}/vllm-0.25.1.dist-info/RECORD", RECORD), *(extra or [])]
+
+
+class Blobs:
+    """Layers by digest, and which were opened (a registry stand-in for the pure reader)."""
+
+    def __init__(self, blobs: list[bytes]) -> None:
+        self.blobs = blobs
+        self.opened: list[int] = []
+
+    @property
+    def refs(self) -> list[LayerRef]:
+        return [LayerRef("sha256:" + hashlib.sha256(b).hexdigest(), "application/vnd.oci.image.layer.v1.tar+gzip",
+                         len(b)) for b in self.blobs]
+
+    def open(self, ref: LayerRef) -> io.BytesIO:
+        index = [r.digest for r in self.refs].index(ref.digest)
+        self.opened.append(index)
+        return io.BytesIO(self.blobs[index])
+
+
+def run(blobs: Blobs, rels: tuple[str, ...] = (REL,)) -> layerscan.Located:
+    return locate(blobs.refs, blobs.open, "vllm", list(rels), "test/base")
+
+
+def test_one_layer_gives_site_version_folders_and_the_file() -> None:
+    got = run(Blobs([layer(installed())]))
+    assert got.site_dir == f"/{SITE}" and got.package_dir == f"/{SITE}/vllm" and got.version == "0.25.1"
+    assert [f.path for f in got.folders] == [f"/{'/'.join(SITE.split('/')[:i])}" for i in range(1, 6)]
+    assert got.folders[0].mode == 0o755 and got.folders[0].mtime == 1
+    assert got.files[REL] == {"kind": "file", "real": True, "mode": 0o644, "data": b"x = 1\n"}
+    assert not got.notes and got.layers_read == 1
+
+
+def test_the_newest_layer_holding_the_file_wins_and_lower_layers_are_not_opened() -> None:
+    upper = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/{REL}", b"x = 2\n", mode=0o600)])
+    blobs = Blobs([layer([member("opt/filler", b"\0" * 4096)]), layer(installed()), upper])
+    got = run(blobs)
+    assert got.files[REL]["data"] == b"x = 2\n" and got.files[REL]["mode"] == 0o600
+    assert blobs.opened == [2, 1]  # the filler layer below the package is never read
+    assert got.folders[-1].mtime == 5  # a folder's facts come from the newest layer that lists it
+
+
+def test_whiteouts_opaque_folders_and_links_decide_for_the_layers_below() -> None:
+    gone = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh.indexer.py", b"")])
+    assert run(Blobs([layer(installed()), gone])).files[REL]["kind"] == "missing"
+    emptied = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh..wh..opq", b"")])
+    assert run(Blobs([layer(installed()), emptied])).files[REL]["kind"] == "missing"
+    linked = layer([*folders(f"{SITE}/vllm/models"), member(f"{SITE}/vllm/models/m", kind="link", target="/x")])
+    # Reached through a link: refused as the engine path refuses it (its probe sees the link on the way).
+    assert run(Blobs([layer(installed()), linked])).files[REL] == {"kind": "file", "real": False, "mode": 0,
+                                                                  "data": None}
+
+
+def test_a_sorted_layer_is_left_once_past_the_files_and_an_unsorted_one_is_read_to_its_end() -> None:
+    noise = random.Random(5)
+    tail = [member(f"{SITE}/zzz/big{i}", noise.randbytes(1 << 18)) for i in range(8)]
+    sorted_layer = layer(installed(extra=tail))
+    blobs = Blobs([sorted_layer])
+    got = run(blobs)
+    assert got.bytes_read < len(sorted_layer) / 2, (got.bytes_read, len(sorted_layer))
+    shuffled = layer(list(reversed(installed(extra=tail))), ordered=False)
+    assert run(Blobs([shuffled])).bytes_read == len(shuffled)
+
+
+def test_stale_pycs_are_those_the_image_shows() -> None:
+    cache = f"{SITE}/vllm/models/m/__pycache__"
+    lower = layer(installed(extra=[*folders(cache), member(f"{cache}/indexer.cpython-311.pyc", b"A" * 20),
+                                   member(f"{cache}/indexer.cpython-311.opt-1.pyc", b"B" * 20)]))
+    upper = layer([*folders(cache), member(f"{cache}/.wh.indexer.cpython-311.opt-1.pyc", b""),
+                   member(f"{cache}/indexer.cpython-312.pyc", b"C" * 20)])
+    got = run(Blobs([lower, upper]))
+    assert got.pycs[REL] == {"vllm/models/m/__pycache__/indexer.cpython-311.pyc": b"A" * 20,
+                             "vllm/models/m/__pycache__/indexer.cpython-312.pyc": b"C" * 20}
+
+
+def test_no_installation_two_installations_and_a_bad_digest_are_named() -> None:
+    with pytest.raises(BaseImageError, match="no layer holds an installed vllm"):
+        run(Blobs([layer([member("etc/hostname", b"x")])]))
+    other = [(n.replace(SITE, "opt/venv/site"), *rest) for n, *rest in installed()]
+    # Two installations that the layers read show (here one layer, not in path order, so read whole).
+    with pytest.raises(BaseImageError, match="installed in /opt/venv/site and /usr"):
+        run(Blobs([layer([*installed(), *folders("opt/venv/site"), *other], ordered=False)]))
+    blobs = Blobs([layer(installed())])
+    refs = blobs.refs
+    bad = [LayerRef("sha256:" + "0" * 64, refs[0].media_type, refs[0].size)]
+    with pytest.raises(BaseImageError, match="hash to"):
+        locate(bad, lambda _r: io.BytesIO(blobs.blobs[0]), "vllm", [REL], "test/base")
+    with pytest.raises(BaseImageError, match="zstd"):
+        locate([LayerRef(refs[0].digest, "application/vnd.oci.image.layer.v1.tar+zstd", 1)], blobs.open, "vllm",
+               [REL], "test/base")
+
+
+def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() -> None:
+    tag, magic = sys.implementation.cache_tag, importlib.util.MAGIC_NUMBER
+    mine = {REL: {f"vllm/models/m/__pycache__/indexer.{tag}.pyc": magic + b"\0" * 12}}
+    got = hostbytecode.choose("auto", mine, None)
+    assert got.mode == "compiled" and got.python and got.cache_tag == tag
+    assert hostbytecode.choose("whiteout", mine, None).whiteouts == tuple(mine[REL])
+    foreign = {REL: {"vllm/models/m/__pycache__/indexer.cpython-399.pyc": b"\x01\x02\r\n" + b"\0" * 12}}
+    assert hostbytecode.choose("auto", foreign, None).mode == "whiteouts"
+    with pytest.raises(BuildError, match="no Python of the image's version"):
+        hostbytecode.choose("compile", foreign, None)
+    assert hostbytecode.choose("auto", {REL: {}}, None).mode == "none"
+    assert hostbytecode.choose("auto", {REL: {}}, (f"x.{tag}.pyc", magic + b"\0" * 12)).mode == "compiled"
+    pycs = hostbytecode.compile_here(sys.executable, {REL: b"x = 1\n"}, {REL: [1]}, {REL: "p.patch"})
+    names = sorted(pycs[REL])
+    cache = "vllm/models/m/__pycache__"
+    assert names == [f"{cache}/indexer.{tag}.opt-1.pyc", f"{cache}/indexer.{tag}.pyc"]
+    pyc = pycs[REL][names[1]]
+    assert pyc[:4] == magic and int.from_bytes(pyc[4:8], "little") == 0b11  # checked hash
+    assert b"/tmp/vllm-hotfix/vllm/models/m/indexer.py" in pyc  # the name the image's own compile gives
+
+
+def test_manifest_size_limit_and_tls_without_an_engine(tmp_path: Path) -> None:
+    regwrite.check_size(b"x" * regwrite.MANIFEST_LIMIT, "ok")
+    with pytest.raises(PushError, match="over the 4194304 bytes"):
+        regwrite.check_size(b"x" * (regwrite.MANIFEST_LIMIT + 1), "big/repo@sha256:x")
+    conf = tmp_path / "daemon.json"
+    conf.write_text('{"insecure-registries": ["registry.lan:5000", "10.9.0.0/16"]}')
+    assert not registry_secure_without_engine("127.0.0.1:5000", str(conf))
+    assert not registry_secure_without_engine("registry.lan:5000", str(conf))
+    assert not registry_secure_without_engine("10.9.1.2:443", str(conf))
+    assert registry_secure_without_engine("10.8.1.2:443", str(conf))
+    assert registry_secure_without_engine("10.8.1.2:443", str(tmp_path / "absent.json"))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--in-registry",), "--in-registry writes the image into a registry: hotfix-test/"),
+    (("--bytecode", "whiteout"), "--bytecode is for --in-registry"),
+    (("--in-registry", "--builder", "assemble", "--tag", "127.0.0.1:9/x:y"), "--builder is for a build in the engine"),
+    (("--in-registry", "--pull", "never", "--tag", "127.0.0.1:9/x:y"), "--pull is for a build in the engine"),
+])
+def test_in_registry_refusals_come_before_any_registry_or_engine(args: tuple[str, ...], needle: str,
+                                                                 project: Path) -> None:
+    r = cli("image", "--base", "v0.25.1", *args, root=project)
+    fails(r, needle)
+    assert r.rc == 64

@@ -1,0 +1,50 @@
+"""``image --in-registry``: its option checks and what it prints (the image command hands over to it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import UsageError
+from .app import print_json, progress
+
+
+def image_in_registry(plan: Any, wanted: Any, asked: bool, *, in_registry: bool, bytecode: str | None, pull: str,
+                      builder: str, wheelhouse: Path | None, rebuild: bool, skip_included: bool, force: bool,
+                      as_json: bool) -> None:
+    """Make the image in the registry (no engine is asked anything) and print where it landed."""
+    from ..building import inregistry, pipeline
+
+    if not in_registry:
+        raise UsageError("--bytecode is for --in-registry (the engine's builders compile with the image's Python)")
+    for given, option in ((pull != "missing", "--pull"), (builder != "dockerfile", "--builder"),
+                          (wheelhouse is not None, "--wheelhouse")):
+        if given:
+            raise UsageError(f"{option} is for a build in the engine; --in-registry pulls nothing and builds in the "
+                             "registry")
+    options = inregistry.Options(rebuild=rebuild, skip_included=skip_included, force=force,
+                                 bytecode=bytecode or "auto", progress=progress)
+    result = inregistry.build(plan, wanted, asked, options)
+    if isinstance(result, pipeline.NoHotfix):
+        if as_json:
+            print_json({"result": "no-hotfix-needed", "base": result.base_ref, "patches": list(result.patches)})
+        else:
+            click.echo(result.message())
+        return
+    how = "reused" if all(i.reused for i in result.images) else "built"
+    name = result.ref.rpartition(":")[0]
+    progress(f"==> not smoke-tested (nothing runs here): smoke it where an engine and GPUs are, "
+             f"python build.py smoke {name}@{result.digest if not result.index else result.images[0].digest}, "
+             "then push it")
+    if as_json:
+        print_json({"result": how, "ref": result.ref, "digest": result.digest, "index": result.index,
+                    "images": [{"ref": i.ref, "digest": i.digest, "image_id": i.image_id, "platform": i.platform,
+                                "reused": i.reused, "record": i.record.path.name, "bytecode": i.bytecode,
+                                "read": i.read, "base_layers": i.blobs} for i in result.images]})
+        return
+    for i in result.images:
+        click.echo(f"{'reused' if i.reused else 'built'} {i.ref} {i.image_id} {i.platform} {name}@{i.digest}")
+    if result.index:
+        click.echo(f"index {result.ref} {name}@{result.digest}")

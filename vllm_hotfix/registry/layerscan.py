@@ -1,0 +1,486 @@
+"""Where a package lives in an image, and the few files a patch set needs, read from its layer blobs.
+
+The engine path asks the base's own Python where it imports the package
+from. Without an engine nothing of the image can run, so the answer comes
+from the layers, read as the engine would stack them:
+
+* newest layer first. The newest layer that says anything about a path
+  decides it: an entry at the path (that entry is the file or folder the
+  image shows), a whiteout ``.wh.NAME`` of it or of a folder above it, an
+  opaque marker ``.wh..wh..opq`` in a folder above it, or a file or link in
+  place of a folder above it (each of these: the path is gone, whatever the
+  layers below hold);
+* the package's folder is the one beside a ``<name>-<version>.dist-info``
+  whose METADATA names the package and whose RECORD lists the package's
+  ``__init__.py`` and every file the patches touch; the site folder is the
+  folder holding both. Two installations found in the layers read, or two
+  dist-infos of the package in one folder, stop the run (the engine path
+  asks the image's Python which one it imports); smoke then asks the
+  image's Python that it imports the package from this folder;
+* each layer is a gzip stream read once, never stored. A layer lists its
+  entries in path order (Docker, BuildKit and this tool's own layers do):
+  once the stream is past every path still wanted, and the site folder is
+  known, the rest of the layer is not read, and no layer below is opened
+  once every wanted path is decided. A layer whose entries are not in path
+  order is read to its end. A layer's digest is checked only when it was
+  read to its end; one left early is trusted as the registry sent it.
+
+What costs bytes is therefore every layer above the one that holds the
+package's files, in full, and that layer up to those files and the
+dist-info: a layout with the package in one of the newest layers reads a
+few megabytes of a base of any size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import posixpath
+import tarfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from email.parser import HeaderParser
+from typing import Any, Protocol
+from zlib import error as zlib_error
+
+from ..errors import BaseImageError
+
+log = logging.getLogger(__name__)
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+UNKNOWN = object()  # a path the layers read say nothing about
+
+
+class Blob(Protocol):
+    """A layer blob opened as a stream (see :func:`open_stream`)."""
+
+    def read(self, n: int = -1) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRef:
+    digest: str
+    media_type: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Folder:
+    """A folder above the site folder as the image shows it: what a layer writing below it must restate."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One member of a layer, as the image shows it where that layer decides."""
+
+    path: str
+    kind: str  # file, dir, link, hardlink, other
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    mtime: int = 0
+    target: str = ""
+
+
+@dataclass
+class Listing:
+    """What one layer holds that matters here: every folder, whiteout, opaque marker and non-folder path,
+    and the bytes of the files asked for."""
+
+    index: int  # in the manifest's order (0: the oldest)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    whiteouts: set[str] = field(default_factory=set)
+    opaque: set[str] = field(default_factory=set)
+    data: dict[str, bytes] = field(default_factory=dict)
+    hint: tuple[str, bytes] | None = None  # (name, first 16 bytes) of a pyc of the package, any
+    whole: bool = True  # read to its end (False: left once past every wanted path)
+
+    def cuts(self, path: str) -> bool:
+        """Whether this layer removes ``path`` (and so hides what the layers below hold there)."""
+        for above in _ancestors(path):
+            if above in self.whiteouts:
+                return True
+            if above != path:
+                if above in self.opaque:
+                    return True
+                found = self.entries.get(above)
+                if found is not None and found.kind != "dir":
+                    return True
+        return False
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> [/a, /a/b, /a/b/c]."""
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def key(path: str) -> tuple[str, ...]:
+    """A path's place in a layer's order: folder by folder, each level by name (what Go's Walk gives)."""
+    return tuple(path.strip("/").split("/"))
+
+
+def after_subtree(path: str) -> tuple[str, ...]:
+    """The first key past ``path`` and everything below it."""
+    k = key(path)
+    return (*k[:-1], k[-1] + "\0")
+
+
+class Stack:
+    """The layers read so far, newest first, and what they decide."""
+
+    def __init__(self) -> None:
+        self.layers: list[Listing] = []
+
+    def resolve(self, path: str) -> Entry | None | object:
+        """The entry the image shows at ``path``, None if it is gone, UNKNOWN if no layer read says."""
+        for layer in self.layers:
+            found = layer.entries.get(path)
+            if found is not None:
+                return found
+            if layer.cuts(path):
+                return None
+        return UNKNOWN
+
+    def data(self, path: str) -> bytes | None:
+        for layer in self.layers:
+            if path in layer.entries:
+                return layer.data.get(path)
+        return None
+
+    def seen_under(self, folder: str, pred: Callable[[str], bool]) -> set[str]:
+        """Paths directly in ``folder`` any layer read names (as entries or whiteouts) that ``pred`` accepts."""
+        out = set()
+        for layer in self.layers:
+            for path in [*layer.entries, *layer.whiteouts]:
+                if posixpath.dirname(path) == folder and pred(posixpath.basename(path)):
+                    out.add(path)
+        return out
+
+
+# -- what is wanted --------------------------------------------------------------
+
+
+def dist_prefix(package: str) -> str:
+    """The start of the package's dist-info folder name: ``vllm-`` (names normalised as wheels write them)."""
+    return package.replace("-", "_").replace(".", "_").lower() + "-"
+
+
+@dataclass
+class Wanted:
+    """The package and the files a patch set touches (relative to the site folder)."""
+
+    package: str
+    rels: Sequence[str]
+    site: str | None = None  # known once an installation is found
+    dist_info: str | None = None  # its dist-info folder
+
+    def keep(self, path: str) -> bool:
+        """Whether a member's bytes are kept: a touched file, its pycs, a dist-info's METADATA or RECORD."""
+        name = posixpath.basename(path)
+        folder = posixpath.dirname(path)
+        if name in ("METADATA", "RECORD") and posixpath.basename(folder).lower().startswith(
+                dist_prefix(self.package)) and folder.endswith(".dist-info"):
+            return True
+        for rel in self.rels:
+            if path.endswith("/" + rel):
+                return True
+            stem = posixpath.basename(rel).removesuffix(".py") + "."
+            if (folder.endswith("/" + posixpath.join(posixpath.dirname(rel), "__pycache__"))
+                    and name.startswith(stem) and name.endswith(".pyc")):
+                return True
+        return False
+
+    def needed(self) -> list[str]:
+        """Every path the build must have decided, once the site folder is known."""
+        assert self.site is not None
+        files = [f"{self.site}/{self.package}/__init__.py", *(f"{self.site}/{rel}" for rel in self.rels)]
+        if self.dist_info is not None:
+            files += [f"{self.dist_info}/METADATA", f"{self.dist_info}/RECORD"]
+        out: dict[str, None] = {}
+        for f in files:
+            for a in _ancestors(f):
+                out.setdefault(a, None)
+        return list(out)
+
+    def horizon(self) -> tuple[str, ...]:
+        """A key past which a path-ordered layer holds nothing more that is wanted here."""
+        assert self.site is not None
+        ends: list[tuple[str, ...]] = []
+        leaves = {f"{self.site}/{self.package}/__init__.py", *(f"{self.site}/{rel}" for rel in self.rels),
+                  *([f"{self.dist_info}/METADATA", f"{self.dist_info}/RECORD"] if self.dist_info else [])}
+        for path in self.needed():
+            parent, name = posixpath.split(path)
+            # A folder on the way matters for its own entry, a whiteout of it and its opaque marker, not for
+            # all it holds; the first key past an entry k is k + ("",).
+            ends.append(after_subtree(path) if path in leaves else (*key(path), ""))
+            ends.append((*key(posixpath.join(parent, WHITEOUT + name)), ""))
+            ends.append((*key(posixpath.join(path, OPAQUE)), ""))
+        for rel in self.rels:
+            ends.append(after_subtree(f"{self.site}/{posixpath.dirname(rel)}/__pycache__"))
+        ends.append((*key(self.site), dist_prefix(self.package)[:-1] + "."))  # past every <name>-*.dist-info
+        return max(ends)
+
+
+# -- reading ---------------------------------------------------------------------
+
+
+class Counted:
+    """A blob's bytes as they arrive: counted, hashed, never past the size its manifest gives."""
+
+    def __init__(self, blob: Blob, layer: LayerRef, where: str) -> None:
+        self._blob = blob
+        self.layer = layer
+        self.where = where
+        self.read_bytes = 0
+        self._hash = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._blob.read(n)
+        self.read_bytes += len(data)
+        if self.read_bytes > self.layer.size:
+            raise BaseImageError(f"{self.where}: the registry sent more than the {self.layer.size} bytes its "
+                                 "manifest gives")
+        self._hash.update(data)
+        return data
+
+    def close(self) -> None:
+        self._blob.close()
+
+    def finish(self) -> None:
+        """Read what is left (the tar's end padding, the gzip trailer) and check the digest."""
+        while self.read(1 << 20):
+            pass
+        got = "sha256:" + self._hash.hexdigest()
+        if got != self.layer.digest:
+            raise BaseImageError(f"{self.where}: its bytes hash to {got}, not to the digest the manifest names")
+
+
+def _entry(member: tarfile.TarInfo, path: str) -> Entry:
+    kind = ("dir" if member.isdir() else "file" if member.isreg() else "link" if member.issym()
+            else "hardlink" if member.islnk() else "other")
+    target = member.linkname if kind in ("link", "hardlink") else ""
+    return Entry(path, kind, member.mode & 0o7777, member.uid, member.gid, int(member.mtime), target)
+
+
+def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: Callable[[], None]) -> None:
+    """Fill ``listing`` from one layer's stream; left early where its order allows (``listing.whole`` False)."""
+    last: tuple[str, ...] = ()
+    ordered = True
+    horizon: tuple[str, ...] | None = None
+    marker = f"/{wanted.package}/"
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as tar:  # type: ignore[call-overload]
+            for member in tar:
+                path = posixpath.normpath("/" + member.name)
+                if path == "/":
+                    continue
+                here = key(path)
+                ordered = ordered and here > last
+                last = here
+                if ordered and horizon is None and wanted.site is not None:
+                    horizon = wanted.horizon()
+                if ordered and horizon is not None and here >= horizon:
+                    listing.whole = False
+                    break
+                name = posixpath.basename(path)
+                if name == OPAQUE:
+                    listing.opaque.add(posixpath.dirname(path))
+                    continue
+                if name.startswith(WHITEOUT):
+                    listing.whiteouts.add(posixpath.join(posixpath.dirname(path), name[len(WHITEOUT):]))
+                    continue
+                listing.entries[path] = _entry(member, path)
+                if not member.isreg():
+                    continue
+                if wanted.keep(path):
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    listing.data[path] = source.read()
+                    if wanted.site is None and name == "METADATA":
+                        on_metadata()
+                elif listing.hint is None and name.endswith(".pyc") and marker in path:
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    listing.hint = (name, source.read(16))
+            if listing.whole:
+                stream.finish()
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib_error) as exc:
+        raise BaseImageError(f"{stream.where} is not a readable tar: {exc}") from None
+
+
+def open_stream(opener: Callable[[LayerRef], Blob], layer: LayerRef, where: str) -> Counted:
+    if "zstd" in layer.media_type:
+        raise BaseImageError(f"{where} is zstd-compressed, which this tool does not read",
+                             hint="build from the engine (image without --in-registry)")
+    return Counted(opener(layer), layer, where)
+
+
+# -- the answer --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the package lives, what the image holds of the touched files, and what was read to know it."""
+
+    site_dir: str
+    package_dir: str
+    version: str | None
+    dist_info: str
+    folders: tuple[Folder, ...]  # "/" excluded, down to site_dir included
+    files: dict[str, dict[str, Any]]  # rel -> kind, mode, real, data (bytes or None), pycs
+    pycs: dict[str, dict[str, bytes]]  # rel -> {pyc path relative to site_dir: bytes} the image shows
+    hint_pyc: tuple[str, bytes] | None  # (name, first 16 bytes) of a pyc of the package, when no touched file has one
+    record: bytes
+    layers_read: int
+    bytes_read: int
+    notes: tuple[str, ...] = ()
+
+
+def _candidates(stack: Stack, wanted: Wanted) -> dict[str, str]:
+    """site folder -> dist-info folder of each installation the layers read show (both parts present)."""
+    found: dict[str, str] = {}
+    prefix = dist_prefix(wanted.package)
+    for layer in stack.layers:
+        for path in layer.data:
+            folder, name = posixpath.split(path)
+            if name != "METADATA" or not posixpath.basename(folder).lower().startswith(prefix):
+                continue
+            site = posixpath.dirname(folder)
+            meta = stack.resolve(path)
+            init = stack.resolve(f"{site}/{wanted.package}/__init__.py")
+            if isinstance(meta, Entry) and isinstance(init, Entry) and init.kind == "file":
+                text = (stack.data(path) or b"").decode("utf-8", "replace")
+                named = HeaderParser().parsestr(text).get("Name") or ""
+                if _canonical(named) == _canonical(wanted.package):
+                    if site in found and found[site] != folder:
+                        raise BaseImageError(f"{site} holds two dist-infos of {wanted.package} "
+                                             f"({posixpath.basename(found[site])}, {posixpath.basename(folder)})",
+                                             hint="build from the engine: its Python says which one it reads")
+                    found[site] = folder
+    return found
+
+
+def _canonical(name: str) -> str:
+    return name.replace("_", "-").replace(".", "-").lower()
+
+
+def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], package: str, rels: Sequence[str],
+           where: str, say: Callable[[str], None] = lambda _l: None) -> Located:
+    """Read ``layers`` (manifest order) newest first until the package and every file of ``rels`` are decided."""
+    wanted = Wanted(package, rels)
+    stack = Stack()
+    read = 0
+    chosen: dict[str, str] = {}
+
+    def settle() -> None:
+        nonlocal chosen
+        chosen = _candidates(stack, wanted)
+        if len(chosen) > 1:
+            raise BaseImageError(f"{where}: {package} is installed in {' and '.join(sorted(chosen))}",
+                                 hint="build from the engine: its Python says which one it imports")
+        if chosen:
+            wanted.site, wanted.dist_info = next(iter(chosen.items()))
+
+    for index in range(len(layers) - 1, -1, -1):
+        layer = layers[index]
+        label = f"layer {index + 1}/{len(layers)} ({layer.digest[:19]}) of {where}"
+        stream = open_stream(opener, layer, label)
+        listing = Listing(index)
+        stack.layers.append(listing)  # filled as it streams: a site found half-way can end this very layer
+        try:
+            read_layer(stream, listing, wanted, settle)
+        finally:
+            read += stream.read_bytes
+            stream.close()
+        say(f"    read {label}: {stream.read_bytes} of {layer.size} bytes"
+            f"{'' if listing.whole else ' (left once past the files wanted)'}")
+        settle()
+        if wanted.site is not None and all(stack.resolve(p) is not UNKNOWN for p in wanted.needed()):
+            break
+    if wanted.site is None:
+        raise BaseImageError(f"{where}: no layer holds an installed {package} (a {package}/__init__.py beside a "
+                             f"{dist_prefix(package)}*.dist-info whose METADATA names it)")
+    return _answer(stack, wanted, chosen[wanted.site], len(stack.layers), read)
+
+
+def _answer(stack: Stack, wanted: Wanted, dist_info: str, layers_read: int, read: int) -> Located:
+    site = wanted.site
+    assert site is not None
+    folders = []
+    for path in _ancestors(site):
+        got = stack.resolve(path)
+        if not isinstance(got, Entry) or got.kind != "dir":
+            what = "nothing any layer read states" if got is UNKNOWN else "not a folder"
+            raise BaseImageError(f"{path} above {site} is {what}: cannot restate it in the new layer")
+        folders.append(Folder(path, got.mode, got.uid, got.gid, got.mtime))
+    record = stack.data(f"{dist_info}/RECORD") or b""
+    listed = _record_paths(record)
+    meta = HeaderParser().parsestr((stack.data(f"{dist_info}/METADATA") or b"").decode("utf-8", "replace"))
+    files: dict[str, dict[str, Any]] = {}
+    pycs: dict[str, dict[str, bytes]] = {}
+    notes = []
+    for rel in wanted.rels:
+        files[rel] = _file_info(stack, site, rel)
+        if files[rel]["kind"] == "file" and rel not in listed:
+            notes.append(f"{rel} is not listed in {posixpath.basename(dist_info)}/RECORD")
+        pycs[rel] = _pycs(stack, site, rel)
+    hint = None
+    if not any(pycs.values()):
+        hint = _any_pyc(stack)
+    return Located(site, f"{site}/{wanted.package}", meta.get("Version"), dist_info, tuple(folders), files, pycs,
+                   hint, record, layers_read, read, tuple(notes))
+
+
+def _record_paths(record: bytes) -> set[str]:
+    import csv
+
+    return {row[0] for row in csv.reader(record.decode("utf-8", "replace").splitlines()) if row}
+
+
+def _file_info(stack: Stack, site: str, rel: str) -> dict[str, Any]:
+    """What the locate probe says of a touched file: kind, mode, whether reached without links, its bytes."""
+    path = f"{site}/{rel}"
+    for above in _ancestors(path)[:-1]:
+        got = stack.resolve(above)
+        if isinstance(got, Entry) and got.kind == "link":
+            return {"kind": "file", "real": False, "mode": 0, "data": None}
+    got = stack.resolve(path)
+    if got is UNKNOWN or got is None:
+        return {"kind": "missing", "real": True, "mode": 0, "data": None}
+    assert isinstance(got, Entry)
+    kind = {"file": "file", "dir": "dir", "link": "symlink"}.get(got.kind, "other")
+    data = stack.data(path) if kind == "file" else None
+    if got.kind == "hardlink":
+        raise BaseImageError(f"{path} is a hard link in the base's layers, which a registry read cannot follow",
+                             hint="build from the engine (image without --in-registry)")
+    return {"kind": kind, "real": True, "mode": got.mode, "data": data}
+
+
+def _pycs(stack: Stack, site: str, rel: str) -> dict[str, bytes]:
+    """The bytecode files the image shows for a touched source, by path relative to the site folder."""
+    folder = f"{site}/{posixpath.dirname(rel)}/__pycache__"
+    stem = posixpath.basename(rel).removesuffix(".py") + "."
+    out = {}
+    for path in sorted(stack.seen_under(folder, lambda n: n.startswith(stem) and n.endswith(".pyc"))):
+        got = stack.resolve(path)
+        if isinstance(got, Entry):
+            out[posixpath.relpath(path, site)] = stack.data(path) or b""
+    return out
+
+
+def _any_pyc(stack: Stack) -> tuple[str, bytes] | None:
+    return next((layer.hint for layer in stack.layers if layer.hint is not None), None)
+
+
+def layer_refs(descriptors: Iterable[dict[str, Any]]) -> list[LayerRef]:
+    return [LayerRef(str(d["digest"]), str(d.get("mediaType") or ""), int(d["size"])) for d in descriptors]
