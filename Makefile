@@ -1,5 +1,8 @@
 # The front door: each target is a one-liner over build.py or .ci/services.
-PYTHON ?= python3
+# The tool and its test extras live in a virtual environment of their own in the checkout (PEP 668:
+# the system Python stays as the distribution left it); `make setup` makes it. PYTHON=... picks another.
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
 BASE ?= v0.25.1
 BASE_REPO ?=
 IMAGE ?= vllm/vllm-openai:$(BASE)-m3patch
@@ -15,7 +18,7 @@ GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 export VLLM_HOTFIX_VIA_MAKE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms bench-registry clean \
+.PHONY: help setup tool services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms bench-registry clean \
 	clean-records
 # The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
 PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
@@ -24,10 +27,15 @@ STANDIN_REGISTRY ?= 127.0.0.1:5000/vllm
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-setup: ## Install system packages (docker.io, docker-registry, mmdebstrap) and the tool
+setup: ## Install the system packages, a Docker 26.1 engine under /opt and the tool into .venv (README lists them)
 	.ci/services install
 	.ci/services install-cdi-engine
+	[ -x $(VENV)/bin/python ] || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q -e '.[test]'
+
+# Targets that run the tool say what to do when it is not installed, instead of "No such file".
+tool:
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) is missing: run 'make setup' first (or pass PYTHON=...)" >&2; exit 1; }
 
 services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a registry unless they answer
 	.ci/services start-engine
@@ -37,21 +45,22 @@ services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a
 stop: ## Stop the engine and registry that `make services` (or demo/test) started
 	.ci/services stop
 
-image: ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all]
+image: tool ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all]
 	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG)
 
-render: ## Print the Dockerfile `image` would build
+render: tool ## Print the Dockerfile `image` would build
 	$(PYTHON) build.py render --base $(BASE) $(REPO_FLAG)
 
-smoke: ## Smoke-test an image: make smoke IMAGE=...
+smoke: tool ## Smoke-test an image: make smoke IMAGE=...
 	$(PYTHON) build.py smoke $(IMAGE)
 
-push: ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
+push: tool ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
 	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG)
 
-demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry (downloads ~56 MB)
+demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry (downloads ~550 MB, README)
 	@echo "==> demo: starts a Docker engine and a registry on 127.0.0.1:5000 unless they answer, downloads the"
-	@echo "    vLLM $(BASE) wheel (about 56 MB, once, into build/cache) for the stand-in base, then builds and pushes"
+	@echo "    vLLM $(BASE) wheel (about 250 MB, once, into build/cache) and a Debian root file system (about 13 MB)"
+	@echo "    for the stand-in base, then builds and pushes"
 	.ci/services start-engine
 	.ci/services start-registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
@@ -71,14 +80,14 @@ demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from 
 test: setup services ## Run every tier against real engines and registries: one worker per engine
 	$(PYTHON) -m pytest -v -n 3 --dist loadgroup --durations=15 tests
 
-unit: ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
+unit: tool ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
 	$(PYTHON) -m pytest -q -n 2 tests/unit
 
-lint: ## ruff and mypy
+lint: tool ## ruff and mypy
 	$(PYTHON) -m ruff check vllm_hotfix tests bench build.py
 	$(PYTHON) -m mypy vllm_hotfix
 
-bench: ## Benchmarks: the tool against the manual flow and the floor
+bench: tool ## Benchmarks: the tool against the manual flow and the floor
 	$(PYTHON) bench/run.py
 
 clean: ## Remove caches (keeps build/records, which push, list and rollback rely on; not images)
@@ -87,8 +96,8 @@ clean: ## Remove caches (keeps build/records, which push, list and rollback rely
 clean-records: ## Delete the journal of builds, verdicts and pushes (asks first)
 	@printf 'delete build/records (every build, verdict and push the tool knows)? [y/N] '; read a; [ "$$a" = y ] && rm -rf build/records || echo kept
 
-bench-platforms: ## Wall time of image + push, one platform vs two, on stand-ins (needs a 26.1 engine + qemu)
+bench-platforms: tool ## Wall time of image + push, one platform vs two, on stand-ins (needs a 26.1 engine + qemu)
 	$(PYTHON) bench/platforms.py
 
-bench-registry: ## image --in-registry vs docker pull of the base, and bytes read, on 1 and 4 GiB stand-ins
+bench-registry: tool ## image --in-registry vs docker pull of the base, and bytes read, on 1 and 4 GiB stand-ins
 	$(PYTHON) bench/registry.py

@@ -467,7 +467,10 @@ def unique() -> str:
 
 
 def _scratch_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"vllm-hotfix-scratch-{RUN_ID}-*")))
+    """Scratch and runner staging folders of this test run (named with its run ID)."""
+    tmp = tempfile.gettempdir()
+    return (set(glob.glob(os.path.join(tmp, f"vllm-hotfix-scratch-{RUN_ID}-*")))
+            | set(glob.glob(os.path.join(tmp, f"vllm-hotfix-runner-{RUN_ID}-*"))))
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 # Exits that are not errors of the pipeline.
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process ended by it
 
 
@@ -36,7 +37,7 @@ class PipelineError(Exception):
     """
 
     exit_code = 70
-    meaning = "internal error, a bug (the traceback says where)"
+    meaning = "internal error: a bug, printed with its traceback"
     hint: str | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
@@ -89,14 +90,15 @@ class BaseImageError(PipelineError):
     """The base image is missing, unreachable, or not what its tag claims."""
 
     exit_code = 4
-    meaning = "base image (missing, unreachable, wrong vLLM version)"
+    meaning = ("base image (missing, unreachable, wrong vLLM version), or the image to smoke or push is not "
+               "where it is run from (the engine, or podman's store)")
 
 
 class EngineError(PipelineError):
     """The Docker engine is unreachable or refused an operation."""
 
     exit_code = 5
-    meaning = "Docker engine (unreachable, refused, lost)"
+    meaning = "Docker engine (unreachable, refused, or lost mid-run)"
 
 
 class EngineLost(EngineError):
@@ -167,7 +169,7 @@ class SmokeIncomplete(SmokeError):
     """The host, not the image, stopped a smoke run (no usable GPU, engine lost)."""
 
     exit_code = 11
-    meaning = "smoke incomplete (the host could not run a check)"
+    meaning = "smoke incomplete (the host could not run a check; serve-check: no server answers at the URL)"
 
 
 class PinError(PipelineError):
@@ -200,28 +202,30 @@ class Refused(PipelineError):
     """
 
     exit_code = 13
-    meaning = "refused (a tag it must not move without --force, an unknown builder, a failed image)"
+    meaning = ("refused: a tag the tool must not move without --force; a rollback onto an image whose smoke "
+               "failed, of another platform, or (--to) onto one platform of a multi-platform output")
 
 
 class UsageError(PipelineError):
     """The command line itself is wrong: an unknown option, a bad value."""
 
     exit_code = 64
-    meaning = "usage (unknown option, malformed value)"
+    meaning = "usage (unknown option, malformed value such as an unknown --builder, click's own usage errors)"
 
 
 class AttestationError(PipelineError):
     """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
 
     exit_code = 20
-    meaning = "signed verdicts: a key that cannot be used, or an attestation that cannot be read or written"
+    meaning = ("signed verdicts: a signing or public key that cannot be used, or an attestation that cannot be "
+               "read or written")
 
 
 class AttestationMissing(AttestationError):
     """No signed verdict is attached to the image (or none was given)."""
 
     exit_code = 21
-    meaning = "no signed verdict for the image (none attached, or none given)"
+    meaning = "no signed verdict for the image (none attached in the registry, or none given)"
 
 
 class AttestationWrongKey(AttestationError):
@@ -235,14 +239,15 @@ class AttestationTampered(AttestationError):
     """A signed verdict whose signature does not match its content, or which is malformed."""
 
     exit_code = 23
-    meaning = "a signed verdict whose signature does not match its content, or malformed"
+    meaning = "a signed verdict whose signature does not match its content (tampered), or malformed"
 
 
 class AttestationMismatch(AttestationError):
     """A valid signed verdict about another image, or one that does not pass what was required."""
 
     exit_code = 24
-    meaning = "a valid signed verdict about another image, or one that does not pass what was required"
+    meaning = ("a valid signed verdict about another image, or one that does not pass what was required "
+               "(status, GPU-verified, GPU product)")
 
 
 class Malformed(ValueError):
@@ -268,7 +273,10 @@ def exit_table() -> list[tuple[int, str]]:
     """Every exit code the CLI can end with and what it means, lowest first."""
     codes = {EXIT_OK: "done (also: the base needs no hotfix, nothing built)",
              EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
-             EXIT_TERMINATED: "terminated (SIGTERM: docker stop, systemd, a cancelled CI job)"}
+             EXIT_OUTPUT_CLOSED: "output closed: what read the tool's output went away (head, a pager); "
+                                 "cleans up as Ctrl-C does",
+             EXIT_TERMINATED: "terminated (SIGTERM: docker stop, systemd, a cancelled CI job); cleans up as "
+                              "Ctrl-C does"}
     for cls in error_classes():
         if "meaning" in vars(cls):
             codes[cls.exit_code] = cls.meaning

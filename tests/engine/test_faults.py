@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, cli, fails
+from conftest import REPO, RUN_ID, STANDIN_REPO, RegistryPlace, cli, fails
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine, labels
 
@@ -121,7 +121,7 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PrivateE
 
 
 def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Callable[[subprocess.Popen[str]], None],
-                env_extra: dict[str, str] | None = None) -> tuple[int, str]:
+                env_extra: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> tuple[int, str]:
     """Run a real `image` against the private engine; call ``hit`` when its progress reaches ``point``.
 
     An empty ``point`` calls ``hit`` at once (it may wait itself).
@@ -133,7 +133,7 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
                            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     proc = subprocess.Popen(
         [sys.executable, "-c", with_default_sigint, str(REPO / "build.py"), "--root", str(project), "image",
-         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild"],
+         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     assert proc.stderr is not None
@@ -274,8 +274,11 @@ def test_engine_stopped_while_probing(private: tuple[PrivateEngine, Engine], pro
 
 
 def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, Engine], project: Path,
-                                                 unique: str) -> None:
-    """SIGSTOP to the engine during the probe, probe timeout 10 s: one line well before the engine resumes."""
+                                                 unique: str, tmp_path: Path) -> None:
+    """SIGSTOP to the engine during the probe, probe timeout 10 s: one line well before the engine resumes.
+
+    With a facts cache of its own: a cache that knows the base already starts no probe at all.
+    """
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/frozen-{unique}:x"
@@ -287,7 +290,8 @@ def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, E
         frozen_at.append(time.monotonic())
 
     try:
-        rc, err = run_and_hit(eng, project, out, "==> checking", freeze, {"VLLM_HOTFIX_PROBE_TIMEOUT": "10"})
+        rc, err = run_and_hit(eng, project, out, "==> checking", freeze,
+                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")})
         took = time.monotonic() - frozen_at[0]
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -302,20 +306,196 @@ def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, E
     assert engine.image_ids() - before == set()
 
 
-@pytest.mark.parametrize("point", ["==> checking", "==> building", "==> smoke-testing"])
+SLOW_PY = b"""#!/bin/sh
+# The probe's Python, slow to answer: the engine is frozen while the probe's exec is in flight.
+case "$2" in *time.sleep*) exec python3 "$@";; esac
+sleep 6
+exec python3 "$@"
+"""
+
+
+def test_frozen_engine_during_the_probes_exec_ends_in_time(private: tuple[PrivateEngine, Engine], project: Path,
+                                                           unique: str, tmp_path: Path) -> None:
+    """SIGSTOP to the engine while the probe runs in its container (no facts cached): the probe timeout holds.
+
+    The SDK reads an exec's answer with an untimed poll: this run waited until the engine was resumed.
+    """
+    from conftest import derive
+
+    eng, engine = private
+    repo = f"hotfix-test/slow-python-{unique}"
+    derive(engine, f"{STANDIN_REPO}:v0.25.1", f"{repo}:v0.25.1", "COPY slowpy /usr/local/bin/slowpy",
+           {"slowpy": SLOW_PY}, {"slowpy": 0o755})
+    toml = project / "images/v0.25.1.toml"
+    toml.write_text(toml.read_text().replace('name = "vllm"', 'name = "vllm"\npython = "/usr/local/bin/slowpy"'))
+    out = f"hotfix-test/frozen-exec-{unique}:x"
+    pid = eng.pid()
+    frozen_at: list[float] = []
+
+    def freeze(_proc: subprocess.Popen[str]) -> None:
+        time.sleep(2)
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
+
+    try:
+        rc, err = run_and_hit(eng, project, out, "==> checking", freeze,
+                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")},
+                              ("--base-repo", repo))
+        took = time.monotonic() - frozen_at[0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    line = _one_error_line(err)
+    print(f"frozen engine during the probe's exec: exit {rc} after {took:.1f} s: {line}")
+    assert rc == 5 and "the Docker engine stopped answering" in line, err
+    assert took < 10 + 12, f"took {took:.1f} s"
+    r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url})
+    fails(r, "not in the engine")
+    _no_containers_soon(engine)
+    engine.remove_image(f"{repo}:v0.25.1")
+
+
+def _no_containers_soon(engine: Engine) -> None:
+    """An engine resumed from SIGSTOP may still be carrying out a removal the dead run asked for while it was
+    frozen (the next run's own request for it then meets "removal in progress"): give it a few seconds."""
+    deadline = time.monotonic() + 15
+    while engine.containers_by_owner() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert engine.containers_by_owner() == {}
+
+
+@pytest.mark.parametrize(("point", "sig"), [("==> checking", signal.SIGTERM), ("==> building", signal.SIGTERM),
+                                            ("==> smoke-testing", signal.SIGTERM), ("==> smoke 3/3", signal.SIGTERM),
+                                            ("==> smoke 3/3", signal.SIGINT)])
 def test_sigterm_to_the_tool_cleans_up(private: tuple[PrivateEngine, Engine], project: Path, unique: str,
-                                       point: str) -> None:
-    """SIGTERM (docker stop, systemd, CI) during probe, build or smoke: as Ctrl-C, one line, exit 143, nothing left."""
+                                       point: str, sig: signal.Signals) -> None:
+    """SIGTERM (docker stop, systemd, CI) during probe, build or smoke: as Ctrl-C, one line, exit 143, nothing left.
+
+    Just after "smoke 3/3" the runner's container is being created: a signal then left it `Created`.
+    """
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/terminated-{unique}:x"
     for _attempt in range(3):
-        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGTERM))
+        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig))
         if rc != 0:
             break
         engine.remove_image(out)  # finished before the signal reached it (a loaded machine): try again
-    assert rc == 143 and _one_error_line(err) == "error: terminated", err
+    said = "terminated" if sig == signal.SIGTERM else "interrupted"
+    assert rc == 128 + sig and _one_error_line(err) == f"error: {said}", err
     assert engine.image(out) is None
     assert engine.containers_by_owner() == {}, "the terminated run left containers"
     assert engine.image_ids() - before == set(), "the terminated run left images"
     assert not list((project / "build" / "runs").glob("*.json")), "the terminated run left its note"
+
+
+def test_smoke_reports_to_a_device_leave_the_device(built: tuple[Path, str, str], tmp_path: Path) -> None:
+    """--report/--junit/--attestation naming a character device (a mknod copy of /dev/null): it stays a device."""
+    import stat
+
+    project, ref, _image_id = built
+    nodes = {name: tmp_path / name for name in ("report", "junit", "attestation")}
+    for node in nodes.values():
+        try:
+            os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError as exc:
+            pytest.skip(f"cannot make a device node here: {exc}")
+    key = tmp_path / "key.pem"
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)  # a signing key others may read is refused
+    r = cli("smoke", ref, "--report", str(nodes["report"]), "--junit", str(nodes["junit"]),
+            "--sign-key", str(key), "--attestation", str(nodes["attestation"]), root=project)
+    assert r.rc == 0, r.err
+    for name, node in nodes.items():
+        st = node.stat()
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3), f"--{name}: {oct(st.st_mode)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attestation", "junit", "key.pem", "project", "report"]
+
+
+def test_parallel_pushes_to_one_target_take_turns(engine: Engine, built: tuple[Path, str, str],
+                                                  registry: RegistryPlace, unique: str) -> None:
+    """Six runs push one image under one target at once: none loses the shared local tag to another's clean-up."""
+    import threading
+
+    from vllm_hotfix.release import push
+
+    project, _ref, image_id = built
+    info = engine.image(image_id)
+    assert info is not None
+    target = f"{registry.place}/parallel:{unique}"
+    results: list[object] = []
+
+    def one() -> None:
+        try:
+            results.append(push._push_one(Engine.connect(), project, info, target, 1, lambda _line: None))
+        except Exception as exc:  # noqa: BLE001 - the failure itself is what the test reports
+            results.append(exc)
+
+    for _round in range(3):
+        results.clear()
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(results) == 6 and all(isinstance(r, str) for r in results), results
+        assert len(set(results)) == 1  # one image, one digest
+        assert engine.image(target) is None  # put back as it was: absent
+
+
+@pytest.mark.parametrize("signal_like", [KeyboardInterrupt, "Terminated"])
+def test_a_signal_while_the_engine_creates_a_container_leaves_none(engine: Engine, base_v0251: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   signal_like: object) -> None:
+    """Ctrl-C or SIGTERM after the engine made a container but before its ID came back: none is left `Created`."""
+    import docker.models.containers
+
+    from vllm_hotfix.errors import Terminated
+
+    raised = Terminated if signal_like == "Terminated" else KeyboardInterrupt
+    real = docker.models.containers.ContainerCollection.create
+
+    def create(self: object, *args: object, **kwargs: object) -> object:
+        real(self, *args, **kwargs)  # the engine made it...
+        raise raised()  # ...and the signal came before the tool had its ID
+
+    before = set(engine.containers_with_role(RUN_ID))
+    monkeypatch.setattr(docker.models.containers.ContainerCollection, "create", create)
+    with pytest.raises(raised):
+        engine.run(base_v0251, ["true"], timeout=30)
+    monkeypatch.undo()
+    assert set(engine.containers_with_role(RUN_ID)) <= before, "a container was left behind"
+
+
+def test_killed_during_smoke_its_staging_folder_goes_with_the_next_run(private: tuple[PrivateEngine, Engine],
+                                                                        project: Path, unique: str) -> None:
+    """SIGKILL while the runner runs: its staging folder stays (nothing can remove it then); the next run does."""
+    import glob
+    import tempfile
+
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/killed-smoke-{unique}:x"
+    pids: list[int] = []
+
+    def staged(pid: int) -> list[str]:
+        return glob.glob(os.path.join(tempfile.gettempdir(), f"vllm-hotfix-runner-{RUN_ID}-{pid}-*"))
+
+    def kill(proc: subprocess.Popen[str]) -> None:
+        pids.append(proc.pid)
+        deadline = time.monotonic() + 30
+        while not staged(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()  # as the runner starts
+
+    rc, _err = run_and_hit(eng, project, out, "==> smoke 3/3", kill)
+    left = staged(pids[0])
+    assert rc == -signal.SIGKILL and left, "the test did not kill the run while its runner was staged"
+    fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
+          "not in the engine")
+    assert not any(os.path.exists(p) for p in left), "the next run left the dead run's staging folder"
+    assert engine.containers_by_owner() == {}
+    assert engine.image(out) is None and engine.image_ids() - before == set()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive, fails
+from conftest import REPO, RegistryPlace, cli, derive, fails, free_port
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
@@ -127,3 +127,152 @@ def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
         assert {c.name: c.status for c in entry.verdict.checks}["patch-landed"] is Status.PASS
     finally:
         engine.remove_image(ref)
+
+
+@pytest.mark.parametrize("platform", ["all", "linux/amd64,linux/arm64"])
+def test_every_platform_from_a_registry_that_does_not_answer_fails(engine: Engine, base_v0251: str, project: Path,
+                                                                   unique: str, platform: str) -> None:
+    """--platform all (or two) with the base in the engine but its registry down: never one platform, exit 0."""
+    repo = f"127.0.0.1:{free_port()}/hostile-{unique}"
+    engine.tag(base_v0251, f"{repo}:v0.25.1")
+    out = f"hotfix-test/every-platform-{unique}:x"
+    try:
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--tag", out,
+                "--no-smoke", root=project)
+        fails(r, f"--platform {platform}", f"cannot read {repo}:v0.25.1 from its registry")
+        assert r.rc == 4
+        assert engine.image(out) is None and engine.image(f"{out}-x86_64") is None
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--pull", "never",
+                "--tag", out, "--no-smoke", root=project)
+        fails(r, f"--platform {platform}", "--pull never")
+        assert r.rc == 64
+    finally:
+        engine.untag(f"{repo}:v0.25.1")
+
+
+def test_push_of_an_image_not_in_the_engine_is_a_missing_image(engine: Engine, unique: str) -> None:
+    """As under smoke: exit 4 with a hint (it was 8, the push gate's code, with none)."""
+    ref = f"hotfix-test/nosuch-{unique}:1"
+    r = cli("push", ref, "--registry", "127.0.0.1:5000/ops")
+    fails(r, f"'{ref}'", "is not in the engine")
+    assert r.rc == 4 and "hint: build it with `image`" in r.err
+
+
+def test_smoke_through_podman_of_an_image_podman_lacks_is_a_missing_image(unique: str) -> None:
+    import shutil
+
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed")
+    ref = f"hotfix-test/nosuch-{unique}:1"
+    r = cli("smoke", ref, "--launcher", "podman")
+    fails(r, f"podman has no image {ref}")
+    assert r.rc == 4 and "podman load" in r.err
+
+
+def test_a_base_from_elsewhere_on_an_older_engine_says_nothing_of_platform_all(engine: Engine, base_v0251: str,
+                                                                              project: Path, unique: str) -> None:
+    """`image --base-repo X` without --platform on a 20.10 engine: no word of a --platform all nobody asked for."""
+    if engine.api_version >= (1, 45):
+        pytest.skip(f"the default engine is {engine.version_text}; this is about engines that lose platforms")
+    repo = f"127.0.0.1:{free_port()}/elsewhere-{unique}"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--no-smoke", "--tag", f"hotfix-test/x-{unique}:1",
+            root=project)
+    assert r.rc == 4, r.err
+    assert "--platform" not in r.err and "building for its own platform only" in r.err, r.err
+
+
+def _signing_key(folder: Path, public: bool = False) -> str:
+    """A P-256 key pair in ``folder``: the private key's path, or the public one's."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    made = ec.generate_private_key(ec.SECP256R1())
+    key, pub = folder / "site.key", folder / "site.pub"
+    key.write_bytes(made.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    key.chmod(0o600)  # a signing key others may read is refused
+    pub.write_bytes(made.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(pub if public else key)
+
+
+def test_push_refuses_an_attestation_about_another_image(built: tuple[Path, str, str], base_v0251: str,
+                                                          registry: RegistryPlace, tmp_path: Path) -> None:
+    """push IMAGE --attestation F where F names the unpatched base: refused before the push (it went out, exit 0)."""
+    import json
+
+    project, ref, image_id = built
+    envelope = tmp_path / "base.dsse.json"
+    cli("smoke", base_v0251, "--definition", "v0.25.1", "--sign-key", _signing_key(tmp_path), "--attestation",
+        str(envelope), root=project)
+    assert envelope.exists()
+    r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(envelope),
+            root=project)
+    fails(r, f"--attestation {envelope}", "about another image", image_id[:19])
+    assert r.rc == 24 and "pushing" not in r.err
+    # Its own envelope goes out with it, and the line names the file whole (it was cut to 16 characters).
+    own = tmp_path / "own-verdict-with-a-long-name.dsse.json"
+    cli("smoke", ref, "--sign-key", _signing_key(tmp_path), "--attestation", str(own), root=project)
+    r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(own),
+            "--json", root=project)
+    assert r.rc == 0, r.err
+    assert f"attached signed verdict {own.name} as" in r.err and json.loads(r.out)["attestations"]
+
+
+@pytest.mark.parametrize("command", ["push", "verify"])
+def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str, str], registry: RegistryPlace,
+                                                          tmp_path: Path, command: str) -> None:
+    """--attestation naming a FIFO nobody writes to: one line, exit 20 (push waited forever)."""
+    import os
+    import time
+
+    project, ref, image_id = built
+    fifo = tmp_path / "verdict.dsse.json"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    if command == "push":
+        r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(fifo),
+                root=project, timeout=60)
+    else:
+        r = cli("verify", image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
+                root=project,
+                timeout=60)
+    fails(r, str(fifo), "not a regular file")
+    assert r.rc == 20 and time.monotonic() - started < 30
+
+
+def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, built: tuple[Path, str, str],
+                                                                 unique: str) -> None:
+    """The runner is the image's Python: one that never returns kept smoke waiting an hour. --deadline ends it,
+    incomplete (the host, not the image, stopped the check), and the container goes."""
+    import time
+
+    from vllm_hotfix.journal import records
+    from vllm_hotfix.verdicts import Status
+
+    project, _, image_id = built
+    ref = f"hotfix-test/hangingpython-{unique}:x"
+    derived = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3",
+                     {"python3": b"#!/bin/sh\nsleep 3600\n"}, {"python3": 0o755})
+    try:
+        started = time.monotonic()
+        r = cli("smoke", ref, "--gpu", "off", "--deadline", "8", root=project)
+        took = time.monotonic() - started
+        fails(r, "incomplete")
+        assert r.rc == 11 and "did not finish within 8 s" in r.err and "--deadline" in r.err
+        assert took < 60, f"took {took:.0f} s"
+        [entry] = records.verdicts(project, derived)
+        assert entry.verdict.status is Status.INCOMPLETE
+    finally:
+        engine.remove_image(ref)
+
+
+def test_the_default_deadline_fits_the_checks_asked_for() -> None:
+    from vllm_hotfix.checking import smoke
+    from vllm_hotfix.checking.launchers import plan
+
+    cpu = smoke.SmokeOptions(gpu="off")
+    assert plan.deadline(cpu, gpu=False) == 600
+    assert plan.deadline(cpu, gpu=True) == 600 + 1800
+    assert plan.deadline(smoke.SmokeOptions(serve_model=Path("/m")), gpu=True) == 600 + 1800 + 900 + 1800
+    assert plan.deadline(smoke.SmokeOptions(deadline=42), gpu=True) == 42

@@ -72,3 +72,27 @@ def test_list_and_rollback(engine: Engine, base_v0251: str, project: Path, uniqu
         engine.remove_image(out)
         for image_id in (first, second):
             engine.remove_untagged(image_id)
+
+
+def test_image_that_moves_the_tag_back_to_an_older_build_says_so(engine: Engine, base_v0251: str, project: Path,
+                                                                 unique: str) -> None:
+    """A plain `image` after `--rebuild --builder assemble` reuses the older Dockerfile build: "(was NEWER)"."""
+    out = f"hotfix-test/moved-back:{unique}"
+    first = _build(project, out)
+    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--rebuild",
+            "--builder", "assemble", root=project)
+    assert r.rc == 0, r.err
+    newer = r.out.split()[-1]
+    assert newer != first
+    try:
+        r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
+        assert r.rc == 0 and r.out.split() == ["reused", out, first], r.out + r.err
+        assert f"(was {newer})" in r.err, r.err
+        assert f"rollback --base v0.25.1 --tag {out} --to {newer[:19]}" in r.err
+        r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--json", root=project)
+        assert json.loads(r.out)["was"] is None  # the tag already named it: nothing moved, nothing said
+        assert "(was " not in r.err
+    finally:
+        engine.remove_image(out)
+        for image_id in (first, newer):
+            engine.remove_untagged(image_id)

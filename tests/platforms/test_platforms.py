@@ -320,3 +320,64 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
     fails(r, "linux/arm64", "no emulator for aarch64")
     assert r.rc == 4 and "qemu-user-static" in r.err
     assert not records.builds(project)
+
+
+def test_an_index_of_one_platform_gets_the_plain_tag_too(plat_engine: Engine, project: Path, unique: str,
+                                                         tmp_path: Path) -> None:
+    """--platform all on an index holding the engine's own platform alone: OUTPUT-<machine> and OUTPUT, one image."""
+    own = Platform("linux", plat_engine.arch)
+    reg = Registry(tmp_path)
+    reg.start()
+    where = f"one-{unique}"
+    out = f"hotfix-test/one-platform-{unique}:v0.25.1-m3patch"
+    try:
+        r = cli("standin", "--version", "0.25.1", "--platform", str(own), "--publish", f"{reg.addr}/{where}",
+                env=PENV, timeout=1200)
+        assert r.rc == 0, r.err
+        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{reg.addr}/{where}/vllm-openai", "--platform", "all",
+                "--tag", out, "--no-smoke", root=project, env=PENV, timeout=1200)
+        assert r.rc == 0, r.err
+        child, plain = plat_engine.image(f"{out}-{own.suffix}"), plat_engine.image(out)
+        assert child is not None and plain is not None and plain.id == child.id
+    finally:
+        reg.stop()
+        base = plat_engine.image(f"{where}/vllm-openai:v0.25.1-{own.suffix}")  # what --publish made locally
+        for ref in (out, f"{out}-{own.suffix}", f"{where}/vllm-openai:v0.25.1-{own.suffix}",
+                    *(base.repo_digests if base is not None else ())):
+            plat_engine.remove_image(ref, force=False)
+
+
+@pytest.mark.parametrize("again", ["patches", "rebuild", "assemble"])
+def test_rollback_after_two_two_platform_builds_moves_every_platform_back(
+        plat_engine: Engine, index_registry: dict[str, object], project: Path, unique: str, again: str) -> None:
+    """Two builds of both platforms (the second of changed patches, or --rebuild, or by the other builder), then
+    rollback: each TAG-<machine> and TAG go back to the first build's image of their platform."""
+    out = f"hotfix-test/two-builds-{unique}:v0.25.1-m3patch"
+    refs = {"x86_64": f"{out}-x86_64", "aarch64": f"{out}-aarch64", "plain": out}
+    made: list[dict[str, str]] = []
+    try:
+        for n in range(2):
+            more: tuple[str, ...] = ()
+            if n and again == "patches":
+                patch = next((project / "patches/v0.25.1").glob("*.patch"))
+                patch.write_text("Rebuilt for the rollback test.\n" + patch.read_text())
+            elif n:
+                more = ("--rebuild",) if again == "rebuild" else ("--builder", "assemble")
+            r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
+                    "--platform", "all", "--no-smoke", "--json", *more, root=project, env=PENV, timeout=1200)
+            assert r.rc == 0, r.err
+            made.append({p["ref"]: p["image_id"] for p in json.loads(r.out)["platforms"]})
+        first, second = made
+        assert set(first.values()).isdisjoint(second.values())
+        r = cli("rollback", "--base", "v0.25.1", "--json", root=project, env=PENV)
+        assert r.rc == 0, r.err
+        now = {name: getattr(plat_engine.image(ref), "id", None) for name, ref in refs.items()}
+        assert now["x86_64"] == first[refs["x86_64"]] and now["aarch64"] == first[refs["aarch64"]], r.out
+        own = refs["x86_64"] if plat_engine.arch == "amd64" else refs["aarch64"]
+        assert now["plain"] == first[own], r.out
+    finally:
+        for ref in refs.values():
+            plat_engine.remove_image(ref, force=False)
+        for build in made:
+            for image_id in build.values():
+                plat_engine.remove_untagged(image_id)

@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, cli
-from vllm_hotfix.errors import EXIT_TERMINATED, RecordError, exit_table
+from vllm_hotfix.errors import EXIT_TERMINATED, RecordError, StorageError, exit_table
 from vllm_hotfix.journal import records
+from vllm_hotfix.journal.atomic import write_atomic
 
 
 def test_sigterm_ends_like_ctrl_c_with_one_line() -> None:
@@ -85,6 +89,22 @@ def test_list_names_a_wrong_typed_push_entry(project: Path) -> None:
     path = _entry(project, "push", {"seq": "abc", "image_id": "sha256:" + "a" * 64})
     r = cli("list", root=project)
     assert r.rc == 0 and str(path) in r.err and "malformed" in r.err, r.err
+
+
+def test_list_names_each_damaged_entry_once_and_each_push_once(project: Path) -> None:
+    """One warning per damaged file (it was said once per definition read), one line per ref@digest pushed."""
+    image = "sha256:" + "a" * 64
+    records.append(project, "build", {"image_id": image, "output_ref": "r/x:v1", "inputs": {"definition": "v0.25.1"}})
+    for _ in range(3):
+        records.append(project, "push", {"image_id": image, "ref": "reg:5000/ops/x:v1", "digest": "sha256:" + "d" * 64})
+    verdict = _entry(project, "verdict", {"seq": "abc", "image_id": image})
+    push = project / "build" / "records" / "push" / f"{'0' * 19}9-bad.json"
+    push.write_text("{not json")
+    r = cli("list", root=project)
+    assert r.rc == 0, r.err
+    assert r.err.count(str(verdict)) == 1 and r.err.count(str(push)) == 1, r.err
+    assert r.out.count("reg:5000/ops/x:v1@sha256:" + "d" * 64) == 1 and "(3 pushes)" in r.out, r.out
+    assert len(json.loads(cli("list", "--json", root=project).out)[0]["builds"][0]["pushes"]) == 3
 
 
 # -- a credential helper named in the docker config that is not installed ------
@@ -252,6 +272,94 @@ def test_report_on_a_full_disk(small_disk: Path, kind: str) -> None:
     assert not path.exists() and [p.name for p in small_disk.iterdir()] == ["filler"]
 
 
+# -- reports written to what is not a regular file: in place or refused, never renamed over ----------
+
+
+@pytest.fixture
+def null_copy(tmp_path: Path) -> Path:
+    """A copy of /dev/null made by mknod in a temporary folder (needs the right to make device nodes)."""
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    return node
+
+
+@pytest.mark.parametrize("kind", ["json", "junit", "attestation"])
+def test_report_to_a_device_writes_through_it(null_copy: Path, kind: str) -> None:
+    """--report / --junit / --attestation /dev/null: the node stays a device (it was replaced by a regular file)."""
+    from vllm_hotfix.checking import smoke
+    from vllm_hotfix.errors import AttestationError
+    from vllm_hotfix.journal.atomic import write_atomic
+    from vllm_hotfix.verdicts import Check, Status, Verdict
+
+    verdict = Verdict(image="x:1", image_id="sha256:" + "a" * 64, status=Status.PASS, gpu_verified=False,
+                      checks=(Check("c", Status.PASS, "d" * 4_000, 0.1),))
+    before = null_copy.stat()
+    if kind == "attestation":
+        write_atomic(null_copy, b"{}" * 5_000, error=AttestationError)
+    else:
+        (smoke.write_json if kind == "json" else smoke.write_junit)(verdict, null_copy)
+    after = null_copy.stat()
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev and after.st_ino == before.st_ino
+    assert [p.name for p in null_copy.parent.iterdir()] == ["null"]
+
+
+def test_report_to_a_full_device_is_one_line(tmp_path: Path) -> None:
+    """/dev/full (a copy): the device says no space; one line naming it, the node left as it was."""
+    node = tmp_path / "full"
+    try:
+        os.mknod(node, 0o644 | stat.S_IFCHR, os.makedev(1, 7))
+    except PermissionError as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    with pytest.raises(StorageError) as caught:
+        write_atomic(node, "x" * 100)
+    assert str(node) in str(caught.value) and "no space" in str(caught.value)
+    assert stat.S_ISCHR(node.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["full"]
+
+
+def test_report_to_a_fifo_goes_to_its_reader(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    # The reader must have the FIFO open before the write, or the write (rightly) finds nobody reading.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            write_atomic(fifo, "through the pipe\n")
+            break
+        except StorageError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    reader.join(10)
+    assert got == [b"through the pipe\n"] and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_report_to_a_fifo_nobody_reads_fails_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(StorageError) as caught:
+        write_atomic(fifo, "x")
+    assert time.monotonic() - started < 5
+    assert str(fifo) in str(caught.value) and "no process is reading" in str(caught.value)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["pipe"]
+
+
+def test_report_to_a_socket_is_refused(tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        with pytest.raises(StorageError) as caught:
+            write_atomic(path, "x")
+    assert "is a socket" in str(caught.value) and stat.S_ISSOCK(path.stat().st_mode)
+
+
 # -- a push's local target tag: noted, put back, removed by the next run ---------
 
 
@@ -364,3 +472,19 @@ def test_sweep_leaves_a_noted_tag_moved_since(tmp_path: Path) -> None:
     engine = TagEngine({TARGET: OLD_ID})
     leftovers.sweep(engine, tmp_path)  # type: ignore[arg-type]
     assert engine.tags[TARGET] == OLD_ID and not (runs / "x.json").exists()
+
+
+def test_output_closed_under_the_tool_is_its_own_exit(project: Path) -> None:
+    """`list | head` with the reader gone before the tool writes: exit 141 and one line (it was 1, silently)."""
+    for n in range(40):  # enough lines that the output does not fit in what the pipe takes at once
+        records.append(project, "build", {"image_id": "sha256:" + f"{n:064x}", "output_ref": f"r/x:v{n}",
+                                          "inputs": {"definition": "v0.25.1"}})
+    proc = subprocess.Popen([sys.executable, str(REPO / "build.py"), "--root", str(project), "list", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away at once, as `head` does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: output closed (what read it went away); the run stopped and cleaned up"], err

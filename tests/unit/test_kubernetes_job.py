@@ -102,11 +102,12 @@ def test_submit_to_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
     key.chmod(0o600)
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig),
             "--sign-key", str(key), root=tmp_path, timeout=120)
-    assert r.rc == 7, r.err
-    assert "cannot reach the cluster" in r.last_error
+    # The host could not run the Job: incomplete (11), not a check the image failed (7).
+    assert r.rc == 11, r.err
+    assert "cannot reach the Kubernetes API server" in r.last_error and "hint: check the cluster" in r.err
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--collect", "job/vllm-hotfix-smoke-gone", "--kubeconfig",
             str(kubeconfig), "--sign-key", str(key), root=tmp_path, timeout=120)
-    assert r.rc == 7 and "cannot reach the cluster" in r.last_error, r.err
+    assert r.rc == 11 and "cannot reach the Kubernetes API server" in r.last_error, r.err
     assert not list((tmp_path / "build").rglob("*.dsse.json"))  # nothing judged, nothing signed
 
 
@@ -122,3 +123,51 @@ def test_a_job_serves_no_model_of_this_host(tmp_path: Path) -> None:
             root=tmp_path)
     assert r.rc == 64 and "the model folder is not on the cluster" in r.last_error, r.err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("--launcher", "kubernetes", "--emit", "J", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H200\nx=y"),
+     "is not a label value"),
+    (("--launcher", "kubernetes", "--emit", "J", "--node-selector", "-bad/key=v"), "is not a label key"),
+    (("--launcher", "kubernetes", "--emit", "J", "--namespace", "gpu nodes"), "not a namespace"),
+    (("--launcher", "kubernetes", "--emit", "J", "--namespace", "a.b"), "not a namespace"),
+    (("--gpus", "2",), "--gpus: is an option of --launcher kubernetes, not docker"),
+    (("--launcher", "podman", "--namespace", "gpu"), "--namespace: is an option of --launcher kubernetes"),
+])
+def test_job_options_kubernetes_would_refuse_are_refused_first(tmp_path: Path, args: tuple[str, ...],
+                                                               needle: str) -> None:
+    """Accepted without a word before: a selector with a newline, names the API server refuses, --gpus 2 with
+    the docker launcher (which asks for GPUs its own way)."""
+    argv = [str(tmp_path / "job.yaml") if a == "J" else a for a in args]
+    r = cli("smoke", IMAGE, *argv, root=tmp_path)
+    assert r.rc == 64, r.err
+    assert needle in r.last_error and "\n" not in r.last_error.replace("\\n", "")
+    assert not (tmp_path / "job.yaml").exists()
+
+
+def test_emit_to_a_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    """--emit into a folder this user cannot write, or onto a full disk: exit 10 naming the file (a traceback)."""
+    import os
+
+    if os.geteuid() == 0:
+        # root writes anywhere: the full device stands in for both
+        target = tmp_path / "full"
+        try:
+            os.mknod(target, 0o644 | 0o020000, os.makedev(1, 7))
+        except PermissionError as exc:
+            pytest.skip(f"cannot make a device node here: {exc}")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        target = locked / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--emit", str(target), root=tmp_path)
+    assert r.rc == 10, r.err
+    assert str(target) in r.last_error
+
+
+def test_submit_with_a_kubeconfig_that_is_not_yaml_is_one_line(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text("clusters: [unclosed\n  - {: : }\n")
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig), root=tmp_path)
+    assert r.rc == 64, r.err
+    assert f"kubeconfig {kubeconfig}: not a usable kubeconfig" in r.last_error

@@ -462,3 +462,40 @@ def test_runbook_shaped_commands_with_bad_values_fail_before_work() -> None:
     r = cli("smoke", "ops/vllm:v1", "--gpu", "require", "--sign-key", "env:NOPE", "--attestation",
             "/etc/hostname/verdict.dsse.json")
     _one_line(r, 64, "--attestation", "cannot write there")
+
+
+def test_hints_under_make_name_its_variables_but_keep_commands_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Run by make, a flag in a hint becomes the make variable; a `python build.py ...` command stays a command
+    (it read `python build.py image --base TAG PLATFORM=all`)."""
+    from vllm_hotfix.cli.app import report_error
+    from vllm_hotfix.errors import BaseImageError, PushError
+
+    monkeypatch.setenv("VLLM_HOTFIX_VIA_MAKE", "1")
+    assert report_error(PushError("not GPU-verified", hint="pass --allow-gpu-unverified to push it anyway")) == 8
+    assert "hint: run make again with ALLOW_GPU_UNVERIFIED=1 to push it anyway" in capsys.readouterr().err
+    report_error(BaseImageError("no per-platform images",
+                                hint="build them with: python build.py image --base TAG --platform all"))
+    err = capsys.readouterr().err
+    assert "hint: build them with: python build.py image --base TAG --platform all" in err
+    assert "PLATFORM=all" not in err
+
+
+@pytest.mark.parametrize("sign", [False, True])
+def test_podman_launcher_without_podman_is_one_line(tmp_path: Path, sign: bool) -> None:
+    """smoke --launcher podman on a host without podman (with and without --sign-key): exit 5, not a traceback."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    args = ["smoke", "ops/vllm:fix", "--launcher", "podman"]
+    if sign:
+        key = tmp_path / "k.pem"
+        key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        key.chmod(0o600)
+        args += ["--sign-key", str(key)]
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    r = cli(*args, root=tmp_path, env={"PATH": str(empty)})
+    fails(r, "podman is not installed or not on PATH")
+    assert r.rc == 5 and "hint: install podman" in r.err

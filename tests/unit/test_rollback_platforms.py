@@ -92,3 +92,33 @@ def test_a_build_whose_image_contradicts_its_record_is_never_picked(two_builds: 
     eng.arch[_id(2)] = "amd64"  # recorded as arm64, but the engine says otherwise
     with pytest.raises(NothingToRollBack):
         lifecycle.rollback(eng, root, "v0.25.1", ref=f"{out}-aarch64")  # type: ignore[arg-type]
+
+
+def test_a_later_single_platform_build_of_the_tag_moves_the_tag_alone(
+        two_builds: tuple[Path, Tags, str, Any]) -> None:
+    """TAG built alone after two multi-platform builds: rollback moves TAG, not the stale children."""
+    root, eng, out, defn = two_builds
+    eng.arch[_id(5)] = "amd64"
+    _build(root, defn.tag, _id(5), out, "linux/amd64")
+    eng.names[out] = _id(5)
+    moved = lifecycle.rollback(eng, root, "v0.25.1")  # type: ignore[arg-type]
+    assert [(m.ref, m.to.image_id, m.was) for m in moved] == [(out, _id(3), _id(5))]
+    assert (eng.names[f"{out}-x86_64"], eng.names[f"{out}-aarch64"]) == (_id(3), _id(4))
+
+
+def test_rollback_to_a_single_platform_build_made_before_a_multi_platform_one(project: Path) -> None:
+    """--to an earlier build of TAG itself (single-platform), TAG since the output of a two-platform build."""
+    defn = definitions.load(project, "v0.25.1")
+    out = "r/vllm-openai:v0.25.1-m3patch"
+    eng = Tags({_id(1): "amd64", _id(2): "amd64", _id(3): "arm64"})
+    _build(project, defn.tag, _id(1), out, "linux/amd64")
+    _build(project, defn.tag, _id(2), f"{out}-x86_64", "linux/amd64")
+    _build(project, defn.tag, _id(3), f"{out}-aarch64", "linux/arm64")
+    eng.names = {out: _id(2), f"{out}-x86_64": _id(2), f"{out}-aarch64": _id(3)}
+    moved = lifecycle.rollback(eng, project, "v0.25.1", _id(1))  # type: ignore[arg-type]
+    assert [(m.ref, m.to.image_id, m.direction) for m in moved] == [(out, _id(1), "back")]
+    assert eng.names == {out: _id(1), f"{out}-x86_64": _id(2), f"{out}-aarch64": _id(3)}
+    # A child's build is still one platform's: name its tag.
+    with pytest.raises(Refused, match="multi-platform"):
+        eng.names[out] = _id(2)
+        lifecycle.rollback(eng, project, "v0.25.1", _id(3))  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import shlex
 from pathlib import Path
 
@@ -89,3 +90,69 @@ def _fails(r: Result, *needles: str) -> None:
 def test_rollback_without_records(project: Path) -> None:
     r = cli("rollback", "--base", "v0.25.1", root=project)
     _fails(r, "no build records for v0.25.1")
+
+
+def _placeholder(value: str) -> bool:
+    """IMAGE, ID, sha256:...: words the reader replaces."""
+    return value.isupper() or "..." in value
+
+
+@pytest.mark.parametrize("args", runbook_commands(), ids=lambda a: " ".join(a))
+def test_runbook_values_pass_their_checks(args: list[str]) -> None:
+    """Every reference, tag, registry and image ID written out in the runbook is one the CLI accepts as it stands
+    (its `rollback --to sha256:0123abcd` was refused as no image ID, exit 64, where it documents exit 1)."""
+    from vllm_hotfix.cli.app import Checked
+    from vllm_hotfix.errors import UsageError
+
+    sub_args = args[2:] if args[:1] == ["--root"] else args
+    command = climod.main.commands[sub_args[0]]
+    checked = {opt: param.type for param in command.params for opt in getattr(param, "opts", [])
+               if isinstance(param.type, Checked)}
+    words = [w for w in sub_args[1:] if not w.startswith("#")]
+    for opt, value in zip(words, words[1:], strict=False):
+        if opt in checked and not _placeholder(value):
+            try:
+                checked[opt].convert(value, None, None)
+            except UsageError as exc:
+                pytest.fail(f"runbook command `{' '.join(args)}`: {exc}")
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """Markdown tables whose first header cell is `exit`: their rows' cells (an escaped `\\|` stays in its cell)."""
+    tables: list[list[list[str]]] = []
+    current: list[list[str]] | None = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if current is None:
+            current = [] if cells[:1] == ["exit"] else None
+            if current is not None:
+                tables.append(current)
+        elif not set("".join(cells)) <= set("-: "):
+            current.append(cells)
+    return tables
+
+
+def test_readme_exit_table_is_errors_py() -> None:
+    """README's exit table is exit_table(), row for row, as --help prints it."""
+    from vllm_hotfix.errors import exit_table
+
+    [table] = _tables((REPO / "README.md").read_text(encoding="utf-8"))
+    assert [(int(code), meaning) for code, meaning in table] == exit_table()
+    shown = " ".join(climod.EXIT_CODES.split())
+    for code, meaning in exit_table():
+        assert f"{code} {' '.join(meaning.split())}" in shown
+
+
+def test_runbook_exit_codes_are_the_tools() -> None:
+    """Every exit code the runbook's tables give is one errors.py has (or `-`, for warnings)."""
+    from vllm_hotfix.errors import exit_table
+
+    codes = {str(code) for code, _ in exit_table()} | {"-"}
+    tables = _tables(RUNBOOK.read_text(encoding="utf-8"))
+    assert len(tables) >= 2
+    for table in tables:
+        for row in table:
+            assert row[0] in codes, f"runbook row names exit {row[0]}, which the tool does not have: {row}"

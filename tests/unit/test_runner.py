@@ -118,3 +118,31 @@ def test_the_job_names_where_the_package_must_import_from(tmp_path: Path) -> Non
     job, _ = plan.job(tmp_path, target, SmokeOptions(), launcher="podman", gpu_request=None, landed=landed)
     assert job["landed"] == landed and "sign" not in job and "compiled_missing" not in job["gpu"]
     assert judging.required(job) == ["import-location", "env-report", "serve-sweep"]
+
+
+def test_the_runner_leaves_no_scratch_folder(tmp_path: Path) -> None:
+    """Run on a host (as these tests do), the runner's own scratch folder goes with it (12 were left per unit run)."""
+    folder = tmp_path / "runner"
+    base.stage(folder, _job())
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
+                          capture_output=True, text=True, timeout=120, cwd=folder, env={"TMPDIR": str(scratch)})
+    assert done.returncode == 0, done.stderr
+    assert list(scratch.iterdir()) == []
+
+
+def test_staging_folders_of_gone_processes_are_swept(tmp_path: Path) -> None:
+    """A run killed mid-smoke leaves its staging folder: the next run removes it."""
+    from vllm_hotfix.journal import leftovers
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{leftovers.STAGING}pytest-run-1-{gone.pid}-abcd_123"
+    live = tmp_path / f"{leftovers.staging_prefix()}efgh_456"
+    other = tmp_path / "vllm-hotfix-runner-abcdefgh"  # no owner in its name: not the sweep's to judge
+    for d in (dead, live, other):
+        (d / "runner").mkdir(parents=True)
+        (d / "runner" / "job.json").write_text("{}")
+    assert leftovers.sweep_staging(tmp_path) == 1
+    assert not dead.exists() and live.exists() and other.exists()

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..errors import Refused
+from ..errors import UsageError
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -60,9 +60,9 @@ class Builder(Protocol):
 
 
 def known_builder(name: str) -> str:
-    """``name`` if a builder has it; else Refused (a value that did not come through the CLI's choice)."""
+    """``name`` if a builder has it; else a usage error, as the CLI's own choice gives (exit 64)."""
     if name not in BUILDERS:
-        raise Refused(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
+        raise UsageError(f"unknown builder {name!r} (one of {', '.join(BUILDERS)})")
     return name
 
 

@@ -87,6 +87,7 @@ class BuildResult:
     record: records.Entry
     smoke: Verdict | None = None
     platform: str | None = None
+    was: str | None = None  # the image the output tag named before, if it moved off another one
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,10 +262,15 @@ def _smoke(engine: Engine, p: Plan, image_id: str, smoke: SmokeRunner,
     return verdict
 
 
-def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> None:
-    """Journal first, then the tag: an unrecordable move does not happen."""
-    records.append(p.root, "tag", {"ref": p.output_ref, "image_id": image_id, "why": why})
+def _move_tag(engine: Engine, p: Plan, image_id: str, why: str) -> str | None:
+    """Journal first, then the tag: an unrecordable move does not happen. The image the tag named before,
+    if another (a reused build can move it back from a newer one: the caller says so, as rollback does)."""
+    now = engine.image(p.output_ref)
+    was = now.id if now is not None and now.id != image_id else None
+    records.append(p.root, "tag", {"ref": p.output_ref, "image_id": image_id, "why": why,
+                                   **({"from": was} if was else {})})
     engine.tag(image_id, p.output_ref)
+    return was
 
 
 def _resolve_base(engine: Engine, p: Plan, opts: BuildOptions, platform: Platform | None,
@@ -311,8 +317,8 @@ def _reuse(engine: Engine, p: Plan, key: str, opts: BuildOptions, platform: Plat
             # Built earlier with --no-smoke (or only incomplete runs): smoke it before it gets the tag.
             say("    no smoke verdict on it yet")
             verdict = _smoke(engine, p, rec.image_id, opts.smoke, None, say)
-        _move_tag(engine, p, rec.image_id, "reused")
-        return BuildResult(p.output_ref, rec.image_id, True, rec, verdict, str(platform) if platform else None)
+        was = _move_tag(engine, p, rec.image_id, "reused")
+        return BuildResult(p.output_ref, rec.image_id, True, rec, verdict, str(platform) if platform else None, was)
     return None
 
 
@@ -404,12 +410,12 @@ def build_image(
                                        facts.site_dir, facts.cache_tag)
             verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
         record = records.append(p.root, "build", meta)
-        _move_tag(engine, p, image_id, "built")
+        was = _move_tag(engine, p, image_id, "built")
     except BaseException:
         _remove_unfinished(engine, image_id, pending)
         raise
     pending.clear()
-    return BuildResult(p.output_ref, image_id, False, record, verdict, str(platform) if platform else None)
+    return BuildResult(p.output_ref, image_id, False, record, verdict, str(platform) if platform else None, was)
 
 
 def _remove_unfinished(engine: Engine, image_id: str, pending: leftovers.Pending) -> None:
@@ -465,6 +471,7 @@ def build_platforms(
             return result
         results.append(result)
     own = next((r for plat, r in zip(bases, results, strict=True) if plat == platforms.native(engine)), None)
-    if own is not None and len(results) > 1:
+    if own is not None:
+        # Also for an index of one platform: OUTPUT names the engine's own platform's image, as the runbook says.
         _move_tag(engine, p, own.image_id, f"platform {own.platform} of a multi-platform build")
     return results

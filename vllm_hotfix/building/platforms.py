@@ -226,18 +226,27 @@ def bases(
         return None
     if not asked and engine.api_version < MIN_API:
         # An engine that loses other platforms still builds its own, as it always did.
-        say(f"    the engine ({engine.version_text}) builds for its own platform only; "
-            "--platform all needs Docker 26.1 or newer")
+        say(f"    the engine ({engine.version_text}) keeps no other platform's images: building for its own "
+            "platform only (the base's other platforms need Docker 26.1 or newer)")
         return None
+    # Every platform, or more than one: only the registry's index can say what they are, and getting
+    # fewer than asked for is a failure, never a quiet single-platform build.
+    several = asked and (wanted is None or len(wanted) > 1)
+    asked_for = "--platform all" if wanted is None else f"--platform {','.join(map(str, wanted))}"
+    if several and pull == "never":
+        raise UsageError(f"{asked_for} reads the base's index from its registry; --pull never reads no registry",
+                         hint="drop --pull never, or name the one platform the base in the engine has")
     from ..registry import client as registry  # here: an ordinary build never asks a registry (nor imports requests)
 
     try:
         found = registry.read_index(engine, base_ref) if pull != "never" else None
     except PipelineError as exc:
-        if asked and wanted is not None and local is None:
-            raise BaseImageError(f"cannot read {base_ref} from its registry to find its platforms: {exc}") \
-                from exc
-        say(f"    cannot read {base_ref} from its registry ({exc}); building for one platform")
+        if several or (asked and local is None):
+            raise BaseImageError(f"{asked_for}: cannot read {base_ref} from its registry to find its "
+                                 f"platforms: {exc}",
+                                 hint="check the registry and your login (docker login), or build the "
+                                      "platform the base in the engine has: --platform linux/<arch>") from exc
+        say(f"    cannot read {base_ref} from its registry; building for one platform: {exc}")
         found = None
     if found is None or not found.is_index:
         return _single(base_ref, wanted, local, found is not None)

@@ -88,7 +88,8 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
             return info
         if not tar.exists():
             slow = plat is not None and plat.machine != wheels.host_machine()
-            progress(f"making a Debian bookworm {plat.debian_arch if plat else ''} root file system with python3 "
+            arch = f" {plat.debian_arch}" if plat else ""
+            progress(f"making a Debian bookworm{arch} root file system with python3 "
                      f"and pip (mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
             part = tar.with_suffix(".part.tar")
             proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)

@@ -16,7 +16,9 @@ body only calls the library and prints what comes back.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import EXIT_INTERRUPTED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
 from . import history_commands, image_commands, patchset_commands, push_commands, smoke_commands
 from .app import EXIT_CODES, Checked, main, report_error, set_root, set_verbose
 
@@ -51,7 +53,23 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
     signal.signal(signal.SIGTERM, _on_sigterm)
-    return _run(argv, prog)
+    code = _run(argv, prog)
+    try:
+        sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a stray complaint
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _output_closed() if code == 0 else code
+    return code
+
+
+def _output_closed() -> int:
+    """The reader of the tool's output went away (``| head``): the run stopped, as an interrupt stops it."""
+    try:
+        click.secho("error: output closed (what read it went away); the run stopped and cleaned up",
+                    fg="red", err=True)
+    except OSError:
+        pass  # stderr went with it: the exit code says it
+    return EXIT_OUTPUT_CLOSED
 
 
 def _on_sigterm(_signum: int, _frame: object) -> None:
@@ -76,6 +94,12 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return UsageError.exit_code
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
+    except SystemExit as exc:
+        # click ends a write to a closed pipe with exit 1, silently; 1 means "nothing to roll back" here.
+        cause = exc.__context__
+        if isinstance(cause, OSError) and cause.errno == errno.EPIPE:
+            return _output_closed()
+        raise
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         # click turns an interrupt into Abort, keeping the interrupt as its cause.
         if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):

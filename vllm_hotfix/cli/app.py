@@ -49,7 +49,8 @@ def report_error(exc: PipelineError) -> int:
     click.secho(f"error: {exc}", fg="red", err=True)
     if exc.hint:
         hint = exc.hint
-        if os.environ.get(VIA_MAKE_ENV):
+        # A hint that spells out a command (python build.py ...) is left whole: PLATFORM=all is no flag of it.
+        if os.environ.get(VIA_MAKE_ENV) and "python build.py" not in hint:
             for flag, variable in _MAKE_SPELLING.items():
                 hint = hint.replace(f"pass {flag}", f"run make again with {variable}").replace(flag, variable)
         click.echo(f"hint: {hint}", err=True)
@@ -76,6 +77,7 @@ class Ctx:
             # containers and images behind, and notes saying so: remove them
             # before new work, and note this run's own containers the same way.
             leftovers.sweep(self._engine, self.root, progress)
+            leftovers.sweep_staging()
             leftovers.watch(self._engine, self.root)
         return self._engine
 

@@ -32,8 +32,17 @@ def list_cmd(obj: Ctx, as_json: bool) -> None:
                 verdict += " (GPU-verified)" if b["gpu_verified"] else " (GPU-unverified)"
             if b["incomplete_runs"]:
                 verdict += f", {b['incomplete_runs']} later incomplete run(s)"
-            pushes = ", ".join(f"{p['ref']}@{p['digest']}" for p in b["pushes"]) or "none"
+            pushes = _pushes_once(b["pushes"])
             click.echo(f"  {b['created']}  {b['image_id']}  {b['output_ref']}  smoke {verdict}  push {pushes}")
+
+
+def _pushes_once(pushes: list[dict[str, str]]) -> str:
+    """Each ref@digest once, newest first, with how often it was pushed (--json keeps every push)."""
+    counts: dict[str, int] = {}
+    for p in pushes:
+        name = f"{p['ref']}@{p['digest']}"
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(name + (f" ({n} pushes)" if n > 1 else "") for name, n in counts.items()) or "none"
 
 
 @main.command()

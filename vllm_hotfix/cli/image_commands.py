@@ -84,11 +84,19 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
         _report_platforms(plan, result, as_json)
         return
     how = "reused" if result.reused else "built"
+    _say_moved(result, base_tag)
     if as_json:
-        print_json({"result": how, "ref": result.output_ref, "image_id": result.image_id,
-               "record": result.record.path.name, **_smoke_facts(result)})
+        print_json({"result": how, "ref": result.output_ref, "image_id": result.image_id, "was": result.was,
+                    "record": result.record.path.name, **_smoke_facts(result)})
         return
     click.echo(f"{how} {result.output_ref} {result.image_id}")
+
+
+def _say_moved(result: pipeline.BuildResult, base_tag: str) -> None:
+    """A tag moved off another image is never silent: a reused older build takes it back from a newer one."""
+    if result.was is not None:
+        progress(f"==> {result.output_ref} moved to {result.image_id[:19]} (was {result.was}); moving it back: "
+                 f"python build.py rollback --base {base_tag} --tag {result.output_ref} --to {result.was[:19]}")
 
 
 def _smoke_facts(result: pipeline.BuildResult) -> dict[str, Any]:
@@ -106,10 +114,12 @@ def _report_no_hotfix(result: pipeline.NoHotfix, as_json: bool) -> None:
 
 
 def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], as_json: bool) -> None:
+    for r in results:
+        _say_moved(r, plan.definition.tag)
     if as_json:
         print_json({"result": "built" if any(not r.reused for r in results) else "reused", "ref": plan.output_ref,
                "platforms": [{"platform": r.platform, "ref": r.output_ref, "image_id": r.image_id,
-                              "reused": r.reused, "record": r.record.path.name, **_smoke_facts(r)}
+                              "reused": r.reused, "was": r.was, "record": r.record.path.name, **_smoke_facts(r)}
                              for r in results]})
         return
     for r in results:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
-                   compile_cache: bool = True) -> SmokeOptions:
+                   compile_cache: bool = True, deadline: int | None = None) -> SmokeOptions:
     from ..checking import reference, sweep
     from ..checking.launchers.options import SmokeOptions
 
@@ -32,7 +32,8 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
     return SmokeOptions(gpu=gpu, gpu_request=gpu_request, definition=definition, serve_model=serve_model,
                         serve_args=serve_args, levels=sweep.parse_levels(concurrency), requests=requests_n,
                         min_tokens=min_tokens, reference=answers.reference, record_reference=answers.record,
-                        noise_multiple=answers.noise_multiple, keep_going=keep_going, compile_cache=compile_cache)
+                        noise_multiple=answers.noise_multiple, keep_going=keep_going, compile_cache=compile_cache,
+                        deadline=deadline)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -120,15 +121,17 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
 @click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
               help="kubernetes: nvidia.com/gpu the Job asks for.")
-@click.option("--deadline", type=click.IntRange(60), default=3600, show_default=True,
-              help="kubernetes: the Job's activeDeadlineSeconds.")
+@click.option("--deadline", type=click.IntRange(5), default=None, metavar="S",
+              help="Seconds the checks in the image may take in all, for every launcher (a Job's "
+                   "activeDeadlineSeconds); past it the run is incomplete. Default: what the checks asked for "
+                   "need (600, +1800 with GPU checks, +2700 with --serve-model).")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
-          node_selector: str | None, gpu_count: int, deadline: int, concurrency: str, requests_n: int,
+          node_selector: str | None, gpu_count: int, deadline: int | None, concurrency: str, requests_n: int,
           min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
           noise_multiple: float | None) -> None:
     """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
@@ -137,19 +140,30 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
-                             keep_going=keep_going, compile_cache=compile_cache)
+                             keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)
+    if launcher != "kubernetes":
+        # Options of the Job's alone: given to another launcher they would be ignored without a word.
+        ctx = click.get_current_context()
+        given = [name for name, param in (("--namespace", "namespace"), ("--gpus", "gpu_count"))
+                 if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise UsageError(f"{', '.join(given)}: {'is an option' if len(given) == 1 else 'are options'} of "
+                             f"--launcher kubernetes, not {launcher}",
+                             hint="the docker and podman launchers ask for GPUs with --gpu-request")
     cluster = None
     if emit_path or submit or collect or node_selector or kubeconfig:
         from ..checking.launchers import elsewhere
         from ..checking.launchers import kubernetes as k8s
+        from ..checking.launchers.plan import deadline as job_deadline
 
         name = collect.removeprefix("job/") if collect and collect.startswith("job/") else \
             f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}"
-        spec = k8s.JobSpec(name, namespace=namespace, gpus=gpu_count, node_selector=k8s.parse_selector(node_selector),
-                           deadline_s=deadline)
+        spec = k8s.JobSpec(name, namespace=k8s.check_name(namespace, "--namespace", subdomain=False),
+                           gpus=gpu_count, node_selector=k8s.parse_selector(node_selector),
+                           deadline_s=int(job_deadline(options, gpu != "off")))
         cluster = elsewhere.Cluster(spec, emit_path, submit, collect, kubeconfig)
     request = smokelib.SmokeRequest(image_ref, options, launcher, sign_key, attestation_path, cluster)
     done = smokelib.run(lambda: obj.engine, obj.root, request, progress)

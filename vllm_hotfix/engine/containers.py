@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import BaseImageError, EngineError, PipelineError
 from . import labels
-from .mapping import gone
+from .mapping import gone, lost
 from .model import ExecResult, GpuRequest, Refused, Seam
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,19 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
     Only the creation runs under the error mapper here: the block's own engine
     calls name their operation themselves, and its other errors are not the engine's.
     """
+    # A name of its own, so that a container whose creation was interrupted (Ctrl-C, SIGTERM while the
+    # engine made it, before its ID came back) can still be found and removed, not left `Created`.
+    name = f"vllm-hotfix-{role}-{uuid.uuid4().hex[:20]}"
     with engine.translating(operation, refused):
         engine.notify(+1)
         try:
-            container = engine.sdk.containers.create(image, labels=labels.for_container(role), **create)
+            container = engine.sdk.containers.create(image, name=name, labels=labels.for_container(role), **create)
         except Exception as exc:
             if not gone(exc):
                 engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
+            raise
+        except BaseException:
+            remove(engine, name, quiet=True)  # made or not: removing a name that is not there is no error
             raise
     try:
         yield container
@@ -118,8 +125,10 @@ class Box:
         # exec_run has no timeout of its own: wrap the command in one when
         # `timeout` exists in the image, which every Debian-based image has.
         # The engine must answer within that time and a little more.
-        with self._engine.deadline(timeout + EXEC_GRACE), self._engine.translating("running a probe in a container"):
-            result = self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True)
+        limit = timeout + EXEC_GRACE
+        with self._engine.deadline(limit), self._engine.translating("running a probe in a container"):
+            result = _within(limit, "running a probe in a container",
+                             lambda: self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True))
         out, err = result.output
         stderr = (err or b"").decode("utf-8", "replace")
         if result.exit_code == 124:
@@ -150,6 +159,32 @@ class Served:
         """Its last SERVICE_LOG_LINES lines."""
         with self._engine.translating("reading the server container's log"):
             return str(self._container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace"))
+
+
+def _within(seconds: float, operation: str, call: Callable[[], Any]) -> Any:
+    """``call()``, or the engine lost after ``seconds``.
+
+    The SDK reads an exec's output with an untimed poll on its socket, which
+    the client's timeout does not bound: an engine frozen mid-exec would hold
+    the run forever. The call runs in a thread of its own; one that the engine
+    never answers is left behind (a daemon), and the run ends with one line.
+    """
+    got: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            got["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            got["error"] = exc
+
+    thread = threading.Thread(target=target, name="engine-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise lost(operation, TimeoutError(f"no answer within {seconds:.0f} s"))
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
 
 
 def _foreign_arch(image: str, said: str) -> BaseImageError:
@@ -249,11 +284,18 @@ def _follow(container: Any, say: Callable[[str], None]) -> threading.Thread:
 def _wait(container: Any, timeout: float) -> int:
     """The container's exit code, or 124 when it did not end within ``timeout`` (it is removed after)."""
     import requests.exceptions
+    import urllib3.exceptions
 
     try:
         return int(container.wait(timeout=timeout).get("StatusCode", 1))
     except requests.exceptions.ReadTimeout:
         return 124
+    except requests.exceptions.ConnectionError as exc:
+        # Over a Unix socket the SDK's wait that runs out of time comes as a ConnectionError around urllib3's
+        # read timeout: the container outlived its time, the engine did not go away.
+        if any(isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in exc.args):
+            return 124
+        raise
 
 
 @contextmanager

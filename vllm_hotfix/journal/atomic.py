@@ -8,6 +8,11 @@ one file system), is flushed to disk, and only then takes the final name. A
 write that fails, a full disk included, removes the temporary file and raises
 one :class:`PipelineError` line naming the file, so nothing half-written is
 left behind under any name.
+
+A name that holds something other than a regular file is never renamed over:
+a character device (``--report /dev/null``, the usual way to throw output
+away) or a FIFO another process reads is written in place, anything else
+(a folder, a block device, a socket) is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +50,9 @@ def write_atomic(
     becomes ``error`` naming ``path``; the temporary file never survives.
     """
     raw = data.encode("utf-8") if isinstance(data, str) else data
+    if not exclusive and _special(path, error):
+        _write_in_place(path, raw, error)
+        return
     # Hidden and not ending in the final suffix, so that a reader listing
     # ``*.json`` never picks up a file still being written.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
@@ -74,6 +83,50 @@ def write_atomic(
                 tmp.unlink()
             except OSError as exc:  # the write's own error, if any, is the one to report
                 log.debug("cannot remove %s: %s", tmp, exc)
+
+
+def _special(path: Path, error: type[PipelineError]) -> bool:
+    """True if ``path`` (its target, for a link) is a character device or FIFO, to be written in place.
+
+    Raises ``error`` for any other kind of file that is not a regular one;
+    False for a regular file or no file at all.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False  # nothing there (or nothing reachable): the ordinary write makes it, or names the error
+    if stat.S_ISREG(st.st_mode):
+        return False
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+        return True
+    kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode)
+            else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+    raise error(f"cannot write {path}: it is {kind}; give the name of a regular file")
+
+
+def _write_in_place(path: Path, raw: bytes, error: type[PipelineError]) -> None:
+    """Write ``raw`` into the device or FIFO at ``path``, which stays what it is.
+
+    A FIFO is opened without waiting: one that no process reads is an error
+    now, not a run that hangs at its end.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise error(f"cannot write {path}: it is a FIFO that no process is reading") from exc
+        raise error(f"cannot write {path}: {exc.strerror or exc}") from exc
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise error(f"cannot write {path}: no space left on it ({exc.strerror})") from exc
+        raise error(f"cannot write {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def claim(path: Path, *, mode: int = 0o600, error: type[PipelineError] = StorageError) -> bool:

@@ -44,6 +44,43 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# The folder a launcher stages the runner in (the job, the probes, the patch set's checks).
+STAGING = "vllm-hotfix-runner-"
+
+
+def staging_prefix() -> str:
+    """A staging folder's name prefix: the run ID (tests set one) and this process's ID, so that the folder
+    of a run that was killed can be told from a live run's and removed by the next one."""
+    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID", "")
+    return f"{STAGING}{run_id + '-' if run_id else ''}{os.getpid()}-"
+
+
+def sweep_staging(folder: Path | None = None) -> int:
+    """Remove the staging folders in ``folder`` (the temporary folder) of this user's processes that are gone."""
+    import re
+    import shutil
+    import tempfile
+
+    where = Path(folder or tempfile.gettempdir())
+    pattern = re.compile(rf"^{re.escape(STAGING)}(?:.+-)?(\d+)-[A-Za-z0-9_]+$")
+    removed = 0
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return 0
+    for entry in entries:
+        found = pattern.match(entry.name)
+        try:
+            if found is None or not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not _alive(int(found.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def _dead_here(owner_label: str) -> bool:
     host, _, pid = owner_label.rpartition(":")
     return host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))

@@ -291,8 +291,19 @@ def load(root: Path, kind: str) -> list[Entry]:
     """Every readable entry of one kind, oldest first; each damaged one is named in a warning."""
     found, bad = scan(root, kind)
     for d in bad:
-        log.warning("journal entry %s %s; left out", d.path, d.why)
+        warn(d, "; left out")
     return found
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn(d: Damaged, tail: str = "") -> None:
+    """Name a damaged entry in a warning, once per process (a command may read the journal many times)."""
+    key = (str(d.path), d.why)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("journal entry %s %s%s", d.path, d.why, tail)
 
 
 def damage(root: Path, image_id: str, kinds: Iterable[str] = KINDS) -> list[Damaged]:

@@ -65,7 +65,7 @@ def builds(root: Path, definition: str) -> list[Build]:
     # Each kind of entry is read once, not once per build.
     all_verdicts, all_pushes = records.load_verdicts(root), records.load(root, "push")
     for d in all_verdicts.damaged:
-        log.warning("journal entry %s %s", d.path, d.why)
+        records.warn(d)
     out: list[Build] = []
     seen: set[str] = set()
     for entry in records.builds(root, definition):
@@ -148,6 +148,8 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
     kids = [] if platforms.parent_ref(ref) is not None else [
         (plat, platforms.child_ref(ref, plat)) for plat in _BOTH
         if any(b.output_ref == platforms.child_ref(ref, plat) for b in made)]
+    if kids and not _names_a_child(engine, made, ref, kids, to_image):
+        kids = []  # TAG was built alone since its multi-platform build (or --to names such a build): it moves alone
     if not kids:
         return (_move(engine, root, _plan(engine, defn.tag, made, ref, _platform_of_ref(engine, made, ref),
                                           to_image)),)
@@ -169,6 +171,24 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
 
 
 _BOTH = (Platform("linux", "amd64"), Platform("linux", "arm64"))
+
+
+def _names_a_child(engine: Engine, made: list[Build], ref: str, kids: list[tuple[Platform, str]],
+                   to_image: str | None) -> bool:
+    """Whether ``ref`` is (still) the output of a multi-platform build, to be rolled back with its children.
+
+    Not when it names an image none of the children names (a single-platform build of TAG came later), nor
+    when ``--to`` names a build made under TAG itself.
+    """
+    if to_image is not None:
+        want = to_image.removeprefix("sha256:")
+        target = next((b for b in made if b.image_id.removeprefix("sha256:").startswith(want)), None)
+        if target is not None and target.output_ref == ref:
+            return False
+    current = engine.image(ref)
+    if current is None:
+        return True
+    return any((info := engine.image(kid)) is not None and info.id == current.id for _, kid in kids)
 
 
 def _platform_of_ref(engine: Engine, made: list[Build], ref: str) -> Platform | None:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from ..building import platforms
 from ..building.platforms import Platform, child_ref
 from ..checking.launchers import facts
 from ..engine import Engine, ImageInfo, registry_errors, registry_of, split_reference
-from ..errors import AttestationError, PipelineError, PushError, RecordError, Refused
+from ..errors import (
+    AttestationError,
+    BaseImageError,
+    PipelineError,
+    PushError,
+    RecordError,
+    Refused,
+    StorageError,
+)
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
@@ -202,6 +211,11 @@ class Gate:
     require_attestation: tuple[str, ...] = ()  # public keys: files, folders of PEM files, or env:NAME
     attestations: tuple[Path, ...] = ()  # signed verdicts given on the command line
 
+    def given_are_about(self, image_ids: list[str], what: str) -> None:
+        """Each signed verdict given on the command line must name one of the images pushed (checked first)."""
+        for path in self.attestations:
+            attest.require_about(path, image_ids, what)
+
     def clear(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, target: str) -> Clearance:
         if self.require_attestation:
             keys = signing.load_public_keys(self.require_attestation)
@@ -251,8 +265,11 @@ def push(
     target = target_ref(image_ref, registry)
     info = engine.image(image_ref)
     if info is None:
-        raise PushError(f"image {image_ref} is not in the engine")
+        # Nothing to push, and no gate refused it: the image is missing (exit 4), as under smoke.
+        raise BaseImageError(f"image {image_ref!r} is not in the engine",
+                             hint="build it with `image` (which smoke-tests it), or pull it first")
     check_platform(root, info, image_ref)
+    policy.given_are_about([info.id], image_ref)
     verdict = policy.clear(engine, root, info, image_ref, target)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
@@ -284,26 +301,57 @@ def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts
     before it is made, so that a run killed mid-push has the next run remove
     it, and afterwards it is put back as it was: removed, or pointed again
     at the image it named before. A tag found there is never taken as the
-    pushed image: the push always re-tags ``info`` first.
+    pushed image: the push always re-tags ``info`` first. Runs on this host
+    pushing to the same target take turns (:func:`_one_push`): one run's
+    clean-up never takes the tag away from under another's push, nor puts
+    another image under it.
     """
-    had = engine.image(target)
-    before = had.id if had is not None else None
-    note = leftovers.pending(root)
-    if before != info.id:
-        note.tag(target, info.id)
-    engine.tag(info.id, target)
-    try:
-        digest = _push_with_retries(engine, target, attempts, say)
-        seen = engine.registry_digest(target)
-        if seen != digest:
-            raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
-    finally:
-        if before is None:
-            engine.untag(target)
-        elif before != info.id:
-            engine.tag(before, target)
-        note.untag(target)
+    with _one_push(target, say):
+        had = engine.image(target)
+        before = had.id if had is not None else None
+        note = leftovers.pending(root)
+        if before != info.id:
+            note.tag(target, info.id)
+        engine.tag(info.id, target)
+        try:
+            digest = _push_with_retries(engine, target, attempts, say)
+            seen = engine.registry_digest(target)
+            if seen != digest:
+                raise PushError(f"registry resolves {target} to {seen}, not the pushed {digest}")
+        finally:
+            if before is None:
+                engine.untag(target)
+            elif before != info.id:
+                engine.tag(before, target)
+            note.untag(target)
     return digest
+
+
+@contextmanager
+def _one_push(target: str, say: Callable[[str], None]) -> Iterator[None]:
+    """Hold this host's lock for ``target`` (a file under the temporary folder, named by its hash)."""
+    import fcntl
+    import hashlib
+    import os
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"vllm-hotfix-push-locks-{os.getuid()}" / (
+        hashlib.sha256(target.encode()).hexdigest()[:32] + ".lock")
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fh = open(path, "a")  # noqa: SIM115 - held open for the lock's whole life
+    except OSError as exc:
+        raise StorageError(f"cannot make the push lock {path}: {exc.strerror or exc}") from exc
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"    another run is pushing {target} from this host; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,12 +376,12 @@ def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Plat
         if info is None:
             if plats is None:
                 continue
-            raise PushError(f"no {plat} image {ref} in the engine",
+            raise BaseImageError(f"no {plat} image {ref} in the engine",
                             hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
         check_platform(root, info, ref, plat)
         found.append((plat, info))
     if not found:
-        raise PushError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
+        raise BaseImageError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
                         hint="build them with: python build.py image --base TAG --platform all")
     return found
 
@@ -358,6 +406,7 @@ def push_index(
     policy = policy or Gate()
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, root, image_ref, plats)
+    policy.given_are_about([info.id for _plat, info in found], f"any platform's image of {image_ref}")
     verdicts = {}
     for plat, info in found:
         verdicts[plat] = policy.clear(engine, root, info, f"{child_ref(image_ref, plat)} ({plat})",

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import Engine, split_reference
-from ..errors import AttestationError, AttestationMismatch, AttestationMissing, PipelineError
+from ..errors import (
+    AttestationError,
+    AttestationMismatch,
+    AttestationMissing,
+    AttestationTampered,
+    PipelineError,
+)
 from ..journal.atomic import write_atomic
 from ..journal.records import records_dir
 from ..registry import client as registry
@@ -143,25 +149,76 @@ def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str
     return Accepted(where, newest.key_id, newest.key_name, newest.predicate)
 
 
+# A DSSE envelope of a smoke report is tens of kilobytes; a file far larger is not one.
+MAX_ENVELOPE = 16 * 1024 * 1024
+
+
+def read_envelope(path: Path) -> bytes:
+    """The bytes of the signed verdict at ``path``: a regular file, read without waiting on it.
+
+    A FIFO (or a device) given as --attestation would block the read until
+    someone writes to it: it is refused instead, as is a file too large to be
+    an envelope.
+    """
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AttestationError(f"the signed verdict {path} is not a regular file (a FIFO, device or socket); "
+                                   "give the envelope's file")
+        if st.st_size > MAX_ENVELOPE:
+            raise AttestationError(f"the signed verdict {path} is {st.st_size} bytes, too large for an envelope")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(MAX_ENVELOPE + 1)
+    except OSError as exc:
+        raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def named_images(data: bytes) -> set[str] | None:
+    """The image IDs an envelope's statement names as its subjects (unverified); None if it is no envelope."""
+    try:
+        envelope = json.loads(data)
+        doc = json.loads(base64.b64decode(envelope["payload"]))
+        return {f"sha256:{s['digest']['sha256']}" for s in doc["subject"]}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def names(path: Path, image_id: str) -> bool:
     """Whether the envelope at ``path`` says it is about ``image_id`` (unverified: only to route it)."""
     try:
-        envelope = json.loads(path.read_bytes())
-        doc = json.loads(base64.b64decode(envelope["payload"]))
-        return any(f"sha256:{s['digest']['sha256']}" == image_id for s in doc["subject"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return image_id in (named_images(read_envelope(path)) or set())
+    except AttestationError:
         return False
 
 
+def require_about(path: Path, image_ids: Sequence[str], what: str) -> None:
+    """Refuse ``--attestation path`` unless its envelope names one of ``image_ids`` (before anything is pushed).
+
+    Attached beside another image it would vouch for nothing; skipped without
+    a word, the push looked as if it carried it.
+    """
+    named = named_images(read_envelope(path))
+    if named is None:
+        raise AttestationTampered(f"--attestation {path}: not a signed verdict (a DSSE envelope of a statement)")
+    if not named & set(image_ids):
+        raise AttestationMismatch(f"--attestation {path} is a signed verdict about another image "
+                                  f"({', '.join(i[:19] for i in sorted(named))}), not {what} "
+                                  f"({', '.join(i[:19] for i in image_ids)})",
+                                  hint="give the envelope smoke wrote for this image")
+
+
 def files(paths: Iterable[Path]) -> list[tuple[str, bytes]]:
-    """Signed verdict files as candidates; AttestationError naming one that cannot be read."""
-    out = []
-    for path in paths:
-        try:
-            out.append((str(path), path.read_bytes()))
-        except OSError as exc:
-            raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
-    return out
+    """Signed verdict files as candidates; AttestationError naming one that cannot be read (or is no file)."""
+    return [(str(path), read_envelope(path)) for path in paths]
 
 
 def local_candidates(root: Path, image_id: str, given: Sequence[Path] = ()) -> list[tuple[str, bytes]]:
@@ -184,8 +241,8 @@ def attach(engine: Engine, root: Path, image_id: str, target: str, digest: str,
     subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
     out = []
     for envelope in paths:
-        out.append(referrers.attach(client, path, subject, envelope.read_bytes()))
-        say(f"    attached signed verdict {envelope.name[:16]} as {out[-1][:19]}")
+        out.append(referrers.attach(client, path, subject, read_envelope(envelope)))
+        say(f"    attached signed verdict {envelope.name} as {out[-1][:19]}")
     return out
 
 

@@ -92,7 +92,8 @@ class DockerLauncher:
                               mounts=mounts, timeout=self.timeout, env=self.env or None, writable=self.writable,
                               follow=self.follow)
         if res.exit_code == 124:
-            raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True)
+            raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True,
+                               hint="its Python may hang; give it longer with --deadline S if it is only slow")
         return results(res.stdout, res.stderr, f"runner in {image} (docker)")
 
 
@@ -207,7 +208,7 @@ class DockerRun:
         environment = {"compile_cache": cache.to_dict()} if cache is not None else {}
         if cache is not None:
             self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
-        launcher = DockerLauncher(self.engine, self.opt.python, self._runner_timeout(),
+        launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                   env=cache.env if cache is not None else None,
                                   writable=[cache.mount] if cache is not None else (),
                                   follow=lambda line: self.say(f"  {line}" if line.startswith("==>") else line))
@@ -233,11 +234,6 @@ class DockerRun:
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)
         self.say(f"==> phases: {format_phases(phases)} (total {seconds:.1f} s)")
         return replace(ran, verdict=verdict), target
-
-    def _runner_timeout(self) -> float:
-        """What the whole runner may take: every probe's timeout, and the server's start and sweep."""
-        serve = self.opt.serve_timeout + 3600 if self.opt.serve_model is not None else 0
-        return 6 * self.opt.probe_timeout + serve
 
     def _ended(self, target: plan.Target, found: facts.FileFacts, host: Mapping[str, Any], status: str,
                why: str) -> plan.Ran:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ...engine import Engine, ImageInfo, split_reference
 from ...errors import EngineError, PushError, RunnerFailed, UsageError
 from ...journal import records
+from ...journal.atomic import write_atomic
 from ...registry import client as registry
 from . import facts, plan
 from .base import Launched, results
@@ -33,7 +34,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
     """Smoke ``image_ref`` as podman's store holds it: (the host's run, the image as the host knows it)."""
     from .podman import PodmanFiles, PodmanLauncher
 
-    launcher = PodmanLauncher(python=options.python)
+    launcher = PodmanLauncher(python=options.python, timeout=plan.deadline(options, options.gpu != "off"))
     inspected = launcher.image_facts(image_ref)
     config = inspected.get("Config") or {}
     labels = dict(config.get("Labels") or inspected.get("Labels") or {})
@@ -172,7 +173,8 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
                           expected_from=found.expected_from, landed=found.landed)
     wrote = ""
     if cluster.emit is not None:
-        cluster.emit.write_text(k8s.to_yaml(k8s.manifests(ref, spec, job, extra)), encoding="utf-8")
+        # A folder that refuses the file, or a full disk: one line naming it (exit 10), never a half-written Job.
+        write_atomic(cluster.emit, k8s.to_yaml(k8s.manifests(ref, spec, job, extra)))
         wrote = (f"wrote {cluster.emit}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}; once it has "
                  f"ended: smoke {image_ref} --launcher kubernetes --collect job/{spec.name} (or the pod's log "
                  "saved to a file) [--sign-key KEY]")

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import SmokeError, UsageError
+from ...errors import SmokeError, SmokeIncomplete, UsageError
+from ...registry.refs import shown
 from ..runner import MOUNT
 from .base import Launched, argv, job_bytes, results, runner_files
 
@@ -95,13 +97,39 @@ def to_yaml(docs: list[dict[str, Any]]) -> str:
     return "".join(f"---\n{json.dumps(doc, indent=2, sort_keys=True)}\n" for doc in docs)
 
 
+# Kubernetes' own rules for what these names may be (the API server refuses anything else, after the work).
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+
+
 def parse_selector(text: str | None) -> dict[str, str] | None:
+    """``KEY=VALUE``, each as a label key and value must be (a prefix of DNS labels, 63-character names)."""
     if not text:
         return None
     key, sep, value = text.partition("=")
     if not sep or not key or not value:
-        raise UsageError(f"--node-selector {text!r}: expected KEY=VALUE, e.g. nvidia.com/gpu.product=NVIDIA-H200")
+        raise UsageError(f"--node-selector {shown(text)}: expected KEY=VALUE, e.g. "
+                         "nvidia.com/gpu.product=NVIDIA-H200")
+    prefix, slash, name = key.rpartition("/")
+    bad_prefix = slash and (len(prefix) > 253 or not re.fullmatch(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*", prefix))
+    if bad_prefix or len(name) > 63 or not re.fullmatch(_LABEL_NAME, name):
+        raise UsageError(f"--node-selector {shown(text)}: {shown(key)} is not a label key "
+                         "([PREFIX/]NAME: NAME up to 63 letters, digits, '-', '_', '.')")
+    if len(value) > 63 or not re.fullmatch(_LABEL_NAME, value):
+        raise UsageError(f"--node-selector {shown(text)}: {shown(value)} is not a label value "
+                         "(up to 63 letters, digits, '-', '_', '.', starting and ending with a letter or digit)")
     return {key: value}
+
+
+def check_name(value: str, option: str, *, subdomain: bool) -> str:
+    """A namespace (a DNS-1123 label) or a Secret's name (a DNS-1123 subdomain), checked before any work."""
+    pattern = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*" if subdomain else _DNS_LABEL
+    limit = 253 if subdomain else 63
+    if len(value) > limit or not re.fullmatch(pattern, value):
+        what, chars = ("a Secret's name", "'-' and '.'") if subdomain else ("a namespace", "'-'")
+        raise UsageError(f"{option} {shown(value)}: not {what} in Kubernetes (lowercase letters, digits and "
+                         f"{chars}, starting and ending with a letter or digit, at most {limit})")
+    return value
 
 
 class KubernetesLauncher:
@@ -161,12 +189,17 @@ class KubernetesLauncher:
             raise UsageError("--launcher kubernetes --submit/--collect job/NAME needs the kubernetes package: "
                              "pip install 'vllm-hotfix[kubernetes]'") from None
         import urllib3.exceptions
+        import yaml  # the client's own YAML reader (a requirement of kubernetes)
         from kubernetes.config.config_exception import ConfigException
 
         try:
             config.load_kube_config(config_file=self.kubeconfig)
-        except (ConfigException, OSError) as exc:
-            raise UsageError(f"kubeconfig {self.kubeconfig or '(default)'}: {exc}") from None
+        except (ConfigException, OSError, yaml.YAMLError, ValueError, AttributeError, TypeError) as exc:
+            # A file that is not YAML raises the YAML library's own error; YAML that is not a mapping, an
+            # AttributeError or TypeError inside the client: all of them the file's fault.
+            why = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise UsageError(f"kubeconfig {self.kubeconfig or '(default)'}: not a usable kubeconfig: {why}") \
+                from None
         api: Any = client.ApiClient()
         # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
         core: Any = client.CoreV1Api(api)
@@ -182,6 +215,10 @@ class KubernetesLauncher:
             raise SmokeError(f"the cluster refused the Job {ns}/{self.spec.name}: {exc.status} {exc.reason}") \
                 from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise SmokeError(f"cannot reach the cluster of {self.kubeconfig or 'the default kubeconfig'}: "
-                             f"{str(exc).splitlines()[0][:300]}") from None
+            # The host could not run the Job: incomplete (11), not a check the image failed (7).
+            raise SmokeIncomplete(f"cannot reach the Kubernetes API server of "
+                                  f"{self.kubeconfig or 'the default kubeconfig'}: "
+                                  f"{(str(exc).splitlines() or [type(exc).__name__])[0][:300]}",
+                                  hint="check the cluster's address in the kubeconfig and that it answers "
+                                       "(kubectl cluster-info)") from None
         return results(text, text, f"Job {ns}/{self.spec.name}")

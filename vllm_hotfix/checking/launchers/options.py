@@ -31,3 +31,4 @@ class SmokeOptions:
     serve_timeout: float = 900
     keep_going: bool = False  # run every phase even after one failed
     compile_cache: bool = True  # keep compile caches between runs (see compile_cache)
+    deadline: float | None = None  # seconds the runner may take in all (--deadline); None: plan.deadline's

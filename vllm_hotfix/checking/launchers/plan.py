@@ -24,7 +24,7 @@ from ...building import definitions, patches, pins, wheels
 from ...building.pinfile import Pin
 from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
-from ...journal import records
+from ...journal import leftovers, records
 from ...verdicts import Verdict
 from .. import compile_cache, oracle
 from . import judging
@@ -180,6 +180,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the runner may take by default, by the checks asked for: the checks that need no GPU (the image's
+# Python imports the package, reports its environment and pins), the GPU checks, the server and its sweep.
+CPU_CHECKS_S, GPU_CHECKS_S, SWEEP_S = 600, 1800, 1800
+
+
+def deadline(options: SmokeOptions, gpu: bool) -> float:
+    """``--deadline``, else what the checks asked for need, so an image whose Python hangs ends incomplete."""
+    if options.deadline is not None:
+        return float(options.deadline)
+    serve = options.serve_timeout + SWEEP_S if options.serve_model is not None else 0
+    return CPU_CHECKS_S + (GPU_CHECKS_S if gpu else 0) + serve
+
+
 @dataclass(frozen=True, slots=True)
 class Ran:
     """A run through a launcher: the host's verdict, the job it judged by, and what the runner recorded."""
@@ -228,7 +241,9 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
                       host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable)
     started, start = records.now_iso(), time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="vllm-hotfix-runner-") as tmp:
+    # A killed run cannot remove its staging folder: the next run removes those of processes that are gone.
+    leftovers.sweep_staging()
+    with tempfile.TemporaryDirectory(prefix=leftovers.staging_prefix()) as tmp:
         folder = stage(Path(tmp) / "runner", spec, extra)
         if echo:
             say(f"==> smoke through {launcher.name}: the runner in {target.start} "

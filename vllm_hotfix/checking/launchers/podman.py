@@ -24,7 +24,7 @@ from typing import Any
 from ...engine import ImageInfo, Tree
 from ...engine import labels as L
 from ...engine.files import FileFact, scan_tar
-from ...errors import EngineError, RunnerFailed, SmokeError
+from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
 
@@ -58,6 +58,12 @@ class PodmanLauncher:
     def command(self, *args: str) -> list[str]:
         return [self.podman, *self.global_args, *args]
 
+    def require(self) -> None:
+        """EngineError (exit 5, one line) when podman is not there to run: before any command of it runs."""
+        if shutil.which(self.podman) is None:
+            raise EngineError(f"podman: {self.podman} is not installed or not on PATH",
+                              hint="install podman (apt-get install podman), or use --launcher docker")
+
     def run_argv(self, image: str, runner_dir: Path, gpu: str | None, model: Path | None, name: str) -> list[str]:
         """The ``podman run`` command line, as data."""
         cmd = self.command("run", "--rm", "--name", name, "--network", "none", "--pull", "never",
@@ -72,8 +78,7 @@ class PodmanLauncher:
 
     def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
                model: Path | None = None) -> Launched:
-        if shutil.which(self.podman) is None:
-            raise EngineError(f"podman: {self.podman} is not installed or not on PATH")
+        self.require()
         name = f"vllm-hotfix-runner-{uuid.uuid4().hex[:12]}"
         cmd = self.run_argv(image, runner_dir, gpu, model, name)
         log.debug("running %s", cmd)
@@ -82,7 +87,9 @@ class PodmanLauncher:
         except subprocess.TimeoutExpired:
             subprocess.run(self.command("rm", "--force", name), capture_output=True, check=False)
             raise RunnerFailed(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s",
-                               incomplete=True) from None
+                               incomplete=True,
+                               hint="its Python may hang; give it longer with --deadline S if it is only slow") \
+                from None
         if done.returncode in (125, 126, 127) and "@@vllm-hotfix-runner" not in done.stdout:
             # podman's own failures: the image missing, a CDI device unknown, a runtime refusing.
             said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
@@ -90,12 +97,13 @@ class PodmanLauncher:
         return results(done.stdout, done.stderr, f"runner in {image} (podman)")
 
     def image_facts(self, image: str) -> dict[str, Any]:
-        """``podman image inspect`` of ``image``; EngineError when podman does not have it."""
+        """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
+        self.require()
         done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
                               errors="replace")
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or ["no such image"])[-1]
-            raise EngineError(f"podman has no image {image}: {said}",
+            raise BaseImageError(f"podman has no image {image}: {said}",
                               hint="load it: docker save IMAGE | podman load (or podman pull by digest)")
         found = json.loads(done.stdout)
         return dict(found[0]) if found else {}
@@ -126,8 +134,7 @@ class PodmanFiles:
         self.podman = podman
 
     def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        if shutil.which(self.podman.podman) is None:
-            raise EngineError(f"podman: {self.podman.podman} is not installed or not on PATH")
+        self.podman.require()
         try:
             return subprocess.run(self.podman.command(*args), capture_output=True, text=True, errors="replace",
                                   timeout=timeout)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,8 @@ class Run:
         self.timeout = float(job.get("probe_timeout") or 600)
         self.checks: list[verdicts.Check] = []
         self.environment: dict[str, Any] = {}
-        self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-runner-")
+        # Removed by main when the run ends (in an image the container goes anyway; on a host it stays).
+        self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-job-")
         self.recorded: list[bytes] = []
         self.devices: list[str] = []  # the GPUs the container saw
 
@@ -318,7 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"runner job {args[0]}: {exc}")
         return 2
     run = Run(job)
-    verdict = run.run()
+    try:
+        verdict = run.run()
+    finally:
+        shutil.rmtree(run.scratch, ignore_errors=True)
     report = verdict.to_dict()
     for answers in run.recorded:
         emit(ANSWERS_MARK, answers)
