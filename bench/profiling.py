@@ -23,7 +23,7 @@ STEPS: list[tuple[str, list[tuple[str, str]]]] = [
     ("probe container create/start/remove", [("vllm_hotfix/engine/containers.py", "box")]),
     ("probe execs (locate, compile)", [("vllm_hotfix/engine/containers.py", "exec")]),
     ("probe file reads (get_archive)", [("vllm_hotfix/engine/files.py", "read")]),
-    ("probe file write (put_archive)", [("vllm_hotfix/engine/facade.py", "write")]),
+    ("probe file write (put_archive)", [("vllm_hotfix/engine/containers.py", "write")]),
     ("facts cache (read, check)", [("vllm_hotfix/building/sources.py", "_cached")]),
     ("GNU patch (dry run + apply)", [("vllm_hotfix/building/base.py", "apply_in_scratch")]),
     ("render Dockerfile + context",
