@@ -216,13 +216,10 @@ def wait_healthy(
                              f"last log lines:\n{condense(logs)}")
         now = time.monotonic()
         if now > end:
-            if watch is None:
-                # A server someone else runs (serve-check): none answering is the host's state, not a failed
-                # check of anything (exit 11, as any smoke run the host could not carry out).
+            if watch is None:  # serve-check: no server there is the host's state, not a failed check (11)
                 raise SmokeIncomplete(f"no server answers at {url}/health (waited {deadline_s:.0f} s)",
                                       hint="start the server, check --url, or wait longer (--wait S)")
-            raise SmokeError(f"{url}/health did not answer within {deadline_s:.0f} s\n"
-                             f"{condense(watch.logs())}".rstrip())
+            raise SmokeError(f"{url}/health did not answer in {deadline_s:.0f} s\n{condense(watch.logs())}".rstrip())
         if progress is not None and now - last_note > 10:
             progress(f"    waiting for {url}/health ({end - now:.0f} s left)")
             last_note = now

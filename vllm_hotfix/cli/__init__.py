@@ -95,9 +95,11 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except SystemExit as exc:
-        # click ends a write to a closed pipe with exit 1, silently; 1 means "nothing to roll back" here.
+        # click ends a write to a closed pipe with exit 1, silently (1 means "nothing to roll back" here),
+        # having put its pacifying wrapper around stdout; older clicks exit inside their handler of the error.
         cause = exc.__context__
-        if isinstance(cause, OSError) and cause.errno == errno.EPIPE:
+        if (isinstance(cause, OSError) and cause.errno == errno.EPIPE) or \
+                "PacifyFlushWrapper" in type(sys.stdout).__name__:
             return _output_closed()
         raise
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
