@@ -8,6 +8,8 @@ entrypoint, healthy and dying at concurrency 2 as the bug did.
 
 from __future__ import annotations
 
+import re
+
 import json
 import socket
 import subprocess
@@ -335,7 +337,8 @@ def test_push_retries_while_registry_cuts_connections(built: tuple[Path, str, st
         out, rest = proc.communicate(timeout=300)
         err.append(rest)
         assert proc.returncode == 0, "".join(err)
-        assert "transient registry error (connection cut short (EOF))" in "".join(err)
+        # A cut connection reaches the engine as an EOF or as a reset, as the timing falls: both are retried.
+        assert re.search(r"transient registry error \(connection (cut short \(EOF\)|reset)\)", "".join(err))
         assert out.startswith(f"pushed {place}/ops/")
     finally:
         proc.kill()
