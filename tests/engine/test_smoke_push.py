@@ -8,9 +8,8 @@ entrypoint, healthy and dying at concurrency 2 as the bug did.
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 import socket
 import subprocess
 import sys
