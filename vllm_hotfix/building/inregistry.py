@@ -47,7 +47,7 @@ from .assemble import image_config, layer_entries
 from .base import PatchedFile, apply_in_scratch, check_targets, check_version, touched_files
 from .bytecode import Choice, choose, compile_here, levels, version_of
 from .platforms import Platform, child_ref
-from .sources import BaseFacts, Folder
+from .sources import BaseFacts
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def _facts(base: Base, defn: definitions.ImageDefinition, where: Located, choice
     return BaseFacts(ref=base.ref, image=base.info(), python=defn.python, python_version=version_of(choice_tag),
                      cache_tag=choice_tag, site_dir=where.site_dir, package_dir=where.package_dir,
                      version=where.version, machine=plat.machine if plat else "",
-                     folders=tuple(Folder(f.path, f.mode, f.uid, f.gid, f.mtime) for f in where.folders))
+                     folders=tuple(where.folders))
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any
 from ..engine import Box, Engine, ImageInfo
 from ..errors import BaseImageError, StorageError, UpstreamError
 from ..journal.cache import Store
+from ..registry.layerscan import Folder  # a folder above the package, as a layer must restate it
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,6 @@ def run_probe(box: Box, python: str, script: str, args: list[str], ref: str) -> 
     if not isinstance(data, dict):
         raise BaseImageError(f"{ref}: probe {script} printed no JSON object")
     return data
-
-
-@dataclass(frozen=True, slots=True)
-class Folder:
-    """A folder of the base above the package, as a layer must restate it."""
-
-    path: str
-    mode: int
-    uid: int
-    gid: int
-    mtime: int
 
 
 @dataclass(frozen=True, slots=True)
