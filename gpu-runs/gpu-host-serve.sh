@@ -49,7 +49,10 @@
 #             (concurrency 1 twice, then 16 for the noise), then its own sweep
 #   patched   the patched image, caches warm, --reference answers.json
 #   patched2  the patched image again: a second server start (OUTDIR/patched-again.json)
-#   unpatched the base, --definition v0.25.1 --reference answers.json
+#   unpatched1 the base's first run here (OUTDIR/unpatched-first.json): its
+#             caches filled as the reference run filled the patched image's,
+#             so that the next run is warm as the patched runs are
+#   unpatched the base, --definition v0.25.1 --reference answers.json (warm)
 #   record    OUTDIR/record.json (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
@@ -63,10 +66,10 @@
 # On a host that allows 10 minutes per command, three calls after the parts:
 #   STEPS="unpack engine base image refimage model inputs"  (about 4 min; base 2 min)
 #   STEPS="reference"                                        (cold server start, about 4 min)
-#   STEPS="patched patched2 unpatched record"                (warm, at most 90 s each)
+#   STEPS="patched patched2 unpatched1 unpatched record"     (about 6 min; warm at most 90 s each)
 #
 # OUTDIR gets run.log, dockerd.log, smoke-<which>.log, <which>.json (reference,
-# patched, patched-again, unpatched), <which>.dsse.json, answers.json,
+# patched, patched-again, unpatched-first, unpatched), <which>.dsse.json, answers.json,
 # signing-key.pub.pem, source-*.json and record.json.
 #
 # REFERENCE_FROM (an earlier run's folder: its answers.json, for a model of the same hash).
@@ -91,7 +94,7 @@ TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
 REFIMG=$REPO_NAME:$TAG-m3patch-assembled
-STEPS=${STEPS:-unpack engine base image refimage model inputs reference patched patched2 unpatched record}
+STEPS=${STEPS:-unpack engine base image refimage model inputs reference patched patched2 unpatched1 unpatched record}
 DRY_RUN=${DRY_RUN:-}
 PAYLOAD=$WORK/payload
 MODEL=$WORK/tiny-minimax-m3
@@ -348,9 +351,13 @@ if step patched2; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
   smoke patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
 fi
+# The base carries no labels: --definition judges it by the patch set it lacks.
+if step unpatched1; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  smoke unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+fi
 if step unpatched; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  # The base carries no labels: --definition judges it by the patch set it lacks.
   smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
 fi
 
@@ -359,16 +366,18 @@ if step record; then
     [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run its smoke first"
   done
   signed=()
-  for which in reference patched patched-again unpatched; do
+  for which in reference patched patched-again unpatched-first unpatched; do
     [ ! -f "$OUTDIR/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$OUTDIR/$which.dsse.json")
   done
+  first=()
+  [ ! -f "$OUTDIR/unpatched-first.json" ] || first=(--unpatched-first "$OUTDIR/unpatched-first.json")
   calls=()
   for f in "$OUTDIR"/source-*.json; do
     [ ! -f "$f" ] || calls+=(--source-call "$f")
   done
   act "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --reference-run "$OUTDIR/reference.json" \
     --patched "$OUTDIR/patched.json" --patched-again "$OUTDIR/patched-again.json" \
-    --unpatched "$OUTDIR/unpatched.json" --timings "$LOG" --model "$MODEL" --base "$BASE" --reference "$ANSWERS" \
+    --unpatched "$OUTDIR/unpatched.json" "${first[@]}" --timings "$LOG" --model "$MODEL" --base "$BASE" --reference "$ANSWERS" \
     --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
     --source-manifest "$SOURCE_MANIFEST" --source-root "$HERE" "${calls[@]}" "${signed[@]}" | tee -a "$LOG.summary"
   rc=${PIPESTATUS[0]}

@@ -2,7 +2,8 @@
 
     python3 gpu-runs/gpu_host.py base REF --vllm-src DIR --wheels DIR [--python PY] [--paths P ...] [--cuda]
     python3 gpu-runs/gpu_host.py record OUT --patched REPORT --unpatched REPORT --source-manifest FILE
-                                    [--patched-again REPORT] [--reference-run REPORT] [--source-call FILE ...]
+                                    [--patched-again REPORT] [--unpatched-first REPORT] [--reference-run REPORT]
+                                    [--source-call FILE ...]
                                     [--timings RUN_LOG] [--model DIR] [--base REF] [--reference FILE]
                                     [--inputs-from FILE] [--public-key PEM] [--attestation KIND=FILE ...]
                                     [--target-seconds S] [--launcher docker|podman] [--no-engine]
@@ -23,7 +24,8 @@ kernels at first use.
 record committed under gpu-runs/: the run that recorded the reference
 answers (``--reference-run``: the reference image, another build of the same
 definition), the patched image (``--patched``, and ``--patched-again``: a
-second server start) and the unpatched base (``--unpatched``). What it holds
+second server start) and the unpatched base (``--unpatched``, warm; and
+``--unpatched-first``, its first run here, which filled its caches). What it holds
 and says is derived from the reports alone (:mod:`gpu_record`: per image its
 verdict, smoke and phase times against ``--target-seconds``, checks, and per
 level every request's evidence; ``findings``: the questions the run answers).
@@ -357,7 +359,7 @@ def builder_of(image_id: str | None) -> str | None:
 
 def _record(args: argparse.Namespace) -> int:
     given = {"reference": args.reference_run, "patched": args.patched, "patched_again": args.patched_again,
-             "unpatched": args.unpatched}
+             "unpatched_first": args.unpatched_first, "unpatched": args.unpatched}
     reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
     patched, unpatched = reports["patched"], reports["unpatched"]
     src = source(args.source_manifest, args.source_root, args.source_call or [])
@@ -371,6 +373,10 @@ def _record(args: argparse.Namespace) -> int:
     if again is not None and again.get("image_id") != patched.get("image_id"):
         raise InputMismatch(f"--patched-again {args.patched_again} judged {again.get('image_id')}, but --patched "
                             f"{args.patched} judged {patched.get('image_id')}: not the same image")
+    first = reports.get("unpatched_first")
+    if first is not None and first.get("image_id") != unpatched.get("image_id"):
+        raise InputMismatch(f"--unpatched-first {args.unpatched_first} judged {first.get('image_id')}, but "
+                            f"--unpatched {args.unpatched} judged {unpatched.get('image_id')}: not the same image")
     for kind, report in reports.items():
         ref = ((report.get("sweep") or {}).get("reference") or {})
         if "reference" in inputs and ref and ref.get("sha256") != inputs["reference"]["content_sha256"]:
@@ -459,12 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--patched", required=True, help="the patched image's report")
     r.add_argument("--unpatched", required=True, help="the unpatched base's report")
     r.add_argument("--patched-again", default=None, help="the patched image's report from a second server start")
+    r.add_argument("--unpatched-first", default=None,
+                   help="the unpatched base's first run on this host (its caches filled; --unpatched is the warm one)")
     r.add_argument("--reference-run", default=None,
                    help="the report of the run that recorded the reference answers (the reference image's)")
     r.add_argument("--timings", default=None)
     r.add_argument("--public-key", default=None, help="PEM public key the --attestation envelopes verify with")
     r.add_argument("--attestation", action="append", default=None, metavar="KIND=FILE",
-                   help="a DSSE envelope of one report (KIND: reference, patched, patched_again, unpatched); "
+                   help="a DSSE envelope of one report (KIND: reference, patched, patched_again, unpatched_first, unpatched); "
                         "repeatable")
     r.add_argument("--target-seconds", type=float, default=90.0, help="the smoke time each warm image should meet")
     r.add_argument("--source-manifest", required=True,

@@ -2,7 +2,8 @@
 
 Per image (``reference``: the image the reference answers were recorded
 from; ``patched`` and ``patched_again``: the image judged, in two server
-starts; ``unpatched``: the base): its verdict, smoke time and phase times,
+starts; ``unpatched``: the base, warm, and ``unpatched_first``: its first run
+on the host, which filled its caches): its verdict, smoke time and phase times,
 checks, the top-k check's scenarios, and the serve sweep per level with every
 request's evidence as rows. In words (``result``): each image's verdict and
 times against the target, then per level the requests passed, their HTTP
@@ -23,7 +24,7 @@ from typing import Any
 EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
                     "finish_reason", "reply_sha256", "judged_by", "passed", "basis", "divergence", "token_divergence",
                     "max_logprob_diff", "gap_nats", "deviation_nats", "error")
-KINDS = ("reference", "patched", "patched_again", "unpatched")
+KINDS = ("reference", "patched", "patched_again", "unpatched_first", "unpatched")
 WRONG_SHARE = 0.8  # the unpatched base must have at least this share of its answered concurrency-1 replies wrong
 DISTINCT_TARGET = 24
 GAP_TARGET = 1.0  # nats: the median first-token top-two gap a prompt-reading model shows

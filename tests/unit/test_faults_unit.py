@@ -474,6 +474,55 @@ def test_sweep_leaves_a_noted_tag_moved_since(tmp_path: Path) -> None:
     assert engine.tags[TARGET] == OLD_ID and not (runs / "x.json").exists()
 
 
+class OwnerEngine:
+    """Just what the sweep of dead runs' containers asks of an engine: containers by owner (each listing the
+    next of ``listings``, the last one again once they run out), their removal."""
+
+    def __init__(self, listings: list[dict[str, list[str]]]) -> None:
+        self.listings = listings
+        self.asked = 0
+        self.removed: list[str] = []
+
+    def containers_by_owner(self) -> dict[str, list[str]]:
+        self.asked += 1
+        return self.listings[min(self.asked, len(self.listings)) - 1]
+
+    def remove_container(self, cid: str) -> None:
+        self.removed.append(cid)
+
+
+def _dead_note(tmp_path: Path, containers: int) -> str:
+    import socket
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    owner = f"{socket.gethostname()}:{gone.pid}"
+    runs = tmp_path / "build" / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / "x.json").write_text(json.dumps({"owner": owner, "images": [], "containers": containers, "tags": []}))
+    return owner
+
+
+def test_a_container_still_in_the_making_is_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dead run counted a container the engine had not made yet when the next run looked (its create was in
+    flight when the engine froze): the sweep looks again and removes it once it is there, each container once
+    (one the engine is still removing stays listed); one that never comes costs IN_THE_MAKING seconds."""
+    from vllm_hotfix.journal import leftovers
+
+    owner = _dead_note(tmp_path, 2)
+    engine = OwnerEngine([{}, {owner: ["c1"]}, {owner: ["c1"]}, {owner: ["c1", "c2"]}])
+    assert leftovers.sweep(engine, tmp_path) == (2, 0)  # type: ignore[arg-type]
+    assert engine.removed == ["c1", "c2"] and engine.asked == 4
+    assert not list((tmp_path / "build" / "runs").glob("*.json"))
+    monkeypatch.setattr(leftovers, "IN_THE_MAKING", 1.0)
+    owner = _dead_note(tmp_path, 1)
+    engine = OwnerEngine([{}])
+    start = time.monotonic()
+    assert leftovers.sweep(engine, tmp_path) == (0, 0)  # type: ignore[arg-type]
+    assert 1.0 <= time.monotonic() - start < 3 and engine.asked >= 2
+    assert not list((tmp_path / "build" / "runs").glob("*.json"))
+
+
 def test_output_closed_under_the_tool_is_its_own_exit(project: Path) -> None:
     """`list | head` with the reader gone before the tool writes: exit 141 and one line (it was 1, silently)."""
     for n in range(40):  # enough lines that the output does not fit in what the pipe takes at once

@@ -173,6 +173,7 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
         "reference": _report("r", ref_id, "pass", 301.5, {"files": 20.0, "server_start": 188.0}),
         "patched": _report("p", patched_id, "pass", 87.25, {"files": 2.0, "server_start": 36.0, "sweep": 10.0}),
         "patched-again": _report("p", patched_id, "pass", 85.5, {"files": 2.0, "server_start": 35.0}),
+        "unpatched-first": _report("b", base_id, "fail", 160.0, {"files": 1.0, "gpu_checks": 30.0}),
         "unpatched": _report("b", base_id, "fail", 150.0, {"files": 1.0, "gpu_checks": 30.0}),
     }
     args = []
@@ -191,7 +192,8 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
                                "--reference-run", str(tmp_path / "reference.json"),
                                "--patched", str(tmp_path / "patched.json"),
                                "--patched-again", str(tmp_path / "patched-again.json"),
-                               "--unpatched", str(tmp_path / "unpatched.json"), "--public-key", str(pub),
+                               "--unpatched", str(tmp_path / "unpatched.json"),
+                               "--unpatched-first", str(tmp_path / "unpatched-first.json"), "--public-key", str(pub),
                                "--source-manifest", str(manifest), "--source-root", str(checkout),
                                "--source-call", str(call), *extra],
                               capture_output=True, text=True, timeout=60)
@@ -214,7 +216,11 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
     signed = rec["images"]["unpatched"]["attestation"]
     assert signed["file"] == "unpatched.dsse.json" and signed["verified"] is True
     assert signed["key_id"] == signing.key_id(key.public_key()) and signed["status"] == "fail"
-    assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched"}
+    assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched_first", "unpatched"}
+    # The base's first run is recorded with its time, and only the warm runs are held to the target.
+    assert "smoke 160.0 s" in rec["result"]["unpatched_first"][0]
+    assert set(rec["findings"]["warm_smoke_seconds"]["seconds"]) == {"patched", "patched_again", "unpatched"}
+    assert rec["images"]["unpatched_first"]["attestation"]["status"] == "fail"
     assert rec["gpu_devices"] == ["NVIDIA H200"]
     # A podman run's record names podman as what started the smokes.
     (tmp_path / "record.json").unlink()
@@ -238,6 +244,11 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
     (tmp_path / "source-2.json").write_text(json.dumps({**other, "tree": "f" * 40}))
     r = record(*args, "--source-call", str(tmp_path / "source-2.json"))
     assert r.returncode == 2 and "calls source-2.json ran from another tree" in r.stderr
+    # A first run of another image than the warm one is no first run of the base.
+    (tmp_path / "unpatched-first.json").write_text(json.dumps({**reports["unpatched-first"], "image_id": ref_id}))
+    r = record()
+    assert r.returncode == 2 and "--unpatched-first" in r.stderr and "not the same image" in r.stderr
+    (tmp_path / "unpatched-first.json").write_text(json.dumps(reports["unpatched-first"]))
     assert not (tmp_path / "record.json").exists()
     # An envelope signed with another key is refused too.
     other_key = ec.generate_private_key(ec.SECP256R1())

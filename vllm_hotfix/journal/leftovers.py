@@ -8,8 +8,9 @@ deletes it once nothing is left. A run that ends normally therefore leaves no
 note. A run that was killed, or that lost the engine, leaves its note behind;
 so each run first looks for notes of processes on this host that are gone,
 and only then asks the engine: it removes the containers whose owner process
-is gone and the untagged images those notes name. A run that finds no such
-note does not ask the engine at all.
+is gone and the untagged images those notes name (waiting a few seconds for
+a container a note counts that the engine does not show yet: one still in the
+making). A run that finds no such note does not ask the engine at all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,11 +191,7 @@ def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) 
     try:
         # A note without the count was written before containers were counted: look anyway.
         if any(data.get("containers", 1) for _note, data in notes):
-            for label, ids in engine.containers_by_owner().items():
-                if _dead_here(label):
-                    for cid in ids:
-                        engine.remove_container(cid)
-                        containers += 1
+            containers = _remove_dead_containers(engine, notes)
         for note, data in notes:
             for ref, image_id in _noted_tags(data):
                 found = engine.image(ref)
@@ -211,6 +209,40 @@ def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) 
         say(f"removed leftovers of interrupted runs: {containers} container(s), {images} image(s)"
             + (f", {tags} push tag(s)" if tags else ""))
     return containers, images
+
+
+# Seconds a sweep waits for containers a dead run counted and the engine does not show yet.
+IN_THE_MAKING = 5.0
+
+
+def _remove_dead_containers(engine: Engine, notes: list[tuple[Path, dict[str, Any]]]) -> int:
+    """Remove the containers of dead owners; how many.
+
+    A run that lost an engine frozen mid-create counted a container that the
+    engine makes only once it runs again, and a run started at that moment can
+    look before it exists: while the notes count more containers than were
+    found, look again for up to :data:`IN_THE_MAKING` seconds.
+    """
+    counted: dict[str, int] = {}
+    for _note, data in notes:
+        n = data.get("containers", 0)
+        if isinstance(n, int) and n > 0:
+            counted[str(data.get("owner", ""))] = counted.get(str(data.get("owner", "")), 0) + n
+    removed: dict[str, int] = {}
+    done: set[str] = set()  # asked to remove: one the engine is still removing is listed for a while
+    deadline = time.monotonic() + IN_THE_MAKING
+    while True:
+        for label, ids in engine.containers_by_owner().items():
+            if _dead_here(label):
+                for cid in ids:
+                    if cid not in done:
+                        engine.remove_container(cid)
+                        done.add(cid)
+                        removed[label] = removed.get(label, 0) + 1
+        if all(removed.get(owner_label, 0) >= n for owner_label, n in counted.items()) \
+                or time.monotonic() > deadline:
+            return sum(removed.values())
+        time.sleep(0.5)
 
 
 def _noted_tags(data: dict[str, Any]) -> list[tuple[str, str]]:
