@@ -472,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timings", default=None)
     r.add_argument("--public-key", default=None, help="PEM public key the --attestation envelopes verify with")
     r.add_argument("--attestation", action="append", default=None, metavar="KIND=FILE",
-                   help="a DSSE envelope of one report (KIND: reference, patched, patched_again, unpatched_first, unpatched); "
-                        "repeatable")
+                   help="a DSSE envelope of one report (KIND: reference, patched, patched_again, unpatched_first, "
+                        "unpatched); repeatable")
     r.add_argument("--target-seconds", type=float, default=90.0, help="the smoke time each warm image should meet")
     r.add_argument("--source-manifest", required=True,
                    help="the manifest of the commit sent (source_manifest.py make): refused unless this checkout "

@@ -18,7 +18,8 @@ from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
 MAKE_ROOTFS = (
-    "import sys; from pathlib import Path; from vllm_hotfix.building import standin; from vllm_hotfix.engine import Engine; "
+    "import sys; from pathlib import Path; from vllm_hotfix.building import standin; "
+    "from vllm_hotfix.engine import Engine; "
     "print(standin.rootfs(Engine.connect(), Path(sys.argv[1]), lambda _l: None).id)"
 )
 
