@@ -211,8 +211,10 @@ def sweep(engine: Engine, root: Path, say: Callable[[str], None] | None = None) 
     return containers, images
 
 
-# Seconds a sweep waits for containers a dead run counted and the engine does not show yet.
+# Seconds a sweep waits for containers a dead run counted and the engine does not show yet, looking
+# again every LOOK_AGAIN seconds.
 IN_THE_MAKING = 5.0
+LOOK_AGAIN = 0.5
 
 
 def _remove_dead_containers(engine: Engine, notes: list[tuple[Path, dict[str, Any]]]) -> int:
@@ -242,7 +244,7 @@ def _remove_dead_containers(engine: Engine, notes: list[tuple[Path, dict[str, An
         if all(removed.get(owner_label, 0) >= n for owner_label, n in counted.items()) \
                 or time.monotonic() > deadline:
             return sum(removed.values())
-        time.sleep(0.5)
+        time.sleep(LOOK_AGAIN)
 
 
 def _noted_tags(data: dict[str, Any]) -> list[tuple[str, str]]:
