@@ -138,13 +138,20 @@ def add(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, parent: str, k
         entries[path] = FileFact(path, "other", mode=member.mode)
 
 
-class Reader:
-    """Reads folders of one created (never started) container of an image."""
+Found = tuple[dict[str, FileFact], dict[str, bytes]]
 
-    def __init__(self, engine: Seam, image: str, container: Any) -> None:
-        self._engine = engine
+
+class FolderReader:
+    """Reads folders of one created (never started) container of an image, one tar stream per path.
+
+    What gives the stream is the subclass's :meth:`_one` (the Docker engine's
+    archive endpoint here; ``podman cp`` for podman's store); both parse it
+    with :func:`scan_tar`.
+    """
+
+    def __init__(self, image: str, through: str = "") -> None:
         self._image = image
-        self._container = container
+        self._through = through  # said in the log: which store was read
 
     def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
         """The entries under each of ``paths`` (folders or files); a path the image lacks is named in ``missing``."""
@@ -159,10 +166,24 @@ class Reader:
                 continue
             entries.update(found[0])
             kept.update(found[1])
-        log.info("read %d entries of %s under %s", len(entries), self._image[:19], ", ".join(paths))
+        log.info("read %d entries of %s under %s%s", len(entries), self._image[:19], ", ".join(paths),
+                 f" ({self._through})" if self._through else "")
         return Tree(entries, kept, tuple(missing))
 
-    def _one(self, path: str, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]] | None:
+    def _one(self, path: str, keep: Callable[[str], bool]) -> Found | None:
+        """The entries (and kept contents) under ``path``, None where the image lacks it."""
+        raise NotImplementedError
+
+
+class Reader(FolderReader):
+    """Reads folders of one created (never started) container of the Docker engine."""
+
+    def __init__(self, engine: Seam, image: str, container: Any) -> None:
+        super().__init__(image)
+        self._engine = engine
+        self._container = container
+
+    def _one(self, path: str, keep: Callable[[str], bool]) -> Found | None:
         image = self._image
         try:
             with self._engine.translating(f"reading {path} of {image}", _refused(image)):

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ...engine import ImageInfo, Tree
+from ...engine import ImageInfo
 from ...engine import labels as L
-from ...engine.files import FileFact, scan_tar
+from ...engine.files import FileFact, FolderReader, Found, scan_tar
 from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
@@ -170,31 +170,16 @@ class PodmanFiles:
             subprocess.run(self.podman.command("rm", "--force", name), capture_output=True, check=False)
 
 
-class PodmanReader:
+class PodmanReader(FolderReader):
     """Reads folders of one created (never started) podman container."""
 
     def __init__(self, podman: PodmanLauncher, image: str, container: str) -> None:
+        super().__init__(image, "podman")
         self.podman = podman
         self.image = image
         self.container = container
 
-    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = lambda _p: False) -> Tree:
-        """The entries under each of ``paths``; a path the image lacks is named in ``missing``."""
-        entries: dict[str, FileFact] = {}
-        kept: dict[str, bytes] = {}
-        missing: list[str] = []
-        for path in paths:
-            path = posixpath.normpath(path)
-            found = self._one(path, keep)
-            if found is None:
-                missing.append(path)
-                continue
-            entries.update(found[0])
-            kept.update(found[1])
-        log.info("read %d entries of %s under %s (podman)", len(entries), self.image[:19], ", ".join(paths))
-        return Tree(entries, kept, tuple(missing))
-
-    def _one(self, path: str, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]] | None:
+    def _one(self, path: str, keep: Callable[[str], bool]) -> Found | None:
         parent, name = posixpath.split(path)
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(self.podman.command("cp", f"{self.container}:{path}", "-"),
