@@ -164,17 +164,7 @@ def test_engine_killed_mid_run(private: tuple[PrivateEngine, Engine], project: P
     assert "the Docker engine stopped answering" in lines[-1] or "incomplete" in lines[-1], err
     print(f"{point!r} ({how}): exit {rc}: {lines[-1]}")
     assert rc in (5, 11), err
-
-    engine = eng.start()
-    try:
-        # The next run, whatever it is, first removes what the dead run left.
-        r = cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url})
-        fails(r, "not in the engine")
-        assert engine.containers_by_owner() == {}
-        assert engine.image(out) is None
-        assert engine.image_ids() - before == set(), "images of the dead run remain"
-    finally:
-        engine.close()  # later tests use the module's engine, which reconnects to the restarted one
+    _next_run_cleans(eng, project, unique, out, before)
 
 
 @pytest.mark.parametrize("point", ["==> building", "==> smoke-testing"])
@@ -183,17 +173,32 @@ def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], projec
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/interrupted-{unique}:x"
-    for _attempt in range(3):
-        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(signal.SIGINT))  # Ctrl-C
-        if rc != 0:
-            break
-        # The run (a few seconds in all) finished before the interrupt reached it on a loaded machine: that
-        # is no interrupt; remove what it made and try again.
-        engine.remove_image(out)
+    rc, err = _signalled(eng, engine, project, out, point, signal.SIGINT)  # Ctrl-C
     assert rc == 130 and "error: interrupted" in err, err
     assert engine.image(out) is None
     assert engine.containers_by_owner() == {}
     assert engine.image_ids() - before == set(), "the interrupted run left images"
+
+
+def _signalled(eng: PrivateEngine, engine: Engine, project: Path, out: str, point: str,
+               sig: signal.Signals) -> tuple[int, str]:
+    """A run sent ``sig`` at ``point``: its exit code and stderr.
+
+    A run (a few seconds in all) that finished before the signal reached it on a loaded machine was not
+    signalled: what it made is removed and it is tried again, three times at most.
+    """
+    for _attempt in range(3):
+        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig))
+        if rc != 0:
+            break
+        engine.remove_image(out)
+    return rc, err
+
+
+def _absent_smoke(eng: PrivateEngine, project: Path, unique: str) -> None:
+    """The next run, whatever it is (here a smoke of an image the engine lacks): it first removes leftovers."""
+    fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
+          "not in the engine")
 
 
 def test_sweep_follows_notes(engine: Engine, base_v0251: str, project: Path, unique: str) -> None:
@@ -230,8 +235,7 @@ def _next_run_cleans(eng: PrivateEngine, project: Path, unique: str, out: str, b
     """After the engine is back, the next run removes every container and image the dead run left."""
     engine = eng.start()
     try:
-        fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
-              "not in the engine")
+        _absent_smoke(eng, project, unique)
         assert engine.containers_by_owner() == {}
         assert engine.image(out) is None
         assert engine.image_ids() - before == set(), "images of the dead run remain"
@@ -281,27 +285,35 @@ def test_frozen_engine_during_probe_ends_in_time(private: tuple[PrivateEngine, E
     """
     eng, engine = private
     before = engine.image_ids()
-    out = f"hotfix-test/frozen-{unique}:x"
+    _frozen_run(eng, project, f"hotfix-test/frozen-{unique}:x", tmp_path, 0)
+    # The engine answers again: the run's probe container is the next run's to remove.
+    _next_runs_clean(eng, engine, project, unique)
+    assert engine.image_ids() - before == set()
+
+
+def _frozen_run(eng: PrivateEngine, project: Path, out: str, tmp_path: Path, delay: float,
+                args: tuple[str, ...] = ()) -> None:
+    """`image` with a probe timeout of 10 s and a facts cache of its own; SIGSTOP to the engine ``delay``
+    seconds after "==> checking": one line, exit 5, well before the engine is resumed (SIGCONT, after)."""
     pid = eng.pid()
     frozen_at: list[float] = []
 
     def freeze(_proc: subprocess.Popen[str]) -> None:
+        time.sleep(delay)
         os.kill(pid, signal.SIGSTOP)
         frozen_at.append(time.monotonic())
 
     try:
         rc, err = run_and_hit(eng, project, out, "==> checking", freeze,
-                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")})
+                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")},
+                              args)
         took = time.monotonic() - frozen_at[0]
     finally:
         os.kill(pid, signal.SIGCONT)
     line = _one_error_line(err)
-    print(f"frozen engine: exit {rc} after {took:.1f} s: {line}")
+    print(f"engine frozen {delay} s into the probe: exit {rc} after {took:.1f} s: {line}")
     assert rc == 5 and "the Docker engine stopped answering" in line, err
     assert took < 10 + 12, f"took {took:.1f} s"
-    # The engine answers again: the run's probe container is the next run's to remove.
-    _next_runs_clean(eng, engine, project, unique)
-    assert engine.image_ids() - before == set()
 
 
 SLOW_PY = b"""#!/bin/sh
@@ -326,26 +338,7 @@ def test_frozen_engine_during_the_probes_exec_ends_in_time(private: tuple[Privat
            {"slowpy": SLOW_PY}, {"slowpy": 0o755})
     toml = project / "images/v0.25.1.toml"
     toml.write_text(toml.read_text().replace('name = "vllm"', 'name = "vllm"\npython = "/usr/local/bin/slowpy"'))
-    out = f"hotfix-test/frozen-exec-{unique}:x"
-    pid = eng.pid()
-    frozen_at: list[float] = []
-
-    def freeze(_proc: subprocess.Popen[str]) -> None:
-        time.sleep(2)
-        os.kill(pid, signal.SIGSTOP)
-        frozen_at.append(time.monotonic())
-
-    try:
-        rc, err = run_and_hit(eng, project, out, "==> checking", freeze,
-                              {"VLLM_HOTFIX_PROBE_TIMEOUT": "10", "VLLM_HOTFIX_CACHE": str(tmp_path / "cache")},
-                              ("--base-repo", repo))
-        took = time.monotonic() - frozen_at[0]
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    line = _one_error_line(err)
-    print(f"frozen engine during the probe's exec: exit {rc} after {took:.1f} s: {line}")
-    assert rc == 5 and "the Docker engine stopped answering" in line, err
-    assert took < 10 + 12, f"took {took:.1f} s"
+    _frozen_run(eng, project, f"hotfix-test/frozen-exec-{unique}:x", tmp_path, 2, ("--base-repo", repo))
     _next_runs_clean(eng, engine, project, unique)
     engine.remove_image(f"{repo}:v0.25.1")
 
@@ -360,8 +353,7 @@ def _next_runs_clean(eng: PrivateEngine, engine: Engine, project: Path, unique: 
     the run after removes it). Two runs, a few seconds each to settle.
     """
     for _run in range(2):
-        fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
-              "not in the engine")
+        _absent_smoke(eng, project, unique)
         deadline = time.monotonic() + 10
         while engine.containers_by_owner() and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -382,11 +374,7 @@ def test_sigterm_to_the_tool_cleans_up(private: tuple[PrivateEngine, Engine], pr
     eng, engine = private
     before = engine.image_ids()
     out = f"hotfix-test/terminated-{unique}:x"
-    for _attempt in range(3):
-        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig))
-        if rc != 0:
-            break
-        engine.remove_image(out)  # finished before the signal reached it (a loaded machine): try again
+    rc, err = _signalled(eng, engine, project, out, point, sig)
     said = "terminated" if sig == signal.SIGTERM else "interrupted"
     assert rc == 128 + sig and _one_error_line(err) == f"error: {said}", err
     assert engine.image(out) is None
@@ -501,8 +489,7 @@ def test_killed_during_smoke_its_staging_folder_goes_with_the_next_run(private: 
     rc, _err = run_and_hit(eng, project, out, "==> smoke 3/3", kill)
     left = staged(pids[0])
     assert rc == -signal.SIGKILL and left, "the test did not kill the run while its runner was staged"
-    fails(cli("smoke", f"hotfix-test/absent-{unique}:x", root=project, env={"DOCKER_HOST": eng.url}),
-          "not in the engine")
+    _absent_smoke(eng, project, unique)
     assert not any(os.path.exists(p) for p in left), "the next run left the dead run's staging folder"
     assert engine.containers_by_owner() == {}
     assert engine.image(out) is None and engine.image_ids() - before == set()

@@ -119,6 +119,7 @@ def test_a_refusal_in_a_5xx_answer_is_final() -> None:
     ("net/http: TLS handshake timeout", TRANSIENT, "timed out"),
     ("dial tcp 10.0.0.9:443: i/o timeout", TRANSIENT, "timed out"),
     ("write tcp 127.0.0.1:4242->127.0.0.1:5000: write: connection reset by peer", TRANSIENT, "connection reset"),
+    ('Get "http://127.0.0.1:45463/v2/": http: server closed idle connection', TRANSIENT, "connection reset"),
     ('Get "http://127.0.0.1:5939/v2/": dial tcp 127.0.0.1:5939: connect: connection refused', UNREACHABLE,
      registry_errors.REFUSED),
     ('Get "https://registry.invalid:5000/v2/": dial tcp: lookup registry.invalid on 10.0.0.53:53: no such host',

@@ -3,7 +3,8 @@
 Trying again helps only some failures:
 
 - ``transient``: the registry answered 429 or a 5xx, or the connection timed
-  out, was reset or cut short (EOF): a registry restarting or overloaded;
+  out, was reset, closed under a request or cut short (EOF): a registry
+  restarting or overloaded;
 - ``unreachable``: its name does not resolve, or nothing listens at its
   address: the address is wrong or no registry runs there, and waiting does
   not change that, so the error says so at once, with a hint;
@@ -43,7 +44,9 @@ _NO_NAME = re.compile(r"\blookup \S+(?: on \S+)?: (?:no such host|server misbeha
                       r"Temporary failure in name resolution)\b")
 _REFUSED = re.compile(r"\bconnect: connection refused\b")
 _TIMEOUT = re.compile(r"\b(?:i/o timeout|TLS handshake timeout|Client\.Timeout exceeded|context deadline exceeded)\b")
-_RESET = re.compile(r"\b(?:connection reset by peer|broken pipe)\b")
+# Go's net/http says "server closed idle connection" when the registry closed a kept-alive connection the
+# client was about to reuse: cut as a reset is.
+_RESET = re.compile(r"\b(?:connection reset by peer|broken pipe|http: server closed idle connection)\b")
 _EOF = re.compile(r"(?:^|: )(?:unexpected )?EOF$")
 _AUTH = re.compile(r"(?:^|: )(?:unauthorized|denied|forbidden): |\bno basic auth credentials\b", re.IGNORECASE)
 
