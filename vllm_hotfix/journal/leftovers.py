@@ -227,9 +227,9 @@ def _remove_dead_containers(engine: Engine, notes: list[tuple[Path, dict[str, An
     """
     counted: dict[str, int] = {}
     for _note, data in notes:
-        n = data.get("containers", 0)
+        n, who = data.get("containers", 0), str(data.get("owner", ""))
         if isinstance(n, int) and n > 0:
-            counted[str(data.get("owner", ""))] = counted.get(str(data.get("owner", "")), 0) + n
+            counted[who] = counted.get(who, 0) + n
     removed: dict[str, int] = {}
     done: set[str] = set()  # asked to remove: one the engine is still removing is listed for a while
     deadline = time.monotonic() + IN_THE_MAKING

@@ -176,7 +176,6 @@ class PodmanReader(FolderReader):
     def __init__(self, podman: PodmanLauncher, image: str, container: str) -> None:
         super().__init__(image, "podman")
         self.podman = podman
-        self.image = image
         self.container = container
 
     def _one(self, path: str, keep: Callable[[str], bool]) -> Found | None:
@@ -199,9 +198,9 @@ class PodmanReader(FolderReader):
             if "no such file or directory" in said or "could not be found" in said:
                 return None
             last = (said.splitlines() or [f"exit {code}"])[-1]
-            raise EngineError(f"cannot read {path} of {self.image} through podman: {last}")
+            raise EngineError(f"cannot read {path} of {self._image} through podman: {last}")
         if failure is not None:
-            raise EngineError(f"podman's archive of {path} in {self.image} is not a readable tar: {failure}")
+            raise EngineError(f"podman's archive of {path} in {self._image} is not a readable tar: {failure}")
         entries, kept = found
         if path not in entries and entries:
             # podman followed a link named as the path itself: the image holds a link there, not this folder.
