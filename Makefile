@@ -37,8 +37,9 @@ setup: ## Install the system packages, a Docker 26.1 engine under /opt and the t
 tool:
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) is missing: run 'make setup' first (or pass PYTHON=...)" >&2; exit 1; }
 
-services: ## Start a local Docker engine, a CDI-capable Docker 26.1 engine and a registry unless they answer
+services: ## Start a local Docker engine (and a second instance of it for the tests), a CDI-capable Docker 26.1 engine and a registry unless they answer
 	.ci/services start-engine
+	.ci/services start-second-engine
 	.ci/services start-cdi-engine
 	.ci/services start-registry
 

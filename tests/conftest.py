@@ -73,9 +73,18 @@ NO_ENGINE = "unix:///nonexistent/docker.sock"
 NO_INDEX = "http://127.0.0.1:9/simple"
 
 
-# Every engine a session may use: the default one and the platform-aware 26.1 one.
+DEFAULT_ENGINE = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+# A second instance of the default engine (`.ci/services start-second-engine`): the test modules below
+# build there, in a lane of their own beside the default engine's, each lane one engine's only builder.
+SECOND_ENGINE = os.environ.get("SECOND_DOCKER_HOST") or "unix:///run/vllm-hotfix-second/docker.sock"
+SECOND_LANE = frozenset({
+    "test_signed_launchers.py", "test_smoke_push.py", "test_attest.py", "test_assemble.py", "test_image.py",
+    "test_registry_files.py", "test_file_facts.py", "test_integrity_base.py", "test_fail_closed.py",
+})
+# Every engine a session may use: the default one, its second instance and the platform-aware 26.1 one.
 ENGINES = tuple(dict.fromkeys([
-    os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock",
+    DEFAULT_ENGINE,
+    SECOND_ENGINE,
     os.environ.get("VLLM_HOTFIX_PLATFORM_ENGINE") or os.environ.get("CDI_DOCKER_HOST")
     or "unix:///run/vllm-hotfix-cdi/docker.sock",
 ]))
@@ -96,13 +105,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     ``make test`` runs three workers (``-n 3 --dist loadgroup``), one lane
     per engine, each lane in order on one worker: every test that reaches the
-    default engine; every one that reaches only the Docker 26.1 engine
-    (platforms, GPU access); the fault tests that start and kill an engine of
-    their own. Unit and serve tests go to whichever worker is free. Only one
-    lane builds on the default engine, so each test's own check for untagged
-    images there still names the test that left one (a test that compares
-    builds on both engines runs in the default lane; the 26.1 engine's
-    images are checked once, for the whole run).
+    default engine; every one of the modules in ``SECOND_LANE``, on the
+    second instance of that engine; every one that reaches only the Docker
+    26.1 engine (platforms, GPU access); the fault tests that start and kill
+    an engine of their own. Unit and serve tests go to whichever worker is
+    free. Only one lane builds on each of the two default engines, so each
+    test's own check for untagged images there still names the test that left
+    one (a test that compares builds on both engines runs in the default
+    lane; the 26.1 engine's images are checked once, for the whole run).
     """
     here = Path(__file__).resolve().parent
     for item in items:
@@ -117,11 +127,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         default = any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
         if "private" in names and not default:
             lane = "private-engine"  # an engine of the test's own (tests/engine/test_faults.py)
+        elif engine_url(item.path) == SECOND_ENGINE:
+            lane = "second-engine"
         elif tier == "engine" or default:
             lane = "default-engine"
         else:
             lane = "platform-engine"
         item.add_marker(pytest.mark.xdist_group(lane))
+
+
+@functools.cache
+def _second_engine_answers() -> bool:
+    """Whether the second engine answers; where it does not, its modules build on the default engine."""
+    import docker
+
+    try:
+        client = docker.DockerClient(base_url=SECOND_ENGINE, timeout=5)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - no engine there: one lane for both
+        return False
+
+
+def engine_url(path: Path) -> str:
+    """The engine a test module's tests build on: the second engine for its lane's modules, where it answers."""
+    if path.name in SECOND_LANE and path.parent.name == "engine" and _second_engine_answers():
+        return SECOND_ENGINE
+    return DEFAULT_ENGINE
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +265,46 @@ def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
         monkeypatch.setenv("PIP_TIMEOUT", "2")
 
 
+class Lanes:
+    """Per session, each lane's engine and the stand-ins made on it (one engine per lane, see ENGINES)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.standins: dict[tuple[str, str], str] = {}
+        self.built: dict[str, tuple[Path, str, str]] = {}  # the session's patched image (built_once)
+
+    def engine(self, url: str) -> Engine:
+        if url not in self.engines:
+            self.engines[url] = Engine.connect(base_url=url)
+        return self.engines[url]
+
+    def standin(self, url: str, version: str) -> str:
+        if (url, version) not in self.standins:
+            self.standins[url, version] = make_standin(self.engine(url), version)
+        return self.standins[url, version]
+
+
 @pytest.fixture(scope="session")
-def engine() -> Iterator[Engine]:
-    eng = Engine.connect()
-    yield eng
-    drop_standins(eng)
+def lanes() -> Iterator[Lanes]:
+    made = Lanes()
+    yield made
+    for url, (_project, ref, _id) in made.built.items():
+        made.engines[url].remove_image(ref)
+    for eng in made.engines.values():
+        drop_standins(eng)
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest, lanes: Lanes) -> Engine:
+    """The engine this module's tests build on (:func:`engine_url`)."""
+    return lanes.engine(engine_url(request.path))
+
+
+@pytest.fixture(autouse=True)
+def lane_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test in the second engine's lane, and the CLIs it runs, reach that engine through DOCKER_HOST."""
+    if request.node.get_closest_marker("engine") is not None and engine_url(request.path) != DEFAULT_ENGINE:
+        monkeypatch.setenv("DOCKER_HOST", engine_url(request.path))
 
 
 def drop_standins(eng: Engine) -> None:
@@ -258,19 +327,19 @@ def make_standin(engine: Engine, version: str, ref: str | None = None, sources: 
     return standin.make(engine, REPO, version, ref, lambda _l: None, sources_version=sources).id
 
 
-@pytest.fixture(scope="session")
-def base_v0251(engine: Engine) -> str:
-    return make_standin(engine, "0.25.1")
+@pytest.fixture(scope="module")
+def base_v0251(request: pytest.FixtureRequest, lanes: Lanes) -> str:
+    return lanes.standin(engine_url(request.path), "0.25.1")
 
 
-@pytest.fixture(scope="session")
-def base_v0260(engine: Engine) -> str:
-    return make_standin(engine, "0.26.0")
+@pytest.fixture(scope="module")
+def base_v0260(request: pytest.FixtureRequest, lanes: Lanes) -> str:
+    return lanes.standin(engine_url(request.path), "0.26.0")
 
 
-@pytest.fixture(scope="session")
-def base_v0270(engine: Engine) -> str:
-    return make_standin(engine, "0.27.0")
+@pytest.fixture(scope="module")
+def base_v0270(request: pytest.FixtureRequest, lanes: Lanes) -> str:
+    return lanes.standin(engine_url(request.path), "0.27.0")
 
 
 def derive(engine: Engine, base: str, ref: str, dockerfile_body: str, files: dict[str, bytes] | None = None,
@@ -474,7 +543,7 @@ def _scratch_dirs() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+def no_leftovers(request: pytest.FixtureRequest, lane_engine: None) -> Iterator[None]:
     """Every test must leave no container, scratch folder or reject file."""
     before_dirs = _scratch_dirs()
     uses_engine = "engine" in request.fixturenames or any(
@@ -609,16 +678,18 @@ def registry(worker_registry: Registry) -> RegistryPlace:
     return RegistryPlace(worker_registry.addr, f"t-{uuid.uuid4().hex[:8]}", worker_registry.config.parent / "data")
 
 
-@pytest.fixture(scope="session")
-def built_once(engine: Engine, base_v0251: str, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[Path, str, str]]:
-    """The patch set built and smoke-tested by the tool once per session, in a project of its own."""
-    project = project_copy(tmp_path_factory.mktemp("built") / "project")
-    ref = f"hotfix-test/smoke-{RUN_ID}:v0.25.1-m3patch"
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
-    assert r.rc == 0, r.err
-    yield project, ref, r.out.split()[-1]
-    engine.remove_image(ref)
+@pytest.fixture(scope="module")
+def built_once(request: pytest.FixtureRequest, lanes: Lanes, base_v0251: str, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[Path, str, str]:
+    """The patch set built and smoke-tested by the tool once per session and engine, in a project of its own."""
+    url = engine_url(request.path)
+    if url not in lanes.built:
+        project = project_copy(tmp_path_factory.mktemp("built") / "project")
+        ref = f"hotfix-test/smoke-{RUN_ID}:v0.25.1-m3patch"
+        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project, env={"DOCKER_HOST": url})
+        assert r.rc == 0, r.err
+        lanes.built[url] = (project, ref, r.out.split()[-1])
+    return lanes.built[url]
 
 
 @pytest.fixture
