@@ -303,8 +303,10 @@ def engine(request: pytest.FixtureRequest, lanes: Lanes) -> Engine:
 @pytest.fixture(autouse=True)
 def lane_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A test in the second engine's lane, and the CLIs it runs, reach that engine through DOCKER_HOST."""
-    if request.node.get_closest_marker("engine") is not None and engine_url(request.path) != DEFAULT_ENGINE:
-        monkeypatch.setenv("DOCKER_HOST", engine_url(request.path))
+    if request.node.get_closest_marker("engine") is not None:
+        url = engine_url(request.path)
+        if url != DEFAULT_ENGINE:
+            monkeypatch.setenv("DOCKER_HOST", url)
 
 
 def drop_standins(eng: Engine) -> None:
