@@ -292,11 +292,12 @@ def test_settings_difference_names_each_setting() -> None:
 def test_prompt_set_is_fixed_and_mixed() -> None:
     assert reference.make_prompts() == reference.PROMPTS and len(set(reference.PROMPTS)) == 24
     lengths = sorted(len(p) for p in reference.PROMPTS)
-    assert lengths[0] < 100 and lengths[-1] > 5000
+    # From two 128-token KV blocks (the byte tokenizer of the test model: a token a character) to 45.
+    assert lengths[0] > 2 * 128 - 60 and lengths[0] < 300 and lengths[-1] > 5000
     # The same text whatever the Python: a hash of (seed, prompt, sentence) picks it. (A reference
     # file keeps its own prompts, so changing the set later leaves recorded references usable.)
     assert reference.digest({"p": list(reference.PROMPTS)}) == \
-        "e5c100f2b036c5506b00136887144b4c6342cc31ced983751ab0243460634a53"
+        "ec8bd27c7e02d93e41b46102b9956652c2b7a8a2a82b355505974baf57fccfd2"
 
 
 def test_keep_going_judges_every_level(recorded: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:

@@ -53,10 +53,17 @@ TOP_LOGPROBS = 5  # top-k the completions API is asked for (vLLM allows up to 20
 # than a random generator, so every version of the tool and of Python makes the
 # same prompts. Lengths are mixed as in production: the MiniMax-M3 bug needed
 # sequences with different numbers of KV blocks in one batch. 80 sentences are
-# about 5,600 characters (2,640 tokens with the tiny test model's tokenizer).
+# about 5,600 characters; the tiny test model's tokenizer makes a token of each
+# byte. Every prompt has at least two sentences of context (200 characters and
+# more), so it spans more than one 128-token KV block: in
+# gpu-runs/h200-2026-12-04-oracle the unpatched base answered the three prompts
+# that fitted in one block (no context) exactly as the patched image did, while
+# every longer prompt it answered was a wrong answer or an error. A reply that
+# never reaches the sparse top-k path tells a broken image from a good one no
+# better than its HTTP status does.
 SEED = 20261203
 PROMPT_COUNT = 24
-CONTEXT_SENTENCES = (0, 39, 7, 79, 2, 20, 60, 12)
+CONTEXT_SENTENCES = (3, 39, 7, 79, 2, 20, 60, 12)
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog while the band plays on. ",
     "A ship in the harbour is safe, but that is not what ships are built for. ",
@@ -84,7 +91,7 @@ def _pick(*parts: int) -> int:
 
 
 def make_prompts(count: int = PROMPT_COUNT, seed: int = SEED) -> tuple[str, ...]:
-    """The fixed prompt set: a context of 0 to 79 sentences, then a short question."""
+    """The fixed prompt set: a context of 2 to 79 sentences, then a short question."""
     out = []
     for i in range(count):
         n = CONTEXT_SENTENCES[i % len(CONTEXT_SENTENCES)]
