@@ -6,7 +6,8 @@
 RECORD_DIR is a folder gpu-host-serve.sh wrote (its OUTDIR, with
 <which>.json, <which>.dsse.json and signing-key.pub.pem). For each report,
 the tool's own `verify IMAGE-ID --attestation <which>.dsse.json --key
-signing-key.pub.pem --require-gpu H200` runs here, and securesystemslib's DSSE
+signing-key.pub.pem --require-gpu PRODUCT` runs here (PRODUCT: the model the
+record's record.json names, e.g. H200 of "NVIDIA H200"), and securesystemslib's DSSE
 implementation checks the same envelope with the same key. Writes
 RECORD_DIR/verified-elsewhere.json: this machine, each command, its exit code
 and answer, and whether the independent check agreed.
@@ -19,6 +20,7 @@ import datetime as dt
 import hashlib
 import json
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,7 +29,16 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent.parent
 # The reports of gpu-host-serve.sh's runs, old and new; those present in the folder are checked.
-WHICH = ("reference", "patched-cold", "patched", "patched-again", "unpatched")
+WHICH = ("reference", "patched-cold", "patched", "patched-again", "unpatched-first", "unpatched")
+
+
+def gpu_product(folder: Path) -> str:
+    """The GPU model the record says the run had (H100 of "NVIDIA H100 80GB HBM3"): what the verdicts must name."""
+    devices = json.loads((folder / "record.json").read_text()).get("gpu_devices") or []
+    models = {m.group(0) for d in devices for m in [re.search(r"\b[A-Z]+\d{2,4}[A-Z]?\b", str(d))] if m}
+    if len(models) != 1:
+        raise SystemExit(f"{folder / 'record.json'}: gpu_devices {devices!r} name no single GPU model")
+    return models.pop()
 
 
 def independent(envelope: bytes, public_pem: bytes) -> dict[str, Any]:
@@ -56,6 +67,7 @@ def main(argv: list[str]) -> int:
         return 64
     folder = Path(argv[0])
     pub = folder / "signing-key.pub.pem"
+    product = gpu_product(folder)
     out: dict[str, Any] = {
         "checked_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"system": platform.platform(), "python": platform.python_version()},
@@ -67,7 +79,7 @@ def main(argv: list[str]) -> int:
             report = json.loads((folder / f"{which}.json").read_text())
             envelope = folder / f"{which}.dsse.json"
             cmd = ["verify", report["image_id"], "--attestation", str(envelope), "--key", str(pub),
-                   "--require-gpu", "H200", "--json"]
+                   "--require-gpu", product, "--json"]
             run = subprocess.run([sys.executable, str(HERE / "build.py"), "--root", root, *cmd],
                                  capture_output=True, text=True, check=False)
             answer = (json.dumps(json.loads(run.stdout), sort_keys=True) if run.returncode == 0
