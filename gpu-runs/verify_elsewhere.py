@@ -35,7 +35,7 @@ WHICH = ("reference", "patched-cold", "patched", "patched-again", "unpatched-fir
 def gpu_product(folder: Path) -> str:
     """The GPU model the record says the run had (H100 of "NVIDIA H100 80GB HBM3"): what the verdicts must name."""
     devices = json.loads((folder / "record.json").read_text()).get("gpu_devices") or []
-    models = {m.group(0) for d in devices for m in [re.search(r"\b[A-Z]+\d{2,4}[A-Z]?\b", str(d))] if m}
+    models = {m.group(0) for m in (re.search(r"\b[A-Z]+\d{2,4}[A-Z]?\b", str(d)) for d in devices) if m}
     if len(models) != 1:
         raise SystemExit(f"{folder / 'record.json'}: gpu_devices {devices!r} name no single GPU model")
     return models.pop()
