@@ -1,5 +1,6 @@
 """gpu-runs/gpu_host.py and gpu_record.py: the record's sentences and findings come from the reports, reused
-inputs must hash the same, and gpu-runs/source_manifest.py proves which commit ran."""
+inputs must hash the same, gpu-runs/source_manifest.py proves which commit ran, and verify_elsewhere.py requires
+the record's own GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pytest
 
 from conftest import REPO
 from vllm_hotfix.checking import sweep
@@ -177,3 +180,15 @@ def test_inputs_are_refused_when_their_hash_changed(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.startswith(f"error: model {model}: sha256 ") and f"but {kept} was made with" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_verify_elsewhere_requires_the_gpu_the_record_names(tmp_path: Path) -> None:
+    """verify_elsewhere.py requires the GPU model of the record's own devices (a record's folder is named for it)."""
+    gpu_product = _module("verify_elsewhere").gpu_product
+    folders = [p.parent for p in sorted((REPO / "gpu-runs").glob("h*-*/record.json"))]
+    assert folders
+    for folder in folders:
+        assert gpu_product(folder) == folder.name.split("-")[0].upper(), folder
+    (tmp_path / "record.json").write_text(json.dumps({"gpu_devices": ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]}))
+    with pytest.raises(SystemExit, match="name no single GPU model"):
+        gpu_product(tmp_path)
