@@ -1,9 +1,14 @@
 """The runner's serve sweep judges replies as the host's does: reference answers, per-request evidence,
 phases, --keep-going. The runner starts tests/fake_openai.py as the image's server, as a pod would start
-`vllm serve`, with this Python standing in for the image's."""
+`vllm serve`, with this Python standing in for the image's; its batch probe finds tests/fake_vllm, a toy
+stand-in for vLLM's offline engine, where the image would have vLLM. The host judges the probe's replies
+against the reference's per-level answers (exact-levels)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,29 +19,52 @@ from typing import Any
 import pytest
 
 from conftest import REPO, free_port
-from vllm_hotfix.checking import recording, reference, sweep
+from vllm_hotfix.checking import fixed_batches, recording, reference, sweep
 from vllm_hotfix.checking.launchers import base, judging, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import SmokeError, UsageError
 from vllm_hotfix.verdicts import Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
+ENGINE = REPO / "tests" / "fake_vllm"  # on the probe's path: the stand-in for vLLM's offline engine
+PROBE = REPO / "vllm_hotfix" / "checking" / "probes" / "batches.py"
 IMAGE_ID = "sha256:" + "ab" * 32
+LEVELS, REQUESTS = (1, 2, 4), 8
+
+
+def probe_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ENGINE)}
+
+
+def probe(tmp: Path, prompts: tuple[str, ...], levels: tuple[int, ...], requests: int, passes: int,
+          args: tuple[str, ...] = ()) -> fixed_batches.ProbeRun:
+    """The batch probe run here on the stand-in engine, as the runner runs it."""
+    spec = fixed_batches.job_part({"serve_args": ["--no-enable-prefix-caching", *args], "env": {}}, levels,
+                                  requests, prompts, sweep.MAX_TOKENS, recording=passes == 2)
+    (tmp / "spec.json").write_text(json.dumps({**spec, "out": str(tmp / "out.jsonl")}))
+    done = subprocess.run([sys.executable, str(PROBE), str(tmp / "spec.json")], capture_output=True, text=True,
+                          timeout=60, env=probe_env())
+    lines = [json.loads(ln) for ln in (tmp / "out.jsonl").read_text().splitlines()]
+    return fixed_batches.parse(json.dumps({"lines": lines, "exit": done.returncode, "log": []}).encode())
 
 
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory: pytest.TempPathFactory) -> reference.Reference:
-    """Answers recorded once from a healthy server (the trusted image)."""
+    """Answers recorded once from a healthy server and engine (the trusted image), every level included."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = tmp_path_factory.mktemp("ref")
     try:
         url = f"http://127.0.0.1:{port}"
         sweep.wait_healthy(url, 20)
-        return reference.write(recording.record(url), tmp_path_factory.mktemp("ref") / "answers.json")
+        made = recording.record(url)
     finally:
         proc.kill()
         proc.wait()
+    run = probe(folder, made.prompts, LEVELS, REQUESTS, 2)
+    levels = fixed_batches.record(run, made.prompts, LEVELS, REQUESTS, made.max_tokens)
+    return reference.write(replace(made, levels=levels), folder / "answers.json")
 
 
 TARGET = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {}, entrypoint=(sys.executable, str(FAKE), "serve"))
@@ -53,18 +81,22 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     port = free_port()
     job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port), *server]
     job["serve"]["port"] = port
+    if job["serve"].get("batches"):  # the server's arguments reach the probe's engine too, as --serve-arg does
+        job["serve"]["batches"]["engine_args"] += server
     edit(job)
     folder = base.stage(tmp_path / "runner", job, extra)
     done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
-                          capture_output=True, text=True, timeout=120, cwd=folder)
+                          capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
-    return judging.host_verdict(job, base.results(done.stdout, done.stderr, "test runner").report)
+    verdict, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
+                             reference=options.reference)
+    return verdict
 
 
 def options(tmp_path: Path, **more: Any) -> SmokeOptions:
     """Options for a run; a reference given is taken as recorded under this run's own settings."""
     (tmp_path / "model").mkdir(exist_ok=True)
-    opts = SmokeOptions(gpu="off", serve_model=tmp_path / "model", levels=(1, 2, 4), requests=8, **more)
+    opts = SmokeOptions(gpu="off", serve_model=tmp_path / "model", levels=LEVELS, requests=REQUESTS, **more)
     if opts.reference is not None:
         mine = replace(opts.reference, settings=plan.serve_settings(opts, TARGET))
         opts = replace(opts, reference=reference.write(mine, tmp_path / "answers.json"))
@@ -88,7 +120,76 @@ def test_runner_sweep_matches_the_reference_and_keeps_per_request_evidence(
             assert ev["judged_by"] == ("exact" if level["concurrency"] == 1 else "noise")
             assert ev["passed"] and ev["reply_sha256"] == by_prompt[ev["prompt"]]
             assert ev["finish_reason"] and ev["latency_s"] > 0 and ev["prompt_tokens"] > 0
-    assert set(v.phases) == {"checks", "gpu_checks", "server_start", "sweep"}
+    assert set(v.phases) == {"checks", "gpu_checks", "server_start", "sweep", "batches"}
+    # Every level again under fixed batches, judged here: bit for bit the reference's answers at that level.
+    exact = next(c for c in v.checks if c.name == "exact-levels")
+    assert exact.status is Status.PASS and exact.data["answered_by"] == "filesystem", exact
+    assert [(lv["concurrency"], lv["identical"], lv["wrong"]) for lv in v.sweep["exact"]["levels"]] == \
+        [(1, 8, 0), (2, 8, 0), (4, 8, 0)]
+    assert v.sweep["exact"]["first_failed_level"] is None
+    # The stand-in's numerics follow the batch: a level's replies are the same level's answers, not another's.
+    at1 = {r["reply_sha256"] for r in v.sweep["exact"]["levels"][0]["replies"]}
+    assert at1 == {a.sha256 for a in answers.answers[:REQUESTS]}
+    assert v.sweep["reference"]["levels"]["schedule"]["levels"] == list(LEVELS)
+
+
+def test_the_image_never_sees_the_per_level_answers(answers: reference.Reference, tmp_path: Path) -> None:
+    """The job carries the probe's schedule and the HTTP oracle's answers, never the per-level answers the host
+    judges the probe's replies against (a probe that echoed them back would pass)."""
+    job, _ = plan.job(tmp_path, TARGET, options(tmp_path, reference=answers), launcher="test", gpu_request=None)
+    text = json.dumps(job)
+    assert "levels" not in job["serve"]["reference"] and job["serve"]["batches"]["passes"] == 1
+    stored = answers.levels["answers"]["4"][5]
+    assert json.dumps(stored["top_logprobs"][3]) not in text
+    # The copy the runner gets still checks itself: its sha256 is of what it holds.
+    assert reference.digest({k: v for k, v in job["serve"]["reference"].items() if k != "sha256"}) == \
+        job["serve"]["reference"]["sha256"]
+
+
+def test_exact_levels_fail_at_the_first_level_the_engine_answers_wrongly(
+        answers: reference.Reference, tmp_path: Path) -> None:
+    v = run_job(tmp_path, ["--wrong-at-concurrency", "4"], options(tmp_path, reference=answers, keep_going=True))
+    exact = next(c for c in v.checks if c.name == "exact-levels")
+    assert v.status is Status.FAIL and exact.status is Status.FAIL
+    assert re.match(r"wrong under fixed batches from concurrency 4: concurrency 4: [1-8] of 8 replies not bitwise "
+                    r"the reference's \(request 0 \(prompt 0\): served token_id:\d+ at position 2", exact.detail), \
+        exact.detail
+    assert v.sweep is not None and v.sweep["exact"]["first_failed_level"] == 4
+    assert [lv["wrong"] > 0 for lv in v.sweep["exact"]["levels"]] == [False, False, True]
+
+
+def test_an_engine_that_dies_under_load_fails_the_levels_it_never_answered(
+        answers: reference.Reference, tmp_path: Path) -> None:
+    v = run_job(tmp_path, ["--die-at-concurrency", "2"], options(tmp_path, reference=answers, keep_going=True))
+    exact = next(c for c in v.checks if c.name == "exact-levels")
+    assert exact.status is Status.FAIL
+    assert "no replies from concurrency 2 on: RuntimeError: CUDA error: an illegal memory access" in exact.detail
+    assert v.sweep is not None and v.sweep["exact"]["first_failed_level"] == 2
+    assert [lv["answered"] for lv in v.sweep["exact"]["levels"]] == [8, 0, 0]
+
+
+def test_a_reference_of_other_levels_or_none_is_refused_before_anything_runs(
+        answers: reference.Reference, tmp_path: Path) -> None:
+    opts = options(tmp_path, reference=answers)
+    with pytest.raises(UsageError, match=r"recorded under another schedule \(no answers at concurrency 8 \(recorded "
+                                         r"at 1,2,4\)\)"):
+        plan.job(tmp_path, TARGET, replace(opts, levels=(1, 8)), launcher="test", gpu_request=None)
+    with pytest.raises(UsageError, match=r"recorded under another schedule \(requests 8 there, 6 here\)"):
+        plan.job(tmp_path, TARGET, replace(opts, requests=6), launcher="test", gpu_request=None)
+    assert opts.reference is not None
+    bare = reference.write(replace(opts.reference, levels={}), tmp_path / "bare.json")
+    with pytest.raises(UsageError, match="holds no per-level answers"):
+        plan.job(tmp_path, TARGET, replace(opts, reference=bare), launcher="test", gpu_request=None)
+
+
+def test_recording_per_level_answers_needs_two_passes_bit_for_bit(answers: reference.Reference,
+                                                                  tmp_path: Path) -> None:
+    with pytest.raises(SmokeError, match="differs between two passes of the same schedule"):
+        fixed_batches.record(probe(tmp_path, answers.prompts, (1, 2), 4, 2, ("--unrepeatable",)), answers.prompts,
+                             (1, 2), 4, sweep.MAX_TOKENS)
+    with pytest.raises(SmokeError, match="the batch probe gave none at concurrency 2 .*illegal memory access"):
+        fixed_batches.record(probe(tmp_path, answers.prompts, (1, 2), 4, 2, ("--die-at-concurrency", "2")),
+                             answers.prompts, (1, 2), 4, sweep.MAX_TOKENS)
 
 
 def test_runner_sweep_catches_wrong_answers_at_every_level_with_keep_going(

@@ -195,6 +195,8 @@ class Reference:
     noise: dict[str, Any] = field(default_factory=dict)  # oracle.noise: the spread above concurrency 1
     repeat: dict[str, Any] = field(default_factory=dict)  # the prompt set asked again at concurrency 1
     prompt_sensitivity: dict[str, Any] = field(default_factory=dict)  # oracle.prompt_sensitivity
+    # fixed_batches.record: every level's answers under fixed batches, and the schedule they were recorded under
+    levels: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -207,7 +209,9 @@ class Reference:
                 "concurrency": 1, "tool_version": self.tool_version, "recorded": self.recorded,
                 "recorded_from": self.recorded_from, "settings": self.settings, "noise": self.noise,
                 "repeat": self.repeat, "prompt_sensitivity": self.prompt_sensitivity,
-                "answers": [a.to_dict() for a in self.answers]}
+                "answers": [a.to_dict() for a in self.answers],
+                # Absent, not empty, where none were recorded: a file written before keeps its sha256.
+                **({"levels": self.levels} if self.levels else {})}
 
     def summary(self) -> dict[str, Any]:
         """What a sweep report says about the reference it judged against."""
@@ -215,7 +219,8 @@ class Reference:
                 "prompts": len(self.answers), "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs,
                 "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version,
                 "settings": self.settings, "noise": self.noise, "repeat": self.repeat,
-                "prompt_sensitivity": self.prompt_sensitivity}
+                "prompt_sensitivity": self.prompt_sensitivity,
+                "levels": {k: v for k, v in self.levels.items() if k != "answers"}}
 
 
 def digest(content: dict[str, Any]) -> str:
@@ -230,10 +235,11 @@ def write(ref: Reference, path: Path) -> Reference:
     return replace(ref, sha256=sha, path=str(path))
 
 
-def keep(path: Path, data: bytes, settings: dict[str, Any]) -> Reference:
-    """The answers a runner recorded (the file's bytes, the settings inside) written to ``path`` as they came,
-    read back and checked: their settings must be ``settings`` (what the host knows, and what the run reported),
-    or the file is removed and the recording refused."""
+def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None) -> Reference:
+    """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
+    checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
+    is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
+    probe's replies (:func:`vllm_hotfix.checking.fixed_batches.record`), written into the same file."""
     from ..errors import SmokeError
     from . import oracle
 
@@ -244,6 +250,8 @@ def keep(path: Path, data: bytes, settings: dict[str, Any]) -> Reference:
         path.unlink()
         raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
                          f"({differ}); nothing written")
+    if levels:
+        ref = write(replace(ref, levels=levels), path)
     return ref
 
 
@@ -285,7 +293,7 @@ def load(path: Path, option: str = "--reference") -> Reference:
         ref = Reference(str(data["model"]), str(data["served_model"]), int(data["max_tokens"]),
                         int(data["top_logprobs"]), answers, str(data["tool_version"]), str(data["recorded"]),
                         str(data["recorded_from"]), sha, str(path), _dict(data["settings"]), _dict(data["noise"]),
-                        _dict(data["repeat"]), _dict(data["prompt_sensitivity"]))
+                        _dict(data["repeat"]), _dict(data["prompt_sensitivity"]), _dict(data.get("levels") or {}))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
     if not answers or ref.max_tokens < 1:

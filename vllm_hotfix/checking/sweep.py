@@ -363,7 +363,8 @@ def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, ma
     level.per_request = [ev for ev, _ in done]
     if exact:
         for ev, reply in done:
-            if reply is not None and reply.tokens is not None:
+            # Only a reply the oracle passed: under --keep-going a wrong one must not become the basis above.
+            if reply is not None and reply.tokens is not None and ev.passed:
                 basis.setdefault(ev.prompt, reply)
     summarise(level)
     return level

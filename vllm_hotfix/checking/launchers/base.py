@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ...errors import Malformed, RunnerFailed
 from ...verdicts import Verdict
-from ..runner import ANSWERS_MARK, JOB_VERSION, MOUNT, REPORT_MARK
+from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPORT_MARK
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Launched:
     report: Verdict
     log_tail: str = ""
     answers: bytes | None = None
+    batches: bytes | None = None  # the fixed-batch probe's raw replies (the job's ``batches`` part), unjudged
 
 
 class Launcher(Protocol):
@@ -111,8 +112,9 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     """The report a runner printed; RunnerFailed naming ``where`` when it printed none."""
     verdict: Verdict | None = None
     answers: bytes | None = None
+    batches: bytes | None = None
     tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
-    what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers"}
+    what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers", BATCHES_MARK: "batch replies"}
     for line in stdout.splitlines():
         mark, _, body = line.strip().partition(" ")
         if mark not in what:
@@ -124,6 +126,8 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
                 if not isinstance(doc, dict):
                     raise Malformed(f"a {type(doc).__name__}, not an object")
                 verdict = Verdict.from_dict(doc)
+            elif mark == BATCHES_MARK:
+                batches = data
             else:
                 answers = data
         except (binascii.Error, ValueError, Malformed) as exc:
@@ -131,4 +135,4 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
-    return Launched(verdict, tail, answers)
+    return Launched(verdict, tail, answers, batches)

@@ -196,7 +196,7 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
                 launched = exc
     else:
         return None, target, wrote
-    verdict = plan.judged(job, launched, host_facts, started=started)
+    verdict, _levels = plan.judged(job, launched, host_facts, started=started, reference=options.reference)
     for c in verdict.checks:
         say(f"    {c.status.value:<4} {c.name}: {c.detail}")
     return plan.Ran(verdict, job), target, wrote

@@ -33,7 +33,8 @@ from ..runner.main import IMAGE_PYTHON, as_check
 
 FILESYSTEM = "filesystem"  # as vllm_hotfix.checking.integrity names the host's file facts
 # Checks only the host makes: a runner's report of these names is never taken.
-HOST_CHECKS = ("patch-landed", "package-version", "integrity", "compiled-files", "runner", "gpu-claim")
+HOST_CHECKS = ("patch-landed", "package-version", "integrity", "compiled-files", "runner", "gpu-claim",
+               "exact-levels")
 
 
 def required(job: Mapping[str, Any]) -> list[str]:
@@ -135,13 +136,17 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
                  base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None,
                  started: str = "", seconds: float = 0.0, phases: Mapping[str, float] | None = None,
                  gpu_facts: Mapping[str, Any] | None = None,
-                 environment: Mapping[str, Any] | None = None) -> Verdict:
+                 environment: Mapping[str, Any] | None = None, host_checks: Sequence[Check] = (),
+                 exact: Mapping[str, Any] | None = None) -> Verdict:
     """The verdict on the image of ``job`` (the host's own job): its checks with the runner's ``report`` judged.
 
     ``compiled_missing``: what the host's file facts found RECORD lists but
     the image lacks. ``base_imports``: asks the image's base which of some
     modules it cannot import either (None: the base cannot be asked here).
     ``gpu_facts``: the host's own facts on how it found the GPU request.
+    ``host_checks``: checks the host made of what the runner sent back (the
+    ``exact-levels`` judgement of the fixed-batch replies), after the sweep;
+    ``exact`` their evidence, kept in the report's sweep under ``exact``.
     """
     spec = job.get("gpu") or {}
     host = [as_check(c, float(c.get("seconds", 0)) if isinstance(c, dict) else 0.0, "check")
@@ -191,13 +196,17 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
     present = {c.name for c in checks}
     checks += [Check(name, Status.FAIL, "the runner did not report this check", data={"answered_by": FILESYSTEM})
                for name in required(job) if name not in present]
+    at = next((i + 1 for i, c in enumerate(checks) if c.name == "serve-sweep"), len(checks))
+    checks[at:at] = [replace(c, data={**(c.data if isinstance(c.data, Mapping) else {}), "answered_by": FILESYSTEM})
+                     for c in host_checks]
     checks += _other_run(job, report)
     if verified:
         gpu.pop("why_unverified", None)
     return judge(str(job.get("image", "")), str(job.get("image_id", "")), [*host, *checks], gpu_verified=verified,
                  platform=str(job.get("platform", "")), started=started or report.started, seconds=seconds,
                  expected_from=str(job.get("expected_from", "")), gpu=gpu, host=dict(job.get("host") or {}),
-                 environment={**dict(report.environment), **dict(environment or {})}, sweep=report.sweep,
+                 environment={**dict(report.environment), **dict(environment or {})},
+                 sweep={**dict(report.sweep or {}), "exact": dict(exact)} if exact is not None else report.sweep,
                  phases={**{k: float(v) for k, v in report.phases.items()}, **dict(phases or {})})
 
 

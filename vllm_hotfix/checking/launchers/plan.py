@@ -16,7 +16,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
 from ...journal import leftovers, records
 from ...verdicts import Verdict
-from .. import compile_cache, oracle
+from .. import compile_cache, fixed_batches, oracle
 from . import judging
 from .base import Launched, Launcher, stage
 from .options import SmokeOptions
@@ -119,17 +119,33 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
             from ..reference import refuse_other_settings
 
             refuse_other_settings(ref, settings)
+            fixed_batches.refuse_other_schedule(ref, options.levels, options.requests)
             # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
             try:
-                out["serve"]["reference"] = json.loads(Path(ref.path).read_text(encoding="utf-8"))
+                content = json.loads(Path(ref.path).read_text(encoding="utf-8"))
             except (OSError, ValueError) as exc:
                 raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
+            if isinstance(content, dict) and content.pop("levels", None) is not None:
+                from ..reference import digest
+
+                # The per-level answers stay here: the host judges the batch probe's replies against them.
+                content.pop("sha256", None)
+                content["sha256"] = digest(content)
+            out["serve"]["reference"] = content
             out["serve"]["reference_file"] = ref.path
         record = options.record_reference
         if record is not None:
             # The settings the host knows; the runner adds the GPU model and the versions the image reports.
             out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
                                       "settings": settings}
+        if ref is not None or record is not None:
+            from ..reference import PROMPTS
+            from ..sweep import MAX_TOKENS
+
+            # Every level again under fixed batches: the probe's replies come back raw and are judged here.
+            out["serve"]["batches"] = fixed_batches.job_part(
+                settings, options.levels, options.requests, ref.prompts if ref is not None else PROMPTS,
+                ref.max_tokens if ref is not None else MAX_TOKENS, recording=record is not None)
     return out, extra
 
 
@@ -200,6 +216,7 @@ class Ran:
     verdict: Verdict
     job: Mapping[str, Any]
     answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
+    levels: Mapping[str, Any] | None = None  # per-level answers recorded under fixed batches (the host's reading)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,16 +230,57 @@ class HostFacts:
     base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None
 
 
+def batch_check(job: Mapping[str, Any], launched: Launched, reference: Any) -> tuple[list[Any], dict[str, Any] | None,
+                                                                                 Mapping[str, Any] | None]:
+    """The host's ``exact-levels`` check of the probe's replies (none where the job ran no probe), its evidence,
+    and, for a recording, the per-level answers to keep (None where they cannot be kept, and the check fails)."""
+    spec = (job.get("serve") or {}).get("batches")
+    if not spec:
+        return [], None, None
+    ran = launched.report.checks
+    sweep = next((c for c in ran if c.name == "serve-sweep"), None)
+    if launched.batches is None and (sweep is None or sweep.status.value == "skip"):
+        from ...verdicts import Check, Status
+
+        why = sweep.detail if sweep is not None else "the sweep did not run"
+        return [Check(fixed_batches.CHECK, Status.SKIP, f"not run: {why}")], None, None
+    run = fixed_batches.parse(launched.batches)
+    levels, requests = [int(c) for c in spec["levels"]], int(spec["requests"])
+    if reference is None:  # recording
+        from ...verdicts import Check, Status
+
+        try:
+            section = fixed_batches.record(run, [str(p) for p in spec["prompts"]], levels, requests,
+                                           int(spec["max_tokens"]))
+        except SmokeError as exc:
+            return [Check(fixed_batches.CHECK, Status.FAIL, str(exc))], None, None
+        return [fixed_batches.recorded_check(section)], None, section
+    check, evidence = fixed_batches.judge(reference, run, levels, requests)
+    return [check], evidence, None
+
+
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
-           started: str = "", seconds: float = 0.0) -> Verdict:
-    """The host's verdict on what came back: the report judged, or the runner's failure to give one."""
+           started: str = "", seconds: float = 0.0, reference: Any = None) -> tuple[Verdict, Mapping[str, Any] | None]:
+    """The host's verdict on what came back: the report judged, or the runner's failure to give one; and the
+    per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
+    against; None while recording)."""
     facts = facts or HostFacts()
     if isinstance(launched, RunnerFailed):
         return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
-                                  started=started, seconds=seconds, gpu_facts=facts.gpu)
-    return judging.host_verdict(job, launched.report, compiled_missing=facts.compiled_missing,
-                                base_imports=facts.base_imports, started=started, seconds=seconds,
-                                gpu_facts=facts.gpu, environment=facts.environment)
+                                  started=started, seconds=seconds, gpu_facts=facts.gpu), None
+    checks, evidence, levels = batch_check(job, launched, reference)
+    verdict = judging.host_verdict(job, launched.report, compiled_missing=facts.compiled_missing,
+                                   base_imports=facts.base_imports, started=started, seconds=seconds,
+                                   gpu_facts=facts.gpu, environment=facts.environment, host_checks=checks,
+                                   exact=evidence)
+    said = (verdict.sweep or {}).get("reference")
+    if reference is not None and isinstance(said, Mapping):
+        # Which file judged the run is the host's fact (the runner had a copy without the per-level answers).
+        sweep = {**dict(verdict.sweep or {}), "reference": {**dict(said), "file": reference.path,
+                                                            "sha256": reference.sha256,
+                                                            "levels": reference.summary()["levels"]}}
+        verdict = replace(verdict, sweep=sweep)
+    return verdict, levels
 
 
 def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions, *, gpu_request: str | None,
@@ -255,7 +313,8 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
             if exc.hint:
                 say(exc.hint)
             launched = exc
-    verdict = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start)
+    verdict, levels = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
+                             reference=options.reference)
     if options.reference is not None and isinstance(launched, Launched):
         from ..reference import refuse_other_settings
 
@@ -266,4 +325,4 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     for c in verdict.checks:
         if echo or ((c.name, c.status, c.detail) not in said and (c.name, c.status.value, c.detail) not in shown):
             say(f"    {c.status.value:<4} {c.name}: {c.detail}" + ("" if echo else " (judged here)"))
-    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None)
+    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None, levels)

@@ -14,4 +14,5 @@ from __future__ import annotations
 MOUNT = "/opt/vllm-hotfix-runner"
 REPORT_MARK = "@@vllm-hotfix-runner:report@@"
 ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
+BATCHES_MARK = "@@vllm-hotfix-runner:batches@@"  # the fixed-batch probe's raw replies, for the host to judge
 JOB_VERSION = 2

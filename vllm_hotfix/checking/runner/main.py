@@ -42,7 +42,7 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, JOB_VERSION, REPORT_MARK, serve
+from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPORT_MARK, serve
 
 # As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -106,6 +106,7 @@ class Run:
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-job-")
         self.recorded: list[bytes] = []
         self.devices: list[str] = []  # the GPUs the container saw
+        self.serving_now: serve.Serving | None = None  # the job's server and batch probe, once made
 
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
@@ -204,7 +205,10 @@ class Run:
 
     def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
         """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
-        return serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts)
+        serving = serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts,
+                                probe=path_of("probes/batches.py"))
+        self.serving_now = serving
+        return serving
 
     def facts(self) -> dict[str, Any]:
         """What this run saw of the settings a reference names: the GPU model, vLLM's and torch's versions."""
@@ -327,5 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = verdict.to_dict()
     for answers in run.recorded:
         emit(ANSWERS_MARK, answers)
+    batches = run.serving_now.batch_report if run.serving_now is not None else None
+    if batches is not None:
+        emit(BATCHES_MARK, json.dumps(batches, sort_keys=True).encode())
     emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
     return 0

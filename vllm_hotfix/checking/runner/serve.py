@@ -10,6 +10,12 @@ smoke makes from a finished sweep. The server gets the job's ``env``
 ``requests``, which vLLM itself depends on; an image without it fails the
 sweep with one line. Only the server's start differs: here it is a process
 of the runner, not a container of an engine.
+
+Beside the server, the job's ``batches`` part runs ``probes/batches.py``:
+every level's requests through vLLM's engine in a process of its own,
+stepped by hand so that each level's batches are fixed (:class:`Batches`).
+Its raw replies go back to the host, which judges them against the
+reference's answers at the same level; nothing here sees those answers.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -57,6 +64,70 @@ class Process:
             self.proc.wait()
 
 
+class Batches:
+    """The fixed-batch probe as a process of the runner: started with the server (or after its sweep), its
+    output file read back whole when it ends; the host judges what it wrote."""
+
+    LOG_TAIL = 40
+
+    def __init__(self, spec: Mapping[str, Any], scratch: str, probe: str) -> None:
+        self.spec, self.scratch, self.probe = dict(spec), scratch, probe
+        self.out = os.path.join(scratch, "batches.jsonl")
+        self.log = os.path.join(scratch, "batches.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.error = ""
+
+    def start(self) -> None:
+        path = os.path.join(self.scratch, "batches.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({**self.spec, "out": self.out}, fh)
+        # The same hash seed in every run: nothing that iterates a set may order a batch differently.
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        self.started = time.monotonic()
+        try:
+            with open(self.log, "wb") as log:
+                self.proc = subprocess.Popen([sys.executable, self.probe, path], stdout=log,
+                                             stderr=subprocess.STDOUT, env=env, cwd=self.scratch)
+        except OSError as exc:
+            self.error = f"cannot start the batch probe: {exc}"
+
+    def finish(self, timeout: float) -> dict[str, Any]:
+        """What the probe wrote (``lines``), its exit code, its log's last lines and its wall time."""
+        if self.proc is None and not self.error:
+            self.start()
+        code: int | None = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(max(timeout - (time.monotonic() - self.started), 1))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                self.error = f"the batch probe did not finish in {timeout:.0f} s"
+        lines = []
+        try:
+            with open(self.out, encoding="utf-8", errors="replace") as fh:
+                for text in fh:
+                    try:
+                        lines.append(json.loads(text))
+                    except ValueError:
+                        lines.append({"error": f"unreadable line from the probe: {text[:200]!r}"})
+        except OSError:
+            pass
+        try:
+            with open(self.log, encoding="utf-8", errors="replace") as fh:
+                tail = [ln.rstrip() for ln in deque(fh, maxlen=self.LOG_TAIL)]
+        except OSError:
+            tail = []
+        return {"lines": lines, "exit": code, "error": self.error, "log": tail,
+                "seconds": round(time.monotonic() - self.started, 1)}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def _failed(detail: str, log: Sequence[str] = ()) -> dict[str, Any]:
     return {"name": "serve-sweep", "status": "fail", "detail": detail, "data": {"server_log": list(log)[-12:]}}
 
@@ -72,15 +143,21 @@ class Serving:
 
     def __init__(self, spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None],
                  phases: dict[str, float], recorded: list[bytes] | None = None,
-                 facts: Callable[[], dict[str, Any]] = dict) -> None:
+                 facts: Callable[[], dict[str, Any]] = dict, probe: str = "") -> None:
         self.spec, self.scratch, self.say, self.phases, self.recorded = spec, scratch, say, phases, recorded
+        # probe: the runner folder's probes/batches.py, for the job's ``batches`` part
         self.facts = facts  # the GPU model and versions this run saw, for the settings a recording names
         self.server: Process | None = None
+        self.batches = Batches(spec["batches"], scratch, probe) if spec.get("batches") else None
+        self.batch_report: dict[str, Any] | None = None  # what the probe wrote, for the host
         self.started = 0.0
         self.failed: dict[str, Any] | None = None
 
     def start(self) -> None:
         self.started = time.monotonic()
+        if self.batches is not None:
+            # Its engine's KV cache is sized as the server's: started together only where that size is given.
+            self.batches.start()
         argv = [str(a) for a in self.spec["argv"]]
         env = {str(k): str(v) for k, v in (self.spec.get("env") or {}).items()}
         try:
@@ -91,17 +168,28 @@ class Serving:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self.batches is not None:
+            self.batches.stop()
 
     def finish(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(the serve-sweep check, the sweep's report); wall times into ``phases``."""
         if self.server is None and self.failed is None:
             self.start()
-        if self.failed is not None or self.server is None:
-            return self.failed or _failed("the server did not start"), None
         try:
-            return self._sweep(self.server)
+            if self.failed is not None or self.server is None:
+                return self.failed or _failed("the server did not start"), None
+            try:
+                return self._sweep(self.server)
+            finally:
+                self.server.stop()
         finally:
-            self.server.stop()
+            if self.batches is not None:
+                self.say("    fixed batches: waiting for the probe")
+                self.batch_report = self.batches.finish(float(self.spec.get("timeout", 900)) + 900)
+                done = [ln for ln in self.batch_report["lines"] if "level" in ln]
+                self.phases["batches"] = self.batch_report["seconds"]
+                self.say(f"    fixed batches: {len(done)} level run(s) in {self.batch_report['seconds']:.1f} s"
+                         + (f", exit {self.batch_report['exit']}" if self.batch_report["exit"] else ""))
 
     def _sweep(self, server: Process) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:

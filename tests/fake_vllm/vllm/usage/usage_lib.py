@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import enum
+
+
+class UsageContext(enum.Enum):
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import argparse
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    pass
