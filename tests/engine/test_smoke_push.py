@@ -191,27 +191,36 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert starts.read_text().count("started") >= 1
             # The oracle's settings reached the server: prefix caching off, batch-invariant mode on.
             assert "started prefix_caching=False VLLM_BATCH_INVARIANT=1" in starts.read_text()
-            # Reference answers recorded from this (trusted) image, then every reply judged against them.
+            # Recording from this image: its server answers, but a stand-in has no engine (no torch) for the
+            # per-level answers under fixed batches, so the run fails on exact-levels and nothing is written.
             answers = tmp_path / "answers.json"
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
-                    str(answers), "--concurrency", "1,2", "--requests", "6", root=project)
-            assert r.rc == 0, r.err
-            recorded = json.loads(answers.read_text())
-            assert len(recorded["answers"]) == 24 and recorded["repeat"]["identical"] == 24
-            # The settings it was recorded under, as the host knows them and the image reported them.
-            settings = recorded["settings"]
-            assert settings["serve_args"] == ["--no-enable-prefix-caching"]
-            assert settings["env"] == {"VLLM_BATCH_INVARIANT": "1"} and settings["vllm"] == "0.25.1"
-            assert settings["base_image_id"] == base_id and len(settings["model"]) == 64
+                    str(answers), "--concurrency", "1,2", "--requests", "6", "--report", str(tmp_path / "rec.json"),
+                    root=project)
+            assert r.rc == 7 and "no per-level answers under fixed batches came back" in r.err, r.err
+            assert not answers.exists()
+            checks = {c["name"]: c for c in json.loads((tmp_path / "rec.json").read_text())["checks"]}
+            assert checks["serve-sweep"]["status"] == "pass"
+            assert checks["exact-levels"]["status"] == "fail"
+            assert "No module named 'torch'" in checks["exact-levels"]["detail"]
+            # Answers with every level, recorded where an engine ran, under this run's settings: the HTTP sweep
+            # passes against them, and the image's missing engine fails exact-levels, judged on the host.
+            write_reference(answers, model, base_id, (1, 2, 4), 6)
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
                     "--concurrency", "1,2,4", "--requests", "6", "--report", str(tmp_path / "ref.json"),
                     root=project)
-            assert r.rc == 0, r.err
+            assert r.rc == 7, r.err
             report = json.loads((tmp_path / "ref.json").read_text())
-            sweep_check = next(c for c in report["checks"] if c["name"] == "serve-sweep")
-            assert "every reply at concurrency 1 bitwise the reference answer" in sweep_check["detail"]
+            checks = {c["name"]: c for c in report["checks"]}
+            assert "every reply at concurrency 1 bitwise the reference answer" in checks["serve-sweep"]["detail"]
+            assert checks["serve-sweep"]["status"] == "pass"
             assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == \
                 {"exact", "noise"}
+            exact = checks["exact-levels"]
+            assert exact["status"] == "fail" and exact["data"]["answered_by"] == "filesystem"
+            assert exact["detail"].startswith("wrong under fixed batches from concurrency 1: no replies from "
+                                              "concurrency 1 on: ModuleNotFoundError: No module named 'torch'")
+            assert report["sweep"]["reference"]["sha256"] == json.loads(answers.read_text())["sha256"]
             # Another model than the one recorded with: refused before the server starts, naming it (exit 64).
             (model / "config.json").write_text('{"other": 1}')
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
@@ -219,6 +228,36 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert r.rc == 64 and "recorded under other settings (model '" in r.err
     finally:
         engine.remove_image(served)
+
+
+def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ...], requests: int) -> None:
+    """Reference answers as a trusted image with an engine gives them: tests/fake_openai.py's over HTTP and the
+    stand-in engine's (tests/fake_vllm) under fixed batches, named with the settings of the smoke that uses them."""
+    from dataclasses import replace
+
+    from conftest import free_port
+    from vllm_hotfix.checking import fixed_batches, oracle, recording, reference, sweep
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "m", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sweep.wait_healthy(f"http://127.0.0.1:{port}", 20)
+        made = recording.record(f"http://127.0.0.1:{port}")
+    finally:
+        proc.kill()
+        proc.wait()
+    settings = {"serve_args": list(oracle.SERVE_ARGS), "env": dict(oracle.SERVE_ENV), "base_image_id": base_id,
+                "model": oracle.fingerprint(str(model)), "vllm": "0.25.1", "torch": "absent"}
+    spec = fixed_batches.job_part(settings, levels, requests, made.prompts, made.max_tokens, recording=True)
+    out = path.with_suffix(".jsonl")
+    (path.parent / "spec.json").write_text(json.dumps({**spec, "out": str(out)}))
+    probe = REPO / "vllm_hotfix" / "checking" / "probes" / "batches.py"
+    subprocess.run([sys.executable, str(probe), str(path.parent / "spec.json")], check=True, timeout=60,
+                   env={"PYTHONPATH": str(REPO / "tests" / "fake_vllm")})
+    run = fixed_batches.parse(json.dumps({"lines": [json.loads(ln) for ln in out.read_text().splitlines()]}).encode())
+    section = fixed_batches.record(run, made.prompts, levels, requests, made.max_tokens)
+    reference.write(replace(made, settings=settings, levels=section), path)
 
 
 def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace) -> None:
