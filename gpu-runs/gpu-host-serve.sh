@@ -37,6 +37,9 @@
 #             REPO:v0.25.1-m3patch, the Dockerfile builder)
 #   refimage  the same definition by the assemble builder (REPO:v0.25.1-m3patch-assembled):
 #             the reference image, another image than the one judged
+#   mutants   each broken backport of gpu-runs/mutants/ (MUTANTS, default all) as the patched
+#             image is built, from a project root of its own (gpu-runs/mutants.py root):
+#             REPO:v0.25.1-mutant-NAME
 #   model     gpu-runs/tiny_minimax_m3.py writes the tiny model (with the gains
 #             that make it read its prompt)
 #   inputs    hashes the model and the base into WORK/inputs.json the first
@@ -46,13 +49,15 @@
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
 #   reference the reference image, compile caches emptied first (cold), records
 #             the reference answers: --record-reference OUTDIR/answers.json
-#             (concurrency 1 twice, then 16 for the noise), then its own sweep
+#             (over HTTP concurrency 1 twice, then 16 for the noise; and every
+#             level under fixed batches, twice, bit for bit), then its own sweep
 #   patched   the patched image, caches warm, --reference answers.json
 #   patched2  the patched image again: a second server start (OUTDIR/patched-again.json)
-#   unpatched1 the base's first run here (OUTDIR/unpatched-first.json): its
-#             caches filled as the reference run filled the patched image's,
-#             so that the next run is warm as the patched runs are
+#   patched3  and a third (OUTDIR/patched-third.json): no false failure in 3 starts
+#   unpatched1 (not in the default) the base's first run here (OUTDIR/unpatched-first.json)
 #   unpatched the base, --definition v0.25.1 --reference answers.json (warm)
+#   mutantsmoke each mutant image, --root its own root --reference answers.json
+#             (OUTDIR/mutant-NAME.json)
 #   record    OUTDIR/record.json (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
@@ -63,10 +68,11 @@
 # not measure the GPU's free memory and the server starts while the GPU checks
 # run.
 #
-# On a host that allows 10 minutes per command, three calls after the parts:
-#   STEPS="unpack engine base image refimage model inputs"  (about 4 min; base 2 min)
-#   STEPS="reference"                                        (cold server start, about 4 min)
-#   STEPS="patched patched2 unpatched1 unpatched record"     (about 6 min; warm at most 90 s each)
+# On a host that allows 10 minutes per command, calls after the parts (CALL_BUDGET=540
+# ends a call before a smoke it has no time for; the same STEPS again go on from there):
+#   STEPS="unpack engine base image refimage mutants model inputs"  (about 4 min; base 2 min)
+#   STEPS="reference"                                        (cold server start, about 5 min)
+#   STEPS="patched patched2 patched3 unpatched mutantsmoke record"  (warm, at most 90 s each)
 #
 # OUTDIR gets run.log, dockerd.log, smoke-<which>.log, <which>.json (reference,
 # patched, patched-again, unpatched-first, unpatched), <which>.dsse.json, answers.json,
@@ -76,7 +82,8 @@
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
 # (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), KV_BYTES (4294967296; empty: let
 # vLLM size the KV cache, and start the server after the GPU checks),
-# CONCURRENCY (1,2,4,8,16), REQUESTS (32 per level), SERVE_ARGS (extra `vllm
+# CONCURRENCY (1,2,4,8,16), REQUESTS (32 per level), MUTANTS (names, default every
+# gpu-runs/mutants/*.patch), CALL_BUDGET and SMOKE_ESTIMATE (110) seconds, SERVE_ARGS (extra `vllm
 # serve` arguments), TIMEOUT_REFERENCE (540), TIMEOUT_WARM (240) seconds per
 # smoke (the tool cleans up on TERM), TARGET_SECONDS (90, the record's smoke
 # time target for the warm runs), SOURCE_MANIFEST, DRY_RUN (1: print each
@@ -84,9 +91,11 @@
 # would refuse; a self-test of the steps' logic without a GPU or an engine).
 set -u
 PARTS=$(cd "${1:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}" && pwd)
-mkdir -p "${2:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}"
-OUTDIR=$(cd "$2" && pwd)
+OUTDIR=$(realpath -m "${2:?usage: gpu-host-serve.sh PARTS_DIR OUTDIR}")
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+# Refused before anything is made: an OUTDIR inside the checkout would be files beside the commit's.
+case "$OUTDIR/" in "$HERE"/*) echo "error: OUTDIR $OUTDIR lies inside the checkout $HERE: put it outside (the source check would count its files)"; exit 1 ;; esac
+mkdir -p "$OUTDIR"
 WORK=${GPU_HOST_WORK:-/var/lib/vllm-hotfix-gpu}
 PY=$(command -v "${PYTHON:-python3}")
 REPO_NAME=${GPU_BASE_REPO:-vllm-gpu-base}
@@ -94,7 +103,10 @@ TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
 REFIMG=$REPO_NAME:$TAG-m3patch-assembled
-STEPS=${STEPS:-unpack engine base image refimage model inputs reference patched patched2 unpatched1 unpatched record}
+STEPS=${STEPS:-unpack engine base image refimage mutants model inputs reference patched patched2 patched3 unpatched mutantsmoke record}
+# The broken backports (gpu-runs/mutants/NAME.patch): each built from a project root of its own (mutants.py root).
+MUTANTS=${MUTANTS:-$(cd "$HERE/gpu-runs/mutants" 2>/dev/null && ls -- *.patch 2>/dev/null | sed 's/\.patch$//' | tr '\n' ' ')}
+MUTANT_ROOTS=$WORK/mutant-roots
 DRY_RUN=${DRY_RUN:-}
 PAYLOAD=$WORK/payload
 MODEL=$WORK/tiny-minimax-m3
@@ -120,7 +132,6 @@ act() {
 }
 mkdir -p "$WORK"
 SOURCE_MANIFEST=${SOURCE_MANIFEST:-$HERE/gpu-parts/source.json}
-case "$OUTDIR/" in "$HERE"/*) die "OUTDIR $OUTDIR lies inside the checkout $HERE: put it outside (the source check would count its files)" ;; esac
 # What runs here: the tracked files of the commit SOURCE_MANIFEST names, nothing else beside them.
 src="$OUTDIR/source-$(date -u +%Y%m%dT%H%M%S)-$$.json"
 if "$PY" "$HERE/gpu-runs/source_manifest.py" check "$SOURCE_MANIFEST" --root "$HERE" --write "$src" >/dev/null 2>"$src.err"; then
@@ -212,6 +223,16 @@ if step refimage; then
   log "reference image done: $(tail -1 "$LOG")"
 fi
 
+if step mutants; then
+  for m in $MUTANTS; do
+    log "mutant $m: build.py --root $MUTANT_ROOTS/$m image (gpu-runs/mutants/$m.patch in the real patch's place)"
+    act "$PY" gpu-runs/mutants.py root "$m" "$MUTANT_ROOTS/$m" >>"$LOG" 2>&1 || die "mutants.py root $m failed"
+    act "$PY" build.py --root "$MUTANT_ROOTS/$m" image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
+      --tag "$REPO_NAME:$TAG-mutant-$m" >>"$LOG" 2>&1 || die "build.py image of mutant $m failed (see run.log)"
+    log "mutant $m done: $(tail -1 "$LOG")"
+  done
+fi
+
 if step model; then
   if [ ! -f "$MODEL/model.safetensors" ]; then
     act "$PY" gpu-runs/tiny_minimax_m3.py "$MODEL" | tee -a "$LOG" || die "model failed"
@@ -274,6 +295,8 @@ open(sys.argv[1], 'wb').write(key.private_bytes(serialization.Encoding.PEM, seri
      fi) && mv "$KEY.tmp" "$KEY" || die "cannot make a signing key"
     log "signing key made: $KEY"
   fi
+  [ ! -s "$PUBKEY" ] || [ "$PUBKEY" -nt "$KEY" ] || rm -f "$PUBKEY"
+  [ ! -s "$PUBKEY" ] || return 0  # written already (smokes in the background must not rewrite it at once)
   if command -v openssl >/dev/null; then
     openssl ec -in "$KEY" -pubout -out "$PUBKEY" 2>/dev/null || die "cannot write the public key"
   else
@@ -311,6 +334,12 @@ smoke() {
     log "smoke $which: done already ($OUTDIR/$which.json)"
     return 0
   fi
+  # CALL_BUDGET: a smoke this call has no time for is not started (the same STEPS again go on from it); the
+  # steps after it still run, the record included, from the reports there are.
+  if [ -n "${CALL_BUDGET:-}" ] && [ $((SECONDS + ${SMOKE_ESTIMATE:-110})) -gt "$CALL_BUDGET" ]; then
+    log "smoke $which: not started, ${SECONDS} s into a call of ${CALL_BUDGET} s; run this step again"
+    return 0
+  fi
   check_inputs
   ensure_key
   log "smoke $which: $ref --gpu require --keep-going $* ${serve[*]}"
@@ -320,6 +349,31 @@ smoke() {
     >"$OUTDIR/smoke-$which.log" 2>&1 || rc=$?
   log "smoke $which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$OUTDIR/smoke-$which.log" | tail -1))"
   [ "$rc" != 124 ] || log "smoke $which: cut short at $limit s; run this step again"
+}
+
+# PARALLEL=N: the smokes of the steps patched2, patched3 and mutantsmoke run N at a time (each its own server,
+# probe and GPU checks on the one GPU; with --kv-cache-memory-bytes no server measures the GPU's free memory,
+# and no reply depends on what else runs). Their smoke times are then not warm times alone: the record's warm
+# times are patched's and unpatched's, which run alone. BATCH_ESTIMATE (200) s per batch against CALL_BUDGET.
+PARALLEL=${PARALLEL:-1}
+pending=0
+queued() {
+  if [ "$PARALLEL" -le 1 ]; then
+    smoke "$@"
+    return 0
+  fi
+  check_inputs
+  ensure_key
+  SMOKE_ESTIMATE=${BATCH_ESTIMATE:-200} smoke "$@" &
+  pending=$((pending + 1))
+  if [ "$pending" -ge "$PARALLEL" ]; then
+    wait
+    pending=0
+  fi
+}
+flush() {
+  wait
+  pending=0
 }
 
 if step reference; then
@@ -347,10 +401,6 @@ if step patched; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
   smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
 fi
-if step patched2; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  smoke patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
-fi
 # The base carries no labels: --definition judges it by the patch set it lacks.
 if step unpatched1; then
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
@@ -361,16 +411,41 @@ if step unpatched; then
   smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
 fi
 
+# The patched image's second and third server starts: after the base, so that with PARALLEL they join the
+# mutants' batches and the warm times of patched and unpatched stay their own.
+if step patched2; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+fi
+if step patched3; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  queued patched-third "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+fi
+# Each broken backport judged as the patched image is, by its own patch set (--root): its files landed as the
+# mutant made them, so only the GPU checks, the exact judge and the sweep can fail it.
+if step mutantsmoke; then
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
+  for m in $MUTANTS; do
+    queued "mutant-$m" "$REPO_NAME:$TAG-mutant-$m" "${TIMEOUT_WARM:-240}" --root "$MUTANT_ROOTS/$m" --reference "$ANSWERS"
+  done
+fi
+flush
+
 if step record; then
   for which in reference patched patched-again unpatched; do
     [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run its smoke first"
   done
   signed=()
-  for which in reference patched patched-again unpatched-first unpatched; do
+  for which in reference patched patched-again patched-third unpatched-first unpatched; do
     [ ! -f "$OUTDIR/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$OUTDIR/$which.dsse.json")
   done
   first=()
   [ ! -f "$OUTDIR/unpatched-first.json" ] || first=(--unpatched-first "$OUTDIR/unpatched-first.json")
+  [ ! -f "$OUTDIR/patched-third.json" ] || first+=(--patched-third "$OUTDIR/patched-third.json")
+  for m in $MUTANTS; do
+    [ ! -f "$OUTDIR/mutant-$m.json" ] || first+=(--mutant "$m=$OUTDIR/mutant-$m.json")
+    [ ! -f "$OUTDIR/mutant-$m.dsse.json" ] || signed+=(--attestation "mutant_$m=$OUTDIR/mutant-$m.dsse.json")
+  done
   calls=()
   for f in "$OUTDIR"/source-*.json; do
     [ ! -f "$f" ] || calls+=(--source-call "$f")

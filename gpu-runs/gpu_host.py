@@ -359,7 +359,13 @@ def builder_of(image_id: str | None) -> str | None:
 
 def _record(args: argparse.Namespace) -> int:
     given = {"reference": args.reference_run, "patched": args.patched, "patched_again": args.patched_again,
-             "unpatched_first": args.unpatched_first, "unpatched": args.unpatched}
+             "patched_third": args.patched_third, "unpatched_first": args.unpatched_first,
+             "unpatched": args.unpatched}
+    for item in args.mutant or []:
+        name, _, path = item.partition("=")
+        if not name or not path:
+            raise InputMismatch(f"--mutant {item}: expected NAME=REPORT")
+        given[f"mutant_{name}"] = path
     reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
     patched, unpatched = reports["patched"], reports["unpatched"]
     src = source(args.source_manifest, args.source_root, args.source_call or [])
@@ -369,10 +375,11 @@ def _record(args: argparse.Namespace) -> int:
     if "base" in inputs and inputs["base"]["id"] != unpatched.get("image_id"):
         raise InputMismatch(f"base {args.base} is {inputs['base']['id']}, but the unpatched report "
                             f"{args.unpatched} judged {unpatched.get('image_id')}")
-    again = reports.get("patched_again")
-    if again is not None and again.get("image_id") != patched.get("image_id"):
-        raise InputMismatch(f"--patched-again {args.patched_again} judged {again.get('image_id')}, but --patched "
-                            f"{args.patched} judged {patched.get('image_id')}: not the same image")
+    for kind in ("patched_again", "patched_third"):
+        again = reports.get(kind)
+        if again is not None and again.get("image_id") != patched.get("image_id"):
+            raise InputMismatch(f"--{kind.replace('_', '-')} {given[kind]} judged {again.get('image_id')}, but "
+                                f"--patched {args.patched} judged {patched.get('image_id')}: not the same image")
     first = reports.get("unpatched_first")
     if first is not None and first.get("image_id") != unpatched.get("image_id"):
         raise InputMismatch(f"--unpatched-first {args.unpatched_first} judged {first.get('image_id')}, but "
@@ -416,6 +423,12 @@ def _record(args: argparse.Namespace) -> int:
         "smoke_seconds_target": args.target_seconds,
         "result": {kind: gpu_record.image_sentences(img, args.target_seconds) for kind, img in images.items()},
     }
+    shown = [kind.removeprefix("mutant_") for kind in images if kind.startswith("mutant_")]
+    if shown:
+        import mutants
+
+        # What each broken backport is, and where its header says it should first show.
+        rec["mutants"] = {name: mutants.header(name) for name in shown}
     rec["findings"] = gpu_record.findings(images, reference, args.target_seconds)
     rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
     if args.timings and Path(args.timings).exists():
@@ -465,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--patched", required=True, help="the patched image's report")
     r.add_argument("--unpatched", required=True, help="the unpatched base's report")
     r.add_argument("--patched-again", default=None, help="the patched image's report from a second server start")
+    r.add_argument("--patched-third", default=None, help="the patched image's report from a third server start")
+    r.add_argument("--mutant", action="append", default=None, metavar="NAME=FILE",
+                   help="a broken backport's report (gpu-runs/mutants/NAME.patch), each judged as the patched image")
     r.add_argument("--unpatched-first", default=None,
                    help="the unpatched base's first run on this host (its caches filled; --unpatched is the warm one)")
     r.add_argument("--reference-run", default=None,

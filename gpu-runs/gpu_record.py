@@ -24,7 +24,8 @@ from typing import Any
 EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
                     "finish_reason", "reply_sha256", "judged_by", "passed", "basis", "divergence", "token_divergence",
                     "max_logprob_diff", "gap_nats", "deviation_nats", "error")
-KINDS = ("reference", "patched", "patched_again", "unpatched_first", "unpatched")
+KINDS = ("reference", "patched", "patched_again", "patched_third", "unpatched_first", "unpatched")  # + mutant_NAME
+RIGHT = ("patched", "patched_again", "patched_third")  # the right patch, in three server starts
 WRONG_SHARE = 0.8  # the unpatched base must have at least this share of its answered concurrency-1 replies wrong
 DISTINCT_TARGET = 24
 GAP_TARGET = 1.0  # nats: the median first-token top-two gap a prompt-reading model shows
@@ -45,7 +46,21 @@ def image(report: dict[str, Any]) -> dict[str, Any]:
                    for c in report.get("checks", [])],
         "topk_layout": _topk(report),
         "serve": _serve(report),
+        "exact": _exact(report),
     }
+
+
+def _exact(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The exact-levels check (fixed batches, judged on the host): per level its counts and first wrong reply."""
+    check = next((c for c in report.get("checks", []) if c.get("name") == "exact-levels"), None)
+    if check is None:
+        return None
+    evidence = (report.get("sweep") or {}).get("exact") or {}
+    levels = [{k: lv.get(k) for k in ("concurrency", "requests", "answered", "identical", "wrong", "seconds",
+                                      "first_wrong")} for lv in evidence.get("levels") or []]
+    return {"status": check.get("status"), "detail": check.get("detail"), "levels": levels,
+            "first_failed_level": evidence.get("first_failed_level"), "ended": evidence.get("ended"),
+            "engine_start_s": evidence.get("engine_start_s"), "probe_s": evidence.get("probe_s")}
 
 
 def _serve(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,7 +191,22 @@ def image_sentences(img: dict[str, Any], target: float | None = None) -> list[st
     if serve.get("failed_level") is not None:
         head += f", failed at concurrency {serve['failed_level']}"
     rows = [rows_to_evidence(level) for level in serve.get("levels") or []]
-    return [head, *(level_sentence(level) for level in rows)]
+    return [head, *(level_sentence(level) for level in rows), *exact_sentences(img)]
+
+
+def exact_sentences(img: dict[str, Any]) -> list[str]:
+    """The fixed-batch levels in words: per level, replies answered, bitwise the reference's at that level, wrong."""
+    exact = img.get("exact")
+    if not exact:
+        return []
+    out = [f"exact-levels {exact.get('status')}" + (f", first failing at concurrency {exact['first_failed_level']}"
+                                                     if exact.get("first_failed_level") is not None else "")
+           + (f"; the probe ended early: {exact['ended']}" if exact.get("ended") else "")]
+    for lv in exact.get("levels") or []:
+        out.append(f"fixed batches, concurrency {lv.get('concurrency')}: {lv.get('answered')}/{lv.get('requests')} "
+                   f"answered, {lv.get('identical')} bitwise the reference's at this level, {lv.get('wrong')} wrong"
+                   + (f" (first: {lv['first_wrong']})" if lv.get("first_wrong") else ""))
+    return out
 
 
 def rows_to_evidence(level: dict[str, Any]) -> dict[str, Any]:
@@ -202,11 +232,48 @@ def passes_every_level(img: dict[str, Any]) -> tuple[bool, str]:
     levels = {lv.get("concurrency"): lv for lv in serve.get("levels") or []}
     missing = [c for c in LEVELS if c not in levels]
     bad = [c for c, lv in levels.items() if lv.get("failures") or lv.get("wrong_answers")]
-    ok = img.get("status") == "pass" and serve.get("status") == "pass" and not missing and not bad
-    words = (f"{img.get('status')}; levels {','.join(str(c) for c in sorted(levels))} all passed, no wrong answer"
+    exact = img.get("exact") or {}
+    exact_levels = {lv.get("concurrency"): lv for lv in exact.get("levels") or []}
+    inexact = [c for c in LEVELS if c not in exact_levels or exact_levels[c].get("wrong")
+               or exact_levels[c].get("identical") != exact_levels[c].get("requests")]
+    ok = (img.get("status") == "pass" and serve.get("status") == "pass" and exact.get("status") == "pass"
+          and not missing and not bad and not inexact)
+    words = (f"{img.get('status')}; levels {','.join(str(c) for c in sorted(levels))} all passed, no wrong answer; "
+             f"under fixed batches every reply at every level bitwise the reference's at that level"
              if ok else f"{img.get('status')}; levels not run: {missing or 'none'}; levels with a failure or wrong "
-                        f"answer: {bad or 'none'}")
+                        f"answer: {bad or 'none'}; levels not bitwise the reference's under fixed batches: "
+                        f"{inexact or 'none'}")
     return ok, words
+
+
+def caught(img: dict[str, Any]) -> dict[str, Any]:
+    """Which check failed an image that must fail, and at which level: the topk-layout GPU check (no level), the
+    exact judge under fixed batches, the HTTP sweep; the first level either failed at."""
+    topk = next((c for c in img.get("checks") or [] if c.get("name") == "topk-layout"), None)
+    exact = img.get("exact") or {}
+    serve = img.get("serve") or {}
+    by = {"topk-layout": topk.get("status") if topk else None,
+          "exact-levels": exact.get("first_failed_level"),
+          "serve-sweep": serve.get("failed_level")}
+    levels = [v for v in (by["exact-levels"], by["serve-sweep"]) if isinstance(v, int)]
+    first = min(levels) if levels else None
+    checks = [name for name in ("exact-levels", "serve-sweep") if by[name] == first and first is not None]
+    failing = [c.get("name") for c in img.get("checks") or [] if c.get("status") == "fail"]
+    return {"status": img.get("status"), "first_failing_level": first, "failed_there_by": checks,
+            "topk_layout": by["topk-layout"], "exact_first_level": by["exact-levels"],
+            "sweep_first_level": by["serve-sweep"], "failing_checks": failing,
+            "met": img.get("status") == "fail" and bool(set(failing) & {"topk-layout", "exact-levels", "serve-sweep"})}
+
+
+def wrong_by_answers(img: dict[str, Any]) -> dict[str, Any]:
+    """At every level where the image answered under fixed batches, some answer was wrong (not status alone)."""
+    per = {lv.get("concurrency"): (lv.get("answered") or 0, lv.get("wrong") or 0)
+           for lv in (img.get("exact") or {}).get("levels") or []}
+    answering = [c for c, (n, _w) in per.items() if n]
+    right_there = [c for c in answering if not per[c][1]]
+    return {"levels": {str(c): {"answered": n, "wrong": w} for c, (n, w) in per.items()},
+            "answering_levels": answering, "levels_answered_right": right_there,
+            "met": bool(answering) and not right_there}
 
 
 def wrong_share(img: dict[str, Any]) -> dict[str, Any]:
@@ -222,13 +289,23 @@ def wrong_share(img: dict[str, Any]) -> dict[str, Any]:
 def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], target: float) -> dict[str, Any]:
     """The run's questions answered from the reports (see the module's docstring)."""
     out: dict[str, Any] = {}
-    for kind in ("patched", "patched_again"):
+    for kind in RIGHT:
         if kind in images:
             ok, words = passes_every_level(images[kind])
             out[f"{kind}_passes_every_level"] = {"met": ok, "detail": words}
+    starts = [kind for kind in RIGHT if kind in images]
+    if len(starts) == len(RIGHT):
+        failed = [k for k in starts if not out[f"{k}_passes_every_level"]["met"]]
+        out["right_patch_no_false_failure_in_3_starts"] = {"starts": len(starts), "false_failures": len(failed),
+                                                          "met": not failed}
     if "unpatched" in images:
         out["unpatched_wrong_at_concurrency_1"] = wrong_share(images["unpatched"])
-    warm = {kind: images[kind].get("seconds") for kind in ("patched", "patched_again", "unpatched") if kind in images}
+        if images["unpatched"].get("exact"):
+            out["unpatched_wrong_by_answers_at_every_answering_level"] = wrong_by_answers(images["unpatched"])
+    mutants = {kind.removeprefix("mutant_"): caught(img) for kind, img in images.items() if kind.startswith("mutant_")}
+    if mutants:
+        out["every_mutant_fails"] = {"mutants": mutants, "met": all(m["met"] for m in mutants.values())}
+    warm = {kind: images[kind].get("seconds") for kind in (*RIGHT, "unpatched") if kind in images}
     out["warm_smoke_seconds"] = {"target": target, "seconds": warm,
                                  "met": bool(warm) and all(isinstance(v, (int, float)) and v <= target
                                                            for v in warm.values())}
@@ -237,7 +314,7 @@ def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], targe
     out["model_reads_its_prompt"] = {
         **sens, "targets": {"distinct_replies": DISTINCT_TARGET, "median_first_token_gap_nats": GAP_TARGET},
         "met": sens.get("distinct_replies") == DISTINCT_TARGET and isinstance(gap, (int, float)) and gap >= GAP_TARGET}
-    judged = {images[k].get("id") for k in ("patched", "patched_again", "unpatched") if k in images}
+    judged = {images[k].get("id") for k in (*RIGHT, "unpatched") if k in images}
     recorded = (images.get("reference") or {}).get("id")
     out["reference_from_another_image"] = {"reference_image": recorded, "judged_images": sorted(filter(None, judged)),
                                            "met": bool(recorded) and recorded not in judged}

@@ -69,7 +69,8 @@ def _smokes(commands: list[list[str]]) -> dict[str, list[str]]:
 def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     commands, log, out = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
     smokes = _smokes(commands)
-    assert list(smokes) == ["reference", "patched", "patched-again", "unpatched-first", "unpatched"]
+    # The patched image's second start after the base: the warm times of patched and unpatched are their own.
+    assert list(smokes) == ["reference", "patched", "unpatched-first", "unpatched", "patched-again"]
     # The base's first run is its warm run's twin but for the files it writes.
     assert [a.replace("unpatched-first", "unpatched") for a in smokes["unpatched-first"]] == smokes["unpatched"]
     answers = str(out / "answers.json")
@@ -130,6 +131,36 @@ def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Pa
     r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(REPO / "build" / "gpu-out-test")],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "lies inside the checkout" in r.stdout
+    assert not (REPO / "build" / "gpu-out-test").exists()  # refused before it was made: nothing left behind
+
+
+def test_the_mutants_are_built_from_roots_of_their_own_and_judged_by_them(tmp_path: Path) -> None:
+    """Every broken backport is built by the Dockerfile builder from its own project root and smoked, as the
+    patched image is, by that root's patch set, against the same reference answers; the record names each."""
+    names = sorted(p.stem for p in (SCRIPTS / "mutants").glob("*.patch"))
+    assert len(names) >= 6
+    commands, log, out = _dry(tmp_path, "mutants patched3 mutantsmoke record")
+    roots = tmp_path / "work" / "mutant-roots"
+    builds = []
+    for argv in commands:  # (a command whose output goes to the log is printed there twice)
+        if "build.py" in argv and "image" in argv and argv not in builds:
+            builds.append(argv)
+    assert [argv[argv.index("--root") + 1] for argv in builds] == [str(roots / n) for n in names]
+    for argv, name in zip(builds, names, strict=True):
+        assert argv[argv.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-mutant-{name}"
+        assert "--builder" not in argv  # the Dockerfile builder, as the patched image
+    smokes = _smokes(commands)
+    assert list(smokes) == ["patched-third", *(f"mutant-{n}" for n in names)]
+    answers = str(out / "answers.json")
+    for name in names:
+        argv = smokes[f"mutant-{name}"]
+        assert argv[argv.index("--root") + 1] == str(roots / name)
+        assert argv[argv.index("--reference") + 1] == answers and "--definition" not in argv
+        assert argv[5] == f"vllm-gpu-base:v0.25.1-mutant-{name}"
+    assert smokes["patched-third"][5] == "vllm-gpu-base:v0.25.1-m3patch"
+    [record] = [argv for argv in commands if "record" in argv]
+    # (DRY_RUN writes no reports, so the record is named with none of them here.)
+    assert "--mutant" not in record and "--patched-third" not in record
 
 
 def _gpu_host() -> Any:

@@ -40,14 +40,35 @@ def _level(c: int, evidence: list[sweep.RequestEvidence]) -> sweep.Level:
     return level
 
 
-def _report(levels: list[sweep.Level], failed: int | None) -> dict[str, Any]:
+def _exact(levels: tuple[int, ...] = (1, 2, 4, 8, 16), wrong_from: int | None = None,
+           died_at: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An exact-levels check and its evidence as the host writes them (fixed_batches.judge's shape)."""
+    out, first = [], None
+    for c in levels:
+        answered = 0 if died_at is not None and c >= died_at else 8
+        wrong = answered if wrong_from is not None and c >= wrong_from else 0
+        if (wrong or not answered) and first is None:
+            first = c
+        out.append({"concurrency": c, "requests": 8, "answered": answered, "identical": answered - wrong,
+                    "wrong": wrong, "seconds": 1.0, "first_wrong": "request 0 (prompt 0): x" if wrong else None,
+                    "replies": []})
+    evidence = {"levels": out, "first_failed_level": first, "ended": "" if died_at is None else "RuntimeError: x"}
+    check = {"name": "exact-levels", "status": "fail" if first else "pass", "detail": "d", "seconds": 0.0}
+    return check, evidence
+
+
+def _report(levels: list[sweep.Level], failed: int | None, exact: tuple[dict[str, Any], dict[str, Any]] | None = None,
+            topk: str = "pass") -> dict[str, Any]:
     result = sweep.SweepResult("http://x", "/model", levels, failed_level=failed,
                                reference={"file": "ref.json", "sha256": "ab" * 32, "prompts": 24,
                                           "tolerance_nats": 0.08, "noise_multiple": 4.0})
-    status = "fail" if failed else "pass"
+    check, evidence = exact or _exact()
+    status = "fail" if failed or check["status"] == "fail" or topk == "fail" else "pass"
     return {"image": "img:x", "image_id": "sha256:1", "status": status, "gpu_verified": True, "seconds": 90.0,
-            "checks": [{"name": "serve-sweep", "status": status, "detail": "d", "seconds": 40.0}],
-            "sweep": json.loads(json.dumps(result.to_dict()))}
+            "checks": [{"name": "topk-layout", "status": topk, "detail": "t", "seconds": 1.0},
+                       {"name": "serve-sweep", "status": "fail" if failed else "pass", "detail": "d",
+                        "seconds": 40.0}, check],
+            "sweep": {**json.loads(json.dumps(result.to_dict())), "exact": evidence}}
 
 
 def ok(c: int, i: int, **kw: Any) -> sweep.RequestEvidence:
@@ -96,7 +117,8 @@ def test_findings_answer_the_runs_questions_from_the_evidence() -> None:
     wrong = [ok(1, i, passed=False, divergence=3, error="wrong answer") for i in range(8)]
     base_levels = [_level(1, [*wrong, ok(1, 8), ok(1, 9), ok(1, 10, passed=False, divergence=0),
                               sweep.RequestEvidence(1, 11, 11, 400, 0.1, error="HTTP 400 nan")])]
-    unpatched = host.image({**_report(base_levels, 1), "image_id": "sha256:b", "status": "fail", "seconds": 70.5})
+    unpatched = host.image({**_report(base_levels, 1, _exact(wrong_from=1, died_at=8), topk="fail"),
+                            "image_id": "sha256:b", "status": "fail", "seconds": 70.5})
     reference_run = host.image({**_report(every, None), "image_id": "sha256:r", "seconds": 200.0})
     sens = {"prompts": 24, "distinct_replies": 24, "median_first_token_gap_nats": 1.4}
     found = host.findings({"reference": reference_run, "patched": patched, "patched_again": patched,
@@ -116,6 +138,37 @@ def test_findings_answer_the_runs_questions_from_the_evidence() -> None:
     ok_, words = host.passes_every_level(short)
     assert not ok_ and "levels not run: [16]" in words
     assert any(line.startswith("unpatched_wrong_at_concurrency_1: met") for line in host.finding_sentences(found))
+    # The base was wrong by its answers at every level where it answered (1, 2, 4; its engine died at 8).
+    assert found["unpatched_wrong_by_answers_at_every_answering_level"]["met"]
+    assert found["unpatched_wrong_by_answers_at_every_answering_level"]["answering_levels"] == [1, 2, 4]
+
+
+def test_findings_show_each_mutant_caught_and_the_right_patch_exact_in_three_starts() -> None:
+    host = _gpu_host()
+    every = [_level(c, [ok(c, 0), ok(c, 1)]) for c in (1, 2, 4, 8, 16)]
+    patched = host.image({**_report(every, None), "image_id": "sha256:p", "seconds": 61.0})
+    # A backport wrong only under load: the HTTP sweep passed it, the exact judge failed it at 8.
+    late = host.image({**_report(every, None, _exact(wrong_from=8)), "image_id": "sha256:m1"})
+    # One the GPU check and the sweep caught (at 2), the exact judge too (at 2).
+    early = host.image({**_report(every[:2], 2, _exact(wrong_from=2), topk="fail"), "image_id": "sha256:m2"})
+    # A right patch whose third start was not exact at 16: a false failure.
+    drifted = host.image({**_report(every, None, _exact(wrong_from=16)), "image_id": "sha256:p"})
+    images = {"patched": patched, "patched_again": patched, "patched_third": patched, "mutant_late": late,
+              "mutant_early": early}
+    found = host.findings(images, {}, 90.0)
+    assert found["right_patch_no_false_failure_in_3_starts"] == {"starts": 3, "false_failures": 0, "met": True}
+    mutants = found["every_mutant_fails"]["mutants"]
+    assert mutants["late"]["first_failing_level"] == 8 and mutants["late"]["failed_there_by"] == ["exact-levels"]
+    assert mutants["late"]["sweep_first_level"] is None and mutants["late"]["topk_layout"] == "pass"
+    assert mutants["early"]["failed_there_by"] == ["exact-levels", "serve-sweep"]
+    assert mutants["early"]["topk_layout"] == "fail" and found["every_mutant_fails"]["met"]
+    found = host.findings({**images, "patched_third": drifted, "mutant_right": patched}, {}, 90.0)
+    assert found["right_patch_no_false_failure_in_3_starts"]["false_failures"] == 1
+    assert not found["patched_third_passes_every_level"]["met"]
+    assert "levels not bitwise the reference's under fixed batches: [16]" in \
+        found["patched_third_passes_every_level"]["detail"]
+    # A "mutant" that passed (the right patch under a mutant's name) is not caught: the suite's finding fails.
+    assert not found["every_mutant_fails"]["mutants"]["right"]["met"] and not found["every_mutant_fails"]["met"]
 
 
 def _git_repo(folder: Path) -> Path:
