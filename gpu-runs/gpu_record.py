@@ -1,9 +1,10 @@
 """What a GPU run record says, derived from the smoke reports alone (gpu_host.py record writes it).
 
 Per image (``reference``: the image the reference answers were recorded
-from; ``patched`` and ``patched_again``: the image judged, in two server
-starts; ``unpatched``: the base, warm, and ``unpatched_first``: its first run
-on the host, which filled its caches): its verdict, smoke time and phase times,
+from; ``patched``, ``patched_again`` and ``patched_third``: the image judged,
+in three server starts; ``unpatched``: the base, warm, and
+``unpatched_first``: its first run where one was made; ``mutant_NAME``: each
+broken backport of gpu-runs/mutants/): its verdict, smoke time and phase times,
 checks, the top-k check's scenarios, and the serve sweep per level with every
 request's evidence as rows. In words (``result``): each image's verdict and
 times against the target, then per level the requests passed, their HTTP
@@ -11,10 +12,13 @@ statuses, reply lengths and finish reasons, how the oracle judged them (bit
 for bit at concurrency 1; within the tolerance above it: identical, within
 noise, wrong) and the widest deviation. ``findings`` answers the run's
 questions from the same evidence: does the patched image pass every level in
-both starts with no wrong answer; what share of the unpatched base's answered
-concurrency-1 replies the oracle judged wrong; is each warm smoke within the
-target; does the model read its prompt; was the reference recorded from
-another image than the one judged.
+every start, exactly under fixed batches (the ``exact-levels`` check), with no
+wrong answer; what share of the unpatched base's answered concurrency-1
+replies the oracle judged wrong, and was it wrong by its answers at every
+level where it answered; which check failed each mutant first, at which
+level; is each warm smoke (patched, unpatched: run alone) within the target;
+does the model read its prompt; was the reference recorded from another image
+than the one judged.
 """
 
 from __future__ import annotations
@@ -305,8 +309,12 @@ def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], targe
     mutants = {kind.removeprefix("mutant_"): caught(img) for kind, img in images.items() if kind.startswith("mutant_")}
     if mutants:
         out["every_mutant_fails"] = {"mutants": mutants, "met": all(m["met"] for m in mutants.values())}
-    warm = {kind: images[kind].get("seconds") for kind in (*RIGHT, "unpatched") if kind in images}
-    out["warm_smoke_seconds"] = {"target": target, "seconds": warm,
+    # The warm times are of smokes that ran alone (patched, unpatched); the other starts and the mutants may run
+    # side by side on the GPU (gpu-host-serve.sh PARALLEL), so their times are shown, not held to the target.
+    warm = {kind: images[kind].get("seconds") for kind in ("patched", "unpatched") if kind in images}
+    beside = {kind: images[kind].get("seconds") for kind in images
+              if kind not in warm and kind not in ("reference", "unpatched_first")}
+    out["warm_smoke_seconds"] = {"target": target, "seconds": warm, "side_by_side_seconds": beside,
                                  "met": bool(warm) and all(isinstance(v, (int, float)) and v <= target
                                                            for v in warm.values())}
     sens = reference.get("prompt_sensitivity") or {}
