@@ -432,7 +432,9 @@ fi
 flush
 
 if step record; then
-  for which in reference patched patched-again unpatched; do
+  # The record needs these; the other starts and the mutants are recorded where their reports are (its
+  # findings say what is missing).
+  for which in reference patched unpatched; do
     [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run its smoke first"
   done
   signed=()
@@ -450,8 +452,9 @@ if step record; then
   for f in "$OUTDIR"/source-*.json; do
     [ ! -f "$f" ] || calls+=(--source-call "$f")
   done
+  [ ! -f "$OUTDIR/patched-again.json" ] || first+=(--patched-again "$OUTDIR/patched-again.json")
   act "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --reference-run "$OUTDIR/reference.json" \
-    --patched "$OUTDIR/patched.json" --patched-again "$OUTDIR/patched-again.json" \
+    --patched "$OUTDIR/patched.json" \
     --unpatched "$OUTDIR/unpatched.json" "${first[@]}" --timings "$LOG" --model "$MODEL" --base "$BASE" --reference "$ANSWERS" \
     --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
     --source-manifest "$SOURCE_MANIFEST" --source-root "$HERE" "${calls[@]}" "${signed[@]}" | tee -a "$LOG.summary"

@@ -98,7 +98,7 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert (out / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
     assert not (out / "signing-key.pem").exists()
     [record] = [argv for argv in commands if "record" in argv]
-    assert {"--reference-run", "--patched-again", "--inputs-from", "--public-key", "--reference", "--base",
+    assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "90"
     assert "smoke reference: exit code 0" in log
