@@ -22,7 +22,10 @@ check the host already settled, when no GPU request reaches this image);
 ``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
 content, its sha256 inside), ``record`` (record the answers first; they come
 back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
-``overlap`` (start the server while the GPU checks run); or null);
+``overlap`` (start the server while the GPU checks run), ``batches`` (the
+fixed-batch probe's spec, :func:`vllm_hotfix.checking.fixed_batches.job_part`:
+its raw replies come back after :data:`~vllm_hotfix.checking.runner.BATCHES_MARK`
+for the host to judge); or null);
 ``keep_going``; ``probe_timeout``.
 """
 
