@@ -103,7 +103,8 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gp
                     "status": accepted.report.get("status"), "gpu_verified": accepted.gpu_verified,
                     "devices": devices, "source": accepted.source, "signed_at": accepted.signed_at})
         return
-    click.echo(f"verified {ref} {digest}: signed pass by key {accepted.key_name} ({accepted.key_id[:12]}), signed "
+    named = ref if digest == ref else f"{ref} {digest}"  # an image ID given as REF is its own digest here
+    click.echo(f"verified {named}: signed pass by key {accepted.key_name} ({accepted.key_id[:12]}), signed "
                f"{accepted.signed_at} ({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
 
 
