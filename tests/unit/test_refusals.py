@@ -264,6 +264,8 @@ OUTPUT_FILES = [
     ("smoke", "ops/vllm:v1", "--junit", "/proc/1/j.xml"),
     ("smoke", "ops/vllm:v1", "--attestation", "/etc/hostname/a.json", "--sign-key", "env:NOPE"),
     ("serve-check", "--url", "http://127.0.0.1:9", "--report", "/etc/hostname/s.json"),
+    # A folder that does not exist under one that takes no new files, whatever os.access says to root.
+    ("serve-check", "--url", "http://127.0.0.1:9", "--report", "/proc/nope/r.json"),
 ]
 
 

@@ -202,6 +202,13 @@ def writable_folder_problem(folder: Path) -> str | None:
         return f"{probe} is a file, not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable by this user"
+    # os.access answers yes to root for any folder (/proc too): make and remove a folder there to be sure.
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vllm-hotfix-probe-", dir=probe))
+    except OSError as exc:
+        return f"{probe} does not take new files ({exc.strerror or exc})"
     return None
 
 
