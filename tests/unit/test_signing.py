@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
+from conftest import REPO
 from vllm_hotfix.errors import (
     AttestationError,
     AttestationMismatch,
@@ -220,3 +224,37 @@ def test_the_newest_signed_verdict_decides_and_a_tie_is_refused(tmp_path: Path) 
     undated.write_bytes(signing.sign(signing.statement({"x": IMAGE_ID}, REPORT), key))
     r = cli("verify", IMAGE_ID, "--attestation", str(undated), "--key", str(pub), root=tmp_path)
     assert r.rc == 24 and "carry no signed time" in r.err
+
+
+def _in_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a child Python with a time limit: a read that hangs must fail the test, not hold the suite."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=30,
+                          cwd=str(REPO))
+
+
+def test_a_fifo_is_no_key_and_no_reference(tmp_path: Path) -> None:
+    fifo = tmp_path / "key.pem"
+    os.mkfifo(fifo, 0o600)
+    for code, needle in (
+        ("import sys; from vllm_hotfix.trust import signing; signing.load_private_key(sys.argv[1])",
+         "signing key {}: not a regular file"),
+        ("import sys; from vllm_hotfix.trust import signing; signing.load_public_key(sys.argv[1])",
+         "public key {}: not a regular file"),
+        ("import sys; from pathlib import Path; from vllm_hotfix.checking import reference; "
+         "reference.load(Path(sys.argv[1]))", "--reference {}: not a regular file"),
+    ):
+        r = _in_child(code, str(fifo))
+        assert r.returncode != 0 and needle.format(fifo) in r.stderr, r.stderr
+
+
+def test_a_signing_key_another_user_owns_is_refused(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to give the file to another user")
+    key = tmp_path / "key.pem"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
+    assert signing.load_private_key(str(key)) is not None  # this user's own: signs
+    os.chown(key, 12345, 12345)
+    with pytest.raises(AttestationError, match=r"owned by user 12345, not by this user \(0\)"):
+        signing.load_private_key(str(key))

@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import math
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,9 @@ def load(path: Path, option: str = "--reference") -> Reference:
     """The reference in ``path``; UsageError (one line naming the file) if it is unusable or was changed."""
     where = f"{option} {path}"
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            # A FIFO would be read until its writer closes it.
+            raise UsageError(f"{where}: not a regular file")
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None

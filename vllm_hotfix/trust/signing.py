@@ -54,6 +54,9 @@ def _read_pem(source: str, what: str) -> tuple[bytes, str]:
             raise AttestationError(f"{what} ${name}: the variable is not set or empty")
         return value.encode(), f"${name}"
     try:
+        if not stat.S_ISREG(os.stat(source).st_mode):
+            # A FIFO or a device would be read until its writer closes it: never, for a key.
+            raise AttestationError(f"{what} {source}: not a regular file")
         return Path(source).read_bytes(), source
     except OSError as exc:
         raise AttestationError(f"{what} {source}: cannot read it ({exc.strerror or exc})") from None
@@ -64,9 +67,15 @@ def _private_enough(source: str) -> None:
     if source.startswith("env:"):
         return
     try:
-        mode = stat.S_IMODE(os.stat(source).st_mode)
+        st = os.stat(source)
     except OSError:
         return  # _read_pem names why it cannot be read
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISREG(st.st_mode) and st.st_uid != os.getuid():
+        # As ssh and gpg: a key another user owns is theirs to change, whatever its mode.
+        raise AttestationError(f"signing key {source}: owned by user {st.st_uid}, not by this user "
+                               f"({os.getuid()}); a private key must be its user's own",
+                               hint="copy it to a file of your own with mode 600")
     if mode & 0o077:
         raise AttestationError(f"signing key {source}: others may read it (mode {mode:04o}); a private key "
                                f"must be readable by its owner alone", hint=f"chmod 600 {source}")

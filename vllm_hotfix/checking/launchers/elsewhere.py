@@ -11,6 +11,7 @@ anywhere: the caller signs the verdict this returns.
 from __future__ import annotations
 
 import logging
+import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -211,6 +212,8 @@ def _collected(cluster: Cluster, say: Callable[[str], None]) -> Launched:
         say(f"==> reading the report of Job {cluster.spec.namespace}/{cluster.spec.name} through the cluster's API")
         return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say).collect()
     try:
+        if not stat.S_ISREG(Path(given).stat().st_mode):
+            raise UsageError(f"--collect {given}: not a regular file (give the pod's log saved to a file)")
         text = Path(given).read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
