@@ -249,6 +249,9 @@ ENV_CASES = [
     ({"VLLM_HOTFIX_CACHE": "/etc/hostname/cache"}, ("image", "--base", "v0.25.1"), "is a file, not a folder"),
     ({"VLLM_HOTFIX_CACHE": "/proc/1/cache-here"}, ("render", "--base", "v0.25.1"), "not writable"),
     ({"VLLM_HOTFIX_CACHE": ""}, ("render", "--base", "v0.25.1"), "is empty"),
+    # Past a day a thread's join overflows (an OverflowError, exit 70): refused before any work.
+    ({"VLLM_HOTFIX_PROBE_TIMEOUT": "9" * 30}, ("render", "--base", "v0.25.1"), "expected whole seconds from 1"),
+    ({"VLLM_HOTFIX_PROBE_TIMEOUT": "-5"}, ("list",), "VLLM_HOTFIX_PROBE_TIMEOUT='-5'"),
 ]
 
 

@@ -78,10 +78,14 @@ def probe_source(name: str) -> str:
     return resources.files("vllm_hotfix.checking.probes").joinpath(name).read_text(encoding="utf-8")
 
 
+PROBE_TIMEOUT_MAX = 86400  # a day: beyond it a thread's join overflows, and no probe of a base needs it
+
+
 def probe_timeout() -> int:
-    """Seconds a probe of the base may take (VLLM_HOTFIX_PROBE_TIMEOUT, default 120)."""
+    """Seconds a probe of the base may take (VLLM_HOTFIX_PROBE_TIMEOUT, default 120; the CLI refuses a value out
+    of 1..PROBE_TIMEOUT_MAX before any work, and a library caller's is clamped to it)."""
     try:
-        return max(1, int(os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT", "120")))
+        return min(PROBE_TIMEOUT_MAX, max(1, int(os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT", "120"))))
     except ValueError:
         return 120
 

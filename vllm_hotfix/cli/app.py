@@ -183,6 +183,13 @@ def check_environment(command: str | None) -> None:
     if run_id and not _RUN_ID.fullmatch(run_id):
         raise UsageError(f"VLLM_HOTFIX_RUN_ID={refs.shown(run_id, 60)}: expected up to 128 letters, digits, "
                          "'.', '_' or '-' (it names containers' labels and scratch folders)")
+    timeout = os.environ.get("VLLM_HOTFIX_PROBE_TIMEOUT")
+    if timeout is not None:
+        from ..building.sources import PROBE_TIMEOUT_MAX
+
+        if not timeout.isdigit() or not 1 <= int(timeout) <= PROBE_TIMEOUT_MAX:
+            raise UsageError(f"VLLM_HOTFIX_PROBE_TIMEOUT={refs.shown(timeout, 60)}: expected whole seconds from 1 to "
+                             f"{PROBE_TIMEOUT_MAX}", hint="unset it for the default of 120")
     cache = os.environ.get("VLLM_HOTFIX_CACHE")
     if cache is not None and command in _CACHE_USERS:
         problem = writable_folder_problem(Path(cache)) if cache else "is empty"
@@ -208,7 +215,7 @@ def writable_folder_problem(folder: Path) -> str | None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vllm-hotfix-probe-", dir=probe))
     except OSError as exc:
-        return f"{probe} does not take new files ({exc.strerror or exc})"
+        return f"{probe} is not writable: it takes no new files ({exc.strerror or exc})"
     return None
 
 
