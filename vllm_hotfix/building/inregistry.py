@@ -7,12 +7,12 @@ patch set is applied with GNU patch as always (:func:`.base.apply_in_scratch`);
 the patch layer is the assemble builder's (:func:`.assemble.layer_entries`,
 same files, modes and labels), its bytecode compiled on this host by a
 Python of the image's version or the stale pycs whited out
-(:mod:`.hostbytecode`); the config is the assemble builder's
+(:mod:`.bytecode`); the config is the assemble builder's
 (:func:`.assemble.image_config`) over the base's, so where the inputs are
 the same the image ID is too. Then the layer, the config and the base's
 layers (mounted, or copied registry to registry) go into the target
 repository, the manifest by digest (and the index over the platforms), the
-build into the journal, and the tags last (:mod:`.regwrite`): a run that
+build into the journal, and the tags last (:mod:`vllm_hotfix.registry.write`): a run that
 dies earlier leaves no tag on anything partial.
 
 The image is not smoke-tested here (nothing here can run it): ``smoke``

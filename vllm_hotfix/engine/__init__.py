@@ -20,7 +20,7 @@ not import the SDK (about 85 ms): a command that never calls the engine
 
 from __future__ import annotations
 
-from .containers import Box, Served
+from .containers import Box
 from .dockerconfig import registry_credentials, registry_of, split_reference
 from .facade import Engine
 from .files import FileFact, Tree
@@ -35,7 +35,6 @@ __all__ = [
     "FileFact",
     "GpuRequest",
     "ImageInfo",
-    "Served",
     "Tree",
     "owner",
     "registry_credentials",

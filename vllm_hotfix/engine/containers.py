@@ -25,9 +25,6 @@ from .model import ExecResult, GpuRequest, Refused, Seam
 
 log = logging.getLogger(__name__)
 
-# A server's log as its watcher reads it: enough to reach past a flood of request
-# lines to the error that killed it (the caller condenses it, sweep.condense).
-SERVICE_LOG_LINES = 2000
 EXEC_GRACE = 3  # seconds the engine may take beyond a command's own timeout to answer an exec
 _EMULATOR_HINT = ("register qemu on the engine's host: mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc; "
                   "apt-get install qemu-user-static binfmt-support")
@@ -141,24 +138,6 @@ class Box:
 
         with self._engine.translating("copying files into a container"):
             self._container.put_archive(folder, tar_bytes(files))
-
-
-class Served:
-    """A container started by :func:`service`: whether it runs, and its log when asked."""
-
-    def __init__(self, engine: Seam, container: Any) -> None:
-        self._engine = engine
-        self._container = container
-
-    def running(self) -> bool:
-        with self._engine.translating("asking whether the server container runs"):
-            self._container.reload()
-        return bool(self._container.status == "running")
-
-    def logs(self) -> str:
-        """Its last SERVICE_LOG_LINES lines."""
-        with self._engine.translating("reading the server container's log"):
-            return str(self._container.logs(tail=SERVICE_LOG_LINES).decode("utf-8", "replace"))
 
 
 def _within(seconds: float, operation: str, call: Callable[[], Any]) -> Any:
@@ -296,19 +275,3 @@ def _wait(container: Any, timeout: float) -> int:
         if any(isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in exc.args):
             return 124
         raise
-
-
-@contextmanager
-def service(engine: Seam, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-            gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
-            writable: Sequence[tuple[str, str]] = ()) -> Iterator[Served]:
-    """Start the image's own entrypoint with ``command`` on host network; yield it as :class:`Served`."""
-    def refused(message: str) -> PipelineError:
-        return EngineError(f"cannot start {image}: {message}")
-
-    with lifetime(engine, image, "serve", f"serving {image}", refused, command=list(command), network_mode="host",
-                  **extras(gpu, env=env, writable=writable, read_only=mounts)) as container:
-        with engine.translating(f"serving {image}", refused):
-            container.start()
-        yield Served(engine, container)
-

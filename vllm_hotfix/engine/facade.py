@@ -429,15 +429,6 @@ class Engine:
         """A reader of ``image``'s filesystem, nothing run, its container removed after (:func:`.files.opened`)."""
         return layers.opened(self, image)
 
-    def service(self, image: str, command: Sequence[str], *, mounts: Sequence[tuple[str, str]] = (),
-                gpu: GpuRequest | None = None, env: Mapping[str, str] | None = None,
-                writable: Sequence[tuple[str, str]] = ()) -> AbstractContextManager[containers.Served]:
-        """The image's own entrypoint with ``command`` on host network (:func:`.containers.service`).
-
-        ``mounts`` are read-only, ``writable`` writable (host folder, container path) bind mounts.
-        """
-        return containers.service(self, image, command, mounts=mounts, gpu=gpu, env=env, writable=writable)
-
     def _containers(self, label: str) -> list[dict[str, Any]]:
         with self.translating("listing containers"):
             return list(self.api.containers(all=True, filters={"label": [label]}) or [])
