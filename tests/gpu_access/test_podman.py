@@ -1,7 +1,10 @@
 """The same image smoke-tested through the runner with docker and with podman: the same checks, the same verdict.
 
 Both on the CDI test device (`.ci/services start-cdi-engine` writes the spec
-for the CDI engine and, in /var/run/cdi, for podman). The image is built by
+for the CDI engine in its own folder; for podman, which reads only /etc/cdi
+and /var/run/cdi, the `podman_cdi` fixture writes it there for these tests
+alone and removes it after, and skips on a host whose own spec already
+defines an NVIDIA device, which the stand-in would shadow). The image is built by
 the tool on the CDI engine and copied into podman's store (`docker save` |
 `podman load`), so both start the same image ID.
 """
@@ -33,8 +36,42 @@ pytestmark = pytest.mark.skipif(shutil.which("podman") is None,
                                 reason="podman is not installed (`.ci/services install` installs it)")
 
 
+PODMAN_CDI = (Path("/etc/cdi"), Path("/var/run/cdi"))  # where podman 4.3 reads CDI specs (no option for another)
+TEST_SPEC = Path("/var/run/cdi/vllm-hotfix-test-gpu.json")
+
+
+def _nvidia_specs() -> list[Path]:
+    found = []
+    for folder in PODMAN_CDI:
+        for spec in sorted(folder.glob("*")) if folder.is_dir() else []:
+            try:
+                if spec != TEST_SPEC and "nvidia.com/gpu" in spec.read_text(errors="replace"):
+                    found.append(spec)
+            except OSError:
+                continue
+    return found
+
+
 @pytest.fixture(scope="module")
-def in_podman(cdi_engine: Engine, cdi_built: tuple[Path, str]) -> Iterator[tuple[Path, str, str]]:  # noqa: F811
+def podman_cdi() -> Iterator[Path]:
+    """The stand-in NVIDIA CDI device for podman, for this module's tests only (never left behind)."""
+    real = _nvidia_specs()
+    if real:
+        pytest.skip(f"this host's own CDI spec defines NVIDIA devices ({real[0]}): a stand-in would shadow them")
+    TEST_SPEC.parent.mkdir(parents=True, exist_ok=True)
+    TEST_SPEC.write_text(json.dumps({
+        "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+        "devices": [{"name": "all", "containerEdits": {"deviceNodes": [{"path": "/dev/zero"}],
+                                                       "env": ["VLLM_HOTFIX_CDI_DEVICE=nvidia.com/gpu=all"]}}],
+        "containerEdits": {"env": [f"VLLM_HOTFIX_CDI_SPEC={TEST_SPEC}"]}}))
+    try:
+        yield TEST_SPEC
+    finally:
+        TEST_SPEC.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def in_podman(podman_cdi: Path, cdi_engine: Engine, cdi_built: tuple[Path, str]) -> Iterator[tuple[Path, str, str]]:  # noqa: F811
     project, ref = cdi_built
     info = cdi_engine.image(ref)
     assert info is not None
