@@ -180,6 +180,22 @@ def test_interrupt_leaves_no_image(private: tuple[PrivateEngine, Engine], projec
     assert engine.image_ids() - before == set(), "the interrupted run left images"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_engine_builds_leaves_no_image(private: tuple[PrivateEngine, Engine], project: Path,
+                                                         unique: str, sig: signal.Signals) -> None:
+    """Hit while the engine runs the COPY step: the run closes the build's stream (an open one goes on to the
+    end and commits the whole image) and removes the steps the engine committed after its last report, at once,
+    not on the next run."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/mid-build-{unique}:x"
+    rc, err = _signalled(eng, engine, project, out, "    Step 2/", sig)
+    assert rc == (130 if sig == signal.SIGINT else 143), err
+    time.sleep(3)  # what the engine might still commit after the run ended would show by now
+    assert engine.image(out) is None
+    assert engine.image_ids() - before == set(), "the interrupted build left images"
+
+
 def _signalled(eng: PrivateEngine, engine: Engine, project: Path, out: str, point: str,
                sig: signal.Signals) -> tuple[int, str]:
     """A run sent ``sig`` at ``point``: its exit code and stderr.

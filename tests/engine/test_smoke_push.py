@@ -399,6 +399,35 @@ def test_push_to_a_registry_that_cannot_be_reached_fails_at_once(built: tuple[Pa
     assert f"check the registry address ({host})" in r.err, r.err
 
 
+def test_verify_with_the_registry_down_is_verifys_own_code(engine: Engine, project: Path, tmp_path: Path) -> None:
+    """A registry nobody answers at: verify cannot read the verdicts (20, as its table says), not push's 8."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pub = tmp_path / "hotfix.pub"
+    pub.write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    r = cli("verify", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
+    assert r.rc == 20, r.err
+    assert f"verify 127.0.0.1:{port}/ops/vllm:x: cannot read its signed verdicts" in r.err, r.err
+    # The kind in words, not the HTTP library's message cut inside a word.
+    assert f"cannot reach registry 127.0.0.1:{port}: nothing accepts connections at its address" in r.err, r.err
+
+
+def test_smoke_of_a_registry_image_with_the_registry_down_says_so(engine: Engine, project: Path) -> None:
+    """Not "build it with image": the engine lacks it and its registry could not be asked (exit 4, as a missing
+    image)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("smoke", f"127.0.0.1:{port}/staging/vllm:x", root=project)
+    assert r.rc == 4, r.err
+    assert f"its registry 127.0.0.1:{port} cannot be asked for it" in r.err and "build it with" not in r.err, r.err
+
+
 def test_unknown_definition_for_patch_checks_is_an_error(engine: Engine, base_v0251: str, project: Path) -> None:
     r = cli("smoke", base_v0251, "--definition", "v9.9.9", root=project)
     assert r.rc != 0 and "--definition v9.9.9" in r.last_error, r.err

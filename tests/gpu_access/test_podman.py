@@ -167,3 +167,30 @@ def test_an_altered_patched_file_fails_patch_landed_read_from_podmans_copy(
         assert landed["data"]["answered_by"] == "filesystem"
     finally:
         subprocess.run(["podman", "rmi", "--force", altered], capture_output=True, check=False)
+
+
+def test_podman_without_a_cdi_spec_behaves_as_docker_without_a_gpu(in_podman: tuple[Path, str, str],
+                                                                     podman_cdi: Path, tmp_path: Path) -> None:
+    """A host whose CDI specs define no NVIDIA device: --gpu auto leaves the image GPU-unverified (the checks
+    that need no GPU still run), --gpu require is incomplete (exit 11); podman is never asked for the device."""
+    project, ref, _ = in_podman
+    podman_cdi.unlink()
+    try:
+        out = tmp_path / "auto.json"
+        r = cli("smoke", ref, "--launcher", "podman", "--gpu", "auto", "--report", str(out), root=project,
+                env={"DOCKER_HOST": CDI_HOST})
+        assert r.rc == 0, r.err
+        report = json.loads(out.read_text())
+        gpu = next(c for c in report["checks"] if c["name"] == "gpu")
+        assert gpu["status"] == "skip" and "no CDI spec in /etc/cdi or /var/run/cdi defines nvidia.com/gpu=all" \
+            in gpu["detail"]
+        assert report["gpu_verified"] is False and report["status"] == "pass"
+        r = cli("smoke", ref, "--launcher", "podman", "--gpu", "require", root=project, env={"DOCKER_HOST": CDI_HOST})
+        assert r.rc == 11 and "unresolvable CDI devices" not in r.err, r.err
+        assert "--gpu require: podman: no CDI spec" in r.err
+    finally:
+        podman_cdi.write_text(json.dumps({
+            "cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": "all", "containerEdits": {"deviceNodes": [{"path": "/dev/zero"}],
+                                                           "env": ["VLLM_HOTFIX_CDI_DEVICE=nvidia.com/gpu=all"]}}],
+            "containerEdits": {"env": [f"VLLM_HOTFIX_CDI_SPEC={podman_cdi}"]}}))

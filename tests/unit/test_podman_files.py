@@ -120,3 +120,23 @@ def test_files_that_cannot_be_read_are_incomplete_never_skipped(monkeypatch: pyt
     assert {statuses[n] for n in facts.FILE_CHECKS} == {"incomplete"}, statuses
     assert "skip" not in statuses.values()
     assert json.dumps(found.checks)
+
+
+def test_podman_gpu_request_is_settled_from_the_cdi_specs_it_reads(tmp_path: Path) -> None:
+    from vllm_hotfix.checking.launchers.podman import settle_gpu
+
+    empty, specs = tmp_path / "etc-cdi", tmp_path / "run-cdi"
+    empty.mkdir()
+    specs.mkdir()
+    dirs = (str(empty), str(specs), str(tmp_path / "missing"))
+    assert settle_gpu("off", "auto", dirs) == (None, None)
+    request, settled = settle_gpu("auto", "auto", dirs)
+    assert request is None and settled is not None and settled["status"] == "skip"
+    assert "defines nvidia.com/gpu=all" in settled["why"] and settled["detail"].endswith("image is GPU-unverified")
+    request, settled = settle_gpu("require", "cdi", dirs)
+    assert request is None and settled is not None and settled["status"] == "incomplete"
+    (specs / "nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: all\n"
+                                       "  containerEdits: {}\n")
+    assert settle_gpu("require", "auto", dirs) == ("cdi:nvidia.com/gpu=all", None)
+    request, settled = settle_gpu("auto", "cdi:nvidia.com/gpu=0", dirs)  # a device the spec does not define
+    assert request is None and settled is not None and "nvidia.com/gpu=0" in settled["why"]

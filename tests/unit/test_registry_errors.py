@@ -171,3 +171,14 @@ def test_an_unreachable_or_refusing_registry_fails_at_once(monkeypatch: pytest.M
     with pytest.raises(PushError) as caught:
         push._push_with_retries(engine, "r/x:1", 4, lambda _l: None)  # type: ignore[arg-type]
     assert engine.pushes == 1 and caught.value.exit_code == 8
+
+
+def test_a_long_library_message_is_shortened_at_a_word() -> None:
+    from vllm_hotfix.engine.registry_errors import shortened
+
+    text = "HTTPConnectionPool(host='127.0.0.1', port=5009): Max retries exceeded with url: /v2/ " + "x" * 40 + \
+        " (Caused by NewConnectionError('Failed to establish a new connection'))"
+    short = shortened(text, 120)
+    assert short.endswith(" ...") and len(short) <= 124
+    assert text.startswith(short[:-4]) and text[len(short) - 4] == " "  # cut where a word ends
+    assert shortened("a  b\n c") == "a b c"

@@ -112,6 +112,15 @@ def _from_type(exc: BaseException) -> Failure | None:
     return None
 
 
+def shortened(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut at a word boundary (with " ...") when longer than ``limit``."""
+    flat = " ".join(text.split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat.rfind(" ", 0, limit)
+    return flat[:cut if cut > 0 else limit] + " ..."
+
+
 def classify(exc: BaseException) -> Failure:
     """The kind of a registry failure: by the types of the exception and those it was raised from,
     an HTTP status it carries, or the engine's words it holds, in that order."""

@@ -87,8 +87,10 @@ def _asked(engine: Engine, host: str, name: str, tag: str, index: bool) -> str |
     try:
         found = client.client_for(engine, host).manifest(name.split("/", 1)[1], tag)
     except PipelineError as exc:
-        log.info("cannot ask %s for %s:%s: %s", host, name, tag, exc)
-        return None
+        # Not "not in the engine - build it": the engine lacks it and where it may be cannot be asked.
+        raise BaseImageError(f"{name}:{tag} is not in the engine, and its registry {host} cannot be asked for it: "
+                             f"{exc}", hint=f"check that {host} answers (and the login), or pull the image first") \
+            from exc
     if found is None or not found.is_index:
         return found.digest if found is not None else None
     if not index:

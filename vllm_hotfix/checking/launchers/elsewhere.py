@@ -57,8 +57,12 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
         except EngineError:
             docker = None
         found = facts.file_facts(root, info, files, docker, say)
-    ran = plan.smoke(launcher, root, target, options,
-                     gpu_request=None if options.gpu == "off" else options.gpu_request,
+    from .podman import settle_gpu
+
+    request, unavailable = settle_gpu(options.gpu, options.gpu_request)
+    if unavailable is not None:
+        say(f"    {unavailable['why']}")
+    ran = plan.smoke(launcher, root, target, options, gpu_request=request, gpu_unavailable=unavailable,
                      checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
                      landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing))
     return ran, target

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import shutil
 import subprocess
@@ -31,6 +32,33 @@ from .base import Launched, argv, results
 log = logging.getLogger(__name__)
 
 DEFAULT_DEVICE = "nvidia.com/gpu=all"
+SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman 4.3 reads CDI specs (it has no option for another)
+
+
+def settle_gpu(mode: str, request: str | None, spec_dirs: Sequence[str] = SPEC_DIRS
+               ) -> tuple[str | None, dict[str, str] | None]:
+    """The GPU request podman's container gets, or the ``gpu`` check settled here when podman could not give it.
+
+    As the docker launcher: a host whose CDI specs define no such device is
+    the host's shortcoming, so ``--gpu auto`` leaves the image GPU-unverified
+    and ``--gpu require`` makes the run incomplete (exit 11); podman is never
+    asked to start a container with a device it would refuse.
+    """
+    if mode == "off":
+        return None, None
+    device = device_of(request or "auto")
+    if device is None:
+        return None, None
+    from ..gpu_access import cdi_devices
+
+    defined, _unreadable = cdi_devices(tuple(d for d in spec_dirs if os.path.isdir(d)))
+    if device in defined:
+        return f"cdi:{device}", None
+    why = (f"podman: no CDI spec in {' or '.join(spec_dirs)} defines {device} (on a GPU host: nvidia-ctk cdi "
+           f"generate --output=/etc/cdi/nvidia.yaml)")
+    if mode == "require":
+        return None, {"status": "incomplete", "detail": f"--gpu require: {why}", "why": why}
+    return None, {"status": "skip", "detail": f"{why}: image is GPU-unverified", "why": why}
 
 
 def device_of(gpu: str | None) -> str | None:
