@@ -86,6 +86,15 @@ def test_signed_verdict_travels_with_the_image(
     r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--attestation", str(tampered), root=elsewhere)
     assert r.rc == 23 and "does not match its content" in r.err
+    # On the host whose journal holds the signed pass the tampered file given is refused all the same, named,
+    # and nothing goes to the registry (it went through on the journal's pass and was attached).
+    r = cli("push", ref, "--registry", f"{registry.place}/fourth", "--require-attestation", pub,
+            "--attestation", str(tampered), "--allow-gpu-unverified", root=project)
+    assert r.rc == 23 and str(tampered) in r.err, r.err
+    assert cli("verify", f"{registry.place}/fourth/{ref.split('/')[-1]}", "--key", pub,
+               "--allow-gpu-unverified", root=elsewhere).rc != 0
+    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--attestation", str(tampered), root=elsewhere)
+    assert r.rc == 23 and str(tampered) in r.err, r.err
 
 
 def test_a_signed_verdict_of_another_image_lets_nothing_through(

@@ -89,6 +89,7 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gp
         if not attestation_paths:
             raise UsageError(f"verify {ref}: an image ID has no registry to read from; give --attestation FILE")
         digest = ref
+        attest.require_given_verify(attestation_paths, public)
         accepted = attest.judge(attest.files(attestation_paths), {ref}, ref, public,
                                 gpu_verified=not allow_gpu_unverified, gpu_products=products)
     elif ref.startswith("sha256:") or not _in_a_registry(ref):

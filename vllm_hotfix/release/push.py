@@ -219,6 +219,7 @@ class Gate:
     def clear(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, target: str) -> Clearance:
         if self.require_attestation:
             keys = signing.load_public_keys(self.require_attestation)
+            attest.require_given_verify(self.attestations, keys)
             found = attest.local_candidates(root, info.id, self.attestations) + _pushed_candidates(engine, target,
                                                                                                    info.id)
             accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys,

@@ -107,6 +107,14 @@ def _newest(found: list[tuple[str, signing.Attested]], image: str) -> tuple[str,
     return where, newest, [(w, f) for w, f in found if f is not newest]
 
 
+def require_given_verify(paths: Sequence[Path], keys: Sequence[signing.PublicKey]) -> None:
+    """Every signed verdict given on the command line must verify with one of ``keys``: one that does not is an
+    error naming it (tampered: 23; signed with another key: 22), never skipped for the journal's own passes
+    and never attached."""
+    for path in paths:
+        signing.open_with_any(read_envelope(path), keys, str(path))
+
+
 def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str, keys: Sequence[signing.PublicKey],
           *, gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> Accepted:
     """The newest envelope about the image that verifies with one of ``keys``, if it passes.
@@ -286,8 +294,14 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], *, given
         images = []
         for child in registry.children(manifest):
             found = client.manifest(path, child.digest)
-            if found is not None:
-                images.append(found)
+            if found is None:
+                # Each platform's image must pass: one the registry lacks cannot, and is never skipped.
+                raise AttestationMissing(f"{ref} is an index whose {child.os}/{child.architecture} image "
+                                         f"{child.digest[:19]} its registry {host} does not hold")
+            images.append(found)
+        if not images:
+            raise AttestationMissing(f"{ref} is an index over no image")
+    require_given_verify(given, keys)
     extra = files(given)
     accepted: Accepted | None = None
     for image in images:
@@ -297,5 +311,6 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], *, given
             digests.add(config)
         accepted = judge(registry_candidates(client, path, image.digest) + extra, digests,
                          f"{ref} ({image.digest[:19]})", keys, gpu_verified=gpu_verified, gpu_products=gpu_products)
-    assert accepted is not None
+    if accepted is None:
+        raise AttestationMissing(f"{ref}: no image to judge")
     return manifest.digest, accepted
