@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 ROOTFS = "bookworm-pip"
 ROOTFS_REF = f"vllm-hotfix/standin-rootfs:{ROOTFS}"
 ROOTFS_PACKAGES = "python3,python3-pip"
+# What the essential variant brings that a stand-in of another architecture needs beside them: a shell, the
+# usual tools, the users.
+FOREIGN_EXTRA = "dash,coreutils,base-passwd"
 SITE_DIR = "/usr/local/lib/python3.12/dist-packages"
 LABEL, LABEL_ROOTFS, LABEL_DEPS = labels.STANDIN, labels.STANDIN_ROOTFS, labels.STANDIN_DEPS
 DEPS_MODES = ("race", "serial")
@@ -60,7 +63,8 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
     """The bookworm+python3 root image (of ``plat``; default the engine's own), made once with mmdebstrap.
 
     The root file system tar is cached per Debian architecture; another
-    architecture's is made under emulation (minutes, not seconds).
+    architecture's is unpacked without running its packages' scripts (seconds,
+    where running them under emulation took minutes).
     """
     ref = ROOTFS_REF if plat is None else f"{ROOTFS_REF}-{plat.debian_arch}"
 
@@ -81,16 +85,24 @@ def rootfs(engine: Engine, root: Path, progress: Callable[[str], None], plat: Pl
         own = plat.machine == wheels.host_machine() and tar.exists()
         tar = tar if own else folder / f"rootfs-{ROOTFS}-{plat.debian_arch}.tar"
         cmd.append(f"--architectures={plat.debian_arch}")
+        if plat.machine != wheels.host_machine():
+            # Another architecture: its packages unpacked with their dependencies, none of their scripts run
+            # (running them is what takes minutes under emulation). Python, pip and a shell work so; the users
+            # base-passwd's scripts would write are copied from its masters.
+            cmd = ["mmdebstrap", "--quiet", "--variant=extract", f"--include={ROOTFS_PACKAGES},{FOREIGN_EXTRA}",
+                   f"--architectures={plat.debian_arch}",
+                   '--customize-hook=cp "$1/usr/share/base-passwd/passwd.master" "$1/etc/passwd"; '
+                   'cp "$1/usr/share/base-passwd/group.master" "$1/etc/group"']
     with one_writer(tar):
         # Imported under the lock too: a second process made to wait here finds the image, not only the tar
         # (importing it again would leave the first import untagged).
         if (info := made()) is not None:
             return info
         if not tar.exists():
-            slow = plat is not None and plat.machine != wheels.host_machine()
+            foreign = plat is not None and plat.machine != wheels.host_machine()
             arch = f" {plat.debian_arch}" if plat else ""
             progress(f"making a Debian bookworm{arch} root file system with python3 "
-                     f"and pip (mmdebstrap, {'several minutes under emulation' if slow else '~30-90 s'})")
+                     f"and pip (mmdebstrap, {'its packages unpacked, no scripts run' if foreign else '~30-90 s'})")
             part = tar.with_suffix(".part.tar")
             proc = subprocess.run([*cmd, "bookworm", str(part)], capture_output=True, text=True)
             if proc.returncode != 0:
