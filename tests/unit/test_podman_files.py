@@ -25,7 +25,9 @@ IMAGE_ID = "sha256:" + "ab" * 32
 
 FAKE = r'''#!/usr/bin/env python3
 import json, os, sys, tarfile
-root, log = os.environ["FAKE_ROOT"], os.environ["FAKE_LOG"]
+# Its settings beside it: podman runs with a minimal environment (launchers.podman.podman_env).
+cfg = json.load(open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "fake.json")))
+root, log = cfg["root"], cfg["log"]
 args = sys.argv[1:]
 with open(log, "a") as fh:
     fh.write(" ".join(args) + "\n")
@@ -65,8 +67,7 @@ def podman(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PodmanFiles
     (root / "elsewhere" / "real").mkdir()
     os.symlink("../elsewhere/real", root / "site" / "linked")
     log = tmp_path / "calls.log"
-    monkeypatch.setenv("FAKE_ROOT", str(root))
-    monkeypatch.setenv("FAKE_LOG", str(log))
+    (exe.parent / "fake.json").write_text(json.dumps({"root": str(root), "log": str(log)}))
     return PodmanFiles(PodmanLauncher(podman=str(exe))), root, log
 
 
@@ -140,3 +141,15 @@ def test_podman_gpu_request_is_settled_from_the_cdi_specs_it_reads(tmp_path: Pat
     assert settle_gpu("require", "auto", dirs) == ("cdi:nvidia.com/gpu=all", None)
     request, settled = settle_gpu("auto", "cdi:nvidia.com/gpu=0", dirs)  # a device the spec does not define
     assert request is None and settled is not None and "nvidia.com/gpu=0" in settled["why"]
+
+
+def test_podman_runs_with_only_what_it_needs_of_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With env_host=true in containers.conf podman hands its environment to the container: a signing key given
+    as env:NAME must not be in it."""
+    from vllm_hotfix.checking.launchers.podman import podman_env
+
+    monkeypatch.setenv("HOTFIX_SIGNING_KEY", "-----BEGIN PRIVATE KEY-----")
+    monkeypatch.setenv("VLLM_HOTFIX_SIGN_KEY_PASSWORD", "secret")
+    env = podman_env()
+    assert "HOTFIX_SIGNING_KEY" not in env and "VLLM_HOTFIX_SIGN_KEY_PASSWORD" not in env
+    assert env.get("PATH") == os.environ["PATH"]

@@ -24,6 +24,7 @@ import unidiff
 
 from ..engine import Engine
 from ..errors import BaseImageError, PatchError, PinError, UpstreamError, UsageError
+from ..journal.atomic import write_atomic
 from ..registry.pulling import resolve
 from . import base, definitions, sources, wheels
 from . import patches as patchlib
@@ -354,13 +355,14 @@ def _write(
         with patch_path.open("x", encoding="utf-8") as fh:
             written.append(patch_path)
             fh.write(text)
+        # Whole or not at all (write_atomic): a series cut short by a full disk or a kill would name half a patch.
         if old_series is None:
             head = f"# Patch set {set_dir.name}, applied in order with patch -p1 --forward --fuzz=0.\n"
-            series.write_text(head + name + "\n", encoding="utf-8")
+            write_atomic(series, head + name + "\n")
             written.append(series)
         else:
             sep = "" if old_series.endswith("\n") or not old_series else "\n"
-            series.write_text(old_series + sep + name + "\n", encoding="utf-8")
+            write_atomic(series, old_series + sep + name + "\n")
         if definition_text is not None:
             with defn_path.open("x", encoding="utf-8") as fh:
                 written.append(defn_path)
@@ -369,7 +371,7 @@ def _write(
         for path in written:
             path.unlink(missing_ok=True)
         if old_series is not None:
-            series.write_text(old_series, encoding="utf-8")
+            write_atomic(series, old_series)
         for d in reversed(made_dirs):
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()

@@ -73,6 +73,29 @@ def device_of(gpu: str | None) -> str | None:
     raise SmokeError(f"--gpu-request {gpu}: podman reaches GPUs through CDI devices only (cdi[:DEVICE])")
 
 
+CALL_TIMEOUT = 120.0  # seconds podman may take for a call other than the runner's run (inspect, create, rm)
+# What podman's own process needs of this one's environment. Nothing else: with env_host=true in
+# containers.conf podman hands its whole environment to the container, and a signing key given as env:NAME
+# must never get there.
+PODMAN_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR", "XDG_RUNTIME_DIR",
+              "XDG_CONFIG_HOME", "XDG_DATA_HOME", "CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF",
+              "CONTAINERS_REGISTRIES_CONF", "REGISTRIES_CONFIG_PATH", "DBUS_SESSION_BUS_ADDRESS")
+
+
+def podman_env() -> dict[str, str]:
+    """The environment podman runs with: :data:`PODMAN_ENV` as this process has them, nothing more."""
+    return {k: v for k, v in os.environ.items() if k in PODMAN_ENV}
+
+
+def _remove(podman: PodmanLauncher, name: str) -> None:
+    """``podman rm --force NAME``, bounded in time (a container left behind is swept by owner label)."""
+    try:
+        subprocess.run(podman.command("rm", "--force", name), capture_output=True, check=False,
+                       timeout=CALL_TIMEOUT, env=podman_env())
+    except subprocess.TimeoutExpired:
+        log.warning("podman rm --force %s did not answer within %.0f s", name, CALL_TIMEOUT)
+
+
 class PodmanLauncher:
     name = "podman"
 
@@ -111,9 +134,10 @@ class PodmanLauncher:
         cmd = self.run_argv(image, runner_dir, gpu, model, name)
         log.debug("running %s", cmd)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout,
+                                  env=podman_env())
         except subprocess.TimeoutExpired:
-            subprocess.run(self.command("rm", "--force", name), capture_output=True, check=False)
+            _remove(self, name)
             raise RunnerFailed(f"the runner in {image} (podman) did not finish within {self.timeout:.0f} s",
                                incomplete=True,
                                hint="its Python may hang; give it longer with --deadline S if it is only slow") \
@@ -127,8 +151,11 @@ class PodmanLauncher:
     def image_facts(self, image: str) -> dict[str, Any]:
         """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
         self.require()
-        done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
-                              errors="replace")
+        try:
+            done = subprocess.run(self.command("image", "inspect", image), capture_output=True, text=True,
+                                  errors="replace", timeout=CALL_TIMEOUT, env=podman_env())
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"podman image inspect {image} did not answer within {CALL_TIMEOUT:.0f} s") from None
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or ["no such image"])[-1]
             raise BaseImageError(f"podman has no image {image}: {said}",
@@ -165,7 +192,7 @@ class PodmanFiles:
         self.podman.require()
         try:
             return subprocess.run(self.podman.command(*args), capture_output=True, text=True, errors="replace",
-                                  timeout=timeout)
+                                  timeout=timeout, env=podman_env())
         except subprocess.TimeoutExpired:
             raise EngineError(f"podman {args[0]} did not answer within {timeout:.0f} s") from None
 
@@ -195,7 +222,7 @@ class PodmanFiles:
             yield PodmanReader(self.podman, image, name)
         finally:
             # Also after a failed create: podman may have made the container before failing.
-            subprocess.run(self.podman.command("rm", "--force", name), capture_output=True, check=False)
+            _remove(self.podman, name)
 
 
 class PodmanReader(FolderReader):
@@ -210,7 +237,7 @@ class PodmanReader(FolderReader):
         parent, name = posixpath.split(path)
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(self.podman.command("cp", f"{self.container}:{path}", "-"),
-                                    stdout=subprocess.PIPE, stderr=err)
+                                    stdout=subprocess.PIPE, stderr=err, env=podman_env())
             assert proc.stdout is not None
             try:
                 found = scan_tar(proc.stdout, parent, keep)
