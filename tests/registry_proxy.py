@@ -12,7 +12,9 @@ Switches make it behave as other registries do:
   the distribution registry answers one over its own 4 MiB limit;
 - ``hold_tags``: a manifest PUT under a tag (not a digest) waits until the
   event is set, then is dropped unforwarded (503): the test kills the
-  client meanwhile, which from the registry's side never sent it.
+  client meanwhile, which from the registry's side never sent it;
+- ``cut_blobs``: a blob GET is answered with its whole Content-Length but
+  only this many bytes, then the connection is closed (a link that broke).
 
 ``seen`` lists (method, path) of every request, in order.
 """
@@ -39,6 +41,7 @@ class Switches:
     refuse_blobs: int | None = None
     manifest_limit: int | None = None
     hold_tags: threading.Event | None = None
+    cut_blobs: int | None = None
     holding: threading.Event = field(default_factory=threading.Event)  # set while a tag PUT waits
     seen: list[tuple[str, str]] = field(default_factory=list)
 
@@ -80,6 +83,18 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
             res = session.request(self.command, url, data=body, headers=headers, allow_redirects=False,
                                   stream=True)
             data = res.raw.read(decode_content=False) if self.command != "HEAD" else b""
+            if (self.command == "GET" and "/blobs/sha256:" in parts.path and switches.cut_blobs is not None
+                    and res.status_code == 200):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data[:switches.cut_blobs])
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                self.close_connection = True
+                return
             out = {k: v for k, v in res.headers.items()
                    if k.lower() not in ("content-length", "transfer-encoding", "connection")}
             if "Location" in out:

@@ -291,6 +291,24 @@ def test_a_registry_that_will_not_mount_or_refuses_a_blob_or_a_big_manifest(
         assert r.rc == 8 and tags(registry, "ops/big") == []
 
 
+@pytest.mark.parametrize("cut", [100, 1 << 20])
+def test_a_connection_cut_mid_blob_is_one_line_and_nothing_is_tagged(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, cut: int) -> None:
+    """The base's layer stops after ``cut`` bytes (the connection closed): one line naming the blob and how far it
+    came, the base's code (4: it could not be read), no traceback, nothing tagged."""
+    publish(engine, made, base_v0251, f"{registry.place}/vllm/vllm-openai:v0.25.1")
+    with registry_proxy.serve(registry.addr) as (proxy, switches):
+        switches.cut_blobs = cut
+        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
+                "--in-registry", "--tag", f"{proxy}/{registry.ns}/ops/cut:v0.25.1-m3patch", "--rebuild",
+                root=project)
+    assert r.rc == 4 and "Traceback" not in r.err, r.err
+    fails(r, "cannot read base")
+    # Cut inside a layer's stream: how far it came; cut inside a smaller answer (the config): the kind, in words.
+    assert "the registry's answer broke off after" in r.err or "connection cut short" in r.err, r.err
+    assert tags(registry, "ops/cut") == []
+
+
 def test_a_manifest_over_the_limit_is_refused_before_anything_is_written(
         engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
     publish(engine, made, base_v0251, f"{registry.place}/vllm/big:plain")

@@ -43,7 +43,7 @@ from email.parser import HeaderParser
 from typing import Any, Protocol
 from zlib import error as zlib_error
 
-from ..errors import BaseImageError
+from ..errors import BaseImageError, PushError
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,20 @@ class Counted:
         self._hash = hashlib.sha256()
 
     def read(self, n: int = -1) -> bytes:
-        data = self._blob.read(n)
+        try:
+            data = self._blob.read(n)
+        except Exception as exc:
+            # The connection cut mid-blob, or stalled past its read timeout (urllib3's and requests' errors are
+            # neither OSError nor a tar's): the registry's failure, in one line.
+            if isinstance(exc, BaseImageError):
+                raise
+            from ..engine import registry_errors
+
+            failure = registry_errors.classify(exc)
+            why = failure.why or registry_errors.shortened(f"{type(exc).__name__}: {exc}")
+            raise PushError(f"{self.where}: the registry's answer broke off after {self.read_bytes} of "
+                            f"{self.layer.size} bytes ({why})", hint="run it again once the registry answers "
+                            "steadily") from exc
         self.read_bytes += len(data)
         if self.read_bytes > self.layer.size:
             raise BaseImageError(f"{self.where}: the registry sent more than the {self.layer.size} bytes its "
