@@ -162,3 +162,31 @@ def test_fuzz_is_reported_as_fuzz(tmp_path: Path) -> None:
     assert "hunk #1 (@@ -7,7 +7,7 @@) of vllm/m.py applies only with fuzz" in str(err.value)
     assert (work / "vllm" / "m.py").read_text() == OLD.replace("line 7\n", "line seven\n")
     assert not list(work.rglob("*.rej")) and not list(work.rglob("*.orig"))
+
+
+def test_a_base_carrying_one_file_of_the_patch_is_named_by_that_file(tmp_path: Path) -> None:
+    """One of the two files already patched, the other as released: the error names the file the base already
+    carries, not a hunk of the other file (which applies) as failing."""
+    from vllm_hotfix.building import patches
+    from vllm_hotfix.errors import PatchError
+
+    old_a, new_a = "one\ntwo\nthree\nfour\n", "one\ntwo and a half\nthree\nfour\n"
+    old_b, new_b = "alpha\nbeta\ngamma\ndelta\n", "alpha\nbeta\ngamma, fixed\ndelta\n"
+    diff = (
+        "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1,4 +1,4 @@\n one\n-two\n+two and a half\n three\n four\n"
+        "--- a/vllm/b.py\n+++ b/vllm/b.py\n@@ -1,4 +1,4 @@\n alpha\n beta\n-gamma\n+gamma, fixed\n delta\n"
+    )
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "0001-x.patch").write_text(diff)
+    patch = patches.load_patch(tmp_path / "set" / "0001-x.patch", "vllm")
+    tree = tmp_path / "tree" / "vllm"
+    tree.mkdir(parents=True)
+    (tree / "a.py").write_text(new_a)  # already carries its half
+    (tree / "b.py").write_text(old_b)
+    with pytest.raises(PatchError) as info:
+        patches.apply_series([patch], tmp_path / "tree")
+    said = str(info.value)
+    assert "vllm/a.py already carries this patch's change in the base; vllm/b.py does not" in said, said
+    assert "does not apply" not in said
+    assert (tree / "a.py").read_text() == new_a and (tree / "b.py").read_text() == old_b  # nothing touched
+    assert not list((tmp_path / "tree").rglob("*.rej")) and not list((tmp_path / "tree").rglob("*.orig"))

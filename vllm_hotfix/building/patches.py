@@ -268,6 +268,19 @@ def _hunk_words(patch: Patch, file: str, number: int) -> str:
     return f"hunk #{number} ({h.header})" if h else f"hunk #{number}"
 
 
+def _reversed_files(output: str) -> list[str]:
+    """The files a forward run skipped as already carrying their hunks ("Reversed (or previously applied)")."""
+    found: list[str] = []
+    current = ""
+    for line in output.splitlines():
+        m = _FILE.match(line)
+        if m:
+            current = m.group(1).strip()
+        elif line.startswith("Reversed (or previously applied) patch detected") and current and current not in found:
+            found.append(current)
+    return found
+
+
 def explain_failure(patch: Patch, workdir: Path, out: str) -> PatchError:
     """Turn a failed zero-fuzz forward dry run into the most useful error."""
     failed = _first(_FAILED, out)
@@ -284,11 +297,22 @@ def explain_failure(patch: Patch, workdir: Path, out: str) -> PatchError:
             hint="regenerate the patch against this release's files",
         )
     if failed is None and "Reversed (or previously applied)" in out:
+        carried = _reversed_files(out)
+        others = [f for f in patch.files if f not in carried]
+        _rc, out_rev = _patch(workdir, patch, "-R", "-N", "-f", "--fuzz=0", "--dry-run")
+        partial = _first(_FAILED, out_rev)
+        if carried and others and (partial is None or partial[0] not in carried):
+            # Whole files already carry the change and the rest apply as they are: the base has part of this
+            # patch. (The reverse run's failure is then a hunk that applies going forward: not the fault.)
+            return PatchConflict(
+                f"{patch.name}: {', '.join(carried)} already carr{'ies' if len(carried) == 1 else 'y'} this "
+                f"patch's change in the base; {', '.join(others)} do{'es' if len(others) == 1 else ''} not",
+                patch=patch.name, file=carried[0],
+                hint="the base carries part of this fix: rewrite the patch against this release (only the rest)",
+            )
         # Some hunks are already there (partly shipped upstream): patch skips
         # the whole file going forward, so ask the reverse run which hunk is
         # neither old nor new text.
-        _rc, out_rev = _patch(workdir, patch, "-R", "-N", "-f", "--fuzz=0", "--dry-run")
-        partial = _first(_FAILED, out_rev)
         if partial is not None:
             file, number, line = partial
             return PatchConflict(
