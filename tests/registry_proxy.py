@@ -13,6 +13,8 @@ Switches make it behave as other registries do:
 - ``hold_tags``: a manifest PUT under a tag (not a digest) waits until the
   event is set, then is dropped unforwarded (503): the test kills the
   client meanwhile, which from the registry's side never sent it;
+- ``refuse_tags``: a manifest PUT under a tag (not a digest) is answered with
+  this status, unforwarded;
 - ``cut_blobs``: a blob GET is answered with its whole Content-Length but
   only this many bytes, then the connection is closed (a link that broke).
 
@@ -42,6 +44,7 @@ class Switches:
     manifest_limit: int | None = None
     hold_tags: threading.Event | None = None
     cut_blobs: int | None = None
+    refuse_tags: int | None = None
     holding: threading.Event = field(default_factory=threading.Event)  # set while a tag PUT waits
     seen: list[tuple[str, str]] = field(default_factory=list)
 
@@ -73,6 +76,10 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
                     and len(body) > switches.manifest_limit):
                 return self._answer(400, json.dumps({"errors": [{"code": "MANIFEST_INVALID", "message":
                                     "manifest invalid", "detail": "http: request body too large"}]}).encode(), {})
+            if (self.command == "PUT" and "/manifests/" in parts.path and not _DIGEST.search(parts.path)
+                    and switches.refuse_tags is not None):
+                return self._answer(switches.refuse_tags, json.dumps({"errors": [
+                    {"code": "UNKNOWN", "message": "tag write failed"}]}).encode(), {})
             if (self.command == "PUT" and "/manifests/" in parts.path and not _DIGEST.search(parts.path)
                     and switches.hold_tags is not None):
                 switches.holding.set()

@@ -309,6 +309,22 @@ def test_a_connection_cut_mid_blob_is_one_line_and_nothing_is_tagged(
     assert tags(registry, "ops/cut") == []
 
 
+def test_a_tag_the_registry_refused_is_not_in_the_journal(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
+    """A 500 on the tag's PUT: the run fails in one line, and the journal names no tag the registry lacks."""
+    from vllm_hotfix.journal import records
+
+    publish(engine, made, base_v0251, f"{registry.place}/vllm/vllm-openai:v0.25.1")
+    with registry_proxy.serve(registry.addr) as (proxy, switches):
+        switches.refuse_tags = 500
+        ref = f"{proxy}/{registry.ns}/ops/untagged:v0.25.1-m3patch"
+        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
+                "--in-registry", "--tag", ref, "--rebuild", root=project)
+    assert r.rc == 8 and "Traceback" not in r.err, r.err
+    assert tags(registry, "ops/untagged") == []
+    assert [e.data.get("ref") for e in records.load(project, "tag") if e.data.get("ref") == ref] == []
+
+
 def test_a_manifest_over_the_limit_is_refused_before_anything_is_written(
         engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
     publish(engine, made, base_v0251, f"{registry.place}/vllm/big:plain")

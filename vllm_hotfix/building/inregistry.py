@@ -363,36 +363,45 @@ def build(p: Any, wanted: list[Platform] | None, asked: bool, opts: Options) -> 
         images.append(Made(ref, m.digest, m.image_id, m.platform, m.record is not None, entry, m.bytecode, m.read,
                            m.blobs))
     # Tags last: each names a whole image (or the index over whole images) that is already in.
+
+    def guard(tag: str) -> None:  # a tag that moved since it was checked is checked again before it is written
+        check_tag(writer, tag, base_digests, opts.force, p.root)
+
     if multi:
         for image in images:
-            _tag(p, writer, image.ref, image.digest, say, image_id=image.image_id)
+            _tag(p, writer, image.ref, image.digest, say, guard, image_id=image.image_id)
     digest = index_digest or images[0].digest
     if multi:
-        _tag(p, writer, p.output_ref, digest, say, image_ids=[i.image_id for i in images])
+        _tag(p, writer, p.output_ref, digest, say, guard, image_ids=[i.image_id for i in images])
     else:
-        _tag(p, writer, p.output_ref, digest, say, image_id=images[0].image_id)
+        _tag(p, writer, p.output_ref, digest, say, guard, image_id=images[0].image_id)
     return Result(p.output_ref, digest, images, multi)
 
 
-def _tag(p: Any, writer: Writer, ref: str, digest: str, say: Callable[[str], None], *,
-         image_id: str | None = None, image_ids: list[str] | None = None) -> None:
-    """Journal the tag, then put it (the manifest's own bytes under the tag), then read it back."""
+def _tag(p: Any, writer: Writer, ref: str, digest: str, say: Callable[[str], None],
+         guard: Callable[[str], None], *, image_id: str | None = None, image_ids: list[str] | None = None) -> None:
+    """Put the tag (the manifest's own bytes under it), read it back, then journal it: the journal names only
+    tags the registry holds. Right before the write the tag is looked at again: one moved meanwhile to an
+    image this tool did not make is refused (``guard``), not overwritten."""
     t = writer.target
     tag = split_reference(ref)[1]
     found = t.client.manifest(t.path, digest)
     if found is None:
         raise PushError(f"registry {t.client.host} lost {t.path}@{digest} before it could be tagged {tag}")
+    now = writer.resolve(tag)
+    if now != digest:
+        if now is not None:
+            guard(tag)
+        writer.put_manifest(tag, found.media_type, found.body)
+    confirmed = writer.resolve(tag)
+    if confirmed != digest:
+        raise PushError(f"registry {t.client.host} resolves {ref} to {confirmed}, not {digest}")
     entry: dict[str, Any] = {"ref": ref, "digest": digest, "why": "built in the registry", "registry": t.client.host}
     if image_id is not None:
         entry["image_id"] = image_id
     if image_ids is not None:
         entry["image_ids"] = image_ids
     records.append(p.root, "tag", entry)
-    if writer.resolve(tag) != digest:
-        writer.put_manifest(tag, found.media_type, found.body)
-    confirmed = writer.resolve(tag)
-    if confirmed != digest:
-        raise PushError(f"registry {t.client.host} resolves {ref} to {confirmed}, not {digest}")
     say(f"    tagged {ref} ({digest})")
 
 
