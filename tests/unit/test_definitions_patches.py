@@ -170,8 +170,8 @@ def test_a_base_carrying_one_file_of_the_patch_is_named_by_that_file(tmp_path: P
     from vllm_hotfix.building import patches
     from vllm_hotfix.errors import PatchError
 
-    old_a, new_a = "one\ntwo\nthree\nfour\n", "one\ntwo and a half\nthree\nfour\n"
-    old_b, new_b = "alpha\nbeta\ngamma\ndelta\n", "alpha\nbeta\ngamma, fixed\ndelta\n"
+    new_a = "one\ntwo and a half\nthree\nfour\n"  # a.py as the patch leaves it
+    old_b = "alpha\nbeta\ngamma\ndelta\n"  # b.py as released
     diff = (
         "--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1,4 +1,4 @@\n one\n-two\n+two and a half\n three\n four\n"
         "--- a/vllm/b.py\n+++ b/vllm/b.py\n@@ -1,4 +1,4 @@\n alpha\n beta\n-gamma\n+gamma, fixed\n delta\n"

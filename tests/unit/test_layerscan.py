@@ -16,7 +16,7 @@ import pytest
 from conftest import cli, fails
 from vllm_hotfix.building import bytecode as hostbytecode
 from vllm_hotfix.engine.dockerconfig import registry_secure_without_engine
-from vllm_hotfix.errors import BaseImageError, BuildError, PushError
+from vllm_hotfix.errors import BaseImageError, PushError, UsageError
 from vllm_hotfix.registry import layerscan
 from vllm_hotfix.registry import write as regwrite
 from vllm_hotfix.registry.layerscan import LayerRef, locate
@@ -162,8 +162,12 @@ def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() 
     assert hostbytecode.choose("whiteout", mine, None).whiteouts == tuple(mine[REL])
     foreign = {REL: {"vllm/models/m/__pycache__/indexer.cpython-399.pyc": b"\x01\x02\r\n" + b"\0" * 12}}
     assert hostbytecode.choose("auto", foreign, None).mode == "whiteouts"
-    with pytest.raises(BuildError, match="no Python of the image's version"):
+    # Not a docker build's code (6): no engine is involved, the option cannot be honoured here (64).
+    with pytest.raises(UsageError, match="no Python of the image's version") as info:
         hostbytecode.choose("compile", foreign, None)
+    assert info.value.exit_code == 64 and "--bytecode auto" in str(info.value.hint)
+    with pytest.raises(UsageError, match="no pyc in the base's layers read tells its Python's version"):
+        hostbytecode.choose("compile", {REL: {}}, None)
     assert hostbytecode.choose("auto", {REL: {}}, None).mode == "none"
     assert hostbytecode.choose("auto", {REL: {}}, (f"x.{tag}.pyc", magic + b"\0" * 12)).mode == "compiled"
     pycs = hostbytecode.compile_here(sys.executable, {REL: b"x = 1\n"}, {REL: [1]}, {REL: "p.patch"})

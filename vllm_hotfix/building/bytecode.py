@@ -104,7 +104,10 @@ def choose(mode: str, pycs: Mapping[str, Mapping[str, bytes]], hint: tuple[str, 
         known = [(hint[0], hint[1][:4])]
     if not known:
         if mode == "compile":
-            raise BuildError("--bytecode compile: no pyc in the base's layers read tells its Python's version")
+            # Not a docker build's failure (no engine is involved): the option cannot be honoured on this base.
+            raise UsageError("--bytecode compile: no pyc in the base's layers read tells its Python's version",
+                             hint="use --bytecode auto (the image compiles the patched sources on first import) "
+                                  "or --bytecode whiteout")
         return Choice("none", "none: no pyc in the layers read tells the image's Python version, and none is "
                               "stale; the image compiles the patched sources when it first imports them")
     name, magic = known[0]
@@ -113,8 +116,9 @@ def choose(mode: str, pycs: Mapping[str, Mapping[str, bytes]], hint: tuple[str, 
     if python is not None:
         return Choice("compiled", f"fresh checked-hash pycs compiled by {python} (the image's {tag})", tag, python)
     if mode == "compile":
-        raise BuildError(f"--bytecode compile: no Python of the image's version ({tag}) on this host",
-                         log_tail=[f"looked for {sys.executable} and python{version_of(tag)} on PATH"])
+        raise UsageError(f"--bytecode compile: no Python of the image's version ({tag}) on this host (looked for "
+                         f"{sys.executable} and python{version_of(tag)} on PATH)",
+                         hint=f"install python{version_of(tag)} here, or use --bytecode auto or whiteout")
     why = "--bytecode whiteout" if mode == "whiteout" else f"no Python of the image's version ({tag}) here"
     if not stale:
         return Choice("none", f"none: {why}, and the base shows no pyc of the patched files", tag)
