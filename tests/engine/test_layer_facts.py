@@ -55,9 +55,11 @@ def test_a_derived_image_reads_only_its_own_layers_and_gets_the_whole_reads_fact
         start = time.monotonic()
         layered = read_site(engine, image_id, SITE_DIR, keep_metadata, cache, said.append)
         on_top = time.monotonic() - start
-        assert said == ["    site folder facts: every layer read",
-                        f"    site folder facts: the facts of its first {len(base_layers(base))} layer(s) kept "
-                        "from before, its top 1 layer(s) read"]
+        # One line per image read, naming it (a smoke reads the image's and its base's).
+        b12, i12 = base.id.removeprefix("sha256:")[:12], image_id.removeprefix("sha256:")[:12]
+        assert said == [f"    site folder facts of {b12}: every layer read",
+                        f"    site folder facts of {i12}: the facts of its first {len(base_layers(base))} layer(s) "
+                        "kept from before, its top 1 layer(s) read"]
         whole = read_site(engine, image_id, SITE_DIR)  # no cache: the whole site folder through the archive
         _same(layered.entries, whole.entries)
         assert layered.kept == whole.kept
@@ -68,7 +70,7 @@ def test_a_derived_image_reads_only_its_own_layers_and_gets_the_whole_reads_fact
         # The same image again: its own chain is kept.
         said.clear()
         again = read_site(engine, image_id, SITE_DIR, keep_metadata, cache, said.append)
-        assert said == ["    site folder facts: the facts kept from an earlier read of the same layers"]
+        assert said == [f"    site folder facts of {i12}: the facts kept from an earlier read of the same layers"]
         _same(again.entries, whole.entries)
         print(f"site folder of the stand-in: whole read {whole_base:.2f} s, top layer on kept facts {on_top:.2f} s")
     finally:
@@ -84,7 +86,10 @@ def test_a_kept_tree_that_was_tampered_with_is_not_used(engine: Engine, base_v02
     index.write_text(index.read_text().replace("envs.py", "envz.py"))
     said: list[str] = []
     tree = read_site(engine, base_v0251, SITE_DIR, keep_metadata, cache, said.append)
-    assert said == ["    site folder facts: every layer read"] and ENVS in tree.entries
+    base = engine.image(base_v0251)
+    assert base is not None
+    assert said == [f"    site folder facts of {base.id.removeprefix('sha256:')[:12]}: every layer read"]
+    assert ENVS in tree.entries
 
 
 def base_layers(info: object) -> list[str]:

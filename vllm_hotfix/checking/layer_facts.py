@@ -192,10 +192,12 @@ def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str
     """The facts of ``site_dir`` in the image: kept ones, kept ones of a lower chain and the layers above, or a
     whole read through ``reader`` (kept for next time)."""
     folders = layer_folders(info) if info is not None else None
+    # Which image: a smoke reads the image's and its base's, one line each.
+    of = f" of {info.id.removeprefix('sha256:')[:12]}" if info is not None and info.id else ""
     if folders is None:
         # Facts are kept only where the layers above a kept chain can be read here: a local overlay2 engine.
         # Elsewhere (podman's own store, a remote engine) the copy that runs is read whole, every time.
-        say("    site folder facts: every layer read (not a local overlay2 engine: nothing kept)")
+        say(f"    site folder facts{of}: every layer read (not a local overlay2 engine: nothing kept)")
         return reader.read([site_dir], keep)
     layers = [str(d) for d in (((info.attrs if info else None) or {}).get("RootFS") or {}).get("Layers") or []]
     chains = chain_ids(layers)
@@ -226,5 +228,5 @@ def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str
     if wanted:
         more = reader.read(wanted, keep)
         tree = Tree(tree.entries, {**tree.kept, **more.kept}, tree.missing)
-    say(f"    site folder facts: {how}")
+    say(f"    site folder facts{of}: {how}")
     return tree
