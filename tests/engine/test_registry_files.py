@@ -61,6 +61,37 @@ def test_registry_blobs_give_the_facts_the_engine_gives(engine: Engine, built: t
     assert job["image_id"] == image_id
 
 
+def test_emit_asks_every_registry_the_image_was_pushed_to(engine: Engine, built: tuple[Path, str, str],
+                                                          registry: RegistryPlace) -> None:
+    """The name given is under a registry that does not answer; the journal says the image was pushed to another:
+    that one is asked too, and the Job names the image there by digest (was: exit 64 at the first registry)."""
+    import socket
+
+    project, ref, image_id = built
+    where = pushed(project, ref, registry)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = f"127.0.0.1:{port}/ops/vllm:x"
+    engine.tag(image_id, down)
+    try:
+        info = engine.image(image_id)
+        assert info is not None and not info.repo_digests, info.repo_digests  # only the journal knows the push
+        job_yaml = project / "job-down.yaml"
+        r = cli("smoke", down, "--launcher", "kubernetes", "--emit", str(job_yaml), root=project)
+        assert r.rc == 0, r.err
+        assert where["by_digest"] in job_yaml.read_text()
+    finally:
+        engine.untag(down)
+    # An image no registry that answers holds: the registry's code (8) and its words, not a usage error (64).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = cli("smoke", f"127.0.0.1:{port}/ops/absent:x", "--launcher", "kubernetes", "--emit",
+            str(project / "job-none.yaml"), root=project)
+    assert r.rc == 8 and "cannot resolve it to a digest through a registry that holds it" in r.err, r.err
+
+
 def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
     engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:

@@ -134,14 +134,21 @@ def by_digest(root: Path, engine: Callable[[], Engine], image_ref: str) -> tuple
     tried = [image_ref]
     if local is not None:
         tried += [str(e.data.get("ref")) for e in records.pushes(root, local.id) if e.data.get("ref")]
+    failed: list[str] = []
     for ref in dict.fromkeys(tried):
         try:
             found = _registry_digest(docker, ref, local)
         except PushError as exc:
-            raise UsageError(f"{image_ref}: cannot resolve {ref} to a digest through its registry: {exc}",
-                             hint="name the image by digest (NAME@sha256:...)") from None
+            # One registry down or refusing the login: the others the image was pushed to are asked too.
+            failed.append(f"{ref}: {exc}")
+            continue
         if found is not None:
             return found, dict(local.labels) if local is not None else {}, local.id if local is not None else ""
+    if failed:
+        raise PushError(f"{image_ref}: cannot resolve it to a digest through a registry that holds it "
+                        f"({'; '.join(failed)})",
+                        hint="reach the registry (docker login HOST where it needs one), or name the image by "
+                             "digest (NAME@sha256:...)")
     raise UsageError(f"{image_ref}: a cluster pulls the image by digest, and no registry holds it under that "
                      "name: push it, then name it NAME or NAME@sha256:...")
 
