@@ -381,3 +381,16 @@ def test_rollback_after_two_two_platform_builds_moves_every_platform_back(
         for build in made:
             for image_id in build.values():
                 plat_engine.remove_untagged(image_id)
+
+
+def test_platform_all_on_a_base_its_registry_lacks_is_refused(index_registry: dict[str, object], project: Path,
+                                                              unique: str) -> None:
+    """--platform all where the registry answers that it has no such manifest: the platforms are unknown, so
+    the run fails (4) naming it; it never builds one platform quietly."""
+    repo = f"{index_registry['base_repo']}-absent-{unique}"
+    out = f"hotfix-test/absent-{unique}:x"
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", "all", "--tag", out, root=project,
+            env=PENV)
+    assert r.rc == 4, r.err
+    assert f"--platform all: the registry of {repo}:v0.25.1 has no such manifest" in r.err, r.err
+    assert "==> building" not in r.err

@@ -248,6 +248,12 @@ def bases(
                                       "platform the base in the engine has: --platform linux/<arch>") from exc
         say(f"    cannot read {base_ref} from its registry; building for one platform: {exc}")
         found = None
+    if found is None and asked and wanted is None:
+        # Its registry answered that it has no such manifest: which platforms "all" means is unknown, and one
+        # quiet platform would be fewer than asked for.
+        raise BaseImageError(f"{asked_for}: the registry of {base_ref} has no such manifest, so its platforms are "
+                             "unknown", hint="check --base/--base-repo, or build the platform the base in the "
+                                             "engine has: --platform linux/<arch>")
     if found is None or not found.is_index:
         return _single(base_ref, wanted, local, found is not None)
     repo, _ = split_reference(base_ref)
