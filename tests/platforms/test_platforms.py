@@ -394,3 +394,28 @@ def test_platform_all_on_a_base_its_registry_lacks_is_refused(index_registry: di
     assert r.rc == 4, r.err
     assert f"--platform all: the registry of {repo}:v0.25.1 has no such manifest" in r.err, r.err
     assert "==> building" not in r.err
+
+
+def test_push_platform_all_needs_every_platform_image_built(plat_engine: Engine, index_registry: dict[str, object],
+                                                            built_both: tuple[Path, str, dict[str, object]]) -> None:
+    """--platform all pushes every platform `image` built under the name: one missing from the engine is named
+    (4) and nothing is pushed, never an index over the ones that happen to be there."""
+    root, out, _ = built_both
+    reg = index_registry["registry"]
+    assert isinstance(reg, Registry)
+    arm = plat_engine.image(f"{out}-aarch64")
+    assert arm is not None
+    keeper = f"{out}-aarch64-kept"
+    plat_engine.tag(arm.id, keeper)  # the image stays while its output tag is gone
+    plat_engine.untag(f"{out}-aarch64")
+    try:
+        r = cli("push", out, "--platform", "all", "--registry", f"{reg.addr}/partial", "--allow-gpu-unverified",
+                root=root, env=PENV, timeout=600)
+        assert r.rc == 4, r.err
+        assert f"no linux/arm64 image {out}-aarch64 in the engine (image built it under this name" in r.err, r.err
+        name = out.split("/", 1)[1].split(":")[0]
+        got = requests.get(f"http://{reg.addr}/v2/partial/{name}/tags/list", timeout=10)
+        assert got.status_code == 404 or not got.json().get("tags"), got.text
+    finally:
+        plat_engine.tag(arm.id, f"{out}-aarch64")
+        plat_engine.untag(keeper)

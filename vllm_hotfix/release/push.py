@@ -369,15 +369,22 @@ def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Plat
     repo, tag = split_reference(image_ref)
     if tag.startswith("sha256:"):
         raise PushError(f"{image_ref}: push a tagged reference, not a digest")
-    wanted = plats if plats is not None else [platforms.Platform("linux", a) for a in ("amd64", "arm64")]
+    every = [platforms.Platform("linux", a) for a in ("amd64", "arm64")]
+    # "all": every platform `image` built under this name (the journal's builds of IMAGE-<machine>), each of
+    # which must be here; where the journal names none, the ones present.
+    built = {str(e.data.get("output_ref")) for e in records.load(root, "build")}
+    made = [plat for plat in every if child_ref(image_ref, plat) in built]
+    wanted = plats if plats is not None else made or every
+    strict = plats is not None or bool(made)
     found: list[tuple[Platform, ImageInfo]] = []
     for plat in wanted:
         ref = child_ref(image_ref, plat)
         info = engine.image(ref)
         if info is None:
-            if plats is None:
+            if not strict:
                 continue
-            raise BaseImageError(f"no {plat} image {ref} in the engine",
+            why = "" if plats is not None else " (image built it under this name: the journal says so)"
+            raise BaseImageError(f"no {plat} image {ref} in the engine{why}",
                             hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
         check_platform(root, info, ref, plat)
         found.append((plat, info))
