@@ -171,3 +171,30 @@ def test_submit_with_a_kubeconfig_that_is_not_yaml_is_one_line(tmp_path: Path) -
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig), root=tmp_path)
     assert r.rc == 64, r.err
     assert f"kubeconfig {kubeconfig}: not a usable kubeconfig" in r.last_error
+
+
+def test_an_api_server_that_never_answers_ends_the_run_incomplete(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that accepts the connection and never answers: each API call has a time limit, so the run ends
+    incomplete (the host's shortcoming) instead of waiting for ever."""
+    import socket
+    import time
+
+    from vllm_hotfix.checking.launchers import kubernetes as k8s
+    from vllm_hotfix.errors import SmokeIncomplete
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections are accepted by the kernel; nothing reads or answers them
+        kubeconfig = tmp_path / "config"
+        kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{silent.getsockname()[1]}"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+        }))
+        monkeypatch.setattr(k8s, "API_TIMEOUT", (1.0, 1.0))
+        start = time.monotonic()
+        with pytest.raises(SmokeIncomplete, match="cannot reach the Kubernetes API server"):
+            k8s.KubernetesLauncher(k8s.JobSpec("vllm-hotfix-smoke-x"), str(kubeconfig)).collect()
+        assert time.monotonic() - start < 30

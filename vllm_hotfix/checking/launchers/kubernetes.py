@@ -32,6 +32,9 @@ from .base import Launched, argv, job_bytes, results, runner_files
 log = logging.getLogger(__name__)
 
 POLL_S = 10
+# Every API call's (connect, read) limit in seconds: an API server that accepts and never answers must not
+# hold the run (the pod log is the largest answer: a report of a few hundred KB).
+API_TIMEOUT = (10.0, 120.0)
 CONFIGMAP_LIMIT = 1024 * 1024  # what the API server accepts for one ConfigMap's data
 
 
@@ -152,8 +155,8 @@ class KubernetesLauncher:
         ns = self.spec.namespace
 
         def submit(core: Any, batch: Any) -> bool:
-            core.create_namespaced_config_map(ns, config_map)
-            batch.create_namespaced_job(ns, batch_job)
+            core.create_namespaced_config_map(ns, config_map, _request_timeout=API_TIMEOUT)
+            batch.create_namespaced_job(ns, batch_job, _request_timeout=API_TIMEOUT)
             self.say(f"    submitted Job {ns}/{self.spec.name}")
             deadline = time.monotonic() + self.spec.deadline_s + 300
             while not self._ended(batch):
@@ -177,7 +180,8 @@ class KubernetesLauncher:
         return self._talk(ended)
 
     def _ended(self, batch: Any) -> bool:
-        status = batch.read_namespaced_job_status(self.spec.name, self.spec.namespace).status
+        status = batch.read_namespaced_job_status(self.spec.name, self.spec.namespace,
+                                                  _request_timeout=API_TIMEOUT).status
         return bool(status.succeeded or status.failed)
 
     def _talk(self, first: Callable[[Any, Any], bool]) -> Launched:
@@ -207,10 +211,12 @@ class KubernetesLauncher:
         ns = self.spec.namespace
         try:
             first(core, batch)
-            pods = core.list_namespaced_pod(ns, label_selector=f"job-name={self.spec.name}").items
+            pods = core.list_namespaced_pod(ns, label_selector=f"job-name={self.spec.name}",
+                                            _request_timeout=API_TIMEOUT).items
             if not pods:
                 raise SmokeError(f"Job {ns}/{self.spec.name} ended with no pod to read the report from")
-            text = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container="runner")
+            text = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container="runner",
+                                               _request_timeout=API_TIMEOUT)
         except ApiException as exc:
             raise SmokeError(f"the cluster refused the Job {ns}/{self.spec.name}: {exc.status} {exc.reason}") \
                 from None
