@@ -124,8 +124,12 @@ die() { log "error: $*"; exit 1; }
 # An engine-touching command: run, or under DRY_RUN printed (one line, shell-quoted).
 act() {
   if [ -n "$DRY_RUN" ]; then
-    # To the log and stderr only, whatever the caller does with the command's output.
-    { printf '+'; printf ' %q' "$@"; printf '\n'; } | tee -a "$LOG" >&2
+    # To the log and stderr only, whatever the caller does with the command's output; each as one whole
+    # line in one write (a caller's stderr may go to the log too: two copies, never one line cut into another).
+    local line
+    line="+$(printf ' %q' "$@")"
+    printf '%s\n' "$line" >>"$LOG"
+    printf '%s\n' "$line" >&2
     return 0
   fi
   "$@"
