@@ -256,13 +256,25 @@ def test_the_runner_records_the_settings_and_judges_with_the_file_the_host_keeps
     job["serve"]["port"] = port
     folder = base.stage(tmp_path / "runner", job, extra)
     done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
-                          capture_output=True, text=True, timeout=180, cwd=folder)
+                          capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
-    judged = judging.host_verdict(job, launched.report)
-    assert launched.answers is not None and judged.status is Status.PASS
+    judged, levels = plan.judged(job, launched)
+    assert launched.answers is not None and judged.status is Status.PASS, judged.checks
+    # Recorded under fixed batches too, in two passes; not judged against itself.
+    exact = next(c for c in judged.checks if c.name == "exact-levels")
+    assert exact.status is Status.SKIP and "a recording is not judged against itself" in exact.detail
+    assert levels is not None and levels["repeat"] == {"passes": 2, "replies": 2 * REQUESTS,
+                                                       "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
-    kept = reference.keep(tmp_path / "new.json", launched.answers, settings)
+    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels))
+    # The file the host keeps has the per-level answers, so another sha256 than the runner's copy: the report
+    # names the host's (as the docker launcher restamps it), which is what the GPU record checks against.
+    runner_sha = judged.sweep["reference"]["sha256"] if judged.sweep else None
+    assert runner_sha != kept.sha256
+    judged = plan.restamp(judged, kept)
+    assert judged.sweep is not None and judged.sweep["reference"]["levels"]["schedule"]["levels"] == [1, 2]
+    assert json.loads((tmp_path / "new.json").read_text())["sha256"] == kept.sha256
     # This Python has neither vLLM nor torch: the image's env-report says so, and the file keeps it.
     assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": "absent"}
     assert judged.sweep is not None and judged.sweep["reference"]["sha256"] == kept.sha256

@@ -228,8 +228,11 @@ class DockerRun:
             ran = self._ended(target, found, host, "fail", str(exc))
         verdict = ran.verdict
         if ran.answers is not None and self.opt.record_reference is not None:
-            self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target), **plan.run_settings(verdict)},
-                              ran.levels)
+            kept = self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target),
+                                                   **plan.run_settings(verdict)}, ran.levels)
+            if kept is not None:
+                # The report names the file as written (the per-level answers added, so another sha256).
+                verdict = plan.restamp(verdict, kept)
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)
@@ -244,7 +247,8 @@ class DockerRun:
         self.say(f"    {status:<4} runner: {why}")
         return plan.Ran(judging.unanswered(job, status, why), job)
 
-    def keep_answers(self, data: bytes, settings: dict[str, Any], levels: Mapping[str, Any] | None) -> None:
+    def keep_answers(self, data: bytes, settings: dict[str, Any],
+                     levels: Mapping[str, Any] | None) -> answers.Reference | None:
         """Write the reference answers the runner recorded (``--record-reference``) with their settings and the
         per-level answers the host read from the batch probe; nothing without the latter."""
         assert self.opt.record_reference is not None
@@ -252,10 +256,11 @@ class DockerRun:
             # The run fails on its exact-levels check, which says why; a reference without them judges nothing.
             self.say(f"    --record-reference {self.opt.record_reference}: no per-level answers under fixed batches "
                      "came back (see the exact-levels check); nothing written")
-            return
+            return None
         ref = answers.keep(self.opt.record_reference, data, settings, dict(levels))
         self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)}; answers at concurrency "
                  f"{','.join(map(str, levels['schedule']['levels']))} under fixed batches)")
+        return ref
 
     def file_facts(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> facts.FileFacts:
         """The checks read from the image's layers (patched files, integrity), and where its package must import

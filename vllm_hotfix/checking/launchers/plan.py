@@ -273,14 +273,22 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
                                    base_imports=facts.base_imports, started=started, seconds=seconds,
                                    gpu_facts=facts.gpu, environment=facts.environment, host_checks=checks,
                                    exact=evidence)
-    said = (verdict.sweep or {}).get("reference")
-    if reference is not None and isinstance(said, Mapping):
-        # Which file judged the run is the host's fact (the runner had a copy without the per-level answers).
-        sweep = {**dict(verdict.sweep or {}), "reference": {**dict(said), "file": reference.path,
-                                                            "sha256": reference.sha256,
-                                                            "levels": reference.summary()["levels"]}}
-        verdict = replace(verdict, sweep=sweep)
+    if reference is not None:
+        verdict = restamp(verdict, reference)
     return verdict, levels
+
+
+def restamp(verdict: Verdict, reference: Any) -> Verdict:
+    """The verdict naming the reference file as the host has it (path, sha256, levels): which file judged or was
+    recorded by a run is the host's fact (the runner had a copy without the per-level answers, or wrote one
+    before the host added them)."""
+    said = (verdict.sweep or {}).get("reference")
+    if not isinstance(said, Mapping):
+        return verdict
+    sweep = {**dict(verdict.sweep or {}), "reference": {**dict(said), "file": reference.path,
+                                                        "sha256": reference.sha256,
+                                                        "levels": reference.summary()["levels"]}}
+    return replace(verdict, sweep=sweep)
 
 
 def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions, *, gpu_request: str | None,
