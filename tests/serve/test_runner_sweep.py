@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, free_port
 from vllm_hotfix.checking import fixed_batches, recording, reference, sweep
-from vllm_hotfix.checking.launchers import base, judging, plan
+from vllm_hotfix.checking.launchers import base, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import SmokeError, UsageError
 from vllm_hotfix.verdicts import Status, Verdict
