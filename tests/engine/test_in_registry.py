@@ -325,6 +325,22 @@ def test_a_tag_the_registry_refused_is_not_in_the_journal(
     assert [e.data.get("ref") for e in records.load(project, "tag") if e.data.get("ref") == ref] == []
 
 
+def test_a_base_whose_record_does_not_list_a_patched_file_is_refused(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, unique: str) -> None:
+    """The installed vLLM's RECORD must list the files the patch changes (as the runbook says): one it omits is
+    refused (4) naming the file, before anything is written, not only noted."""
+    ref = made.add(f"hotfix-test/unlisted-{unique}:v0.25.1")
+    record = f"{SITE}/vllm-0.25.1.dist-info/RECORD"
+    derive(engine, base_v0251, ref, f"RUN sed -i '\\#^{INDEXER},#d' {record}")
+    repo = f"{registry.place}/vllm/unlisted"
+    publish(engine, made, ref, f"{repo}:v0.25.1")
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--in-registry", "--tag",
+            f"{registry.place}/ops/unlisted:v0.25.1-m3patch", root=project, env=NO_ENGINE)
+    assert r.rc == 4, r.err
+    fails(r, f"{INDEXER} is not listed in vllm-0.25.1.dist-info/RECORD")
+    assert tags(registry, "ops/unlisted") == []
+
+
 def test_a_manifest_over_the_limit_is_refused_before_anything_is_written(
         engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
     publish(engine, made, base_v0251, f"{registry.place}/vllm/big:plain")

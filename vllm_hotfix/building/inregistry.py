@@ -190,6 +190,11 @@ def prepare(p: Any, base: Base, opts: Options) -> Prepared | None:
     where = locate([*layer_refs(base.layers)], opener, defn.package, rels, base.repo.name, say)
     say(f"    {defn.package} {where.version} in {where.site_dir} (read {where.layers_read} of {len(base.layers)} "
         f"layer(s), {where.bytes_read} bytes)")
+    unlisted = [note for note in where.notes if "is not listed in" in note]
+    if unlisted:
+        # The installed distribution does not own the file the patch changes: not the vLLM the definition means.
+        raise BaseImageError(f"{base.repo.name}: {unlisted[0]}", hint="the base's vLLM is not installed as its wheel "
+                                                                     "installs it; build from the engine instead")
     for note in where.notes:
         say(f"    note: {note}")
     facts = _facts(base, defn, where, "")
