@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -190,3 +191,27 @@ def test_a_base_carrying_one_file_of_the_patch_is_named_by_that_file(tmp_path: P
     assert "does not apply" not in said
     assert (tree / "a.py").read_text() == new_a and (tree / "b.py").read_text() == old_b  # nothing touched
     assert not list((tmp_path / "tree").rglob("*.rej")) and not list((tmp_path / "tree").rglob("*.orig"))
+
+
+def test_a_full_tmpdir_is_named_not_only_the_scratch_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNU patch writes its temporary files in TMPDIR: a full one is named, not only the scratch folder (which
+    Python may have put in /tmp when TMPDIR took no file). A stand-in `patch` on PATH answers as GNU patch does
+    on a full disk (a real full disk cannot be made here)."""
+    from vllm_hotfix.building import patches
+    from vllm_hotfix.errors import StorageError
+
+    fake = tmp_path / "bin" / "patch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'patch: **** write error : No space left on device' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "full-tmp"))
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "0001-x.patch").write_text("--- a/vllm/a.py\n+++ b/vllm/a.py\n@@ -1 +1 @@\n-a\n+b\n")
+    patch = patches.load_patch(tmp_path / "set" / "0001-x.patch", "vllm")
+    (tmp_path / "tree" / "vllm").mkdir(parents=True)
+    (tmp_path / "tree" / "vllm" / "a.py").write_text("a\n")
+    with pytest.raises(StorageError) as info:
+        patches.apply_series([patch], tmp_path / "tree")
+    said = str(info.value)
+    assert f"TMPDIR={tmp_path / 'full-tmp'}" in said and "No space left on device" in said, said

@@ -224,8 +224,13 @@ def _patch(workdir: Path, patch: Patch, *args: str) -> tuple[int, str]:
         # patch writes its temporary copies in the scratch folder and TMPDIR: a
         # full disk there says nothing about whether the patch applies.
         said = next(ln.strip() for ln in out.splitlines() if _DISK_FULL.search(ln))
+        # patch's own temporary files go to TMPDIR, which Python may have passed over for the scratch folder
+        # (it falls back to /tmp where TMPDIR takes no file): name both, not the scratch folder alone.
+        tmpdir = env.get("TMPDIR")
+        where = f"the scratch folder {workdir}" + (f" or TMPDIR={tmpdir}" if tmpdir and not
+                                                   str(workdir).startswith(tmpdir.rstrip("/") + "/") else "")
         raise StorageError(
-            f"{patch.name}: cannot patch in the scratch folder {workdir}: its disk is full ({said})",
+            f"{patch.name}: cannot patch: a disk is full ({said}); patch writes in {where}",
             hint="free space there, or point TMPDIR at a disk with room")
     return proc.returncode, out
 
