@@ -182,3 +182,54 @@ def test_a_long_library_message_is_shortened_at_a_word() -> None:
     assert short.endswith(" ...") and len(short) <= 124
     assert text.startswith(short[:-4]) and text[len(short) - 4] == " "  # cut where a word ends
     assert shortened("a  b\n c") == "a b c"
+
+
+def test_an_expired_token_is_asked_for_again_once() -> None:
+    """A registry's token runs out mid-run (300 s is common): the next 401 gets a new token, once, instead of
+    "refused the credentials"; a token refused twice is a refusal."""
+    import http.server
+    import json
+    import threading
+
+    from vllm_hotfix.errors import PushError
+    from vllm_hotfix.registry.client import Client
+
+    state = {"current": "t1", "issued": 0, "refuse_all": False}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *_a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            host = f"127.0.0.1:{self.server.server_address[1]}"
+            if self.path.startswith("/token"):
+                state["issued"] += 1
+                body = json.dumps({"token": state["current"]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            if self.headers.get("Authorization") == f"Bearer {state['current']}" and not state["refuse_all"]:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", f'Bearer realm="http://{host}/token",service="test"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"127.0.0.1:{server.server_address[1]}", secure=False, credentials=None)
+        assert client.manifest("ops/x", "t") is None and state["issued"] == 1
+        state["current"] = "t2"  # the first token expired
+        assert client.manifest("ops/x", "t") is None and state["issued"] == 2
+        state["refuse_all"] = True
+        with pytest.raises(PushError, match="refused the credentials"):
+            client.manifest("ops/x", "t")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -168,7 +168,11 @@ class Client:
                 break
             res.close()  # the 401 is answered by asking again; its connection goes back to the pool
             if scope in self._auth_header:
-                raise self._refused(f"{method} {path} answered 401 with the login")
+                _key, used = self._auth_header.pop(scope)
+                if not used.startswith("Bearer "):
+                    raise self._refused(f"{method} {path} answered 401 with the login")
+                # A token kept from earlier has expired (registries often give 300 s ones, shorter than a long
+                # copy): a new one, asked once; a second 401 is a refusal.
             self._auth_header[scope] = self._authorize(res, scope)
         if res.status_code == 401:
             raise self._refused(f"{method} {path} answered 401")
