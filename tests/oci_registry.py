@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 _NAME = r"(?P<name>[a-z0-9]+(?:[._/-][a-z0-9]+)*)"
@@ -48,6 +48,7 @@ class Store:
     # Extra descriptors the referrers API lists for a subject (a registry that lists a stranger).
     extra_referrers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     referrers_body: bytes | None = None  # the referrers API's answer, when set (a registry answering nonsense)
+    page_size: int | None = None  # the referrers API answers this many per page, the rest behind a Link header
 
     def referrers(self, repo: str, subject: str, artifact_type: str | None) -> list[dict[str, Any]]:
         found = []
@@ -104,10 +105,19 @@ class _Handler(BaseHTTPRequestHandler):
             digest, media, body = found
             return self._answer(200, body, {"Content-Type": media, "Docker-Content-Digest": digest})
         if (m := _REFERRERS.match(url.path)) is not None and self.store.referrers_api:
-            wanted = parse_qs(url.query).get("artifactType", [None])[0]
-            index = {"schemaVersion": 2, "mediaType": OCI_INDEX,
-                     "manifests": self.store.referrers(m["name"], m["digest"], wanted)}
+            query = parse_qs(url.query)
+            wanted = query.get("artifactType", [None])[0]
+            found = self.store.referrers(m["name"], m["digest"], wanted)
             headers = {"Content-Type": OCI_INDEX, **({"OCI-Filters-Applied": "artifactType"} if wanted else {})}
+            size = self.store.page_size
+            if size:
+                start = int(query.get("page", ["0"])[0])
+                if start + size < len(found):
+                    more = f"{url.path}?" + urlencode({"page": start + size, **({"artifactType": wanted}
+                                                                                  if wanted else {})})
+                    headers["Link"] = f'<{more}>; rel="next"'
+                found = found[start:start + size]
+            index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": found}
             return self._answer(200, self.store.referrers_body or json.dumps(index).encode(), headers)
         return self._answer(404)
 

@@ -101,5 +101,22 @@ def test_a_referrers_answer_that_is_not_json_is_one_line() -> None:
         client = Client(addr, secure=False, credentials=None)
         subject = _image(client)
         store.referrers_body = b"not json"
-        with pytest.raises(PushError, match="answered the referrers of .* with something that is not JSON"):
+        with pytest.raises(PushError, match="answered the referrers of .* with something that is not an index"):
             referrers.listed(client, REPO, subject.digest)
+
+
+def test_every_page_of_the_referrers_api_is_read() -> None:
+    """A registry that pages its referrers (a Link header to the next page): a verdict on the last page counts
+    (it was left out, and with it the newest fail)."""
+    with serving() as (addr, store):
+        client = Client(addr, secure=False, credentials=None)
+        subject = _image(client)
+        made = [_envelope(subject, "pass") for _ in range(4)] + [_envelope(subject, "fail")]
+        for envelope in made:
+            referrers.attach(client, REPO, subject, envelope)
+        store.page_size = 2
+        store.log.clear()
+        found = [e for _d, e in referrers.envelopes(client, REPO, subject.digest)]
+        assert sorted(found) == sorted(made)
+        pages = [path for method, path, _status in store.log if "/referrers/" in path]
+        assert len(pages) == 3, pages

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,17 +105,39 @@ def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[st
     client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
 
 
+MAX_PAGES = 1000  # pages of the referrers API read at most (a registry looping its Link would hold the run)
+_LINK_NEXT = re.compile(r'<([^>]+)>\s*;\s*rel="?next"?')
+
+
+def _next_page(link: str) -> str | None:
+    """The next page a ``Link`` header names (a path on the registry, or a whole URL), if any."""
+    found = _LINK_NEXT.search(link)
+    return found.group(1) if found else None
+
+
 def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
     """Descriptors of the signed verdicts referring to ``repo@digest`` (referrers API, else fallback tag)."""
     res = client.request("GET", f"/v2/{repo}/referrers/{digest}", f"repository:{repo}:pull",
                          params={"artifactType": PAYLOAD_TYPE}, headers={"Accept": OCI_INDEX})
     entries: list[Any] = []
     if res.status_code == 200 and res.headers.get("Content-Type", "").startswith(OCI_INDEX):
-        try:
-            entries = res.json().get("manifests") or []
-        except ValueError:
-            raise PushError(f"registry {client.host} answered the referrers of {repo}@{digest} with "
-                            f"something that is not JSON") from None
+        pages = 0
+        while True:
+            try:
+                entries += res.json().get("manifests") or []
+            except (ValueError, AttributeError):
+                raise PushError(f"registry {client.host} answered the referrers of {repo}@{digest} with "
+                                f"something that is not an index") from None
+            # The API pages its answer (a Link header naming the next page): every page is read, so a verdict
+            # listed on a later one still counts.
+            nxt = _next_page(res.headers.get("Link", ""))
+            pages += 1
+            if nxt is None or pages >= MAX_PAGES:
+                break
+            res = client.request("GET", nxt, f"repository:{repo}:pull", headers={"Accept": OCI_INDEX})
+            if res.status_code != 200:
+                raise PushError(f"registry {client.host} answered {res.status_code} for a later page of the "
+                                f"referrers of {repo}@{digest}")
     else:
         found = client.manifest(repo, fallback_tag(digest))
         if found is not None and found.media_type == OCI_INDEX:
