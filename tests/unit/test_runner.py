@@ -146,3 +146,37 @@ def test_staging_folders_of_gone_processes_are_swept(tmp_path: Path) -> None:
         (d / "runner" / "job.json").write_text("{}")
     assert leftovers.sweep_staging(tmp_path) == 1
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def test_the_batch_probe_starts_with_the_server_only_where_the_kv_cache_size_is_given(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --kv-cache-memory-bytes each vLLM engine measures the GPU's free memory as it starts: the probe's
+    engine then waits for the server's sweep to end (it starts in finish), and gets its own time there."""
+    from vllm_hotfix.checking.runner import serve
+
+    events: list[str] = []
+
+    class Recorder:
+        def __init__(self, spec: object, scratch: str, probe: str) -> None:
+            self.proc = None
+
+        def start(self) -> None:
+            events.append("probe-start")
+
+        def finish(self, grace: float) -> dict[str, object]:
+            events.append(f"probe-finish({grace:.0f})")
+            return {"lines": [], "exit": 0, "error": "", "log": [], "seconds": 0.0}
+
+        def stop(self) -> None:
+            events.append("probe-stop")
+
+    monkeypatch.setattr(serve, "Batches", Recorder)
+    for overlap in (False, True):
+        events.clear()
+        spec = {"argv": [str(tmp_path / "no-such-server")], "port": 9, "overlap": overlap, "batches": {"levels": [1]}}
+        serving = serve.Serving(spec, str(tmp_path), say=lambda _l: None, phases={}, probe="p")
+        serving.start()
+        assert events == (["probe-start"] if overlap else []), events
+        check, _ = serving.finish()
+        assert check["status"] == "fail"  # no server: the sweep fails, the probe's replies are still collected
+        assert events[-1] == f"probe-finish({serve.BATCH_GRACE})"

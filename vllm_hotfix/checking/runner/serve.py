@@ -36,6 +36,7 @@ LOG_LINES = 200
 # Seconds the batch probe may still run once the server's sweep is over: it starts with the server and runs
 # the same requests, so a probe that needs much longer than that is stuck (an engine that hung on a fault).
 BATCH_GRACE = 180
+BATCH_ALONE = 1200  # seconds for a probe started after the sweep: an engine's start (cold: compiling) and every level
 
 
 class Process:
@@ -97,9 +98,12 @@ class Batches:
 
     def finish(self, grace: float) -> dict[str, Any]:
         """What the probe wrote (``lines``), its exit code, its log's last lines and its wall time; a probe still
-        running ``grace`` seconds after this is asked (the server's sweep is over by then) is killed."""
+        running ``grace`` seconds after this is asked (the server's sweep is over by then) is killed. One not
+        started yet (the server's KV cache size was not given, so the two must not start together) starts now,
+        alone, and gets :data:`BATCH_ALONE` seconds."""
         if self.proc is None and not self.error:
             self.start()
+            grace = max(grace, BATCH_ALONE)
         code: int | None = None
         if self.proc is not None:
             try:
@@ -160,8 +164,9 @@ class Serving:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        if self.batches is not None:
-            # Its engine's KV cache is sized as the server's: started together only where that size is given.
+        if self.batches is not None and self.spec.get("overlap"):
+            # Together only where the KV cache size is given: otherwise each engine measures the GPU's free memory
+            # while it starts, and the other's allocations would upset that (the probe then runs after the sweep).
             self.batches.start()
         argv = [str(a) for a in self.spec["argv"]]
         env = {str(k): str(v) for k, v in (self.spec.get("env") or {}).items()}
