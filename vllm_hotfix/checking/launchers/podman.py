@@ -79,7 +79,9 @@ CALL_TIMEOUT = 120.0  # seconds podman may take for a call other than the runner
 # must never get there.
 PODMAN_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR", "XDG_RUNTIME_DIR",
               "XDG_CONFIG_HOME", "XDG_DATA_HOME", "CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF",
-              "CONTAINERS_REGISTRIES_CONF", "REGISTRIES_CONFIG_PATH", "DBUS_SESSION_BUS_ADDRESS")
+              "CONTAINERS_REGISTRIES_CONF", "REGISTRIES_CONFIG_PATH", "DBUS_SESSION_BUS_ADDRESS",
+              # a remote podman (podman --remote) and its store's settings
+              "CONTAINER_HOST", "CONTAINER_CONNECTION", "CONTAINER_SSHKEY", "STORAGE_DRIVER", "STORAGE_OPTS")
 
 
 def podman_env() -> dict[str, str]:
