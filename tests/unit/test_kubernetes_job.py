@@ -193,7 +193,7 @@ def test_an_api_server_that_never_answers_ends_the_run_incomplete(tmp_path: Path
             "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
             "users": [{"name": "u", "user": {"token": "t"}}],
         }))
-        monkeypatch.setattr(k8s, "API_TIMEOUT", (1.0, 1.0))
+        monkeypatch.setattr(k8s, "API_TIMEOUT", (0.25, 0.25))
         start = time.monotonic()
         with pytest.raises(SmokeIncomplete, match="cannot reach the Kubernetes API server"):
             k8s.KubernetesLauncher(k8s.JobSpec("vllm-hotfix-smoke-x"), str(kubeconfig)).collect()
