@@ -81,6 +81,24 @@ def remove(engine: Seam, container_id: str, *, quiet: bool) -> None:
             return
 
 
+CREATE_SETTLE = 3.0  # seconds an interrupted create is waited for before its name is given up on
+
+
+def remove_late(engine: Seam, name: str, settle: float = CREATE_SETTLE) -> None:
+    """Remove the container ``name`` whose create was interrupted, once the engine shows it (or give up after
+    ``settle`` seconds: it was never made); never raises (another error is already on its way out)."""
+    end = time.monotonic() + settle
+    while True:
+        try:
+            shown = engine.sdk.api.containers(all=True, quiet=True, filters={"name": f"^/{name}$"})
+        except Exception:  # noqa: BLE001 - an engine that cannot be asked: the next run's sweep finds it by label
+            shown = None
+        if shown or shown is None or time.monotonic() >= end:
+            remove(engine, name, quiet=True)  # made or not: removing a name that is not there is no error
+            return
+        time.sleep(0.25)
+
+
 @contextmanager
 def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refused | None = None,
              **create: Any) -> Iterator[Any]:
@@ -101,7 +119,9 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
                 engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
             raise
         except BaseException:
-            remove(engine, name, quiet=True)  # made or not: removing a name that is not there is no error
+            # Interrupted (Ctrl-C, SIGTERM) while the engine made it: the engine may finish the create after this
+            # process stopped waiting, so it is looked for by name for a moment and removed once it shows.
+            remove_late(engine, name)
             raise
     try:
         yield container
