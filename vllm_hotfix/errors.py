@@ -250,6 +250,13 @@ class AttestationMismatch(AttestationError):
                "(status, GPU-verified, GPU product)")
 
 
+class NotRegular(OSError):
+    """A path named to be read that is not a regular file (a FIFO, a device, a socket, a folder).
+
+    Not a PipelineError: the reader turns it into one that names what the file was for.
+    """
+
+
 class Malformed(ValueError):
     """A value that does not have the shape of a smoke check or verdict (what is wrong, in words).
 

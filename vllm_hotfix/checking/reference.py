@@ -36,13 +36,12 @@ import hashlib
 import json
 import logging
 import math
-import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..journal.atomic import write_atomic
+from ..errors import NotRegular, UsageError
+from ..journal.atomic import opened_regular, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +269,11 @@ def load(path: Path, option: str = "--reference") -> Reference:
     """The reference in ``path``; UsageError (one line naming the file) if it is unusable or was changed."""
     where = f"{option} {path}"
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            # A FIFO would be read until its writer closes it.
-            raise UsageError(f"{where}: not a regular file")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with opened_regular(path) as (fh, _st):
+            data = json.loads(fh.read().decode("utf-8"))
+    except NotRegular:
+        # A FIFO would be read until its writer closes it.
+        raise UsageError(f"{where}: not a regular file") from None
     except OSError as exc:
         raise UsageError(f"{where}: cannot read it ({exc.strerror or exc})") from None
     except ValueError as exc:

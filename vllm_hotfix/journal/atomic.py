@@ -13,6 +13,11 @@ A name that holds something other than a regular file is never renamed over:
 a character device (``--report /dev/null``, the usual way to throw output
 away) or a FIFO another process reads is written in place, anything else
 (a folder, a block device, a socket) is refused.
+
+Reading a file a user names (a key, an envelope, reference answers, a saved
+log) goes through :func:`opened_regular`: opened without waiting on it, and
+refused unless it is a regular file (a FIFO would be read until its writer
+closes it).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
-from ..errors import PipelineError, StorageError
+from ..errors import NotRegular, PipelineError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -163,3 +169,18 @@ def one_writer(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def opened_regular(path: str | Path) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """``path`` open for reading, with its stat, if it is a regular file: opened without blocking (a FIFO's
+    open waits for a writer), then checked; :class:`NotRegular` otherwise, OSError where it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(errno.EINVAL, "not a regular file", str(path))
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            yield fh, st
+    finally:
+        os.close(fd)

@@ -31,9 +31,10 @@ from ..errors import (
     AttestationMismatch,
     AttestationMissing,
     AttestationTampered,
+    NotRegular,
     PipelineError,
 )
-from ..journal.atomic import write_atomic
+from ..journal.atomic import opened_regular, write_atomic
 from ..journal.records import records_dir
 from ..registry import client as registry
 from ..verdicts import Verdict
@@ -168,26 +169,16 @@ def read_envelope(path: Path) -> bytes:
     someone writes to it: it is refused instead, as is a file too large to be
     an envelope.
     """
-    import os
-    import stat
-
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise AttestationError(f"the signed verdict {path} is not a regular file (a FIFO, device or socket); "
-                                   "give the envelope's file")
-        if st.st_size > MAX_ENVELOPE:
-            raise AttestationError(f"the signed verdict {path} is {st.st_size} bytes, too large for an envelope")
-        with os.fdopen(os.dup(fd), "rb") as fh:
+        with opened_regular(path) as (fh, st):
+            if st.st_size > MAX_ENVELOPE:
+                raise AttestationError(f"the signed verdict {path} is {st.st_size} bytes, too large for an envelope")
             return fh.read(MAX_ENVELOPE + 1)
+    except NotRegular:
+        raise AttestationError(f"the signed verdict {path} is not a regular file (a FIFO, device or socket); "
+                               "give the envelope's file") from None
     except OSError as exc:
         raise AttestationError(f"cannot read the signed verdict {path}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
 
 
 def named_images(data: bytes) -> set[str] | None:

@@ -35,7 +35,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from .. import __version__
 from ..engine import labels as L
-from ..errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey
+from ..errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey, NotRegular
+from ..journal.atomic import opened_regular
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -54,10 +55,11 @@ def _read_pem(source: str, what: str) -> tuple[bytes, str]:
             raise AttestationError(f"{what} ${name}: the variable is not set or empty")
         return value.encode(), f"${name}"
     try:
-        if not stat.S_ISREG(os.stat(source).st_mode):
-            # A FIFO or a device would be read until its writer closes it: never, for a key.
-            raise AttestationError(f"{what} {source}: not a regular file")
-        return Path(source).read_bytes(), source
+        with opened_regular(source) as (fh, _st):
+            return fh.read(), source
+    except NotRegular:
+        # A FIFO or a device would be read until its writer closes it: never, for a key.
+        raise AttestationError(f"{what} {source}: not a regular file") from None
     except OSError as exc:
         raise AttestationError(f"{what} {source}: cannot read it ({exc.strerror or exc})") from None
 

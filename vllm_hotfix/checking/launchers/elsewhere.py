@@ -11,16 +11,15 @@ anywhere: the caller signs the verdict this returns.
 from __future__ import annotations
 
 import logging
-import stat
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...engine import Engine, ImageInfo, split_reference
-from ...errors import EngineError, PushError, RunnerFailed, UsageError
+from ...errors import EngineError, NotRegular, PushError, RunnerFailed, UsageError
 from ...journal import records
-from ...journal.atomic import write_atomic
+from ...journal.atomic import opened_regular, write_atomic
 from ...registry import client as registry
 from . import facts, plan
 from .base import Launched, results
@@ -223,9 +222,10 @@ def _collected(cluster: Cluster, say: Callable[[str], None]) -> Launched:
         say(f"==> reading the report of Job {cluster.spec.namespace}/{cluster.spec.name} through the cluster's API")
         return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say).collect()
     try:
-        if not stat.S_ISREG(Path(given).stat().st_mode):
-            raise UsageError(f"--collect {given}: not a regular file (give the pod's log saved to a file)")
-        text = Path(given).read_text(encoding="utf-8", errors="replace")
+        with opened_regular(given) as (fh, _st):
+            text = fh.read().decode("utf-8", errors="replace")
+    except NotRegular:
+        raise UsageError(f"--collect {given}: not a regular file (give the pod's log saved to a file)") from None
     except OSError as exc:
         raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
     say(f"==> reading the runner's report from {given}")
