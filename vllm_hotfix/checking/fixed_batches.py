@@ -142,7 +142,7 @@ def _answer(prompts: Sequence[str], reply: Mapping[str, Any]) -> answers.Answer:
             prompts[k % len(prompts)], None if reply.get("prompt_tokens") is None else int(reply["prompt_tokens"]),
             tokens, tuple(None if x is None else float(x) for x in reply["logprobs"]),
             tuple({str(a): float(b) for a, b in t.items()} for t in reply["top_logprobs"]),
-            str(reply["finish_reason"]), answers.Reply("", "", None, len(tokens), tokens, (), ()).sha256)
+            str(reply["finish_reason"]), answers.tokens_sha256(tokens))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"a malformed reply ({type(exc).__name__}: {exc})") from None
 

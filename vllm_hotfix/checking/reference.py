@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -119,8 +120,14 @@ class Reply:
     @property
     def sha256(self) -> str:
         """Of the reply's tokens where the server named them, else of its text."""
-        data = json.dumps(list(self.tokens), separators=(",", ":")) if self.tokens is not None else self.text
-        return hashlib.sha256(data.encode("utf-8")).hexdigest()
+        if self.tokens is not None:
+            return tokens_sha256(self.tokens)
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def tokens_sha256(tokens: Sequence[str]) -> str:
+    """The sha256 a reply's tokens are named by (the reply's, and a fixed-batch probe reply's)."""
+    return hashlib.sha256(json.dumps(list(tokens), separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def _lp(value: Any) -> float | None:

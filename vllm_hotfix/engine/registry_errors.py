@@ -121,6 +121,12 @@ def shortened(text: str, limit: int = 300) -> str:
     return flat[:cut if cut > 0 else limit] + " ..."
 
 
+def in_words(exc: BaseException) -> str:
+    """Why a registry could not be read, for one line: the kind in words where it is known ("nothing accepts
+    connections at its address"), else the library's message shortened at a word, never cut inside one."""
+    return classify(exc).why or shortened(f"{type(exc).__name__}: {exc}")
+
+
 def classify(exc: BaseException) -> Failure:
     """The kind of a registry failure: by the types of the exception and those it was raised from,
     an HTTP status it carries, or the engine's words it holds, in that order."""

@@ -159,11 +159,8 @@ class Client:
             try:
                 res = self._session.request(method, url, headers=headers, timeout=TIMEOUT, **kwargs)
             except requests.RequestException as exc:
-                failure = registry_errors.classify(exc)
-                # The kind in words where it is known ("nothing accepts connections at its address"), else the
-                # library's message shortened at a word, never cut inside one.
-                why = failure.why or registry_errors.shortened(f"{type(exc).__name__}: {exc}")
-                raise PushError(f"cannot reach registry {self.host}: {why}", hint=failure.hint(self.host)) from exc
+                raise PushError(f"cannot reach registry {self.host}: {registry_errors.in_words(exc)}",
+                                hint=registry_errors.classify(exc).hint(self.host)) from exc
             if res.status_code != 401 or attempt == 1:
                 break
             res.close()  # the 401 is answered by asking again; its connection goes back to the pool

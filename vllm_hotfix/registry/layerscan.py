@@ -254,11 +254,9 @@ class Counted:
                 raise
             from ..engine import registry_errors
 
-            failure = registry_errors.classify(exc)
-            why = failure.why or registry_errors.shortened(f"{type(exc).__name__}: {exc}")
             raise PushError(f"{self.where}: the registry's answer broke off after {self.read_bytes} of "
-                            f"{self.layer.size} bytes ({why})", hint="run it again once the registry answers "
-                            "steadily") from exc
+                            f"{self.layer.size} bytes ({registry_errors.in_words(exc)})",
+                            hint="run it again once the registry answers steadily") from exc
         self.read_bytes += len(data)
         if self.read_bytes > self.layer.size:
             raise BaseImageError(f"{self.where}: the registry sent more than the {self.layer.size} bytes its "

@@ -25,8 +25,9 @@ from ...building.pinfile import Pin
 from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
 from ...journal import leftovers, records
-from ...verdicts import Verdict
+from ...verdicts import Check, Status, Verdict
 from .. import compile_cache, fixed_batches, oracle
+from ..reference import PROMPTS, Reference, digest
 from . import judging
 from .base import Launched, Launcher, stage
 from .options import SmokeOptions
@@ -126,8 +127,6 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
             except (OSError, ValueError) as exc:
                 raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
             if isinstance(content, dict) and content.pop("levels", None) is not None:
-                from ..reference import digest
-
                 # The per-level answers stay here: the host judges the batch probe's replies against them.
                 content.pop("sha256", None)
                 content["sha256"] = digest(content)
@@ -139,7 +138,6 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
             out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
                                       "settings": settings}
         if ref is not None or record is not None:
-            from ..reference import PROMPTS
             from ..sweep import MAX_TOKENS
 
             # Every level again under fixed batches: the probe's replies come back raw and are judged here.
@@ -230,8 +228,8 @@ class HostFacts:
     base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None
 
 
-def batch_check(job: Mapping[str, Any], launched: Launched, reference: Any) -> tuple[list[Any], dict[str, Any] | None,
-                                                                                 Mapping[str, Any] | None]:
+def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference | None
+                ) -> tuple[list[Check], dict[str, Any] | None, Mapping[str, Any] | None]:
     """The host's ``exact-levels`` check of the probe's replies (none where the job ran no probe), its evidence,
     and, for a recording, the per-level answers to keep (None where they cannot be kept, and the check fails)."""
     spec = (job.get("serve") or {}).get("batches")
@@ -239,16 +237,12 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Any) -> t
         return [], None, None
     ran = launched.report.checks
     sweep = next((c for c in ran if c.name == "serve-sweep"), None)
-    if launched.batches is None and (sweep is None or sweep.status.value == "skip"):
-        from ...verdicts import Check, Status
-
+    if launched.batches is None and (sweep is None or sweep.status is Status.SKIP):
         why = sweep.detail if sweep is not None else "the sweep did not run"
         return [Check(fixed_batches.CHECK, Status.SKIP, f"not run: {why}")], None, None
     run = fixed_batches.parse(launched.batches)
     levels, requests = [int(c) for c in spec["levels"]], int(spec["requests"])
     if reference is None:  # recording
-        from ...verdicts import Check, Status
-
         try:
             section = fixed_batches.record(run, [str(p) for p in spec["prompts"]], levels, requests,
                                            int(spec["max_tokens"]))
@@ -260,7 +254,8 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Any) -> t
 
 
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
-           started: str = "", seconds: float = 0.0, reference: Any = None) -> tuple[Verdict, Mapping[str, Any] | None]:
+           started: str = "", seconds: float = 0.0,
+           reference: Reference | None = None) -> tuple[Verdict, Mapping[str, Any] | None]:
     """The host's verdict on what came back: the report judged, or the runner's failure to give one; and the
     per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
     against; None while recording)."""
@@ -278,7 +273,7 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
     return verdict, levels
 
 
-def restamp(verdict: Verdict, reference: Any) -> Verdict:
+def restamp(verdict: Verdict, reference: Reference) -> Verdict:
     """The verdict naming the reference file as the host has it (path, sha256, levels): which file judged or was
     recorded by a run is the host's fact (the runner had a copy without the per-level answers, or wrote one
     before the host added them)."""
