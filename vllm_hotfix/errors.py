@@ -183,6 +183,15 @@ class PinError(PipelineError):
         self.pin = pin
 
 
+class NotItsProduct(SmokeError):
+    """The image is not what its definition's builder makes of its base: a layer, an entry or its config
+    differs (the layer-identity check), so nothing else was checked."""
+
+    exit_code = 14
+    meaning = ("not its definition's product: a layer, file or config field differs from what the builder "
+               "writes over the base (layer-identity; nothing else was checked)")
+
+
 class UnknownExpectation(SmokeError):
     """The tool cannot tell what the image's patched files must be."""
 

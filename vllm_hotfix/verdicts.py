@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from . import __version__
-from .errors import Malformed, SmokeError, SmokeIncomplete
+from .errors import Malformed, NotItsProduct, SmokeError, SmokeIncomplete
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class Status(StrEnum):
 
 # What a whole run can come to; a skipped check alone never decides a run.
 VERDICT_STATUSES = (Status.PASS, Status.FAIL, Status.INCOMPLETE)
+# The check that settles, before any other, whether the image is its definition's product (checking.identity).
+IDENTITY = "layer-identity"
 
 
 def _status(value: object, allowed: Sequence[Status], what: str) -> Status:
@@ -424,6 +426,9 @@ def rejudge_gpu(verdict: Verdict, said: Sequence[Check], *, require: bool,
 def require_pass(verdict: Verdict, subject: str, *, fail_hint: str, incomplete_hint: str) -> None:
     """Raise unless the verdict is a pass: SmokeError (the image failed) or SmokeIncomplete (the host)."""
     if verdict.status is Status.FAIL:
+        identity = next((c for c in verdict.checks if c.name == IDENTITY and c.status is Status.FAIL), None)
+        if identity is not None:
+            raise NotItsProduct(f"{subject}: {identity.detail}", hint=fail_hint)
         message = f"smoke failed for {subject}: {', '.join(verdict.failed)}"
         not_real = verdict.gpu.get("not_real")
         if isinstance(not_real, list) and not_real:

@@ -50,11 +50,15 @@ def from_build(defn: definitions.ImageDefinition, base_id: str, version: str | N
                     site_dir, cache_tag, base_id)
 
 
-def for_image(engine: Engine | None, root: Path, image: ImageInfo) -> Expected:
+def for_image(engine: Engine | None, root: Path, image: ImageInfo, *, base_id: str | None = None,
+              definition: str | None = None) -> Expected:
     """Recompute the expected files of ``image``; raise UnknownExpectation if impossible.
 
     ``engine``: the Docker engine that may hold the base; None where there is
     none (a podman host), and then only the build record can tell.
+    ``base_id`` and ``definition``: the base and definition the host found the
+    image to be the product of (:mod:`vllm_hotfix.checking.identity`); they
+    stand before the image's labels.
     """
     built = records.builds_of_image(root, image.id)
     entry = built[0] if built else None
@@ -65,9 +69,10 @@ def for_image(engine: Engine | None, root: Path, image: ImageInfo) -> Expected:
     else:
         # Labels only choose which definition and base to recompute from; the
         # hashes themselves come from the patch set and the base's own files.
-        tag = image.labels.get(labels.DEFINITION, "")
-        base_id = image.labels.get(labels.BASE_ID, "")
-        how = "the image's labels"
+        tag = definition or image.labels.get(labels.DEFINITION, "")
+        found_base = base_id
+        base_id = base_id or image.labels.get(labels.BASE_ID, "")
+        how = "the base found by the image's layers" if found_base else "the image's labels"
     if not tag or not base_id:
         raise UnknownExpectation(
             f"no build record for {image.id[:19]} and no labels naming its definition and base: "

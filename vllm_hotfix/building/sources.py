@@ -34,7 +34,7 @@ from ..registry.layerscan import Folder  # a folder above the package, as a laye
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 def scratch_prefix() -> str:
@@ -125,6 +125,7 @@ class BaseFacts:
     folders: tuple[Folder, ...] = ()  # "/" excluded, down to site_dir included
     # The engine's history of the image, oldest first (created, created by, comment, size)
     history: tuple[Mapping[str, Any], ...] = ()
+    sys_path: tuple[str, ...] = ()  # the folders the base's Python puts on sys.path at start-up
 
 
 def content(info: Mapping[str, Any]) -> bytes | None:
@@ -261,6 +262,7 @@ class ImageReader:
             machine=str(data.get("machine") or ""),
             folders=tuple(Folder(*d) for d in data.get("dirs", ())),
             history=tuple(data.get("history") or ()),
+            sys_path=tuple(str(p) for p in data.get("sys_path") or ()),
         )
         return facts, {rel: known[rel] for rel in rels}
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import UsageError
-from .app import IMAGE, Ctx, check_output_file, main, progress
+from .app import IMAGE, REPOSITORY, Ctx, check_output_file, main, progress
 
 if TYPE_CHECKING:
     from ..checking.launchers.options import SmokeOptions
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ...], concurrency: str,
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
-                   compile_cache: bool = True, deadline: int | None = None) -> SmokeOptions:
+                   compile_cache: bool = True, deadline: int | None = None,
+                   base_repo: str | None = None) -> SmokeOptions:
     from ..checking import reference, sweep
     from ..checking.launchers.options import SmokeOptions
 
@@ -33,7 +34,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                         serve_args=serve_args, levels=sweep.parse_levels(concurrency), requests=requests_n,
                         min_tokens=min_tokens, reference=answers.reference, record_reference=answers.record,
                         noise_multiple=answers.noise_multiple, keep_going=keep_going, compile_cache=compile_cache,
-                        deadline=deadline)
+                        deadline=deadline, base_repo=base_repo)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -87,6 +88,10 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.option("--definition", default=None, metavar="TAG",
               help="Run this image definition's patch-set checks (default: the one the image's labels name), "
                    "e.g. on the unpatched base to see them catch the bug.")
+@click.option("--base-repo", type=REPOSITORY, default=None, metavar="REPO",
+              help="Where the definition's base is when this host has no build record of the image (the "
+                   "repository `image --base-repo` built from): the image must be that base's layers plus exactly "
+                   "the builder's. Never taken from the image's labels.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
@@ -127,7 +132,8 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "need (600, +1800 with GPU checks, +2700 with --serve-model).")
 @with_options(sweep_options)
 @click.pass_obj
-def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, report_path: Path | None,
+def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, base_repo: str | None,
+          report_path: Path | None,
           junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
@@ -140,7 +146,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
 
     options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
                              min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
-                             keep_going=keep_going, compile_cache=compile_cache, deadline=deadline)
+                             keep_going=keep_going, compile_cache=compile_cache, deadline=deadline,
+                             base_repo=base_repo)
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)

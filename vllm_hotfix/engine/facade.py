@@ -23,7 +23,7 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 
 from ..errors import BuildError, EngineError, EngineLost, PipelineError, PushError
@@ -424,6 +424,11 @@ class Engine:
                    keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:
         """Entries (hashed) under ``paths`` of ``image``, read from its layers, nothing run (:func:`.files.read`)."""
         return layers.read(self, image, paths, keep)
+
+    def export_layers(self, image: str) -> Iterator[IO[bytes]]:
+        """The layer tars of ``image`` as the engine exports it (``docker save``), streamed (:mod:`.files`)."""
+        with self.translating(f"export {image[:19]}"):
+            yield from layers.exported_layers(self.api.get_image(image))
 
     def files(self, image: str) -> AbstractContextManager[layers.Reader]:
         """A reader of ``image``'s filesystem, nothing run, its container removed after (:func:`.files.opened`)."""

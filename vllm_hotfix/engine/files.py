@@ -216,3 +216,15 @@ def read(engine: Seam, image: str, paths: Sequence[str], keep: Callable[[str], b
     """:meth:`Reader.read` in a container of its own."""
     with opened(engine, image) as reader:
         return reader.read(paths, keep)
+
+
+def exported_layers(chunks: Iterable[bytes]) -> Iterator[IO[bytes]]:
+    """Each layer tar in an engine's ``save`` export (its stream of chunks), in the export's order (a reader
+    valid until the next one is asked for). Other members (configs, manifests, an OCI layout's index) are
+    passed by; so is any blob that is not a tar, by the caller's reading."""
+    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks)), mode="r|") as outer:
+        for member in outer:
+            if member.isfile() and (member.name.endswith("/layer.tar") or member.name.startswith("blobs/")):
+                fh = outer.extractfile(member)
+                if fh is not None:
+                    yield fh

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ...errors import Malformed, RunnerFailed
 from ...verdicts import Verdict
-from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPORT_MARK
+from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPORT_MARK, RUNNER_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py
                  "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/oracle.py",
                  "checking/recording.py", "checking/runner/__init__.py", "checking/runner/main.py",
                  "checking/runner/serve.py")
-BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 run.py JOB.json (this folder is put first on sys.path)."""
+BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 -I -S run.py JOB.json (this folder is put first on sys.path;
+the job's python_path, the base's own sys.path folders, is added by the runner)."""
 import os
 import sys
 
@@ -104,8 +105,9 @@ def stage(folder: Path, job: Mapping[str, Any], extra: Mapping[str, bytes] | Non
 
 
 def argv(python: str = "python3") -> list[str]:
-    """The command a launcher runs in the image."""
-    return [python, f"{MOUNT}/run.py", f"{MOUNT}/job.json"]
+    """The command a launcher runs in the image: isolated (no site module, so no .pth file or sitecustomize of
+    the image runs; no PYTHON* variable; no user site)."""
+    return [python, *RUNNER_FLAGS, f"{MOUNT}/run.py", f"{MOUNT}/job.json"]
 
 
 def results(stdout: str, stderr: str, where: str) -> Launched:

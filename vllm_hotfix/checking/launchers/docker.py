@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from ...building import definitions, expected, sources
-from ...engine import Engine, GpuRequest, ImageInfo, labels
+from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
 from ...journal import records
 from ...verdicts import Status, Verdict
-from .. import compile_cache, gpu_access, integrity
+from .. import compile_cache, gpu_access, identity, integrity
 from .. import reference as answers
 from ..runner import MOUNT
 from ..runner.main import as_check, parse
@@ -135,12 +135,15 @@ class DockerRun:
         self.say = progress
         self._access: dict[str, gpu_access.GpuAccess] = {}
         self._caches: dict[str, compile_cache.CompileCache | None] = {}
+        self._bases: dict[str, str] = {}  # image ID -> the base this host found for it (never a label)
 
     def access(self, image: ImageInfo) -> gpu_access.GpuAccess:
         """The way this image's containers get the GPUs; chosen once per image, then reused."""
         if image.id not in self._access:
-            self._access[image.id] = gpu_access.choose(self.engine, image.id, self.opt.gpu_request,
-                                                       self.opt.python, self.say)
+            # Tried in the base the host found (the image itself only where it is that base): the GPU model a verdict
+            # names is what a container of the trusted base saw, never what the image under test says it saw.
+            self._access[image.id] = gpu_access.choose(self.engine, self._bases.get(image.id, image.id),
+                                                       self.opt.gpu_request, self.opt.python, self.say)
         return self._access[image.id]
 
     def compile_cache(self, image: ImageInfo) -> compile_cache.CompileCache | None:
@@ -151,7 +154,7 @@ class DockerRun:
             access = self._access.get(image.id)
             devices = access.devices if access is not None and access.chosen is not None else []
             self._caches[image.id] = compile_cache.folder(sources.cache_dir(self.root), image.id,
-                                                          image.labels.get(labels.BASE_ID), devices)
+                                                          self._bases.get(image.id), devices)
         return self._caches[image.id]
 
     def probe(self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
@@ -194,7 +197,18 @@ class DockerRun:
         started, start = records.now_iso(), time.monotonic()
         phases: dict[str, float] = {}
         clock = Clock(phases)
-        found = self.file_facts(image, ref, want)
+        proven = self.prove_identity(image, ref, want)
+        clock.mark("identity")
+        if proven.status == "fail":
+            host = self.engine.host_facts()
+            job = {"image": ref, "image_id": image.id, "platform": platform, "host": dict(host),
+                   "gpu": {"mode": self.opt.gpu}}
+            verdict = judging.not_its_product(job, proven.check(), started=started,
+                                              seconds=time.monotonic() - start)
+            verdict = replace(verdict, phases=phases)
+            return plan.Ran(verdict, job), target
+        target = replace(target, base_id=proven.base_id)
+        found = self.file_facts(image, ref, want, proven)
         clock.mark("files")
         early_stop = any(c.get("status") == "fail" for c in found.checks) and not self.opt.keep_going
         gpu_facts: dict[str, Any] = {"mode": self.opt.gpu, "verified": False}
@@ -221,7 +235,8 @@ class DockerRun:
         try:
             ran = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
                              host=host, expected_from=found.expected_from, landed=found.landed,
-                             gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False)
+                             gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False,
+                             python_path=proven.python_path)
         except EngineLost as exc:
             ran = self._ended(target, found, host, "incomplete", str(exc))
         except EngineError as exc:
@@ -262,12 +277,26 @@ class DockerRun:
                  f"{','.join(map(str, levels['schedule']['levels']))} under fixed batches)")
         return ref
 
-    def file_facts(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> facts.FileFacts:
+    def prove_identity(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> identity.Outcome:
+        """Whether the image is its definition's product over the base this host finds (:mod:`..identity`)."""
+        self.say(f"==> smoke 1/3: {ref} against what its builder writes over its base (read from the layers)")
+        proven = identity.prove(self.engine, self.root, image, definition=self.opt.definition,
+                                base_repo=self.opt.base_repo, built_on=want.base_id if want is not None else None,
+                                say=self.say)
+        self.say(f"    {proven.status:<4} {identity.CHECK}: {proven.detail}")
+        if proven.base is not None:
+            self._bases[image.id] = proven.base.info.id
+        return proven
+
+    def file_facts(self, image: ImageInfo, ref: str, want: expected.Expected | None,
+                   proven: identity.Outcome | None = None) -> facts.FileFacts:
         """The checks read from the image's layers (patched files, integrity), and where its package must import
         from (the runner asks the image's Python)."""
-        self.say(f"==> smoke 1/3: patched files in {ref} (read from the image's layers)")
+        self.say(f"    patched files in {ref}")
         try:
-            found = want if want is not None else expected.for_image(self.engine, self.root, image)
+            found = want if want is not None else expected.for_image(
+                self.engine, self.root, image, base_id=proven.base_id if proven is not None else None,
+                definition=proven.base.definition.tag if proven is not None and proven.base is not None else None)
         except UnknownExpectation as exc:
             fs = {"answered_by": integrity.FILESYSTEM}
             checks: tuple[dict[str, Any], ...] = (
@@ -322,7 +351,7 @@ class DockerRun:
     def base_import_errors(self, image: ImageInfo, modules: Sequence[str]) -> dict[str, str] | None:
         """Which of ``modules`` the image's base cannot import either (same GPU request); None: base unknown."""
         access = self._access.get(image.id)
-        base_id = image.labels.get(labels.BASE_ID)
+        base_id = self._bases.get(image.id)
         base = self.engine.image(base_id) if base_id and base_id != image.id else None
         if base is None or access is None or access.chosen is None:
             self.say("    the image's base is not in the engine: every import failure counts as the image's")

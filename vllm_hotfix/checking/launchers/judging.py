@@ -33,8 +33,8 @@ from ..runner.main import IMAGE_PYTHON, as_check
 
 FILESYSTEM = "filesystem"  # as vllm_hotfix.checking.integrity names the host's file facts
 # Checks only the host makes: a runner's report of these names is never taken.
-HOST_CHECKS = ("patch-landed", "package-version", "integrity", "compiled-files", "runner", "gpu-claim",
-               "exact-levels")
+HOST_CHECKS = ("layer-identity", "patch-landed", "package-version", "integrity", "compiled-files", "runner",
+               "gpu-claim", "exact-levels")
 
 
 def required(job: Mapping[str, Any]) -> list[str]:
@@ -221,3 +221,15 @@ def unanswered(job: Mapping[str, Any], status: str, why: str, *, started: str = 
                  platform=str(job.get("platform", "")), started=started, seconds=seconds,
                  expected_from=str(job.get("expected_from", "")), gpu=gpu, host=dict(job.get("host") or {}),
                  phases=dict(phases or {}))
+
+
+def not_its_product(job: Mapping[str, Any], identity: Mapping[str, Any], *, started: str = "",
+                    seconds: float = 0.0) -> Verdict:
+    """The verdict on an image the host refused before any check ran: its failing ``layer-identity`` check alone
+    (nothing of the image was run, so nothing else was judged)."""
+    spec = job.get("gpu") or {}
+    return judge(str(job.get("image", "")), str(job.get("image_id", "")), [as_check(dict(identity), 0.0, "check")],
+                 gpu_verified=False, platform=str(job.get("platform", "")), started=started, seconds=seconds,
+                 expected_from="", gpu={"mode": str(spec.get("mode", "auto")), "verified": False,
+                                        "why_unverified": "not its definition's product: nothing ran"},
+                 host=dict(job.get("host") or {}))

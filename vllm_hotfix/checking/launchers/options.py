@@ -18,6 +18,7 @@ class SmokeOptions:
     gpu: str = "auto"  # one of GPU_MODES
     gpu_request: str = "auto"  # how containers ask for GPUs (--gpu-request words)
     definition: str | None = None  # judge by this definition's patch set instead of the one the labels name
+    base_repo: str | None = None  # where the definition's base is, when no build record of the image names it
     serve_model: Path | None = None
     serve_args: Sequence[str] = ()
     levels: Sequence[int] = DEFAULT_LEVELS

@@ -49,19 +49,24 @@ class Target:
     platform: str = ""
     entrypoint: Sequence[str] = DEFAULT_ENTRYPOINT
     repo_digests: Sequence[str] = ()
+    base_id: str = ""  # the base the host found by its layers ("": none found; the image stands for its base)
 
 
 def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu_request: str | None,
         checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
         expected_from: str = "", landed: Mapping[str, str] | None = None,
-        gpu_unavailable: Mapping[str, str] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
+        gpu_unavailable: Mapping[str, str] | None = None,
+        python_path: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The runner job for ``target`` and the patch set's check files it names.
 
     ``checks`` are the host's own checks (file facts), shown by the runner
     and kept by the host's verdict as the host made them;
     ``landed`` the package and folder its Python must import it from;
     ``gpu_unavailable`` the ``gpu`` check (status, detail, why) a host that
-    found no GPU request reaching the image settled before the launch.
+    found no GPU request reaching the image settled before the launch;
+    ``python_path`` the folders the base's Python puts on sys.path (read from
+    the base), which the runner, started without its site module, adds; the
+    landed site folder where the base could not be asked.
     """
     if options.record_reference is not None and launcher != "docker":
         raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
@@ -75,6 +80,7 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
         "gpu": {"mode": options.gpu, "request": gpu_request, "extra": [], "modules": [], "base_import_errors": None,
                 "unavailable": dict(gpu_unavailable) if gpu_unavailable else None},
         "landed": dict(landed) if landed else None,
+        "python_path": list(python_path) or ([str(landed["site_dir"])] if landed and landed.get("site_dir") else []),
     }
     tag = options.definition or target.labels.get(L.DEFINITION)
     defn = None
@@ -156,7 +162,7 @@ def serve_settings(options: SmokeOptions, target: Target) -> dict[str, Any]:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
-        base = "sha256:" + compile_cache.base_key(target.image_id, target.labels.get(L.BASE_ID))
+        base = "sha256:" + compile_cache.base_key(target.image_id, target.base_id or None)
     except SmokeError:
         base = target.image_id  # not an image ID (a cluster's digest): the image stands for its base
     return {"serve_args": [*args, *oracle.SERVE_ARGS], "env": dict(oracle.SERVE_ENV), "base_image_id": base,
@@ -290,7 +296,7 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
           checks: Sequence[Mapping[str, Any]] = (), host: Mapping[str, Any] | None = None,
           say: Callable[[str], None] = lambda _l: None, expected_from: str = "",
           landed: Mapping[str, str] | None = None, gpu_unavailable: Mapping[str, str] | None = None,
-          facts: HostFacts | None = None, echo: bool = True) -> Ran:
+          facts: HostFacts | None = None, echo: bool = True, python_path: Sequence[str] = ()) -> Ran:
     """Stage the runner for ``target``, start it through ``launcher``, and judge what it reported, here.
 
     The staged folder lives in a temporary folder removed before this
@@ -300,7 +306,8 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     runner's progress has shown the runner's).
     """
     spec, extra = job(root, target, options, launcher=launcher.name, gpu_request=gpu_request, checks=checks,
-                      host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable)
+                      host=host, expected_from=expected_from, landed=landed, gpu_unavailable=gpu_unavailable,
+                      python_path=python_path)
     started, start = records.now_iso(), time.monotonic()
     # A killed run cannot remove its staging folder: the next run removes those of processes that are gone.
     leftovers.sweep_staging()

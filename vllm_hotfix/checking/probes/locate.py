@@ -56,6 +56,10 @@ def main(argv: list[str]) -> int:
         "cache_tag": sys.implementation.cache_tag,
         # The architecture this interpreter runs as (aarch64 under emulation too).
         "machine": platform.machine(),
+        # The folders the base's own start-up puts on sys.path (its .pth files and environment processed):
+        # what a check started without them (python -S) is given explicitly.
+        "sys_path": [p for p in sys.path if p and os.path.isdir(p)
+                     and os.path.realpath(p) != os.path.realpath(os.path.dirname(os.path.abspath(__file__)))],
     }
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

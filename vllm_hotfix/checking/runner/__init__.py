@@ -15,4 +15,29 @@ MOUNT = "/opt/vllm-hotfix-runner"
 REPORT_MARK = "@@vllm-hotfix-runner:report@@"
 ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
 BATCHES_MARK = "@@vllm-hotfix-runner:batches@@"  # the fixed-batch probe's raw replies, for the host to judge
-JOB_VERSION = 2
+JOB_VERSION = 3
+
+# How the runner starts (python -I -S run.py JOB) and starts every probe, check and batch engine: no user site,
+# no site module (so no .pth file of the image runs and no sitecustomize is imported), no bytecode written, and
+# no PYTHON* variable of the image's environment; the folders the base's own start-up puts on sys.path, which the
+# host read from the base (the job's ``python_path``), are added explicitly.
+RUNNER_FLAGS = ("-I", "-S")
+CHILD_FLAGS = ("-s", "-S", "-B")
+_START = ("import json, os, runpy, sys; path = json.loads(sys.argv[1]); script = sys.argv[2]; "
+          "sys.argv = sys.argv[2:]; sys.path[:] = [os.path.dirname(script), *[p for p in sys.path if p], *path]; "
+          "runpy.run_path(script, run_name='__main__')")
+
+
+def child_argv(python: str, script: str, args: list[str], python_path: list[str]) -> list[str]:
+    """The command that runs ``script`` isolated (see :data:`CHILD_FLAGS`) with ``python_path`` added."""
+    import json
+
+    return [python, *CHILD_FLAGS, "-c", _START, json.dumps(list(python_path)), script, *args]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The runner's environment without any PYTHON* variable (the image's PYTHONPATH, PYTHONSTARTUP, ...),
+    plus ``extra``."""
+    import os
+
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}, **(extra or {})}

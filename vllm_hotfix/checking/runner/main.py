@@ -45,7 +45,7 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPORT_MARK, serve
+from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPORT_MARK, child_argv, child_env, serve
 
 # As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -111,14 +111,16 @@ class Run:
         self.devices: list[str] = []  # the GPUs the container saw
         self.serving_now: serve.Serving | None = None  # the job's server and batch probe, once made
 
+    def argv(self, script: str, args: list[str]) -> list[str]:
+        """A probe or check of the runner folder, started isolated with the base's sys.path folders."""
+        return child_argv(sys.executable, path_of(script), args, [str(p) for p in self.job.get("python_path") or []])
+
     def probe(self, script: str, args: Sequence[str], name: str) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                                             float]:
         start = time.monotonic()
-        # The runner folder is read-only: no bytecode next to the probes.
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         try:
-            done = subprocess.run([sys.executable, path_of(script), *args], capture_output=True, text=True,
-                                  errors="replace", timeout=self.timeout, env=env, cwd=self.scratch)
+            done = subprocess.run(self.argv(script, list(args)), capture_output=True, text=True,
+                                  errors="replace", timeout=self.timeout, env=child_env(), cwd=self.scratch)
             out, err, code = done.stdout, done.stderr, done.returncode
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode("utf-8", "replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -163,10 +165,9 @@ class Run:
                        "detail": str(settled.get("detail", ""))}], 0, "gpu")
             return False, facts
         start = time.monotonic()
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
         try:
-            listed = subprocess.run([sys.executable, path_of("probes/gpu_list.py")], capture_output=True,
-                                    text=True, errors="replace", timeout=120, env=env, cwd=self.scratch)
+            listed = subprocess.run(self.argv("probes/gpu_list.py", []), capture_output=True,
+                                    text=True, errors="replace", timeout=120, env=child_env(), cwd=self.scratch)
             seen = json.loads(listed.stdout.strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError):
             seen = {"devices": [], "error": "the GPU listing gave no answer"}
@@ -209,7 +210,7 @@ class Run:
     def serving(self, spec: dict[str, Any], phases: dict[str, float]) -> serve.Serving:
         """The job's server and sweep (:class:`.serve.Serving`), not started yet."""
         serving = serve.Serving(spec, self.scratch, say=say, phases=phases, recorded=self.recorded, facts=self.facts,
-                                probe=path_of("probes/batches.py"))
+                                probe=self.argv("probes/batches.py", []))
         self.serving_now = serving
         return serving
 
@@ -326,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         say(f"runner job {args[0]}: {exc}")
         return 2
+    # The base's sys.path folders, as the host read them from the base: this process started without its site.
+    sys.path.extend(str(p) for p in job.get("python_path") or [] if str(p) not in sys.path)
     run = Run(job)
     try:
         verdict = run.run()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -31,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from . import child_env
 
 LOG_LINES = 200
 # Seconds the batch probe may still run once the server's sweep is over: it starts with the server and runs
@@ -74,8 +75,8 @@ class Batches:
 
     LOG_TAIL = 40
 
-    def __init__(self, spec: Mapping[str, Any], scratch: str, probe: str) -> None:
-        self.spec, self.scratch, self.probe = dict(spec), scratch, probe
+    def __init__(self, spec: Mapping[str, Any], scratch: str, probe: Sequence[str]) -> None:
+        self.spec, self.scratch, self.probe = dict(spec), scratch, list(probe)
         self.out = os.path.join(scratch, "batches.jsonl")
         self.log = os.path.join(scratch, "batches.log")
         self.proc: subprocess.Popen[bytes] | None = None
@@ -87,11 +88,11 @@ class Batches:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump({**self.spec, "out": self.out}, fh)
         # The same hash seed in every run: nothing that iterates a set may order a batch differently.
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        env = child_env({"PYTHONHASHSEED": "0"})
         self.started = time.monotonic()
         try:
             with open(self.log, "wb") as log:
-                self.proc = subprocess.Popen([sys.executable, self.probe, path], stdout=log,
+                self.proc = subprocess.Popen([*self.probe, path], stdout=log,
                                              stderr=subprocess.STDOUT, env=env, cwd=self.scratch)
         except OSError as exc:
             self.error = f"cannot start the batch probe: {exc}"
@@ -152,9 +153,10 @@ class Serving:
 
     def __init__(self, spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None],
                  phases: dict[str, float], recorded: list[bytes] | None = None,
-                 facts: Callable[[], dict[str, Any]] = dict, probe: str = "") -> None:
+                 facts: Callable[[], dict[str, Any]] = dict, probe: Sequence[str] = ()) -> None:
         self.spec, self.scratch, self.say, self.phases, self.recorded = spec, scratch, say, phases, recorded
-        # probe: the runner folder's probes/batches.py, for the job's ``batches`` part
+        # probe: the command that starts the runner folder's probes/batches.py (isolated), for the job's ``batches``
+        # part; the spec file's path is added to it
         self.facts = facts  # the GPU model and versions this run saw, for the settings a recording names
         self.server: Process | None = None
         self.batches = Batches(spec["batches"], scratch, probe) if spec.get("batches") else None

@@ -1,0 +1,441 @@
+"""Layer identity: whether an image is what its definition's builder makes of its base, judged on the host.
+
+Every other check reads some files of the image and trusts that the rest
+is the base's. A file beside the patched one (a compiled module Python
+prefers, a ``.pth`` hook, ``sitecustomize.py``) or a changed ``ENV`` would
+go unseen, because which files are checked is decided by the image's own
+RECORD and Python. So before any check runs, the image is compared with what
+the builder writes, from facts the host finds itself:
+
+* **the base**, found by the host: the build record of this image (this
+  host built it), else the definition's base reference (``--base-repo``
+  may name another repository) in the engine, pulled by that name when the
+  engine lacks it (the layers came with the image, so only its config
+  travels). Never an image label: a label is data the image chose.
+* **the layers**: the image's diff IDs must begin with the base's, and the
+  layers above are read whole (the engine's overlay2 folders where they are
+  local, else the engine's export) and compared entry by entry (path, kind,
+  mode, sha256, link target; owners and times are the builder's business)
+  with what the builder writes for this patch set on this base: the patch
+  layer of :func:`vllm_hotfix.building.assemble.layer_entries` (the
+  Dockerfile's ``COPY`` adds the same entries; the in-registry builder the
+  same, or whiteouts of the base's stale bytecode instead of fresh pycs),
+  and below it, for a patch set with pins, the pip layer
+  (:mod:`.pin_layer`).
+* **the config**: the runtime fields (entrypoint, command, environment,
+  user, working folder, ...) must be the base's; labels may only be added
+  under the tool's own keys and the OCI base keys; platform the base's.
+
+The first difference, in path order, is the one named; nothing else runs
+(exit 14, :class:`~vllm_hotfix.errors.NotItsProduct`). An image that *is*
+the definition's base (the unpatched base smoked to show what the hotfix
+fixes) has no layers above it and skips this check: its other checks judge it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import posixpath
+import stat
+import tarfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+from ..building import base as baselib
+from ..building import definitions, pins, sources
+from ..building import patches as patchlib
+from ..building.assemble import CONFIG_FIELDS, layer_entries
+from ..engine import Engine, ImageInfo
+from ..engine import labels as L
+from ..errors import BaseImageError, DefinitionError, EngineError, PatchError, PinError, PipelineError
+from ..journal import records
+from ..tarball import Entry
+from ..verdicts import IDENTITY
+from . import pin_layer
+from .layer_facts import layer_folders
+
+log = logging.getLogger(__name__)
+
+CHECK = IDENTITY
+CHUNK = 1 << 20
+SCRIPT_MAX = 1 << 16
+# Labels an image may add over its base's: the tool's own provenance and the OCI base annotations.
+OWN_LABELS = (f"{L.PREFIX}.",)
+OCI_LABELS = (L.OCI_BASE_NAME, L.OCI_BASE_DIGEST)
+RUNTIME_FIELDS = tuple(f for f in CONFIG_FIELDS if f != "Labels")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One entry of a layer: what it adds, changes or removes at its path."""
+
+    kind: str  # file, dir, link, whiteout, other
+    mode: int = 0
+    sha256: str = ""
+    target: str = ""
+    opaque: bool = False  # a folder that hides everything the layers below had in it
+    data: bytes | None = field(default=None, compare=False, repr=False)  # a small file in a bin folder
+
+    def same(self, other: Node) -> bool:
+        if self.kind != other.kind:
+            return False
+        if self.kind == "file":
+            return (self.sha256, self.mode) == (other.sha256, other.mode)
+        if self.kind == "dir":
+            return (self.mode, self.opaque) == (other.mode, other.opaque)
+        if self.kind == "link":
+            return self.target == other.target
+        return self.kind == "whiteout"
+
+    def show(self) -> str:
+        if self.kind == "file":
+            return f"a file, mode {self.mode:o}, sha256 {self.sha256[:12]}"
+        if self.kind == "dir":
+            return f"a folder, mode {self.mode:o}" + (", opaque" if self.opaque else "")
+        if self.kind == "link":
+            return f"a link to {self.target}"
+        if self.kind == "whiteout":
+            return "removed"
+        return "a device, socket or fifo"
+
+
+Layer = dict[str, Node]  # path (no leading "/") -> what the layer holds there
+
+
+def _sha256(fh: IO[bytes]) -> str:
+    digest = hashlib.sha256()
+    while block := fh.read(CHUNK):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _small_script(path: str, size: int) -> bool:
+    """Whether a file's bytes are kept with its entry: a launcher pip may write (a file in a ``bin`` folder)."""
+    return posixpath.basename(posixpath.dirname(path)) == "bin" and size <= SCRIPT_MAX
+
+
+def _opaque_folder(path: str) -> bool:
+    for name in ("trusted.overlay.opaque", "user.overlay.opaque"):
+        try:
+            if os.getxattr(path, name, follow_symlinks=False) == b"y":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def from_folder(folder: str) -> Layer:
+    """A layer as an overlay2 folder holds it (a whiteout is a character device 0/0)."""
+    out: Layer = {}
+    for top, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            full = os.path.join(top, name)
+            rel = os.path.relpath(full, folder).replace(os.sep, "/")
+            st = os.lstat(full)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                out[rel] = Node("whiteout")
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = Node("dir", mode, opaque=_opaque_folder(full))
+            elif stat.S_ISLNK(st.st_mode):
+                out[rel] = Node("link", target=os.readlink(full))
+            elif stat.S_ISREG(st.st_mode):
+                with open(full, "rb") as fh:
+                    out[rel] = Node("file", mode, _sha256(fh))
+                if _small_script(rel, st.st_size):
+                    with open(full, "rb") as fh:
+                        out[rel] = replace(out[rel], data=fh.read())
+            else:
+                out[rel] = Node("other", mode)
+    return out
+
+
+def from_tar(fh: IO[bytes]) -> Layer:
+    """A layer as its tar holds it (``.wh.NAME`` removes NAME, ``.wh..wh..opq`` makes its folder opaque)."""
+    out: Layer = {}
+    with tarfile.open(fileobj=fh, mode="r|*") as tar:
+        for member in tar:
+            name = posixpath.normpath("/" + member.name).lstrip("/")
+            if not name:
+                continue
+            folder, base = posixpath.split(name)
+            if base == ".wh..wh..opq":
+                out[folder] = replace(out.get(folder, Node("dir", 0o755)), opaque=True)
+            elif base.startswith(".wh."):
+                out[posixpath.join(folder, base[4:])] = Node("whiteout")
+            elif member.isdir():
+                out[name] = Node("dir", member.mode & 0o7777, opaque=out.get(name, Node("dir")).opaque)
+            elif member.issym():
+                out[name] = Node("link", target=member.linkname)
+            elif member.islnk():
+                target = out.get(posixpath.normpath("/" + member.linkname).lstrip("/"))
+                out[name] = Node("file", member.mode & 0o7777, target.sha256 if target else "")
+            elif member.isreg():
+                body = tar.extractfile(member)
+                data = body.read() if body is not None and _small_script(name, member.size) else None
+                digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(body) if body else ""
+                out[name] = Node("file", member.mode & 0o7777, digest, data=data)
+            else:
+                out[name] = Node("other", member.mode & 0o7777)
+    return out
+
+
+def from_entries(entries: Iterable[Entry]) -> Layer:
+    """A layer as the tool's own builders write it (:class:`~vllm_hotfix.tarball.Entry` list)."""
+    out: Layer = {}
+    for e in entries:
+        folder, base = posixpath.split(e.name)
+        if base.startswith(".wh."):
+            out[posixpath.join(folder, base[4:])] = Node("whiteout")
+        elif e.data is None:
+            out[e.name] = Node("dir", e.mode & 0o7777)
+        else:
+            out[e.name] = Node("file", e.mode & 0o7777, hashlib.sha256(e.data).hexdigest())
+    return out
+
+
+def first_difference(actual: Mapping[str, Node], expected: Mapping[str, Node]) -> str | None:
+    """The first path (in order) where the layer read differs from the one the builder writes, in words."""
+    for path in sorted(set(actual) | set(expected)):
+        a, e = actual.get(path), expected.get(path)
+        if a is None and e is not None:
+            return f"/{path} is missing (the builder writes {e.show()})"
+        if e is None and a is not None:
+            return f"/{path} is not the builder's ({a.show()})"
+        if a is not None and e is not None and not a.same(e):
+            return f"/{path} is {a.show()}, the builder writes {e.show()}"
+    return None
+
+
+def _norm(value: object) -> object:
+    return None if value in (None, "", [], {}, False) else value
+
+
+def config_difference(base: Mapping[str, Any], image: Mapping[str, Any]) -> str | None:
+    """Where the image's config differs from its base's other than by the labels a builder adds."""
+    for key, field_name in (("Os", "os"), ("Architecture", "architecture"), ("Variant", "variant")):
+        if _norm(base.get(key)) != _norm(image.get(key)):
+            return f"platform {field_name} {image.get(key)!r}, the base's {base.get(key)!r}"
+    bc, ic = base.get("Config") or {}, image.get("Config") or {}
+    for key in RUNTIME_FIELDS:
+        if _norm(bc.get(key)) != _norm(ic.get(key)):
+            return f"config {key} {ic.get(key)!r}, the base's {bc.get(key)!r}"
+    bl, il = dict(bc.get("Labels") or {}), dict(ic.get("Labels") or {})
+    for key in sorted(set(bl) | set(il)):
+        if key in bl and il.get(key) != bl[key] and not key.startswith(OWN_LABELS) and key not in OCI_LABELS:
+            return f"label {key} {il.get(key)!r}, the base's {bl[key]!r}"
+        if key not in bl and not key.startswith(OWN_LABELS) and key not in OCI_LABELS:
+            return f"label {key} added ({il[key]!r}): a builder adds only {L.PREFIX}.* and the OCI base labels"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Base:
+    """The base the host found for an image, and how."""
+
+    info: ImageInfo
+    ref: str
+    how: str
+    definition: definitions.ImageDefinition
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The identity check as the host settled it; ``base`` None where no base could be found."""
+
+    status: str  # pass, fail, skip
+    detail: str
+    base: Base | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+    python_path: tuple[str, ...] = ()  # the base's sys.path folders, given to every check started with -S
+
+    @property
+    def base_id(self) -> str:
+        return self.base.info.id if self.base is not None else ""
+
+    def check(self) -> dict[str, Any]:
+        return {"name": CHECK, "status": self.status, "detail": self.detail,
+                "data": {**dict(self.data), "answered_by": "filesystem"}}
+
+
+def _names_registry(ref: str) -> bool:
+    """Whether a reference names its registry (``host[:port]/...``): the only kind pulled to find a base."""
+    first, slash, _rest = ref.partition("/")
+    return bool(slash) and ("." in first or ":" in first or first == "localhost")
+
+
+def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | None, base_repo: str | None,
+              built_on: str | None = None) -> Base:
+    """The image's base as this host knows it: the build's (``built_on``, or this host's build record), else the
+    definition's base reference in the engine, pulled by that name where missing. Raises PipelineError."""
+    entries = records.builds_of_image(root, image.id)
+    tag = definition
+    base_id = built_on or ""
+    how = "this build"
+    if not base_id and entries:
+        base_id = str((entries[0].data.get("base") or {}).get("id", ""))
+        how = f"build record {entries[0].path.name}"
+        tag = tag or str((entries[0].data.get("inputs") or {}).get("definition", ""))
+    # The definition the image claims chooses which patch set it must be the product of, never its base.
+    tag = tag or image.labels.get(L.DEFINITION, "")
+    if not tag:
+        raise BaseImageError(f"no build record of {image.id[:19]} and no definition named: cannot tell what it is "
+                            "the product of (give --definition TAG)")
+    try:
+        defn = definitions.load(root, tag)
+    except DefinitionError as exc:
+        raise BaseImageError(f"definition {tag}: {exc}") from None
+    ref = defn.base_ref(base_repo)
+    if base_id:
+        found = engine.image(base_id)
+        if found is None:
+            raise BaseImageError(f"base {base_id[:19]} ({how}) is no longer in the engine")
+        return Base(found, ref, how, defn)
+    found = engine.image(ref)
+    if found is None and _names_registry(ref):
+        try:
+            engine.pull(ref)
+        except EngineError as exc:
+            raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine and cannot be pulled: "
+                                f"{exc}") from None
+        found = engine.image(ref)
+    if found is None:
+        raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine: the image cannot be compared "
+                            "with it (pull it, or name its repository with --base-repo)")
+    return Base(found, ref, f"definition {tag}: {ref} in the engine", defn)
+
+
+def layers_above(engine: Engine, image: ImageInfo, count: int) -> list[Layer]:
+    """The top ``count`` layers of ``image``, bottom first: from the engine's overlay2 folders where this host
+    can read them, else from the engine's export of the image."""
+    folders = layer_folders(image)
+    if folders is not None:
+        return [from_folder(f) for f in folders[len(folders) - count:]]
+    return engine_export_layers(engine, image, count)
+
+
+class _Hashing:
+    """A reader that hashes what passes through it (a layer's diff ID is the sha256 of its tar)."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        self.inner = inner
+        self.digest = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.inner.read(n)
+        self.digest.update(data)
+        return data
+
+
+def engine_export_layers(engine: Engine, image: ImageInfo, count: int) -> list[Layer]:
+    """The top ``count`` layers from ``docker save`` of the image (every layer streams past; the ones wanted are
+    told by their diff ID, the sha256 of the uncompressed tar)."""
+    diff_ids = [str(d) for d in ((image.attrs or {}).get("RootFS") or {}).get("Layers") or []]
+    wanted = set(diff_ids[len(diff_ids) - count:])
+    found: dict[str, Layer] = {}
+    for blob in engine.export_layers(image.id):
+        hashing = _Hashing(blob)
+        try:
+            layer = from_tar(hashing)  # type: ignore[arg-type]
+        except tarfile.TarError:
+            continue  # an OCI layout's config or manifest blob
+        while hashing.read(CHUNK):
+            pass
+        diff = "sha256:" + hashing.digest.hexdigest()
+        if diff in wanted:
+            found[diff] = layer
+    missing = [d for d in diff_ids[len(diff_ids) - count:] if d not in found]
+    if missing:
+        raise EngineError(f"the engine's export of {image.id[:19]} lacks layer {missing[0][:19]}")
+    return [found[d] for d in diff_ids[len(diff_ids) - count:]]
+
+
+def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[patchlib.Patch]
+                          ) -> tuple[list[Layer], str]:
+    """What the builders write over ``base`` for ``patches``: the patch layer with fresh bytecode (Dockerfile,
+    assemble, in-registry compiling) and, where the base has stale pycs, with whiteouts of them instead (the
+    in-registry builder without a Python to compile); and the base's site folder."""
+    defn = base.definition
+    facts, files, _applied = baselib.prepare(engine, defn, base.ref, base.info, patches, skip_included=True,
+                                             cache=sources.cache_dir(root))
+    if not files:
+        return [], facts.site_dir
+    compiled = from_entries(layer_entries(facts, files))
+    site = facts.site_dir.strip("/")
+    stale = [pyc for f in files for pyc, _data in f.bytecode]
+    bare = [replace(f, bytecode=()) for f in files]
+    whiteouts = list(layer_entries(facts, bare))
+    for rel in stale:
+        folder, name = rel.rsplit("/", 1)
+        whiteouts.append(Entry(f"{site}/{folder}", None, 0o755))
+        whiteouts.append(Entry(f"{site}/{folder}/.wh.{name}", b"", 0o644))
+    return ([compiled, from_entries(whiteouts)] if stale else [compiled]), facts.site_dir
+
+
+def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | None = None,
+          base_repo: str | None = None, built_on: str | None = None,
+          say: Callable[[str], None] = lambda _l: None) -> Outcome:
+    """Whether ``image`` is its definition's product on the base the host finds (see the module's doc)."""
+    try:
+        base = find_base(engine, root, image, definition, base_repo, built_on)
+    except PipelineError as exc:
+        return Outcome("fail", f"no base to compare it with: {exc}", data={"first_difference": str(exc)})
+    data: dict[str, Any] = {"base_id": base.info.id, "base_found_by": base.how}
+    try:
+        with sources.ImageReader(engine, base.info, base.ref, base.definition.package, base.definition.python,
+                                 sources.cache_dir(root)) as reader:
+            python_path = reader.locate([])[0].sys_path
+    except PipelineError as exc:
+        return Outcome("fail", f"base {base.info.id[:19]} ({base.how}) cannot be read: {exc}", base,
+                       {**data, "first_difference": str(exc)})
+    if base.info.id == image.id:
+        return Outcome("skip", f"the image is the definition's base itself ({base.how}): nothing built over it",
+                       base, data, python_path)
+    base_layers = [str(d) for d in ((base.info.attrs or {}).get("RootFS") or {}).get("Layers") or []]
+    layers = [str(d) for d in ((image.attrs or {}).get("RootFS") or {}).get("Layers") or []]
+
+    def refused(why: str) -> Outcome:
+        return Outcome("fail", f"not the product of definition {base.definition.tag} on base "
+                               f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, "first_difference": why},
+                       python_path)
+
+    if layers[:len(base_layers)] != base_layers:
+        at = next((i for i, (a, b) in enumerate(zip(layers, base_layers, strict=False)) if a != b),
+                  min(len(layers), len(base_layers)))
+        return refused(f"its layer {at + 1} is not the base's (its layers do not begin with the base's "
+                       f"{len(base_layers)})")
+    config = config_difference(base.info.attrs or {}, image.attrs or {})
+    if config is not None:
+        return refused(config)
+    try:
+        patches = patchlib.load_series(root, base.definition.patch_set, base.definition.package)
+        pinset = pins.load(root, base.definition.patch_set, base.definition.package)
+    except (PatchError, PinError) as exc:
+        return refused(f"patches/{base.definition.patch_set}: {exc}")
+    above = len(layers) - len(base_layers)
+    want = 2 if pinset is not None else 1
+    if above != want:
+        return refused(f"{above} layer(s) over the base; the builder writes {want} "
+                       f"({'the pip layer of the pins and ' if pinset is not None else ''}the patch layer)")
+    say(f"    layer identity: base {base.info.id[:19]} ({base.how}), {above} layer(s) above it")
+    try:
+        choices, site_dir = expected_patch_layers(engine, root, base, patches)
+        read = layers_above(engine, image, above)
+    except PipelineError as exc:
+        return refused(f"cannot read or make its layers: {exc}")
+    data["layers_above"] = above
+    differences = [first_difference(read[-1], c) for c in choices]
+    if all(differences):
+        return refused(f"patch layer: {differences[0]}")
+    if pinset is not None:
+        why = pin_layer.difference(read[0], root, pinset, site_dir, base.info, engine, sources.cache_dir(root))
+        if why is not None:
+            return refused(f"pip layer: {why}")
+    return Outcome("pass", f"its {above} layer(s) over base {base.info.id[:19]} ({base.how}) are exactly what "
+                           f"the builder writes for patches/{base.definition.patch_set}, its config the base's "
+                           "plus labels", base, data, python_path)
+

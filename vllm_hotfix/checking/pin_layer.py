@@ -1,0 +1,213 @@
+"""The pip layer of a patch set with pins, judged against the pinned wheels: what pip may write, and nothing else.
+
+The Dockerfile builder installs each pinned wheel with ``pip install
+--no-deps --force-reinstall --no-compile`` in one ``RUN`` step. What that
+step may leave in its layer, given the wheels (found in the pin cache by the
+hashes ``pins.txt`` names) and the base's site folder:
+
+* each member of each wheel, at the path the wheel installs it to (the site
+  folder; ``NAME.data/scripts`` in a ``bin`` folder; ``NAME.data/data``
+  under the prefix), holding exactly the member's bytes;
+* in each pinned distribution's ``.dist-info``: the files pip writes itself
+  (``RECORD`` rewritten, ``INSTALLER``, ``REQUESTED``, ``direct_url.json``);
+* a launcher in a ``bin`` folder for each console or GUI script the wheel's
+  ``entry_points.txt`` declares, importing what it names and nothing else;
+* removals (whiteouts, opaque folders) only of what the base's copies of the
+  pinned distributions own (their RECORD, their ``.dist-info``, the bytecode
+  of their sources);
+* folders above any of these.
+
+No bytecode: ``--no-compile`` means a ``.pyc`` in this layer is not pip's.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import posixpath
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..building import pins, wheels
+from ..building.pinfile import PinSet
+from ..engine import Engine, ImageInfo
+from .installed import canonical
+from .integrity import keep_metadata, read_site
+
+if TYPE_CHECKING:
+    from .identity import Layer
+
+PIP_FILES = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
+_SCRIPT = re.compile(r"^\s*([\w.-]+)\s*=\s*([\w.]+)\s*:\s*([\w.]+)\s*$")
+
+
+def _wheel_for(root: Path, name: str, version: str, hashes: Iterable[str]) -> Path | None:
+    folder = pins.cache(root)
+    wanted = set(hashes)
+    for path in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
+        if wheels.matches(path.name, name, version) and wheels.sha256_file(path) in wanted:
+            return path
+    return None
+
+
+def _scripts(zf: zipfile.ZipFile) -> dict[str, tuple[str, str]]:
+    """Console and GUI scripts a wheel declares: name -> (module, attribute)."""
+    name = next((n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt") and n.count("/") == 1), None)
+    out: dict[str, tuple[str, str]] = {}
+    if name is None:
+        return out
+    section = ""
+    for line in zf.read(name).decode("utf-8", "replace").splitlines():
+        if line.strip().startswith("["):
+            section = line.strip().strip("[]").strip()
+        elif section in ("console_scripts", "gui_scripts") and (m := _SCRIPT.match(line)):
+            out[m.group(1)] = (m.group(2), m.group(3))
+    return out
+
+
+def launcher_ok(data: bytes, module: str, attr: str) -> bool:
+    """Whether a bin file is pip's launcher for ``module:attr``: a Python shebang, then only these lines."""
+    lines = data.decode("utf-8", "replace").splitlines()
+    if not lines or not re.match(r"^#!\S*python[\d.]*\s*$", lines[0]):
+        return False
+    top = attr.split(".")[0]
+    allowed = {"# -*- coding: utf-8 -*-", "import re", "import sys", f"from {module} import {top}",
+               "if __name__ == '__main__':", "if __name__ == \"__main__\":",
+               "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])",
+               f"    sys.exit({attr}())"}
+    return all(line in allowed for line in lines[1:] if line.strip())
+
+
+def _installed_path(member: str, site: str, data_dir: str) -> str | None:
+    """Where pip installs a wheel member (relative to /), or None for a dist-info file pip rewrites or a scheme
+    this check does not place (headers)."""
+    if member.startswith(data_dir + "/"):
+        scheme, _, rest = member[len(data_dir) + 1:].partition("/")
+        if scheme in ("purelib", "platlib"):
+            return f"{site}/{rest}"
+        if scheme == "scripts":
+            return f"*bin/{rest}"
+        if scheme == "data":
+            return f"*data/{rest}"
+        return None
+    return f"{site}/{member}"
+
+
+def difference(layer: Layer, root: Path, pinset: PinSet, site_dir: str, base: ImageInfo,
+               engine: Engine, cache: Path | None = None) -> str | None:
+    """The first entry of the pip layer pip could not have written from the pinned wheels, in words."""
+    site = site_dir.strip("/")
+    files: dict[str, str] = {}  # path -> sha256 of the wheel member it must hold
+    loose: dict[str, str] = {}  # bin/ or data/ tail -> sha256 (the prefix is the base's)
+    launchers: dict[str, tuple[str, str]] = {}
+    pip_files: set[str] = set()
+    names = set()
+    for pin in pinset.pins:
+        wheel = _wheel_for(root, pin.name, pin.version, pin.hashes)
+        if wheel is None:
+            return f"no wheel of {pin.spelled} {pin.version} with a hash pins.txt names in {pins.cache(root)}"
+        names.add(canonical(pin.name))
+        with zipfile.ZipFile(wheel) as zf:
+            info_dir = next(n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info"))
+            data_dir = info_dir[: -len(".dist-info")] + ".data"
+            for member in zf.namelist():
+                if member.endswith("/"):
+                    continue
+                if member.startswith(info_dir + "/") and member.split("/", 1)[1] in PIP_FILES:
+                    continue
+                where = _installed_path(member, site, data_dir)
+                if where is None:
+                    continue
+                digest = hashlib.sha256(zf.read(member)).hexdigest()
+                if where.startswith("*"):
+                    loose[where[1:]] = digest
+                else:
+                    files[where] = digest
+            pip_files.update(f"{site}/{info_dir}/{f}" for f in PIP_FILES)
+            launchers.update(_scripts(zf))
+    owned, below = _owned_by_base(engine, base, site_dir, names, cache)
+    for path in sorted(layer):
+        why = _judge(path, layer, files, loose, launchers, pip_files, owned, below)
+        if why is not None:
+            return why
+    return None
+
+
+def _removable(path: str, owned: set[str], below: Mapping[str, list[str]]) -> bool:
+    """Whether pip may remove ``path``: the distributions own it, or it is a folder holding only what they own."""
+    if path in owned:
+        return True
+    inside = below.get(path)
+    return inside is not None and all(p in owned or p.endswith("/__pycache__") for p in inside)
+
+
+def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str, str],
+           launchers: Mapping[str, tuple[str, str]], pip_files: set[str], owned: set[str],
+           below: Mapping[str, list[str]]) -> str | None:
+    node = layer[path]
+    if node.kind == "file":
+        if path in files:
+            return None if files[path] == node.sha256 else \
+                f"/{path} is not the wheel's (sha256 {node.sha256[:12]}, the wheel's {files[path][:12]})"
+        if path in pip_files:
+            return None
+        if path.endswith(".pyc"):
+            return f"/{path}: bytecode, which pip --no-compile does not write"
+        if any(path.endswith("/" + tail) and digest == node.sha256 for tail, digest in loose.items()):
+            return None
+        folder, name = posixpath.split(path)
+        if posixpath.basename(folder) == "bin" and name in launchers:
+            module, attr = launchers[name]
+            if node.data is not None and launcher_ok(node.data, module, attr):
+                return None
+            return f"/{path} is not pip's launcher of {module}:{attr}"
+        return f"/{path} is not a file of a pinned wheel ({node.show()})"
+    if node.kind == "whiteout" or (node.kind == "dir" and node.opaque):
+        if _removable(path, owned, below):
+            return None
+        return f"/{path} is {'removed' if node.kind == 'whiteout' else 'made opaque'}, and the base's pinned " \
+               "distributions do not own all it held"
+    if node.kind == "dir":
+        inner = path + "/"
+        if any(p.startswith(inner) for p in layer if layer[p].kind != "dir" or layer[p].opaque):
+            return None
+        return None if any(k.startswith(inner) for k in files) else f"/{path}: a folder pip does not make"
+    return f"/{path} is not a file of a pinned wheel ({node.show()})"
+
+
+def _owned_by_base(engine: Engine, base: ImageInfo, site_dir: str, names: set[str], cache: Path | None
+                   ) -> tuple[set[str], dict[str, list[str]]]:
+    """Paths (relative to /) the base's copies of the pinned distributions own (what pip may remove), and each
+    folder of the base's site folder with every path below it."""
+    tree = read_site(engine, base.id, site_dir, keep=keep_metadata, cache=cache)
+    site = site_dir.strip("/")
+    paths = sorted(p.strip("/") for p in tree.entries)
+    below: dict[str, list[str]] = {}
+    for p in paths:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            below.setdefault("/".join(parts[:i]), []).append(p)
+    owned: set[str] = set()
+    for path, data in tree.kept.items():
+        folder, name = posixpath.split(path.strip("/"))
+        if name != "RECORD" or not folder.endswith(".dist-info"):
+            continue
+        dist = posixpath.basename(folder)[: -len(".dist-info")].rsplit("-", 1)[0]
+        if canonical(dist) not in names:
+            continue
+        owned.add(folder)
+        owned.update(below.get(folder, []))
+        for row in csv.reader(io.StringIO(data.decode("utf-8", "replace"))):
+            if not row:
+                continue
+            rel = posixpath.normpath(posixpath.join(site, row[0]))
+            owned.add(rel)
+            if rel.endswith(".py"):
+                parent, stem = posixpath.split(rel[:-3])
+                owned.update(p for p in below.get(f"{parent}/__pycache__", []) if
+                             posixpath.basename(p).startswith(stem + "."))
+    return owned, below
