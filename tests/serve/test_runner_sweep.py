@@ -83,9 +83,12 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     job["serve"]["port"] = port
     if job["serve"].get("batches"):  # the server's arguments reach the probe's engine too, as --serve-arg does
         job["serve"]["batches"]["engine_args"] += server
+    # Started as a launcher starts it (no site module, PYTHON* variables ignored): the stand-in engine and this
+    # Python's site folders (for requests) are the "base's sys.path" the host gives the job.
+    job["python_path"] = [str(ENGINE), *(p for p in sys.path if p.endswith("-packages"))]
     edit(job)
     folder = base.stage(tmp_path / "runner", job, extra)
-    done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
+    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     verdict, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
@@ -133,17 +136,41 @@ def test_runner_sweep_matches_the_reference_and_keeps_per_request_evidence(
     assert v.sweep["reference"]["levels"]["schedule"]["levels"] == list(LEVELS)
 
 
-def test_the_image_never_sees_the_per_level_answers(answers: reference.Reference, tmp_path: Path) -> None:
-    """The job carries the probe's schedule and the HTTP oracle's answers, never the per-level answers the host
-    judges the probe's replies against (a probe that echoed them back would pass)."""
+def test_the_image_never_sees_the_reference_answers(answers: reference.Reference, tmp_path: Path) -> None:
+    """The job carries the prompts, their length and the probe's schedule, never an answer the host judges the
+    replies against (a runner that echoed them back would pass)."""
     job, _ = plan.job(tmp_path, TARGET, options(tmp_path, reference=answers), launcher="test", gpu_request=None)
     text = json.dumps(job)
-    assert "levels" not in job["serve"]["reference"] and job["serve"]["batches"]["passes"] == 1
+    assert "reference" not in job["serve"] and job["serve"]["batches"]["passes"] == 1
+    assert job["serve"]["prompts"] == list(answers.prompts) and job["serve"]["max_tokens"] == answers.max_tokens
     stored = answers.levels["answers"]["4"][5]
     assert json.dumps(stored["top_logprobs"][3]) not in text
-    # The copy the runner gets still checks itself: its sha256 is of what it holds.
-    assert reference.digest({k: v for k, v in job["serve"]["reference"].items() if k != "sha256"}) == \
-        job["serve"]["reference"]["sha256"]
+    for answer in answers.answers:
+        assert answer.sha256 not in text and json.dumps(list(answer.tokens or ())) not in text
+        assert json.dumps(answer.top[0]) not in text
+
+
+def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: reference.Reference,
+                                                                     tmp_path: Path) -> None:
+    """What the runner says of its sweep is only its measurement: with its replies withheld, or replies that are
+    not the reference's, the host's judgement fails every request it cannot check."""
+    opts = options(tmp_path, reference=answers)
+    job, _ = plan.job(tmp_path, TARGET, opts, launcher="test", gpu_request=None)
+    honest = run_job(tmp_path, [], opts)
+    report = replace(honest, checks=tuple(replace(c, status=Status.PASS) for c in honest.checks))
+    withheld = plan.judged(job, base.Launched(report, replies=None), reference=opts.reference)[0]
+    sweep_check = next(c for c in withheld.checks if c.name == "serve-sweep")
+    assert withheld.status is Status.FAIL and sweep_check.status is Status.FAIL, sweep_check
+    assert "no reply came back from the runner" in sweep_check.detail
+    level = (honest.sweep or {})["levels"][0]
+    first = level["per_request"][0]
+    echoed = {f"1:{first['index']}": {"text": "x", "finish_reason": "length", "prompt_tokens": first["prompt_tokens"],
+                                      "completion_tokens": 3, "tokens": ["a", "b", "c"], "logprobs": [0.0] * 3,
+                                      "top": [{"a": 0.0}] * 3}}
+    forged = plan.judged(job, base.Launched(report, replies=json.dumps(echoed).encode()),
+                         reference=opts.reference)[0]
+    assert forged.status is Status.FAIL
+    assert next(c for c in forged.checks if c.name == "serve-sweep").data["judged_on"] == "host"
 
 
 def test_exact_levels_fail_at_the_first_level_the_engine_answers_wrongly(
@@ -205,14 +232,14 @@ def test_runner_sweep_catches_wrong_answers_at_every_level_with_keep_going(
     assert [lv["concurrency"] for lv in (v.sweep or {})["levels"]] == [1, 2]
 
 
-def test_a_changed_reference_fails_the_runner_sweep_and_recording_needs_docker(
+def test_a_changed_prompt_fails_the_runner_sweep_and_recording_needs_docker(
         answers: reference.Reference, tmp_path: Path) -> None:
-    def tamper(job: dict[str, Any]) -> None:  # the answers changed between the host and the runner
-        job["serve"]["reference"]["answers"][3]["tokens"][5] = "token_id:7"
+    def tamper(job: dict[str, Any]) -> None:  # the prompts changed between the host and the runner
+        job["serve"]["prompts"][0] = "Something else entirely, asked in the image."
 
     v = run_job(tmp_path, [], options(tmp_path, reference=answers), tamper)
     check = next(c for c in v.checks if c.name == "serve-sweep")
-    assert v.status.value == "fail" and "does not match the sha256 it carries" in check.detail
+    assert v.status.value == "fail" and "serve sweep failed at concurrency 1" in check.detail, check.detail
     with pytest.raises(UsageError, match="--record-reference needs --launcher docker"):
         plan.job(tmp_path, plan.Target("x", IMAGE_ID, IMAGE_ID, {}),
                  options(tmp_path, record_reference=tmp_path / "new.json"), launcher="podman", gpu_request=None)
@@ -246,20 +273,25 @@ def test_a_reference_recorded_under_other_settings_is_refused_naming_the_differe
         reference.refuse_other_settings(ref, plan.run_settings(ran))
 
 
-def test_the_runner_records_the_settings_and_judges_with_the_file_the_host_keeps(tmp_path: Path) -> None:
-    """Recording in the runner: the host's settings plus the run's own facts go into the file it records, so the
-    sweep after it judges with the very file the host keeps (one sha256 in the report and on disk)."""
+def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_against_itself(tmp_path: Path) -> None:
+    """Recording in the runner: the host's settings plus the run's own facts go into the file it records; the
+    sweep after it is judged by status alone (never against what it just recorded), and the report names the
+    file the host keeps (one sha256 in the report and on disk)."""
     opts = replace(options(tmp_path, record_reference=tmp_path / "new.json"), levels=(1, 2))
     job, extra = plan.job(tmp_path, TARGET, opts, launcher="docker", gpu_request=None)
     port = free_port()
     job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
     job["serve"]["port"] = port
+    job["python_path"] = [str(ENGINE), *(p for p in sys.path if p.endswith("-packages"))]
     folder = base.stage(tmp_path / "runner", job, extra)
-    done = subprocess.run([sys.executable, "-I", str(folder / "run.py"), str(folder / "job.json")],
+    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
     judged, levels = plan.judged(job, launched)
+    sweep_check = next(c for c in judged.checks if c.name == "serve-sweep")
+    assert "bitwise" not in sweep_check.detail and (judged.sweep or {}).get("reference") is None, sweep_check
+    assert sweep_check.data["judged_on"] == "host" and sweep_check.data["answered_by"] == "filesystem"
     assert launched.answers is not None and judged.status is Status.PASS, judged.checks
     # Recorded under fixed batches too, in two passes; not judged against itself.
     exact = next(c for c in judged.checks if c.name == "exact-levels")
@@ -268,16 +300,13 @@ def test_the_runner_records_the_settings_and_judges_with_the_file_the_host_keeps
                                                        "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
     kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels))
-    # The file the host keeps has the per-level answers, so another sha256 than the runner's copy: the report
-    # names the host's (as the docker launcher restamps it), which is what the GPU record checks against.
-    runner_sha = judged.sweep["reference"]["sha256"] if judged.sweep else None
-    assert runner_sha != kept.sha256
-    judged = plan.restamp(judged, kept)
-    assert judged.sweep is not None and judged.sweep["reference"]["levels"]["schedule"]["levels"] == [1, 2]
+    # The report names the file the host keeps (with the per-level answers), as the docker launcher stamps it.
+    judged = plan.restamp(judged, kept, recorded=True)
+    assert judged.sweep is not None and judged.sweep["recorded"]["levels"]["schedule"]["levels"] == [1, 2]
     assert json.loads((tmp_path / "new.json").read_text())["sha256"] == kept.sha256
     # This Python has neither vLLM nor torch: the image's env-report says so, and the file keeps it.
     assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": "absent"}
-    assert judged.sweep is not None and judged.sweep["reference"]["sha256"] == kept.sha256
+    assert judged.sweep["recorded"]["sha256"] == kept.sha256
     # A recording whose settings are not this run's is refused and not kept.
     with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch 'absent' there, "
                                          r"'2.11.0' here\); nothing written"):

@@ -309,13 +309,17 @@ def judge(ev: RequestEvidence, k: int, reply: answers.Reply, ref: answers.Refere
 
 def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int, i: int,
          prompts: Sequence[str], min_tokens: int | None, ref: answers.Reference | None,
-         basis: dict[int, answers.Reply], tolerance: float | None) -> tuple[RequestEvidence, answers.Reply | None]:
-    """Send request ``i`` of a level and judge its reply; never raises for the server's faults."""
+         basis: dict[int, answers.Reply], tolerance: float | None,
+         replies: dict[str, dict[str, Any]] | None = None) -> tuple[RequestEvidence, answers.Reply | None]:
+    """Send request ``i`` of a level and judge its reply; never raises for the server's faults. ``replies``: each
+    reply as it came, kept under ``LEVEL:I`` for a judge elsewhere (the host judges a runner's sweep)."""
     k = i % len(prompts)
     ev = RequestEvidence(level, i, k, None, 0.0)
     reply = ask(session, url, model, prompts[k], max_tokens, timeout, ev)
     if reply is None:
         return ev, None
+    if replies is not None:
+        replies[f"{level}:{i}"] = asdict(reply)
     if ref is not None:
         judge(ev, k, reply, ref, basis, tolerance)
         if not ev.passed:
@@ -347,18 +351,19 @@ def pool(concurrency: int, n: int, job: Callable[[requests.Session, int], Any]) 
 
 def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
               min_tokens: int | None = None, ref: answers.Reference | None = None,
-              tolerance: float | None = None, basis: dict[int, answers.Reply] | None = None) -> Level:
+              tolerance: float | None = None, basis: dict[int, answers.Reply] | None = None,
+              prompts: Sequence[str] | None = None, replies: dict[str, dict[str, Any]] | None = None) -> Level:
     """One level. With ``ref``: at concurrency 1 every reply bit for bit, and each prompt's first reply that
     came back whole is kept in ``basis``; above it, within ``tolerance`` of ``basis``."""
     level = Level(concurrency, n)
-    prompts = ref.prompts if ref is not None else PROMPTS
+    prompts = ref.prompts if ref is not None else prompts or PROMPTS
     basis = {} if basis is None else basis
     exact = ref is not None and concurrency == 1
     level.tolerance_nats = 0.0 if exact else tolerance if ref is not None else None
     start = time.monotonic()
     done = pool(concurrency, n, lambda session, i: _one(session, url, model, timeout, max_tokens, concurrency, i,
                                                          prompts, min_tokens, ref, basis,
-                                                         None if exact else tolerance))
+                                                         None if exact else tolerance, replies))
     level.wall_s = round(time.monotonic() - start, 4)
     level.per_request = [ev for ev, _ in done]
     if exact:
@@ -409,6 +414,8 @@ def sweep(
     noise_multiple: float = oracle.NOISE_MULTIPLE,
     progress: Callable[[str], None] | None = None,
     keep_going: bool = False,
+    prompts: Sequence[str] | None = None,
+    replies: dict[str, dict[str, Any]] | None = None,
 ) -> SweepResult:
     """Run every level in order; stop at the first failing one (``keep_going``: run the rest while the
     server lives, so a report shows each level's outcome; ``failed_level`` stays the first that failed).
@@ -417,7 +424,9 @@ def sweep(
     ``reference``: every reply is judged by the oracle (bit for bit at
     concurrency 1; above it within ``noise_multiple`` times the reference's
     recorded noise of the same image's concurrency-1 reply); the reference's
-    prompts and max_tokens are used.
+    prompts and max_tokens are used. Without it, ``prompts`` (default the
+    fixed set) are asked, and ``replies`` keeps every reply as it came for a
+    judge elsewhere (:mod:`.replies`: the host judges what a runner sent).
     """
     tolerance = None
     if reference is not None:
@@ -427,13 +436,14 @@ def sweep(
     check_min_tokens(min_tokens, max_tokens)
     url = url.rstrip("/")
     model = model or first_model(url)
-    result = SweepResult(url, model, [], max_tokens=max_tokens, min_tokens=min_tokens,
-                         prompts=len(reference.answers) if reference is not None else len(PROMPTS))
+    asked = reference.prompts if reference is not None else tuple(prompts or PROMPTS)
+    result = SweepResult(url, model, [], max_tokens=max_tokens, min_tokens=min_tokens, prompts=len(asked))
     if reference is not None:
         result.reference = {**reference.summary(), "noise_multiple": noise_multiple, "tolerance_nats": tolerance}
     basis: dict[int, answers.Reply] = {}
     for c in levels:
-        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, tolerance, basis)
+        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, tolerance, basis, asked,
+                          replies)
         result.levels.append(level)
         alive = watch.running() if watch is not None else True
         if progress is not None:

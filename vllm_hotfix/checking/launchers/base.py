@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ...errors import Malformed, RunnerFailed
 from ...verdicts import Verdict
-from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPORT_MARK, RUNNER_FLAGS
+from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPLIES_MARK, REPORT_MARK, RUNNER_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class Launched:
     log_tail: str = ""
     answers: bytes | None = None
     batches: bytes | None = None  # the fixed-batch probe's raw replies (the job's ``batches`` part), unjudged
+    replies: bytes | None = None  # the sweep's replies as they came (JSON, LEVEL:I -> reply), unjudged
 
 
 class Launcher(Protocol):
@@ -115,8 +116,10 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     verdict: Verdict | None = None
     answers: bytes | None = None
     batches: bytes | None = None
+    replies: bytes | None = None
     tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
-    what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers", BATCHES_MARK: "batch replies"}
+    what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers", BATCHES_MARK: "batch replies",
+            REPLIES_MARK: "sweep replies"}
     for line in stdout.splitlines():
         mark, _, body = line.strip().partition(" ")
         if mark not in what:
@@ -130,6 +133,8 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
                 verdict = Verdict.from_dict(doc)
             elif mark == BATCHES_MARK:
                 batches = data
+            elif mark == REPLIES_MARK:
+                replies = data
             else:
                 answers = data
         except (binascii.Error, ValueError, Malformed) as exc:
@@ -137,4 +142,4 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     if verdict is None:
         last = (stderr.strip().splitlines() or ["no output"])[-1]
         raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
-    return Launched(verdict, tail, answers, batches)
+    return Launched(verdict, tail, answers, batches, replies)

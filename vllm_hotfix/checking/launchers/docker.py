@@ -246,8 +246,8 @@ class DockerRun:
             kept = self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target),
                                                    **plan.run_settings(verdict)}, ran.levels)
             if kept is not None:
-                # The report names the file as written (the per-level answers added, so another sha256).
-                verdict = plan.restamp(verdict, kept)
+                # The report names the file as written (its sweep was not judged against it).
+                verdict = plan.restamp(verdict, kept, recorded=True)
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)

@@ -137,7 +137,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
                  started: str = "", seconds: float = 0.0, phases: Mapping[str, float] | None = None,
                  gpu_facts: Mapping[str, Any] | None = None,
                  environment: Mapping[str, Any] | None = None, host_checks: Sequence[Check] = (),
-                 exact: Mapping[str, Any] | None = None) -> Verdict:
+                 exact: Mapping[str, Any] | None = None, judged_here: Sequence[str] = ()) -> Verdict:
     """The verdict on the image of ``job`` (the host's own job): its checks with the runner's ``report`` judged.
 
     ``compiled_missing``: what the host's file facts found RECORD lists but
@@ -146,13 +146,15 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
     ``gpu_facts``: the host's own facts on how it found the GPU request.
     ``host_checks``: checks the host made of what the runner sent back (the
     ``exact-levels`` judgement of the fixed-batch replies), after the sweep;
-    ``exact`` their evidence, kept in the report's sweep under ``exact``.
+    ``exact`` their evidence, kept in the report's sweep under ``exact``;
+    ``judged_here`` the report's checks the host already made again from what
+    the runner sent back (the serve-sweep judged from its replies).
     """
     spec = job.get("gpu") or {}
     host = [as_check(c, float(c.get("seconds", 0)) if isinstance(c, dict) else 0.0, "check")
             for c in job.get("checks") or []]
     owned = {*HOST_CHECKS, *(c.name for c in host)}
-    checks = [_mine(c) for c in report.checks if c.name not in owned]
+    checks = [c if c.name in judged_here else _mine(c) for c in report.checks if c.name not in owned]
     given = gpu_given(job)
     if not given:
         checks, gpu = _no_gpu(job, report, checks)

@@ -26,8 +26,8 @@ from ...engine import labels as L
 from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
 from ...journal import leftovers, records
 from ...verdicts import Check, Status, Verdict
-from .. import compile_cache, fixed_batches, oracle
-from ..reference import PROMPTS, Reference, digest
+from .. import compile_cache, fixed_batches, oracle, replies
+from ..reference import PROMPTS, Reference
 from . import judging
 from .base import Launched, Launcher, stage
 from .options import SmokeOptions
@@ -119,25 +119,16 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
                         "env": settings["env"], "overlap": overlaps(settings["serve_args"]),
                         "port": SERVE_PORT, "levels": list(options.levels), "requests": options.requests,
                         "min_tokens": options.min_tokens, "timeout": options.serve_timeout,
-                        "keep_going": options.keep_going, "noise_multiple": options.noise_multiple,
-                        "reference": None}
+                        "keep_going": options.keep_going}
         ref = options.reference
         if ref is not None:
             from ..reference import refuse_other_settings
 
             refuse_other_settings(ref, settings)
             fixed_batches.refuse_other_schedule(ref, options.levels, options.requests)
-            # The file as it stands (its sha256 inside): the runner loads and checks it as the host does.
-            try:
-                content = json.loads(Path(ref.path).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise UsageError(f"--reference {ref.path}: cannot read it again ({exc})") from None
-            if isinstance(content, dict) and content.pop("levels", None) is not None:
-                # The per-level answers stay here: the host judges the batch probe's replies against them.
-                content.pop("sha256", None)
-                content["sha256"] = digest(content)
-            out["serve"]["reference"] = content
-            out["serve"]["reference_file"] = ref.path
+            # The reference's prompts and length only: its answers stay here, where the replies are judged.
+            out["serve"]["prompts"] = list(ref.prompts)
+            out["serve"]["max_tokens"] = ref.max_tokens
         record = options.record_reference
         if record is not None:
             # The settings the host knows; the runner adds the GPU model and the versions the image reports.
@@ -259,9 +250,37 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference
     return [check], evidence, None
 
 
+def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None,
+                 noise_multiple: float) -> Verdict:
+    """The runner's report with its serve-sweep judged here from the replies it sent back (:mod:`..replies`):
+    against ``reference`` where there is one, else by status and length alone (a recording run included)."""
+    report = launched.report
+    spec = job.get("serve") or {}
+    said = next((c for c in report.checks if c.name == "serve-sweep"), None)
+    if not spec or said is None or said.status is Status.SKIP or not isinstance(report.sweep, Mapping) \
+            or not report.sweep.get("levels"):
+        return report
+    try:
+        raw = json.loads(launched.replies) if launched.replies is not None else {}
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        raw = {}
+        log.info("the runner's sweep replies are unreadable (%s): every request fails", exc)
+    check, sweep = replies.rejudge(report.sweep, raw, reference, [int(c) for c in spec.get("levels") or []],
+                                   int(spec.get("requests") or 0), min_tokens=spec.get("min_tokens"),
+                                   noise_multiple=noise_multiple, keep_going=bool(spec.get("keep_going")))
+    if said.status is Status.FAIL and check["status"] == "pass":
+        # The runner's own failure (no server, a request refused) stands: the host found nothing to judge against it.
+        return report
+    mine = Check(str(check["name"]), Status(str(check["status"])), str(check["detail"]),
+                 data={**dict(check.get("data") or {}), "answered_by": "filesystem"}, seconds=said.seconds)
+    return replace(report, checks=tuple(mine if c is said else c for c in report.checks), sweep=sweep)
+
+
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
-           started: str = "", seconds: float = 0.0,
-           reference: Reference | None = None) -> tuple[Verdict, Mapping[str, Any] | None]:
+           started: str = "", seconds: float = 0.0, reference: Reference | None = None,
+           noise_multiple: float = oracle.NOISE_MULTIPLE) -> tuple[Verdict, Mapping[str, Any] | None]:
     """The host's verdict on what came back: the report judged, or the runner's failure to give one; and the
     per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
     against; None while recording)."""
@@ -270,7 +289,9 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
         return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
                                   started=started, seconds=seconds, gpu_facts=facts.gpu), None
     checks, evidence, levels = batch_check(job, launched, reference)
-    verdict = judging.host_verdict(job, launched.report, compiled_missing=facts.compiled_missing,
+    report = sweep_judged(job, launched, reference, noise_multiple)
+    here = ["serve-sweep"] if report is not launched.report else []
+    verdict = judging.host_verdict(job, report, judged_here=here, compiled_missing=facts.compiled_missing,
                                    base_imports=facts.base_imports, started=started, seconds=seconds,
                                    gpu_facts=facts.gpu, environment=facts.environment, host_checks=checks,
                                    exact=evidence)
@@ -279,17 +300,19 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
     return verdict, levels
 
 
-def restamp(verdict: Verdict, reference: Reference) -> Verdict:
+def restamp(verdict: Verdict, reference: Reference, *, recorded: bool = False) -> Verdict:
     """The verdict naming the reference file as the host has it (path, sha256, levels): which file judged or was
-    recorded by a run is the host's fact (the runner had a copy without the per-level answers, or wrote one
-    before the host added them)."""
-    said = (verdict.sweep or {}).get("reference")
+    recorded by a run is the host's fact (the runner wrote its recording before the host added the per-level
+    answers). A recording run, never judged against what it recorded, names it under ``recorded``."""
+    entry = {"file": reference.path, "sha256": reference.sha256, "levels": reference.summary()["levels"]}
+    if verdict.sweep is None:
+        return verdict
+    if recorded:
+        return replace(verdict, sweep={**dict(verdict.sweep), "recorded": entry})
+    said = verdict.sweep.get("reference")
     if not isinstance(said, Mapping):
         return verdict
-    sweep = {**dict(verdict.sweep or {}), "reference": {**dict(said), "file": reference.path,
-                                                        "sha256": reference.sha256,
-                                                        "levels": reference.summary()["levels"]}}
-    return replace(verdict, sweep=sweep)
+    return replace(verdict, sweep={**dict(verdict.sweep), "reference": {**dict(said), **entry}})
 
 
 def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions, *, gpu_request: str | None,
@@ -324,7 +347,7 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
                 say(exc.hint)
             launched = exc
     verdict, levels = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
-                             reference=options.reference)
+                             reference=options.reference, noise_multiple=options.noise_multiple)
     if options.reference is not None and isinstance(launched, Launched):
         from ..reference import refuse_other_settings
 

@@ -58,8 +58,8 @@ def main(argv: list[str]) -> int:
         "machine": platform.machine(),
         # The folders the base's own start-up puts on sys.path (its .pth files and environment processed):
         # what a check started without them (python -S) is given explicitly.
-        "sys_path": [p for p in sys.path if p and os.path.isdir(p)
-                     and os.path.realpath(p) != os.path.realpath(os.path.dirname(os.path.abspath(__file__)))],
+        # (Run with -c: the working folder's "" is left out.)
+        "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
     }
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

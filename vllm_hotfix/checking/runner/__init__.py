@@ -15,6 +15,7 @@ MOUNT = "/opt/vllm-hotfix-runner"
 REPORT_MARK = "@@vllm-hotfix-runner:report@@"
 ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
 BATCHES_MARK = "@@vllm-hotfix-runner:batches@@"  # the fixed-batch probe's raw replies, for the host to judge
+REPLIES_MARK = "@@vllm-hotfix-runner:replies@@"  # the sweep's replies as they came, for the host to judge
 JOB_VERSION = 3
 
 # How the runner starts (python -I -S run.py JOB) and starts every probe, check and batch engine: no user site,

@@ -45,7 +45,7 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPORT_MARK, child_argv, child_env, serve
+from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPLIES_MARK, REPORT_MARK, child_argv, child_env, serve
 
 # As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -340,5 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = run.serving_now.batch_report if run.serving_now is not None else None
     if batches is not None:
         emit(BATCHES_MARK, json.dumps(batches, sort_keys=True).encode())
+    if run.serving_now is not None and run.serving_now.replies:
+        emit(REPLIES_MARK, json.dumps(run.serving_now.replies, sort_keys=True).encode())
     emit(REPORT_MARK, json.dumps(report, sort_keys=True).encode())
     return 0

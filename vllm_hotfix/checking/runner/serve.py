@@ -1,11 +1,14 @@
-"""The serve sweep from inside the image: start the server, wait for its health, sweep, with the host's code.
+"""The serve sweep from inside the image: start the server, wait for its health, ask, send the replies back.
 
-The sweep and its judgement are the host's own (:mod:`vllm_hotfix.checking.sweep`,
-:mod:`vllm_hotfix.checking.oracle`, :mod:`vllm_hotfix.checking.reference`,
-:mod:`vllm_hotfix.checking.recording`, carried in the runner folder): the same
-prompts, the same per-request evidence, the same oracle (bit for bit at
-concurrency 1, within recorded noise above it), the same check the host's
-smoke makes from a finished sweep. The server gets the job's ``env``
+The sweep is the host's own code (:mod:`vllm_hotfix.checking.sweep`,
+:mod:`vllm_hotfix.checking.recording`, carried in the runner folder): the
+reference's prompts at every level, the same per-request evidence. It never
+has the reference answers: every reply goes back to the host as it came
+(``replies``), and the host judges them (:mod:`vllm_hotfix.checking.replies`:
+bit for bit at concurrency 1, within recorded noise above it). What the runner
+says of its own sweep (status, lengths) is only its measurement. A run that
+records reference answers sends them back and is not judged against them.
+The server gets the job's ``env``
 (``VLLM_BATCH_INVARIANT=1``) on top of the container's. They speak HTTP through
 ``requests``, which vLLM itself depends on; an image without it fails the
 sweep with one line. Only the server's start differs: here it is a process
@@ -161,6 +164,7 @@ class Serving:
         self.server: Process | None = None
         self.batches = Batches(spec["batches"], scratch, probe) if spec.get("batches") else None
         self.batch_report: dict[str, Any] | None = None  # what the probe wrote, for the host
+        self.replies: dict[str, dict[str, Any]] = {}  # every sweep reply as it came (LEVEL:I), for the host
         self.started = 0.0
         self.failed: dict[str, Any] | None = None
 
@@ -206,25 +210,13 @@ class Serving:
     def _sweep(self, server: Process) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
             from ...errors import PipelineError
-            from .. import oracle, recording, sweep
+            from .. import recording, sweep
             from .. import reference as answers
         except ImportError as exc:
             return _failed(f"the image's Python cannot run the sweep: {exc}"), None
         spec, say, phases = self.spec, self.say, self.phases
         levels = [int(v) for v in spec.get("levels") or [1]]
-        multiple = float(spec.get("noise_multiple") or oracle.NOISE_MULTIPLE)
         min_tokens = spec.get("min_tokens")
-        ref = None
-        if spec.get("reference") is not None:
-            path = os.path.join(self.scratch, "reference.json")
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(spec["reference"], fh)
-            named = str(spec.get("reference_file") or "reference answers")
-            try:
-                ref = answers.load(Path(path), f"--reference {named} (in the runner)")
-            except PipelineError as exc:
-                return _failed(str(exc).replace(f" {path}:", ":")), None
-            ref = replace(ref, path=named)  # reports name the user's file, not the runner's copy
         url = f"http://127.0.0.1:{int(spec['port'])}"
         try:
             try:
@@ -245,13 +237,16 @@ class Serving:
                                              settings=settings), Path(self.scratch) / "recorded.json")
                 if self.recorded is not None:
                     self.recorded.append((Path(self.scratch) / "recorded.json").read_bytes())
-                ref = replace(made, path=named)
                 phases["reference_record"] = round(time.monotonic() - t0, 1)
-                say(f"    recorded {len(ref.answers)} reference answers (sha256 {ref.sha256})")
+                say(f"    recorded {len(made.answers)} reference answers for {named} (sha256 {made.sha256}); "
+                    "this run's sweep is not judged against them")
             t0 = time.monotonic()
+            # No reference here: every reply goes back as it came (self.replies), and the host judges them.
+            prompts = [str(p) for p in spec.get("prompts") or []] or None
             result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
-                                 min_tokens=min_tokens, reference=ref, progress=say, noise_multiple=multiple,
-                                 keep_going=bool(spec.get("keep_going")))
+                                 min_tokens=min_tokens, progress=say, keep_going=bool(spec.get("keep_going")),
+                                 max_tokens=int(spec.get("max_tokens") or sweep.MAX_TOKENS), prompts=prompts,
+                                 replies=self.replies)
             phases["sweep"] = round(time.monotonic() - t0, 1)
         except PipelineError as exc:
             return _failed(str(exc).splitlines()[0], list(server.lines)), None
@@ -263,7 +258,7 @@ def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], ph
     """(the serve-sweep check, the sweep's report) for the job's ``serve`` part: start, wait, sweep, stop.
 
     With ``record`` in the spec, reference answers are recorded from the
-    server first (as ``smoke --record-reference`` on the host), swept
-    against, and their file's bytes appended to ``recorded``.
+    server first (as ``smoke --record-reference`` on the host) and their
+    file's bytes appended to ``recorded``; the sweep is never judged here.
     """
     return Serving(spec, scratch, say=say, phases=phases, recorded=recorded).finish()
