@@ -354,6 +354,26 @@ def derive(engine: Engine, base: str, ref: str, dockerfile_body: str, files: dic
     return image_id
 
 
+class Product:
+    """An odd base made from a stand-in, and the patch set built over it by the tool: an image that is its
+    definition's product (its identity check passes), with whatever the base holds. Removed by :meth:`drop`."""
+
+    def __init__(self, engine: Engine, base: str, project: Path, repo: str, body: str,
+                 files: dict[str, bytes] | None = None, modes: dict[str, int] | None = None) -> None:
+        self.engine, self.repo = engine, repo
+        self.base_ref, self.ref = f"{repo}:v0.25.1", f"{repo}:out"
+        self.base_id = derive(engine, base, self.base_ref, body, files, modes)
+        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", self.ref, "--pull", "never",
+                "--no-smoke", root=project)
+        assert r.rc == 0, r.err
+        self.image_id = r.out.split()[-1]
+
+    def drop(self) -> None:
+        for ref in (self.ref, self.base_ref):
+            self.engine.remove_image(ref)
+        self.engine.remove_untagged(self.image_id)
+
+
 def requests_layer(folder: str = "usr/lib/python3/dist-packages") -> dict[str, bytes]:
     """``requests`` and what it imports, from this Python, as build-context files under ``folder``.
 

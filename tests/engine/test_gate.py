@@ -112,13 +112,13 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
     fake_id = derive(engine, base_id, fake, body.replace("$", "\\$"))
     try:
         r = cli("smoke", fake, root=project)
-        fails(r, "patch-landed")
-        assert r.rc == 7
-        assert "expected " in r.err and "altered after the build" in r.err
+        # The base's layers alone under the patched image's labels: not the patch set's product (exit 14).
+        fails(r, "not the product of definition v0.25.1", "0 layer(s) over the base; the builder writes 1")
+        assert r.rc == 14
         # Even with the failing verdict edited into a pass, the push re-checks the files.
         edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
         r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
-        fails(r, "refusing to push", "patch-landed")
+        fails(r, "refusing to push", "layer-identity", "0 layer(s) over the base")
         assert r.rc == 8
     finally:
         engine.remove_image(fake)
@@ -139,7 +139,7 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
     engine.tag(base_id, alias)
     try:
         r = cli("push", alias, "--registry", f"{registry.place}/ops", root=project)
-        fails(r, "refusing to push", "not built by this tool")
+        fails(r, "refusing to push", "layer-identity", "cannot tell what it is the product of")
         assert r.rc == 8
         name = alias.split("/")[1].split(":")[0]
         assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RegistryPlace, cli, derive, fails, free_port
+from conftest import REPO, Product, RegistryPlace, cli, derive, fails, free_port
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
 
@@ -107,16 +107,21 @@ def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v025
             engine.remove_image(image_id)
 
 
+def _odd_runner_python(engine: Engine, base: str, project: Path, unique: str, name: str, runner: bytes) -> Product:
+    """The patch set built over a base whose python3 misbehaves only as the runner is started (``-I``)."""
+    wrapper = b"#!/bin/sh\ncase \"$1\" in -I) " + runner + b" ;; esac\nexec /usr/bin/python3 \"$@\"\n"
+    return Product(engine, base, project, f"hotfix-test/{name}-{unique}", "COPY python3 /usr/local/bin/python3",
+                   {"python3": wrapper}, {"python3": 0o755})
+
+
 def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
-        engine: Engine, built: tuple[Path, str, str], unique: str) -> None:
+        engine: Engine, base_v0251: str, project: Path, unique: str) -> None:
     """The runner is the image's own Python: one that prints garbage is the image's failing, recorded as such."""
     from vllm_hotfix.journal import records
     from vllm_hotfix.verdicts import Status
 
-    project, _, image_id = built
-    ref = f"hotfix-test/mutepython-{unique}:x"
-    derived = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3",
-                     {"python3": b"#!/bin/sh\necho 'not a verdict'\nexit 3\n"}, {"python3": 0o755})
+    made = _odd_runner_python(engine, base_v0251, project, unique, "mutepython", b"echo 'not a verdict'; exit 3")
+    ref, derived = made.ref, made.image_id
     try:
         r = cli("smoke", ref, "--gpu", "off", root=project)
         fails(r, "smoke failed", "runner")
@@ -124,9 +129,10 @@ def test_an_image_whose_python_gives_the_runner_no_voice_fails_on_record(
         assert "the runner gave no report" in r.err
         [entry] = records.verdicts(project, derived)
         assert entry.verdict.status is Status.FAIL
-        assert {c.name: c.status for c in entry.verdict.checks}["patch-landed"] is Status.PASS
+        checks = {c.name: c.status for c in entry.verdict.checks}
+        assert checks["layer-identity"] is Status.PASS and checks["patch-landed"] is Status.PASS
     finally:
-        engine.remove_image(ref)
+        made.drop()
 
 
 @pytest.mark.parametrize("platform", ["all", "linux/amd64,linux/arm64"])
@@ -241,7 +247,7 @@ def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str
     assert r.rc == 20 and time.monotonic() - started < 30
 
 
-def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, built: tuple[Path, str, str],
+def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, base_v0251: str, project: Path,
                                                                  unique: str) -> None:
     """The runner is the image's Python: one that never returns kept smoke waiting an hour. --deadline ends it,
     incomplete (the host, not the image, stopped the check), and the container goes."""
@@ -250,10 +256,8 @@ def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, 
     from vllm_hotfix.journal import records
     from vllm_hotfix.verdicts import Status
 
-    project, _, image_id = built
-    ref = f"hotfix-test/hangingpython-{unique}:x"
-    derived = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3",
-                     {"python3": b"#!/bin/sh\nsleep 3600\n"}, {"python3": 0o755})
+    made = _odd_runner_python(engine, base_v0251, project, unique, "hangingpython", b"sleep 3600")
+    ref, derived = made.ref, made.image_id
     try:
         started = time.monotonic()
         r = cli("smoke", ref, "--gpu", "off", "--deadline", "8", root=project)
@@ -264,7 +268,7 @@ def test_an_image_whose_python_hangs_ends_at_the_smoke_deadline(engine: Engine, 
         [entry] = records.verdicts(project, derived)
         assert entry.verdict.status is Status.INCOMPLETE
     finally:
-        engine.remove_image(ref)
+        made.drop()
 
 
 def test_the_default_deadline_fits_the_checks_asked_for() -> None:

@@ -49,8 +49,11 @@ def test_every_mutant_builds_from_its_root_and_is_judged_by_it(engine: Engine, b
         mine = cli("smoke", f"hotfix-test/mutant-{unique}:{name}", "--gpu", "off", root=tmp_path / name)
         assert mine.rc == 0, mine.err
         assert "pass patch-landed" in mine.err
+        # By the project's patch set it is not that patch set's product: refused before any check runs (exit 14),
+        # the first differing file named.
         theirs = cli("smoke", f"hotfix-test/mutant-{unique}:{name}", "--gpu", "off", root=project)
-        assert theirs.rc != 0 and "fail patch-landed" in theirs.err, theirs.err
+        assert theirs.rc == 14 and "fail layer-identity" in theirs.err, theirs.err
+        assert "minimax_m3/common/" in theirs.last_error and "the builder writes" in theirs.last_error
     finally:
         for key in made:
             engine.remove_image(f"hotfix-test/mutant-{unique}:{key}")

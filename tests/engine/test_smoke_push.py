@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, RegistryPlace, cli, derive, fails, requests_layer
+from conftest import REPO, Product, RegistryPlace, cli, derive, fails, requests_layer
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Status
@@ -99,16 +99,17 @@ def test_smoke_reports_and_tampered_image_fails(engine: Engine, built: tuple[Pat
     try:
         bad = cli("smoke", tampered, "--report", str(tmp_path / "bad.json"), "--junit", str(tmp_path / "bad.xml"),
                   root=project)
-        assert bad.rc != 0
-        assert "patch-landed" in bad.last_error and tampered in bad.last_error
+        # An edit after the build is not the builder's: refused before any check runs (exit 14).
+        assert bad.rc == 14, bad.err
+        assert "not the product of definition v0.25.1" in bad.last_error and tampered in bad.last_error
         report = json.loads((tmp_path / "bad.json").read_text())
-        landed = next(c for c in report["checks"] if c["name"] == "patch-landed")
-        assert landed["status"] == "fail" and "altered after the build" in landed["detail"]
-        integrity = next(c for c in report["checks"] if c["name"] == "integrity")
-        assert integrity["status"] == "fail"
+        [identity] = report["checks"]
+        assert identity["name"] == "layer-identity" and identity["status"] == "fail"
+        assert identity["data"]["first_difference"] == \
+            "2 layer(s) over the base; the builder writes 1 (the patch layer)"
         suite = ET.parse(tmp_path / "bad.xml").getroot()
         failed = [tc.get("name") for tc in suite if tc.find("failure") is not None]
-        assert "patch-landed" in failed
+        assert failed == ["layer-identity"]
     finally:
         engine.remove_image(tampered)
 
@@ -125,8 +126,8 @@ def test_stale_bytecode_fails_smoke(engine: Engine, built: tuple[Path, str, str]
     ))
     try:
         r = cli("smoke", stale, root=project)
-        assert r.rc != 0 and "patch-landed" in r.last_error
-        assert "stale" in r.err
+        # Bytecode the builder did not write (Python would serve it): refused before any check runs.
+        assert r.rc == 14 and "not the product of definition v0.25.1" in r.last_error, r.err
     finally:
         engine.remove_image(stale)
 
@@ -155,13 +156,14 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
 
 @pytest.mark.parametrize("die", [False, True])
 def test_smoke_serve_sweep_uses_the_image_entrypoint(
-    engine: Engine, built: tuple[Path, str, str], tmp_path: Path, unique: str, die: bool
+    engine: Engine, base_v0251: str, project: Path, tmp_path: Path, unique: str, die: bool
 ) -> None:
-    project, ref, image_id = built
-    served = f"hotfix-test/served-{unique}:x"
-    # The image's own `vllm` is the fake server; the runner's sweep needs requests in the image, as vLLM's has.
-    derive(engine, image_id, served, "COPY vllm /usr/local/bin/vllm\nCOPY usr/ /usr/",
-           {"vllm": FAKE.read_bytes(), **requests_layer()}, {"vllm": 0o755})
+    # The base's own `vllm` is the fake server; the runner's sweep needs requests in the image, as vLLM's has. The
+    # patch set built over it by the tool: the image is its definition's product.
+    product = Product(engine, base_v0251, project, f"hotfix-test/served-{unique}",
+                      "COPY vllm /usr/local/bin/vllm\nCOPY usr/ /usr/", {"vllm": FAKE.read_bytes(), **requests_layer()},
+                      {"vllm": 0o755})
+    served, image_id = product.ref, product.image_id
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -181,7 +183,8 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert sweep_check["status"] == "pass"
             assert [lv["successes"] for lv in report["sweep"]["levels"]] == [6, 6, 6]
             # One server start, its phases timed; the compile cache of the base mounted and written.
-            assert set(report["phases"]) == {"files", "gpu_access", "checks", "gpu_checks", "server_start", "sweep"}
+            assert set(report["phases"]) == {"identity", "files", "gpu_access", "checks", "gpu_checks",
+                                             "server_start", "sweep"}
             assert all(v >= 0 for v in report["phases"].values())
             cache = report["environment"]["compile_cache"]
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
@@ -227,7 +230,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
                     root=project)
             assert r.rc == 64 and "recorded under other settings (model '" in r.err
     finally:
-        engine.remove_image(served)
+        product.drop()
 
 
 def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ...], requests: int) -> None:

@@ -109,10 +109,12 @@ def test_require_on_cdi_host_without_cuda_fails(cdi_built: tuple[Path, str], tmp
     assert [a["way"] for a in report["gpu"]["tried"]] == ["cdi:nvidia.com/gpu=all"]
 
 
-def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: str, tmp_path: Path) -> None:
-    # --keep-going: the unpatched base fails its file checks first, and the GPU request is what is under test.
-    r = cli("smoke", base_v0251, "--gpu", "require", "--gpu-request", "runtime:nvidia", "--keep-going", "--report",
-            str(tmp_path / "r.json"), root=tmp_path)
+def test_explicit_request_the_engine_cannot_serve(engine: Engine, base_v0251: str, project: Path,
+                                                  tmp_path: Path) -> None:
+    # The definition's base itself (its identity check skips); --keep-going: it fails its file checks first, and
+    # the GPU request is what is under test.
+    r = cli("smoke", base_v0251, "--definition", "v0.25.1", "--gpu", "require", "--gpu-request", "runtime:nvidia",
+            "--keep-going", "--report", str(tmp_path / "r.json"), root=project)
     assert r.rc != 0
     report = json.loads((tmp_path / "r.json").read_text())
     [attempt] = report["gpu"]["tried"]

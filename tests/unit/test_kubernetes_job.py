@@ -40,7 +40,7 @@ def test_emitted_job_is_accepted_by_the_client_models() -> None:
     assert pod.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     [container] = pod.containers
     assert container.image == IMAGE and container.resources.limits == {"nvidia.com/gpu": "8"}
-    assert container.command == ["python3", f"{MOUNT}/run.py", f"{MOUNT}/job.json"]
+    assert container.command == ["python3", "-I", "-S", f"{MOUNT}/run.py", f"{MOUNT}/job.json"]  # isolated
     mounts = {m.name: m for m in container.volume_mounts}
     assert mounts["runner"].read_only and mounts["runner"].mount_path == MOUNT
     volumes = {v.name: v for v in pod.volumes}

@@ -75,7 +75,7 @@ def test_bad_job_and_no_report_are_one_line(tmp_path: Path) -> None:
     folder = base.stage(tmp_path / "runner", _job())
     (folder / "job.json").write_text("[]")
     done = _run(folder)
-    assert done.returncode == 2 and "not a version 2 runner job" in done.stderr
+    assert done.returncode == 2 and "not a version 3 runner job" in done.stderr
     with pytest.raises(SmokeError, match=r"runner in x: the runner gave no report \(boom\)"):
         base.results("", "boom\n", "runner in x")
 

@@ -357,8 +357,9 @@ def engine_export_layers(engine: Engine, image: ImageInfo, count: int) -> list[L
 def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[patchlib.Patch]
                           ) -> tuple[list[Layer], str]:
     """What the builders write over ``base`` for ``patches``: the patch layer with fresh bytecode (Dockerfile,
-    assemble, in-registry compiling) and, where the base has stale pycs, with whiteouts of them instead (the
-    in-registry builder without a Python to compile); and the base's site folder."""
+    assemble, in-registry compiling); where the base has stale pycs, with whiteouts of them instead (the
+    in-registry builder without a Python to compile); and the patched sources alone (the in-registry builder
+    that read no pyc in the layers it read); and the base's site folder."""
     defn = base.definition
     facts, files, _applied = baselib.prepare(engine, defn, base.ref, base.info, patches, skip_included=True,
                                              cache=sources.cache_dir(root))
@@ -373,7 +374,8 @@ def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[
         folder, name = rel.rsplit("/", 1)
         whiteouts.append(Entry(f"{site}/{folder}", None, 0o755))
         whiteouts.append(Entry(f"{site}/{folder}/.wh.{name}", b"", 0o644))
-    return ([compiled, from_entries(whiteouts)] if stale else [compiled]), facts.site_dir
+    sources_only = from_entries(layer_entries(facts, bare))
+    return ([compiled, from_entries(whiteouts), sources_only] if stale else [compiled]), facts.site_dir
 
 
 def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | None = None,
@@ -432,7 +434,9 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     if all(differences):
         return refused(f"patch layer: {differences[0]}")
     if pinset is not None:
-        why = pin_layer.difference(read[0], root, pinset, site_dir, base.info, engine, sources.cache_dir(root))
+        sites = [p for p in python_path if p.rstrip("/").endswith(("-packages", "site-packages"))]
+        why = pin_layer.difference(read[0], root, pinset, [*sites, site_dir], base.info, engine,
+                                   sources.cache_dir(root))
         if why is not None:
             return refused(f"pip layer: {why}")
     return Outcome("pass", f"its {above} layer(s) over base {base.info.id[:19]} ({base.how}) are exactly what "

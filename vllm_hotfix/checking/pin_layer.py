@@ -28,7 +28,7 @@ import io
 import posixpath
 import re
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,10 +97,11 @@ def _installed_path(member: str, site: str, data_dir: str) -> str | None:
     return f"{site}/{member}"
 
 
-def difference(layer: Layer, root: Path, pinset: PinSet, site_dir: str, base: ImageInfo,
+def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], base: ImageInfo,
                engine: Engine, cache: Path | None = None) -> str | None:
-    """The first entry of the pip layer pip could not have written from the pinned wheels, in words."""
-    site = site_dir.strip("/")
+    """The first entry of the pip layer pip could not have written from the pinned wheels into one of the base's
+    site folders (``sites``: the base Python's sys.path folders and the package's), in words."""
+    folders = [s.strip("/") for s in dict.fromkeys(sites) if s.strip("/")]
     files: dict[str, str] = {}  # path -> sha256 of the wheel member it must hold
     loose: dict[str, str] = {}  # bin/ or data/ tail -> sha256 (the prefix is the base's)
     launchers: dict[str, tuple[str, str]] = {}
@@ -119,17 +120,23 @@ def difference(layer: Layer, root: Path, pinset: PinSet, site_dir: str, base: Im
                     continue
                 if member.startswith(info_dir + "/") and member.split("/", 1)[1] in PIP_FILES:
                     continue
-                where = _installed_path(member, site, data_dir)
-                if where is None:
-                    continue
                 digest = hashlib.sha256(zf.read(member)).hexdigest()
-                if where.startswith("*"):
-                    loose[where[1:]] = digest
-                else:
-                    files[where] = digest
-            pip_files.update(f"{site}/{info_dir}/{f}" for f in PIP_FILES)
+                for site in folders:
+                    where = _installed_path(member, site, data_dir)
+                    if where is None:
+                        continue
+                    if where.startswith("*"):
+                        loose[where[1:]] = digest
+                    else:
+                        files[where] = digest
+            pip_files.update(f"{site}/{info_dir}/{f}" for site in folders for f in PIP_FILES)
             launchers.update(_scripts(zf))
-    owned, below = _owned_by_base(engine, base, site_dir, names, cache)
+    owned: set[str] = set()
+    below: dict[str, list[str]] = {}
+    for site in folders:
+        mine, inside = _owned_by_base(engine, base, "/" + site, names, cache)
+        owned |= mine
+        below.update(inside)
     for path in sorted(layer):
         why = _judge(path, layer, files, loose, launchers, pip_files, owned, below)
         if why is not None:
@@ -142,7 +149,7 @@ def _removable(path: str, owned: set[str], below: Mapping[str, list[str]]) -> bo
     if path in owned:
         return True
     inside = below.get(path)
-    return inside is not None and all(p in owned or p.endswith("/__pycache__") for p in inside)
+    return inside is not None and all(p in owned for p in inside)
 
 
 def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str, str],
@@ -169,13 +176,17 @@ def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str
     if node.kind == "whiteout" or (node.kind == "dir" and node.opaque):
         if _removable(path, owned, below):
             return None
+        stray = sorted(p for p in below.get(path, ()) if p not in owned)
         return f"/{path} is {'removed' if node.kind == 'whiteout' else 'made opaque'}, and the base's pinned " \
-               "distributions do not own all it held"
+               f"distributions do not own all it held (not /{stray[0] if stray else path})"
     if node.kind == "dir":
         inner = path + "/"
         if any(p.startswith(inner) for p in layer if layer[p].kind != "dir" or layer[p].opaque):
             return None
-        return None if any(k.startswith(inner) for k in files) else f"/{path}: a folder pip does not make"
+        if any(k.startswith(inner) for k in files) or node.mode & 0o1000 or not node.mode & 0o022:
+            # A folder pip wrote into or passed through (its scratch folder under /tmp): it holds nothing here.
+            return None
+        return f"/{path}: a folder pip does not make, writable by others (mode {node.mode:o})"
     return f"/{path} is not a file of a pinned wheel ({node.show()})"
 
 
@@ -185,7 +196,8 @@ def _owned_by_base(engine: Engine, base: ImageInfo, site_dir: str, names: set[st
     folder of the base's site folder with every path below it."""
     tree = read_site(engine, base.id, site_dir, keep=keep_metadata, cache=cache)
     site = site_dir.strip("/")
-    paths = sorted(p.strip("/") for p in tree.entries)
+    # Files and links only: a folder pip removes whole may hold folders, and those own nothing themselves.
+    paths = sorted(p.strip("/") for p, f in tree.entries.items() if f.kind != "dir")
     below: dict[str, list[str]] = {}
     for p in paths:
         parts = p.split("/")

@@ -328,8 +328,11 @@ def require_verdict(found: Attested, image: str, where: str, *, gpu_verified: bo
     """AttestationError unless the signed report is a pass (GPU-verified, on the named GPU products)."""
     report = found.predicate
     if report.get("status") != "pass":
+        failed = [c for c in report.get("checks") or [] if isinstance(c, dict) and c.get("status") == "fail"]
+        # The first failing check names why (layer-identity: what the image is not), on the one line read.
+        why = f": {failed[0].get('name')}: {' '.join(str(failed[0].get('detail')).split())[:300]}" if failed else ""
         raise AttestationMismatch(f"{where}: the signed smoke verdict of {image} is {report.get('status')!r}, "
-                                  f"not a pass")
+                                  f"not a pass{why}")
     if gpu_verified and report.get("gpu_verified") is not True:
         raise AttestationMismatch(f"{where}: the signed smoke run of {image} was not GPU-verified")
     devices = [str(d) for d in (report.get("gpu") or {}).get("devices") or []]

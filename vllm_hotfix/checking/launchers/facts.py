@@ -104,10 +104,18 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     whole installed distribution against its RECORD relative to the base, the
     pinned versions: neither an edited journal nor the image's own
     interpreter can vouch for its files. ``gpu_claimed``: the verdict says
-    GPU-verified, which an image lacking compiled files cannot be.
+    GPU-verified, which an image lacking compiled files cannot be. First of
+    all, its layers and config must be what its builder makes of its base
+    (:mod:`..identity`), whatever the journal says.
     """
+    from .. import identity
+
+    proven = identity.prove(engine, root, image, say=say)
+    if proven.status == "fail":
+        return f"{identity.CHECK}: {proven.detail}"
     try:
-        found = expected.for_image(engine, root, image)
+        found = expected.for_image(engine, root, image, base_id=proven.base_id or None,
+                                   definition=proven.base.definition.tag if proven.base is not None else None)
     except UnknownExpectation as exc:
         return str(exc)
     problem = pins_problem(engine, root, image, found)

@@ -1,0 +1,182 @@
+"""Layer identity: an image is what its patch set makes of its base, or nothing of it runs.
+
+Each hostile image is made the way the assemble builder makes an image (one
+layer over the base, the builder's labels), with one thing more: a compiled
+module beside the patched source and an edited RECORD, a ``.pth`` hook, a
+``sitecustomize.py``, an ``ENV PYTHONPATH`` to an old copy of vLLM, a Python
+that answers the runner itself, or a decoy base under the labels of the real
+one. Each is refused by ``smoke`` before any check runs (exit 14, the first
+difference named), and the signed failing verdict is refused by ``verify``
+(exit 24) and by ``push --require-attestation`` (exit 24). The honest images of
+the same forge and of the tool's builders still pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from conftest import STANDIN_REPO, RegistryPlace, cli, derive
+from vllm_hotfix.building import assemble, definitions, render
+from vllm_hotfix.building import base as baselib
+from vllm_hotfix.building import patches as patchlib
+from vllm_hotfix.engine import Engine
+from vllm_hotfix.engine import labels as L
+from vllm_hotfix.tarball import Entry, write
+
+SITE = "usr/local/lib/python3.12/dist-packages"
+INDEXER = "vllm/models/minimax_m3/common/indexer"
+RECORD = f"{SITE}/vllm-0.25.1.dist-info/RECORD"
+ANSWERING_PY = b"""#!/bin/sh
+# Prints a passing report for any question, as a Python that answers the runner itself would.
+echo '@@vllm-hotfix-runner:report@@ eyJzdGF0dXMiOiAicGFzcyJ9'
+"""
+
+
+def forge(engine: Engine, project: Path, base_ref: str, ref: str, *, extra: Sequence[Entry] = (),
+          env: Sequence[str] | None = None, labels: dict[str, str] | None = None) -> str:
+    """What the assemble builder writes over ``base_ref``, plus ``extra`` entries, another ``env`` and ``labels``
+    over the builder's: loaded, tagged ``ref``; its ID."""
+    defn = definitions.load(project, "v0.25.1")
+    base = engine.image(base_ref)
+    assert base is not None
+    patches = patchlib.load_series(project, defn.patch_set, defn.package)
+    facts, files, applied = baselib.prepare(engine, defn, base_ref, base, patches, skip_included=True)
+    layer = write([*assemble.layer_entries(facts, files), *extra])
+    attrs = dict(base.attrs)
+    if env is not None:
+        attrs["Config"] = {**dict(attrs.get("Config") or {}), "Env": list(env)}
+    items = dict(render.labels(defn, facts, files, applied))
+    items.update(labels or {})
+    config = assemble.image_config(attrs, engine.history(base.id), "sha256:" + hashlib.sha256(layer).hexdigest(),
+                                   sorted(items.items()), "forged")
+    image_id, data = assemble.archive(config, list((base.attrs.get("RootFS") or {}).get("Layers") or []), layer)
+    engine.load(data)
+    engine.tag(image_id, ref)
+    return image_id
+
+
+@pytest.fixture
+def forged(engine: Engine, base_v0251: str, unique: str) -> Iterator[list[str]]:
+    """Refs made by a test, removed after it."""
+    made: list[str] = []
+    yield made
+    for ref in made:
+        info = engine.image(ref)
+        engine.untag(ref)
+        if info is not None:
+            engine.remove_untagged(info.id)
+
+
+def _keys(tmp_path: Path) -> tuple[Path, Path]:
+    private = ec.generate_private_key(ec.SECP256R1())
+    key, pub = tmp_path / "site.key", tmp_path / "site.pub"
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    key.chmod(0o600)
+    pub.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+    return key, pub
+
+
+def _refused_everywhere(project: Path, ref: str, tmp_path: Path, registry: RegistryPlace, *needles: str) -> None:
+    """smoke refuses it (14), naming ``needles``; verify and push --require-attestation refuse its signed verdict
+    (24)."""
+    key, pub = _keys(tmp_path)
+    envelope, report = tmp_path / "v.dsse.json", tmp_path / "r.json"
+    r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), "--attestation", str(envelope), "--report",
+            str(report), root=project)
+    assert r.rc == 14, r.err
+    for needle in needles:
+        assert needle in r.last_error, r.err
+    checks = json.loads(report.read_text())["checks"]
+    # Refused before anything ran: the identity check alone, the host's.
+    assert [c["name"] for c in checks] == ["layer-identity"] and checks[0]["status"] == "fail", checks
+    assert checks[0]["data"]["answered_by"] == "filesystem"
+    assert "smoke 3/3" not in r.err and "runner" not in r.err
+    image_id = json.loads(report.read_text())["image_id"]
+    v = cli("verify", image_id, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+            root=project)
+    assert v.rc == 24 and "not a pass: layer-identity" in v.last_error, v.err
+    p = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+            "--allow-gpu-unverified", root=project)
+    assert p.rc == 24 and "not a pass: layer-identity" in p.last_error, p.err
+
+
+def test_the_forge_without_extras_is_the_assemble_builders_image_and_passes(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str]) -> None:
+    ref = f"hotfix-test/forge-honest-{unique}:x"
+    forged.append(ref)
+    image_id = forge(engine, project, base_v0251, ref)
+    r = cli("smoke", ref, "--gpu", "off", root=project)
+    assert r.rc == 0, r.err
+    assert "pass layer-identity: its 1 layer(s) over base" in r.err and image_id in r.out
+    # Found by the definition's base reference in the engine, not by the labels (no build record here).
+    assert f"definition v0.25.1: {STANDIN_REPO}:v0.25.1 in the engine" in r.err
+
+
+@pytest.mark.parametrize("what, extra, needle", [
+    ("so-beside-with-record", [Entry(f"{SITE}/vllm-0.25.1.dist-info", None, 0o755),
+                               Entry(RECORD, b"vllm/models/minimax_m3/common/indexer.cpython-311-x86_64-linux-gnu.so,"
+                                             b"sha256=AAAA,4\n", 0o644),
+                               Entry(f"{SITE}/{INDEXER}.cpython-311-x86_64-linux-gnu.so", b"\x7fELF", 0o755)],
+     f"/{SITE}/vllm-0.25.1.dist-info is not the builder's"),
+    ("pth-hook", [Entry(f"{SITE}/zz.pth", b"import os; os.environ['HIJACKED'] = '1'\n", 0o644)],
+     f"/{SITE}/zz.pth is not the builder's"),
+    ("sitecustomize", [Entry(f"{SITE}/sitecustomize.py", b"import sys\n", 0o644)],
+     f"/{SITE}/sitecustomize.py is not the builder's"),
+    ("python-that-answers", [Entry("usr/local/bin", None, 0o755), Entry("usr/local/bin/python3", ANSWERING_PY, 0o755)],
+     "/usr/local/bin is not the builder's"),
+])
+def test_a_file_the_builder_does_not_write_is_refused_before_any_check(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str], tmp_path: Path,
+        registry: RegistryPlace, what: str, extra: list[Entry], needle: str) -> None:
+    ref = f"hotfix-test/forge-{what}-{unique}:x"
+    forged.append(ref)
+    forge(engine, project, base_v0251, ref, extra=extra)
+    _refused_everywhere(project, ref, tmp_path, registry, "not the product of definition v0.25.1", needle)
+
+
+def test_an_env_pythonpath_to_an_old_copy_is_refused(engine: Engine, base_v0251: str, project: Path, unique: str,
+                                                       forged: list[str], tmp_path: Path,
+                                                       registry: RegistryPlace) -> None:
+    ref = f"hotfix-test/forge-pythonpath-{unique}:x"
+    forged.append(ref)
+    base = engine.image(base_v0251)
+    assert base is not None
+    old = [Entry("opt", None, 0o755), Entry("opt/old", None, 0o755), Entry("opt/old/vllm", None, 0o755),
+           Entry("opt/old/vllm/__init__.py", b"", 0o644)]
+    forge(engine, project, base_v0251, ref, extra=old, env=[*base.env, "PYTHONPATH=/opt/old"])
+    _refused_everywhere(project, ref, tmp_path, registry, "config Env", "PYTHONPATH=/opt/old")
+
+
+def test_a_decoy_base_named_by_the_labels_of_the_real_one_is_refused(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str], tmp_path: Path,
+        registry: RegistryPlace) -> None:
+    decoy = f"hotfix-test/decoy-{unique}:v0.25.1"
+    derive(engine, base_v0251, decoy, f"COPY zz.pth /{SITE}/zz.pth", {"zz.pth": b"import os\n"})
+    forged.append(decoy)
+    ref = f"hotfix-test/forge-decoy-{unique}:x"
+    forged.append(ref)
+    real = engine.image(base_v0251)
+    assert real is not None
+    # Built over the decoy, labelled as if over the real base: the labels choose nothing.
+    forge(engine, project, decoy, ref, labels={L.BASE_ID: real.id, L.OCI_BASE_DIGEST: real.id,
+                                               L.OCI_BASE_NAME: f"{STANDIN_REPO}:v0.25.1"})
+    _refused_everywhere(project, ref, tmp_path, registry, "2 layer(s) over the base; the builder writes 1")
+
+
+def test_the_image_is_refused_where_its_definition_names_no_base_this_host_has(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str]) -> None:
+    ref = f"hotfix-test/forge-nobase-{unique}:x"
+    forged.append(ref)
+    forge(engine, project, base_v0251, ref)
+    r = cli("smoke", ref, "--gpu", "off", "--base-repo", f"hotfix-test/nowhere-{unique}", root=project)
+    assert r.rc == 14 and f"hotfix-test/nowhere-{unique}:v0.25.1 (definition v0.25.1) is not in the engine" in \
+        r.last_error, r.err
