@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from conftest import RegistryPlace, cli, derive, docker_cli
+from conftest import Product, RegistryPlace, cli, derive, docker_cli
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.trust import attest, signing
 from vllm_hotfix.verdicts import Check, Status, judge
@@ -48,6 +48,8 @@ needs_podman = pytest.mark.skipif(not PODMAN, reason="podman is not installed (`
 # A hostile interpreter: reads every file it can and its whole environment for a private key, says what it
 # found on its last line, and gives the runner no report. (The pattern is split so that it never finds itself.)
 KEY_SEARCH = b"""#!/bin/sh
+# As the runner is started (python3 -I -S run.py JOB): search; otherwise the base's own Python.
+[ "$1" = "-I" ] || exec /usr/bin/python3 "$@"
 pat='-----BEGIN [A-Z ]*PRIV''ATE KEY-----'
 found=$(grep -RlsIE -D skip --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev -e "$pat" / | tr '\\n' ' ')
 inenv=$(env | grep -cE -e "$pat")
@@ -68,9 +70,9 @@ import os
 import sys
 
 args = sys.argv[1:]
-if not (len(args) == 2 and args[0].endswith("/run.py")):
+if not any(a.endswith("/run.py") for a in args):
     os.execv("/usr/bin/python3", ["/usr/bin/python3", *args])
-job = json.load(open(args[1]))
+job = json.load(open(args[-1]))
 
 
 def ok(name, **more):
@@ -259,13 +261,14 @@ def _to_podman(ref: str, loaded: list[str], image_id: str) -> None:
 
 
 @pytest.mark.parametrize("launcher", ["docker", pytest.param("podman", marks=needs_podman), "kubernetes"])
-def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, built: tuple[Path, str, str],
+def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, base_v0251: str, project: Path,
                                                        registry: RegistryPlace, in_podman: list[str],
                                                        unique: str, tmp_path: Path, launcher: str) -> None:
-    project, _ref, image_id = built
-    ref = f"hotfix-test/keysearch-{unique}:x"
-    hostile = derive(engine, image_id, ref, "COPY python3 /usr/local/bin/python3", {"python3": KEY_SEARCH},
-                     {"python3": 0o755})
+    # Its base's python3 searches every path as the runner starts: the patch set built over it by the tool, so
+    # the image is its definition's product and the runner does start in it.
+    product = Product(engine, base_v0251, project, f"hotfix-test/keysearch-{unique}",
+                      "COPY python3 /usr/local/bin/python3", {"python3": KEY_SEARCH}, {"python3": 0o755})
+    ref, hostile = product.ref, product.image_id
     key, pub, private = _keys(tmp_path)
     pem = key.read_bytes()
     env_key = {"HOTFIX_SITE_KEY": pem.decode()}
@@ -296,7 +299,7 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, built: tu
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "fail"  # type: ignore[index]
         assert cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), root=project).rc == 24
     finally:
-        engine.remove_image(ref)
+        product.drop()
 
 
 # -- 2. the same checks, and a signed verdict that verifies, from every launcher ----------------------------
@@ -402,18 +405,19 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
     try:
         r = cli("smoke", ref, "--sign-key", str(key), "--attestation", str(envelope), "--report", str(out),
                 root=project)
-        assert r.rc == 7, r.err
+        # The base's layers and two of its own under the patched image's labels: refused before its Python ran.
+        assert r.rc == 14, r.err
         report = _report(out)
         checks = _checks(report)
-        assert report["status"] == "fail" and checks["patch-landed"]["status"] == "fail", checks["patch-landed"]
-        assert checks["patch-landed"]["data"]["answered_by"] == "filesystem"  # type: ignore[index]
-        assert report["gpu_verified"] is False and checks["gpu-claim"]["status"] == "fail"
+        assert report["status"] == "fail" and list(checks) == ["layer-identity"], checks
+        assert checks["layer-identity"]["data"]["answered_by"] == "filesystem"  # type: ignore[index]
+        assert report["gpu_verified"] is False
         doc = _independent(envelope.read_bytes(), private)
         assert doc["predicate"]["status"] == "fail"  # type: ignore[index]
         hostile = str(report["image_id"])
         r = cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
                 root=project)
-        assert r.rc == 24 and "'fail', not a pass" in r.last_error, r.err
+        assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
         # What the image could sign itself, it signs with a key of its own: refused.
         _k, _p, own = _keys(tmp_path, "image-own")
         forged = tmp_path / "forged.dsse.json"
@@ -426,13 +430,14 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
 
 
 def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
-        engine: Engine, built: tuple[Path, str, str], unique: str, tmp_path: Path) -> None:
+        engine: Engine, base_v0251: str, project: Path, unique: str, tmp_path: Path) -> None:
     from vllm_hotfix.journal import records
 
-    project, _ref, image_id = built
-    ref = f"hotfix-test/claims-gpu-{unique}:x"
-    hostile = derive(engine, image_id, ref, "COPY liar.py /usr/local/lib/liar.py\nCOPY python3 /usr/local/bin/python3",
-                     {"liar.py": LIAR, "python3": LIAR_PY}, {"python3": 0o755})
+    # The lying Python is its base's: the image is its definition's product, so the runner starts in it.
+    product = Product(engine, base_v0251, project, f"hotfix-test/claims-gpu-{unique}",
+                      "COPY liar.py /usr/local/lib/liar.py\nCOPY python3 /usr/local/bin/python3",
+                      {"liar.py": LIAR, "python3": LIAR_PY}, {"python3": 0o755})
+    ref, hostile = product.ref, product.image_id
     key, pub, private = _keys(tmp_path)
     out, envelope = tmp_path / "report.json", tmp_path / "verdict.dsse.json"
     try:
@@ -450,7 +455,7 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
                 root=project)
         assert r.rc == 24, r.err
     finally:
-        engine.remove_image(ref)
+        product.drop()
 
 
 # -- 4. the newest signed verdict decides ---------------------------------------------------------------

@@ -22,7 +22,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import cli
+from conftest import STANDIN_REPO, cli
 from vllm_hotfix.checking.launchers import plan
 from vllm_hotfix.checking.launchers.docker import DockerLauncher
 from vllm_hotfix.checking.launchers.podman import PodmanLauncher
@@ -132,7 +132,7 @@ def test_smoke_cli_through_podman(in_podman: tuple[Path, str, str], tmp_path: Pa
     assert report["gpu"]["launcher"] == "podman" and report["gpu_verified"] is False
 
 
-def test_an_altered_patched_file_fails_patch_landed_read_from_podmans_copy(
+def test_an_altered_patched_file_is_refused_read_from_podmans_copy(
         cdi_engine: Engine, in_podman: tuple[Path, str, str], tmp_path: Path) -> None:  # noqa: F811
     """The altered image is only in podman's store: its files can only have been read from podman's copy."""
     from vllm_hotfix.building import expected
@@ -158,13 +158,15 @@ def test_an_altered_patched_file_fails_patch_landed_read_from_podmans_copy(
         subprocess.run(["docker", "-H", CDI_HOST, "rmi", altered], capture_output=True, check=False)
     try:
         out = tmp_path / "report.json"
-        r = cli("smoke", altered, "--launcher", "podman", "--gpu", "off", "--report", str(out), root=project,
-                env={"DOCKER_HOST": CDI_HOST})
-        assert r.rc != 0, r.out
-        by_name = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
-        landed = by_name["patch-landed"]
-        assert landed["status"] == "fail" and "altered after the build" in landed["detail"], landed
-        assert landed["data"]["answered_by"] == "filesystem"
+        # No build record of it: its base is the definition's, in the repository the patch set was built from.
+        r = cli("smoke", altered, "--launcher", "podman", "--gpu", "off", "--base-repo", STANDIN_REPO, "--report",
+                str(out), root=project, env={"DOCKER_HOST": CDI_HOST})
+        # Read from podman's copy, the layer the edit added is not the builder's: refused before any check (14).
+        assert r.rc == 14, r.err
+        [identity] = json.loads(out.read_text())["checks"]
+        assert identity["name"] == "layer-identity" and identity["status"] == "fail", identity
+        assert "2 layer(s) over the base" in identity["detail"]
+        assert identity["data"]["answered_by"] == "filesystem"
     finally:
         subprocess.run(["podman", "rmi", "--force", altered], capture_output=True, check=False)
 

@@ -247,7 +247,7 @@ class Base:
 class Outcome:
     """The identity check as the host settled it; ``base`` None where no base could be found."""
 
-    status: str  # pass, fail, skip
+    status: str  # pass, fail, skip; incomplete where this host has no engine to find the base in
     detail: str
     base: Base | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
@@ -309,13 +309,16 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     return Base(found, ref, f"definition {tag}: {ref} in the engine", defn)
 
 
+LayerSource = Callable[[int], list[Layer]]  # the top N layers of the image judged, bottom first
+
+
 def layers_above(engine: Engine, image: ImageInfo, count: int) -> list[Layer]:
     """The top ``count`` layers of ``image``, bottom first: from the engine's overlay2 folders where this host
     can read them, else from the engine's export of the image."""
     folders = layer_folders(image)
     if folders is not None:
         return [from_folder(f) for f in folders[len(folders) - count:]]
-    return engine_export_layers(engine, image, count)
+    return from_export(engine.export_layers(image.id), image, count)
 
 
 class _Hashing:
@@ -331,13 +334,24 @@ class _Hashing:
         return data
 
 
-def engine_export_layers(engine: Engine, image: ImageInfo, count: int) -> list[Layer]:
-    """The top ``count`` layers from ``docker save`` of the image (every layer streams past; the ones wanted are
-    told by their diff ID, the sha256 of the uncompressed tar)."""
+def from_folders_or(export: Callable[[], Iterable[IO[bytes]]]) -> Callable[[ImageInfo, int], list[Layer]]:
+    """A reader of an image's top layers: its overlay folders where this host can read them (the Docker engine's
+    overlay2, podman's overlay), else ``export`` (a ``save`` of the image, every layer streaming past)."""
+    def read(image: ImageInfo, count: int) -> list[Layer]:
+        folders = layer_folders(image, ("overlay2", "overlay"))
+        if folders is not None:
+            return [from_folder(f) for f in folders[len(folders) - count:]]
+        return from_export(export(), image, count)
+    return read
+
+
+def from_export(blobs: Iterable[IO[bytes]], image: ImageInfo, count: int) -> list[Layer]:
+    """The top ``count`` layers from a ``save`` export of the image (every layer streams past; the ones wanted
+    are told by their diff ID, the sha256 of the uncompressed tar)."""
     diff_ids = [str(d) for d in ((image.attrs or {}).get("RootFS") or {}).get("Layers") or []]
     wanted = set(diff_ids[len(diff_ids) - count:])
     found: dict[str, Layer] = {}
-    for blob in engine.export_layers(image.id):
+    for blob in blobs:
         hashing = _Hashing(blob)
         try:
             layer = from_tar(hashing)  # type: ignore[arg-type]
@@ -380,8 +394,11 @@ def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[
 
 def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | None = None,
           base_repo: str | None = None, built_on: str | None = None,
-          say: Callable[[str], None] = lambda _l: None) -> Outcome:
-    """Whether ``image`` is its definition's product on the base the host finds (see the module's doc)."""
+          say: Callable[[str], None] = lambda _l: None, read_layers: LayerSource | None = None) -> Outcome:
+    """Whether ``image`` is its definition's product on the base the host finds (see the module's doc).
+
+    ``engine`` holds the base (and, unless ``read_layers`` reads them from
+    where the image is started, podman's store or a registry, the image)."""
     try:
         base = find_base(engine, root, image, definition, base_repo, built_on)
     except PipelineError as exc:
@@ -426,7 +443,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     say(f"    layer identity: base {base.info.id[:19]} ({base.how}), {above} layer(s) above it")
     try:
         choices, site_dir = expected_patch_layers(engine, root, base, patches)
-        read = layers_above(engine, image, above)
+        read = read_layers(above) if read_layers is not None else layers_above(engine, image, above)
     except PipelineError as exc:
         return refused(f"cannot read or make its layers: {exc}")
     data["layers_above"] = above

@@ -96,11 +96,12 @@ def keep_tree(cache: Path, chain: str, site_dir: str, tree: Tree) -> None:
                                   "missing": list(tree.missing)})
 
 
-def layer_folders(info: ImageInfo) -> list[str] | None:
-    """The overlay2 folders of the image's layers, bottom first (None: not a local overlay2 image)."""
+def layer_folders(info: ImageInfo, drivers: tuple[str, ...] = ("overlay2",)) -> list[str] | None:
+    """The overlay folders of the image's layers, bottom first (None: not a local image of one of ``drivers``:
+    the Docker engine's overlay2, podman's overlay)."""
     driver = (info.attrs or {}).get("GraphDriver") or {}
     data = driver.get("Data") or {}
-    if driver.get("Name") != "overlay2" or not data.get("UpperDir"):
+    if driver.get("Name") not in drivers or not data.get("UpperDir"):
         return None
     lower = [p for p in str(data.get("LowerDir") or "").split(":") if p]
     folders = [*reversed(lower), str(data["UpperDir"])]

@@ -29,7 +29,7 @@ import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import requests
 import urllib3
@@ -41,6 +41,7 @@ from ..errors import EngineError, PushError
 from . import client as registry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -108,7 +109,7 @@ class RegistryReader:
         self._entries: dict[str, FileFact] | None = None
         self._kept: dict[str, bytes] = {}
 
-    def _blob(self, layer: Layer) -> _Verified:
+    def blob(self, layer: Layer) -> _Verified:
         where = f"layer {layer.digest[:19]} of {self._client.host}/{self._repo}"
         if "zstd" in layer.media_type:
             raise EngineError(f"{where} is zstd-compressed, which this tool does not read")
@@ -127,7 +128,7 @@ class RegistryReader:
         entries: dict[str, FileFact] = {}
         kept: dict[str, bytes] = {}
         for layer in self._layers:
-            blob = self._blob(layer)
+            blob = self.blob(layer)
             mine: dict[str, FileFact] = {}
             mine_kept: dict[str, bytes] = {}
             gone: list[str] = []  # whiteouts: a path and everything below it, in the layers under this one
@@ -223,8 +224,10 @@ class RegistryFiles:
             raise EngineError(f"{self.name}: its manifest or config is not an image's (layers or config malformed)")
         self._layers = tuple(Layer(str(d["digest"]), str(d.get("mediaType") or ""), int(d["size"]))
                              for d in layers)
+        rootfs: dict[str, Any] = conf["rootfs"] if isinstance(conf.get("rootfs"), dict) else {}
         self._info = ImageInfo.from_inspect({
             "Id": config_digest, "Config": conf.get("config") or {}, "Os": conf.get("os") or "linux",
+            "RootFS": {"Type": "layers", "Layers": [str(d) for d in rootfs.get("diff_ids") or []]},
             "Architecture": conf.get("architecture") or "", "Variant": conf.get("variant") or "",
             "RepoDigests": [f"{self._client.host}/{self._repo}@{self._digest}"],
             "Size": sum(layer.size for layer in self._layers),
@@ -246,6 +249,21 @@ class RegistryFiles:
         """This image when ``ref`` is its ID or manifest digest; None for any other (a base is not read here)."""
         info = self._load()
         return info if ref in (info.id, self._digest) else None
+
+    def top_layers(self, count: int, read: Callable[[IO[bytes]], T]) -> list[T]:
+        """``read`` of each of the image's top ``count`` layer blobs (compressed as the registry holds them), bottom
+        first, one download at a time; each is read to its end and checked against its digest."""
+        self._load()
+        reader = RegistryReader(self._client, self._repo, self._layers)
+        out = []
+        for layer in self._layers[len(self._layers) - count:]:
+            blob = reader.blob(layer)
+            try:
+                out.append(read(blob))  # type: ignore[arg-type]
+                blob.finish()
+            finally:
+                blob.close()
+        return out
 
     @contextmanager
     def files(self, image: str) -> Iterator[RegistryReader]:

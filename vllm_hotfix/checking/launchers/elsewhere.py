@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...engine import Engine, ImageInfo, split_reference
@@ -21,7 +21,8 @@ from ...errors import EngineError, NotRegular, PushError, RunnerFailed, UsageErr
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...registry import client as registry
-from . import facts, plan
+from .. import identity
+from . import facts, judging, plan
 from .base import Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
@@ -43,19 +44,21 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
                          f"{inspected.get('Os', '')}/{inspected.get('Architecture', '')}",
                          entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
                          repo_digests=tuple(inspected.get("RepoDigests") or ()))
-    # File facts from podman's own copy, the one it starts; the expectation from the base where a Docker
-    # engine holds it, else from the build record.
+    # File facts from podman's own copy, the one it starts; the base and the expectation from the Docker engine
+    # that holds the base.
     files = PodmanFiles(launcher)
     info = files.image(image_id)
     if info is None:
         found = facts.FileFacts(tuple(facts.unread_file_checks(f"podman has no image {image_id}: its files were "
                                                                "not read")), "")
+        proven = None
     else:
-        try:
-            docker: Engine | None = engine()
-        except EngineError:
-            docker = None
-        found = facts.file_facts(root, info, files, docker, say)
+        read = identity.from_folders_or(lambda: files.export_layers(image_id))
+        proven = prove(root, engine, info, options, say, lambda n: read(info, n))
+        if proven.status in ("fail", "incomplete"):
+            return refused(target, proven, "podman"), target
+        found = facts.file_facts(root, info, files, engine(), say, proven)
+        found = replace(found, checks=(proven.check(), *found.checks))
     from .podman import settle_gpu
 
     request, unavailable = settle_gpu(options.gpu, options.gpu_request)
@@ -63,13 +66,39 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
         say(f"    {unavailable['why']}")
     ran = plan.smoke(launcher, root, target, options, gpu_request=request, gpu_unavailable=unavailable,
                      checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
-                     landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing))
+                     landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing),
+                     python_path=proven.python_path if proven is not None else ())
     return ran, target
 
 
+def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: SmokeOptions,
+          say: Callable[[str], None], read_layers: identity.LayerSource) -> identity.Outcome:
+    """The image's layer identity (:mod:`..identity`), its layers read where the launcher starts it, its base
+    found in the Docker engine; incomplete where this host has none (nothing it could compare the image with)."""
+    say(f"==> {image.id[:19]} against what its builder writes over its base (read from the layers)")
+    try:
+        docker = engine()
+    except EngineError as exc:
+        proven = identity.Outcome("incomplete", "no Docker engine here holds the definition's base to compare the "
+                                                f"image with: {str(exc).splitlines()[0]}")
+    else:
+        proven = identity.prove(docker, root, image, definition=options.definition, base_repo=options.base_repo,
+                                say=say, read_layers=read_layers)
+    say(f"    {proven.status:<4} {identity.CHECK}: {proven.detail}")
+    return proven
+
+
+def refused(target: plan.Target, proven: identity.Outcome, launcher: str) -> plan.Ran:
+    """The run of an image whose identity failed or could not be judged: nothing of it started."""
+    job = {"image": target.ref, "image_id": target.image_id, "platform": target.platform,
+           "host": {"launcher": launcher}, "gpu": {"mode": "off"}}
+    return plan.Ran(judging.not_its_product(job, proven.check()), job)
+
+
 def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, image_id: str,
-                        say: Callable[[str], None]) -> tuple[facts.FileFacts, ImageInfo | None]:
-    """The file facts of the image a cluster pulls, read from the registry's blobs (never run).
+                        say: Callable[[str], None], options: SmokeOptions
+                        ) -> tuple[facts.FileFacts, ImageInfo | None, identity.Outcome | None]:
+    """The identity and file facts of the image a cluster pulls, read from the registry's blobs (never run).
 
     The copy judged is the registry's (manifest by digest, every blob checked
     against its digest, :mod:`vllm_hotfix.registry.blobs`). A registry that cannot be
@@ -87,9 +116,13 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     except EngineError as exc:
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
         say(f"    {why}")
-        return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None
+        return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None, None
+    proven = prove(root, engine, info, options, say, lambda n: source.top_layers(n, identity.from_tar))
+    if proven.status in ("fail", "incomplete"):
+        return facts.FileFacts((), ""), info, proven
     say(f"==> reading the files of {ref} from its registry's blobs")
-    return facts.file_facts(root, info, source, docker, say), info
+    found = facts.file_facts(root, info, source, docker, say, proven)
+    return replace(found, checks=(proven.check(), *found.checks)), info, proven
 
 
 def _registry_digest(engine: Engine, ref: str, local: ImageInfo | None) -> str | None:
@@ -174,14 +207,18 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
         # Refused before the registry is read or anything is written: a Job has no folder of this host's.
         raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
     ref, labels, image_id = by_digest(root, engine, image_ref)
-    found, info = registry_file_facts(root, engine, ref, image_id, say)
+    found, info, proven = registry_file_facts(root, engine, ref, image_id, say, options)
     if info is not None:
         labels, image_id = labels or dict(info.labels), info.id
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
+    if proven is not None and proven.status in ("fail", "incomplete"):
+        # Nothing is written or started for an image that is not its definition's product.
+        return refused(target, proven, "kubernetes"), target, ""
     spec = cluster.spec
     job, extra = plan.job(root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
                           host={"launcher": "kubernetes", "namespace": spec.namespace}, checks=found.checks,
-                          expected_from=found.expected_from, landed=found.landed)
+                          expected_from=found.expected_from, landed=found.landed,
+                          python_path=proven.python_path if proven is not None else ())
     wrote = ""
     if cluster.emit is not None:
         # A folder that refuses the file, or a full disk: one line naming it (exit 10), never a half-written Job.

@@ -18,7 +18,7 @@ from typing import Any
 from ...building import definitions, expected, pins, sources
 from ...engine import Engine, ImageInfo
 from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
-from .. import integrity
+from .. import identity, integrity
 
 
 def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
@@ -59,7 +59,7 @@ def pinned_names(root: Path, definition: str) -> list[str]:
 
 
 def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
-               say: Callable[[str], None] = lambda _l: None) -> FileFacts:
+               say: Callable[[str], None] = lambda _l: None, proven: identity.Outcome | None = None) -> FileFacts:
     """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
 
     For ``--launcher podman|kubernetes``: the same expectation and judgement
@@ -67,12 +67,16 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
     files come from wherever the image is started. ``expect_from``: the Docker
     engine that may hold the base to recompute the expectation from (None:
     none; the build record alone then). Files that cannot be read make the
-    checks incomplete: the run cannot pass without them.
+    checks incomplete: the run cannot pass without them. ``proven``: the
+    image's identity, whose base and definition stand before its labels.
     """
     fs = {"answered_by": integrity.FILESYSTEM}
+    base_id = proven.base_id or None if proven is not None else None
+    tag = proven.base.definition.tag if proven is not None and proven.base is not None else None
     try:
         try:
-            found: expected.Expected | str = expected.for_image(expect_from, root, image)
+            found: expected.Expected | str = expected.for_image(expect_from, root, image, base_id=base_id,
+                                                                definition=tag)
         except EngineError as exc:
             say(f"    no Docker engine to read the base from ({str(exc).splitlines()[0]}): the build record alone")
             found = expected.for_image(None, root, image)
@@ -108,8 +112,6 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     all, its layers and config must be what its builder makes of its base
     (:mod:`..identity`), whatever the journal says.
     """
-    from .. import identity
-
     proven = identity.prove(engine, root, image, say=say)
     if proven.status == "fail":
         return f"{identity.CHECK}: {proven.detail}"

@@ -20,11 +20,11 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ...engine import ImageInfo
 from ...engine import labels as L
-from ...engine.files import FileFact, FolderReader, Found, scan_tar
+from ...engine.files import FileFact, FolderReader, Found, exported_layers, scan_tar
 from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
@@ -210,6 +210,23 @@ class PodmanFiles:
         except (ValueError, LookupError, TypeError) as exc:
             raise EngineError(f"podman image inspect {ref}: unreadable answer ({exc})") from None
         return ImageInfo.from_inspect(attrs)
+
+    def export_layers(self, image: str) -> Iterator[IO[bytes]]:
+        """The layer tars of ``image`` as ``podman save`` streams them (docker-archive format)."""
+        self.podman.require()
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(self.podman.command("save", "--format", "docker-archive", image),
+                                    stdout=subprocess.PIPE, stderr=err, env=podman_env())
+            assert proc.stdout is not None
+            try:
+                yield from exported_layers(iter(lambda: proc.stdout.read(1 << 20), b""))  # type: ignore[union-attr]
+            finally:
+                proc.stdout.close()
+                code = proc.wait()
+            err.seek(0)
+            if code != 0:
+                said = (err.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {code}"])[-1]
+                raise EngineError(f"podman save {image}: {said}")
 
     @contextmanager
     def files(self, image: str) -> Iterator[PodmanReader]:
