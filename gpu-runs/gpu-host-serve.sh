@@ -346,9 +346,10 @@ smoke() {
   fi
   check_inputs
   ensure_key
-  log "smoke $which: $ref --gpu require --keep-going $* ${serve[*]}"
+  log "smoke $which: $ref --gpu require --keep-going --base-repo $REPO_NAME $* ${serve[*]}"
   local start=$SECONDS rc=0
-  act timeout "$limit" "$PY" build.py smoke "$ref" --gpu require --keep-going "$@" "${serve[@]}" \
+  # --base-repo: the definition's base is REPO:v0.25.1 here (the unpatched base's smoke has no build record).
+  act timeout "$limit" "$PY" build.py smoke "$ref" --gpu require --keep-going --base-repo "$REPO_NAME" "$@" "${serve[@]}" \
     --sign-key "$KEY" --attestation "$OUTDIR/$which.dsse.json" --report "$OUTDIR/$which.json" \
     >"$OUTDIR/smoke-$which.log" 2>&1 || rc=$?
   log "smoke $which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$OUTDIR/smoke-$which.log" | tail -1))"

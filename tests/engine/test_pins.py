@@ -186,7 +186,7 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         pin_file = project / "patches" / SM100 / "pins.txt"
         pin_file.write_text(pin_file.read_text().replace("quack-kernels==0.6.4", "quack-kernels==0.6.3"))
         refused = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
-        fails(refused, "refusing to push", "pins: quack-kernels is 0.6.4 in the image", "pins 0.6.3")
+        fails(refused, "refusing to push", "layer-identity", "pins.txt pins quack-kernels 0.6.3")
         assert refused.rc == 8
     finally:
         engine.remove_image(ref)

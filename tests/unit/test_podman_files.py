@@ -93,7 +93,7 @@ def test_reads_folders_names_missing_and_links_and_removes_its_container(
 
 def _expect(monkeypatch: pytest.MonkeyPatch, good: bytes) -> None:
     want = Expected({"pkg/a.py": hashlib.sha256(good).hexdigest()}, "pkg", "1.0", "x", "test", site_dir="/site")
-    monkeypatch.setattr(facts.expected, "for_image", lambda _e, _r, _i: want)
+    monkeypatch.setattr(facts.expected, "for_image", lambda _e, _r, _i, **_found: want)
 
 
 def _info() -> ImageInfo:

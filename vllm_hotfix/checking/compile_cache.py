@@ -8,9 +8,10 @@ one there), which is a host folder kept under the tool's cache:
 
     <VLLM_HOTFIX_CACHE>/compile/<base image ID, hex>/<GPU model slug>/
 
-Keyed by the *base* image's ID (a patched image's ``io.vllm-hotfix.base.id``
-label, the image's own ID for an unpatched base), so a patched image and its
-base share one folder; and by the GPU model, since compiled kernels are for
+Keyed by the *base* image's ID (the base the host proved by the image's
+layers, :mod:`.identity`, never a label the image carries; the image's own
+ID for an unpatched base), so a patched image and its base share one folder
+and an image cannot claim another base's folder; and by the GPU model, since compiled kernels are for
 one architecture. Sharing is safe because every one of these caches keys its
 entries by the source it compiled (Triton and inductor hash the kernel source
 and options, vLLM hashes its config and the traced files): code the patch
@@ -71,18 +72,18 @@ class CompileCache:
         return {"host": str(self.host), "container": CONTAINER_ROOT, "base_id": self.base_id, "gpu": self.gpu}
 
 
-def base_key(image_id: str, base_label: str | None) -> str:
-    """The hex ID the cache is keyed by: the base's (from the label) or, for a base itself, the image's own.
+def base_key(image_id: str, base_id: str | None) -> str:
+    """The hex ID the cache is keyed by: the base's (the one the host proved the image is built on) or, for a
+    base itself or an image whose base is unknown, the image's own.
 
-    The label comes from the image under test, so it is used only when it is an
-    image ID: anything else keys the cache by the image's own ID (no sharing,
-    and no path outside the cache).
+    Anything that is not an image ID keys the cache by the image's own ID (no
+    sharing, and no path outside the cache).
     """
     own = _IMAGE_ID.match(image_id)
     if own is None:
         raise SmokeError(f"image ID {image_id!r} is not a sha256 image ID: no compile cache folder for it")
-    label = _IMAGE_ID.match(base_label or "")
-    return label.group(1) if label else own.group(1)
+    given = _IMAGE_ID.match(base_id or "")
+    return given.group(1) if given else own.group(1)
 
 
 def gpu_slug(devices: Iterable[str]) -> str:
@@ -91,9 +92,9 @@ def gpu_slug(devices: Iterable[str]) -> str:
     return "+".join(slugs)[:120] if slugs else NO_GPU
 
 
-def folder(cache_root: Path, image_id: str, base_label: str | None, devices: Iterable[str]) -> CompileCache:
+def folder(cache_root: Path, image_id: str, base_id: str | None, devices: Iterable[str]) -> CompileCache:
     """The cache folder of an image on the GPUs ``devices``, made if missing (see the module's doc)."""
-    base, gpu = base_key(image_id, base_label), gpu_slug(devices)
+    base, gpu = base_key(image_id, base_id), gpu_slug(devices)
     top = cache_root / "compile"
     leaf = top / base / gpu
     try:

@@ -110,7 +110,9 @@ def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], b
     for pin in pinset.pins:
         wheel = _wheel_for(root, pin.name, pin.version, pin.hashes)
         if wheel is None:
-            return f"no wheel of {pin.spelled} {pin.version} with a hash pins.txt names in {pins.cache(root)}"
+            return (f"{pinset.path.name} pins {pin.spelled} {pin.version}, and {pins.cache(root)} holds no wheel of it "
+                    "with a hash it names: the layer cannot be judged against that pin (build the patch set once "
+                    "to fetch it)")
         names.add(canonical(pin.name))
         with zipfile.ZipFile(wheel) as zf:
             info_dir = next(n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info"))
