@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -451,3 +452,27 @@ def test_an_index_base_gives_one_image_per_platform_and_an_index_tagged_last(
                       "--platform", "linux/arm64")
     assert one["index"] and [i["platform"] for i in one["images"]] == ["linux/arm64"]
     assert one["images"][0]["image_id"] == got["images"][1]["image_id"]  # the same image, under another name
+
+
+def test_an_image_made_in_the_registry_is_proven_on_another_host_by_its_base_in_the_registry(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, tmp_path: Path) -> None:
+    """Smoke where no build record of it exists: the base is the definition's reference in the registry
+    (--base-repo), pulled by that name (its layers came with the image), and the image is its layers plus exactly
+    the in-registry builder's one."""
+    repo = f"{registry.place}/vllm/vllm-openai"
+    publish(engine, made, base_v0251, f"{repo}:v0.25.1")
+    got = in_registry(project, repo, made.add(f"{registry.place}/staging/vllm-openai:v0.25.1-m3patch"))
+    [image] = got["images"]
+    by_digest = made.add(f"{registry.place}/staging/vllm-openai@{image['digest']}")
+    elsewhere = tmp_path / "elsewhere"
+    for folder in ("images", "patches"):  # the same definitions, no journal
+        shutil.copytree(project / folder, elsewhere / folder)
+    engine.pull(by_digest)
+    engine.untag(f"{repo}:v0.25.1")  # this host does not know the base by that name: found in its registry
+    r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", repo, root=elsewhere)
+    assert r.rc == 0, r.err
+    assert "pass layer-identity: its 1 layer(s) over base" in r.err, r.err
+    assert f"definition v0.25.1: {repo}:v0.25.1 in the engine" in r.err
+    # The same image judged against another repository's base is not found there: refused, nothing run.
+    r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", f"{registry.place}/nowhere", root=elsewhere)
+    assert r.rc == 14 and "cannot be pulled" in r.last_error, r.err

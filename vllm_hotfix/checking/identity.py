@@ -299,7 +299,7 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     if found is None and _names_registry(ref):
         try:
             engine.pull(ref)
-        except EngineError as exc:
+        except PipelineError as exc:
             raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine and cannot be pulled: "
                                 f"{exc}") from None
         found = engine.image(ref)
