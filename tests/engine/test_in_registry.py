@@ -476,3 +476,23 @@ def test_an_image_made_in_the_registry_is_proven_on_another_host_by_its_base_in_
     # The same image judged against another repository's base is not found there: refused, nothing run.
     r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", f"{registry.place}/nowhere", root=elsewhere)
     assert r.rc == 14 and "cannot be pulled" in r.last_error, r.err
+
+
+def test_a_second_vllm_in_a_newer_layer_is_patched_there_and_smoke_refuses_the_image(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
+    """The registry build reads the newest layers and finds the copy of vLLM under /opt/venv; the base's Python
+    imports the one under /usr/local. Nothing in the registry can tell which one Python imports: the smoke, which
+    asks the base's Python where it imports vLLM from, finds the image is not what the builder writes for that
+    base (exit 14), so the image that patched the wrong copy never passes."""
+    second = made.add(f"hotfix-test/second-vllm-{RUN_ID}:v0.25.1")
+    derive(engine, base_v0251, second, f"RUN mkdir -p /opt/venv/lib/python3.11/site-packages && cp -a {SITE}/vllm "
+                                       f"{SITE}/vllm-0.25.1.dist-info /opt/venv/lib/python3.11/site-packages/")
+    repo = f"{registry.place}/vllm/second"
+    publish(engine, made, second, f"{repo}:v0.25.1")
+    got = in_registry(project, repo, made.add(f"{registry.place}/ops/second:v0.25.1-m3patch"))
+    [image] = got["images"]
+    assert "/opt/venv/lib/python3.11/site-packages" in got["err"]  # the copy the registry build found
+    by_digest = made.add(f"{registry.place}/ops/second@{image['digest']}")
+    r = cli("smoke", by_digest, "--gpu", "off", root=project)
+    assert r.rc == 14, r.err
+    assert "not the product of definition v0.25.1" in r.last_error and "patch layer: /opt is not" in r.last_error, r.err

@@ -47,7 +47,7 @@ def test_digest_references_split_as_the_engine_does() -> None:
 
 def test_usage_errors_have_their_own_exit_code() -> None:
     r = cli("image", "--no-such-flag")
-    fails(r, "No such option")
+    fails(r, "no such option")
     assert r.rc == 64 and "hint: build.py image --help" in r.err
     r = cli("serve-check", "--url", "http://127.0.0.1:9", "--concurrency", "1,x")
     fails(r, "--concurrency '1,x'")

@@ -240,7 +240,7 @@ def test_the_cli_maps_errors_to_exit_codes_and_keeps_running(tmp_path: Path,
     assert "Exit codes:" in capsys.readouterr().out
     assert cli._run(["image", "--no-such-flag"], "build.py") == 64
     err = capsys.readouterr().err
-    assert "error: No such option" in err and "hint: build.py image --help" in err
+    assert "error: no such option" in err and "hint: build.py image --help" in err
     # A library error becomes its one line and its code, from _run alone (no engine is reached).
     assert cli._run(["--root", str(tmp_path), "image", "--base", "v9.9.9"], "build.py") == 2
     assert capsys.readouterr().err.startswith("error: ")

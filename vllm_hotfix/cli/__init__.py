@@ -82,6 +82,13 @@ def _on_sigterm(_signum: int, _frame: object) -> None:
     raise Terminated()
 
 
+def _sentence(text: str) -> str:
+    """click's message as every other ``error:`` line reads: lower-case first word ("no such command ..."),
+    an all-capital word (a metavar such as IMAGE) left as it is."""
+    first = text.split(" ", 1)[0]
+    return text[:1].lower() + text[1:] if first[:1].isupper() and not first.isupper() else text
+
+
 def _run(argv: Sequence[str] | None, prog: str) -> int:
     try:
         main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
@@ -89,7 +96,7 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         return report_error(exc)
     except click.exceptions.UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else prog
-        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        click.secho(f"error: {_sentence(exc.format_message())}", fg="red", err=True)
         click.echo(f"hint: {where} --help", err=True)
         return UsageError.exit_code
     except click.exceptions.Exit as exc:
@@ -110,7 +117,7 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         click.secho("error: interrupted", fg="red", err=True)
         return EXIT_INTERRUPTED
     except click.ClickException as exc:
-        click.secho(f"error: {exc.format_message()}", fg="red", err=True)
+        click.secho(f"error: {_sentence(exc.format_message())}", fg="red", err=True)
         return UsageError.exit_code
     except Exception:
         # Not an error the pipeline knows: a bug. The traceback is what a fix needs.
