@@ -508,3 +508,31 @@ def test_a_pushed_tag_the_engine_has_no_digest_for_resolves_through_the_registry
         config_map = json.loads(job.read_text().split("---\n")[1])
         assert json.loads(config_map["data"]["job.json"])["image_id"] == image_id
 
+
+
+# -- 5. every verdict beside the image in its registry ----------------------------------------------------
+
+
+def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsewhere_says_fail(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """smoke attaches its signed verdict, pass or fail, beside every registry copy of the image this host knows:
+    a later fail, signed on this host, is what `verify REF` on a host with another journal reads as the newest."""
+    project, ref, image_id = built
+    key, pub, _private = _keys(tmp_path)
+    r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), root=project)
+    assert r.rc == 0, r.err
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+            "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    pushed = json.loads(r.out)
+    elsewhere = tmp_path / "elsewhere"
+    for folder in ("images", "patches"):  # the same definitions, another journal (none)
+        shutil.copytree(project / folder, elsewhere / folder)
+    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 0, r.err
+    # Later, the same image judged again and failing (here: against the SM100 variant, whose pins it lacks).
+    r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
+    assert r.rc == 14, r.err
+    assert f"signed verdict attached to {pushed['ref'].rsplit(':', 1)[0]}@{pushed['digest']}" in r.err, r.err
+    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..building import expected
-from ..engine import Engine
-from ..errors import BaseImageError, UsageError
+from ..engine import Engine, split_reference
+from ..errors import BaseImageError, PipelineError, UsageError
 from ..journal import records
 from ..journal.atomic import write_atomic
 from ..registry.pulling import pull_missing
@@ -116,7 +117,37 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
         if request.launcher == "kubernetes":
             attest.attach_and_read_back(engine(), target.start, envelope)
             progress(f"    signed verdict attached to {target.start} and read back from its registry")
+        else:
+            attach_where_it_lives(engine, root, target, envelope, progress)
     return SmokeResult(verdict, entry.path, signed)
+
+
+def attach_where_it_lives(engine: Callable[[], Engine], root: Path, target: Any, envelope: bytes,
+                          progress: Callable[[str], None]) -> None:
+    """The signed verdict, pass or fail, beside every registry copy of the judged image this host knows (the
+    engine's repo digests, the journal's pushes and in-registry builds), so that a later fail reaches wherever a
+    deployment reads verdicts. A registry that cannot be reached is named; the verdict stands in the journal and
+    ``push`` attaches it with the image."""
+    places = [str(d) for d in target.repo_digests if "@sha256:" in str(d)]
+    for entry in records.pushes(root, target.image_id):
+        # An index push names each platform's image among its children: the verdict goes beside that image.
+        mine: list[Mapping[str, Any]] = [c for c in entry.data.get("children") or [] if isinstance(c, dict)
+                                         and c.get("image_id") == target.image_id] or [entry.data]
+        for pushed in mine:
+            ref, digest = str(pushed.get("ref") or ""), str(pushed.get("digest") or "")
+            if ref and digest.startswith("sha256:"):
+                places.append(f"{split_reference(ref)[0]}@{digest}")
+    for entry in records.builds_of_image(root, target.image_id):
+        where = entry.data.get("registry")
+        if isinstance(where, dict) and str(where.get("digest", "")).startswith("sha256:") and where.get("repository"):
+            places.append(f"{where['repository']}@{where['digest']}")
+    for place in dict.fromkeys(places):
+        try:
+            attest.attach_and_read_back(engine(), place, envelope)
+        except PipelineError as exc:
+            progress(f"    signed verdict not attached to {place}: {exc} (push attaches it with the image)")
+            continue
+        progress(f"    signed verdict attached to {place} and read back from its registry")
 
 
 def runner(
