@@ -67,11 +67,9 @@ def forged(engine: Engine, base_v0251: str, unique: str) -> Iterator[list[str]]:
     """Refs made by a test, removed after it."""
     made: list[str] = []
     yield made
-    for ref in made:
-        info = engine.image(ref)
-        engine.untag(ref)
-        if info is not None:
-            engine.remove_untagged(info.id)
+    for ref in reversed(made):
+        # By name: the engine removes the untagged steps a derived image was built from with it.
+        engine.remove_image(ref)
 
 
 def _keys(tmp_path: Path) -> tuple[Path, Path]:
