@@ -76,3 +76,35 @@ def test_an_image_without_verdicts_has_none(pushed: tuple[str, str]) -> None:
     image = client.manifest(path, tag)
     assert image is not None
     assert referrers.envelopes(client, path, image.digest) == []
+
+
+def test_two_hosts_attaching_at_once_both_land_and_a_rewritten_index_hides_neither(
+        pushed: tuple[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    """Each verdict also stands under a tag of its own, which no other writer writes: verdicts attached side by
+    side all land, and one dropped from the fallback index (by a racing writer, or by hand) is still read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, tag = pushed
+    image = Client(REGISTRY, secure=False, credentials=None).manifest(path, tag)
+    assert image is not None
+    config = image.json()["config"]["digest"]
+    subject = referrers.Subject(image.digest, image.media_type, image.size)
+    key = ec.generate_private_key(ec.SECP256R1())
+    made = [signing.sign(signing.statement({f"{path}:{tag}": config}, {"status": "pass", "n": i}), key)
+            for i in range(8)]
+
+    def attach(envelope: bytes) -> str:  # a host of its own: its own client and connection
+        return referrers.attach(Client(REGISTRY, secure=False, credentials=None), path, subject, envelope)
+
+    with ThreadPoolExecutor(len(made)) as pool:
+        digests = list(pool.map(attach, made))
+    client = Client(REGISTRY, secure=False, credentials=None)
+    assert sorted(e for _d, e in referrers.envelopes(client, path, image.digest)) == sorted(made)
+    # Someone who may push rewrites the index to list one verdict only: every other is still read, and named.
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+             "manifests": [e for e in referrers.tagged(client, path, image.digest) if e["digest"] == digests[0]]}
+    client.put_manifest(path, referrers.fallback_tag(image.digest), "application/vnd.oci.image.index.v1+json",
+                        json.dumps(index).encode())
+    with caplog.at_level("WARNING"):
+        assert sorted(e for _d, e in referrers.envelopes(client, path, image.digest)) == sorted(made)
+    assert "the fallback index" in caplog.text and "lacks it (the index was rewritten)" in caplog.text

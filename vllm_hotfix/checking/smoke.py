@@ -33,6 +33,7 @@ from ..verdicts import Status, Verdict
 from .launchers import NAMES, elsewhere
 from .launchers.docker import DockerRun, format_phases
 from .launchers.options import GPU_MODES, SmokeOptions
+from .launchers.plan import Target
 
 __all__ = ["GPU_MODES", "SmokeOptions", "SmokeRequest", "SmokeResult", "format_phases", "run", "runner"]
 
@@ -111,23 +112,23 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
     entry = records.append_verdict(root, verdict)
     signed = None
     if request.sign_key is not None and verdict.judged:
-        subjects = signing.subjects(target.ref, verdict.image_id, target.repo_digests)
+        # The subject names every registry copy this host knows by its manifest digest, beside the config digest:
+        # tools that look attestations up by manifest digest find it.
+        places = registry_copies(root, target) if request.launcher != "kubernetes" else []
+        subjects = signing.subjects(target.ref, verdict.image_id, [*target.repo_digests, *places])
         signed, envelope = attest.sign(root, verdict, target.labels, subjects, request.sign_key, request.attestation)
         progress(f"==> signed verdict: {signed}")
         if request.launcher == "kubernetes":
             attest.attach_and_read_back(engine(), target.start, envelope)
             progress(f"    signed verdict attached to {target.start} and read back from its registry")
         else:
-            attach_where_it_lives(engine, root, target, envelope, progress)
+            attach_where_it_lives(engine, places, envelope, progress)
     return SmokeResult(verdict, entry.path, signed)
 
 
-def attach_where_it_lives(engine: Callable[[], Engine], root: Path, target: Any, envelope: bytes,
-                          progress: Callable[[str], None]) -> None:
-    """The signed verdict, pass or fail, beside every registry copy of the judged image this host knows (the
-    engine's repo digests, the journal's pushes and in-registry builds), so that a later fail reaches wherever a
-    deployment reads verdicts. A registry that cannot be reached is named; the verdict stands in the journal and
-    ``push`` attaches it with the image."""
+def registry_copies(root: Path, target: Target) -> list[str]:
+    """Every registry copy of the judged image this host knows, as NAME@sha256:... (the engine's repo digests,
+    the journal's pushes and in-registry builds)."""
     places = [str(d) for d in target.repo_digests if "@sha256:" in str(d)]
     for entry in records.pushes(root, target.image_id):
         # An index push names each platform's image among its children: the verdict goes beside that image.
@@ -141,7 +142,15 @@ def attach_where_it_lives(engine: Callable[[], Engine], root: Path, target: Any,
         where = entry.data.get("registry")
         if isinstance(where, dict) and str(where.get("digest", "")).startswith("sha256:") and where.get("repository"):
             places.append(f"{where['repository']}@{where['digest']}")
-    for place in dict.fromkeys(places):
+    return list(dict.fromkeys(places))
+
+
+def attach_where_it_lives(engine: Callable[[], Engine], places: list[str], envelope: bytes,
+                          progress: Callable[[str], None]) -> None:
+    """The signed verdict, pass or fail, beside each of ``places`` (:func:`registry_copies`), so that a later
+    fail reaches wherever a deployment reads verdicts. A registry that cannot be reached is named; the verdict
+    stands in the journal and ``push`` attaches it with the image."""
+    for place in places:
         try:
             attest.attach_and_read_back(engine(), place, envelope)
         except PipelineError as exc:

@@ -43,6 +43,14 @@ def fallback_tag(digest: str) -> str:
     return digest.replace(":", "-")
 
 
+def verdict_tag(subject: str, artifact: str) -> str:
+    """The tag one signed verdict stands under by itself: the fallback tag, a dot, the artifact's hash (part)."""
+    return f"{fallback_tag(subject)}.{artifact.partition(':')[2][:32]}"
+
+
+INDEX_RETRIES = 5  # times the fallback index is written again when a concurrent writer replaced it
+
+
 def _put_blob(client: Client, repo: str, data: bytes) -> str:
     digest = sha256(data)
     scope = f"repository:{repo}:pull,push"
@@ -82,6 +90,8 @@ def attach(client: Client, repo: str, subject: Subject, envelope: bytes) -> str:
     if res.status_code != 201:
         raise PushError(f"registry {client.host} refused the signed verdict for {repo}@{subject.digest} "
                         f"({res.status_code})")
+    # Its own tag: no other writer ever writes it, so no concurrent attach can drop it.
+    client.put_manifest(repo, verdict_tag(subject.digest, digest), OCI_MANIFEST, body)
     if res.headers.get("OCI-Subject") == subject.digest:
         log.info("registry %s indexes referrers itself", client.host)
         return digest
@@ -90,19 +100,68 @@ def attach(client: Client, repo: str, subject: Subject, envelope: bytes) -> str:
     return digest
 
 
-def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[str, Any]) -> None:
-    tag = fallback_tag(subject.digest)
+def _index_entries(client: Client, repo: str, tag: str) -> list[dict[str, Any]] | None:
+    """The fallback index's entries (None: no index there)."""
     found = client.manifest(repo, tag)
-    entries: list[dict[str, Any]] = []
-    if found is not None:
-        if found.media_type != OCI_INDEX:
-            raise PushError(f"registry {client.host}: {repo}:{tag} exists and is not a referrers index; "
-                            f"not overwriting it")
-        entries = [e for e in found.json().get("manifests") or [] if isinstance(e, dict)]
-    if any(e.get("digest") == entry["digest"] for e in entries):
-        return
-    index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, entry]}
-    client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+    if found is None:
+        return None
+    if found.media_type != OCI_INDEX:
+        raise PushError(f"registry {client.host}: {repo}:{tag} exists and is not a referrers index; "
+                        f"not overwriting it")
+    return [e for e in found.json().get("manifests") or [] if isinstance(e, dict)]
+
+
+def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[str, Any]) -> None:
+    """Add ``entry`` to the fallback index, with every verdict the per-verdict tags hold; read it back and write
+    the union again while a concurrent writer's index replaced this one."""
+    tag = fallback_tag(subject.digest)
+    for _attempt in range(INDEX_RETRIES):
+        entries = _index_entries(client, repo, tag) or []
+        known = {e.get("digest") for e in entries}
+        mine = {e["digest"]: e for e in [entry, *tagged(client, repo, subject.digest)]}
+        wanted = [e for d, e in mine.items() if d not in known]
+        if not wanted:
+            return
+        index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, *wanted]}
+        client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+    log.warning("registry %s: the fallback index %s:%s kept changing under this writer; the verdict stands under "
+                "its own tag", client.host, repo, tag)
+
+
+def tagged(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
+    """Descriptors of the signed verdicts tagged by themselves beside ``repo@digest`` (:func:`verdict_tag`)."""
+    prefix = fallback_tag(digest) + "."
+    out = []
+    for tag in tags(client, repo):
+        if not tag.startswith(prefix):
+            continue
+        found = client.manifest(repo, tag)
+        if found is None or found.media_type != OCI_MANIFEST:
+            continue
+        body = found.json()
+        if body.get("artifactType") != PAYLOAD_TYPE:
+            continue
+        out.append({"mediaType": OCI_MANIFEST, "digest": found.digest, "size": found.size,
+                    "artifactType": PAYLOAD_TYPE})
+    return out
+
+
+def tags(client: Client, repo: str) -> list[str]:
+    """Every tag of ``repo`` (the tag list, read page by page as its ``Link`` header names them)."""
+    res = client.request("GET", f"/v2/{repo}/tags/list", f"repository:{repo}:pull", params={"n": 1000})
+    out: list[str] = []
+    pages = 0
+    while res.status_code == 200:
+        try:
+            out += [str(t) for t in res.json().get("tags") or []]
+        except (ValueError, AttributeError):
+            raise PushError(f"registry {client.host} answered the tag list of {repo} with something else") from None
+        nxt = _next_page(res.headers.get("Link", ""))
+        pages += 1
+        if nxt is None or pages >= MAX_PAGES:
+            break
+        res = client.request("GET", nxt, f"repository:{repo}:pull")
+    return out
 
 
 MAX_PAGES = 1000  # pages of the referrers API read at most (a registry looping its Link would hold the run)
@@ -142,6 +201,17 @@ def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
         found = client.manifest(repo, fallback_tag(digest))
         if found is not None and found.media_type == OCI_INDEX:
             entries = found.json().get("manifests") or []
+            # Every verdict also stands under its own tag: one the index lacks was dropped from it.
+            own = tagged(client, repo, digest)
+            listed_there = {e.get("digest") for e in entries if isinstance(e, dict)}
+            for e in own:
+                if e["digest"] not in listed_there:
+                    log.warning("registry %s: the signed verdict %s stands under its own tag beside %s@%s, but the "
+                                "fallback index %s lacks it (the index was rewritten); it is read all the same",
+                                client.host, e["digest"][:19], repo, digest[:19], fallback_tag(digest))
+                    entries.append(e)
+        else:
+            entries = tagged(client, repo, digest)
     return [e for e in entries if isinstance(e, dict) and e.get("artifactType") == PAYLOAD_TYPE]
 
 
