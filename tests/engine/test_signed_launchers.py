@@ -19,6 +19,7 @@ on the Docker engine, and its log is collected with `smoke --collect`.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import http.server
@@ -180,6 +181,7 @@ class FakeCluster:
         self.config_maps: dict[str, dict[str, Any]] = {}
         self.jobs: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}
+        self.pods: dict[str, dict[str, Any]] = {}  # pod specs of Jobs that ran elsewhere (their emitted template)
         cluster = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -214,8 +216,10 @@ class FakeCluster:
                                              "status": {"succeeded": 1}})
                 if parts[-1] == "pods":  # /api/v1/namespaces/NS/pods?labelSelector=job-name=NAME
                     name = urllib.parse.parse_qs(self.path.partition("?")[2])["labelSelector"][0].split("=")[1]
+                    spec = (cluster.jobs.get(name) or {}).get("spec", {}).get("template", {}).get("spec") or \
+                        cluster.pods.get(name)
                     return self.answer(200, {"apiVersion": "v1", "kind": "PodList", "metadata": {},
-                                             "items": [{"metadata": {"name": f"{name}-pod"}}]})
+                                             "items": [{"metadata": {"name": f"{name}-pod"}, "spec": spec}]})
                 if parts[-1] == "log":  # /api/v1/namespaces/NS/pods/POD/log
                     return self.answer(200, cluster.logs[parts[-2].removesuffix("-pod")], "text/plain")
                 self.answer(404, {"kind": "Status", "code": 404})
@@ -378,6 +382,7 @@ def test_a_job_submitted_or_collected_through_the_clusters_api_is_judged_and_sig
         emitted = json.loads(job.read_text().split("---\n")[2])["metadata"]["name"]
         assert f"--collect job/{emitted}" in r.out
         cluster.logs[emitted] = run_as_a_node(engine, job, image_id, tmp_path / "elsewhere", {})
+        cluster.pods[emitted] = json.loads(job.read_text().split("---\n")[2])["spec"]["template"]["spec"]
         envelope = tmp_path / "collected.dsse.json"
         r = cli("smoke", target, "--launcher", "kubernetes", "--gpu", "off", "--collect", f"job/{emitted}",
                 "--kubeconfig", str(config), "--sign-key", str(key), "--attestation", str(envelope), root=project)
@@ -536,3 +541,46 @@ def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsew
     assert f"signed verdict attached to {pushed['ref'].rsplit(':', 1)[0]}@{pushed['digest']}" in r.err, r.err
     r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
+
+
+def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_time(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """--emit and --submit give the Job a nonce of its own and journal it; --collect refuses a log without it or
+    with another (a foreign host's Job, another image's), and a pod that ran another image; a log collected late
+    is as new as its run, never newer than a fail signed after that run."""
+    project, ref, image_id = built
+    key, pub, _private = _keys(tmp_path)
+    by_digest = _pushed(engine, ref, registry, "noncejob")
+    job = tmp_path / "job.yaml"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--emit", str(job), root=project)
+    assert r.rc == 0, r.err
+    log = run_as_a_node(engine, job, image_id, tmp_path / "node", {})
+    (tmp_path / "pod.log").write_text(log)
+    # Another host's journal never emitted it: refused, nothing signed.
+    elsewhere = tmp_path / "elsewhere"
+    for folder in ("images", "patches"):
+        shutil.copytree(project / folder, elsewhere / folder)
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(tmp_path / "pod.log"),
+            "--sign-key", str(key), root=elsewhere)
+    assert r.rc == 13 and "which no Job this host made for" in r.last_error, r.err
+    # A log without a nonce (a runner started by hand, an older tool's Job): refused.
+    bare = "\n".join(ln for ln in log.splitlines() if "run_nonce" not in ln)
+    marked = [ln for ln in log.splitlines() if ln.startswith("@@vllm-hotfix-runner:report@@")]
+    report = json.loads(base64.b64decode(marked[-1].split()[1]))
+    report["environment"].pop("run_nonce")
+    forged = "@@vllm-hotfix-runner:report@@ " + base64.b64encode(json.dumps(report).encode()).decode()
+    (tmp_path / "bare.log").write_text(bare.replace(marked[-1], forged))
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(tmp_path / "bare.log"),
+            root=project)
+    assert r.rc == 13 and "carries no run nonce" in r.last_error, r.err
+    # After the run, a newer fail is signed; collecting the earlier run's passing log now does not outrank it.
+    r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
+    assert r.rc == 14, r.err
+    envelope = tmp_path / "late.dsse.json"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(tmp_path / "pod.log"),
+            "--sign-key", str(key), "--attestation", str(envelope), root=project)
+    assert r.rc == 0, r.err
+    predicate = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))["predicate"]
+    assert predicate["run_at"] < predicate["signed_at"]
+    r = cli("verify", by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
+    assert r.rc == 24 and "not a pass: layer-identity" in r.last_error, r.err

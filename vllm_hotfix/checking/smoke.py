@@ -24,6 +24,7 @@ from typing import Any
 
 from ..building import expected
 from ..engine import Engine, split_reference
+from ..engine import labels as L
 from ..errors import BaseImageError, PipelineError, UsageError
 from ..journal import records
 from ..journal.atomic import write_atomic
@@ -116,7 +117,9 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
         # tools that look attestations up by manifest digest find it.
         places = registry_copies(root, target) if request.launcher != "kubernetes" else []
         subjects = signing.subjects(target.ref, verdict.image_id, [*target.repo_digests, *places])
-        signed, envelope = attest.sign(root, verdict, target.labels, subjects, request.sign_key, request.attestation)
+        # The base a signed verdict names is the one the host found by the image's layers, never the label's.
+        labels = {**target.labels, L.BASE_ID: target.base_id}
+        signed, envelope = attest.sign(root, verdict, labels, subjects, request.sign_key, request.attestation)
         progress(f"==> signed verdict: {signed}")
         if request.launcher == "kubernetes":
             attest.attach_and_read_back(engine(), target.start, envelope)

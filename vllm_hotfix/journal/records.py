@@ -57,7 +57,7 @@ from .atomic import claim, write_atomic
 
 log = logging.getLogger(__name__)
 
-KINDS = ("build", "verdict", "push", "tag")
+KINDS = ("build", "verdict", "push", "tag", "job")  # job: a Kubernetes Job this host emitted or submitted
 SEQ_DIR = "seq"  # the claimed sequence numbers, one empty file each
 # Counting again after a clash: each retry means another writer got a number,
 # so this many clashes in a row is a folder that refuses to behave, not a race.
@@ -469,6 +469,14 @@ def pushes(root: Path, image_id: str | None = None, loaded: list[Entry] | None =
     if image_id is not None:
         # An index push names each platform's image among its children.
         found = [e for e in found if e.image_id == image_id or image_id in (e.data.get("image_ids") or ())]
+    return _newest_first(found)
+
+
+def jobs(root: Path, nonce: str | None = None) -> list[Entry]:
+    """The Kubernetes Jobs this host emitted or submitted (the run nonce each was given), newest first."""
+    found = load(root, "job")
+    if nonce is not None:
+        found = [e for e in found if e.data.get("nonce") == nonce]
     return _newest_first(found)
 
 

@@ -17,6 +17,7 @@ the same instant are refused. An older pass never stands in for a newer fail.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -59,9 +60,11 @@ def keep(root: Path, image_id: str, envelope: bytes, copy_to: Path | None = None
 
 def sign(root: Path, verdict: Verdict, labels: Mapping[str, str], subjects: Mapping[str, str], key_source: str,
          copy_to: Path | None = None) -> tuple[Path, bytes]:
-    """Sign the host's ``verdict`` now and keep the envelope; return where it is kept, and its bytes."""
+    """Sign the host's ``verdict`` now and keep the envelope; return where it is kept, and its bytes. The run's
+    time (``run_at``) is the verdict's start as the host recorded it."""
     key = signing.load_private_key(key_source)
-    doc = signing.statement(subjects, signing.predicate(verdict.to_dict(), labels, signing.now()))
+    doc = signing.statement(subjects, signing.predicate(verdict.to_dict(), labels, signing.now(),
+                                                        verdict.started or None))
     envelope = signing.sign(doc, key)
     return keep(root, verdict.image_id, envelope, copy_to), envelope
 
@@ -91,9 +94,18 @@ class Accepted:
 
 def _newest(found: list[tuple[str, signing.Attested]], image: str) -> tuple[str, signing.Attested,
                                                                            list[tuple[str, signing.Attested]]]:
-    """The newest by signed time, and the others; refused when none says when, or two newest tie."""
-    timed = [(signing.signed_time(f.predicate), where, f) for where, f in found]
-    dated = [(when, where, f) for when, where, f in timed if when is not None]
+    """The newest by the time of the run it judged (``run_at``, else its signed time; two of one run by signed
+    time), and the others; refused when none says when, or two newest tie. A run's verdict signed later (a Job's
+    log collected after another run failed) is as new as its run, not as its signature."""
+    def when(predicate: Mapping[str, Any]) -> tuple[dt.datetime, dt.datetime] | None:
+        signed = signing.signed_time(predicate)
+        if signed is None:
+            return None
+        ran = signing.signed_time(predicate, "run_at") or signed
+        return ran, signed
+
+    timed = [(when(f.predicate), where, f) for where, f in found]
+    dated = [(at, where, f) for at, where, f in timed if at is not None]
     if not dated:
         raise AttestationMismatch(f"{image}: its signed verdict(s) ({', '.join(w for w, _ in found)}) carry no "
                                   "signed time (made before verdicts were dated), so none can be told the newest",

@@ -161,9 +161,10 @@ def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def signed_time(predicate: Mapping[str, Any]) -> dt.datetime | None:
-    """When a statement says it was signed (``signed_at``); None when it does not say, or says it badly."""
-    text = predicate.get("signed_at")
+def signed_time(predicate: Mapping[str, Any], key: str = "signed_at") -> dt.datetime | None:
+    """When a statement says it was signed (``signed_at``, or another ``key``: ``run_at``); None when it does not
+    say, or says it badly."""
+    text = predicate.get(key)
     if not isinstance(text, str):
         return None
     try:
@@ -173,8 +174,10 @@ def signed_time(predicate: Mapping[str, Any]) -> dt.datetime | None:
     return when if when.tzinfo is not None else None
 
 
-def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str) -> dict[str, Any]:
-    """The host's judged smoke report, what the image's labels say it was made from, and when it was signed."""
+def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str,
+              run_at: str | None = None) -> dict[str, Any]:
+    """The host's judged smoke report, what the image's labels say it was made from, when it was signed, and when
+    the run it judged was made (``run_at``: a Job's emission, collected later, is that run's time)."""
     try:
         patches = json.loads(labels.get(L.PATCHES, "{}"))
     except ValueError:
@@ -187,6 +190,7 @@ def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: s
         "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
                  "digest": labels.get(L.OCI_BASE_DIGEST, "")},
         "signed_at": signed_at,
+        **({"run_at": run_at} if run_at else {}),
     }
 
 

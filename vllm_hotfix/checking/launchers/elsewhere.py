@@ -10,14 +10,16 @@ anywhere: the caller signs the verdict this returns.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...engine import Engine, ImageInfo, split_reference
-from ...errors import EngineError, NotRegular, PushError, RunnerFailed, UsageError
+from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed, UsageError
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...registry import client as registry
@@ -57,6 +59,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
         proven = prove(root, engine, info, options, say, lambda n: read(info, n))
         if proven.status in ("fail", "incomplete"):
             return refused(target, proven, "podman"), target
+        target = replace(target, base_id=proven.base_id)
         found = facts.file_facts(root, info, files, engine(), say, proven)
         found = replace(found, checks=(proven.check(), *found.checks))
     from .podman import settle_gpu
@@ -214,15 +217,25 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     if proven is not None and proven.status in ("fail", "incomplete"):
         # Nothing is written or started for an image that is not its definition's product.
         return refused(target, proven, "kubernetes"), target, ""
+    if proven is not None:
+        target = replace(target, base_id=proven.base_id)
     spec = cluster.spec
     job, extra = plan.job(root, target, options, launcher="kubernetes", gpu_request=f"nvidia.com/gpu={spec.gpus}",
                           host={"launcher": "kubernetes", "namespace": spec.namespace}, checks=found.checks,
                           expected_from=found.expected_from, landed=found.landed,
                           python_path=proven.python_path if proven is not None else ())
     wrote = ""
+    text = ""
+    if cluster.collect is None:
+        # A nonce for this run alone, in the Job and journalled here: the report collected later must carry it.
+        job["run_nonce"] = secrets.token_hex(16)
+        text = k8s.to_yaml(k8s.manifests(ref, spec, job, extra))
+        records.append(root, "job", {"name": spec.name, "namespace": spec.namespace, "image": ref,
+                                     "image_id": target.image_id, "gpus": spec.gpus, "nonce": job["run_nonce"],
+                                     "spec_sha256": hashlib.sha256(text.encode()).hexdigest()})
     if cluster.emit is not None:
         # A folder that refuses the file, or a full disk: one line naming it (exit 10), never a half-written Job.
-        write_atomic(cluster.emit, k8s.to_yaml(k8s.manifests(ref, spec, job, extra)))
+        write_atomic(cluster.emit, text)
         wrote = (f"wrote {cluster.emit}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}; once it has "
                  f"ended: smoke {image_ref} --launcher kubernetes --collect job/{spec.name} (or the pod's log "
                  "saved to a file) [--sign-key KEY]")
@@ -231,33 +244,60 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     launched: Launched | RunnerFailed
     if cluster.collect is not None:
         try:
-            launched = _collected(cluster, say)
+            launched = _collected(root, cluster, say, ref)
         except RunnerFailed as exc:
             launched = exc
     elif cluster.submit:
         with tempfile.TemporaryDirectory() as tmp:
             folder = stage(Path(tmp) / "runner", job, extra)
             try:
-                launched = k8s.KubernetesLauncher(spec, cluster.kubeconfig, say, extra).launch(ref, folder, job,
-                                                                                                None)
+                launched = k8s.KubernetesLauncher(spec, cluster.kubeconfig, say, extra, image=ref,
+                                                  gpus=spec.gpus).launch(ref, folder, job, None)
             except RunnerFailed as exc:
                 launched = exc
     else:
         return None, target, wrote
+    if isinstance(launched, Launched):
+        started = _this_run(root, launched, ref, cluster, job.get("run_nonce"))
     verdict, _levels = plan.judged(job, launched, host_facts, started=started, reference=options.reference)
     for c in verdict.checks:
         say(f"    {c.status.value:<4} {c.name}: {c.detail}")
     return plan.Ran(verdict, job), target, wrote
 
 
-def _collected(cluster: Cluster, say: Callable[[str], None]) -> Launched:
+def _this_run(root: Path, launched: Launched, ref: str, cluster: Cluster, submitted: str | None) -> str:
+    """When the run whose report came back was made (its journalled Job's time: the verdict's time); Refused
+    unless the report carries the nonce of a Job this host emitted or submitted for ``ref`` (that very one, for
+    --submit; the one named, for --collect job/NAME): a replayed or foreign log is never judged."""
+    said = str((launched.report.environment or {}).get("run_nonce") or "")
+    where = f"the report of {cluster.collect or f'Job {cluster.spec.name}'}"
+    if not said:
+        raise Refused(f"{where} carries no run nonce: not the report of a Job this host emitted or submitted",
+                      hint="emit or submit the Job from this host, and collect what it ran")
+    if submitted is not None and said != submitted:
+        raise Refused(f"{where} carries run nonce {said[:12]}, not this submission's {submitted[:12]}")
+    entry = next((e for e in records.jobs(root, said) if e.data.get("image") == ref), None)
+    if entry is None:
+        raise Refused(f"{where} carries run nonce {said[:12]}, which no Job this host made for {ref} was given "
+                      "(another run's log, or another image's)")
+    name = (cluster.collect or "").removeprefix("job/") if (cluster.collect or "").startswith("job/") else None
+    if name is not None and entry.data.get("name") != name:
+        raise Refused(f"{where} is the report of Job {entry.data.get('name')}, not of {name}")
+    return str(entry.data.get("created") or records.now_iso())
+
+
+def _collected(root: Path, cluster: Cluster, say: Callable[[str], None], ref: str) -> Launched:
     """The runner's report of a Job that has ended: through the client (job/NAME), or from its saved log."""
     from .kubernetes import KubernetesLauncher
 
     given = cluster.collect or ""
     if given.startswith("job/"):
         say(f"==> reading the report of Job {cluster.spec.namespace}/{cluster.spec.name} through the cluster's API")
-        return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say).collect()
+        # The Job's pod must have run the image it was made for, with the GPUs it asked for (the journal's Job).
+        made = next((e for e in records.jobs(root) if e.data.get("name") == cluster.spec.name
+                     and e.data.get("namespace") == cluster.spec.namespace), None)
+        gpus = int(made.data["gpus"]) if made is not None and isinstance(made.data.get("gpus"), int) else None
+        return KubernetesLauncher(cluster.spec, cluster.kubeconfig, say, image=ref, gpus=gpus).collect()
     try:
         with opened_regular(given) as (fh, _st):
             text = fh.read().decode("utf-8", errors="replace")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import SmokeError, SmokeIncomplete, UsageError
+from ...errors import Refused, SmokeError, SmokeIncomplete, UsageError
 from ...registry.refs import shown
 from ..runner import MOUNT
 from .base import Launched, argv, job_bytes, results, runner_files
@@ -141,11 +141,14 @@ class KubernetesLauncher:
     name = "kubernetes"
 
     def __init__(self, spec: JobSpec, kubeconfig: str | None = None, say: Callable[[str], None] = lambda _l: None,
-                 extra: Mapping[str, bytes] | None = None) -> None:
+                 extra: Mapping[str, bytes] | None = None, *, image: str | None = None, gpus: int | None = None
+                 ) -> None:
         self.spec = spec
         self.kubeconfig = kubeconfig
         self.say = say
         self.extra = dict(extra or {})
+        # What the pod the report is read from must have run: the image by digest and the GPUs it was given.
+        self.image, self.gpus = image, gpus
 
     def launch(self, image: str, runner_dir: Path, job: Mapping[str, Any], gpu: str | None,
                model: Path | None = None) -> Launched:
@@ -178,6 +181,24 @@ class KubernetesLauncher:
             return True
 
         return self._talk(ended)
+
+    def _check_pod(self, pod: Any) -> None:
+        """Refused unless the pod ran the runner in the image this host emitted or submitted the Job for, with the
+        GPUs it asked for: a Job of the same name made by someone else reports nothing about this image."""
+        if self.image is None and self.gpus is None:
+            return
+        containers = [c for c in ((pod.spec.containers if pod.spec is not None else None) or [])
+                      if c.name == "runner"]
+        where = f"Job {self.spec.namespace}/{self.spec.name}"
+        if not containers:
+            raise Refused(f"{where}: its pod has no runner container: not the Job this host made")
+        runner = containers[0]
+        if self.image is not None and runner.image != self.image:
+            raise Refused(f"{where}: its pod ran {runner.image}, not {self.image} (the image the Job was made for)")
+        limits = dict((runner.resources.limits if runner.resources is not None else None) or {})
+        given = str(limits.get("nvidia.com/gpu", "0"))
+        if self.gpus is not None and given != str(self.gpus):
+            raise Refused(f"{where}: its pod was given {given} GPU(s), the Job was made with {self.gpus}")
 
     def _ended(self, batch: Any) -> bool:
         status = batch.read_namespaced_job_status(self.spec.name, self.spec.namespace,
@@ -215,6 +236,7 @@ class KubernetesLauncher:
                                             _request_timeout=API_TIMEOUT).items
             if not pods:
                 raise SmokeError(f"Job {ns}/{self.spec.name} ended with no pod to read the report from")
+            self._check_pod(pods[0])
             text = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container="runner",
                                                _request_timeout=API_TIMEOUT)
         except ApiException as exc:

@@ -104,7 +104,8 @@ class Run:
         self.job = job
         self.timeout = float(job.get("probe_timeout") or 600)
         self.checks: list[verdicts.Check] = []
-        self.environment: dict[str, Any] = {}
+        # The run's nonce (a Job's): in the report, so the host that collects it can tell it is this run's.
+        self.environment: dict[str, Any] = {"run_nonce": job["run_nonce"]} if job.get("run_nonce") else {}
         # Removed by main when the run ends (in an image the container goes anyway; on a host it stays).
         self.scratch = tempfile.mkdtemp(prefix="vllm-hotfix-job-")
         self.recorded: list[bytes] = []
