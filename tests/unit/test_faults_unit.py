@@ -539,3 +539,30 @@ def test_output_closed_under_the_tool_is_its_own_exit(project: Path) -> None:
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
         "error: output closed (what read it went away); the run stopped and cleaned up"], err
+
+
+def test_an_interrupt_after_a_tag_was_journalled_says_what_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C right after `image --in-registry` wrote and journalled its tag: the run still says it was
+    interrupted (130), and names the build and tag that stand, which the next run reuses."""
+    import click
+
+    from vllm_hotfix import cli as climod
+
+    def interrupted(**_kw: object) -> None:
+        records.append(tmp_path, "build", {"image_id": "sha256:" + "ab" * 32, "output_ref": "reg:5000/ops/v:t"})
+        records.append(tmp_path, "tag", {"ref": "reg:5000/ops/v:t", "digest": "sha256:" + "cd" * 32})
+        raise click.exceptions.Abort() from KeyboardInterrupt()
+
+    monkeypatch.setattr(records, "WRITTEN", [])
+    monkeypatch.setattr(climod.main, "main", interrupted)
+    assert climod._run(["image"], "build.py") == 130
+    err = capsys.readouterr().err
+    assert "error: interrupted" in err
+    assert "hint: finished and journalled before the interrupt, and standing: build reg:5000/ops/v:t" in err
+    assert "tag reg:5000/ops/v:t sha256:" + "cd" * 32 in err
+    # Nothing journalled: the plain line alone.
+    monkeypatch.setattr(records, "WRITTEN", [])
+    monkeypatch.setattr(climod.main, "main", lambda **_kw: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert climod._run(["image"], "build.py") == 130
+    assert "hint: finished" not in capsys.readouterr().err

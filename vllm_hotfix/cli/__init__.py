@@ -62,6 +62,20 @@ def run(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _finished_before() -> None:
+    """After an interrupt: what this run had journalled, and so finished, before it stopped (a build and its tag
+    stand; the next run reuses them)."""
+    from ..journal import records
+
+    done = [e for e in records.WRITTEN if e.kind in ("build", "tag", "push")]
+    if not done:
+        return
+    what = "; ".join(f"{e.kind} {e.data.get('output_ref') or e.data.get('ref') or e.image_id or ''} "
+                     f"{e.data.get('digest') or e.data.get('image_id') or ''}".strip() for e in done[-3:])
+    click.echo(f"hint: finished and journalled before the interrupt, and standing: {what} (`list` shows it; the "
+               "next run reuses it)", err=True)
+
+
 def _output_closed() -> int:
     """The reader of the tool's output went away (``| head``): the run stopped, as an interrupt stops it."""
     try:
@@ -113,8 +127,10 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         # click turns an interrupt into Abort, keeping the interrupt as its cause.
         if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
             click.secho("error: terminated", fg="red", err=True)
+            _finished_before()
             return EXIT_TERMINATED
         click.secho("error: interrupted", fg="red", err=True)
+        _finished_before()
         return EXIT_INTERRUPTED
     except click.ClickException as exc:
         click.secho(f"error: {_sentence(exc.format_message())}", fg="red", err=True)

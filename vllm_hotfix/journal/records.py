@@ -194,6 +194,10 @@ def append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     return _append(root, kind, data)
 
 
+# What this process has journalled, oldest first: an interrupted command names what it finished before it stopped.
+WRITTEN: list[Entry] = []
+
+
 def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     folder = records_dir(root) / kind
     seq = next_seq(root)
@@ -205,7 +209,9 @@ def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     text = json.dumps(full, indent=2, sort_keys=True) + "\n"
     # Exclusive: an entry is never rewritten; the claimed number makes a clash a planted file, and loud.
     write_atomic(path, text, exclusive=True, mode=0o600, error=RecordError)
-    return Entry(kind, path, full)
+    entry = Entry(kind, path, full)
+    WRITTEN.append(entry)
+    return entry
 
 
 def ensure_writable(root: Path) -> None:
