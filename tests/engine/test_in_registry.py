@@ -171,7 +171,9 @@ def test_the_images_python_runs_the_patched_source_whiteouts_and_no_bytecode(
             "--tag", f"{registry.place}/ops/w:v0.25.1-m3patch", "--json", root=project, env=NO_ENGINE)
     assert r.rc == 0, r.err
     [image] = json.loads(r.out)["images"]
-    assert image["bytecode"].startswith("whiteouts of the base's 2 stale pyc(s)"), image["bytecode"]
+    # Every name the image's Python could load for the two patched files (levels 0, 1, 2), not only those seen.
+    assert image["bytecode"].startswith("whiteouts of every pyc name of the 2 patched file(s) (6, 2 of them seen "
+                                        "in the layers read"), image["bytecode"]
     pulled = made.pull(f"{registry.place}/ops/w@{image['digest']}")
     files = tree(engine, pulled)
     assert not [p for p in files if "/__pycache__/indexer." in p]  # whited out
@@ -496,3 +498,30 @@ def test_a_second_vllm_in_a_newer_layer_is_patched_there_and_smoke_refuses_the_i
     r = cli("smoke", by_digest, "--gpu", "off", root=project)
     assert r.rc == 14, r.err
     assert "not the product of definition v0.25.1" in r.last_error and "patch layer: /opt is not" in r.last_error, r.err
+
+
+def test_a_repeat_build_reads_no_byte_of_a_layer_it_has_read_before(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, tmp_path: Path) -> None:
+    """What a read learnt of a layer is kept by the layer's digest: the next revision of the patch set (the same
+    files touched) reads nothing of the base's layers again, and makes the same image a first build would."""
+    repo = f"{registry.place}/vllm/known"
+    publish(engine, made, base_v0251, f"{repo}:v0.25.1")
+    cache = {"VLLM_HOTFIX_CACHE": str(tmp_path / "cache")}
+    first = in_registry(project, repo, made.add(f"{registry.place}/ops/known:v0.25.1-m3patch"), env=cache)
+    [one] = first["images"]
+    assert one["read"]["bytes"] > 0 and "known from an earlier read" not in first["err"]
+    # Another revision of the patch set: one more comment line in the patch's header, the same files touched.
+    patch = project / "patches" / "v0.25.1" / "0001-minimax-m3-topk-buffer-layout.patch"
+    patch.write_text("Revision 2 of this backport: the same hunks.\n" + patch.read_text())
+    again = in_registry(project, repo, made.add(f"{registry.place}/ops/known:rev2"), env=cache)
+    [two] = again["images"]
+    assert "known from an earlier read (0 of" in again["err"], again["err"]
+    assert "read layer" not in again["err"].replace("known from an earlier read", "")
+    base_manifest_and_config = two["read"]["bytes"]  # what is left: the base's manifest and config, never a layer
+    assert base_manifest_and_config < 1 << 20, two["read"]
+    assert two["image_id"] != one["image_id"]  # another patch set revision: other labels, the same files
+    # A cache entry this host did not write is not taken: the layer is read again.
+    for index in (tmp_path / "cache" / "registry-layers").glob("*/index/listing.json"):
+        index.write_text(index.read_text().replace('"mac": "', '"mac": "0'))
+    third = in_registry(project, repo, made.add(f"{registry.place}/ops/known:rev3"), "--rebuild", env=cache)
+    assert "known from an earlier read" not in third["err"] and third["images"][0]["read"]["bytes"] > 0

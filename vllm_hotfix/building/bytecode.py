@@ -58,6 +58,15 @@ def tag_of(name: str) -> str:
     return parts[1] if len(parts) >= 3 else ""
 
 
+def every_name(rel: str, cache_tag: str) -> list[str]:
+    """Every bytecode file the image's Python could load for source ``rel`` (relative to the site folder): its pyc
+    at optimisation levels 0, 1 and 2, for the image's cache tag."""
+    folder, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
+    stem = name.removesuffix(".py")
+    cached = f"{folder}/__pycache__" if folder else "__pycache__"
+    return [f"{cached}/{stem}.{cache_tag}{suffix}.pyc" for suffix in ("", ".opt-1", ".opt-2")]
+
+
 def level_of(name: str) -> int:
     parts = name.split(".")
     return int(parts[2][len("opt-"):]) if len(parts) == 4 and parts[2].startswith("opt-") else 0
@@ -94,7 +103,11 @@ def find_python(cache_tag: str, magic: bytes) -> str | None:
 
 
 def choose(mode: str, pycs: Mapping[str, Mapping[str, bytes]], hint: tuple[str, bytes] | None) -> Choice:
-    """What to do about the bytecode of the patched files, from the pycs the base shows for them."""
+    """What to do about the bytecode of the patched files, from the pycs the base shows for them.
+
+    Whiting out, every name the image's Python could load for a patched file is whited out (levels 0, 1, 2 of
+    its cache tag), not only the pycs of the layers read: a stale pyc in a layer the scan never read is hidden
+    all the same."""
     if mode not in MODES:
         raise UsageError(f"--bytecode {mode!r}: one of {', '.join(MODES)}")
     stale = tuple(sorted(p for found in pycs.values() for p in found))
@@ -120,10 +133,10 @@ def choose(mode: str, pycs: Mapping[str, Mapping[str, bytes]], hint: tuple[str, 
                          f"{sys.executable} and python{version_of(tag)} on PATH)",
                          hint=f"install python{version_of(tag)} here, or use --bytecode auto or whiteout")
     why = "--bytecode whiteout" if mode == "whiteout" else f"no Python of the image's version ({tag}) here"
-    if not stale:
-        return Choice("none", f"none: {why}, and the base shows no pyc of the patched files", tag)
-    return Choice("whiteouts", f"whiteouts of the base's {len(stale)} stale pyc(s) ({why}); the image's Python "
-                               "compiles the patched sources when it first imports them", tag, whiteouts=stale)
+    every = tuple(sorted({*stale, *(name for rel in pycs for name in every_name(rel, tag))}))
+    return Choice("whiteouts", f"whiteouts of every pyc name of the {len(pycs)} patched file(s) ({len(every)}, "
+                               f"{len(stale)} of them seen in the layers read; {why}); the image's Python compiles "
+                               "the patched sources when it first imports them", tag, whiteouts=every)
 
 
 def levels(pycs: Mapping[str, bytes], cache_tag: str) -> list[int]:

@@ -36,6 +36,7 @@ from ..engine import labels, registry_of, split_reference
 from ..errors import BaseImageError, PinError, PushError, Refused, UsageError
 from ..journal import records
 from ..registry import client as registry
+from ..registry.layercache import LayerMemory
 from ..registry.layerscan import Located, layer_refs, locate
 from ..registry.remote import Base, read_base, read_blob, repo_of
 from ..registry.remote import opener as opener_for
@@ -47,7 +48,7 @@ from .assemble import image_config, layer_entries
 from .base import PatchedFile, apply_in_scratch, check_targets, check_version, touched_files
 from .bytecode import Choice, choose, compile_here, levels, version_of
 from .platforms import Platform, child_ref
-from .sources import BaseFacts
+from .sources import BaseFacts, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,9 @@ def prepare(p: Any, base: Base, opts: Options) -> Prepared | None:
     defn = p.definition
     rels = touched_files(p.patches)
     opener = opener_for(base.repo)
-    where = locate([*layer_refs(base.layers)], opener, defn.package, rels, base.repo.name, say)
+    # What earlier builds learnt of these layers, by digest: a repeat build reads none of them again.
+    memory = LayerMemory(cache_dir(p.root))
+    where = locate([*layer_refs(base.layers)], opener, defn.package, rels, base.repo.name, say, memory)
     say(f"    {defn.package} {where.version} in {where.site_dir} (read {where.layers_read} of {len(base.layers)} "
         f"layer(s), {where.bytes_read} bytes)")
     unlisted = [note for note in where.notes if "is not listed in" in note]

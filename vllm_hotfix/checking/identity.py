@@ -49,6 +49,7 @@ from ..building import base as baselib
 from ..building import definitions, pins, sources
 from ..building import patches as patchlib
 from ..building.assemble import CONFIG_FIELDS, layer_entries
+from ..building.bytecode import every_name
 from ..engine import Engine, ImageInfo
 from ..engine import labels as L
 from ..errors import BaseImageError, DefinitionError, EngineError, PatchError, PinError, PipelineError
@@ -381,7 +382,9 @@ def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[
         return [], facts.site_dir
     compiled = from_entries(layer_entries(facts, files))
     site = facts.site_dir.strip("/")
-    stale = [pyc for f in files for pyc, _data in f.bytecode]
+    # The in-registry builder whites out every name the image's Python could load for a patched file.
+    stale = sorted({*(pyc for f in files for pyc, _data in f.bytecode),
+                    *(name for f in files for name in every_name(f.rel, facts.cache_tag) if facts.cache_tag)})
     bare = [replace(f, bytecode=()) for f in files]
     whiteouts = list(layer_entries(facts, bare))
     for rel in stale:

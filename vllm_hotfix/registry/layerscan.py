@@ -385,9 +385,18 @@ def _canonical(name: str) -> str:
     return name.replace("_", "-").replace(".", "-").lower()
 
 
+class Memory(Protocol):
+    """What earlier reads learnt of layers, by digest (:mod:`.layercache`)."""
+
+    def load(self, digest: str, wanted: Wanted, index: int) -> Listing | None: ...
+
+    def keep(self, digest: str, listing: Listing, wanted: Wanted) -> None: ...
+
+
 def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], package: str, rels: Sequence[str],
-           where: str, say: Callable[[str], None] = lambda _l: None) -> Located:
-    """Read ``layers`` (manifest order) newest first until the package and every file of ``rels`` are decided."""
+           where: str, say: Callable[[str], None] = lambda _l: None, memory: Memory | None = None) -> Located:
+    """Read ``layers`` (manifest order) newest first until the package and every file of ``rels`` are decided;
+    a layer ``memory`` knows is not read again."""
     wanted = Wanted(package, rels)
     stack = Stack()
     read = 0
@@ -405,17 +414,25 @@ def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], packa
     for index in range(len(layers) - 1, -1, -1):
         layer = layers[index]
         label = f"layer {index + 1}/{len(layers)} ({layer.digest[:19]}) of {where}"
-        stream = open_stream(opener, layer, label)
-        listing = Listing(index)
-        stack.layers.append(listing)  # filled as it streams: a site found half-way can end this very layer
-        try:
-            read_layer(stream, listing, wanted, settle)
-        finally:
-            read += stream.read_bytes
-            stream.close()
-        say(f"    read {label}: {stream.read_bytes} of {layer.size} bytes"
-            f"{'' if listing.whole else ' (left once past the files wanted)'}")
-        settle()
+        known = memory.load(layer.digest, wanted, index) if memory is not None else None
+        if known is not None:
+            stack.layers.append(known)
+            say(f"    {label}: known from an earlier read (0 of {layer.size} bytes read)")
+            settle()
+        else:
+            stream = open_stream(opener, layer, label)
+            listing = Listing(index)
+            stack.layers.append(listing)  # filled as it streams: a site found half-way can end this very layer
+            try:
+                read_layer(stream, listing, wanted, settle)
+            finally:
+                read += stream.read_bytes
+                stream.close()
+            say(f"    read {label}: {stream.read_bytes} of {layer.size} bytes"
+                f"{'' if listing.whole else ' (left once past the files wanted)'}")
+            settle()
+            if memory is not None:
+                memory.keep(layer.digest, listing, wanted)
         if wanted.site is not None and all(stack.resolve(p) is not UNKNOWN for p in wanted.needed()):
             break
     if wanted.site is None:
