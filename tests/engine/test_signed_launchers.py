@@ -573,9 +573,11 @@ def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_ti
     r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(tmp_path / "bare.log"),
             root=project)
     assert r.rc == 13 and "carries no run nonce" in r.last_error, r.err
-    # After the run, a newer fail is signed; collecting the earlier run's passing log now does not outrank it.
-    r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
-    assert r.rc == 14, r.err
+    # After the run, a newer fail is signed (beside the pushed copy); collecting the earlier run's passing log now
+    # does not outrank it.
+    r = cli("smoke", by_digest, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key),
+            root=project)
+    assert r.rc == 14 and f"signed verdict attached to {by_digest}" in r.err, r.err
     envelope = tmp_path / "late.dsse.json"
     r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(tmp_path / "pod.log"),
             "--sign-key", str(key), "--attestation", str(envelope), root=project)

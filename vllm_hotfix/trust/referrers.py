@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,15 +117,24 @@ def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[st
     """Add ``entry`` to the fallback index, with every verdict the per-verdict tags hold; read it back and write
     the union again while a concurrent writer's index replaced this one."""
     tag = fallback_tag(subject.digest)
-    for _attempt in range(INDEX_RETRIES):
-        entries = _index_entries(client, repo, tag) or []
-        known = {e.get("digest") for e in entries}
-        mine = {e["digest"]: e for e in [entry, *tagged(client, repo, subject.digest)]}
-        wanted = [e for d, e in mine.items() if d not in known]
-        if not wanted:
-            return
-        index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, *wanted]}
-        client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+    for attempt in range(INDEX_RETRIES):
+        try:
+            entries = _index_entries(client, repo, tag) or []
+            known = {e.get("digest") for e in entries}
+            mine = {e["digest"]: e for e in [entry, *tagged(client, repo, subject.digest)]}
+            wanted = [e for d, e in mine.items() if d not in known]
+            if not wanted:
+                return
+            index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, *wanted]}
+            client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+        except PushError as exc:
+            if "is not a referrers index" in str(exc):
+                raise
+            # Writers racing on one tag: some registries answer 500 to a read or write of it meanwhile. The
+            # verdict stands under its own tag already; the index is tried again, after a pause that differs
+            # between writers.
+            log.info("registry %s: the fallback index %s:%s: %s; trying again", client.host, repo, tag, exc)
+            time.sleep(0.05 * (attempt + 1) + random.random() * 0.1)
     log.warning("registry %s: the fallback index %s:%s kept changing under this writer; the verdict stands under "
                 "its own tag", client.host, repo, tag)
 
