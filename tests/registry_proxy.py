@@ -16,7 +16,12 @@ Switches make it behave as other registries do:
 - ``refuse_tags``: a manifest PUT under a tag (not a digest) is answered with
   this status, unforwarded;
 - ``cut_blobs``: a blob GET is answered with its whole Content-Length but
-  only this many bytes, then the connection is closed (a link that broke).
+  only this many bytes, then the connection is closed (a link that broke);
+- ``redirect_blobs``: a blob GET is answered with a 307 to a storage server
+  on another port (as the large registries send blob reads to object
+  storage), which serves the bytes the proxy read from the registry and
+  keeps the ``Authorization`` header of each request it got in
+  ``storage_auth`` (None where there was none).
 
 ``seen`` lists (method, path) of every request, in order.
 """
@@ -45,6 +50,8 @@ class Switches:
     hold_tags: threading.Event | None = None
     cut_blobs: int | None = None
     refuse_tags: int | None = None
+    redirect_blobs: bool = False
+    storage_auth: list[str | None] = field(default_factory=list)
     holding: threading.Event = field(default_factory=threading.Event)  # set while a tag PUT waits
     seen: list[tuple[str, str]] = field(default_factory=list)
 
@@ -54,6 +61,24 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
     """A proxy on a free loopback port in front of ``upstream`` (HOST:PORT); yields its HOST:PORT and switches."""
     switches = Switches()
     session = requests.Session()
+    stored: dict[str, bytes] = {}
+
+    class Storage(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+            switches.storage_auth.append(self.headers.get("Authorization"))
+            data = stored.get(self.path.rsplit("/", 1)[-1])
+            self.send_response(200 if data is not None else 404)
+            self.send_header("Content-Length", str(len(data or b"")))
+            self.end_headers()
+            self.wfile.write(data or b"")
+
+    storage = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Storage)
+    threading.Thread(target=storage.serve_forever, daemon=True).start()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -90,6 +115,12 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
             res = session.request(self.command, url, data=body, headers=headers, allow_redirects=False,
                                   stream=True)
             data = res.raw.read(decode_content=False) if self.command != "HEAD" else b""
+            if (self.command == "GET" and "/blobs/sha256:" in parts.path and switches.redirect_blobs
+                    and res.status_code == 200):
+                token = f"{len(stored)}-{parts.path.rsplit(':', 1)[-1][:16]}"
+                stored[token] = data
+                where = f"http://127.0.0.1:{storage.server_address[1]}/blobs/{token}"
+                return self._answer(307, b"", {"Location": where})
             if (self.command == "GET" and "/blobs/sha256:" in parts.path and switches.cut_blobs is not None
                     and res.status_code == 200):
                 self.send_response(200)
@@ -138,4 +169,6 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
             switches.hold_tags.set()
         server.shutdown()
         server.server_close()
+        storage.shutdown()
+        storage.server_close()
         session.close()

@@ -9,6 +9,8 @@ client is killed) come from tests/registry_proxy.py in front of it.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -525,3 +527,93 @@ def test_a_repeat_build_reads_no_byte_of_a_layer_it_has_read_before(
         index.write_text(index.read_text().replace('"mac": "', '"mac": "0'))
     third = in_registry(project, repo, made.add(f"{registry.place}/ops/known:rev3"), "--rebuild", env=cache)
     assert "known from an earlier read" not in third["err"] and third["images"][0]["read"]["bytes"] > 0
+
+
+def test_blob_reads_follow_a_redirect_to_storage_without_the_registrys_credentials(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, tmp_path: Path) -> None:
+    """A registry that sends blob reads to object storage on another host: the tool follows the redirect and
+    the registry's login never reaches the storage."""
+    (tmp_path / "auth").mkdir()
+    auth = Registry(tmp_path / "auth", user="ops", password="s3cret-reg")
+    auth.start()
+    try:
+        with registry_proxy.serve(auth.addr) as (proxy, switches):
+            switches.redirect_blobs = True
+            login = tmp_path / "login"
+            login.mkdir()
+            token = base64.b64encode(b"ops:s3cret-reg").decode()
+            (login / "config.json").write_text(json.dumps({"auths": {proxy: {"auth": token},
+                                                                     auth.addr: {"auth": token}}}))
+            base_ref = made.add(f"{auth.addr}/vllm/vllm-openai:v0.25.1")
+            engine.tag(base_v0251, base_ref)
+            subprocess.run(["docker", "push", base_ref], capture_output=True, check=True,
+                           env=dict(os.environ, DOCKER_CONFIG=str(login)))
+            got = in_registry(project, f"{proxy}/vllm/vllm-openai", f"{registry.place}/ops/redirected:x",
+                              env={"DOCKER_CONFIG": str(login)})
+            [image] = got["images"]
+            assert image["read"]["bytes"] > 0
+            assert switches.storage_auth, "no blob read went to the storage"
+            assert switches.storage_auth == [None] * len(switches.storage_auth), switches.storage_auth
+            pulled = made.pull(f"{registry.place}/ops/redirected@{image['digest']}")
+            assert loads(engine, pulled) == "source patched"
+    finally:
+        auth.stop()
+
+
+def _zstd_copy(addr: str, src: str, dst: str) -> None:
+    """``src`` (NAME:TAG in the registry at ``addr``) copied to ``dst`` with every layer zstd-compressed (an OCI
+    manifest, the same config: the same uncompressed layers), with plain HTTP and the zstandard library."""
+    import gzip
+
+    import zstandard
+
+    def put_blob(name: str, data: bytes) -> dict[str, object]:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        start = requests.post(f"http://{addr}/v2/{name}/blobs/uploads/", timeout=30)
+        location = start.headers["Location"]
+        location = location if location.startswith("http") else f"http://{addr}{location}"
+        done = requests.put(location + ("&" if "?" in location else "?") + f"digest={digest}", data=data,
+                            headers={"Content-Type": "application/octet-stream"}, timeout=60)
+        assert done.status_code == 201, done.text
+        return {"digest": digest, "size": len(data)}
+
+    name, tag = src.rsplit(":", 1)
+    accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json"
+    manifest = requests.get(f"http://{addr}/v2/{name}/manifests/{tag}", headers={"Accept": accept},
+                            timeout=30).json()
+    out_name, out_tag = dst.rsplit(":", 1)
+    layers = []
+    for layer in manifest["layers"]:
+        gz = requests.get(f"http://{addr}/v2/{name}/blobs/{layer['digest']}", timeout=60).content
+        packed = zstandard.ZstdCompressor().compress(gzip.decompress(gz))
+        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd", **put_blob(out_name, packed)})
+    config = requests.get(f"http://{addr}/v2/{name}/blobs/{manifest['config']['digest']}", timeout=30).content
+    body = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **put_blob(out_name, config)},
+            "layers": layers}
+    res = requests.put(f"http://{addr}/v2/{out_name}/manifests/{out_tag}", data=json.dumps(body),
+                       headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
+    assert res.status_code == 201, res.text
+
+
+def test_a_base_of_zstd_layers_is_read_and_the_hotfix_layer_stays_gzip(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made) -> None:
+    plain = f"{registry.place}/vllm/gz"
+    publish(engine, made, base_v0251, f"{plain}:v0.25.1")
+    zstd_repo = f"{registry.place}/vllm/zst"
+    _zstd_copy(registry.addr, f"{plain.split('/', 1)[1]}:v0.25.1", f"{zstd_repo.split('/', 1)[1]}:v0.25.1")
+    got = in_registry(project, zstd_repo, f"{registry.place}/ops/zst:v0.25.1-m3patch")
+    [image] = got["images"]
+    assert image["read"]["bytes"] > 0 and "is zstd-compressed" not in got["err"]
+    accept = {"Accept": "application/vnd.oci.image.manifest.v1+json, "
+                        "application/vnd.docker.distribution.manifest.v2+json"}
+    manifest = requests.get(registry.api(f"ops/zst/manifests/{image['digest']}"), timeout=10, headers=accept).json()
+    kinds = [layer["mediaType"] for layer in manifest["layers"]]
+    # The base's layers as the base has them; the hotfix's own layer gzip, which every engine and tool reads.
+    assert kinds[:-1] == ["application/vnd.oci.image.layer.v1.tar+zstd"] * (len(kinds) - 1), kinds
+    assert kinds[-1].endswith("gzip"), kinds
+    # The same hotfix layer as over the gzip base: its bytes do not depend on how the base's are compressed.
+    again = in_registry(project, plain, f"{registry.place}/ops/gz:v0.25.1-m3patch")
+    other = requests.get(registry.api(f"ops/gz/manifests/{again['images'][0]['digest']}"), timeout=10,
+                         headers=accept).json()
+    assert other["layers"][-1]["digest"] == manifest["layers"][-1]["digest"]

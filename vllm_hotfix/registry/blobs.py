@@ -14,9 +14,9 @@ asked for), and the image's entries are kept for later reads, so the layers
 are downloaded once; a blob may not run past the size its manifest gives.
 Nothing is written to disk and nothing of the image runs.
 
-A layer compressed in a way the standard library does not read (zstd) makes
-the read fail with one line; the file checks are then incomplete, never
-passed.
+A zstd-compressed layer is read through :mod:`.compression`; one that is
+not a readable tar makes the read fail with one line; the file checks are
+then incomplete, never passed.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ..engine.dockerconfig import registry_of
 from ..engine.files import FileFact, Tree, add
 from ..errors import EngineError, PushError
 from . import client as registry
+from .compression import ZstdError, tar_stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,8 +112,6 @@ class RegistryReader:
 
     def blob(self, layer: Layer) -> _Verified:
         where = f"layer {layer.digest[:19]} of {self._client.host}/{self._repo}"
-        if "zstd" in layer.media_type:
-            raise EngineError(f"{where} is zstd-compressed, which this tool does not read")
         try:
             res = self._client.request("GET", f"/v2/{self._repo}/blobs/{layer.digest}",
                                        f"repository:{self._repo}:pull", stream=True)
@@ -133,8 +132,9 @@ class RegistryReader:
             mine_kept: dict[str, bytes] = {}
             gone: list[str] = []  # whiteouts: a path and everything below it, in the layers under this one
             emptied: list[str] = []  # opaque folders: everything below, in the layers under this one
+            source, mode = tar_stream(blob, layer.media_type)
             try:
-                with tarfile.open(fileobj=blob, mode="r|*") as tar:  # type: ignore[call-overload]
+                with tarfile.open(fileobj=source, mode=mode) as tar:
                     for member in tar:
                         path = posixpath.normpath("/" + member.name)
                         name = posixpath.basename(path)
@@ -145,7 +145,7 @@ class RegistryReader:
                         else:
                             add(tar, member, path, "/", keep, mine, mine_kept)
                 blob.finish()
-            except (tarfile.TarError, EOFError, OSError) as exc:
+            except (tarfile.TarError, EOFError, OSError, ZstdError) as exc:
                 raise EngineError(f"layer {layer.digest[:19]} of {self._client.host}/{self._repo} is not a "
                                   f"readable tar: {exc}") from None
             finally:
@@ -259,7 +259,7 @@ class RegistryFiles:
         for layer in self._layers[len(self._layers) - count:]:
             blob = reader.blob(layer)
             try:
-                out.append(read(blob))  # type: ignore[arg-type]
+                out.append(read(tar_stream(blob, layer.media_type)[0]))
                 blob.finish()
             finally:
                 blob.close()

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from zlib import error as zlib_error
 
 from ..errors import BaseImageError, PushError
+from .compression import ZstdError, tar_stream
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +290,9 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
     ordered = True
     horizon: tuple[str, ...] | None = None
     marker = f"/{wanted.package}/"
+    source, mode = tar_stream(stream, stream.layer.media_type)
     try:
-        with tarfile.open(fileobj=stream, mode="r|*") as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=source, mode=mode) as tar:
             for member in tar:
                 path = posixpath.normpath("/" + member.name)
                 if path == "/":
@@ -325,14 +327,11 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
                     listing.hint = (name, source.read(16))
             if listing.whole:
                 stream.finish()
-    except (tarfile.TarError, EOFError, OSError, ValueError, zlib_error) as exc:
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib_error, ZstdError) as exc:
         raise BaseImageError(f"{stream.where} is not a readable tar: {exc}") from None
 
 
 def open_stream(opener: Callable[[LayerRef], Blob], layer: LayerRef, where: str) -> Counted:
-    if "zstd" in layer.media_type:
-        raise BaseImageError(f"{where} is zstd-compressed, which this tool does not read",
-                             hint="build from the engine (image without --in-registry)")
     return Counted(opener(layer), layer, where)
 
 
