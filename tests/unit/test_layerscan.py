@@ -149,9 +149,10 @@ def test_no_installation_two_installations_and_a_bad_digest_are_named() -> None:
     bad = [LayerRef("sha256:" + "0" * 64, refs[0].media_type, refs[0].size)]
     with pytest.raises(BaseImageError, match="hash to"):
         locate(bad, lambda _r: io.BytesIO(blobs.blobs[0]), "vllm", [REL], "test/base")
-    with pytest.raises(BaseImageError, match="zstd"):
-        locate([LayerRef(refs[0].digest, "application/vnd.oci.image.layer.v1.tar+zstd", 1)], blobs.open, "vllm",
-               [REL], "test/base")
+    # A layer that says zstd but is not: one line naming it, not a traceback.
+    with pytest.raises(BaseImageError, match="is not a readable tar"):
+        locate([LayerRef(refs[0].digest, "application/vnd.oci.image.layer.v1.tar+zstd", refs[0].size)],
+               blobs.open, "vllm", [REL], "test/base")
 
 
 def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() -> None:
@@ -159,7 +160,9 @@ def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() 
     mine = {REL: {f"vllm/models/m/__pycache__/indexer.{tag}.pyc": magic + b"\0" * 12}}
     got = hostbytecode.choose("auto", mine, None)
     assert got.mode == "compiled" and got.python and got.cache_tag == tag
-    assert hostbytecode.choose("whiteout", mine, None).whiteouts == tuple(mine[REL])
+    # Every name the image's Python could load for the patched file, not only the one the layers read showed.
+    assert hostbytecode.choose("whiteout", mine, None).whiteouts == tuple(
+        f"vllm/models/m/__pycache__/indexer.{tag}{level}.pyc" for level in (".opt-1", ".opt-2", ""))
     foreign = {REL: {"vllm/models/m/__pycache__/indexer.cpython-399.pyc": b"\x01\x02\r\n" + b"\0" * 12}}
     assert hostbytecode.choose("auto", foreign, None).mode == "whiteouts"
     # Not a docker build's code (6): no engine is involved, the option cannot be honoured here (64).
@@ -203,3 +206,20 @@ def test_in_registry_refusals_come_before_any_registry_or_engine(args: tuple[str
     r = cli("image", "--base", "v0.25.1", *args, root=project)
     fails(r, needle)
     assert r.rc == 64
+
+
+def test_a_long_read_says_how_far_it_got_every_few_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every TICK_S seconds of a layer's read, one line with the bytes read of the layer's size; none before."""
+    import io
+
+    from vllm_hotfix.registry import layerscan as ls
+
+    clock = iter([0.0, 1.0, 6.0, 7.0, 12.5, 13.0, 14.0, 15.0])
+    monkeypatch.setattr(ls.time, "monotonic", lambda: next(clock))
+    lines: list[str] = []
+    data = b"x" * (3 << 20)
+    stream = ls.Counted(io.BytesIO(data), ls.LayerRef("sha256:" + "0" * 64, "gzip", len(data)), "layer 2/7",
+                        lines.append)
+    while stream.read(1 << 20):
+        pass
+    assert lines == [f"    layer 2/7: 2.0 of 3.0 MiB {ls.TICK_WORDS}", f"    layer 2/7: 3.0 of 3.0 MiB {ls.TICK_WORDS}"]

@@ -24,8 +24,14 @@ def image_in_registry(plan: Any, wanted: Any, asked: bool, *, in_registry: bool,
         if given:
             raise UsageError(f"{option} is for a build in the engine; --in-registry pulls nothing and builds in the "
                              "registry")
+    from ..registry.layerscan import TICK_WORDS
+
+    def said(line: str) -> None:  # under --json, the every-few-seconds lines of a long read are left out
+        if not (as_json and line.endswith(TICK_WORDS)):
+            progress(line)
+
     options = inregistry.Options(rebuild=rebuild, skip_included=skip_included, force=force,
-                                 bytecode=bytecode or "auto", progress=progress)
+                                 bytecode=bytecode or "auto", progress=said)
     result = inregistry.build(plan, wanted, asked, options)
     if isinstance(result, pipeline.NoHotfix):
         if as_json:

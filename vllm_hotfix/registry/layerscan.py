@@ -37,6 +37,7 @@ import hashlib
 import logging
 import posixpath
 import tarfile
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
@@ -235,15 +236,23 @@ class Wanted:
 # -- reading ---------------------------------------------------------------------
 
 
-class Counted:
-    """A blob's bytes as they arrive: counted, hashed, never past the size its manifest gives."""
+TICK_S = 5.0  # seconds between the progress lines of a long read
+TICK_WORDS = "read so far"  # what every such line says (a caller printing JSON may leave them out)
 
-    def __init__(self, blob: Blob, layer: LayerRef, where: str) -> None:
+
+class Counted:
+    """A blob's bytes as they arrive: counted, hashed, never past the size its manifest gives; every few
+    seconds of a long read, a line saying how far it got (``tick``)."""
+
+    def __init__(self, blob: Blob, layer: LayerRef, where: str,
+                 tick: Callable[[str], None] | None = None) -> None:
         self._blob = blob
         self.layer = layer
         self.where = where
         self.read_bytes = 0
         self._hash = hashlib.sha256()
+        self._tick = tick
+        self._next_tick = time.monotonic() + TICK_S
 
     def read(self, n: int = -1) -> bytes:
         try:
@@ -263,6 +272,10 @@ class Counted:
             raise BaseImageError(f"{self.where}: the registry sent more than the {self.layer.size} bytes its "
                                  "manifest gives")
         self._hash.update(data)
+        if self._tick is not None and time.monotonic() >= self._next_tick:
+            self._next_tick = time.monotonic() + TICK_S
+            self._tick(f"    {self.where}: {self.read_bytes / 2**20:.1f} of {self.layer.size / 2**20:.1f} MiB "
+                       f"{TICK_WORDS}")
         return data
 
     def close(self) -> None:
@@ -331,8 +344,9 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
         raise BaseImageError(f"{stream.where} is not a readable tar: {exc}") from None
 
 
-def open_stream(opener: Callable[[LayerRef], Blob], layer: LayerRef, where: str) -> Counted:
-    return Counted(opener(layer), layer, where)
+def open_stream(opener: Callable[[LayerRef], Blob], layer: LayerRef, where: str,
+                tick: Callable[[str], None] | None = None) -> Counted:
+    return Counted(opener(layer), layer, where, tick)
 
 
 # -- the answer --------------------------------------------------------------------
@@ -419,7 +433,7 @@ def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], packa
             say(f"    {label}: known from an earlier read (0 of {layer.size} bytes read)")
             settle()
         else:
-            stream = open_stream(opener, layer, label)
+            stream = open_stream(opener, layer, label, say)
             listing = Listing(index)
             stack.layers.append(listing)  # filled as it streams: a site found half-way can end this very layer
             try:
