@@ -94,6 +94,8 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "the builder's. Never taken from the image's labels.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JUnit XML here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the report as one self-contained HTML page here (what `report` renders).")
 @click.option("--serve-model", type=click.Path(exists=True, path_type=Path), default=None,
               help="Model folder to serve with the image's own entrypoint for the sweep.")
 @click.option("--serve-arg", "serve_args", multiple=True, help="Extra argument for `vllm serve` (repeatable).")
@@ -133,8 +135,8 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, base_repo: str | None,
-          report_path: Path | None,
-          junit_path: Path | None, serve_model: Path | None, serve_args: tuple[str, ...], sign_key: str | None,
+          report_path: Path | None, junit_path: Path | None, html_path: Path | None, serve_model: Path | None,
+          serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
           node_selector: str | None, gpu_count: int, deadline: int | None, concurrency: str, requests_n: int,
@@ -148,7 +150,8 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
                              min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
                              keep_going=keep_going, compile_cache=compile_cache, deadline=deadline,
                              base_repo=base_repo)
-    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (attestation_path, "--attestation"),
+    for path, option in ((report_path, "--report"), (junit_path, "--junit"), (html_path, "--html"),
+                         (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)
     if launcher != "kubernetes":
@@ -179,11 +182,11 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
     if done.verdict is None:
         return
     assert done.entry is not None
-    _finish_smoke(done.verdict, image_ref, done.entry, report_path, junit_path)
+    _finish_smoke(done.verdict, image_ref, done.entry, report_path, junit_path, html_path, done.signed)
 
 
 def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Path | None,
-                  junit_path: Path | None) -> None:
+                  junit_path: Path | None, html_path: Path | None = None, signed: Path | None = None) -> None:
     from .. import verdicts
     from ..checking import smoke as smokelib
 
@@ -191,6 +194,10 @@ def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Pa
         smokelib.write_json(verdict, report_path)
     if junit_path:
         smokelib.write_junit(verdict, junit_path)
+    if html_path:
+        from .. import report_page
+
+        report_page.write_verdict(verdict.to_dict(), image_ref, signed, html_path)
     verdicts.require_pass(
         verdict, image_ref, fail_hint=f"verdict: {entry}",
         incomplete_hint="the host could not run a check; run it where it can (the image's earlier verdict stands)",
@@ -247,3 +254,17 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
                f"{result.reference['tolerance_nats']:.3g} nats of the concurrency-1 reply" if ref and result.reference
                else "")
     click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path), metavar="FILE...")
+@click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The HTML page to write.")
+def report(files: tuple[Path, ...], out: Path) -> None:
+    """Render smoke reports (or a GPU record folder) as one self-contained HTML page: the verdict and its
+    reasons, then the sweep, the oracle's evidence and the phases drawn, each chart with its numbers."""
+    from .. import report_page
+
+    check_output_file(out, "--out")
+    page = report_page.write(list(files), out)
+    click.echo(f"wrote {out}: {len(page.shown)} report(s), {len(page.figures)} chart(s)")

@@ -1,0 +1,319 @@
+"""One self-contained HTML page of smoke reports: the verdict and its reasons first, then the sweep drawn.
+
+``report FILE...`` (and ``smoke --html FILE``) render one smoke report, a GPU
+record folder (its ``record.json`` and the reports it names), or several
+reports side by side (patched against unpatched) as one HTML file that needs
+no network to be read: the charts are SVG drawn by matplotlib and put into
+the page, no script runs. Every chart has its numbers in a table beside it,
+so the page reads without the pictures too:
+
+- per level, the requests that passed, were answered wrongly (the oracle) or
+  failed by status;
+- per reply, its deviation from its basis against the level's tolerance
+  (zero: bitwise the basis);
+- latency (p50, p95) and tokens per second against concurrency;
+- the phases of the smoke time;
+- for a signed verdict beside the report (``NAME.dsse.json`` next to
+  ``NAME.json``), the key it was signed with and the subject it names, as the
+  envelope says (verified where the record's public key is beside it).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+from .journal.atomic import opened_regular
+
+MAX_BYTES = 2_000_000  # a page stays an attachment an incident tracker takes
+COLOURS = ("#2b6cb0", "#c05621", "#2f855a", "#805ad5", "#b7791f", "#c53030")
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """One report on the page: its name, the report, and the signed envelope beside it (decoded, if any)."""
+
+    name: str
+    report: Mapping[str, Any]
+    envelope: Mapping[str, Any] | None = None
+
+
+@dataclass
+class Page:
+    title: str
+    shown: list[Shown]
+    record: Mapping[str, Any] | None = None
+    figures: list[str] = field(default_factory=list)  # ids of the figures drawn, in order
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        with opened_regular(str(path)) as (fh, _st):
+            return json.loads(fh.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{what} {path}: not a readable JSON file ({exc})") from None
+
+
+def _envelope(path: Path) -> Mapping[str, Any] | None:
+    """The signed envelope beside a report, decoded (keyid, subjects, signed time); None where there is none."""
+    if not path.is_file():
+        return None
+    doc = _read_json(path, "signed verdict")
+    try:
+        statement = json.loads(base64.b64decode(doc["payload"]))
+        keys = [str(s.get("keyid", "")) for s in doc.get("signatures") or []]
+    except (KeyError, TypeError, ValueError):
+        return {"file": path.name, "unreadable": True}
+    predicate = statement.get("predicate") or {}
+    return {"file": path.name, "keyids": keys, "subjects": statement.get("subject") or [],
+            "signed_at": predicate.get("signed_at"), "status": predicate.get("status")}
+
+
+def load(paths: Sequence[Path]) -> Page:
+    """The reports named: report files, or a GPU record folder (its record.json and the reports beside it)."""
+    shown: list[Shown] = []
+    record = None
+    for path in paths:
+        if path.is_dir():
+            record = _read_json(path / "record.json", "GPU record")
+            for report in sorted(path.glob("*.json")):
+                if report.name in ("record.json", "answers.json", "verified-elsewhere.json") or \
+                        report.name.startswith("source-") or report.name.endswith(".dsse.json"):
+                    continue
+                shown.append(Shown(report.stem, _read_json(report, "smoke report"),
+                                   _envelope(report.with_suffix(".dsse.json"))))
+        else:
+            shown.append(Shown(path.stem, _read_json(path, "smoke report"),
+                               _envelope(path.with_name(path.stem + ".dsse.json"))))
+    if not shown:
+        raise UsageError("report: no smoke report among the files given")
+    for s in shown:
+        if not isinstance(s.report, Mapping) or "status" not in s.report or "checks" not in s.report:
+            raise UsageError(f"report: {s.name} is not a smoke report (no status and checks)")
+    title = f"GPU record {paths[0].name}" if record is not None else ", ".join(s.name for s in shown)
+    return Page(title, shown, record)
+
+
+# -- charts -----------------------------------------------------------------------------------------------
+
+
+def _svg(fig: Any) -> str:
+    out = io.StringIO()
+    # No date, and element IDs from a fixed salt: the same reports draw the same page.
+    fig.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None})
+    fig.clf()
+    text = out.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("report pages draw their charts with matplotlib: pip install 'vllm-hotfix[report]'") \
+            from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "svg.hashsalt": "vllm-hotfix"})
+    plt.close("all")
+    return plt
+
+
+def _levels(report: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list((report.get("sweep") or {}).get("levels") or [])
+
+
+def chart_outcomes(shown: Sequence[Shown]) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 2.8), squeeze=False)
+    for ax, s in zip(axes[0], shown, strict=True):
+        levels = _levels(s.report)
+        xs = [str(lv["concurrency"]) for lv in levels]
+        wrong = [int(lv.get("wrong_answers") or 0) for lv in levels]
+        failed = [int(lv.get("failures") or 0) - w for lv, w in zip(levels, wrong, strict=True)]
+        passed = [int(lv.get("successes") or 0) for lv in levels]
+        ax.bar(xs, passed, color="#2f855a", label="passed")
+        ax.bar(xs, wrong, bottom=passed, color="#c53030", label="wrong answer")
+        ax.bar(xs, failed, bottom=[p + w for p, w in zip(passed, wrong, strict=True)], color="#718096",
+               label="failed by status")
+        ax.set_title(s.name)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("requests")
+    axes[0][0].legend(fontsize=7)
+    return _svg(fig)
+
+
+def chart_deviation(shown: Sequence[Shown]) -> str:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 2.8), squeeze=False)
+    for ax, s in zip(axes[0], shown, strict=True):
+        for i, lv in enumerate(_levels(s.report)):
+            devs = [(ev.get("deviation_nats") if ev.get("deviation_nats") is not None else 0.0, bool(ev.get("passed")))
+                    for ev in lv.get("per_request") or [] if ev.get("judged_by") in ("exact", "noise")]
+            ax.scatter([i + 0.05 * (k % 7 - 3) for k in range(len(devs))], [d for d, _ in devs], s=8,
+                       c=["#2f855a" if ok else "#c53030" for _, ok in devs])
+            tol = lv.get("tolerance_nats")
+            if isinstance(tol, (int, float)):
+                ax.hlines(tol, i - 0.4, i + 0.4, colors="#2b6cb0", linestyles="dashed")
+        levels = _levels(s.report)
+        ax.set_xticks(range(len(levels)), [str(lv["concurrency"]) for lv in levels])
+        ax.set_title(s.name)
+        ax.set_xlabel("concurrency (dashed: tolerance)")
+        ax.set_ylabel("deviation from basis (nats)")
+    return _svg(fig)
+
+
+def chart_speed(shown: Sequence[Shown]) -> str:
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.4, 2.8))
+    for n, s in enumerate(shown):
+        levels = [lv for lv in _levels(s.report) if lv.get("p50_s") is not None]
+        xs = [lv["concurrency"] for lv in levels]
+        colour = COLOURS[n % len(COLOURS)]
+        left.plot(xs, [lv["p50_s"] * 1000 for lv in levels], marker="o", color=colour, label=f"{s.name} p50")
+        left.plot(xs, [(lv.get("p95_s") or 0) * 1000 for lv in levels], marker="x", linestyle="dotted",
+                  color=colour, label=f"{s.name} p95")
+        right.plot(xs, [lv.get("output_tokens_per_s") or 0 for lv in levels], marker="o", color=colour, label=s.name)
+    for ax, label in ((left, "latency (ms)"), (right, "output tokens per second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    return _svg(fig)
+
+
+def chart_phases(shown: Sequence[Shown]) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8.4, 0.6 + 0.5 * len(shown)))
+    names = sorted({p for s in shown for p in (s.report.get("phases") or {})})
+    for row, s in enumerate(shown):
+        left = 0.0
+        for k, phase in enumerate(names):
+            took = float((s.report.get("phases") or {}).get(phase) or 0)
+            ax.barh(row, took, left=left, color=COLOURS[k % len(COLOURS)], label=phase if row == 0 else None)
+            left += took
+    ax.set_yticks(range(len(shown)), [s.name for s in shown])
+    ax.set_xlabel("seconds")
+    ax.legend(fontsize=7, ncol=min(len(names), 6), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    return _svg(fig)
+
+
+# -- tables and the page ------------------------------------------------------------------------------------
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _figure(page: Page, ident: str, caption: str, svg: str, table: str) -> str:
+    page.figures.append(ident)
+    return (f'<figure id="{ident}" class="chart"><figcaption>{_e(caption)}</figcaption>'
+            f'<div class="svg">{svg}</div><div class="numbers">{table}</div></figure>')
+
+
+def _verdict(s: Shown) -> str:
+    r = s.report
+    failed = [c for c in r.get("checks") or [] if c.get("status") in ("fail", "incomplete")]
+    reasons = "".join(f"<li><b>{_e(c.get('name'))}</b> ({_e(c.get('status'))}): {_e(c.get('detail'))}</li>"
+                      for c in failed) or "<li>every check passed or was skipped</li>"
+    gpu = "GPU-verified" if r.get("gpu_verified") else "GPU-unverified"
+    devices = ", ".join(map(str, (r.get("gpu") or {}).get("devices") or [])) or "no GPU"
+    env = s.envelope
+    signed = ""
+    if env is not None:
+        subjects = "; ".join(f"{x.get('name')} sha256:{(x.get('digest') or {}).get('sha256', '')}"
+                             for x in env.get("subjects") or [])
+        keys = ", ".join(env.get("keyids") or [])
+        signed = (f"<p class='signed'>signed verdict {_e(env.get('file'))}: key {_e(keys)}, signed "
+                  f"{_e(env.get('signed_at'))}, status {_e(env.get('status'))}; subject {_e(subjects)} "
+                  "(as the envelope says; <code>verify</code> checks the signature)</p>")
+    return (f'<section class="verdict {_e(r.get("status"))}"><h2>{_e(s.name)}: {_e(r.get("status"))}</h2>'
+            f"<p>{_e(r.get('image'))} {_e(r.get('image_id'))}: {gpu} ({_e(devices)}), {_e(r.get('seconds'))} s, "
+            f"started {_e(r.get('started'))}</p><ul>{reasons}</ul>{signed}</section>")
+
+
+def render(page: Page) -> str:
+    """The page's HTML (charts inline, no script)."""
+    parts = [f"<h1>{_e(page.title)}</h1>"]
+    rows: list[tuple[object, ...]] = []
+    if page.record is not None:
+        findings = page.record.get("findings") or {}
+        for name, found in findings.items():
+            if not isinstance(found, Mapping):
+                continue
+            rest = {k: v for k, v in found.items() if k not in ("met", "detail")}
+            rows.append((name, "met" if found.get("met") else "not met",
+                         found.get("detail") or json.dumps(rest, sort_keys=True)[:300]))
+        devices = ", ".join(map(str, page.record.get("gpu_devices") or [])) or "no GPU named"
+        parts.append(f"<section><h2>record of {_e(page.record.get('date', ''))} on {_e(devices)}</h2>"
+                     f"{_table(('finding', 'state', 'detail'), rows)}</section>")
+    parts += [_verdict(s) for s in page.shown]
+    checks = sorted({c.get("name") for s in page.shown for c in s.report.get("checks") or []})
+    by = [{c.get("name"): c.get("status") for c in s.report.get("checks") or []} for s in page.shown]
+    parts.append("<section><h2>checks</h2>" + _table(("check", *(s.name for s in page.shown)),
+                                                        [(n, *(b.get(n, "") for b in by)) for n in checks])
+                 + "</section>")
+    swept = [s for s in page.shown if _levels(s.report)]
+    if swept:
+        rows = [(s.name, lv["concurrency"], lv.get("successes"), lv.get("wrong_answers"),
+                 int(lv.get("failures") or 0) - int(lv.get("wrong_answers") or 0), lv.get("requests"))
+                for s in swept for lv in _levels(s.report)]
+        parts.append(_figure(page, "outcomes", "Per level: passed, answered wrongly, failed by status",
+                             chart_outcomes(swept), _table(("report", "concurrency", "passed", "wrong",
+                                                            "failed by status", "requests"), rows)))
+        rows = [(s.name, lv["concurrency"], lv.get("identical"), lv.get("deviated"), lv.get("wrong_answers"),
+                 lv.get("widest_deviation_nats"), lv.get("tolerance_nats")) for s in swept for lv in _levels(s.report)]
+        parts.append(_figure(page, "deviation", "Per reply: deviation from its basis against the level's tolerance",
+                             chart_deviation(swept), _table(("report", "concurrency", "identical", "within noise",
+                                                             "wrong", "widest (nats)", "tolerance (nats)"), rows)))
+        rows = [(s.name, lv["concurrency"], lv.get("p50_s"), lv.get("p95_s"), lv.get("output_tokens_per_s"))
+                for s in swept for lv in _levels(s.report)]
+        parts.append(_figure(page, "speed", "Latency and tokens per second against concurrency", chart_speed(swept),
+                             _table(("report", "concurrency", "p50 (s)", "p95 (s)", "tokens/s"), rows)))
+    timed = [s for s in page.shown if s.report.get("phases")]
+    if timed:
+        rows = [(s.name, phase, took) for s in timed for phase, took in (s.report.get("phases") or {}).items()]
+        parts.append(_figure(page, "phases", "Where the smoke time went", chart_phases(timed),
+                             _table(("report", "phase", "seconds"), rows)))
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:auto;padding:1em}table{border-collapse:collapse;"
+             "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}figure{border:1px solid #ddd;padding:.5em}"
+             ".svg svg{max-width:100%;height:auto}.numbers{max-height:20em;overflow:auto}"
+             ".verdict.fail h2{color:#c53030}.verdict.pass h2{color:#2f855a}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(page.title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def write(paths: Sequence[Path], out: Path) -> Page:
+    """Render the reports at ``paths`` into ``out``; the page as drawn."""
+    return write_page(load(paths), out)
+
+
+def write_verdict(report: Mapping[str, Any], name: str, envelope: Path | None, out: Path) -> Page:
+    """The page of one smoke run just judged (``smoke --html``), its signed envelope beside it where there is one."""
+    return write_page(Page(name, [Shown(name, report, _envelope(envelope) if envelope is not None else None)]), out)
+
+
+def write_page(page: Page, out: Path) -> Page:
+    from .journal.atomic import write_atomic
+
+    text = render(page)
+    if len(text.encode()) > MAX_BYTES:
+        raise UsageError(f"report: the page of {page.title} would be {len(text.encode())} bytes, over "
+                         f"{MAX_BYTES}: render fewer reports at once")
+    write_atomic(out, text)
+    return page
