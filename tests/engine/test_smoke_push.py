@@ -85,11 +85,16 @@ def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251:
 def test_smoke_reports_and_tampered_image_fails(engine: Engine, built: tuple[Path, str, str], tmp_path: Path,
                                                 unique: str) -> None:
     project, ref, image_id = built
-    ok = cli("smoke", ref, "--report", str(tmp_path / "ok.json"), "--junit", str(tmp_path / "ok.xml"), root=project)
+    ok = cli("smoke", ref, "--report", str(tmp_path / "ok.json"), "--junit", str(tmp_path / "ok.xml"), "--html",
+             str(tmp_path / "ok.html"), root=project)
     assert ok.rc == 0, ok.err
     assert "GPU-unverified" in ok.out
     report = json.loads((tmp_path / "ok.json").read_text())
     assert report["status"] == "pass" and report["image_id"] == image_id
+    # The same report as a page: its verdict first, the phases drawn with their table (no sweep here).
+    page = (tmp_path / "ok.html").read_text()
+    assert f"{ref}: pass" in page and '<figure id="phases"' in page and "<svg" in page
+    assert '<figure id="outcomes"' not in page and page.count("<td>layer-identity</td>") == 1
     assert report["environment"]["packages"]["vllm"] == "0.25.1"
     suite = ET.parse(tmp_path / "ok.xml").getroot()
     assert int(suite.get("tests", "0")) == len(report["checks"]) and suite.get("failures") == "0"

@@ -34,16 +34,11 @@ fixes) has no layers above it and skips this check: its other checks judge it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import posixpath
-import stat
-import tarfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ..building import base as baselib
 from ..building import definitions, pins, sources
@@ -52,151 +47,20 @@ from ..building.assemble import CONFIG_FIELDS, layer_entries
 from ..building.bytecode import every_name
 from ..engine import Engine, ImageInfo
 from ..engine import labels as L
-from ..errors import BaseImageError, DefinitionError, EngineError, PatchError, PinError, PipelineError
+from ..errors import BaseImageError, DefinitionError, PatchError, PinError, PipelineError
 from ..journal import records
 from ..tarball import Entry
 from ..verdicts import IDENTITY
 from . import pin_layer
-from .layer_facts import layer_folders
+from .layer_read import Layer, LayerSource, Node, from_entries, layers_above
 
 log = logging.getLogger(__name__)
 
 CHECK = IDENTITY
-CHUNK = 1 << 20
-SCRIPT_MAX = 1 << 16
 # Labels an image may add over its base's: the tool's own provenance and the OCI base annotations.
 OWN_LABELS = (f"{L.PREFIX}.",)
 OCI_LABELS = (L.OCI_BASE_NAME, L.OCI_BASE_DIGEST)
 RUNTIME_FIELDS = tuple(f for f in CONFIG_FIELDS if f != "Labels")
-
-
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One entry of a layer: what it adds, changes or removes at its path."""
-
-    kind: str  # file, dir, link, whiteout, other
-    mode: int = 0
-    sha256: str = ""
-    target: str = ""
-    opaque: bool = False  # a folder that hides everything the layers below had in it
-    data: bytes | None = field(default=None, compare=False, repr=False)  # a small file in a bin folder
-
-    def same(self, other: Node) -> bool:
-        if self.kind != other.kind:
-            return False
-        if self.kind == "file":
-            return (self.sha256, self.mode) == (other.sha256, other.mode)
-        if self.kind == "dir":
-            return (self.mode, self.opaque) == (other.mode, other.opaque)
-        if self.kind == "link":
-            return self.target == other.target
-        return self.kind == "whiteout"
-
-    def show(self) -> str:
-        if self.kind == "file":
-            return f"a file, mode {self.mode:o}, sha256 {self.sha256[:12]}"
-        if self.kind == "dir":
-            return f"a folder, mode {self.mode:o}" + (", opaque" if self.opaque else "")
-        if self.kind == "link":
-            return f"a link to {self.target}"
-        if self.kind == "whiteout":
-            return "removed"
-        return "a device, socket or fifo"
-
-
-Layer = dict[str, Node]  # path (no leading "/") -> what the layer holds there
-
-
-def _sha256(fh: IO[bytes]) -> str:
-    digest = hashlib.sha256()
-    while block := fh.read(CHUNK):
-        digest.update(block)
-    return digest.hexdigest()
-
-
-def _small_script(path: str, size: int) -> bool:
-    """Whether a file's bytes are kept with its entry: a launcher pip may write (a file in a ``bin`` folder)."""
-    return posixpath.basename(posixpath.dirname(path)) == "bin" and size <= SCRIPT_MAX
-
-
-def _opaque_folder(path: str) -> bool:
-    for name in ("trusted.overlay.opaque", "user.overlay.opaque"):
-        try:
-            if os.getxattr(path, name, follow_symlinks=False) == b"y":
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def from_folder(folder: str) -> Layer:
-    """A layer as an overlay2 folder holds it (a whiteout is a character device 0/0)."""
-    out: Layer = {}
-    for top, dirs, files in os.walk(folder):
-        for name in dirs + files:
-            full = os.path.join(top, name)
-            rel = os.path.relpath(full, folder).replace(os.sep, "/")
-            st = os.lstat(full)
-            mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                out[rel] = Node("whiteout")
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = Node("dir", mode, opaque=_opaque_folder(full))
-            elif stat.S_ISLNK(st.st_mode):
-                out[rel] = Node("link", target=os.readlink(full))
-            elif stat.S_ISREG(st.st_mode):
-                with open(full, "rb") as fh:
-                    out[rel] = Node("file", mode, _sha256(fh))
-                if _small_script(rel, st.st_size):
-                    with open(full, "rb") as fh:
-                        out[rel] = replace(out[rel], data=fh.read())
-            else:
-                out[rel] = Node("other", mode)
-    return out
-
-
-def from_tar(fh: IO[bytes]) -> Layer:
-    """A layer as its tar holds it (``.wh.NAME`` removes NAME, ``.wh..wh..opq`` makes its folder opaque)."""
-    out: Layer = {}
-    with tarfile.open(fileobj=fh, mode="r|*") as tar:
-        for member in tar:
-            name = posixpath.normpath("/" + member.name).lstrip("/")
-            if not name:
-                continue
-            folder, base = posixpath.split(name)
-            if base == ".wh..wh..opq":
-                out[folder] = replace(out.get(folder, Node("dir", 0o755)), opaque=True)
-            elif base.startswith(".wh."):
-                out[posixpath.join(folder, base[4:])] = Node("whiteout")
-            elif member.isdir():
-                out[name] = Node("dir", member.mode & 0o7777, opaque=out.get(name, Node("dir")).opaque)
-            elif member.issym():
-                out[name] = Node("link", target=member.linkname)
-            elif member.islnk():
-                target = out.get(posixpath.normpath("/" + member.linkname).lstrip("/"))
-                out[name] = Node("file", member.mode & 0o7777, target.sha256 if target else "")
-            elif member.isreg():
-                body = tar.extractfile(member)
-                data = body.read() if body is not None and _small_script(name, member.size) else None
-                digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(body) if body else ""
-                out[name] = Node("file", member.mode & 0o7777, digest, data=data)
-            else:
-                out[name] = Node("other", member.mode & 0o7777)
-    return out
-
-
-def from_entries(entries: Iterable[Entry]) -> Layer:
-    """A layer as the tool's own builders write it (:class:`~vllm_hotfix.tarball.Entry` list)."""
-    out: Layer = {}
-    for e in entries:
-        folder, base = posixpath.split(e.name)
-        if base.startswith(".wh."):
-            out[posixpath.join(folder, base[4:])] = Node("whiteout")
-        elif e.data is None:
-            out[e.name] = Node("dir", e.mode & 0o7777)
-        else:
-            out[e.name] = Node("file", e.mode & 0o7777, hashlib.sha256(e.data).hexdigest())
-    return out
 
 
 def first_difference(actual: Mapping[str, Node], expected: Mapping[str, Node]) -> str | None:
@@ -308,65 +172,6 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
         raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine: the image cannot be compared "
                             "with it (pull it, or name its repository with --base-repo)")
     return Base(found, ref, f"definition {tag}: {ref} in the engine", defn)
-
-
-LayerSource = Callable[[int], list[Layer]]  # the top N layers of the image judged, bottom first
-
-
-def layers_above(engine: Engine, image: ImageInfo, count: int) -> list[Layer]:
-    """The top ``count`` layers of ``image``, bottom first: from the engine's overlay2 folders where this host
-    can read them, else from the engine's export of the image."""
-    folders = layer_folders(image)
-    if folders is not None:
-        return [from_folder(f) for f in folders[len(folders) - count:]]
-    return from_export(engine.export_layers(image.id), image, count)
-
-
-class _Hashing:
-    """A reader that hashes what passes through it (a layer's diff ID is the sha256 of its tar)."""
-
-    def __init__(self, inner: IO[bytes]) -> None:
-        self.inner = inner
-        self.digest = hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.inner.read(n)
-        self.digest.update(data)
-        return data
-
-
-def from_folders_or(export: Callable[[], Iterable[IO[bytes]]]) -> Callable[[ImageInfo, int], list[Layer]]:
-    """A reader of an image's top layers: its overlay folders where this host can read them (the Docker engine's
-    overlay2, podman's overlay), else ``export`` (a ``save`` of the image, every layer streaming past)."""
-    def read(image: ImageInfo, count: int) -> list[Layer]:
-        folders = layer_folders(image, ("overlay2", "overlay"))
-        if folders is not None:
-            return [from_folder(f) for f in folders[len(folders) - count:]]
-        return from_export(export(), image, count)
-    return read
-
-
-def from_export(blobs: Iterable[IO[bytes]], image: ImageInfo, count: int) -> list[Layer]:
-    """The top ``count`` layers from a ``save`` export of the image (every layer streams past; the ones wanted
-    are told by their diff ID, the sha256 of the uncompressed tar)."""
-    diff_ids = [str(d) for d in ((image.attrs or {}).get("RootFS") or {}).get("Layers") or []]
-    wanted = set(diff_ids[len(diff_ids) - count:])
-    found: dict[str, Layer] = {}
-    for blob in blobs:
-        hashing = _Hashing(blob)
-        try:
-            layer = from_tar(hashing)  # type: ignore[arg-type]
-        except tarfile.TarError:
-            continue  # an OCI layout's config or manifest blob
-        while hashing.read(CHUNK):
-            pass
-        diff = "sha256:" + hashing.digest.hexdigest()
-        if diff in wanted:
-            found[diff] = layer
-    missing = [d for d in diff_ids[len(diff_ids) - count:] if d not in found]
-    if missing:
-        raise EngineError(f"the engine's export of {image.id[:19]} lacks layer {missing[0][:19]}")
-    return [found[d] for d in diff_ids[len(diff_ids) - count:]]
 
 
 def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[patchlib.Patch]

@@ -30,16 +30,13 @@ import re
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..building import pins, wheels
 from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
 from .installed import canonical
 from .integrity import keep_metadata, read_site
-
-if TYPE_CHECKING:
-    from .identity import Layer
+from .layer_read import Layer
 
 PIP_FILES = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
 _SCRIPT = re.compile(r"^\s*([\w.-]+)\s*=\s*([\w.]+)\s*:\s*([\w.]+)\s*$")

@@ -23,7 +23,7 @@ from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed,
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...registry import client as registry
-from .. import identity
+from .. import identity, layer_read
 from . import facts, judging, plan
 from .base import Launched, results
 from .kubernetes import JobSpec
@@ -55,7 +55,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
                                                                "not read")), "")
         proven = None
     else:
-        read = identity.from_folders_or(lambda: files.export_layers(image_id))
+        read = layer_read.from_folders_or(lambda: files.export_layers(image_id))
         proven = prove(root, engine, info, options, say, lambda n: read(info, n))
         if proven.status in ("fail", "incomplete"):
             return refused(target, proven, "podman"), target
@@ -75,7 +75,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
 
 
 def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: SmokeOptions,
-          say: Callable[[str], None], read_layers: identity.LayerSource) -> identity.Outcome:
+          say: Callable[[str], None], read_layers: layer_read.LayerSource) -> identity.Outcome:
     """The image's layer identity (:mod:`..identity`), its layers read where the launcher starts it, its base
     found in the Docker engine; incomplete where this host has none (nothing it could compare the image with)."""
     say(f"==> {image.id[:19]} against what its builder writes over its base (read from the layers)")
@@ -120,7 +120,7 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
         say(f"    {why}")
         return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None, None
-    proven = prove(root, engine, info, options, say, lambda n: source.top_layers(n, identity.from_tar))
+    proven = prove(root, engine, info, options, say, lambda n: source.top_layers(n, layer_read.from_tar))
     if proven.status in ("fail", "incomplete"):
         return facts.FileFacts((), ""), info, proven
     say(f"==> reading the files of {ref} from its registry's blobs")
