@@ -19,8 +19,12 @@ where the engine holds none of it:
 Bytes read from the registry come from the tool's own count (what its
 readers took from each response) and, in one more run per size, from a
 relay in front of the registry that counts every byte it forwarded to the
-tool. A last case puts the filler layers above vLLM's instead (one round):
-what a layout with big layers above the package costs.
+tool. Two last cases (one round each) put the filler layers above vLLM's
+instead, and lay the base out as vLLM's own docker/Dockerfile lays out
+vllm/vllm-openai (vLLM installed in one step with torch and every
+requirement, then FlashInfer, then the OpenAI server's extras): what a
+layout with big layers at or above the package costs, a first build and a
+repeat one.
 
 It reports; it never fails on a number.
 """
@@ -155,8 +159,14 @@ def unique_rootfs(work: Path, run: str) -> str:
     return ref
 
 
-def make_base(work: Path, rootfs: str, ref: str, filler_bytes: int, filler_above: bool) -> None:
-    """The stand-in laid out as a vLLM image: root file system, filler, vLLM, .pth (or the filler on top)."""
+def make_base(work: Path, rootfs: str, ref: str, filler_bytes: int, filler_above: bool,
+              upstream: bool = False) -> None:
+    """The stand-in laid out as a vLLM image: root file system, filler, vLLM, .pth (or the filler on top).
+
+    ``upstream``: laid out as vLLM's own docker/Dockerfile lays out vllm/vllm-openai: the vLLM wheel installed
+    in the same step as torch and every requirement (one layer: here 80% of the filler, under the site folder
+    as torch/ and nvidia/, both sorting before vllm/), then a layer of FlashInfer (15%, flashinfer/), then
+    the OpenAI server's extra requirements (5%, accelerate/)."""
     from vllm_hotfix.building import standin, wheels
     from vllm_hotfix.tarball import tar_bytes
 
@@ -168,6 +178,15 @@ def make_base(work: Path, rootfs: str, ref: str, filler_bytes: int, filler_above
               for i in range(FILLER_LAYERS)]
     own = [f"COPY site/ {SITE}/", "COPY vllm-standin.pth /usr/lib/python3/dist-packages/"]
     body = [*own, *filler] if filler_above else [*filler, *own]
+    if upstream:
+        big, flash, extras = int(filler_bytes * 0.8), int(filler_bytes * 0.15), int(filler_bytes * 0.05)
+        body = ["COPY site/ /tmp/wheel-site/", "COPY vllm-standin.pth /usr/lib/python3/dist-packages/",
+                # One step: torch and the CUDA libraries beside vLLM's own files, as `uv pip install dist/*.whl`.
+                f"RUN mkdir -p {SITE}/torch/lib {SITE}/nvidia/cu13 && head -c {big // 2} /dev/urandom > "
+                f"{SITE}/torch/lib/libtorch_cuda.so && head -c {big - big // 2} /dev/urandom > "
+                f"{SITE}/nvidia/cu13/libcublas.so && cp -a /tmp/wheel-site/. {SITE}/ && rm -rf /tmp/wheel-site",
+                f"RUN mkdir -p {SITE}/flashinfer && head -c {flash} /dev/urandom > {SITE}/flashinfer/libflash.so",
+                f"RUN mkdir -p {SITE}/accelerate && head -c {extras} /dev/urandom > {SITE}/accelerate/data.bin"]
     files["Dockerfile"] = ("\n".join([f"FROM {rootfs}", *body, 'ENTRYPOINT ["vllm", "serve"]']) + "\n").encode()
     context = work / "context.tar"
     context.write_bytes(tar_bytes(files))
@@ -241,10 +260,12 @@ def main() -> int:
     try:
         rootfs = unique_rootfs(work, run)
         refs.append(rootfs)
-        cases = [(f"{size:g}GiB", size, False) for size in sizes] + [(f"{sizes[0]:g}GiB-filler-above", sizes[0], True)]
+        # The last two: one round each, the filler above vLLM's layer, and the upstream image's own layout.
+        cases = [(f"{size:g}GiB", size, False) for size in sizes] + [
+            (f"{sizes[0]:g}GiB-filler-above", sizes[0], True), (f"{sizes[0]:g}GiB-upstream-layout", sizes[0], True)]
         for name, size, above in cases:
             local = f"vllm-hotfix-bench/registry-base-{name.lower()}:{run}"
-            make_base(work, rootfs, local, int(size * GiB), above)
+            make_base(work, rootfs, local, int(size * GiB), above and "filler" in name, "upstream" in name)
             refs.append(local)
             base_repo = f"{reg.addr}/{name.lower()}/vllm-openai"
             docker("tag", local, f"{base_repo}:v0.25.1")
@@ -255,7 +276,7 @@ def main() -> int:
             absent(local)
             refs.remove(local)
             sizes_ = layers_of(reg.addr, f"{name.lower()}/vllm-openai", "v0.25.1")
-            vllm_layer = sizes_[-2] if not above else sizes_[1]
+            vllm_layer = sizes_[-2] if not above else sizes_[1] if "filler" in name else sizes_[-3]
             case: dict[str, Any] = {"base_compressed_bytes": sum(sizes_), "layers": sizes_,
                                     "vllm_layer_bytes": vllm_layer, "push_s": round(pushed, 1), "rounds": []}
             print(f"== {name}: base {sum(sizes_) / GiB:.2f} GiB compressed in {len(sizes_)} layers "
