@@ -69,3 +69,14 @@ def test_a_refused_load_is_one_line(engine: Engine) -> None:
         engine.load(tarball.write([tarball.Entry("manifest.json", b"[{]", 0o644)]))
     assert type(caught.value).__name__ == "BuildError"
     assert str(caught.value).startswith("the engine refused to load the image: ") and "\n" not in str(caught.value)
+
+
+def test_a_containers_shared_memory_is_what_it_is_given(engine: Engine, base_v0251: str) -> None:
+    """The engine's default /dev/shm is 64 MB; a tensor-parallel server's container is given 16 GiB."""
+    def shm_kib(size: str | None) -> int:
+        done = engine.run(base_v0251, ["df", "-k", "/dev/shm"], shm_size=size, timeout=60)
+        assert done.exit_code == 0, done.stderr
+        return int(done.stdout.splitlines()[-1].split()[1])
+
+    assert shm_kib(None) == 64 * 1024
+    assert shm_kib("16g") == 16 * 1024 * 1024

@@ -47,9 +47,13 @@ def gpu_arguments(gpu: GpuRequest | None) -> dict[str, Any]:
 
 
 def extras(gpu: GpuRequest | None, *, env: Mapping[str, str] | None = None,
-           writable: Sequence[tuple[str, str]] = (), read_only: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
-    """Create-time arguments for the GPU request, extra environment and bind mounts (host path, container path)."""
+           writable: Sequence[tuple[str, str]] = (), read_only: Sequence[tuple[str, str]] = (),
+           shm_size: str | None = None) -> dict[str, Any]:
+    """Create-time arguments for the GPU request, extra environment, bind mounts (host path, container path) and
+    the size of /dev/shm (what NCCL needs between the GPUs of a tensor-parallel server)."""
     create = gpu_arguments(gpu)
+    if shm_size:
+        create["shm_size"] = shm_size
     if env:
         create["environment"] = {**create.get("environment", {}), **env}
     volumes = {src: {"bind": dst, "mode": "ro"} for src, dst in read_only}
@@ -234,7 +238,7 @@ def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, by
         files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
         timeout: float = 300, env: Mapping[str, str] | None = None,
         writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = (),
-        follow: Callable[[str], None] | None = None) -> ExecResult:
+        follow: Callable[[str], None] | None = None, shm_size: str | None = None) -> ExecResult:
     """Run ``argv`` (entrypoint overridden) and return its output; exit code 124 when it ran past ``timeout``.
 
     ``mounts``: (host folder, container folder) pairs mounted read-only (the runner's folder);
@@ -244,7 +248,8 @@ def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, by
 
     operation = f"running {argv[0]} in {image}"
     with lifetime(engine, image, "smoke", operation, entrypoint=list(argv[:1]), command=list(argv[1:]),
-                  network_mode=network, **extras(gpu, env=env, writable=writable, read_only=mounts)) as container, \
+                  network_mode=network, **extras(gpu, env=env, writable=writable, read_only=mounts,
+                                                 shm_size=shm_size)) as container, \
             engine.translating(operation):
         if files:
             container.put_archive(files_at, tar_bytes(files))

@@ -411,14 +411,16 @@ class Engine:
             files_at: str = "/tmp", gpu: GpuRequest | None = None, network: str = "none",
             timeout: float = 300, env: Mapping[str, str] | None = None,
             writable: Sequence[tuple[str, str]] = (), mounts: Sequence[tuple[str, str]] = (),
-            follow: Callable[[str], None] | None = None) -> ExecResult:
+            follow: Callable[[str], None] | None = None, shm_size: str | None = None) -> ExecResult:
         """Run ``argv`` (entrypoint overridden) in a new container and return its output.
 
         ``writable``: (host folder, container path) bind mounts it may write, e.g. a compile cache;
-        ``mounts``: ones it may only read (the runner's folder); ``follow``: each stderr line as it comes.
+        ``mounts``: ones it may only read (the runner's folder); ``follow``: each stderr line as it comes;
+        ``shm_size``: the size of its /dev/shm (``16g``), where the engine's default 64 MB is too small.
         """
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
-                              timeout=timeout, env=env, writable=writable, mounts=mounts, follow=follow)
+                              timeout=timeout, env=env, writable=writable, mounts=mounts, follow=follow,
+                              shm_size=shm_size)
 
     def read_files(self, image: str, paths: Sequence[str],
                    keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:

@@ -90,7 +90,7 @@ class DockerLauncher:
             mounts.append((str(model), "/model"))
         res = self.engine.run(image, argv(self.python), files=files, files_at="/", gpu=gpu_request(gpu),
                               mounts=mounts, timeout=self.timeout, env=self.env or None, writable=self.writable,
-                              follow=self.follow)
+                              follow=self.follow, shm_size=plan.shm_size(job))
         if res.exit_code == 124:
             raise RunnerFailed(f"the runner in {image} did not finish within {self.timeout:.0f} s", incomplete=True,
                                hint="its Python may hang; give it longer with --deadline S if it is only slow")

@@ -171,6 +171,31 @@ def run_settings(verdict: Verdict) -> dict[str, Any]:
     return found
 
 
+TP_SHM = "16g"  # /dev/shm of a tensor-parallel server's container: NCCL moves tensors between its GPUs there
+
+
+def tensor_parallel(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) the server is given among ``args`` (1 where none is)."""
+    items = [str(a) for a in args]
+    for i, arg in enumerate(items):
+        name, eq, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            text = value if eq else (items[i + 1] if i + 1 < len(items) else "")
+            try:
+                return max(1, int(text))
+            except ValueError:
+                raise UsageError(f"--serve-arg {arg}: --tensor-parallel-size takes a whole number of GPUs") \
+                    from None
+    return 1
+
+
+def shm_size(job: Mapping[str, Any]) -> str | None:
+    """The /dev/shm size the runner's container needs for ``job``: TP_SHM for a tensor-parallel server, else the
+    engine's default (None)."""
+    serve = job.get("serve") or {}
+    return TP_SHM if tensor_parallel(serve.get("argv") or []) > 1 else None
+
+
 def overlaps(args: Sequence[str]) -> bool:
     """Whether the server may start while the GPU checks run: only with its KV cache size given, where vLLM
     does not measure the GPU's free memory (which the checks' processes change as they come and go)."""

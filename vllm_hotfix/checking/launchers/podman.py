@@ -28,6 +28,7 @@ from ...engine.files import FileFact, FolderReader, Found, exported_layers, scan
 from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
 from ..runner import MOUNT
 from .base import Launched, argv, results
+from .plan import shm_size
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +118,14 @@ class PodmanLauncher:
             raise EngineError(f"podman: {self.podman} is not installed or not on PATH",
                               hint="install podman (apt-get install podman), or use --launcher docker")
 
-    def run_argv(self, image: str, runner_dir: Path, gpu: str | None, model: Path | None, name: str) -> list[str]:
-        """The ``podman run`` command line, as data."""
+    def run_argv(self, image: str, runner_dir: Path, gpu: str | None, model: Path | None, name: str,
+                 shm_size: str | None = None) -> list[str]:
+        """The ``podman run`` command line, as data (``shm_size``: /dev/shm of a tensor-parallel server's run)."""
         cmd = self.command("run", "--rm", "--name", name, "--network", "none", "--pull", "never",
                            "--label", f"{L.OWNER}={L.owner()}", "--entrypoint", self.python,
                            "--volume", f"{runner_dir}:{MOUNT}:ro")
+        if shm_size:
+            cmd += ["--shm-size", shm_size]
         if model is not None:
             cmd += ["--volume", f"{model}:/model:ro"]
         device = device_of(gpu)
@@ -133,7 +137,7 @@ class PodmanLauncher:
                model: Path | None = None) -> Launched:
         self.require()
         name = f"vllm-hotfix-runner-{uuid.uuid4().hex[:12]}"
-        cmd = self.run_argv(image, runner_dir, gpu, model, name)
+        cmd = self.run_argv(image, runner_dir, gpu, model, name, shm_size(job))
         log.debug("running %s", cmd)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=self.timeout,
