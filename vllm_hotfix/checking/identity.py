@@ -13,14 +13,15 @@ the builder writes, from facts the host finds itself:
   engine lacks it (the layers came with the image, so only its config
   travels). Never an image label: a label is data the image chose.
 * **the layers**: the image's diff IDs must begin with the base's, and the
-  layers above are read whole (the engine's overlay2 folders where they are
-  local, else the engine's export) and compared entry by entry (path, kind,
-  mode, sha256, link target; owners and times are the builder's business)
-  with what the builder writes for this patch set on this base: the patch
-  layer of :func:`vllm_hotfix.building.assemble.layer_entries` (the
-  Dockerfile's ``COPY`` adds the same entries; the in-registry builder the
-  same, or whiteouts of the base's stale bytecode instead of fresh pycs),
-  and below it, for a patch set with pins, the pip layer
+  layers above are read whole where the image is started (:mod:`.layer_read`:
+  the engine's or podman's overlay folders, a ``save`` export, a registry's
+  blobs) and compared entry by entry (path, kind, mode, sha256, link target;
+  owners and times are the builder's business) with what the builder writes
+  for this patch set on this base: the patch layer of
+  :func:`vllm_hotfix.building.assemble.layer_entries` (the Dockerfile's
+  ``COPY`` adds the same entries; the in-registry builder the same, or
+  whiteouts of every bytecode name of the patched files, or the sources
+  alone), and below it, for a patch set with pins, the pip layer
   (:mod:`.pin_layer`).
 * **the config**: the runtime fields (entrypoint, command, environment,
   user, working folder, ...) must be the base's; labels may only be added
