@@ -130,3 +130,25 @@ def test_a_variant_file_must_be_named_for_its_base_and_variant(tmp_path: Path) -
     defn = definitions.load(REPO, SM100)
     assert (defn.base_tag, defn.variant, defn.patch_set) == ("v0.25.1", "sm100", SM100)
     assert defn.output_ref() == "vllm/vllm-openai:v0.25.1-m3patch-sm100"
+
+
+def test_a_wheelhouses_wheel_is_kept_in_the_pin_cache_for_the_smoke(tmp_path: Path) -> None:
+    """The smoke judges the pip layer against the pinned wheels in the pin cache, by hash: a build from
+    --wheelhouse keeps its wheels there too (written whole, never half), and a kept copy is not written again."""
+    import hashlib
+
+    house, cache = tmp_path / "house", tmp_path / "cache" / "pin-wheels"
+    house.mkdir()
+    wheel = house / "quack_kernels-0.6.4-py3-none-any.whl"
+    wheel.write_bytes(b"PK a wheel's bytes")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    pin = pinfile.Pin("quack-kernels", "0.6.4", (digest,), 1, "quack-kernels")
+    pinset = pinfile.PinSet(tmp_path / "pins.txt", "x", (pin,), (), "0" * 64)
+    state = pins.ImageState("3.11", "cp", "24.0", ("py3-none-any",), {})
+    [chosen] = pins.find_wheels(pinset, state, house, cache, lambda _l: None)
+    assert chosen.path == wheel and chosen.sha256 == digest
+    kept = cache / wheel.name
+    assert kept.read_bytes() == wheel.read_bytes() and not list(cache.glob(".*.part"))
+    before = kept.stat().st_mtime_ns
+    pins.find_wheels(pinset, state, house, cache, lambda _l: None)
+    assert kept.stat().st_mtime_ns == before
