@@ -55,6 +55,15 @@ def cache(root: Path) -> Path:
     return cache_dir(root) / "pin-wheels"
 
 
+def cached_wheel(root: Path, pin: Pin) -> Path | None:
+    """The wheel of ``pin`` in the pin cache whose sha256 is one the pin names; None where there is none."""
+    folder = cache(root)
+    for path in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
+        if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
+            return path
+    return None
+
+
 # -- the image's side ----------------------------------------------------------------
 
 

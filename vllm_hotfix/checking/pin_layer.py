@@ -28,10 +28,10 @@ import io
 import posixpath
 import re
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..building import pins, wheels
+from ..building import pins
 from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
 from .installed import canonical
@@ -40,15 +40,6 @@ from .layer_read import Layer
 
 PIP_FILES = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
 _SCRIPT = re.compile(r"^\s*([\w.-]+)\s*=\s*([\w.]+)\s*:\s*([\w.]+)\s*$")
-
-
-def _wheel_for(root: Path, name: str, version: str, hashes: Iterable[str]) -> Path | None:
-    folder = pins.cache(root)
-    wanted = set(hashes)
-    for path in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
-        if wheels.matches(path.name, name, version) and wheels.sha256_file(path) in wanted:
-            return path
-    return None
 
 
 def _scripts(zf: zipfile.ZipFile) -> dict[str, tuple[str, str]]:
@@ -105,7 +96,7 @@ def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], b
     pip_files: set[str] = set()
     names = set()
     for pin in pinset.pins:
-        wheel = _wheel_for(root, pin.name, pin.version, pin.hashes)
+        wheel = pins.cached_wheel(root, pin)
         if wheel is None:
             return (f"{pinset.path.name} pins {pin.spelled} {pin.version}, and {pins.cache(root)} holds no wheel of it "
                     "with a hash it names: the layer cannot be judged against that pin (build the patch set once "

@@ -203,11 +203,8 @@ def overlaps(args: Sequence[str]) -> bool:
 
 
 def _record(root: Path, pin: Pin) -> dict[str, str] | None:
-    cache = pins.cache(root)
-    for path in sorted(cache.glob("*.whl")) if cache.is_dir() else []:
-        if wheels.matches(path.name, pin.name, pin.version) and wheels.sha256_file(path) in pin.hashes:
-            return dict(wheels.record(path))
-    return None
+    wheel = pins.cached_wheel(root, pin)
+    return dict(wheels.record(wheel)) if wheel is not None else None
 
 
 def free_port() -> int:
