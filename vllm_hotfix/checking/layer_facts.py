@@ -112,11 +112,11 @@ def layer_folders(info: ImageInfo, drivers: tuple[str, ...] = ("overlay2",)) -> 
     return folders
 
 
-def _whiteout(st: os.stat_result) -> bool:
+def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _opaque(path: str) -> bool | None:
+def opaque_state(path: str) -> bool | None:
     """Whether an overlay folder replaces the one below (None: its attributes cannot be read here)."""
     for name in OPAQUE:
         try:
@@ -128,7 +128,7 @@ def _opaque(path: str) -> bool | None:
     return False
 
 
-def _hash(path: str, want: bool) -> tuple[str, bytes | None]:
+def hash_file(path: str, want: bool) -> tuple[str, bytes | None]:
     digest = hashlib.sha256()
     parts: list[bytes] = []
     with open(path, "rb") as fh:
@@ -150,7 +150,7 @@ def apply_layer(folder: str, site_dir: str, entries: dict[str, FileFact], kept: 
             st = os.lstat(above)
         except FileNotFoundError:
             return True  # the layer holds nothing at or under the site folder
-        if not stat.S_ISDIR(st.st_mode) or _opaque(above) is not False:
+        if not stat.S_ISDIR(st.st_mode) or opaque_state(above) is not False:
             return False
     root = os.path.join(folder, *parts)
     for top, dirs, files in os.walk(root):
@@ -160,15 +160,15 @@ def apply_layer(folder: str, site_dir: str, entries: dict[str, FileFact], kept: 
             full = os.path.join(top, name)
             path = posixpath.join(base, name)
             st = os.lstat(full)
-            opaque = _opaque(full) if stat.S_ISDIR(st.st_mode) else False
+            opaque = opaque_state(full) if stat.S_ISDIR(st.st_mode) else False
             if opaque is None:
                 return False
-            if _whiteout(st) or opaque:
+            if is_whiteout(st) or opaque:
                 # Removed, or replaced by this layer's folder: nothing below it survives from the layers under.
                 for old in [p for p in entries if p == path or p.startswith(path + "/")]:
                     entries.pop(old)
                     kept.pop(old, None)
-                if _whiteout(st):
+                if is_whiteout(st):
                     continue
             if stat.S_ISDIR(st.st_mode):
                 entries[path] = FileFact(path, "dir", mode=stat.S_IMODE(st.st_mode))
@@ -176,7 +176,7 @@ def apply_layer(folder: str, site_dir: str, entries: dict[str, FileFact], kept: 
                 entries[path] = FileFact(path, "link", target=os.readlink(full), mode=stat.S_IMODE(st.st_mode))
                 kept.pop(path, None)
             elif stat.S_ISREG(st.st_mode):
-                sha, data = _hash(full, keep(path))
+                sha, data = hash_file(full, keep(path))
                 entries[path] = FileFact(path, "file", st.st_size, sha, mode=stat.S_IMODE(st.st_mode),
                                          mtime=int(st.st_mtime))
                 if data is not None:

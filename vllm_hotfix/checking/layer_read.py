@@ -25,7 +25,7 @@ from typing import IO
 from ..engine import Engine, ImageInfo
 from ..errors import EngineError
 from ..tarball import Entry
-from .layer_facts import layer_folders
+from .layer_facts import hash_file, is_whiteout, layer_folders, opaque_state
 
 CHUNK = 1 << 20
 SCRIPT_MAX = 1 << 16
@@ -80,16 +80,6 @@ def _small_script(path: str, size: int) -> bool:
     return posixpath.basename(posixpath.dirname(path)) == "bin" and size <= SCRIPT_MAX
 
 
-def _opaque_folder(path: str) -> bool:
-    for name in ("trusted.overlay.opaque", "user.overlay.opaque"):
-        try:
-            if os.getxattr(path, name, follow_symlinks=False) == b"y":
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def from_folder(folder: str) -> Layer:
     """A layer as an overlay2 folder holds it (a whiteout is a character device 0/0)."""
     out: Layer = {}
@@ -99,18 +89,16 @@ def from_folder(folder: str) -> Layer:
             rel = os.path.relpath(full, folder).replace(os.sep, "/")
             st = os.lstat(full)
             mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            if is_whiteout(st):
                 out[rel] = Node("whiteout")
             elif stat.S_ISDIR(st.st_mode):
-                out[rel] = Node("dir", mode, opaque=_opaque_folder(full))
+                # An attribute that cannot be read counts as no opaque mark, as it always did here.
+                out[rel] = Node("dir", mode, opaque=opaque_state(full) is True)
             elif stat.S_ISLNK(st.st_mode):
                 out[rel] = Node("link", target=os.readlink(full))
             elif stat.S_ISREG(st.st_mode):
-                with open(full, "rb") as fh:
-                    out[rel] = Node("file", mode, _sha256(fh))
-                if _small_script(rel, st.st_size):
-                    with open(full, "rb") as fh:
-                        out[rel] = replace(out[rel], data=fh.read())
+                digest, data = hash_file(full, _small_script(rel, st.st_size))
+                out[rel] = Node("file", mode, digest, data=data)
             else:
                 out[rel] = Node("other", mode)
     return out
