@@ -200,13 +200,9 @@ class DockerRun:
         proven = self.prove_identity(image, ref, want)
         clock.mark("identity")
         if proven.status == "fail":
-            host = self.engine.host_facts()
-            job = {"image": ref, "image_id": image.id, "platform": platform, "host": dict(host),
-                   "gpu": {"mode": self.opt.gpu}}
-            verdict = judging.not_its_product(job, proven.check(), started=started,
-                                              seconds=time.monotonic() - start)
-            verdict = replace(verdict, phases=phases)
-            return plan.Ran(verdict, job), target
+            ran = plan.refused(target, proven.check(), self.engine.host_facts(), self.opt.gpu, started=started,
+                               seconds=time.monotonic() - start)
+            return replace(ran, verdict=replace(ran.verdict, phases=phases)), target
         target = replace(target, base_id=proven.base_id)
         found = self.file_facts(image, ref, want, proven)
         # The identity check leads the host's checks of every verdict of this run (passed, or skipped for a base).

@@ -24,7 +24,7 @@ from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...registry import client as registry
 from .. import identity, layer_read
-from . import facts, judging, plan
+from . import facts, plan
 from .base import Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
@@ -58,7 +58,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
         read = layer_read.from_folders_or(lambda: files.export_layers(image_id))
         proven = prove(root, engine, info, options, say, lambda n: read(info, n))
         if proven.status in ("fail", "incomplete"):
-            return refused(target, proven, "podman"), target
+            return plan.refused(target, proven.check(), {"launcher": "podman"}, "off"), target
         target = replace(target, base_id=proven.base_id)
         found = facts.file_facts(root, info, files, engine(), say, proven)
         found = replace(found, checks=(proven.check(), *found.checks))
@@ -89,13 +89,6 @@ def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: S
                                 say=say, read_layers=read_layers)
     say(f"    {proven.status:<4} {identity.CHECK}: {proven.detail}")
     return proven
-
-
-def refused(target: plan.Target, proven: identity.Outcome, launcher: str) -> plan.Ran:
-    """The run of an image whose identity failed or could not be judged: nothing of it started."""
-    job = {"image": target.ref, "image_id": target.image_id, "platform": target.platform,
-           "host": {"launcher": launcher}, "gpu": {"mode": "off"}}
-    return plan.Ran(judging.not_its_product(job, proven.check()), job)
 
 
 def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, image_id: str,
@@ -216,7 +209,7 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
     if proven is not None and proven.status in ("fail", "incomplete"):
         # Nothing is written or started for an image that is not its definition's product.
-        return refused(target, proven, "kubernetes"), target, ""
+        return plan.refused(target, proven.check(), {"launcher": "kubernetes"}, "off"), target, ""
     if proven is not None:
         target = replace(target, base_id=proven.base_id)
     spec = cluster.spec

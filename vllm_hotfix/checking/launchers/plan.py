@@ -247,6 +247,15 @@ class HostFacts:
     base_imports: Callable[[list[str]], Mapping[str, str] | None] | None = None
 
 
+def refused(target: Target, identity: Mapping[str, Any], host: Mapping[str, Any], gpu_mode: str, *,
+            started: str = "", seconds: float = 0.0) -> Ran:
+    """The run of an image whose identity check (``identity``) failed or could not be judged: nothing of it
+    started, and its verdict holds that check alone."""
+    job = {"image": target.ref, "image_id": target.image_id, "platform": target.platform, "host": dict(host),
+           "gpu": {"mode": gpu_mode}}
+    return Ran(judging.not_its_product(job, identity, started=started, seconds=seconds), job)
+
+
 def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference | None
                 ) -> tuple[list[Check], dict[str, Any] | None, Mapping[str, Any] | None]:
     """The host's ``exact-levels`` check of the probe's replies (none where the job ran no probe), its evidence,
