@@ -271,9 +271,10 @@ def keep_in_cache(wheel: Path, digest: str, cache: Path) -> None:
         shutil.copyfile(wheel, part)
         os.replace(part, kept)
     except OSError as exc:
-        part.unlink(missing_ok=True)
         raise PinError(f"cannot keep {wheel.name} in {cache}: {exc.strerror or exc}",
                        hint="set VLLM_HOTFIX_CACHE to a folder this user can write") from exc
+    finally:
+        part.unlink(missing_ok=True)  # a copy cut short (a full disk, Ctrl-C) leaves no half wheel behind
 
 
 # -- serving the wheels to the build ----------------------------------------------------
