@@ -79,6 +79,9 @@
 # signing-key.pub.pem, source-*.json and record.json.
 #
 # REFERENCE_FROM (an earlier run's folder: its answers.json, for a model of the same hash).
+# TP (1): --tensor-parallel-size of every server; on a host with N GPUs, a run per size, each in its own OUTDIR:
+#   TP=2 STEPS="reference patched unpatched record" bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR-tp2
+# (the images, model and inputs made once, by the default steps' first call).
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
 # (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), KV_BYTES (4294967296; empty: let
 # vLLM size the KV cache, and start the server after the GPU checks),
@@ -322,6 +325,11 @@ open(sys.argv[2], 'wb').write(key.public_key().public_bytes(serialization.Encodi
 # No --min-tokens: every reply is judged by the oracle, as a site judges its
 # own model, which can stop early.
 serve=(--serve-model "$MODEL" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
+# TP=N: every server (the sweep's and the fixed-batch engine) on N GPUs, the patch set's GPU checks on each of
+# them; the reference is recorded at N too (a reference of another size is refused), so give each TP an OUTDIR.
+TP=${TP:-1}
+case "$TP" in ''|*[!0-9]*|0) die "TP=$TP: a whole number of GPUs, 1 or more" ;; esac
+[ "$TP" = 1 ] || serve+=(--serve-arg=--tensor-parallel-size --serve-arg="$TP")
 KV_BYTES=${KV_BYTES-4294967296}
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
 for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.3}" \

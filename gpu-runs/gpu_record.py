@@ -98,7 +98,16 @@ def _topk(report: dict[str, Any]) -> dict[str, Any] | None:
     check = next((c for c in report.get("checks", []) if c.get("name") == "topk-layout"), None)
     if check is None:
         return None
-    data = check.get("data") or {}
+    per_gpu = (check.get("data") or {}).get("per_gpu")
+    if isinstance(per_gpu, list):
+        # A tensor-parallel run's: the check on each GPU the server used.
+        return {"per_gpu": [{"gpu": one.get("gpu"), "status": one.get("status"), **_topk_runs(one.get("data") or {})}
+                            for one in per_gpu if isinstance(one, dict)]}
+    return _topk_runs(check.get("data") or {})
+
+
+def _topk_runs(data: dict[str, Any]) -> dict[str, Any]:
+    """One GPU's topk-layout data: per scenario how it ended, the views, the row counts."""
     runs: dict[str, Any] = {}
     for scenario, run in (data.get("runs") or {}).items():
         result = run.get("result") or {}

@@ -292,3 +292,25 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
                                                               other_key))
     r = record(*args)
     assert r.returncode == 2 and "signed with another key" in r.stderr
+
+
+def test_tp_puts_every_server_on_that_many_gpus(tmp_path: Path) -> None:
+    commands, _, _ = _dry(tmp_path, "reference patched unpatched", TP="2")
+    smokes = _smokes(commands)
+    assert list(smokes) == ["reference", "patched", "unpatched"]
+    for argv in smokes.values():
+        at = argv.index("--serve-arg=--tensor-parallel-size")
+        assert argv[at + 1] == "--serve-arg=2"
+    (tmp_path / "one").mkdir()
+    commands, _, _ = _dry(tmp_path / "one", "patched")
+    assert not any("--serve-arg=--tensor-parallel-size" in argv for argv in commands)
+
+
+def test_a_tp_that_is_no_number_of_gpus_is_refused(tmp_path: Path) -> None:
+    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts.mkdir()
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": "patched", "GPU_HOST_WORK": str(tmp_path / "work"),
+           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "TP": "0"}
+    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 1 and "TP=0: a whole number of GPUs" in r.stdout

@@ -245,3 +245,19 @@ def test_verify_elsewhere_requires_the_gpu_the_record_names(tmp_path: Path) -> N
     (tmp_path / "record.json").write_text(json.dumps({"gpu_devices": ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]}))
     with pytest.raises(SystemExit, match="name no single GPU model"):
         gpu_product(tmp_path)
+
+
+def test_a_tensor_parallel_runs_topk_layout_is_kept_per_gpu() -> None:
+    record = _module("gpu_record")
+    one = {"outcomes": {"tp1": "correct"}, "runs": {"tp1": {"outcome": "correct", "seconds": 3.0,
+                                                           "result": {"write_views": "[T,H,K]"}}}}
+    bad = {"outcomes": {"tp1": "wrong-rows"}, "runs": {"tp1": {"outcome": "wrong-rows"}}}
+    check = {"name": "topk-layout", "status": "fail", "detail": "GPU 0: ok; GPU 1: wrong",
+             "data": {"per_gpu": [{"gpu": 0, "status": "pass", "data": one},
+                                  {"gpu": 1, "status": "fail", "data": bad}]}}
+    got = record.image({"checks": [check]})["topk_layout"]
+    assert [g["gpu"] for g in got["per_gpu"]] == [0, 1]
+    assert got["per_gpu"][0]["runs"]["tp1"] == {"outcome": "correct", "seconds": 3.0, "write_views": "[T,H,K]"}
+    assert got["per_gpu"][1]["status"] == "fail" and got["per_gpu"][1]["outcomes"] == {"tp1": "wrong-rows"}
+    # One GPU's run stays as it was.
+    assert record.image({"checks": [{**check, "data": one}]})["topk_layout"]["outcomes"] == {"tp1": "correct"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,3 +181,73 @@ def test_the_batch_probe_starts_with_the_server_only_where_the_kv_cache_size_is_
         check, _ = serving.finish()
         assert check["status"] == "fail"  # no server: the sweep fails, the probe's replies are still collected
         assert events[-1] == f"probe-finish({serve.BATCH_GRACE})"
+
+
+# Shows FAKE_GPUS devices to whoever loads it (the GPU listing asks the driver library itself).
+LIBCUDA = r"""
+#include <stdlib.h>
+#include <string.h>
+int cuInit(unsigned flags) { (void)flags; return 0; }
+int cuDeviceGetCount(int *n) { const char *e = getenv("FAKE_GPUS"); *n = e ? atoi(e) : 0; return 0; }
+int cuDeviceGet(int *d, int i) { *d = i; return 0; }
+int cuDeviceGetName(char *buf, int len, int d) { (void)d; strncpy(buf, "Test GPU", len); return 0; }
+int cuGetErrorName(int rc, const char **s) { (void)rc; *s = "CUDA_ERROR_TEST"; return 0; }
+"""
+# A patch-set GPU check that says which GPU it was shown and how its Python was started.
+SEEN_CHECK = b"""
+import json, os, sys
+seen = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+flags = {"no_site": sys.flags.no_site, "no_user_site": sys.flags.no_user_site}
+print(json.dumps({"checks": [{"name": "seen", "status": "fail" if seen == "5" else "pass", "ran_against": "vllm",
+                              "detail": f"visible {seen}", "data": flags}]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("libcuda")
+    (folder / "libcuda.c").write_text(LIBCUDA)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(folder / "libcuda.c")],
+                   check=True)
+    return folder
+
+
+def _gpu_run(tmp_path: Path, driver: Path, gpus: int, parallel: int,
+             visible: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    job = _job(gpu={"mode": "auto", "request": "test", "extra": ["checks/seen.py"], "tensor_parallel": parallel})
+    folder = base.stage(tmp_path / "runner", job, {"checks/seen.py": SEEN_CHECK})
+    env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(driver), "FAKE_GPUS": str(gpus),
+           "CUDA_VISIBLE_DEVICES": visible, "PYTHONPATH": str(tmp_path / "not-for-children")}
+    done = subprocess.run([sys.executable, "-I", "-S", str(folder / "run.py"), str(folder / "job.json")],
+                          capture_output=True, text=True, timeout=120, cwd=folder, env=env)
+    report = base.results(done.stdout, done.stderr, "test runner").report.to_dict()
+    checks = {c["name"]: c for c in report["checks"]}
+    return checks, report
+
+
+def test_a_tensor_parallel_run_checks_each_gpu_of_the_server_in_a_child_as_isolated_as_itself(
+        tmp_path: Path, fake_driver: Path) -> None:
+    checks, _ = _gpu_run(tmp_path, fake_driver, gpus=3, parallel=2, visible="3,4,5")
+    seen = checks["seen"]
+    # One check, run on the first two GPUs of the three, each alone: their details and runs side by side.
+    assert seen["status"] == "pass" and seen["detail"] == "GPU 0: visible 3; GPU 1: visible 4", seen
+    runs = seen["data"]["per_gpu"]
+    assert [r["gpu"] for r in runs] == [0, 1]
+    # No site module and no user site in the check's Python: no .pth file of the image runs there.
+    assert all(r["data"]["no_site"] == 1 and r["data"]["no_user_site"] == 1 for r in runs), runs
+    # A GPU whose run fails fails the check, whatever the others said.
+    checks, _ = _gpu_run(tmp_path, fake_driver, gpus=3, parallel=3, visible="3,4,5")
+    assert checks["seen"]["status"] == "fail" and "GPU 2: visible 5" in checks["seen"]["detail"]
+
+
+def test_a_server_on_more_gpus_than_the_container_sees_leaves_the_image_gpu_unverified(
+        tmp_path: Path, fake_driver: Path) -> None:
+    checks, report = _gpu_run(tmp_path, fake_driver, gpus=2, parallel=4, visible="")
+    assert "seen" not in checks
+    assert checks["gpu"]["status"] == "skip"
+    assert "to run on 4 GPUs (tensor parallel) and the container sees 2" in checks["gpu"]["detail"]
+
+
+def test_one_gpu_runs_the_check_once_without_a_per_gpu_split(tmp_path: Path, fake_driver: Path) -> None:
+    checks, _ = _gpu_run(tmp_path, fake_driver, gpus=2, parallel=1, visible="")
+    assert checks["seen"]["detail"] == "visible " and "per_gpu" not in checks["seen"]["data"]

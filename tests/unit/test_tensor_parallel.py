@@ -44,6 +44,8 @@ def test_a_tensor_parallel_server_gets_its_shared_memory_in_every_launcher(tmp_p
         job, _ = plan.job(tmp_path, TARGET, options, launcher="docker", gpu_request=None)
         assert job["serve"]["argv"][:2] == ["vllm", "serve"] and all(a in job["serve"]["argv"] for a in args)
         assert plan.shm_size(job) == shm
+        # The runner runs the patch set's GPU checks on each of the server's GPUs (tests/unit/test_runner.py).
+        assert job["gpu"]["tensor_parallel"] == (2 if args else 1)
         # docker: the container's create arguments; podman: its command line.
         assert extras(None, shm_size=plan.shm_size(job)).get("shm_size") == shm
         line = PodmanLauncher(podman="podman").run_argv("img", tmp_path, None, None, "n", plan.shm_size(job))

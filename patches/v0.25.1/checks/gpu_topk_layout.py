@@ -607,7 +607,11 @@ def worker_main(args: argparse.Namespace) -> int:
 # Orchestrator
 # ---------------------------------------------------------------------------
 def run_worker(args: argparse.Namespace, scenario: str) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--scenario", scenario]
+    # Started as this check was (no site module, no user site, no bytecode: the runner's isolation; its
+    # PYTHONPATH, if any, is inherited), so no .pth file of the image runs in a worker either.
+    flags = [flag for flag, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site),
+                                   ("-B", sys.flags.dont_write_bytecode)) if on]
+    cmd = [sys.executable, *flags, os.path.abspath(__file__), "--worker", "--scenario", scenario]
     cmd += ["--device", args.device, "--seed", str(args.seed)]
     if args.vllm_src:
         cmd += ["--vllm-src", args.vllm_src]

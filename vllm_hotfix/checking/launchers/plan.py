@@ -115,6 +115,7 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
         if not Path(options.serve_model).exists():
             raise SmokeError(f"--serve-model {options.serve_model}: no such file or folder")
         settings = serve_settings(options, target)
+        out["gpu"]["tensor_parallel"] = tensor_parallel(settings["serve_args"])
         out["serve"] = {"argv": [*target.entrypoint, "/model", "--port", str(SERVE_PORT), *settings["serve_args"]],
                         "env": settings["env"], "overlap": overlaps(settings["serve_args"]),
                         "port": SERVE_PORT, "levels": list(options.levels), "requests": options.requests,

@@ -35,6 +35,18 @@ other, with ``model-imports`` and with the torch checks (``--timeout`` each, def
 crashes or prints no JSON yields a failing check named after the script.
 ``--extra-args`` is split (shlex) and appended to every extra script's
 arguments (e.g. ``--extra-args "--vllm-src /path"``).
+
+``--devices N`` (a tensor-parallel server's GPUs): each extra script runs on
+each of the first N GPUs, side by side, each seeing one
+(``CUDA_VISIBLE_DEVICES``); a check is reported once, with the worst status
+of the GPUs (fail, then skip, then pass), every GPU's detail, and each run
+under ``data.per_gpu``.
+
+Every child Python (the importer, each extra script) starts as this probe
+did: with its flags for no site module, no user site and no bytecode, and
+(without the site module) its ``sys.path`` as ``PYTHONPATH``, so a ``.pth``
+file or ``sitecustomize`` the runner keeps out of this probe stays out of its
+children too.
 """
 
 from __future__ import annotations
@@ -76,13 +88,27 @@ def check(name: str, status: str, detail: str, data: dict[str, Any] | None = Non
     return c
 
 
+def python(args: list[str]) -> list[str]:
+    """A child Python's command line, with the isolation flags this probe was started with."""
+    flags = [flag for flag, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site),
+                                   ("-B", sys.flags.dont_write_bytecode)) if on]
+    return [sys.executable, *flags, *args]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: this one, and where this probe runs without the site module, its sys.path as
+    PYTHONPATH (all the child, started the same way, finds)."""
+    path = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)} if sys.flags.no_site else {}
+    return {**os.environ, **path, **(extra or {})}
+
+
 def import_errors(modules: list[str], timeout: float) -> dict[str, str]:
     """module -> why it does not import, for each of ``modules`` that does not."""
     if not modules:
         return {}
     try:
-        p = subprocess.run([sys.executable, "-c", IMPORTER, *modules], capture_output=True, text=True,
-                           timeout=timeout, check=False)
+        p = subprocess.run(python(["-c", IMPORTER, *modules]), capture_output=True, text=True,
+                           timeout=timeout, check=False, env=child_env())
         out, why = p.stdout, f"the importing process exited {p.returncode}"
         tail = " | ".join((p.stderr or "").strip().splitlines()[-2:])[-300:]
         if tail:
@@ -231,19 +257,22 @@ def extra_scripts(paths: list[str]) -> list[str]:
     return out
 
 
-def run_extra(script: str, timeout: float, extra_args: list[str]) -> list[dict[str, Any]]:
-    """Run one extra check script; return its checks (or one failing check)."""
+def run_extra(script: str, timeout: float, extra_args: list[str],
+              env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Run one extra check script (``env``: more of its environment); return its checks (or one failing
+    check)."""
     base = os.path.splitext(os.path.basename(script))[0]
     if not os.path.isfile(script):
         return [check(f"extra:{base}", "fail", f"no such file: {script}")]
     t0 = time.time()
     try:
         p = subprocess.run(
-            [sys.executable, script, *extra_args],
+            python([script, *extra_args]),
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
+            env=child_env(env),
         )
     except subprocess.TimeoutExpired:
         return [check(f"extra:{base}", "fail", f"timed out after {timeout:g}s")]
@@ -276,6 +305,54 @@ def run_extra(script: str, timeout: float, extra_args: list[str]) -> list[dict[s
     return checks
 
 
+RANK = {"fail": 0, "skip": 1, "pass": 2}
+
+
+def visible(count: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value that shows each of the first ``count`` GPUs of this process alone."""
+    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return [given[i] if i < len(given) else str(i) for i in range(count)] if given else [str(i) for i in
+                                                                                          range(count)]
+
+
+def on_devices(script: str, timeout: float, extra_args: list[str], count: int) -> list[dict[str, Any]]:
+    """One extra script on each of the first ``count`` GPUs, side by side, its checks merged by name."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    devices = visible(count)
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        runs = list(pool.map(lambda d: run_extra(script, timeout, extra_args, {"CUDA_VISIBLE_DEVICES": d}),
+                             devices))
+    return merge_devices(runs)
+
+
+def merge_devices(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Checks of the same script on several GPUs (``runs[i]``: GPU i's), one per name: the worst status,
+    every GPU's detail, each GPU's check under ``data.per_gpu``; a check a GPU did not report fails."""
+    names: list[str] = []
+    for run in runs:
+        names += [c["name"] for c in run if c["name"] not in names]
+    merged = []
+    for name in names:
+        per = [next((c for c in run if c["name"] == name), None) for run in runs]
+        seen = [c if c is not None else check(name, "fail", "not reported on this GPU") for c in per]
+        worst = min(seen, key=lambda c: RANK.get(c["status"], 0))
+        out = {k: v for k, v in worst.items() if k not in ("detail", "data")}
+        out["detail"] = "; ".join(f"GPU {i}: {c['detail']}" for i, c in enumerate(seen))
+        out["data"] = {"per_gpu": [{"gpu": i, **c} for i, c in enumerate(seen)]}
+        # What any GPU's run stood on instead of the image's code stands against the merged check.
+        if any(c.get("ran_against") == "stub" for c in seen):
+            out["ran_against"] = "stub"
+        stubs = sorted({str(s) for c in seen for s in c.get("stubs") or ()})
+        if stubs:
+            out["stubs"] = stubs
+        errors = {m: e for c in seen for m, e in (c.get("import_errors") or {}).items()}
+        if errors:
+            out["import_errors"] = errors
+        merged.append(out)
+    return merged
+
+
 def parse_last_json(text: str) -> dict[str, Any] | None:
     for line in reversed((text or "").splitlines()):
         line = line.strip()
@@ -300,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-args", default="", help="arguments appended to every extra script")
     ap.add_argument("--modules", nargs="*", default=[], help="modules of the image that must import")
     ap.add_argument("--imports-only", action="store_true", help="only the model-imports check")
+    ap.add_argument("--devices", type=int, default=1, help="run each extra script on each of the first N GPUs")
     args = ap.parse_args(argv)
 
     info: dict[str, Any] = {"probe": "gpu_check", "python": sys.version.split()[0]}
@@ -315,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     scripts = extra_scripts(args.extra)
     with ThreadPoolExecutor(max_workers=1 + len(scripts)) as pool:
         imports = pool.submit(check_imports, args.modules, args.timeout) if args.modules else None
-        extras = [pool.submit(run_extra, script, args.timeout, extra_args) for script in scripts]
+        extras = [pool.submit(run_extra, script, args.timeout, extra_args) if args.devices <= 1
+                  else pool.submit(on_devices, script, args.timeout, extra_args, args.devices) for script in scripts]
         checks, torch = check_torch()
         if torch is not None:
             checks.append(check_matmul(torch))

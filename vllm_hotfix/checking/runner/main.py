@@ -183,6 +183,16 @@ class Run:
             return False, facts
         say(f"    the container sees {len(devices)} GPU(s): {', '.join(devices)}")
         args: list[str] = []
+        parallel = int(spec.get("tensor_parallel") or 1)
+        if parallel > len(devices):
+            why = f"the server is to run on {parallel} GPUs (tensor parallel) and the container sees {len(devices)}"
+            facts["why_unverified"] = why
+            self.add([{"name": "gpu", "status": "incomplete" if mode == "require" else "skip", "detail": why}],
+                     time.monotonic() - start, "gpu")
+            return False, facts
+        if parallel > 1:
+            # The patch set's checks on every GPU the server will use (the layout bug is per GPU's share of heads).
+            args += ["--devices", str(parallel)]
         extra = [path_of(p) for p in spec.get("extra") or []]
         if extra:
             args += ["--extra", *extra]
