@@ -1,4 +1,5 @@
-"""Deterministic tar archives: build contexts, files put into containers, image layers.
+"""Deterministic tar archives: build contexts, files put into containers, image layers (and the markers a
+layer's readers meet).
 
 The same entries always give the same bytes: sorted names, fixed owners and
 times, no user or group names, nothing read from the host's clock or
@@ -17,9 +18,26 @@ first.
 from __future__ import annotations
 
 import io
+import posixpath
 import tarfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+# An image layer's own markers (the OCI layer format): ``.wh.NAME`` removes NAME from the layers below it,
+# ``.wh..wh..opq`` in a folder hides all the layers below hold there.
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+
+
+def marker(path: str) -> tuple[str, str] | None:
+    """What a layer member named ``path`` marks rather than holds: ``("opaque", its folder)``,
+    ``("whiteout", the path it removes)``, or None for an entry of its own."""
+    folder, name = posixpath.split(path)
+    if name == OPAQUE:
+        return "opaque", folder
+    if name.startswith(WHITEOUT):
+        return "whiteout", posixpath.join(folder, name[len(WHITEOUT):])
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import IO
 
 from ..engine import Engine, ImageInfo
 from ..errors import EngineError
-from ..tarball import Entry
+from ..tarball import Entry, marker
 from .layer_facts import hash_file, is_whiteout, layer_folders, opaque_state
 
 CHUNK = 1 << 20
@@ -112,11 +112,11 @@ def from_tar(fh: IO[bytes]) -> Layer:
             name = posixpath.normpath("/" + member.name).lstrip("/")
             if not name:
                 continue
-            folder, base = posixpath.split(name)
-            if base == ".wh..wh..opq":
-                out[folder] = replace(out.get(folder, Node("dir", 0o755)), opaque=True)
-            elif base.startswith(".wh."):
-                out[posixpath.join(folder, base[4:])] = Node("whiteout")
+            marks = marker(name)
+            if marks is not None and marks[0] == "opaque":
+                out[marks[1]] = replace(out.get(marks[1], Node("dir", 0o755)), opaque=True)
+            elif marks is not None:
+                out[marks[1]] = Node("whiteout")
             elif member.isdir():
                 out[name] = Node("dir", member.mode & 0o7777, opaque=out.get(name, Node("dir")).opaque)
             elif member.issym():
@@ -138,9 +138,9 @@ def from_entries(entries: Iterable[Entry]) -> Layer:
     """A layer as the tool's own builders write it (:class:`~vllm_hotfix.tarball.Entry` list)."""
     out: Layer = {}
     for e in entries:
-        folder, base = posixpath.split(e.name)
-        if base.startswith(".wh."):
-            out[posixpath.join(folder, base[4:])] = Node("whiteout")
+        marks = marker(e.name)
+        if marks is not None and marks[0] == "whiteout":
+            out[marks[1]] = Node("whiteout")
         elif e.data is None:
             out[e.name] = Node("dir", e.mode & 0o7777)
         else:

@@ -38,14 +38,13 @@ from ..engine import ImageInfo
 from ..engine.dockerconfig import registry_of
 from ..engine.files import FileFact, Tree, add
 from ..errors import EngineError, PushError
+from ..tarball import marker
 from . import client as registry
 from .compression import ZstdError, tar_stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WHITEOUT = ".wh."
-OPAQUE = ".wh..wh..opq"
 CHUNK = 1 << 20
 
 
@@ -137,13 +136,11 @@ class RegistryReader:
                 with tarfile.open(fileobj=source, mode=mode) as tar:
                     for member in tar:
                         path = posixpath.normpath("/" + member.name)
-                        name = posixpath.basename(path)
-                        if name == OPAQUE:
-                            emptied.append(posixpath.dirname(path))
-                        elif name.startswith(WHITEOUT):
-                            gone.append(posixpath.join(posixpath.dirname(path), name[len(WHITEOUT):]))
-                        else:
+                        marks = marker(path)
+                        if marks is None:
                             add(tar, member, path, "/", keep, mine, mine_kept)
+                        else:
+                            (emptied if marks[0] == "opaque" else gone).append(marks[1])
                 blob.finish()
             except (tarfile.TarError, EOFError, OSError, ZstdError) as exc:
                 raise EngineError(f"layer {layer.digest[:19]} of {self._client.host}/{self._repo} is not a "

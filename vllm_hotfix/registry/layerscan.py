@@ -45,12 +45,11 @@ from typing import Any, Protocol
 from zlib import error as zlib_error
 
 from ..errors import BaseImageError, PushError
+from ..tarball import OPAQUE, WHITEOUT, marker
 from .compression import ZstdError, tar_stream
 
 log = logging.getLogger(__name__)
 
-WHITEOUT = ".wh."
-OPAQUE = ".wh..wh..opq"
 UNKNOWN = object()  # a path the layers read say nothing about
 
 
@@ -302,7 +301,7 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
     last: tuple[str, ...] = ()
     ordered = True
     horizon: tuple[str, ...] | None = None
-    marker = f"/{wanted.package}/"
+    in_package = f"/{wanted.package}/"
     source, mode = tar_stream(stream, stream.layer.media_type)
     try:
         with tarfile.open(fileobj=source, mode=mode) as tar:
@@ -318,13 +317,11 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
                 if ordered and horizon is not None and here >= horizon:
                     listing.whole = False
                     break
+                marks = marker(path)
+                if marks is not None:
+                    (listing.opaque if marks[0] == "opaque" else listing.whiteouts).add(marks[1])
+                    continue
                 name = posixpath.basename(path)
-                if name == OPAQUE:
-                    listing.opaque.add(posixpath.dirname(path))
-                    continue
-                if name.startswith(WHITEOUT):
-                    listing.whiteouts.add(posixpath.join(posixpath.dirname(path), name[len(WHITEOUT):]))
-                    continue
                 listing.entries[path] = _entry(member, path)
                 if not member.isreg():
                     continue
@@ -334,7 +331,7 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
                     listing.data[path] = source.read()
                     if wanted.site is None and name == "METADATA":
                         on_metadata()
-                elif listing.hint is None and name.endswith(".pyc") and marker in path:
+                elif listing.hint is None and name.endswith(".pyc") and in_package in path:
                     source = tar.extractfile(member)
                     assert source is not None
                     listing.hint = (name, source.read(16))
