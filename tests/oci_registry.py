@@ -30,6 +30,7 @@ _BLOB = re.compile(rf"^/v2/{_NAME}/blobs/(?P<digest>sha256:[0-9a-f]{{64}})$")
 _UPLOADS = re.compile(rf"^/v2/{_NAME}/blobs/uploads/(?P<id>[0-9a-f]*)$")
 _MANIFEST = re.compile(rf"^/v2/{_NAME}/manifests/(?P<ref>[A-Za-z0-9_.:-]+)$")
 _REFERRERS = re.compile(rf"^/v2/{_NAME}/referrers/(?P<digest>sha256:[0-9a-f]{{64}})$")
+_TAGS = re.compile(rf"^/v2/{_NAME}/tags/list$")
 
 
 def sha256(data: bytes) -> str:
@@ -48,7 +49,8 @@ class Store:
     # Extra descriptors the referrers API lists for a subject (a registry that lists a stranger).
     extra_referrers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     referrers_body: bytes | None = None  # the referrers API's answer, when set (a registry answering nonsense)
-    page_size: int | None = None  # the referrers API answers this many per page, the rest behind a Link header
+    page_size: int | None = None  # the referrers API and tag list answer this many per page, the rest behind a Link
+    broken_pages: bool = False  # a page after the first is answered 500
 
     def referrers(self, repo: str, subject: str, artifact_type: str | None) -> list[dict[str, Any]]:
         found = []
@@ -88,6 +90,21 @@ class _Handler(BaseHTTPRequestHandler):
         found = self.store.manifests.get((repo, digest))
         return (digest, *found) if found is not None else None
 
+    def _page(self, path: str, query: dict[str, list[str]], items: list[Any],
+              keep: dict[str, str]) -> tuple[dict[str, str] | None, list[Any]]:
+        """The page of ``items`` the query asks for and the Link header to the next (``keep``: query kept); no
+        headers (None) for a later page of a registry whose later pages are broken."""
+        size = self.store.page_size
+        if not size:
+            return {}, items
+        start = int(query.get("page", ["0"])[0])
+        if start and self.store.broken_pages:
+            return None, []
+        headers = {}
+        if start + size < len(items):
+            headers["Link"] = f'<{path}?{urlencode({"page": start + size, **keep})}>; rel="next"'
+        return headers, items[start:start + size]
+
     def do_GET(self) -> None:  # noqa: N802 - the handler's spelling
         url = urlsplit(self.path)
         if url.path == "/v2/":
@@ -104,19 +121,24 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._answer(404, b'{"errors": [{"code": "MANIFEST_UNKNOWN"}]}')
             digest, media, body = found
             return self._answer(200, body, {"Content-Type": media, "Docker-Content-Digest": digest})
+        if (m := _TAGS.match(url.path)) is not None:
+            names = sorted(tag for repo, tag in self.store.tags if repo == m["name"])
+            if not names:
+                return self._answer(404, b'{"errors": [{"code": "NAME_UNKNOWN"}]}')
+            headers, names = self._page(url.path, parse_qs(url.query), names, {})
+            if headers is None:
+                return self._answer(500)
+            return self._answer(200, json.dumps({"name": m["name"], "tags": names}).encode(),
+                                {"Content-Type": "application/json", **headers})
         if (m := _REFERRERS.match(url.path)) is not None and self.store.referrers_api:
             query = parse_qs(url.query)
             wanted = query.get("artifactType", [None])[0]
             found = self.store.referrers(m["name"], m["digest"], wanted)
             headers = {"Content-Type": OCI_INDEX, **({"OCI-Filters-Applied": "artifactType"} if wanted else {})}
-            size = self.store.page_size
-            if size:
-                start = int(query.get("page", ["0"])[0])
-                if start + size < len(found):
-                    more = f"{url.path}?" + urlencode({"page": start + size, **({"artifactType": wanted}
-                                                                                  if wanted else {})})
-                    headers["Link"] = f'<{more}>; rel="next"'
-                found = found[start:start + size]
+            paged, found = self._page(url.path, query, found, {"artifactType": wanted} if wanted else {})
+            if paged is None:
+                return self._answer(500)
+            headers.update(paged)
             index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": found}
             return self._answer(200, self.store.referrers_body or json.dumps(index).encode(), headers)
         return self._answer(404)

@@ -120,3 +120,28 @@ def test_every_page_of_the_referrers_api_is_read() -> None:
         assert sorted(found) == sorted(made)
         pages = [path for method, path, _status in store.log if "/referrers/" in path]
         assert len(pages) == 3, pages
+
+
+def test_every_page_of_the_tag_list_is_read_and_a_later_page_that_fails_is_named() -> None:
+    """The verdicts' own tags are found in the tag list: a tag on a later page counts, and a later page the
+    registry does not answer is an error (its tags would go unseen), for the tag list as for the referrers."""
+    with serving(referrers_api=False) as (addr, store):
+        client = Client(addr, secure=False, credentials=None)
+        subject = _image(client)
+        made = [_envelope(subject, "pass") for _ in range(3)] + [_envelope(subject, "fail")]
+        for envelope in made:
+            referrers.attach(client, REPO, subject, envelope)
+        store.page_size = 2
+        every = referrers.tags(client, REPO)
+        assert sorted(every) == sorted(tag for repo, tag in store.tags if repo == REPO) and len(every) >= 6
+        store.broken_pages = True
+        with pytest.raises(PushError, match=f"answered 500 for a later page of the tag list of {REPO}"):
+            referrers.tags(client, REPO)
+    with serving() as (addr, store):
+        client = Client(addr, secure=False, credentials=None)
+        subject = _image(client)
+        for envelope in (_envelope(subject, "pass"), _envelope(subject, "fail"), _envelope(subject, "pass")):
+            referrers.attach(client, REPO, subject, envelope)
+        store.page_size, store.broken_pages = 2, True
+        with pytest.raises(PushError, match="answered 500 for a later page of the referrers of"):
+            referrers.listed(client, REPO, subject.digest)

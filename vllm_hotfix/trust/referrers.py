@@ -16,12 +16,16 @@ import logging
 import random
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PushError
 from ..registry.client import OCI_INDEX, OCI_MANIFEST, Client, sha256
 from .signing import ENVELOPE_MEDIA_TYPE, PAYLOAD_TYPE
+
+if TYPE_CHECKING:
+    import requests
 
 log = logging.getLogger(__name__)
 
@@ -160,19 +164,10 @@ def tagged(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
 def tags(client: Client, repo: str) -> list[str]:
     """Every tag of ``repo`` (the tag list, read page by page as its ``Link`` header names them)."""
     res = client.request("GET", f"/v2/{repo}/tags/list", f"repository:{repo}:pull", params={"n": 1000})
-    out: list[str] = []
-    pages = 0
-    while res.status_code == 200:
-        try:
-            out += [str(t) for t in res.json().get("tags") or []]
-        except (ValueError, AttributeError):
-            raise PushError(f"registry {client.host} answered the tag list of {repo} with something else") from None
-        nxt = _next_page(res.headers.get("Link", ""))
-        pages += 1
-        if nxt is None or pages >= MAX_PAGES:
-            break
-        res = client.request("GET", nxt, f"repository:{repo}:pull")
-    return out
+    if res.status_code != 200:
+        return []
+    return [str(t) for page in _pages(client, res, repo, "tags", f"the tag list of {repo}", "a tag list")
+            for t in page]
 
 
 MAX_PAGES = 1000  # pages of the referrers API read at most (a registry looping its Link would hold the run)
@@ -185,29 +180,38 @@ def _next_page(link: str) -> str | None:
     return found.group(1) if found else None
 
 
+def _pages(client: Client, res: requests.Response, repo: str, key: str, what: str, shape: str,
+           headers: dict[str, str] | None = None) -> Iterator[list[Any]]:
+    """The ``key`` list of ``res`` and of every later page its ``Link`` header names (at most MAX_PAGES), page by
+    page; a later page the registry does not answer with 200 is an error, so what it lists is never taken for
+    absent."""
+    pages = 0
+    while True:
+        try:
+            items = res.json().get(key) or []
+        except (ValueError, AttributeError):
+            raise PushError(f"registry {client.host} answered {what} with something that is not {shape}") from None
+        yield list(items)
+        nxt = _next_page(res.headers.get("Link", ""))
+        pages += 1
+        if nxt is None or pages >= MAX_PAGES:
+            return
+        res = client.request("GET", nxt, f"repository:{repo}:pull", headers=dict(headers or {}))
+        if res.status_code != 200:
+            raise PushError(f"registry {client.host} answered {res.status_code} for a later page of {what}")
+
+
 def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
     """Descriptors of the signed verdicts referring to ``repo@digest`` (referrers API, else fallback tag)."""
     res = client.request("GET", f"/v2/{repo}/referrers/{digest}", f"repository:{repo}:pull",
                          params={"artifactType": PAYLOAD_TYPE}, headers={"Accept": OCI_INDEX})
     entries: list[Any] = []
     if res.status_code == 200 and res.headers.get("Content-Type", "").startswith(OCI_INDEX):
-        pages = 0
-        while True:
-            try:
-                entries += res.json().get("manifests") or []
-            except (ValueError, AttributeError):
-                raise PushError(f"registry {client.host} answered the referrers of {repo}@{digest} with "
-                                f"something that is not an index") from None
-            # The API pages its answer (a Link header naming the next page): every page is read, so a verdict
-            # listed on a later one still counts.
-            nxt = _next_page(res.headers.get("Link", ""))
-            pages += 1
-            if nxt is None or pages >= MAX_PAGES:
-                break
-            res = client.request("GET", nxt, f"repository:{repo}:pull", headers={"Accept": OCI_INDEX})
-            if res.status_code != 200:
-                raise PushError(f"registry {client.host} answered {res.status_code} for a later page of the "
-                                f"referrers of {repo}@{digest}")
+        # The API pages its answer (a Link header naming the next page): every page is read, so a verdict
+        # listed on a later one still counts.
+        for page in _pages(client, res, repo, "manifests", f"the referrers of {repo}@{digest}", "an index",
+                           headers={"Accept": OCI_INDEX}):
+            entries += page
     else:
         found = client.manifest(repo, fallback_tag(digest))
         if found is not None and found.media_type == OCI_INDEX:
