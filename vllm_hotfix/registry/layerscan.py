@@ -161,9 +161,10 @@ class Stack:
     def seen_under(self, folder: str, pred: Callable[[str], bool]) -> set[str]:
         """Paths directly in ``folder`` any layer read names (as entries or whiteouts) that ``pred`` accepts."""
         out = set()
+        inside = folder.rstrip("/") + "/"
         for layer in self.layers:
             for path in [*layer.entries, *layer.whiteouts]:
-                if posixpath.dirname(path) == folder and pred(posixpath.basename(path)):
+                if path.startswith(inside) and posixpath.dirname(path) == folder and pred(posixpath.basename(path)):
                     out.add(path)
         return out
 
@@ -185,9 +186,15 @@ class Wanted:
     site: str | None = None  # known once an installation is found
     dist_info: str | None = None  # its dist-info folder
 
+    def __post_init__(self) -> None:
+        # The file names keep() can say yes to, besides bytecode.
+        self._names = frozenset(["METADATA", "RECORD", *(posixpath.basename(rel) for rel in self.rels)])
+
     def keep(self, path: str) -> bool:
         """Whether a member's bytes are kept: a touched file, its pycs, a dist-info's METADATA or RECORD."""
         name = posixpath.basename(path)
+        if not name.endswith(".pyc") and name not in self._names:
+            return False  # most of a layer's members: no name this could keep
         folder = posixpath.dirname(path)
         if name in ("METADATA", "RECORD") and posixpath.basename(folder).lower().startswith(
                 dist_prefix(self.package)) and folder.endswith(".dist-info"):
