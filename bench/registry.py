@@ -256,7 +256,7 @@ def main() -> int:
     relay = Relay(reg.addr)
     refs: list[str] = []
     results: dict[str, Any] = {"started": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                               "command": f"python3 bench/registry.py --sizes {args.sizes} --rounds {args.rounds}",
+                               "command": " ".join(["python", *sys.argv]),
                                "bytecode": BYTECODE, "cases": {}}
     # The tool as a user's machine runs it from its second run on: with its modules' bytecode cached (where
     # PYTHONDONTWRITEBYTECODE is set, Python would compile all of them from source in every run).
