@@ -82,7 +82,7 @@ test: setup services ## Run every tier against real engines and registries: one 
 	$(PYTHON) -m pytest -v -n 3 --dist loadgroup --durations=15 tests
 
 unit: tool ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
-	$(PYTHON) -m pytest -q -n 2 tests/unit
+	$(PYTHON) -m pytest -q -n 3 tests/unit
 
 lint: tool ## ruff and mypy
 	$(PYTHON) -m ruff check vllm_hotfix tests bench build.py
