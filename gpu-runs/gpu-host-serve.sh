@@ -365,10 +365,31 @@ smoke() {
 }
 
 # PARALLEL=N: the smokes of the steps patched2, patched3 and mutantsmoke run N at a time (each its own server,
-# probe and GPU checks on the one GPU; with --kv-cache-memory-bytes no server measures the GPU's free memory,
-# and no reply depends on what else runs). Their smoke times are then not warm times alone: the record's warm
-# times are patched's and unpatched's, which run alone. BATCH_ESTIMATE (200) s per batch against CALL_BUDGET.
+# probe and GPU checks on the one GPU; with --kv-cache-memory-bytes no server sizes its KV cache from the GPU's
+# free memory, and no reply depends on what else runs). Their smoke times are then not warm times alone: the
+# record's warm times are patched's and unpatched's, which run alone. BATCH_ESTIMATE (200) s per batch against
+# CALL_BUDGET.
 PARALLEL=${PARALLEL:-1}
+# Each vLLM engine still refuses to start unless the GPU's free memory is at least SERVE_MEM of its total
+# (vLLM's worker checks it at start-up, KV size given or not), and a smoke starts two engines (the server and
+# the fixed-batch probe). With ENGINE_GIB (10) GiB held by each engine already running, the last of N smokes'
+# 2N engines starts only where (2N - 1) x ENGINE_GIB + SERVE_MEM x total fits the GPU: PARALLEL is lowered to
+# that (reasoned from vLLM's check and the tiny model's size, not measured).
+fitting_parallel() {
+  local total_mib=$1
+  awk -v t="$total_mib" -v m="${SERVE_MEM:-0.3}" -v e="${ENGINE_GIB:-10}" \
+    'BEGIN { n = int(((t / 1024) * (1 - m) / e + 1) / 2); print (n < 1 ? 1 : n) }'
+}
+if [ "$PARALLEL" -gt 1 ] && command -v nvidia-smi >/dev/null; then
+  total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -dc 0-9)
+  if [ -n "$total" ]; then
+    most=$(fitting_parallel "$total")
+    if [ "$PARALLEL" -gt "$most" ]; then
+      log "PARALLEL=$PARALLEL lowered to $most: $((total / 1024)) GiB GPU, SERVE_MEM ${SERVE_MEM:-0.3}, ${ENGINE_GIB:-10} GiB per engine"
+      PARALLEL=$most
+    fi
+  fi
+fi
 pending=0
 queued() {
   if [ "$PARALLEL" -le 1 ]; then

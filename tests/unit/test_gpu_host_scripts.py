@@ -312,3 +312,17 @@ def test_a_tp_that_is_no_number_of_gpus_is_refused(tmp_path: Path) -> None:
     r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 1 and "TP=0: a whole number of GPUs" in r.stdout
+
+
+def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp_path: Path) -> None:
+    """Each vLLM engine refuses to start below SERVE_MEM of the GPU free, and a smoke starts two: on an 80 GB GPU
+    at most 3 smokes side by side, on a 141 GB one 5 (10 GiB held by each engine already running)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for total, asked, lowered in ((81559, "8", "lowered to 3: 79 GiB GPU"), (143771, "5", None)):
+        (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {total}\n")
+        (fake / "nvidia-smi").chmod(0o755)
+        out = tmp_path / f"run-{total}"
+        out.mkdir()
+        _, log, _ = _dry(out, "patched2", PARALLEL=asked, PATH=f"{fake}:{os.environ['PATH']}")
+        assert (f"PARALLEL={asked} {lowered}" in log) if lowered else "lowered" not in log, log
