@@ -268,3 +268,18 @@ def test_gpu_checks_run_side_by_side_and_report_in_order(tmp_path: Path) -> None
     names = [c["name"] for c in json.loads(done.stdout.strip().splitlines()[-1])["checks"]]
     assert names[-4:] == ["model-imports", "a_first", "b_second", "c_third"]
     assert took < 2.2, f"the extra scripts ran one after the other ({took:.1f} s)"
+
+
+@pytest.mark.parametrize("args, overlap", [
+    ((), False),  # vLLM sizes the KV cache from the free memory the checks change
+    (("--kv-cache-memory-bytes", "4294967296"), False),  # vLLM's default share, 0.9: a second engine cannot start
+    (("--kv-cache-memory-bytes=4294967296", "--gpu-memory-utilization", "0.3"), True),
+    (("--kv-cache-memory-bytes", "4294967296", "--gpu-memory-utilization=0.5"), True),
+    (("--kv-cache-memory-bytes", "4294967296", "--gpu-memory-utilization", "0.6"), False),
+    (("--kv-cache-memory-bytes", "4294967296", "--gpu-memory-utilization", "most"), False),
+])
+def test_the_server_overlaps_the_checks_and_the_probe_only_where_two_engines_can_start(
+        args: tuple[str, ...], overlap: bool) -> None:
+    from vllm_hotfix.checking.launchers import plan
+
+    assert plan.overlaps(args) is overlap

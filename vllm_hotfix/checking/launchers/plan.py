@@ -175,19 +175,26 @@ def run_settings(verdict: Verdict) -> dict[str, Any]:
 TP_SHM = "16g"  # /dev/shm of a tensor-parallel server's container: NCCL moves tensors between its GPUs there
 
 
-def tensor_parallel(args: Sequence[str]) -> int:
-    """The ``--tensor-parallel-size`` (``-tp``) the server is given among ``args`` (1 where none is)."""
+def serve_arg(args: Sequence[str], *names: str) -> str | None:
+    """The value given to the server's option ``names`` (``--name VALUE`` or ``--name=VALUE``) among ``args``."""
     items = [str(a) for a in args]
     for i, arg in enumerate(items):
         name, eq, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            text = value if eq else (items[i + 1] if i + 1 < len(items) else "")
-            try:
-                return max(1, int(text))
-            except ValueError:
-                raise UsageError(f"--serve-arg {arg}: --tensor-parallel-size takes a whole number of GPUs") \
-                    from None
-    return 1
+        if name in names:
+            return value if eq else (items[i + 1] if i + 1 < len(items) else "")
+    return None
+
+
+def tensor_parallel(args: Sequence[str]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) the server is given among ``args`` (1 where none is)."""
+    text = serve_arg(args, "--tensor-parallel-size", "-tp")
+    if text is None:
+        return 1
+    try:
+        return max(1, int(text))
+    except ValueError:
+        raise UsageError(f"--serve-arg --tensor-parallel-size {text}: --tensor-parallel-size takes a whole number "
+                         "of GPUs") from None
 
 
 def shm_size(job: Mapping[str, Any]) -> str | None:
@@ -197,10 +204,21 @@ def shm_size(job: Mapping[str, Any]) -> str | None:
     return TP_SHM if tensor_parallel(serve.get("argv") or []) > 1 else None
 
 
+OVERLAP_MEMORY = 0.5  # the most --gpu-memory-utilization under which two vLLM engines can start side by side
+
+
 def overlaps(args: Sequence[str]) -> bool:
-    """Whether the server may start while the GPU checks run: only with its KV cache size given, where vLLM
-    does not measure the GPU's free memory (which the checks' processes change as they come and go)."""
-    return any(str(a).split("=", 1)[0] == "--kv-cache-memory-bytes" for a in args)
+    """Whether the server may start while the GPU checks run, and the fixed-batch probe's engine beside it: only
+    with its KV cache size given, where vLLM does not size the cache from the GPU's free memory (which the
+    checks' processes change as they come and go), and with --gpu-memory-utilization at most OVERLAP_MEMORY
+    (vLLM's own default is 0.9): each engine refuses to start unless that share of the GPU is free."""
+    if serve_arg(args, "--kv-cache-memory-bytes") is None:
+        return False
+    share = serve_arg(args, "--gpu-memory-utilization")
+    try:
+        return float(share if share is not None else 0.9) <= OVERLAP_MEMORY
+    except ValueError:
+        return False
 
 
 def _record(root: Path, pin: Pin) -> dict[str, str] | None:
