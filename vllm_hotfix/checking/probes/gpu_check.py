@@ -311,8 +311,7 @@ RANK = {"fail": 0, "skip": 1, "pass": 2}
 def visible(count: int) -> list[str]:
     """The ``CUDA_VISIBLE_DEVICES`` value that shows each of the first ``count`` GPUs of this process alone."""
     given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return [given[i] if i < len(given) else str(i) for i in range(count)] if given else [str(i) for i in
-                                                                                          range(count)]
+    return [given[i] if i < len(given) else str(i) for i in range(count)]
 
 
 def on_devices(script: str, timeout: float, extra_args: list[str], count: int) -> list[dict[str, Any]]:
