@@ -210,3 +210,24 @@ def test_the_host_judges_a_runners_gpu_checks_again_with_the_base() -> None:
     passing = judge("img", "sha256:" + "a" * 64, [files, TORCH], gpu_verified=True,
                     gpu={"mode": "auto", "way": "gpus", "verified": True, "compiled_missing": ["vllm/_C.abi3.so"]})
     assert rejudge_gpu(passing, [TORCH], require=False, base_import_errors=None).gpu_verified is False
+
+
+def test_a_check_run_on_several_gpus_claims_only_what_every_run_claims() -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check_merge", GPU_CHECK)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    real = {"name": "topk-layout", "status": "pass", "detail": "ok", "ran_against": "vllm"}
+    [both] = probe.merge_devices([[real], [dict(real, detail="ok too")]])
+    assert both["ran_against"] == "vllm" and both["status"] == "pass"
+    assert both["detail"] == "GPU 0: ok; GPU 1: ok too"
+    # One GPU's run that does not say what it ran against leaves the merged check without the claim.
+    [mixed] = probe.merge_devices([[real], [{k: v for k, v in real.items() if k != "ran_against"}]])
+    assert "ran_against" not in mixed and mixed["status"] == "pass"
+    assert judge_gpu([TORCH, Check.from_dict(mixed)], require=True).verified is False
+    # A stand-in on one GPU stands against all; a check one GPU never reported fails.
+    stubbed = dict(real, ran_against="stub", stubs=["vllm._C: empty module"])
+    [stub] = probe.merge_devices([[real], [stubbed]])
+    assert stub["ran_against"] == "stub" and stub["stubs"] == ["vllm._C: empty module"]
+    [gone] = probe.merge_devices([[real], []])
+    assert gone["status"] == "fail" and "GPU 1: not reported on this GPU" in gone["detail"]

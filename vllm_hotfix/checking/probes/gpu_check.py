@@ -339,9 +339,13 @@ def merge_devices(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         out = {k: v for k, v in worst.items() if k not in ("detail", "data")}
         out["detail"] = "; ".join(f"GPU {i}: {c['detail']}" for i, c in enumerate(seen))
         out["data"] = {"per_gpu": [{"gpu": i, **c} for i, c in enumerate(seen)]}
-        # What any GPU's run stood on instead of the image's code stands against the merged check.
-        if any(c.get("ran_against") == "stub" for c in seen):
+        # What any GPU's run stood on instead of the image's code stands against the merged check, and where
+        # the runs do not agree on what they ran against, none of their claims stands.
+        said = {c.get("ran_against") for c in seen}
+        if "stub" in said:
             out["ran_against"] = "stub"
+        elif len(said) > 1:
+            out.pop("ran_against", None)
         stubs = sorted({str(s) for c in seen for s in c.get("stubs") or ()})
         if stubs:
             out["stubs"] = stubs
