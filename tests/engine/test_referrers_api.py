@@ -52,6 +52,16 @@ def _envelope(subject: referrers.Subject, status: str) -> bytes:
     return signing.sign(doc, ec.generate_private_key(ec.SECP256R1()))
 
 
+def _with_verdicts(addr: str, statuses: list[str]) -> tuple[Client, referrers.Subject, list[bytes]]:
+    """The test image on the registry at ``addr``, with a signed verdict of each of ``statuses`` attached."""
+    client = Client(addr, secure=False, credentials=None)
+    subject = _image(client)
+    made = [_envelope(subject, status) for status in statuses]
+    for envelope in made:
+        referrers.attach(client, REPO, subject, envelope)
+    return client, subject, made
+
+
 def test_verdicts_attach_and_read_back_by_the_registrys_way(registry: tuple[Client, Store, referrers.Subject]
                                                              ) -> None:
     client, store, subject = registry
@@ -109,11 +119,7 @@ def test_every_page_of_the_referrers_api_is_read() -> None:
     """A registry that pages its referrers (a Link header to the next page): a verdict on the last page counts
     (it was left out, and with it the newest fail)."""
     with serving() as (addr, store):
-        client = Client(addr, secure=False, credentials=None)
-        subject = _image(client)
-        made = [_envelope(subject, "pass") for _ in range(4)] + [_envelope(subject, "fail")]
-        for envelope in made:
-            referrers.attach(client, REPO, subject, envelope)
+        client, subject, made = _with_verdicts(addr, ["pass"] * 4 + ["fail"])
         store.page_size = 2
         store.log.clear()
         found = [e for _d, e in referrers.envelopes(client, REPO, subject.digest)]
@@ -126,11 +132,7 @@ def test_every_page_of_the_tag_list_is_read_and_a_later_page_that_fails_is_named
     """The verdicts' own tags are found in the tag list: a tag on a later page counts, and a later page the
     registry does not answer is an error (its tags would go unseen), for the tag list as for the referrers."""
     with serving(referrers_api=False) as (addr, store):
-        client = Client(addr, secure=False, credentials=None)
-        subject = _image(client)
-        made = [_envelope(subject, "pass") for _ in range(3)] + [_envelope(subject, "fail")]
-        for envelope in made:
-            referrers.attach(client, REPO, subject, envelope)
+        client, _subject, _made = _with_verdicts(addr, ["pass"] * 3 + ["fail"])
         store.page_size = 2
         every = referrers.tags(client, REPO)
         assert sorted(every) == sorted(tag for repo, tag in store.tags if repo == REPO) and len(every) >= 6
@@ -138,10 +140,7 @@ def test_every_page_of_the_tag_list_is_read_and_a_later_page_that_fails_is_named
         with pytest.raises(PushError, match=f"answered 500 for a later page of the tag list of {REPO}"):
             referrers.tags(client, REPO)
     with serving() as (addr, store):
-        client = Client(addr, secure=False, credentials=None)
-        subject = _image(client)
-        for envelope in (_envelope(subject, "pass"), _envelope(subject, "fail"), _envelope(subject, "pass")):
-            referrers.attach(client, REPO, subject, envelope)
+        client, subject, _made = _with_verdicts(addr, ["pass", "fail", "pass"])
         store.page_size, store.broken_pages = 2, True
         with pytest.raises(PushError, match="answered 500 for a later page of the referrers of"):
             referrers.listed(client, REPO, subject.digest)
