@@ -45,6 +45,8 @@
 #   inputs    hashes the model and the base into WORK/inputs.json the first
 #             time (after either was made), and refuses (gpu_host.py inputs
 #             --check) to go on with a model or base whose hash changed since
+#   gpuonly   (not in the default) the patched image and the base, GPU checks alone (no server, no
+#             reference): OUTDIR/gpuonly-patched.json, gpuonly-unpatched.json
 #   check     (not in the default) imports vLLM's server, engine core, model
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
 #   reference the reference image, compile caches emptied first (cold), records
@@ -354,10 +356,12 @@ smoke() {
   fi
   check_inputs
   ensure_key
-  log "smoke $which: $ref --gpu require --keep-going --base-repo $REPO_NAME $* ${serve[*]}"
+  log "smoke $which: $ref --gpu require --keep-going --base-repo $REPO_NAME $*${NO_SERVE:+ (no server)}${NO_SERVE:- ${serve[*]}}"
   local start=$SECONDS rc=0
   # --base-repo: the definition's base is REPO:v0.25.1 here (the unpatched base's smoke has no build record).
-  act timeout "$limit" "$PY" build.py smoke "$ref" --gpu require --keep-going --base-repo "$REPO_NAME" "$@" "${serve[@]}" \
+  local served=("${serve[@]}")
+  [ -z "${NO_SERVE:-}" ] || served=()  # the gpuonly step's smokes: the GPU checks alone
+  act timeout "$limit" "$PY" build.py smoke "$ref" --gpu require --keep-going --base-repo "$REPO_NAME" "$@" "${served[@]}" \
     --sign-key "$KEY" --attestation "$OUTDIR/$which.dsse.json" --report "$OUTDIR/$which.json" \
     >"$OUTDIR/smoke-$which.log" 2>&1 || rc=$?
   log "smoke $which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$OUTDIR/smoke-$which.log" | tail -1))"
@@ -410,6 +414,12 @@ flush() {
   pending=0
 }
 
+# The patched image and the base with their GPU checks alone (no server, no reference): the layer identity
+# check, the isolated runner and the patch set's GPU checks on this GPU, in minutes instead of the run's twenty.
+if step gpuonly; then
+  NO_SERVE=1 smoke gpuonly-patched "$PATCHED" "${TIMEOUT_WARM:-240}"
+  NO_SERVE=1 smoke gpuonly-unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG"
+fi
 if step reference; then
   if [ ! -f "$OUTDIR/reference.json" ]; then
     # Cold means no compile cache of any base on any GPU, and answers recorded afresh.

@@ -326,3 +326,17 @@ def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp
         out.mkdir()
         _, log, _ = _dry(out, "patched2", PARALLEL=asked, PATH=f"{fake}:{os.environ['PATH']}")
         assert (f"PARALLEL={asked} {lowered}" in log) if lowered else "lowered" not in log, log
+
+
+def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_server(tmp_path: Path) -> None:
+    commands, log, out = _dry(tmp_path, "gpuonly")
+    smokes = _smokes(commands)
+    assert list(smokes) == ["gpuonly-patched", "gpuonly-unpatched"]
+    for argv in smokes.values():
+        assert {"--gpu", "require", "--keep-going", "--base-repo"} <= set(argv)
+        assert not any(a.startswith(("--serve", "--reference", "--record-reference")) for a in argv), argv
+        assert argv[argv.index("--attestation") + 1].endswith(".dsse.json")
+    assert smokes["gpuonly-patched"][5].endswith(":v0.25.1-m3patch")
+    assert smokes["gpuonly-unpatched"][5].endswith(":v0.25.1")
+    assert smokes["gpuonly-unpatched"][smokes["gpuonly-unpatched"].index("--definition") + 1] == "v0.25.1"
+    assert "(no server)" in log
