@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from typing import IO, Any, Literal
 
-import zstandard
-from zstandard import ZstdError
+try:
+    from zstandard import ZstdError
+except ImportError:  # a Python without it (a GPU host's, running the smokes) reads every other layer
+    class ZstdError(Exception):  # type: ignore[no-redef]
+        """zstandard's error, where the library is absent."""
 
 __all__ = ["ZstdError", "is_zstd", "tar_stream"]
 
@@ -27,5 +30,9 @@ def tar_stream(blob: IO[bytes] | Any, media_type: str) -> tuple[Any, Literal["r|
     """(a reader of the layer's uncompressed tar, the :func:`tarfile.open` mode to stream it with). A damaged
     zstd stream raises :class:`ZstdError` as it is read."""
     if is_zstd(media_type):
+        try:
+            import zstandard
+        except ImportError:
+            raise ZstdError("a zstd layer needs the zstandard package, which this Python lacks") from None
         return zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True, closefd=False), "r|"
     return blob, "r|*"
