@@ -40,7 +40,7 @@ from ..engine.files import FileFact, Tree, add
 from ..errors import EngineError, PushError
 from ..tarball import marker
 from . import client as registry
-from .compression import ZstdError, tar_stream
+from .compression import STREAM_ERRORS, tar_stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,7 +142,7 @@ class RegistryReader:
                         else:
                             (emptied if marks[0] == "opaque" else gone).append(marks[1])
                 blob.finish()
-            except (tarfile.TarError, EOFError, OSError, ZstdError) as exc:
+            except STREAM_ERRORS as exc:
                 raise EngineError(f"layer {layer.digest[:19]} of {self._client.host}/{self._repo} is not a "
                                   f"readable tar: {exc}") from None
             finally:

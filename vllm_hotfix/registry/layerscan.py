@@ -42,11 +42,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from typing import Any, Protocol
-from zlib import error as zlib_error
 
 from ..errors import BaseImageError, PushError
 from ..tarball import OPAQUE, WHITEOUT, marker
-from .compression import ZstdError, tar_stream
+from .compression import STREAM_ERRORS, tar_stream
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +343,7 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
                     listing.hint = (name, source.read(16))
             if listing.whole:
                 stream.finish()
-    except (tarfile.TarError, EOFError, OSError, ValueError, zlib_error, ZstdError) as exc:
+    except STREAM_ERRORS as exc:
         raise BaseImageError(f"{stream.where} is not a readable tar: {exc}") from None
 
 
