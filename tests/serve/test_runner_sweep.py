@@ -6,6 +6,7 @@ against the reference's per-level answers (exact-levels)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -86,8 +87,11 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     # Started as a launcher starts it (no site module, PYTHON* variables ignored): the stand-in engine and this
     # Python's site folders (for requests) are the "base's sys.path" the host gives the job.
     job["python_path"] = [str(ENGINE), *(p for p in sys.path if p.endswith("-packages"))]
-    edit(job)
-    folder = base.stage(tmp_path / "runner", job, extra)
+    # ``edit`` changes the job the runner gets, never the one the host judges by (a runner that does not keep to
+    # its job is what it stands for).
+    sent = copy.deepcopy(job)
+    edit(sent)
+    folder = base.stage(tmp_path / "runner", sent, extra)
     done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
@@ -171,6 +175,65 @@ def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: ref
                          reference=opts.reference)[0]
     assert forged.status is Status.FAIL
     assert next(c for c in forged.checks if c.name == "serve-sweep").data["judged_on"] == "host"
+
+
+def test_the_host_sets_the_schedule_a_runner_that_sends_fewer_requests_fails(tmp_path: Path) -> None:
+    """The levels, the requests of each and their prompts are the job's: a runner that asked one request per level
+    (or two levels), however right its replies, fails the level whose requests are not the ones the host sent."""
+    honest = run_job(tmp_path, [], options(tmp_path))
+    assert honest.status is Status.PASS, honest.checks
+
+    def one_request(job: dict[str, Any]) -> None:
+        job["serve"]["requests"] = 1
+
+    v = run_job(tmp_path, [], options(tmp_path), one_request)
+    check = next(c for c in v.checks if c.name == "serve-sweep")
+    assert v.status is Status.FAIL and check.status is Status.FAIL, check
+    assert check.detail.startswith(f"serve sweep failed at concurrency 1: {REQUESTS}/{REQUESTS} requests failed "
+                                   f"(the runner reported requests [0] at concurrency 1, the host sent {REQUESTS} "
+                                   f"(0 to {REQUESTS - 1}))"), check.detail
+    assert v.sweep is not None and [lv["requests"] for lv in v.sweep["levels"]] == [REQUESTS]
+
+    def two_levels(job: dict[str, Any]) -> None:
+        job["serve"]["levels"] = [1, 2]
+
+    v = run_job(tmp_path, [], options(tmp_path), two_levels)
+    check = next(c for c in v.checks if c.name == "serve-sweep")
+    assert check.status is Status.FAIL and "at concurrency 4" in check.detail, check.detail
+    assert "the runner sent no reply at this level" in check.detail
+
+    def other_levels(job: dict[str, Any]) -> None:
+        job["serve"]["levels"] = [1, 3]
+
+    v = run_job(tmp_path, [], options(tmp_path), other_levels)
+    check = next(c for c in v.checks if c.name == "serve-sweep")
+    assert check.status is Status.FAIL and "concurrency 3 is not a level the host asked for (1,2,4)" in check.detail
+
+
+def test_a_report_that_moves_requests_between_prompts_fails_its_level(tmp_path: Path) -> None:
+    """The runner's per-request list is read for what it measured only: a report whose request 1 names another
+    prompt, or that repeats a request in place of another, fails that level; the host's prompt stands in the
+    evidence."""
+    opts = options(tmp_path)
+    honest = run_job(tmp_path, [], opts)
+    job, _ = plan.job(tmp_path, TARGET, opts, launcher="test", gpu_request=None)
+    assert honest.sweep is not None
+    raw = {f"{lv['concurrency']}:{r['index']}": {"text": "x", "finish_reason": "length", "prompt_tokens": 3,
+                                                 "completion_tokens": 4, "tokens": ["a"] * 4,
+                                                 "logprobs": [0.0] * 4, "top": [{"a": 0.0}] * 4}
+           for lv in honest.sweep["levels"] for r in lv["per_request"]}
+    assert plan.judged(job, base.Launched(honest, replies=json.dumps(raw).encode()))[0].status is Status.PASS
+    moved = copy.deepcopy(honest.sweep)
+    moved["levels"][1]["per_request"][1]["prompt"] = 5
+    v = plan.judged(job, base.Launched(replace(honest, sweep=moved), replies=json.dumps(raw).encode()))[0]
+    check = next(c for c in v.checks if c.name == "serve-sweep")
+    assert v.status is Status.FAIL and "failed at concurrency 2" in check.detail, check.detail
+    assert "request 1 of concurrency 2 as prompt 5, the host sent prompt 1" in check.detail
+    repeated = copy.deepcopy(honest.sweep)
+    repeated["levels"][2]["per_request"][3] = dict(repeated["levels"][2]["per_request"][2])
+    v = plan.judged(job, base.Launched(replace(honest, sweep=repeated), replies=json.dumps(raw).encode()))[0]
+    check = next(c for c in v.checks if c.name == "serve-sweep")
+    assert "failed at concurrency 4" in check.detail and "requests [0,1,2,2,4,5,6,7]" in check.detail, check.detail
 
 
 def test_exact_levels_fail_at_the_first_level_the_engine_answers_wrongly(

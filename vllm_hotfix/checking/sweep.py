@@ -122,7 +122,7 @@ class RequestEvidence:
     reply_tokens: int | None = None
     finish_reason: str | None = None
     reply_sha256: str | None = None  # of the reply's token IDs (its text where the server named no tokens)
-    judged_by: str = "status"  # the check that passed or failed it: status, min-tokens, exact or noise
+    judged_by: str = "status"  # what passed or failed it: status, min-tokens, exact, noise or schedule (the host's)
     passed: bool = False
     basis: str | None = None  # what the reply was compared with: reference, or concurrency-1 (the same image's)
     divergence: int | None = None  # the first position (from 0) where a token or a logprob differs from the basis

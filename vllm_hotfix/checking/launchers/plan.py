@@ -317,8 +317,10 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
     except ValueError as exc:
         raw = {}
         log.info("the runner's sweep replies are unreadable (%s): every request fails", exc)
+    # The schedule is the job's: its levels, its requests per level, its prompts (the fixed set where it named none).
     check, sweep = replies.rejudge(report.sweep, raw, reference, [int(c) for c in spec.get("levels") or []],
-                                   int(spec.get("requests") or 0), min_tokens=spec.get("min_tokens"),
+                                   int(spec.get("requests") or 0), prompts=len(spec.get("prompts") or PROMPTS),
+                                   min_tokens=spec.get("min_tokens"),
                                    noise_multiple=noise_multiple, keep_going=bool(spec.get("keep_going")))
     if said.status is Status.FAIL and check["status"] == "pass":
         # The runner's own failure (no server, a request refused) stands: the host found nothing to judge against it.
