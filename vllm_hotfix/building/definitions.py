@@ -24,19 +24,23 @@ file, ``images/<base tag>-<variant>.toml``, with::
     name = "sm100"
     hosts = "NVIDIA SM100 (Blackwell) GPUs"   # who should use it, in words
 
-and is built with ``--base <base tag>-<variant>``.
+and is built with ``--definition <base tag>-<variant>``.
+
+An optional ``[smoke]`` table says how ``smoke`` judges an image of the
+definition (:mod:`.smoke_table`).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import DefinitionError, UsageError
 from ..registry import refs
+from . import smoke_table
 
 DEFAULT_REPOSITORY = "vllm/vllm-openai"
 
@@ -70,12 +74,17 @@ class ImageDefinition:
     path: Path
     variant: str | None = None
     hosts: str | None = None
+    smoke: smoke_table.SmokeTable = field(default_factory=smoke_table.SmokeTable)
 
     def base_ref(self, repository: str | None = None) -> str:
         return f"{repository or self.base_repository}:{self.base_tag}"
 
     def output_ref(self, repository: str | None = None) -> str:
-        return f"{repository or self.base_repository}:{self.base_tag}-{self.suffix}"
+        return f"{repository or self.base_repository}:{self.output_tag}"
+
+    @property
+    def output_tag(self) -> str:
+        return f"{self.base_tag}-{self.suffix}"
 
 
 def version_from_tag(tag: str) -> str:
@@ -106,7 +115,7 @@ def load(root: Path, tag: str) -> ImageDefinition:
 
 def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
     for section in data:
-        if section not in _SCHEMA:
+        if section not in _SCHEMA and section != "smoke":
             raise DefinitionError(f"{path}: unknown section [{section}]")
     values: dict[str, dict[str, str]] = {}
     for section, keys in _SCHEMA.items():
@@ -171,6 +180,7 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
         path=path,
         variant=variant,
         hosts=values["variant"].get("hosts"),
+        smoke=smoke_table.parse(data["smoke"], path) if "smoke" in data else smoke_table.SmokeTable(),
     )
 
 

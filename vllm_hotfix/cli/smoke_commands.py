@@ -124,14 +124,25 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "API, or LOG: its pod's log saved to a file), judge it here, and sign it here with --sign-key.")
 @click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), help="kubernetes: config.")
 @click.option("--namespace", default="default", show_default=True, help="kubernetes: the Job's namespace.")
-@click.option("--node-selector", default=None, metavar="KEY=VALUE",
-              help="kubernetes: e.g. nvidia.com/gpu.product=NVIDIA-H200.")
+@click.option("--node-selector", "node_selectors", multiple=True, metavar="KEY=VALUE",
+              help="kubernetes: a node label the pod needs, e.g. nvidia.com/gpu.product=NVIDIA-H200 (repeatable).")
+@click.option("--pull-secret", "pull_secrets", multiple=True, metavar="NAME",
+              help="kubernetes: an image pull Secret of the namespace for a private registry (repeatable).")
+@click.option("--service-account", default=None, metavar="NAME", help="kubernetes: the pod's service account.")
+@click.option("--toleration", "tolerations", multiple=True, metavar="KEY[=VALUE][:EFFECT]",
+              help="kubernetes: a taint the pod tolerates, as kubectl spells taints, e.g. "
+                   "nvidia.com/gpu:NoSchedule (repeatable).")
+@click.option("--resource", "resources", multiple=True, metavar="requests|limits.NAME=QUANTITY",
+              help="kubernetes: the container's CPU, memory... beside its GPUs, e.g. requests.cpu=8 (repeatable).")
 @click.option("--gpus", "gpu_count", type=click.IntRange(1), default=1, show_default=True,
               help="kubernetes: nvidia.com/gpu the Job asks for.")
 @click.option("--deadline", type=click.IntRange(5), default=None, metavar="S",
               help="Seconds the checks in the image may take in all, for every launcher (a Job's "
                    "activeDeadlineSeconds); past it the run is incomplete. Default: what the checks asked for "
                    "need (600, +1800 with GPU checks, +2700 with --serve-model).")
+@click.option("--explain", is_flag=True,
+              help="Print the settings this run would use and where each comes from (a flag, the definition's "
+                   "[smoke] table, the default), and start nothing.")
 @with_options(sweep_options)
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, base_repo: str | None,
@@ -139,42 +150,70 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
           serve_args: tuple[str, ...], sign_key: str | None,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
-          node_selector: str | None, gpu_count: int, deadline: int | None, concurrency: str, requests_n: int,
-          min_tokens: int | None, reference_path: Path | None, record_path: Path | None,
-          noise_multiple: float | None) -> None:
-    """Run the smoke checks inside IMAGE; exit non-zero if any fails."""
-    from ..checking import reference
+          node_selectors: tuple[str, ...], pull_secrets: tuple[str, ...], service_account: str | None,
+          tolerations: tuple[str, ...], resources: tuple[str, ...], gpu_count: int, deadline: int | None,
+          explain: bool, concurrency: str, requests_n: int, min_tokens: int | None, reference_path: Path | None,
+          record_path: Path | None, noise_multiple: float | None) -> None:
+    """Run the smoke checks inside IMAGE; exit non-zero if any fails.
+
+    Settings not given as flags come from the [smoke] table of the image's definition (--definition, else this
+    host's build record of IMAGE, else IMAGE's tag when it is a definition's output tag), else the defaults shown
+    here; --explain prints each one and where it came from.
+    """
+    from ..checking import reference, smoke_settings, sweep
     from ..checking import smoke as smokelib
 
-    options = _smoke_options(gpu, serve_model, serve_args, concurrency, requests_n, gpu_request, definition,
-                             min_tokens, reference.answer_options(reference_path, record_path, noise_multiple),
-                             keep_going=keep_going, compile_cache=compile_cache, deadline=deadline,
+    ctx = click.get_current_context()
+    flags = {"gpu": gpu, "model": serve_model, "reference": reference_path,
+             "concurrency": sweep.parse_levels(concurrency),
+             "requests": requests_n, "min_tokens": min_tokens, "noise_multiple": noise_multiple,
+             "deadline": deadline, "serve_args": serve_args, "sign_key": sign_key, "kubernetes.namespace": namespace,
+             "kubernetes.gpus": gpu_count, "kubernetes.service_account": service_account,
+             "kubernetes.pull_secrets": pull_secrets, "kubernetes.node_selector": node_selectors,
+             "kubernetes.tolerations": tolerations, "kubernetes.resources": resources}
+    params = {"model": "serve_model", "reference": "reference_path", "requests": "requests_n",
+              "kubernetes.namespace": "namespace", "kubernetes.gpus": "gpu_count",
+              "kubernetes.service_account": "service_account", "kubernetes.pull_secrets": "pull_secrets",
+              "kubernetes.node_selector": "node_selectors", "kubernetes.tolerations": "tolerations",
+              "kubernetes.resources": "resources"}
+    given = {key: value for key, value in flags.items()
+             if ctx.get_parameter_source(params.get(key, key)) is not click.core.ParameterSource.DEFAULT}
+    if record_path is not None and "reference" not in given:
+        given["reference"] = None  # recording answers: a table's reference is not what this run checks against
+    settings = smoke_settings.resolve(obj.root, image_ref, _parsed_job_flags(given), definition)
+    if explain:
+        click.echo(smoke_settings.explain(settings, launcher))
+        return
+    smoke_settings.check_paths(settings, record_path is not None)
+    if launcher == "kubernetes" and settings.from_table("model"):
+        raise UsageError(f"{settings.settings['model'].source}: a Kubernetes Job cannot serve a folder of this "
+                         "host; smoke it with --launcher docker or podman on the GPU host, or give --definition "
+                         "of a definition without a model")
+    options = _smoke_options(settings["gpu"], settings["model"], tuple(settings["serve_args"]),
+                             ",".join(map(str, settings["concurrency"])),
+                             settings["requests"], gpu_request,
+                             settings.definition.tag if settings.definition is not None else None,
+                             settings["min_tokens"],
+                             reference.answer_options(settings["reference"], record_path, settings["noise_multiple"]),
+                             keep_going=keep_going, compile_cache=compile_cache, deadline=settings["deadline"],
                              base_repo=base_repo)
+    sign_key = settings["sign_key"]
+    if launcher == "kubernetes" and not submit and collect is None and settings.from_table("sign_key"):
+        sign_key = None  # an emitted Job is signed when its report is collected, by the table's key then
     for path, option in ((report_path, "--report"), (junit_path, "--junit"), (html_path, "--html"),
                          (attestation_path, "--attestation"),
                          (emit_path, "--emit")):
         check_output_file(path, option)
     if launcher != "kubernetes":
         # Options of the Job's alone: given to another launcher they would be ignored without a word.
-        ctx = click.get_current_context()
-        given = [name for name, param in (("--namespace", "namespace"), ("--gpus", "gpu_count"))
-                 if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            raise UsageError(f"{', '.join(given)}: {'is an option' if len(given) == 1 else 'are options'} of "
+        job_flags = [smoke_settings.FLAGS[key] for key in given if key.startswith("kubernetes.")]
+        if job_flags:
+            raise UsageError(f"{', '.join(job_flags)}: {'is an option' if len(job_flags) == 1 else 'are options'} of "
                              f"--launcher kubernetes, not {launcher}",
                              hint="the docker and podman launchers ask for GPUs with --gpu-request")
     cluster = None
-    if emit_path or submit or collect or node_selector or kubeconfig:
-        from ..checking.launchers import elsewhere
-        from ..checking.launchers import kubernetes as k8s
-        from ..checking.launchers.plan import deadline as job_deadline
-
-        name = collect.removeprefix("job/") if collect and collect.startswith("job/") else \
-            f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}"
-        spec = k8s.JobSpec(name, namespace=k8s.check_name(namespace, "--namespace", subdomain=False),
-                           gpus=gpu_count, node_selector=k8s.parse_selector(node_selector),
-                           deadline_s=int(job_deadline(options, gpu != "off")))
-        cluster = elsewhere.Cluster(spec, emit_path, submit, collect, kubeconfig)
+    if emit_path or submit or collect or kubeconfig or launcher == "kubernetes":
+        cluster = _cluster(settings, collect, emit_path, submit, kubeconfig, options, settings["gpu"] != "off")
     request = smokelib.SmokeRequest(image_ref, options, launcher, sign_key, attestation_path, cluster)
     done = smokelib.run(lambda: obj.engine, obj.root, request, progress)
     if done.wrote:
@@ -183,6 +222,47 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
         return
     assert done.entry is not None
     _finish_smoke(done.verdict, image_ref, done.entry, report_path, junit_path, html_path, done.signed)
+
+
+def _parsed_job_flags(given: dict[str, Any]) -> dict[str, Any]:
+    """The Job's flags as the settings hold them (a table's values have the same shapes)."""
+    from ..checking.launchers import kubernetes as k8s
+
+    parse: dict[str, Callable[[Any], Any]] = {
+        "kubernetes.node_selector": k8s.parse_selectors,
+        "kubernetes.tolerations": lambda texts: tuple(k8s.parse_toleration(t) for t in texts),
+        "kubernetes.resources": k8s.parse_resources,
+    }
+    return {key: parse[key](value) if key in parse else value for key, value in given.items()}
+
+
+def _cluster(settings: Any, collect: str | None, emit_path: Path | None, submit: bool, kubeconfig: str | None,
+             options: SmokeOptions, gpu: bool) -> Any:
+    """The Job to emit, submit or collect, from the resolved settings; every name checked as the API would."""
+    from ..checking.launchers import elsewhere
+    from ..checking.launchers import kubernetes as k8s
+    from ..checking.launchers.plan import deadline as job_deadline
+
+    def source(key: str) -> str:
+        found: str = settings.settings[key].source
+        return found.removeprefix("flag ") if found.startswith("flag ") else found
+
+    name = collect.removeprefix("job/") if collect and collect.startswith("job/") else \
+        f"vllm-hotfix-smoke-{uuid.uuid4().hex[:10]}"
+    account = settings["kubernetes.service_account"]
+    selector = settings["kubernetes.node_selector"]
+    spec = k8s.JobSpec(
+        name, namespace=k8s.check_name(settings["kubernetes.namespace"], source("kubernetes.namespace"),
+                                       subdomain=False),
+        gpus=settings["kubernetes.gpus"],
+        node_selector=k8s.check_selector(selector, source("kubernetes.node_selector")) if selector else None,
+        deadline_s=int(job_deadline(options, gpu)),
+        pull_secrets=tuple(k8s.check_name(n, source("kubernetes.pull_secrets"), subdomain=True)
+                           for n in settings["kubernetes.pull_secrets"]),
+        service_account=k8s.check_name(account, source("kubernetes.service_account"), subdomain=True,
+                                       what="a service account's name") if account else None,
+        tolerations=tuple(settings["kubernetes.tolerations"]), resources=settings["kubernetes.resources"])
+    return elsewhere.Cluster(spec, emit_path, submit, collect, kubeconfig)
 
 
 def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Path | None,

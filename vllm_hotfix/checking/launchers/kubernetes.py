@@ -19,11 +19,12 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...building.smoke_table import Toleration, resource_problem, toleration_problem
 from ...errors import Refused, SmokeError, SmokeIncomplete, UsageError
 from ...registry.refs import shown
 from ..runner import MOUNT
@@ -46,6 +47,12 @@ class JobSpec:
     node_selector: Mapping[str, str] | None = None
     deadline_s: int = 3600
     python: str = "python3"
+    # The pod's, for a private registry and a locked-down cluster: the kubelet's pull credentials by Secret
+    # name (nothing of them reaches the runner), the account the pod runs as, where it may be scheduled.
+    pull_secrets: tuple[str, ...] = ()
+    service_account: str | None = None
+    tolerations: tuple[Toleration, ...] = ()
+    resources: Mapping[str, Mapping[str, str]] | None = None  # requests/limits beside the GPUs
 
 
 def config_key(rel: str) -> str:
@@ -80,19 +87,34 @@ def manifests(image: str, spec: JobSpec, job: Mapping[str, Any], extra: Mapping[
             "name": "runner", "image": image, "imagePullPolicy": "IfNotPresent",
             "command": argv(spec.python),
             "env": [{"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}],
-            "resources": {"limits": {"nvidia.com/gpu": str(spec.gpus)}},
+            "resources": job_resources(spec),
             "volumeMounts": mounts,
         }],
         "volumes": volumes,
     }
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in spec.pull_secrets]
+    if spec.service_account:
+        pod["serviceAccountName"] = spec.service_account
+    if spec.tolerations:
+        pod["tolerations"] = [t.to_api() for t in spec.tolerations]
     batch_job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": dict(meta),
         "spec": {"backoffLimit": 0, "activeDeadlineSeconds": spec.deadline_s, "ttlSecondsAfterFinished": 86400,
                  "template": {"metadata": {"labels": dict(labels)}, "spec": pod}},
     }
     return [config_map, batch_job]
+
+
+def job_resources(spec: JobSpec) -> dict[str, dict[str, str]]:
+    """The container's requests and limits: the GPUs as a limit (Kubernetes sets the request to it), and what
+    ``resources`` adds; a GPU request of its own is refused where ``resources`` is read."""
+    out: dict[str, dict[str, str]] = {kind: dict(amounts) for kind, amounts in (spec.resources or {}).items()
+                                      if amounts}
+    out.setdefault("limits", {})["nvidia.com/gpu"] = str(spec.gpus)
+    return out
 
 
 def to_yaml(docs: list[dict[str, Any]]) -> str:
@@ -103,6 +125,24 @@ def to_yaml(docs: list[dict[str, Any]]) -> str:
 # Kubernetes' own rules for what these names may be (the API server refuses anything else, after the work).
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+
+
+def parse_selectors(texts: Sequence[str]) -> dict[str, str] | None:
+    """Every ``--node-selector KEY=VALUE`` as one node selector."""
+    out: dict[str, str] = {}
+    for text in texts:
+        out.update(parse_selector(text) or {})
+    return out or None
+
+
+def check_selector(selector: Mapping[str, str], where: str) -> dict[str, str]:
+    """A node selector from a definition's table, held to the rules of the flag's."""
+    for key, value in selector.items():
+        try:
+            parse_selector(f"{key}={value}")
+        except UsageError as exc:
+            raise UsageError(f"{where}: {str(exc).removeprefix('--node-selector ')}") from None
+    return dict(selector)
 
 
 def parse_selector(text: str | None) -> dict[str, str] | None:
@@ -124,12 +164,43 @@ def parse_selector(text: str | None) -> dict[str, str] | None:
     return {key: value}
 
 
-def check_name(value: str, option: str, *, subdomain: bool) -> str:
-    """A namespace (a DNS-1123 label) or a Secret's name (a DNS-1123 subdomain), checked before any work."""
+def parse_toleration(text: str) -> Toleration:
+    """kubectl's taint spelling: ``KEY=VALUE:EFFECT`` (Equal), ``KEY:EFFECT`` or ``KEY`` (Exists), or ``:`` (every
+    taint); the effect may be left out (every effect)."""
+    head, colon, effect = text.rpartition(":") if ":" in text else (text, "", "")
+    key, eq, value = head.partition("=")
+    made = Toleration(key=key, operator="Equal" if eq else "Exists", value=value, effect=effect)
+    problem = toleration_problem(made) if text else "empty"
+    if problem or (colon and not effect and key):
+        raise UsageError(f"--toleration {shown(text)}: {problem or 'an effect after the colon'} (expected "
+                         "KEY=VALUE:EFFECT, KEY:EFFECT, KEY or ':'; EFFECT NoSchedule, PreferNoSchedule or NoExecute)")
+    return made
+
+
+def parse_resources(texts: Sequence[str]) -> dict[str, dict[str, str]] | None:
+    """Every ``--resource requests.cpu=8`` / ``limits.memory=96Gi`` as a container's requests and limits."""
+    out: dict[str, dict[str, str]] = {}
+    for text in texts:
+        name, eq, quantity = text.partition("=")
+        kind, dot, resource = name.partition(".")
+        if not eq or not dot or kind not in ("requests", "limits"):
+            raise UsageError(f"--resource {shown(text)}: expected requests.NAME=QUANTITY or limits.NAME=QUANTITY, "
+                             "e.g. requests.cpu=8 or limits.memory=96Gi")
+        problem = resource_problem(resource, quantity)
+        if problem:
+            raise UsageError(f"--resource {shown(text)}: {problem}")
+        out.setdefault(kind, {})[resource] = quantity
+    return out or None
+
+
+def check_name(value: str, option: str, *, subdomain: bool, what: str | None = None) -> str:
+    """A namespace (a DNS-1123 label) or a Secret's or service account's name (a DNS-1123 subdomain), checked
+    before any work."""
     pattern = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*" if subdomain else _DNS_LABEL
     limit = 253 if subdomain else 63
     if len(value) > limit or not re.fullmatch(pattern, value):
-        what, chars = ("a Secret's name", "'-' and '.'") if subdomain else ("a namespace", "'-'")
+        kind, chars = ("a Secret's name", "'-' and '.'") if subdomain else ("a namespace", "'-'")
+        what = what or kind
         raise UsageError(f"{option} {shown(value)}: not {what} in Kubernetes (lowercase letters, digits and "
                          f"{chars}, starting and ending with a letter or digit, at most {limit})")
     return value
