@@ -47,10 +47,10 @@ stop: ## Stop the engine and registry that `make services` (or demo/test) starte
 	.ci/services stop
 
 image: tool ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all]
-	$(PYTHON) build.py image --base $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG)
+	$(PYTHON) build.py image --definition $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG)
 
 render: tool ## Print the Dockerfile `image` would build
-	$(PYTHON) build.py render --base $(BASE) $(REPO_FLAG)
+	$(PYTHON) build.py render --definition $(BASE) $(REPO_FLAG)
 
 smoke: tool ## Smoke-test an image: make smoke IMAGE=...
 	$(PYTHON) build.py smoke $(IMAGE)
@@ -65,7 +65,7 @@ demo: setup ## End to end on a local engine: stand-in base, build, smoke, push t
 	.ci/services start-engine
 	.ci/services start-registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
-	$(PYTHON) build.py image --base $(BASE)
+	$(PYTHON) build.py image --definition $(BASE)
 	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
 
 demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from a stand-in index, on a Docker 26.1 engine
@@ -73,7 +73,7 @@ demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from 
 	.ci/services start-cdi-engine
 	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE)) \
 		--platform linux/amd64,linux/arm64 --publish $(STANDIN_REGISTRY)
-	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py image --base $(BASE) --base-repo $(STANDIN_REGISTRY)/vllm-openai \
+	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py image --definition $(BASE) --base-repo $(STANDIN_REGISTRY)/vllm-openai \
 		--tag vllm/vllm-openai:$(BASE)-m3patch
 	DOCKER_HOST=$(PLATFORM_ENGINE) $(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --platform all \
 		--registry $(REGISTRY) --allow-gpu-unverified

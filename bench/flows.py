@@ -1,6 +1,6 @@
 """The ways to make the patched image, each timed as one command.
 
-* dockerfile: ``python build.py image --base TAG --no-smoke --rebuild --tag REF``
+* dockerfile: ``python build.py image --definition TAG --no-smoke --rebuild --tag REF``
   (the default builder: the engine builds the rendered Dockerfile)
 * assemble: the same with ``--builder assemble`` (layer and config written by
   the tool, loaded into the engine); ``assemble-cold`` runs it with an empty

@@ -11,7 +11,7 @@ own (Debian's docker-registry on a free loopback port, removed at the end)
 and removes it from the engine. Then, in interleaved rounds, from a state
 where the engine holds none of it:
 
-- **in-registry**: `python build.py image --base v0.25.1 --base-repo REG/... --in-registry --tag
+- **in-registry**: `python build.py image --definition v0.25.1 --base-repo REG/... --in-registry --tag
   REG/bench-rN/...` in a fresh process, into a fresh repository, then the new tag read back (manifest,
   config); the time is to the end of that read;
 - **pull**: `docker pull` of the base alone, the base removed again after it.

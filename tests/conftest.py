@@ -363,7 +363,7 @@ class Product:
         self.engine, self.repo = engine, repo
         self.base_ref, self.ref = f"{repo}:v0.25.1", f"{repo}:out"
         self.base_id = derive(engine, base, self.base_ref, body, files, modes)
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", self.ref, "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", self.ref, "--pull", "never",
                 "--no-smoke", root=project)
         assert r.rc == 0, r.err
         self.image_id = r.out.split()[-1]
@@ -708,7 +708,8 @@ def built_once(request: pytest.FixtureRequest, lanes: Lanes, base_v0251: str, tm
     if url not in lanes.built:
         project = project_copy(tmp_path_factory.mktemp("built") / "project")
         ref = f"hotfix-test/smoke-{RUN_ID}:v0.25.1-m3patch"
-        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project, env={"DOCKER_HOST": url})
+        r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", root=project,
+                env={"DOCKER_HOST": url})
         assert r.rc == 0, r.err
         lanes.built[url] = (project, ref, r.out.split()[-1])
     return lanes.built[url]

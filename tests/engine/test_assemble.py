@@ -27,7 +27,7 @@ RUNTIME = ("Entrypoint", "Cmd", "Env", "User", "WorkingDir", "Labels", "ExposedP
 
 
 def _build(root: Path, out: str, builder: str, cache: Path, *, verbose: bool = False) -> tuple[str, str]:
-    r = cli(*(["-v"] if verbose else []), "image", "--base", "v0.25.1", "--tag", out, "--pull", "never",
+    r = cli(*(["-v"] if verbose else []), "image", "--definition", "v0.25.1", "--tag", out, "--pull", "never",
             "--no-smoke", "--rebuild", "--builder", builder, root=root, env={"VLLM_HOTFIX_CACHE": str(cache)})
     assert r.rc == 0, r.err
     last = r.out.strip().splitlines()[-1]
@@ -195,7 +195,7 @@ def test_assembled_build_and_reuse_import_no_template_engine(
     _build(project, out, "assemble", tmp_path / "cache")  # fills the facts cache
     try:
         for extra in (["--rebuild"], []):
-            r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--builder",
+            r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--builder",
                     "assemble", *extra, root=project,
                     env={"VLLM_HOTFIX_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"})
             assert r.rc == 0, r.err

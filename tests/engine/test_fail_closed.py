@@ -85,7 +85,7 @@ def test_attack_4_a_poisoned_facts_cache_never_reaches_the_image(
     ref = f"hotfix-test/poison-{unique}:v0.25.1-m3patch"
     env = {"VLLM_HOTFIX_CACHE": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state")}
     # The assemble builder: the same inputs give the same image ID, also with --rebuild (no build cache).
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder", "assemble",
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder", "assemble",
             root=project, env=env)
     assert r.rc == 0, r.err
     image_id = r.out.split()[-1]
@@ -103,7 +103,8 @@ def test_attack_4_a_poisoned_facts_cache_never_reaches_the_image(
         outer["body"] = json.dumps(body, sort_keys=True, separators=(",", ":"))
         index.write_text(json.dumps(outer))
 
-        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--builder", "assemble",
+        r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--builder",
+                "assemble",
                 root=project, env=env)
         assert r.rc == 0, r.err
         warnings = [ln for ln in r.err.splitlines() if ln.startswith("WARNING") and "facts cache" in ln]

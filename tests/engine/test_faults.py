@@ -133,7 +133,7 @@ def run_and_hit(eng: PrivateEngine, project: Path, out: str, point: str, hit: Ca
                            "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
     proc = subprocess.Popen(
         [sys.executable, "-c", with_default_sigint, str(REPO / "build.py"), "--root", str(project), "image",
-         "--base", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild", *args],
+         "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     assert proc.stderr is not None

@@ -153,11 +153,11 @@ def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
     ref = f"hotfix-test/shared-{unique}:v0.25.1-m3patch"
     # The assemble builder gives the same image ID for the same inputs, so a --rebuild (which takes
     # nothing from the engine's build cache) writes a second build record for the same image.
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--builder", "assemble", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--builder", "assemble", root=project)
     assert r.rc == 0, r.err
     image_id = r.out.split()[-1]
     try:
-        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--no-smoke",
+        r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--no-smoke",
                 "--builder", "assemble", root=project)
         assert r.rc == 0 and r.out.split()[-1] == image_id, r.err
         assert len(records.builds_of_image(project, image_id)) == 2
@@ -169,7 +169,8 @@ def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
         r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "failed its newest smoke run")
         # ...and `image` says why it does not reuse it.
-        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder", "assemble",
+        r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--builder",
+                "assemble",
                 root=project)
         assert r.rc == 0, r.err
         assert "its newest smoke verdict" in r.err and "failed" in r.err
@@ -180,7 +181,7 @@ def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
 def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
     engine: Engine, base_v0251: str, project: Path, unique: str
 ) -> None:
-    r = cli("image", "--base", "v0.25.1", "--tag", f"{STANDIN_REPO}:v0.25.1", "--pull", "never", "--no-smoke",
+    r = cli("image", "--definition", "v0.25.1", "--tag", f"{STANDIN_REPO}:v0.25.1", "--pull", "never", "--no-smoke",
             root=project)
     fails(r, "is the base's own reference")
     assert r.rc == 13  # a refusal, with a code of its own
@@ -188,11 +189,11 @@ def test_tag_equal_to_the_base_or_a_foreign_image_is_refused(
     foreign = f"hotfix-test/foreign-{unique}:x"
     foreign_id = derive(engine, base_v0251, foreign, "LABEL owner=someone-else")
     try:
-        r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", root=project)
+        r = cli("image", "--definition", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", root=project)
         fails(r, foreign, "this tool did not build")
         assert r.rc == 13
         assert engine.image(foreign).id == foreign_id  # type: ignore[union-attr]
-        r = cli("image", "--base", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", "--force",
+        r = cli("image", "--definition", "v0.25.1", "--tag", foreign, "--pull", "never", "--no-smoke", "--force",
                 root=project)
         assert r.rc == 0, r.err
         assert engine.image(foreign).id != foreign_id  # type: ignore[union-attr]
@@ -206,7 +207,7 @@ def test_unwritable_records_stop_before_any_effect(engine: Engine, base_v0251: s
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     out = f"hotfix-test/norecord-{unique}:x"
-    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", root=project,
+    r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", root=project,
             env={"VLLM_HOTFIX_RECORDS": str(blocker / "records")})
     fails(r, "records folder", "not writable")
     assert r.rc == 10
@@ -224,7 +225,7 @@ def test_eight_parallel_runs_lose_no_entry(engine: Engine, built: tuple[Path, st
     before = {k: len(records.load(project, k)) for k in records.KINDS}
     # The assemble builder: eight rebuilds of the same inputs make one image (no build cache is taken, and
     # the Dockerfile builder would leave seven untagged images behind).
-    builds = _parallel(8, lambda i: cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never",
+    builds = _parallel(8, lambda i: cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never",
                                         "--rebuild", "--no-smoke", "--builder", "assemble", root=project))
     made = {r.out.split()[-1] for r in builds if r.rc == 0 and r.out.strip()} - {image_id}
     try:

@@ -48,7 +48,7 @@ def test_base_whose_python_misbehaves(engine: Engine, base_v0251: str, project: 
         engine.tag(base_v0251, f"{repo}:v0.25.1")
     _definition_python(project, python)
     try:
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", f"{repo}:out", "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", f"{repo}:out", "--pull", "never",
                 root=project, env={"VLLM_HOTFIX_PROBE_TIMEOUT": "3"})
         fails(r, needle)
         assert r.rc == 4
@@ -94,7 +94,7 @@ def test_rebuild_does_not_take_the_engines_build_cache(engine: Engine, base_v025
     made: list[str] = []
     try:
         for _ in range(2):
-            r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--rebuild",
+            r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", "--rebuild",
                     root=project)
             assert r.rc == 0, r.err
             assert "Using cache" not in r.err
@@ -143,12 +143,12 @@ def test_every_platform_from_a_registry_that_does_not_answer_fails(engine: Engin
     engine.tag(base_v0251, f"{repo}:v0.25.1")
     out = f"hotfix-test/every-platform-{unique}:x"
     try:
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--tag", out,
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--platform", platform, "--tag", out,
                 "--no-smoke", root=project)
         fails(r, f"--platform {platform}", f"cannot read {repo}:v0.25.1 from its registry")
         assert r.rc == 4
         assert engine.image(out) is None and engine.image(f"{out}-x86_64") is None
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", platform, "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--platform", platform, "--pull", "never",
                 "--tag", out, "--no-smoke", root=project)
         fails(r, f"--platform {platform}", "--pull never")
         assert r.rc == 64
@@ -181,7 +181,7 @@ def test_a_base_from_elsewhere_on_an_older_engine_says_nothing_of_platform_all(e
     if engine.api_version >= (1, 45):
         pytest.skip(f"the default engine is {engine.version_text}; this is about engines that lose platforms")
     repo = f"127.0.0.1:{free_port()}/elsewhere-{unique}"
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--no-smoke", "--tag", f"hotfix-test/x-{unique}:1",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--no-smoke", "--tag", f"hotfix-test/x-{unique}:1",
             root=project)
     assert r.rc == 4, r.err
     assert "--platform" not in r.err and "building for its own platform only" in r.err, r.err

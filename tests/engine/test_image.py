@@ -29,7 +29,7 @@ def test_image_builds_patched_files_where_python_imports_them(
     engine: Engine, base_v0251: str, project: Path, unique: str
 ) -> None:
     out = f"hotfix-test/ok:{unique}"
-    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
     assert r.rc == 0, r.err
     last = r.out.strip().splitlines()[-1]
     assert last.startswith(f"built {out} sha256:")
@@ -76,8 +76,8 @@ def test_image_builds_patched_files_where_python_imports_them(
 
 def test_render_prints_dockerfile_and_builds_nothing(engine: Engine, base_v0251: str, project: Path) -> None:
     before = {i for i in _image_ids()}
-    r1 = cli("render", "--base", "v0.25.1", "--pull", "never", root=project)
-    r2 = cli("render", "--base", "v0.25.1", "--pull", "never", root=project)
+    r1 = cli("render", "--definition", "v0.25.1", "--pull", "never", root=project)
+    r2 = cli("render", "--definition", "v0.25.1", "--pull", "never", root=project)
     assert r1.rc == 0, r1.err
     assert r1.out == r2.out  # deterministic
     assert r1.out.count("\nCOPY ") == 1  # one layer for every patched file and its bytecode
@@ -105,7 +105,7 @@ def test_hunk_that_does_not_apply(engine: Engine, base_v0251: str, project: Path
     _edit_patch(project, "             )\n         if index_md.num_prefills > 0:",
                 "             ))\n         if index_md.num_prefill_tokens > 0:")
     out = f"hotfix-test/bad:{unique}"
-    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
     fails(r, PATCH, "hunk #2 (@@ -441,7 +444,7 @@)", INDEXER, "does not apply")
     _no_output(engine, out)
 
@@ -113,7 +113,7 @@ def test_hunk_that_does_not_apply(engine: Engine, base_v0251: str, project: Path
 def test_hunk_that_needs_fuzz(engine: Engine, base_v0251: str, project: Path, unique: str) -> None:
     _edit_patch(project, " # (decode at [:, :nd], prefill", " # (DECODE at [:, :nd], prefill")
     out = f"hotfix-test/bad:{unique}"
-    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
     fails(r, PATCH, "hunk #1", INDEXER, "applies only with fuzz")
     _no_output(engine, out)
 
@@ -123,12 +123,12 @@ def test_patch_already_in_base(engine: Engine, base_v0251: str, project: Path, u
     # carries the whole (one-patch) set, so it needs no hotfix: exit 0, nothing
     # built. A base carrying only part of a set: tests/test_upstream.py.
     carrying = f"hotfix-test/carrying-{unique}"
-    r = cli("image", "--base", "v0.25.1", "--tag", f"{carrying}:v0.25.1", "--pull", "never", "--no-smoke",
+    r = cli("image", "--definition", "v0.25.1", "--tag", f"{carrying}:v0.25.1", "--pull", "never", "--no-smoke",
             root=project)
     assert r.rc == 0, r.err
     out = f"hotfix-test/bad:{unique}"
     try:
-        r = cli("image", "--base", "v0.25.1", "--base-repo", carrying, "--tag", out, "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", carrying, "--tag", out, "--pull", "never",
                 "--no-smoke", root=project)
         assert r.rc == 0 and not r.last_error, r.err
         assert "needs no hotfix" in r.out and PATCH in r.out
@@ -141,7 +141,7 @@ def test_patch_for_a_file_the_image_lacks(engine: Engine, base_v0251: str, proje
     text = (project / "patches/v0.25.1" / PATCH).read_text().replace("common/indexer.py", "common/indexer_v2.py")
     (project / "patches/v0.25.1" / PATCH).write_text(text)
     out = f"hotfix-test/bad:{unique}"
-    r = cli("image", "--base", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--no-smoke", root=project)
     fails(r, PATCH, "has no file", "indexer_v2.py")
     _no_output(engine, out)
 
@@ -164,7 +164,7 @@ def test_target_that_is_not_a_regular_file(
     out = f"hotfix-test/bad:{unique}"
     try:
         before = Path("/etc/hostname").read_bytes()
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
                 "--no-smoke", root=project)
         fails(r, PATCH, word, "refusing to patch")
         assert Path("/etc/hostname").read_bytes() == before
@@ -174,14 +174,14 @@ def test_target_that_is_not_a_regular_file(
 
 
 def test_base_missing_with_pull_never(engine: Engine, project: Path, unique: str) -> None:
-    r = cli("image", "--base", "v0.25.1", "--base-repo", f"hotfix-test/absent-{unique}", "--pull", "never",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", f"hotfix-test/absent-{unique}", "--pull", "never",
             "--no-smoke", root=project)
     fails(r, f"hotfix-test/absent-{unique}:v0.25.1", "--pull never")
 
 
 def test_unreachable_base_fails_fast(engine: Engine, project: Path, unique: str) -> None:
     start = time.monotonic()
-    r = cli("image", "--base", "v0.25.1", "--base-repo", f"registry.invalid/absent-{unique}", "--no-smoke",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", f"registry.invalid/absent-{unique}", "--no-smoke",
             root=project, timeout=120)
     fails(r, f"registry.invalid/absent-{unique}:v0.25.1", "cannot pull")
     # Not a speed target: a hang would hit the 120 s subprocess timeout above.
@@ -193,7 +193,7 @@ def test_base_whose_vllm_differs_from_its_tag(engine: Engine, project: Path, uni
     make_standin(engine, "0.25.1", f"{repo}:v0.25.1", sources="0.26.0")
     out = f"hotfix-test/bad:{unique}"
     try:
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
                 "--no-smoke", root=project)
         fails(r, f"{repo}:v0.25.1", "installed vllm is 0.26.0", "0.25.1")
         _no_output(engine, out)

@@ -97,7 +97,7 @@ NO_ENGINE = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}  # the registry b
 
 def in_registry(project: Path, base_repo: str, tag: str, *extra: str, env: dict[str, str] | None = None
                 ) -> dict:
-    r = cli("image", "--base", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag", tag, "--json",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag", tag, "--json",
             *extra, root=project, env={**NO_ENGINE, **(env or {})})
     assert r.rc == 0, r.err
     return json.loads(r.out) | {"err": r.err}
@@ -132,13 +132,13 @@ def test_the_registry_build_is_the_assemble_builders_image_and_the_dockerfile_bu
     assert image["base_layers"] == {"mounted": 4}
 
     # The assemble builder, from the same base pulled into the engine: the same image, by ID.
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--builder", "assemble", "--no-smoke",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--builder", "assemble", "--no-smoke",
             "--tag", made.add(f"hotfix-test/asm-{unique}:x"), root=project)
     assert r.rc == 0, r.err
     assert r.out.split()[-1] == image["image_id"]
 
     # The Dockerfile build: the patched files and their bytecode are the same bytes and modes.
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--no-smoke",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--no-smoke",
             "--tag", made.add(f"hotfix-test/dockerfile-{unique}:x"), root=project)
     assert r.rc == 0, r.err
     pulled = made.pull(f"{registry.place}/ops/vllm-openai@{image['digest']}")
@@ -169,7 +169,7 @@ def test_the_images_python_runs_the_patched_source_whiteouts_and_no_bytecode(
     stale = with_stale_bytecode(engine, made, base_v0251, unique)
     repo = f"{registry.place}/vllm/stale"
     publish(engine, made, stale, f"{repo}:v0.25.1")
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--in-registry", "--bytecode", "whiteout",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--in-registry", "--bytecode", "whiteout",
             "--tag", f"{registry.place}/ops/w:v0.25.1-m3patch", "--json", root=project, env=NO_ENGINE)
     assert r.rc == 0, r.err
     [image] = json.loads(r.out)["images"]
@@ -248,7 +248,7 @@ def test_a_base_behind_a_login_on_another_registry_is_copied_with_the_stored_log
         out = f"{registry.place}/ops/copied:v0.25.1-m3patch"
         empty = tmp_path / "no-login"
         empty.mkdir()
-        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{auth.addr}/vllm/vllm-openai", "--in-registry",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{auth.addr}/vllm/vllm-openai", "--in-registry",
                 "--tag", out, root=project, env={"DOCKER_CONFIG": str(empty)})
         fails(r, "cannot read base", auth.addr, "refused the credentials")
         assert r.rc == 4 and f"hint: docker login {auth.addr}" in r.err
@@ -282,7 +282,7 @@ def test_a_registry_that_will_not_mount_or_refuses_a_blob_or_a_big_manifest(
         assert tags(registry, "ops/copied") == ["v0.25.1-m3patch"]
 
         switches.no_mount, switches.refuse_blobs = False, 400
-        r = cli("image", "--base", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag",
                 f"{proxy}/{registry.ns}/ops/refused:v0.25.1-m3patch", "--rebuild", root=project)
         fails(r, f"registry {proxy} refused", "blob refused by policy")
         assert r.rc == 8 and tags(registry, "ops/refused") == []
@@ -290,7 +290,7 @@ def test_a_registry_that_will_not_mount_or_refuses_a_blob_or_a_big_manifest(
         # The registry's own answer to a manifest over its limit (the distribution registry's words, the limit
         # made small here): one line, nothing tagged.
         switches.refuse_blobs, switches.manifest_limit = None, 1000
-        r = cli("image", "--base", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", base_repo, "--in-registry", "--tag",
                 f"{proxy}/{registry.ns}/ops/big:v0.25.1-m3patch", "--rebuild", root=project)
         fails(r, f"registry {proxy} refused the manifest", "over its size limit", "request body too large")
         assert r.rc == 8 and tags(registry, "ops/big") == []
@@ -304,7 +304,7 @@ def test_a_connection_cut_mid_blob_is_one_line_and_nothing_is_tagged(
     publish(engine, made, base_v0251, f"{registry.place}/vllm/vllm-openai:v0.25.1")
     with registry_proxy.serve(registry.addr) as (proxy, switches):
         switches.cut_blobs = cut
-        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
                 "--in-registry", "--tag", f"{proxy}/{registry.ns}/ops/cut:v0.25.1-m3patch", "--rebuild",
                 root=project)
     assert r.rc == 4 and "Traceback" not in r.err, r.err
@@ -323,7 +323,7 @@ def test_a_tag_the_registry_refused_is_not_in_the_journal(
     with registry_proxy.serve(registry.addr) as (proxy, switches):
         switches.refuse_tags = 500
         ref = f"{proxy}/{registry.ns}/ops/untagged:v0.25.1-m3patch"
-        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
                 "--in-registry", "--tag", ref, "--rebuild", root=project)
     assert r.rc == 8 and "Traceback" not in r.err, r.err
     assert tags(registry, "ops/untagged") == []
@@ -339,7 +339,7 @@ def test_a_base_whose_record_does_not_list_a_patched_file_is_refused(
     derive(engine, base_v0251, ref, f"RUN sed -i '\\#^{INDEXER},#d' {record}")
     repo = f"{registry.place}/vllm/unlisted"
     publish(engine, made, ref, f"{repo}:v0.25.1")
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--in-registry", "--tag",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--in-registry", "--tag",
             f"{registry.place}/ops/unlisted:v0.25.1-m3patch", root=project, env=NO_ENGINE)
     assert r.rc == 4, r.err
     fails(r, f"{INDEXER} is not listed in vllm-0.25.1.dist-info/RECORD")
@@ -361,7 +361,7 @@ def test_a_manifest_over_the_limit_is_refused_before_anything_is_written(
     res = requests.put(registry.api("vllm/big/manifests/v0.25.1"), data=body,
                        headers={"Content-Type": doc["mediaType"]}, timeout=30)
     assert res.status_code == 201, res.text
-    r = cli("image", "--base", "v0.25.1", "--base-repo", f"{registry.place}/vllm/big", "--in-registry",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{registry.place}/vllm/big", "--in-registry",
             "--tag", f"{registry.place}/ops/big:v0.25.1-m3patch", root=project)
     fails(r, "over the 4194304 bytes registries accept")
     assert r.rc == 8
@@ -374,7 +374,7 @@ def test_a_run_killed_before_its_tag_leaves_no_tag_and_the_next_run_finishes_it(
     with registry_proxy.serve(registry.addr) as (proxy, switches):
         switches.hold_tags = threading.Event()
         target = f"{proxy}/{registry.ns}/ops/killed:v0.25.1-m3patch"
-        argv = [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--base", "v0.25.1",
+        argv = [sys.executable, str(REPO / "build.py"), "--root", str(project), "image", "--definition", "v0.25.1",
                 "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai", "--in-registry", "--tag", target]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -390,7 +390,7 @@ def test_a_run_killed_before_its_tag_leaves_no_tag_and_the_next_run_finishes_it(
         assert any("/manifests/sha256:" in p for p in puts[:-1])
         assert tags(registry, "ops/killed") == []
         switches.hold_tags = None
-        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{proxy}/{registry.ns}/vllm/vllm-openai",
                 "--in-registry", "--tag", target, root=project)
         assert r.rc == 0, r.err
         assert r.out.startswith("reused ") and tags(registry, "ops/killed") == ["v0.25.1-m3patch"]

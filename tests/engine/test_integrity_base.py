@@ -41,7 +41,7 @@ def hotfix_of(engine: Engine, base_v0251: str, project: Path, unique: str) -> It
         derive(engine, base_v0251, f"{repo}:v0.25.1", body)
         out = f"hotfix-test/devfix-{unique}-{len(made)}:x"
         made.append(out)
-        r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never", "--no-smoke",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never", "--no-smoke",
                 root=project)
         assert r.rc == 0, r.err
         report = tmp / f"smoke-{len(made)}.json"

@@ -32,7 +32,7 @@ def test_every_mutant_builds_from_its_root_and_is_judged_by_it(engine: Engine, b
     assert len(names) >= 6
     made: dict[str, str] = {}
     try:
-        r = cli("image", "--base", "v0.25.1", "--tag", f"hotfix-test/mutant-{unique}:real", "--pull", "never",
+        r = cli("image", "--definition", "v0.25.1", "--tag", f"hotfix-test/mutant-{unique}:real", "--pull", "never",
                 "--no-smoke", root=project)
         assert r.rc == 0, r.err
         made["real"] = r.out.split()[-1]
@@ -40,7 +40,8 @@ def test_every_mutant_builds_from_its_root_and_is_judged_by_it(engine: Engine, b
             root = mutants.root(name, tmp_path / name, source=project)
             # Never a definition of the project: only its own root offers it.
             assert not (project / "patches" / "v0.25.1" / f"{name}.patch").exists()
-            r = cli("image", "--base", "v0.25.1", "--tag", f"hotfix-test/mutant-{unique}:{name}", "--pull", "never",
+            r = cli("image", "--definition", "v0.25.1", "--tag", f"hotfix-test/mutant-{unique}:{name}", "--pull",
+                    "never",
                     "--no-smoke", root=root)
             assert r.rc == 0, (name, r.err)
             made[name] = r.out.split()[-1]

@@ -19,7 +19,7 @@ CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
 def test_new_patchset_from_pr_for_a_new_base(engine: Engine, base_v0251: str, fresh: Path, api: str) -> None:
     r = cli(
         "new-patchset",
-        "--base",
+        "--definition",
         "v0.25.1",
         "--from-pr",
         "49149",
@@ -50,7 +50,7 @@ def test_new_patchset_from_pr_for_a_new_base(engine: Engine, base_v0251: str, fr
         )
         assert c.out.startswith(f"{SLUG}: {word}"), (tag, c.out, c.err)
     # And `image` accepts the set and definition it wrote.
-    rendered = cli("render", "--base", "v0.25.1", "--pull", "never", root=fresh)
+    rendered = cli("render", "--definition", "v0.25.1", "--pull", "never", root=fresh)
     assert rendered.rc == 0, rendered.err
     assert f"io.vllm-hotfix.patch.{SLUG}" in rendered.out
 
@@ -61,7 +61,7 @@ def test_new_patchset_from_pr_url_and_from_file_against_the_wheel(
     url = "https://github.com/vllm-project/vllm/pull/49149"
     r = cli(
         "new-patchset",
-        "--base",
+        "--definition",
         "v0.25.1",
         "--from-pr",
         url,
@@ -78,13 +78,13 @@ def test_new_patchset_from_pr_url_and_from_file_against_the_wheel(
     diff = tmp_path / "minimax-topk.diff"
     diff.write_text(PRS[49149][1])
     r = cli(
-        "new-patchset", "--base", "v0.25.1", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
+        "new-patchset", "--definition", "v0.25.1", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
     )
     fails(r, "patch set v0.25.1 already holds this change")
     assert snapshot(fresh) == before
     # From a file on a second base: numbered 0001 there, named from the file.
     r = cli(
-        "new-patchset", "--base", "v0.26.0", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
+        "new-patchset", "--definition", "v0.26.0", "--from-file", str(diff), "--from-wheel", root=fresh, env=CACHE
     )
     assert r.rc == 0, r.err
     assert (fresh / "patches/v0.26.0/series").read_text().splitlines()[-1] == "0001-minimax-topk.patch"
@@ -95,7 +95,7 @@ def test_new_patchset_on_a_release_that_ships_it(fresh: Path, api: str) -> None:
     before = snapshot(fresh)
     r = cli(
         "new-patchset",
-        "--base",
+        "--definition",
         "v0.27.0",
         "--from-pr",
         "49149",
@@ -112,7 +112,7 @@ def test_new_patchset_on_a_release_that_ships_it(fresh: Path, api: str) -> None:
 def test_new_patchset_with_context_no_release_has_writes_nothing(project: Path, api: str) -> None:
     before = snapshot(project)
     r = cli(
-        "new-patchset", "--base", "v0.25.1", "--from-pr", "50001", "--api-url", api, "--from-wheel", root=project,
+        "new-patchset", "--definition", "v0.25.1", "--from-pr", "50001", "--api-url", api, "--from-wheel", root=project,
         env=CACHE,
     )
     fails(

@@ -124,7 +124,7 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         engine: Engine, sm100_bases: dict[str, str], project: Path, unique: str, registry: RegistryPlace) -> None:
     ref = f"hotfix-test/sm100-{unique}:v0.25.1-m3patch-sm100"
     base_repo = RACE.split(":")[0]
-    r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", root=project)
+    r = cli("image", "--definition", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0, r.err
     image_id = r.out.split()[-1]
     try:
@@ -195,7 +195,7 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
 
 def test_render_shows_the_pin_step_without_a_loopback_address(engine: Engine, sm100_bases: dict[str, str],
                                                                project: Path) -> None:
-    args = ("render", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never")
+    args = ("render", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never")
     first, again = cli(*args, root=project), cli(*args, root=project)
     assert first.rc == 0, first.err
     assert first.out == again.out
@@ -226,7 +226,7 @@ def test_a_wrong_hash_is_named_before_anything_is_built(engine: Engine, sm100_ba
                                                         project: Path, unique: str) -> None:
     _one_pin_set(project, _quack("0" * 64))
     ref = f"hotfix-test/pins-bad-{unique}:x"
-    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+    r = cli("image", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
             root=project)
     fails(r, "pins.txt", "line 1: quack-kernels==0.6.4", "has sha256 " + QUACK_HASH, "not one the pin lists")
     assert r.rc == 12
@@ -238,7 +238,7 @@ def test_the_assemble_builder_refuses_a_pinned_set_before_any_work(engine: Engin
                                                                    project: Path, unique: str) -> None:
     _one_pin_set(project, _quack())
     ref = f"hotfix-test/pins-asm-{unique}:x"
-    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+    r = cli("image", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
             "--builder", "assemble", root=project)
     fails(r, "pins.txt", "--builder assemble cannot")
     assert "resolving base" not in r.err
@@ -251,7 +251,7 @@ def test_a_missing_wheel_is_named(engine: Engine, sm100_bases: dict[str, str], p
     house = tmp_path / "wheels"
     house.mkdir()
     ref = f"hotfix-test/pins-bad-{unique}:x"
-    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+    r = cli("image", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
             "--wheelhouse", str(house), root=project)
     fails(r, "line 1: quack-kernels==0.6.4", f"no wheel in {house}")
     assert r.rc == 12
@@ -273,7 +273,7 @@ def test_a_wheel_for_another_python_is_refused(engine: Engine, sm100_bases: dict
     assert block is not None
     _one_pin_set(project, block.group(0) + "\n")
     ref = f"hotfix-test/pins-bad-{unique}:x"
-    r = cli("image", "--base", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
+    r = cli("image", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--tag", ref, "--pull", "never",
             "--wheelhouse", str(house), root=project)
     fails(r, "nvidia-cutlass-dsl-libs-base==4.6.2", "no wheel fits the image (Python 3.11",
           "nvidia_cutlass_dsl_libs_base-4.6.2-cp312-cp312-manylinux_2_28_x86_64.whl")
@@ -287,7 +287,7 @@ def test_a_pin_that_breaks_a_requirement_fails_unless_accepted(engine: Engine, s
     _one_pin_set(project, _quack())
     ref = f"hotfix-test/pins-bad-{unique}:x"
     base_repo = RACE.split(":")[0]
-    r = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
+    r = cli("image", "--definition", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
             root=project)
     fails(r, "pins.txt: the pins break a requirement",
           "quack-kernels 0.6.4 has requirement nvidia-cutlass-dsl==4.6.2, but you have nvidia-cutlass-dsl 4.5.2")
@@ -296,7 +296,7 @@ def test_a_pin_that_breaks_a_requirement_fails_unless_accepted(engine: Engine, s
     _nothing_left(engine, ref, r.err)
 
     _one_pin_set(project, _quack(extra="# accept: quack-kernels -> nvidia-cutlass-dsl: tested together here\n"))
-    ok = cli("image", "--base", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
+    ok = cli("image", "--definition", SM100, "--base-repo", base_repo, "--tag", ref, "--pull", "never", "--no-smoke",
              root=project)
     assert ok.rc == 0, ok.err
     try:
@@ -313,12 +313,12 @@ def test_new_patchset_pin_writes_the_hash_of_the_wheel_that_fits(engine: Engine,
                                                                  project: Path) -> None:
     path = project / "patches" / SM100 / "pins.txt"
     path.unlink()
-    r = cli("new-patchset", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
+    r = cli("new-patchset", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
             "--pin", "quack-kernels==0.6.4", root=project)
     assert r.rc == 0, r.err
     assert "Python 3.11" in r.out
     assert path.read_text() == f"quack-kernels==0.6.4 \\\n    --hash=sha256:{QUACK_HASH}\n"
-    again = cli("new-patchset", "--base", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
+    again = cli("new-patchset", "--definition", SM100, "--base-repo", RACE.split(":")[0], "--pull", "never",
                 "--pin", "quack-kernels==0.6.5", root=project)
     fails(again, "already pins it (line 1")
     assert path.read_text().count("quack-kernels") == 1

@@ -50,11 +50,12 @@ def test_image_runs_smoke_and_records_it(built: tuple[Path, str, str]) -> None:
 
 def test_unchanged_rebuild_reuses_the_recorded_image(engine: Engine, built: tuple[Path, str, str]) -> None:
     project, ref, image_id = built
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0, r.err
     assert r.out.strip() == f"reused {ref} {image_id}"
     assert "inputs unchanged" in r.err
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--rebuild", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", "--rebuild",
+            root=project)
     assert r.rc == 0 and r.out.startswith("built "), r.err
     # --rebuild takes no build cache: a new image, which the session's image is given its tag back from.
     rebuilt = r.out.split()[-1]
@@ -66,12 +67,12 @@ def test_unchanged_rebuild_reuses_the_recorded_image(engine: Engine, built: tupl
 def test_reuse_of_an_unsmoked_build_runs_smoke_first(engine: Engine, base_v0251: str, project: Path,
                                                      unique: str) -> None:
     ref = f"hotfix-test/nosmoke-{unique}:x"
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--no-smoke", root=project)
     assert r.rc == 0, r.err
     image_id = r.out.split()[-1]
     try:
         assert records.verdicts(project, image_id) == []
-        r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+        r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
         assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
         assert "no smoke verdict on it yet" in r.err
         [verdict] = records.verdicts(project, image_id)
@@ -155,7 +156,7 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
     assert r.rc == 0, r.err
     # And the next `image` reuses it instead of rebuilding.
-    r = cli("image", "--base", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", root=project)
     assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
 
 

@@ -172,7 +172,7 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
     carrying = f"hotfix-test/carries-first-{unique}"
     r = cli(
         "image",
-        "--base",
+        "--definition",
         "v0.25.1",
         "--tag",
         f"{carrying}:v0.25.1",
@@ -186,7 +186,7 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
     try:
         r = cli(
             "image",
-            "--base",
+            "--definition",
             "v0.25.1",
             "--base-repo",
             carrying,
@@ -204,7 +204,7 @@ def test_skip_included(engine: Engine, base_v0251: str, project: Path, tmp_path:
 
         r = cli(
             "image",
-            "--base",
+            "--definition",
             "v0.25.1",
             "--base-repo",
             carrying,
@@ -239,7 +239,7 @@ def test_base_carrying_the_whole_set_needs_no_hotfix(
     carrying = f"hotfix-test/carries-all-{unique}"
     r = cli(
         "image",
-        "--base",
+        "--definition",
         "v0.25.1",
         "--tag",
         f"{carrying}:v0.25.1",
@@ -254,7 +254,7 @@ def test_base_carrying_the_whole_set_needs_no_hotfix(
         records_before = len(list((project / "build/records").glob("*/*.json")))
         r = cli(
             "image",
-            "--base",
+            "--definition",
             "v0.25.1",
             "--base-repo",
             carrying,

@@ -70,7 +70,7 @@ def cdi_built(cdi_engine: Engine, cdi_base: str,
     shutil.copytree(REPO / "images", project / "images")
     shutil.copytree(REPO / "patches", project / "patches")
     ref = f"hotfix-test/cdi-{unique_name()}:v0.25.1-m3patch"
-    r = cli("image", "--base", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
             root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err
     yield project, ref

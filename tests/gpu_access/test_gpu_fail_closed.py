@@ -149,7 +149,7 @@ def project(tmp_path_factory: pytest.TempPathFactory, fake_gpu_base: str) -> Pat
 
 def build(engine: Engine, project: Path, base: str, repo: str | None = None) -> Iterator[str]:
     ref = f"hotfix-test/failclosed-{unique_name()}:built"
-    args = ["image", "--base", base, "--tag", ref, "--pull", "never", "--no-smoke"]
+    args = ["image", "--definition", base, "--tag", ref, "--pull", "never", "--no-smoke"]
     r = cli(*args, *(["--base-repo", repo] if repo else []), root=project, env={"DOCKER_HOST": CDI_HOST})
     assert r.rc == 0, r.err
     yield ref

@@ -42,7 +42,7 @@ def test_same_image_id_on_a_docker_26_engine(
     try:
         for name, env in (("20.10", old_env), ("26.1", newer_env)):
             subprocess.run(["docker", "tag", base_v0251, f"{repo}:v0.25.1"], check=True, env={**os.environ, **env})
-            r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
+            r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--tag", out, "--pull", "never",
                     "--no-smoke", "--builder", "assemble", root=project,
                     env={**env, "VLLM_HOTFIX_CACHE": str(tmp_path / f"cache-{name}")})
             assert r.rc == 0, r.err

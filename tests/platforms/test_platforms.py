@@ -40,7 +40,7 @@ def test_an_api_141_engine_is_refused_for_another_platform(project: Path, unique
     eng = Engine.connect()
     if eng.api_version >= platforms.MIN_API:
         pytest.skip(f"the default engine is {eng.version_text}; this test is about older ones")
-    r = cli("render", "--base", "v0.25.1", "--platform", "linux/arm64", "--pull", "never", root=project)
+    r = cli("render", "--definition", "v0.25.1", "--platform", "linux/arm64", "--pull", "never", root=project)
     fails(r, "linux/arm64", "mishandles")
     assert r.rc == 5
 
@@ -104,7 +104,7 @@ def built_both(plat_engine: Engine, index_registry: dict[str, object], tmp_path_
     for folder in ("images", "patches"):
         subprocess.run(["cp", "-r", str(REPO / folder), str(root / folder)], check=True)
     out = f"hotfix-test/platforms-{RUN_TOKEN}:v0.25.1-m3patch"
-    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
             "--json", root=root, env=PENV, timeout=1200)
     assert r.rc == 0, r.err
     result = json.loads(r.out)
@@ -255,10 +255,10 @@ def test_rollback_after_a_two_platform_build_keeps_each_platform(
     """One two-platform build: no earlier build of either platform, so nothing moves (never amd64 under -aarch64)."""
     root, out, _ = built_both
     before = {ref: plat_engine.image(ref) for ref in (out, f"{out}-x86_64", f"{out}-aarch64")}
-    r = cli("rollback", "--base", "v0.25.1", root=root, env=PENV)
+    r = cli("rollback", "--definition", "v0.25.1", root=root, env=PENV)
     fails(r, "no earlier build of v0.25.1")
     assert r.rc == 1
-    r = cli("rollback", "--base", "v0.25.1", "--tag", f"{out}-aarch64", root=root, env=PENV)
+    r = cli("rollback", "--definition", "v0.25.1", "--tag", f"{out}-aarch64", root=root, env=PENV)
     fails(r, "linux/arm64")
     for ref, was in before.items():
         now = plat_engine.image(ref)
@@ -314,7 +314,7 @@ def test_a_missing_emulator_is_one_error_line(index_registry: dict[str, object],
                                               tmp_path: Path) -> None:
     empty = tmp_path / "binfmt"
     empty.mkdir()
-    r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--platform",
             "linux/arm64", "--tag", f"hotfix-test/no-emulator-{RUN_TOKEN}:v1", root=project,
             env={**PENV, "VLLM_HOTFIX_BINFMT_DIR": str(empty)}, timeout=1200)
     fails(r, "linux/arm64", "no emulator for aarch64")
@@ -334,7 +334,8 @@ def test_an_index_of_one_platform_gets_the_plain_tag_too(plat_engine: Engine, pr
         r = cli("standin", "--version", "0.25.1", "--platform", str(own), "--publish", f"{reg.addr}/{where}",
                 env=PENV, timeout=1200)
         assert r.rc == 0, r.err
-        r = cli("image", "--base", "v0.25.1", "--base-repo", f"{reg.addr}/{where}/vllm-openai", "--platform", "all",
+        r = cli("image", "--definition", "v0.25.1", "--base-repo", f"{reg.addr}/{where}/vllm-openai",
+                "--platform", "all",
                 "--tag", out, "--no-smoke", root=project, env=PENV, timeout=1200)
         assert r.rc == 0, r.err
         child, plain = plat_engine.image(f"{out}-{own.suffix}"), plat_engine.image(out)
@@ -363,13 +364,13 @@ def test_rollback_after_two_two_platform_builds_moves_every_platform_back(
                 patch.write_text("Rebuilt for the rollback test.\n" + patch.read_text())
             elif n:
                 more = ("--rebuild",) if again == "rebuild" else ("--builder", "assemble")
-            r = cli("image", "--base", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
+            r = cli("image", "--definition", "v0.25.1", "--base-repo", str(index_registry["base_repo"]), "--tag", out,
                     "--platform", "all", "--no-smoke", "--json", *more, root=project, env=PENV, timeout=1200)
             assert r.rc == 0, r.err
             made.append({p["ref"]: p["image_id"] for p in json.loads(r.out)["platforms"]})
         first, second = made
         assert set(first.values()).isdisjoint(second.values())
-        r = cli("rollback", "--base", "v0.25.1", "--json", root=project, env=PENV)
+        r = cli("rollback", "--definition", "v0.25.1", "--json", root=project, env=PENV)
         assert r.rc == 0, r.err
         now = {name: getattr(plat_engine.image(ref), "id", None) for name, ref in refs.items()}
         assert now["x86_64"] == first[refs["x86_64"]] and now["aarch64"] == first[refs["aarch64"]], r.out
@@ -389,7 +390,7 @@ def test_platform_all_on_a_base_its_registry_lacks_is_refused(index_registry: di
     the run fails (4) naming it; it never builds one platform quietly."""
     repo = f"{index_registry['base_repo']}-absent-{unique}"
     out = f"hotfix-test/absent-{unique}:x"
-    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--platform", "all", "--tag", out, root=project,
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", repo, "--platform", "all", "--tag", out, root=project,
             env=PENV)
     assert r.rc == 4, r.err
     assert f"--platform all: the registry of {repo}:v0.25.1 has no such manifest" in r.err, r.err

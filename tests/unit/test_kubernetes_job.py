@@ -198,3 +198,88 @@ def test_an_api_server_that_never_answers_ends_the_run_incomplete(tmp_path: Path
         with pytest.raises(SmokeIncomplete, match="cannot reach the Kubernetes API server"):
             k8s.KubernetesLauncher(k8s.JobSpec("vllm-hotfix-smoke-x"), str(kubeconfig)).collect()
         assert time.monotonic() - start < 30
+
+
+def test_a_job_for_a_private_registry_and_tainted_gpu_nodes_fits_the_api_schema(tmp_path: Path) -> None:
+    """Pull secrets, a service account, node labels, tolerations and resources, from a definition's
+    [smoke.kubernetes] table and from flags over it: the Job emitted is the API's Job field for field."""
+    import shutil
+
+    from k8s_schema import validate
+
+    from conftest import REPO
+
+    root = tmp_path / "project"
+    shutil.copytree(REPO / "images", root / "images")
+    shutil.copytree(REPO / "patches", root / "patches")
+    definition = root / "images" / "v0.25.1.toml"
+    definition.write_text(definition.read_text() + """
+[smoke.kubernetes]
+namespace = "gpu"
+service_account = "vllm-hotfix"
+pull_secrets = ["internal-registry"]
+node_selector = { "nvidia.com/gpu.product" = "NVIDIA-H200" }
+tolerations = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
+resources = { requests = { cpu = "8", memory = "64Gi" } }
+""")
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--definition", "v0.25.1", "--launcher", "kubernetes", "--emit", str(out),
+            "--pull-secret", "mirror-pull", "--pull-secret", "internal-registry", "--node-selector", "pool=gpu",
+            "--node-selector", "zone=a", "--toleration", "dedicated=ml:NoExecute", "--toleration", ":",
+            "--resource", "limits.memory=96Gi", "--gpus", "2", root=root)
+    assert r.rc == 0, r.err
+    yaml = pytest.importorskip("yaml")
+    config_map_doc, job_doc = list(yaml.safe_load_all(out.read_text()))
+    validate(config_map_doc, "V1ConfigMap")
+    job = validate(job_doc, "V1Job")
+    assert job.metadata.namespace == "gpu"  # the table's, no flag over it
+    pod = job.spec.template.spec
+    assert [s.name for s in pod.image_pull_secrets] == ["mirror-pull", "internal-registry"]
+    assert pod.service_account_name == "vllm-hotfix"
+    assert pod.node_selector == {"pool": "gpu", "zone": "a"}  # the flags' replace the table's
+    assert [(t.key, t.operator, t.value, t.effect) for t in pod.tolerations] == \
+        [("dedicated", "Equal", "ml", "NoExecute"), (None, "Exists", None, None)]
+    [container] = pod.containers
+    assert container.resources.limits == {"memory": "96Gi", "nvidia.com/gpu": "2"}
+    assert container.resources.requests is None  # the flag replaced the table's resources whole
+    # Nothing of a credential reaches the runner: the Secrets are the kubelet's, by name.
+    assert [v.name for v in pod.volumes] == ["runner"] and not container.env_from
+
+
+def test_the_schema_check_finds_what_the_client_would_drop() -> None:
+    """Without the walk, the client's models take a misspelt field silently (the pod would run without its
+    pull credentials) and a number where the API wants a string."""
+    from k8s_schema import SchemaError, validate
+
+    job = k8s.manifests(IMAGE, k8s.JobSpec("x", pull_secrets=("reg",)), {}, {})[1]
+    validate(job, "V1Job")
+    pod = job["spec"]["template"]["spec"]
+    pod["imagePullSecret"] = pod.pop("imagePullSecrets")
+    with pytest.raises(SchemaError, match="V1PodSpec has no field 'imagePullSecret'"):
+        validate(job, "V1Job")
+    pod["imagePullSecrets"] = pod.pop("imagePullSecret")
+    pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    with pytest.raises(SchemaError, match="limits.nvidia.com/gpu: expected str"):
+        validate(job, "V1Job")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("--pull-secret", "Internal_Registry"), "--pull-secret 'Internal_Registry': not a Secret's name"),
+    (("--service-account", "ml ops"), "--service-account 'ml ops': not a service account's name"),
+    (("--toleration", "nvidia.com/gpu:Sometimes"), "effect 'Sometimes'"),
+    (("--toleration", "gpu=yes:"), "an effect after the colon"),
+    (("--resource", "cpu=8"), "expected requests.NAME=QUANTITY"),
+    (("--resource", "requests.nvidia.com/gpu=2"), "the GPUs are the Job's gpus (--gpus)"),
+])
+def test_job_names_and_amounts_the_api_would_refuse_are_refused_first(tmp_path: Path, args: tuple[str, ...],
+                                                                      needle: str) -> None:
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--emit", str(out), *args, root=tmp_path)
+    assert r.rc == 64 and needle in r.last_error, r.err
+    assert not out.exists()
+
+
+def test_the_new_job_options_are_refused_for_another_launcher(tmp_path: Path) -> None:
+    r = cli("smoke", IMAGE, "--pull-secret", "reg", "--service-account", "sa", root=tmp_path)
+    assert r.rc == 64, r.err
+    assert "--service-account, --pull-secret: are options of --launcher kubernetes, not docker" in r.last_error

@@ -203,7 +203,7 @@ def test_manifest_size_limit_and_tls_without_an_engine(tmp_path: Path) -> None:
 ])
 def test_in_registry_refusals_come_before_any_registry_or_engine(args: tuple[str, ...], needle: str,
                                                                  project: Path) -> None:
-    r = cli("image", "--base", "v0.25.1", *args, root=project)
+    r = cli("image", "--definition", "v0.25.1", *args, root=project)
     fails(r, needle)
     assert r.rc == 64
 

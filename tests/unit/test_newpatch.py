@@ -21,7 +21,7 @@ def test_new_patchset_offline(fresh: Path) -> None:
     # Port 9 (discard) on loopback: nothing listens, the connection is refused.
     r = cli(
         "new-patchset",
-        "--base",
+        "--definition",
         "v0.25.1",
         "--from-pr",
         "49149",
@@ -49,7 +49,7 @@ def test_new_patchset_bad_input_writes_nothing(
 ) -> None:
     before = snapshot(project)
     r = cli(
-        "new-patchset", "--base", "v0.25.1", *args, "--api-url", api, "--from-wheel", root=project, env=CACHE
+        "new-patchset", "--definition", "v0.25.1", *args, "--api-url", api, "--from-wheel", root=project, env=CACHE
     )
     fails(r, *needles)
     assert snapshot(project) == before

@@ -54,7 +54,7 @@ def test_emulator_check_reads_the_hosts_binfmt_table(tmp_path: Path, monkeypatch
 
 
 def test_unknown_platform_is_a_usage_error() -> None:
-    r = cli("image", "--base", "v0.25.1", "--platform", "linux/s390x")
+    r = cli("image", "--definition", "v0.25.1", "--platform", "linux/s390x")
     fails(r, "linux/s390x")
     assert r.rc == 64
 

@@ -21,7 +21,7 @@ PATCH = "0001-minimax-m3-topk-buffer-layout.patch"
 @pytest.mark.parametrize("tag", ["Evil/X:y", "a;b", "ops/vllm:" + "x" * 200, "ops/vllm@sha256:" + "0" * 64])
 def test_bad_output_tag_fails_before_any_work(project: Path, tag: str) -> None:
     start = time.monotonic()
-    r = cli("image", "--base", "v0.25.1", "--tag", tag, root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
+    r = cli("image", "--definition", "v0.25.1", "--tag", tag, root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
     fails(r, "--tag")
     assert r.rc == 64
     assert time.monotonic() - start < 30  # no engine was even asked (DOCKER_HOST points nowhere)
@@ -60,7 +60,7 @@ def test_usage_errors_have_their_own_exit_code() -> None:
 
 
 def test_no_engine_hint_names_a_real_target(project: Path) -> None:
-    r = cli("image", "--base", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+    r = cli("image", "--definition", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
     fails(r, "no Docker engine answers")
     assert r.rc == 5 and "make services" in r.err
     makefile = (REPO / "Makefile").read_text()
@@ -70,7 +70,7 @@ def test_no_engine_hint_names_a_real_target(project: Path) -> None:
 def test_crlf_patch_is_named_as_such(project: Path) -> None:
     path = project / "patches/v0.25.1" / PATCH
     path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
-    r = cli("render", "--base", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
+    r = cli("render", "--definition", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
     fails(r, PATCH, "CRLF")
     assert r.rc == 3
 
@@ -80,7 +80,7 @@ def test_oversized_patch_is_refused_at_once(project: Path) -> None:
     with path.open("a") as fh:
         fh.write(("# padding\n" * 1024) * 600)  # about 6 MB
     start = time.monotonic()
-    r = cli("render", "--base", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
+    r = cli("render", "--definition", "v0.25.1", root=project, env={"DOCKER_HOST": "unix:///nonexistent"})
     fails(r, PATCH, "larger than a hotfix patch may be")
     assert r.rc == 3 and time.monotonic() - start < 30
 
@@ -89,7 +89,7 @@ def test_repository_with_a_newline_is_refused(project: Path) -> None:
     toml = project / "images/v0.25.1.toml"
     toml.write_text(toml.read_text().replace(f'repository = "{STANDIN_REPO}"',
                                              'repository = "vllm/vllm-openai\\nFROM evil"'))
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     fails(r, "v0.25.1.toml", "base.repository")
     assert r.rc == 2
 
@@ -124,25 +124,25 @@ def test_bad_diffs_are_refused_before_the_engine(
 ) -> None:
     _edit_patch(project, old, new)
     # No engine needed: validation happens before anything is touched.
-    r = cli("image", "--base", "v0.25.1", "--tag", f"hotfix-test/bad:{unique}", "--no-smoke", root=project,
+    r = cli("image", "--definition", "v0.25.1", "--tag", f"hotfix-test/bad:{unique}", "--no-smoke", root=project,
             env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
     fails(r, PATCH, *needles)
 
 
 def test_no_engine(project: Path) -> None:
-    r = cli("image", "--base", "v0.25.1", "--no-smoke", root=project,
+    r = cli("image", "--definition", "v0.25.1", "--no-smoke", root=project,
             env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
     fails(r, "no Docker engine answers")
     assert r.rc == 5
 
 
 def test_unknown_base_tag(project: Path) -> None:
-    r = cli("image", "--base", "v9.9.9", "--no-smoke", root=project)
+    r = cli("image", "--definition", "v9.9.9", "--no-smoke", root=project)
     fails(r, "v9.9.9.toml", "no image definition")
 
 
 def test_unknown_builder_is_refused(project: Path) -> None:
-    r = cli("image", "--base", "v0.25.1", "--no-smoke", "--builder", "kaniko", root=project)
+    r = cli("image", "--definition", "v0.25.1", "--no-smoke", "--builder", "kaniko", root=project)
     fails(r, "--builder", "'kaniko' is not one of 'dockerfile', 'assemble'")
     assert r.rc == 64
 
@@ -198,14 +198,14 @@ BAD_REFERENCES = [
     (("smoke", "ops/vllm:v1\x1b[2J"), "IMAGE 'ops/vllm:v1\\x1b[2J'"),
     (("smoke", "ops/" + "x" * 300), "more characters"),
     (("verify", "Bad:Ref:x", "--key", "env:NOPE"), "REF 'Bad:Ref:x'"),
-    (("image", "--base", "v0.25.1", "--base-repo", "UPPER/repo"), "--base-repo 'UPPER/repo'"),
-    (("image", "--base", "v0.25.1", "--base-repo", "ops/vllm:v1"), "takes no tag or digest"),
-    (("image", "--base", "v0.25.1", "--tag", "ops/vllm:v1\n"), "--tag 'ops/vllm:v1\\n'"),
-    (("render", "--base", "v0.25.1", "--base-repo", "a b"), "--base-repo 'a b'"),
+    (("image", "--definition", "v0.25.1", "--base-repo", "UPPER/repo"), "--base-repo 'UPPER/repo'"),
+    (("image", "--definition", "v0.25.1", "--base-repo", "ops/vllm:v1"), "takes no tag or digest"),
+    (("image", "--definition", "v0.25.1", "--tag", "ops/vllm:v1\n"), "--tag 'ops/vllm:v1\\n'"),
+    (("render", "--definition", "v0.25.1", "--base-repo", "a b"), "--base-repo 'a b'"),
     (("check-upstream", "--patches", "v0.25.1", "--base", "v0.27.0", "--base-repo", "A:b"), "--base-repo 'A:b'"),
-    (("new-patchset", "--base", "v0.25.1", "--pin", "x==1", "--base-repo", "Evil/x"), "--base-repo 'Evil/x'"),
-    (("rollback", "--base", "v0.25.1", "--tag", "Bad Ref"), "--tag 'Bad Ref'"),
-    (("rollback", "--base", "v0.25.1", "--to", "nothex\n"), "--to 'nothex\\n'"),
+    (("new-patchset", "--definition", "v0.25.1", "--pin", "x==1", "--base-repo", "Evil/x"), "--base-repo 'Evil/x'"),
+    (("rollback", "--definition", "v0.25.1", "--tag", "Bad Ref"), "--tag 'Bad Ref'"),
+    (("rollback", "--definition", "v0.25.1", "--to", "nothex\n"), "--to 'nothex\\n'"),
     (("standin", "--version", "0.25.1", "--ref", "UP/x:1"), "--ref 'UP/x:1'"),
 ]
 
@@ -245,12 +245,12 @@ ENV_CASES = [
     ({"VLLM_HOTFIX_RUN_ID": "a/b"}, ("list",), "VLLM_HOTFIX_RUN_ID='a/b'"),
     ({"VLLM_HOTFIX_RUN_ID": "run\nX"}, ("list",), "VLLM_HOTFIX_RUN_ID='run\\nX'"),
     ({"VLLM_HOTFIX_RUN_ID": "x" * 5000}, ("list",), "more characters"),
-    ({"VLLM_HOTFIX_CACHE": "/etc/hostname"}, ("render", "--base", "v0.25.1"), "is a file, not a folder"),
-    ({"VLLM_HOTFIX_CACHE": "/etc/hostname/cache"}, ("image", "--base", "v0.25.1"), "is a file, not a folder"),
-    ({"VLLM_HOTFIX_CACHE": "/proc/1/cache-here"}, ("render", "--base", "v0.25.1"), "not writable"),
-    ({"VLLM_HOTFIX_CACHE": ""}, ("render", "--base", "v0.25.1"), "is empty"),
+    ({"VLLM_HOTFIX_CACHE": "/etc/hostname"}, ("render", "--definition", "v0.25.1"), "is a file, not a folder"),
+    ({"VLLM_HOTFIX_CACHE": "/etc/hostname/cache"}, ("image", "--definition", "v0.25.1"), "is a file, not a folder"),
+    ({"VLLM_HOTFIX_CACHE": "/proc/1/cache-here"}, ("render", "--definition", "v0.25.1"), "not writable"),
+    ({"VLLM_HOTFIX_CACHE": ""}, ("render", "--definition", "v0.25.1"), "is empty"),
     # Past a day a thread's join overflows (an OverflowError, exit 70): refused before any work.
-    ({"VLLM_HOTFIX_PROBE_TIMEOUT": "9" * 30}, ("render", "--base", "v0.25.1"), "expected whole seconds from 1"),
+    ({"VLLM_HOTFIX_PROBE_TIMEOUT": "9" * 30}, ("render", "--definition", "v0.25.1"), "expected whole seconds from 1"),
     ({"VLLM_HOTFIX_PROBE_TIMEOUT": "-5"}, ("list",), "VLLM_HOTFIX_PROBE_TIMEOUT='-5'"),
 ]
 
@@ -283,7 +283,7 @@ def test_root_that_is_no_folder_is_refused(tmp_path: Path, make_root: str) -> No
     root = tmp_path / "nowhere"
     if make_root == "file":
         root.write_text("x")
-    for args in (("--root", str(root), "list"), ("list", "--root", str(root)), ("render", "--base", "v0.25.1",
+    for args in (("--root", str(root), "list"), ("list", "--root", str(root)), ("render", "--definition", "v0.25.1",
                                                                                "--root", str(root))):
         r = cli(*args)
         _one_line(r, 64, "--root", str(root))
@@ -305,7 +305,7 @@ def test_bare_command_prints_its_help_plainly() -> None:
 def test_series_with_a_latin1_byte_names_the_file_and_line(project: Path) -> None:
     series = project / "patches/v0.25.1/series"
     series.write_bytes(b"# caf\xe9\n" + series.read_bytes())
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     _one_line(r, 3, f"{series}:1", "not UTF-8")
 
 
@@ -318,7 +318,7 @@ def test_definition_python_that_is_no_program_is_refused(project: Path, python: 
     toml = project / "images/v0.25.1.toml"
     escaped = python.replace('"', '\\"')
     toml.write_text(toml.read_text().replace('name = "vllm"', f'name = "vllm"\npython = "{escaped}"'))
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     _one_line(r, 2, "v0.25.1.toml", "package.python")
 
 
@@ -329,7 +329,7 @@ def test_definition_version_that_is_no_version_is_refused(project: Path, key: st
     text = toml.read_text()
     start = text.index(f"{key} = ")
     toml.write_text(text[:start] + f'{key} = "{value}"' + text[text.index("\n", start):])
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     _one_line(r, 2, "v0.25.1.toml", f"package.{key}")
 
 
@@ -340,7 +340,7 @@ def test_variant_hosts_must_be_one_plain_line(project: Path, hosts: str) -> None
     start = text.index("hosts = ")
     end = text.index("\n", start)
     toml.write_text(text[:start] + f'hosts = "{hosts}"' + text[end:])
-    r = cli("render", "--base", "v0.25.1-sm100", root=project)
+    r = cli("render", "--definition", "v0.25.1-sm100", root=project)
     _one_line(r, 2, "v0.25.1-sm100.toml", "variant.hosts")
 
 
@@ -354,7 +354,7 @@ def test_patch_names_that_would_reach_a_label_key_are_refused(project: Path, nam
     (folder / name).write_bytes((folder / PATCH).read_bytes())
     with (folder / "series").open("a", encoding="utf-8") as fh:
         fh.write(name + "\n")
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     _one_line(r, 3, f"{folder / 'series'}:", "not a patch file name")
 
 
@@ -374,7 +374,7 @@ def test_patch_changing_a_mode_is_refused(project: Path, mode_lines: str) -> Non
     text = path.read_text()
     at = text.index("--- a/")
     path.write_text(text[:at] + mode_lines + text[at:])
-    r = cli("render", "--base", "v0.25.1", root=project)
+    r = cli("render", "--definition", "v0.25.1", root=project)
     _one_line(r, 3, PATCH, "changes a file's mode")
 
 
@@ -400,7 +400,7 @@ NEW_PATCHSET_USAGE = [
 
 @pytest.mark.parametrize("args, needle", NEW_PATCHSET_USAGE, ids=range(len(NEW_PATCHSET_USAGE)))
 def test_new_patchset_usage_errors_exit_64(project: Path, args: tuple[str, ...], needle: str) -> None:
-    r = cli("new-patchset", "--base", "v0.25.1", *args, root=project)
+    r = cli("new-patchset", "--definition", "v0.25.1", *args, root=project)
     _one_line(r, 64, needle)
 
 
@@ -413,7 +413,7 @@ def test_serve_check_url_that_is_no_url_exits_64(url: str) -> None:
 @pytest.mark.parametrize("api, cause", [("http://127.0.0.1:9", "connection refused by 127.0.0.1:9"),
                                         ("http://no-such-host.invalid", "cannot resolve the name of no-such-host")])
 def test_from_pr_offline_names_the_cause(project: Path, api: str, cause: str) -> None:
-    r = cli("new-patchset", "--base", "v0.25.1", "--from-pr", "49149", "--from-wheel", root=project,
+    r = cli("new-patchset", "--definition", "v0.25.1", "--from-pr", "49149", "--from-wheel", root=project,
             env={"VLLM_HOTFIX_GITHUB_API": api})
     _one_line(r, 9, "cannot fetch PR #49149", cause)
 
@@ -480,9 +480,9 @@ def test_hints_under_make_name_its_variables_but_keep_commands_whole(monkeypatch
     assert report_error(PushError("not GPU-verified", hint="pass --allow-gpu-unverified to push it anyway")) == 8
     assert "hint: run make again with ALLOW_GPU_UNVERIFIED=1 to push it anyway" in capsys.readouterr().err
     report_error(BaseImageError("no per-platform images",
-                                hint="build them with: python build.py image --base TAG --platform all"))
+                                hint="build them with: python build.py image --definition TAG --platform all"))
     err = capsys.readouterr().err
-    assert "hint: build them with: python build.py image --base TAG --platform all" in err
+    assert "hint: build them with: python build.py image --definition TAG --platform all" in err
     assert "PLATFORM=all" not in err
 
 

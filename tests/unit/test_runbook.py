@@ -88,7 +88,7 @@ def _fails(r: Result, *needles: str) -> None:
 
 
 def test_rollback_without_records(project: Path) -> None:
-    r = cli("rollback", "--base", "v0.25.1", root=project)
+    r = cli("rollback", "--definition", "v0.25.1", root=project)
     _fails(r, "no build records for v0.25.1")
 
 

@@ -242,5 +242,5 @@ def test_the_cli_maps_errors_to_exit_codes_and_keeps_running(tmp_path: Path,
     err = capsys.readouterr().err
     assert "error: no such option" in err and "hint: build.py image --help" in err
     # A library error becomes its one line and its code, from _run alone (no engine is reached).
-    assert cli._run(["--root", str(tmp_path), "image", "--base", "v9.9.9"], "build.py") == 2
+    assert cli._run(["--root", str(tmp_path), "image", "--definition", "v9.9.9"], "build.py") == 2
     assert capsys.readouterr().err.startswith("error: ")

@@ -154,7 +154,7 @@ def parse(text: str, path: Path, patch_set: str = "") -> PinSet:
         if not hashes:
             raise PinError(f"{path}: line {start}: {spelled}=={version} has no --hash=sha256:...; "
                            "every pin names the sha256 of its wheel(s)",
-                           hint=f"new-patchset --base TAG --pin {spelled}=={version} writes the line")
+                           hint=f"new-patchset --definition TAG --pin {spelled}=={version} writes the line")
         name = canonicalize_name(spelled)
         if name in {p.name for p in pins}:
             raise PinError(f"{path}: line {start}: {spelled} is pinned twice")

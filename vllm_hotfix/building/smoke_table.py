@@ -202,7 +202,8 @@ def _kubernetes(data: Any, path: Path) -> KubernetesTable:
     selector = data.get("node_selector")
     if selector is not None and (not isinstance(selector, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in selector.items())):
-        raise read.fail("node_selector", 'must be a table of strings, e.g. { "nvidia.com/gpu.product" = "NVIDIA-H200" }')
+        raise read.fail("node_selector",
+                        'must be a table of strings, e.g. { "nvidia.com/gpu.product" = "NVIDIA-H200" }')
     tolerations = data.get("tolerations")
     if tolerations is not None:
         if not isinstance(tolerations, list):

@@ -158,7 +158,7 @@ def _show(value: Any) -> str:
 def explain(resolved: Resolved, launcher: str) -> str:
     """The resolved settings as text: one line each, its value and where it came from."""
     lines = [f"smoke settings for {resolved.image}",
-             f"  {'definition':<28} {resolved.definition.tag if resolved.definition else '-':<40} "
+             f"  {'definition':<28} {resolved.definition.tag if resolved.definition else '-':<40}  "
              f"{resolved.definition_source}"]
     for key, setting in resolved.settings.items():
         if key.startswith("kubernetes.") and launcher != "kubernetes" and setting.source == "default":
@@ -166,7 +166,7 @@ def explain(resolved: Resolved, launcher: str) -> str:
         value = _show(setting.value)
         if key in PATHS and setting.value is not None and not Path(setting.value).exists():
             value += " (missing on this host)"
-        lines.append(f"  {key:<28} {value:<40} {setting.source}")
+        lines.append(f"  {key:<28} {value:<40}  {setting.source}")
     if launcher != "kubernetes" and any(k.startswith("kubernetes.") and s.source != "default"
                                         for k, s in resolved.settings.items()):
         lines.append("  (kubernetes.* apply with --launcher kubernetes only)")

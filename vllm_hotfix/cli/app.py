@@ -6,6 +6,7 @@ errors into exit codes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -256,8 +257,32 @@ def main(ctx: click.Context, root: Path) -> None:
     ctx.call_on_close(ctx.obj.close)
 
 
-base_option = click.option("--base", "base_tag", required=True,
-                           help="Base image tag, e.g. v0.25.1 (or TAG-VARIANT for a variant definition).")
+def definition_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--definition NAME`` (images/NAME.toml), given to the command as ``base_tag``; ``--base``, its old name,
+    still works and says so in one line."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, definition_name: str | None, base_alias: str | None, **kwargs: Any) -> Any:
+        if base_alias is not None:
+            if definition_name is not None and definition_name != base_alias:
+                raise UsageError(f"--definition {definition_name} and --base {base_alias}: --base is the old name of "
+                                 "--definition; give one")
+            progress("note: --base is the old name of --definition (a definition's name, images/NAME.toml); "
+                     "use --definition")
+            definition_name = base_alias
+        if definition_name is None:
+            raise UsageError("missing option --definition NAME (images/NAME.toml, e.g. v0.25.1 or v0.25.1-sm100)")
+        return fn(*args, base_tag=definition_name, **kwargs)
+
+    command = click.option("--base", "base_alias", default=None, metavar="NAME",
+                           help="The old name of --definition (still accepted).")(command)
+    return click.option("--definition", "definition_name", default=None, metavar="NAME",
+                        help="Image definition images/NAME.toml, e.g. v0.25.1 (its base is the file's base.tag), "
+                             "or v0.25.1-sm100 for a variant. Required.")(command)
+
+
+# Kept for the commands' decorators: every --base that names a definition is --definition now.
+base_option = definition_option
 repo_option = click.option("--base-repo", type=REPOSITORY, default=None,
                            help="Base repository (default: the definition's).")
 platform_option = click.option(

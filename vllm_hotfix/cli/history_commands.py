@@ -54,7 +54,7 @@ def _pushes_once(pushes: list[dict[str, str]]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_obj
 def rollback(obj: Ctx, base_tag: str, to_image: str | None, output_ref: str | None, as_json: bool) -> None:
-    """Point base TAG's output tag at the previous recorded build (or the one --to names)."""
+    """Point definition NAME's output tag at the previous recorded build (or the one --to names)."""
     from ..release import lifecycle
 
     moves = lifecycle.rollback(obj.engine, obj.root, base_tag, to_image, output_ref)

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None,
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None, in_registry: bool, bytecode: str | None) -> None:
-    """Build the patched image for base TAG (one per platform of the base, tagged OUTPUT-<machine>)."""
+    """Build the patched image of definition NAME (one per platform of the base, tagged OUTPUT-<machine>)."""
     from ..building import pipeline, platforms
 
     wanted = platforms.parse(platform_text)
@@ -96,7 +96,7 @@ def _say_moved(result: pipeline.BuildResult, base_tag: str) -> None:
     """A tag moved off another image is never silent: a reused older build takes it back from a newer one."""
     if result.was is not None:
         progress(f"==> {result.output_ref} moved to {result.image_id[:19]} (was {result.was}); moving it back: "
-                 f"python build.py rollback --base {base_tag} --tag {result.output_ref} --to {result.was[:19]}")
+                 f"python build.py rollback --definition {base_tag} --tag {result.output_ref} --to {result.was[:19]}")
 
 
 def _smoke_facts(result: pipeline.BuildResult) -> dict[str, Any]:

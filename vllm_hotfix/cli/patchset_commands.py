@@ -81,7 +81,8 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
 def new_patchset(obj: Ctx, base_tag: str, pr: str | None, diff_file: Path | None, title: str | None,
                  api_url: str | None, gh_repo: str, suffix: str, base_repo: str | None, pull: str,
                  from_wheel: bool, pin_specs: tuple[str, ...], wheelhouse: Path | None) -> None:
-    """Add an upstream PR (or a diff file) as the next patch of base TAG's set, or pins with --pin."""
+    """Add an upstream PR (or a diff file) as the next patch of definition NAME's set (made for release NAME if
+    missing), or pins with --pin."""
     from ..building import newpatch
 
     if pin_specs and (pr is not None or diff_file is not None):

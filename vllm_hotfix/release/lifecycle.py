@@ -156,7 +156,7 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
     if to_image is not None:
         raise Refused(f"{ref} is the output of a multi-platform build ({', '.join(k for _, k in kids)}); "
                       "--to names one platform's image",
-                      hint=f"roll one platform back: python build.py rollback --base {base_tag} --tag "
+                      hint=f"roll one platform back: python build.py rollback --definition {base_tag} --tag "
                            f"{kids[0][1]} --to ID")
     plans = {plat: _plan(engine, defn.tag, made, kid, plat, None) for plat, kid in kids}
     current = engine.image(ref)

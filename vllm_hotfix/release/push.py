@@ -385,12 +385,13 @@ def platform_images(engine: Engine, root: Path, image_ref: str, plats: list[Plat
                 continue
             why = "" if plats is not None else " (image built it under this name: the journal says so)"
             raise BaseImageError(f"no {plat} image {ref} in the engine{why}",
-                            hint=f"build it: python build.py image --base TAG --platform {plat} --tag {image_ref}")
+                            hint=f"build it: python build.py image --definition TAG "
+                                 f"--platform {plat} --tag {image_ref}")
         check_platform(root, info, ref, plat)
         found.append((plat, info))
     if not found:
         raise BaseImageError(f"no per-platform images {repo}:{tag}-<machine> in the engine",
-                        hint="build them with: python build.py image --base TAG --platform all")
+                        hint="build them with: python build.py image --definition TAG --platform all")
     return found
 
 
