@@ -8,6 +8,7 @@ fresh process, so every figure includes process start.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,26 @@ BENCH_REPO = "vllm-hotfix-bench"  # every image the bench makes lives under this
 FILLER_REPO = f"{BENCH_REPO}/filler"
 BASE_REPO = f"{BENCH_REPO}/base"
 LABEL = labels.BENCH
+
+
+def copy_definitions(root: Path) -> None:
+    """The project's own images/ and patches/ (what git tracks) copied to ``root``.
+
+    A user's own patch sets and definitions in the checkout (untracked) would
+    change what is measured; an unpacked archive without git is copied whole.
+    """
+    folders = ("images", "patches")
+    try:
+        listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--", *folders], capture_output=True,
+                                check=True, timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        if (REPO / ".git").exists():
+            raise
+        listed = [str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*") if p.is_file()]
+    for name in listed:
+        if name and (REPO / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
 
 
 class BenchError(RuntimeError):

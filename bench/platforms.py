@@ -25,7 +25,11 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from common import REPO, copy_definitions  # noqa: E402
+
 # case -> (image --platform, push --platform or None for a plain single-image push)
 CASES = {
     "one platform, plain push (no index)": ("linux/amd64", None),
@@ -52,8 +56,7 @@ def main() -> int:
     run = uuid.uuid4().hex[:8]
     root = Path(tempfile.mkdtemp(prefix="vllm-hotfix-bench-platforms-"))
     try:
-        for folder in ("images", "patches"):
-            shutil.copytree(REPO / folder, root / folder)
+        copy_definitions(root)
         where = f"{args.registry}/bench-{run}"
         took, _ = tool("standin", "--version", "0.25.1", "--platform", "linux/amd64,linux/arm64",
                        "--publish", where, root=root)

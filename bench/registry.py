@@ -53,7 +53,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from common import REPO, BenchError, docker, median, sh  # noqa: E402
+from common import REPO, BenchError, copy_definitions, docker, median, sh  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 FILLER_LAYERS = 4
@@ -249,8 +249,7 @@ def main() -> int:
     run = uuid.uuid4().hex[:8]
     work = Path(tempfile.mkdtemp(prefix="vllm-hotfix-bench-registry-"))
     root = work / "project"
-    for folder in ("images", "patches"):
-        shutil.copytree(REPO / folder, root / folder)
+    copy_definitions(root)
     (work / "registry").mkdir()
     reg = Registry(work / "registry")
     relay = Relay(reg.addr)

@@ -367,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             common.PYTHON = args.python
         res["python"] = {"tool": common.PYTHON, "machine": common.MACHINE_PYTHON}
         standin_id = ensure_standin()
-        shutil.copytree(REPO / "images", root / "images")
-        shutil.copytree(REPO / "patches", root / "patches")
+        common.copy_definitions(root)
         base_ref = flows.bench_base(cleanup, standin_id, "v0.25.1")
         synth.definition(root, "v0.25.1", BASE_REPO, "v0.25.1")
         load_before = os.getloadavg()

@@ -519,13 +519,40 @@ def project(tmp_path: Path) -> Path:
     return project_copy(tmp_path / "project")
 
 
-def project_copy(root: Path) -> Path:
-    """images/ and patches/ copied to ``root``, the definitions naming this run's stand-ins."""
-    shutil.copytree(REPO / "images", root / "images")
-    shutil.copytree(REPO / "patches", root / "patches")
+def project_copy(root: Path, source: Path = REPO) -> Path:
+    """The project's own images/ and patches/ copied to ``root``, the definitions naming this run's stand-ins."""
+    copy_tracked(source, ("images", "patches"), root)
     for toml in (root / "images").glob("*.toml"):
         toml.write_text(toml.read_text().replace('"vllm/vllm-openai"', f'"{STANDIN_REPO}"'))
     return root
+
+
+def tracked(source: Path, folders: tuple[str, ...]) -> list[str]:
+    """The files under ``folders`` that the checkout at ``source`` tracks (``git ls-files``), as relative paths.
+
+    A user's own patch sets and definitions (``new-patchset`` writes them into
+    the checkout, untracked) are not the project's: its tests never see them.
+    A copy of the project without git history (an unpacked archive) holds
+    nothing but the project's files, so there every file counts.
+    """
+    try:
+        listed = subprocess.run(["git", "-C", str(source), "ls-files", "-z", "--", *folders],
+                                capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.CalledProcessError):
+        if (source / ".git").exists():
+            raise  # a git checkout whose files git cannot list: never guess which are the project's
+        return sorted(str(p.relative_to(source)) for f in folders for p in (source / f).rglob("*") if p.is_file())
+    # A tracked file deleted in the working tree is not copied (git still lists it until the deletion is staged).
+    return [name for name in listed.decode().split("\0") if name and (source / name).is_file()]
+
+
+def copy_tracked(source: Path, folders: tuple[str, ...], root: Path) -> None:
+    """Copy the tracked files under ``folders`` of ``source`` to ``root``, keeping their paths and modes."""
+    for folder in folders:
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for name in tracked(source, folders):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source / name, root / name)
 
 
 @pytest.fixture

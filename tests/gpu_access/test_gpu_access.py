@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, cli, drop_standins, make_standin, unique_name
+from conftest import REPO, RUN_ID, STANDIN_REPO, cli, copy_tracked, drop_standins, make_standin, unique_name
 from vllm_hotfix.checking.launchers.docker import DockerRun
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.engine import Engine, GpuRequest
@@ -67,8 +66,7 @@ def cdi_built(cdi_engine: Engine, cdi_base: str,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     """The patch set built by the tool on the CDI engine (its smoke ran with --gpu auto)."""
     project = tmp_path_factory.mktemp("cdi") / "project"
-    shutil.copytree(REPO / "images", project / "images")
-    shutil.copytree(REPO / "patches", project / "patches")
+    copy_tracked(REPO, ("images", "patches"), project)
     ref = f"hotfix-test/cdi-{unique_name()}:v0.25.1-m3patch"
     r = cli("image", "--definition", "v0.25.1", "--base-repo", STANDIN_REPO, "--tag", ref, "--pull", "never",
             root=project, env={"DOCKER_HOST": CDI_HOST})

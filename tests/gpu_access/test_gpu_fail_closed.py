@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli, derive, unique_name
+from conftest import REPO, cli, copy_tracked, derive, unique_name
 from gpu_access.test_gpu_access import CDI_HOST, cdi_base, cdi_engine  # noqa: F401  (fixtures)
 from vllm_hotfix.engine import Engine
 
@@ -124,8 +124,7 @@ def fake_gpu_base(cdi_engine: Engine, cdi_base: str,  # noqa: F811
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory, fake_gpu_base: str) -> Path:
     root = tmp_path_factory.mktemp("fakegpu") / "project"
-    shutil.copytree(REPO / "images", root / "images")
-    shutil.copytree(REPO / "patches", root / "patches")
+    copy_tracked(REPO, ("images", "patches"), root)
     (root / "images" / "v0.25.1-fakegpu.toml").write_text(textwrap.dedent(f"""\
         [base]
         repository = "{fake_gpu_base}"
