@@ -196,3 +196,18 @@ def test_podman_without_a_cdi_spec_behaves_as_docker_without_a_gpu(in_podman: tu
             "devices": [{"name": "all", "containerEdits": {"deviceNodes": [{"path": "/dev/zero"}],
                                                            "env": ["VLLM_HOTFIX_CDI_DEVICE=nvidia.com/gpu=all"]}}],
             "containerEdits": {"env": [f"VLLM_HOTFIX_CDI_SPEC={podman_cdi}"]}}))
+
+
+def test_podman_runs_the_runner_without_any_host_wide_limits(in_podman: tuple[Path, str, str], tmp_path: Path) -> None:
+    """Only the distribution's containers.conf (CONTAINERS_CONF makes podman read that file alone): no drop-in
+    that lowers every container's limits. Where this host's hard limits are below podman's defaults, podman's
+    own choice fails in runc ("error setting rlimits"); the launcher gives its container limits the host allows."""
+    project, ref, _ = in_podman
+    distribution = Path("/usr/share/containers/containers.conf")
+    conf = tmp_path / "containers.conf"
+    conf.write_text(distribution.read_text() if distribution.is_file() else "")
+    out = tmp_path / "report.json"
+    r = cli("smoke", ref, "--launcher", "podman", "--gpu", "off", "--report", str(out), root=project,
+            env={"DOCKER_HOST": CDI_HOST, "CONTAINERS_CONF": str(conf)})
+    assert r.rc == 0, r.err
+    assert json.loads(out.read_text())["status"] == "pass"

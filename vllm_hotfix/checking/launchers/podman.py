@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import posixpath
+import resource
 import shutil
 import subprocess
 import tarfile
@@ -85,6 +86,34 @@ PODMAN_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TMPDIR", "XD
               "CONTAINER_HOST", "CONTAINER_CONNECTION", "CONTAINER_SSHKEY", "STORAGE_DRIVER", "STORAGE_OPTS")
 
 
+# Rootful podman gives a container 1048576 open files and processes unless told otherwise; a runtime
+# without CAP_SYS_RESOURCE (podman run inside a container, as CI does) may not raise a limit above its
+# own hard one, and runc then refuses to start the container ("error setting rlimits"). podman 4.3 also
+# lowers its own process limit to 32768 before it starts the runtime, so no container of it gets more.
+PODMAN_NOFILE = 1 << 20
+PODMAN_NPROC = 1 << 15
+
+
+def ulimit_args() -> list[str]:
+    """``--ulimit`` options for one container: podman's own values, capped by this host's hard limits.
+
+    Per container, from the limits podman inherits from this process, so no
+    host-wide setting (containers.conf) is needed, and a host whose limits
+    are higher gets no less than podman would give. Soft and hard alike, as
+    podman sets them. A remote podman's host has limits this one cannot see:
+    there podman chooses.
+    """
+    if os.environ.get("CONTAINER_HOST") or os.environ.get("CONTAINER_CONNECTION"):
+        return []
+    out = []
+    for name, which, ceiling in (("nofile", resource.RLIMIT_NOFILE, PODMAN_NOFILE),
+                                 ("nproc", resource.RLIMIT_NPROC, PODMAN_NPROC)):
+        hard = resource.getrlimit(which)[1]
+        value = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+        out += ["--ulimit", f"{name}={value}:{value}"]
+    return out
+
+
 def podman_env() -> dict[str, str]:
     """The environment podman runs with: :data:`PODMAN_ENV` as this process has them, nothing more."""
     return {k: v for k, v in os.environ.items() if k in PODMAN_ENV}
@@ -124,6 +153,8 @@ class PodmanLauncher:
         cmd = self.command("run", "--rm", "--name", name, "--network", "none", "--pull", "never",
                            "--label", f"{L.OWNER}={L.owner()}", "--entrypoint", self.python,
                            "--volume", f"{runner_dir}:{MOUNT}:ro")
+        if "--remote" not in self.global_args:
+            cmd += ulimit_args()
         if shm_size:
             cmd += ["--shm-size", shm_size]
         if model is not None:
