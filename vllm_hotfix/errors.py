@@ -140,10 +140,17 @@ class RunnerFailed(SmokeError):
 
 
 class PushError(PipelineError):
-    """Pushing to the registry failed or was refused by the gate."""
+    """A registry could not be reached or refused (any command that reads or writes one), or the gate refused
+    a push.
+
+    One code for one kind of fault: a registry that is down, refuses the login
+    or answers an error gives 8 whether ``push``, ``image --in-registry`` or
+    ``verify`` asked it.
+    """
 
     exit_code = 8
-    meaning = "push (refused by the gate, registry, or login)"
+    meaning = ("registry (unreachable, refusing the login, answering an error: push, verify and every command "
+               "that reads one), or a push refused by the gate")
 
 
 class UpstreamError(PipelineError):

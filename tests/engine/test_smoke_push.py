@@ -408,8 +408,9 @@ def test_push_to_a_registry_that_cannot_be_reached_fails_at_once(built: tuple[Pa
     assert f"check the registry address ({host})" in r.err, r.err
 
 
-def test_verify_with_the_registry_down_is_verifys_own_code(engine: Engine, project: Path, tmp_path: Path) -> None:
-    """A registry nobody answers at: verify cannot read the verdicts (20, as its table says), not push's 8."""
+def test_verify_with_the_registry_down_is_a_registry_fault(engine: Engine, project: Path, tmp_path: Path) -> None:
+    """A registry nobody answers at: verify cannot read the verdicts, and exits 8, as push and image do for a
+    registry that is down (one code for one kind of fault), not 20 (keys and envelope files)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -420,7 +421,7 @@ def test_verify_with_the_registry_down_is_verifys_own_code(engine: Engine, proje
     pub.write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     r = cli("verify", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
-    assert r.rc == 20, r.err
+    assert r.rc == 8, r.err
     assert f"verify 127.0.0.1:{port}/ops/vllm:x: cannot read its signed verdicts" in r.err, r.err
     # The kind in words, not the HTTP library's message cut inside a word.
     assert f"cannot reach registry 127.0.0.1:{port}: nothing accepts connections at its address" in r.err, r.err

@@ -96,15 +96,14 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gp
         raise UsageError(f"verify {ref!r}: REF must be HOST[:PORT]/PATH:TAG in a registry, or with --attestation "
                          "the image's ID (sha256:<64 hex>)")
     else:
-        from ..errors import AttestationError, PushError
+        from ..errors import PushError
 
         try:
             digest, accepted = attest.verify(obj.engine, ref, public, given=attestation_paths,
                                              gpu_verified=not allow_gpu_unverified, gpu_products=products)
         except PushError as exc:
-            # The registry could not be read (down, no login): verify's own code for verdicts it cannot read (20),
-            # not push's (8).
-            raise AttestationError(f"verify {ref}: cannot read its signed verdicts: {exc}", hint=exc.hint) from exc
+            # The registry could not be read (down, no login, an error answered): a registry's fault, 8 as for push.
+            raise PushError(f"verify {ref}: cannot read its signed verdicts: {exc}", hint=exc.hint) from exc
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
     if as_json:
         print_json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "key": accepted.key_name,

@@ -234,6 +234,9 @@ class Gate:
         extra = [path for path in self.attestations if attest.names(path, info.id)]
         try:
             return attest.attach(engine, root, info.id, target, digest, extra, say)
+        except PushError as exc:  # the registry's fault, coded as every registry fault is
+            raise PushError(f"{target} landed in the registry as {digest}, but its signed verdicts could not be "
+                            f"attached: {exc}", hint="push it again to attach them") from exc
         except PipelineError as exc:
             raise AttestationError(f"{target} landed in the registry as {digest}, but its signed verdicts could "
                                    f"not be attached: {exc}", hint="push it again to attach them") from exc
