@@ -148,7 +148,8 @@ def level_sentence(level: dict[str, Any]) -> str:
         parts.append(f"replies of {_span(sorted(ev['reply_tokens'] for ev in replies))} tokens "
                      f"(finish_reason {_counts([ev.get('finish_reason') for ev in replies])})")
     parts.append(f"judged by {_counts([ev.get('judged_by') for ev in evidence])}")
-    judged = [ev for ev in replies if ev.get("judged_by") in ("exact", "noise")]
+    # "form": above concurrency 1 by its form, how far it moved measured; "noise": within a tolerance (earlier runs)
+    judged = [ev for ev in replies if ev.get("judged_by") in ("exact", "noise", "form")]
     if judged:
         wrong = [ev for ev in judged if not ev.get("passed")]
         same = [ev for ev in judged if ev.get("passed") and ev.get("divergence") is None]
@@ -158,8 +159,9 @@ def level_sentence(level: dict[str, Any]) -> str:
         sizes = [ev["deviation_nats"] for ev in judged if ev.get("deviation_nats") is not None]
         tol = level.get("tolerance_nats")
         rule = "bit for bit" if c == 1 else f"within {tol:.3g} nats of the concurrency-1 reply" \
-            if isinstance(tol, (int, float)) else "within the tolerance"
-        parts.append(f"{len(wrong)} wrong answer(s){first}, {len(same)} bitwise equal, {len(noisy)} within noise "
+            if isinstance(tol, (int, float)) else "by its form, movement from the concurrency-1 reply measured"
+        kind = "within noise" if isinstance(tol, (int, float)) or c == 1 else "moved"
+        parts.append(f"{len(wrong)} wrong answer(s){first}, {len(same)} bitwise equal, {len(noisy)} {kind} "
                      f"({rule}; widest deviation {max(sizes):.3g} nats)" if sizes else
                      f"{len(wrong)} wrong answer(s){first}, {len(same)} bitwise equal ({rule})")
     short = [ev for ev in evidence if ev.get("judged_by") == "min-tokens" and not ev.get("passed")]
@@ -196,9 +198,11 @@ def image_sentences(img: dict[str, Any], target: float | None = None) -> list[st
     if not serve:
         return [head + "; no serve sweep"]
     ref = serve.get("reference")
+    above = (f"tolerance above concurrency 1 {ref.get('tolerance_nats')} nats = {ref.get('noise_multiple')} x the "
+             "recorded noise" if ref and "tolerance_nats" in ref else
+             "above concurrency 1 by form, movement measured")
     how = (f"the oracle against {ref.get('file')} (sha256 {ref.get('sha256')}, {ref.get('prompts')} prompts; "
-           f"tolerance above concurrency 1 {ref.get('tolerance_nats')} nats = {ref.get('noise_multiple')} x the "
-           f"recorded noise)" if ref else
+           f"{above})" if ref else
            f"at least {serve['min_tokens']} tokens per reply" if serve.get("min_tokens") else "HTTP status only")
     head += f"; serve sweep {serve.get('status')}, judged by {how}"
     if serve.get("failed_level") is not None:

@@ -5,7 +5,7 @@ Usage (the same argv shape as `vllm serve`):
     fake_openai.py serve MODEL --port N [--die-at-concurrency K] [--short-at-concurrency K [--short-length L]]
                          [--wrong-at-concurrency K] [--tie-at-concurrency K [--tie-gap G]]
                          [--jitter-at-concurrency K [--jitter J]] [--nudge-at-concurrency K] [--nan-at-concurrency K]
-                         [--prompt-log FILE]
+                         [--finish-at-concurrency K [--finish-reason R]] [--cut-at-concurrency K] [--prompt-log FILE]
 
 It answers the completions API as vLLM does at temperature 0: the reply's
 tokens follow from the prompt alone (a hash of it), so the same prompt gets the
@@ -33,6 +33,10 @@ arrived (K=2: concurrent requests, while single ones are answered right):
                         float towards minus infinity): a reply that is not bitwise the same.
 --nan-at-concurrency K  the chosen token's logprob at position 2 is NaN (sent as the JSON
                         token NaN, as Python writes it).
+--finish-at-concurrency K  the reply's finish reason is R (--finish-reason, default "abort", as
+                        vLLM says of a request its engine gave up on), its tokens right.
+--cut-at-concurrency K  the reply ends after 5 right tokens, yet says finish_reason "length": a
+                        length that does not add up.
 With --prompt-log FILE it appends each request's prompt length to FILE.
 Where VLLM_CACHE_ROOT is set (the smoke run's compile cache), each start
 appends a line to fake-openai-starts there, as vLLM writes its own cache,
@@ -127,6 +131,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--jitter", type=float, default=0.01)
     ap.add_argument("--nudge-at-concurrency", type=int, default=0)
     ap.add_argument("--nan-at-concurrency", type=int, default=0)
+    ap.add_argument("--finish-at-concurrency", type=int, default=0)
+    ap.add_argument("--finish-reason", default="abort")
+    ap.add_argument("--cut-at-concurrency", type=int, default=0)
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
     ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
@@ -198,6 +205,10 @@ def main(argv: list[str]) -> int:
                 tops[3] = {**tops[3], tokens[3]: math.nextafter(tops[3][tokens[3]], -math.inf)}
             if args.nan_at_concurrency and now >= args.nan_at_concurrency and len(tokens) > 2:
                 tops[2] = {**tops[2], tokens[2]: math.nan}
+            if args.finish_at_concurrency and now >= args.finish_at_concurrency:
+                finish = args.finish_reason
+            if args.cut_at_concurrency and now >= args.cut_at_concurrency:
+                tokens, tops = tokens[:5], tops[:5]
             as_ids = bool(body.get("return_tokens_as_token_ids"))
 
             def name(t: int) -> str:

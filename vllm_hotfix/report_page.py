@@ -9,8 +9,11 @@ so the page reads without the pictures too:
 
 - per level, the requests that passed, were answered wrongly (the oracle) or
   failed by status;
-- per reply, its deviation from its basis against the level's tolerance
-  (zero: bitwise the basis);
+- per reply, its deviation from its basis (zero: bitwise the basis); above
+  concurrency 1 a measurement, never a judgement, with each level's
+  distribution in the table (bitwise equal, beyond the basis's top-k, median
+  and max in nats, first differing positions); a recording run shows the
+  same measured on the trusted image at concurrency 16;
 - latency (p50, p95) and tokens per second against concurrency;
 - the phases of the smoke time;
 - for a signed verdict beside the report (``NAME.dsse.json`` next to
@@ -152,22 +155,46 @@ def chart_outcomes(shown: Sequence[Shown]) -> str:
     return _svg(fig)
 
 
+# The checks that judge a reply's answer: bit for bit (exact), by its form above concurrency 1 (form; "noise" in
+# reports made while a tolerance judged it there).
+JUDGED = ("exact", "form", "noise")
+
+
+def _movement_row(name: str, concurrency: object, found: Mapping[str, Any]) -> tuple[object, ...]:
+    """One row of the movement table: a level's (or a recording's) measured distribution."""
+    nats = found.get("deviation_nats") if isinstance(found.get("deviation_nats"), Mapping) else {}
+    first = found.get("first_difference") if isinstance(found.get("first_difference"), Mapping) else {}
+    return (name, concurrency, found.get("replies", found.get("requests")), found.get("identical"),
+            found.get("token_divergences"), found.get("beyond_top_k"), (nats or {}).get("median"),
+            (nats or {}).get("max"), (first or {}).get("min"), (first or {}).get("median"))
+
+
+def movement_rows(shown: Sequence[Shown]) -> list[tuple[object, ...]]:
+    """Per report, each level's movement above concurrency 1, and a recording's at concurrency 16."""
+    rows = []
+    for s in shown:
+        for lv in _levels(s.report):
+            if isinstance(lv.get("movement"), Mapping):
+                rows.append(_movement_row(s.name, lv["concurrency"], lv["movement"]))
+        recorded = ((s.report.get("sweep") or {}).get("recorded") or {}).get("noise")
+        if isinstance(recorded, Mapping) and "replies" in recorded:
+            rows.append(_movement_row(f"{s.name} (recorded)", recorded.get("concurrency"), recorded))
+    return rows
+
+
 def chart_deviation(shown: Sequence[Shown]) -> str:
     plt = _plt()
     fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 2.8), squeeze=False)
     for ax, s in zip(axes[0], shown, strict=True):
         for i, lv in enumerate(_levels(s.report)):
             devs = [(ev.get("deviation_nats") if ev.get("deviation_nats") is not None else 0.0, bool(ev.get("passed")))
-                    for ev in lv.get("per_request") or [] if ev.get("judged_by") in ("exact", "noise")]
+                    for ev in lv.get("per_request") or [] if ev.get("judged_by") in JUDGED]
             ax.scatter([i + 0.05 * (k % 7 - 3) for k in range(len(devs))], [d for d, _ in devs], s=8,
                        c=["#2f855a" if ok else "#c53030" for _, ok in devs])
-            tol = lv.get("tolerance_nats")
-            if isinstance(tol, (int, float)):
-                ax.hlines(tol, i - 0.4, i + 0.4, colors="#2b6cb0", linestyles="dashed")
         levels = _levels(s.report)
         ax.set_xticks(range(len(levels)), [str(lv["concurrency"]) for lv in levels])
         ax.set_title(s.name)
-        ax.set_xlabel("concurrency (dashed: tolerance)")
+        ax.set_xlabel("concurrency (red: a reply that failed)")
         ax.set_ylabel("deviation from basis (nats)")
     return _svg(fig)
 
@@ -277,10 +304,17 @@ def render(page: Page) -> str:
                              chart_outcomes(swept), _table(("report", "concurrency", "passed", "wrong",
                                                             "failed by status", "requests"), rows)))
         rows = [(s.name, lv["concurrency"], lv.get("identical"), lv.get("deviated"), lv.get("wrong_answers"),
-                 lv.get("widest_deviation_nats"), lv.get("tolerance_nats")) for s in swept for lv in _levels(s.report)]
-        parts.append(_figure(page, "deviation", "Per reply: deviation from its basis against the level's tolerance",
-                             chart_deviation(swept), _table(("report", "concurrency", "identical", "within noise",
-                                                             "wrong", "widest (nats)", "tolerance (nats)"), rows)))
+                 lv.get("widest_deviation_nats")) for s in swept for lv in _levels(s.report)]
+        parts.append(_figure(page, "deviation", "Per reply: deviation from its basis (above concurrency 1 measured, "
+                             "not judged)", chart_deviation(swept),
+                             _table(("report", "concurrency", "identical", "moved", "wrong", "widest (nats)"), rows)))
+        moved = movement_rows(page.shown)
+        if moved:
+            parts.append("<section id='movement'><h2>How far replies moved from the same image's concurrency-1 "
+                         "reply (measured, never judged)</h2>"
+                         + _table(("report", "concurrency", "replies", "bitwise equal", "token divergences",
+                                   "beyond top-k", "median (nats)", "max (nats)", "first difference (min)",
+                                   "first difference (median)"), moved) + "</section>")
         rows = [(s.name, lv["concurrency"], lv.get("p50_s"), lv.get("p95_s"), lv.get("output_tokens_per_s"))
                 for s in swept for lv in _levels(s.report)]
         parts.append(_figure(page, "speed", "Latency and tokens per second against concurrency", chart_speed(swept),

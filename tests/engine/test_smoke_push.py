@@ -224,7 +224,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert "every reply at concurrency 1 bitwise the reference answer" in checks["serve-sweep"]["detail"]
             assert checks["serve-sweep"]["status"] == "pass"
             assert {ev["judged_by"] for lv in report["sweep"]["levels"] for ev in lv["per_request"]} == \
-                {"exact", "noise"}
+                {"exact", "form"}
             exact = checks["exact-levels"]
             assert exact["status"] == "fail" and exact["data"]["answered_by"] == "filesystem"
             assert exact["detail"].startswith("wrong under fixed batches from concurrency 1: no replies from "

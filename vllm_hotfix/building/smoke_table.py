@@ -9,7 +9,6 @@ Example (every key optional)::
     concurrency = [1, 2, 4, 8, 16]
     requests = 32
     min_tokens = 32
-    noise_multiple = 4.0
     deadline = 3600                          # seconds
     serve_args = ["--max-model-len", "8192", "--enforce-eager"]
     sign_key = "env:VLLM_HOTFIX_SIGN_KEY"    # or a PEM file
@@ -102,7 +101,6 @@ class SmokeTable:
     concurrency: tuple[int, ...] | None = None
     requests: int | None = None
     min_tokens: int | None = None
-    noise_multiple: float | None = None
     deadline: int | None = None
     serve_args: tuple[str, ...] | None = None
     sign_key: str | None = None
@@ -159,21 +157,18 @@ def parse(data: Any, path: Path) -> SmokeTable:
     if not isinstance(data, dict):
         raise DefinitionError(f"{path}: [smoke] must be a table")
     read = _Reader(path, "smoke", data, ("gpu", "model", "reference", "concurrency", "requests", "min_tokens",
-                                         "noise_multiple", "deadline", "serve_args", "sign_key", "kubernetes"))
+                                         "deadline", "serve_args", "sign_key", "kubernetes"))
     levels = data.get("concurrency")
     if levels is not None and (not isinstance(levels, list) or not levels or not all(
             isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 4096 for n in levels)):
         raise read.fail("concurrency", "must be a list of whole numbers from 1 to 4096, e.g. [1, 2, 4, 8, 16]")
-    noise = data.get("noise_multiple")
-    if noise is not None and (isinstance(noise, bool) or not isinstance(noise, int | float) or not 0 < noise <= 1e6):
-        raise read.fail("noise_multiple", "must be a positive number, e.g. 4.0")
     model, reference = read.text("model"), read.text("reference")
     return SmokeTable(
         gpu=read.text("gpu", GPU_MODES), model=Path(model) if model else None,
         reference=Path(reference) if reference else None,
         concurrency=tuple(levels) if levels is not None else None, requests=read.whole("requests", 1, 100_000),
         min_tokens=read.whole("min_tokens", 1, 100_000),
-        noise_multiple=float(noise) if noise is not None else None, deadline=read.whole("deadline", 5, 7 * 86400),
+        deadline=read.whole("deadline", 5, 7 * 86400),
         serve_args=read.texts("serve_args"), sign_key=_sign_key(read),
         kubernetes=_kubernetes(data.get("kubernetes"), path),
     )

@@ -1,4 +1,4 @@
-"""The answer oracle: bit for bit at concurrency 1, within recorded noise above it.
+"""The answer oracle: bit for bit at concurrency 1; above it, whole replies whose movement is measured.
 
 Measured on an H200 (the patched image, a tiny MiniMax-M3): with vLLM's
 prefix caching on, the same server asked the same prompts twice in a row at
@@ -13,16 +13,19 @@ is the reference answer exactly, or it is wrong:
   from JSON is the float the server wrote, so ``==`` compares the bits). The
   evidence names the first position that differs and the largest
   log-probability difference over the prefix where the tokens agree.
-- **above concurrency 1** the numerics follow the batch (at 16, 3 of 24
-  replies were bitwise equal to the concurrency-1 ones in that measurement),
-  so each reply is compared with the same image's concurrency-1 reply to the
-  same prompt: status, length, finish reason, no NaN, and a deviation (the
-  largest log-probability difference over the shared prefix, and where the
-  tokens part, how far below the served token the other reply's token lay)
-  of at most the tolerance. The tolerance is :data:`NOISE_MULTIPLE` times the
-  spread measured when the reference was recorded (the trusted image at
-  concurrency :data:`NOISE_CONCURRENCY` against its own concurrency-1
-  answers), never a constant.
+- **above concurrency 1** an HTTP reply's numerics follow whatever batch it
+  landed in, and how far they move depends on the model: on the default tiny
+  model every reply at 16 stayed near its concurrency-1 answer, while two
+  other tiny models (another seed, 2 and 3 layers) parted there from their
+  concurrency-1 answers where that answer's token was not even among the
+  served top-5, on a right image (issue 51). No tolerance drawn
+  from one model holds for another, so a reply there is judged by its form
+  alone (:func:`form_fault`: HTTP status, length, finish reason, no NaN) and
+  how far it moved from the same image's concurrency-1 reply is measured
+  (:func:`movement`), never judged. What decides each level above 1 is the
+  fixed-batch check (``exact-levels``, :mod:`.fixed_batches`), where the
+  batches are the same every run and the answers must be bitwise the
+  reference's.
 
 Pure and stdlib-only: the runner carries it into the image with the sweep.
 """
@@ -41,7 +44,8 @@ SERVE_ENV = {"VLLM_BATCH_INVARIANT": "1"}
 CONTRARY_ARGS = ("--enable-prefix-caching",)
 NOISE_CONCURRENCY = 16
 NOISE_ROUNDS = 2  # requests at NOISE_CONCURRENCY: the prompt set this many times
-NOISE_MULTIPLE = 4.0  # the default: tolerance above concurrency 1 = this many times the recorded spread
+# How a completion may end (vLLM also says "abort" and "error": a request the engine gave up on is no answer).
+FINISH_REASONS = ("stop", "length")
 # The settings a reference names and a judged run must share (what decides the numerics).
 SETTING_KEYS = ("serve_args", "env", "gpu", "vllm", "torch", "base_image_id", "model")
 
@@ -156,45 +160,77 @@ def exact(answer: Tokens, reply: Tokens) -> Verdict:
                                f"prefix {dev.max_logprob_diff:.3g} nats")
 
 
-def within(basis: Tokens, reply: Tokens, tolerance: float) -> Verdict:
-    """Above concurrency 1: the reply lies within ``tolerance`` nats of its basis (see :class:`Deviation`)."""
+def form_fault(reply: Tokens, completion_tokens: int, max_tokens: int) -> str | None:
+    """What is wrong with a reply's form whatever its numerics (None: nothing): no log-probabilities, a NaN,
+    a finish reason other than stop or length, or a length that does not add up (``completion_tokens`` as the
+    server counted them, against the tokens it named and the ``max_tokens`` asked for)."""
+    tokens = reply.tokens
+    if tokens is None:
+        return "the reply carries no logprobs"
+    if not _finite(reply.logprobs, reply.top):
+        return "a NaN or infinite log-probability in the reply"
+    if reply.finish_reason not in FINISH_REASONS:
+        return f"finish_reason {reply.finish_reason!r}, not {' or '.join(FINISH_REASONS)}"
+    n = len(tokens)
+    if not 1 <= n <= max_tokens or completion_tokens != n or len(reply.logprobs) != n or len(reply.top) != n:
+        return (f"wrong length: {n} token(s) named, {completion_tokens} counted, {len(reply.logprobs)} "
+                f"log-probabilities and {len(reply.top)} top-k lists, for at most {max_tokens} asked")
+    if reply.finish_reason == "length" and n != max_tokens:
+        return f"wrong length: finish_reason length after {n} of the {max_tokens} tokens asked"
+    return None
+
+
+def moved(basis: Tokens, reply: Tokens, completion_tokens: int, max_tokens: int) -> Verdict:
+    """Above concurrency 1: the reply passes unless its form is wrong (:func:`form_fault`); how far it moved
+    from ``basis`` (the same image's concurrency-1 reply) is measured in its deviation, never judged."""
     dev = compare(basis, reply)
-    if dev.identical:
-        return Verdict(True, dev)
-    if dev.non_finite:
-        return Verdict(False, dev, "a NaN or infinite log-probability in the reply")
-    if not dev.comparable:
-        return Verdict(False, dev, f"wrong answer: {dev.detail}")
-    if dev.size <= tolerance:
-        return Verdict(True, dev, f"within noise: {dev.detail}; deviation {dev.size:.3g} nats "
-                                  f"(tolerance {tolerance:.3g})")
-    return Verdict(False, dev, f"wrong answer: {dev.detail}; deviation {dev.size:.3g} nats, over the tolerance "
-                               f"{tolerance:.3g} from the recorded noise")
+    fault = form_fault(reply, completion_tokens, max_tokens)
+    if fault is not None:
+        return Verdict(False, dev, f"malformed reply: {fault}")
+    return Verdict(True, dev, "" if dev.identical else f"moved: {dev.detail}")
 
 
-def spread(deviations: Sequence[Deviation]) -> float:
-    """The noise a recording measured: the largest deviation; ValueError when one is not noise at all."""
-    bad = [d for d in deviations if math.isinf(d.size)]
-    if bad:
-        raise ValueError(bad[0].detail or "a reply that cannot be compared")
-    return max((d.size for d in deviations), default=0.0)
+def _median(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def movement(deviations: Sequence[Deviation]) -> dict[str, Any]:
+    """How far replies moved from their basis, as measured: how many are bitwise equal, how many part in
+    tokens, how many served a token the basis did not have among its top-k (``beyond_top_k``: no size in nats
+    can be given), the deviation in nats (median and max over the replies it could be measured for, the
+    identical ones at 0) and the first positions where each reply that is not identical differs."""
+    sizes = [d.size for d in deviations if math.isfinite(d.size)]
+    positions = sorted(d.first_difference for d in deviations if not d.identical and d.first_difference is not None)
+    token_positions = sorted(d.token_divergence for d in deviations if d.token_divergence is not None)
+    return {"replies": len(deviations), "identical": sum(d.identical for d in deviations),
+            "token_divergences": len(token_positions),
+            "beyond_top_k": sum(not d.identical and math.isinf(d.size) for d in deviations),
+            "deviation_nats": {"median": _median(sizes), "max": max(sizes, default=None), "measured": len(sizes)},
+            "first_difference": {"min": positions[0] if positions else None, "median": _median(positions),
+                                 "positions": positions},
+            "first_token_divergence": {"min": token_positions[0] if token_positions else None,
+                                       "median": _median(token_positions)}}
 
 
 def noise(deviations: Sequence[Deviation], concurrency: int = NOISE_CONCURRENCY) -> dict[str, Any]:
-    """What the reference file keeps of the noise measured when it was recorded."""
-    return {"concurrency": concurrency, "requests": len(deviations),
-            "identical": sum(d.identical for d in deviations),
-            "token_divergences": sum(d.token_divergence is not None for d in deviations),
-            "spread_nats": spread(deviations)}
+    """What the reference file keeps of the movement measured when it was recorded: the trusted image at
+    ``concurrency`` against its own concurrency-1 answers (a measurement shown beside the runs judged against
+    it, never a tolerance)."""
+    return {"concurrency": concurrency, "requests": len(deviations), **movement(deviations)}
 
 
-def tolerance(noise_record: Mapping[str, Any] | None, multiple: float) -> float:
-    """The tolerance above concurrency 1: ``multiple`` times the recorded spread (ValueError without one)."""
-    value = (noise_record or {}).get("spread_nats")
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError("it records no noise (spread_nats) at concurrency "
-                         f"{NOISE_CONCURRENCY}: record it again with this version")
-    return float(value) * multiple
+def describe_movement(measured: Mapping[str, Any]) -> str:
+    """One line of :func:`movement`'s numbers."""
+    nats, first = (measured.get(k) for k in ("deviation_nats", "first_difference"))
+    nats, first = (v if isinstance(v, Mapping) else {} for v in (nats, first))
+
+    def num(value: object) -> str:
+        return f"{value:.3g}" if isinstance(value, (int, float)) else "-"
+
+    return (f"{measured.get('identical')}/{measured.get('replies')} replies bitwise equal to the concurrency-1 "
+            f"reply, {measured.get('token_divergences')} parting in tokens ({measured.get('beyond_top_k')} beyond its "
+            f"top-k), deviation median {num(nats.get('median'))} max {num(nats.get('max'))} nats, first difference "
+            f"from position {num(first.get('min'))} (median {num(first.get('median'))})")
 
 
 def prompt_sensitivity(answers: Sequence[Tokens], shas: Sequence[str]) -> dict[str, Any]:

@@ -3,10 +3,14 @@
 :func:`record` asks the prompt set once at concurrency 1 (the answers), once
 more (every reply must repeat bit for bit, or the exact oracle cannot hold on
 this server and its settings), then :data:`~vllm_hotfix.checking.oracle.NOISE_ROUNDS`
-times at :data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against those answers
-(the spread that the tolerance above concurrency 1 is a multiple of), and
-measures whether the model reads its prompt (distinct replies, the median gap
-between the first token's two best candidates). It speaks HTTP through
+times at :data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against those answers:
+how far those replies moved is measured and kept (``noise``), whatever it is
+(a model's sensitivity to its batch is its own, and a right image may serve
+there tokens its concurrency-1 answer had outside its top-k); only a reply
+whose form is wrong (a NaN, a finish reason other than stop or length, a
+length that does not add up) ends the recording. It also measures whether the
+model reads its prompt (distinct replies, the median gap between the first
+token's two best candidates). It speaks HTTP through
 :mod:`vllm_hotfix.checking.sweep`; the runner carries both into the image.
 """
 
@@ -51,10 +55,10 @@ def record(url: str, model: str | None = None, *, prompts: Sequence[str] = PROMP
     The prompt set once at concurrency 1, temperature 0 (the answers); once
     more (``repeat``: every reply must be bitwise the first, or the oracle
     cannot hold); then :data:`oracle.NOISE_ROUNDS` times at
-    :data:`oracle.NOISE_CONCURRENCY` against those answers (``noise``: the
-    spread the tolerance above concurrency 1 is a multiple of). Only a trusted
-    server may be recorded: any failed request, a reply that does not repeat,
-    or one beyond the top-k at concurrency 16 ends the recording.
+    :data:`oracle.NOISE_CONCURRENCY` against those answers (``noise``: how far
+    they moved, measured, never judged). Only a trusted server may be
+    recorded: any failed request, a reply that does not repeat, or a reply at
+    concurrency 16 whose form is wrong ends the recording.
     """
     url = url.rstrip("/")
     model = model or first_model(url)
@@ -72,18 +76,19 @@ def record(url: str, model: str | None = None, *, prompts: Sequence[str] = PROMP
     say(f"    asked the {len(prompts)} prompts again at concurrency 1: every reply bitwise equal")
     loud = _record_round(url, model, prompts, max_tokens, timeout, oracle.NOISE_CONCURRENCY,
                          oracle.NOISE_ROUNDS * len(prompts))
-    try:
-        noise = oracle.noise([oracle.compare(got[k], reply) for k, reply in loud])
-    except ValueError as exc:
-        raise SmokeError(f"cannot record reference answers from {url}: at concurrency {oracle.NOISE_CONCURRENCY} a "
-                         f"reply is not noise around its concurrency-1 answer ({exc})") from None
+    judged = [(k, oracle.moved(got[k], reply, reply.completion_tokens, max_tokens)) for k, reply in loud]
+    for k, verdict in judged:
+        if not verdict.ok:
+            raise SmokeError(f"cannot record reference answers from {url}: prompt {k} at concurrency "
+                             f"{oracle.NOISE_CONCURRENCY}: {verdict.detail}")
+    noise = oracle.noise([verdict.deviation for _, verdict in judged])
     sensitivity = oracle.prompt_sensitivity(got, [a.sha256 for a in got])
-    say(f"    recorded {len(got)} reference answers of {model} from {recorded_from or url}: noise at concurrency "
-        f"{noise['concurrency']} {noise['spread_nats']:.3g} nats ({noise['identical']}/{noise['requests']} replies "
-        f"bitwise equal); {sensitivity['distinct_replies']} distinct replies, median first-token gap "
-        f"{sensitivity['median_first_token_gap_nats']} nats")
+    say(f"    recorded {len(got)} reference answers of {model} from {recorded_from or url}; at concurrency "
+        f"{noise['concurrency']}: {oracle.describe_movement(noise)}; {sensitivity['distinct_replies']} distinct "
+        f"replies, median first-token gap {sensitivity['median_first_token_gap_nats']} nats")
     served = first[0][1].model if first else ""
     return answers.Reference(model, served or model, max_tokens, answers.TOP_LOGPROBS, tuple(got), __version__,
                              time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), recorded_from or url,
                              noise=noise, repeat={"concurrency": 1, "requests": len(again), "identical": len(again)},
                              prompt_sensitivity=sensitivity)
+

@@ -10,15 +10,17 @@ an unpatched MiniMax-M3 with four index heads on one GPU is wrong even at
 concurrency 1.
 
 How replies are judged against it is :mod:`vllm_hotfix.checking.oracle`: bit for bit
-at concurrency 1, within the noise recorded here above it. So the file
+at concurrency 1 (and under fixed batches at every level,
+:mod:`.fixed_batches`). So the file
 names what decides the numerics (``settings``: the server's arguments and
 environment, the GPU model, the vLLM and torch versions, the base image and
 the model), and a run under other settings is refused, naming the
 difference. It also keeps what recording measured: ``repeat`` (the prompt set
 asked again at concurrency 1 on the same server, which must be bitwise
 equal), ``noise`` (the same image at concurrency
-:data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against its own answers: the
-spread the tolerance above concurrency 1 is a multiple of) and
+:data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against its own answers: how
+far its replies moved, a measurement shown beside the runs judged against it,
+never a tolerance) and
 ``prompt_sensitivity`` (distinct replies, and the median gap between the
 first token's two best candidates: a model that hardly reads its prompt
 makes a weak oracle).
@@ -35,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -199,7 +200,7 @@ class Reference:
     sha256: str = ""  # of the canonical content; set by :func:`load` and :func:`write`
     path: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # what decides the numerics (oracle.SETTING_KEYS)
-    noise: dict[str, Any] = field(default_factory=dict)  # oracle.noise: the spread above concurrency 1
+    noise: dict[str, Any] = field(default_factory=dict)  # oracle.noise: the movement measured at concurrency 16
     repeat: dict[str, Any] = field(default_factory=dict)  # the prompt set asked again at concurrency 1
     prompt_sensitivity: dict[str, Any] = field(default_factory=dict)  # oracle.prompt_sensitivity
     # fixed_batches.record: every level's answers under fixed batches, and the schedule they were recorded under
@@ -312,22 +313,6 @@ def load(path: Path, option: str = "--reference") -> Reference:
     return ref
 
 
-def check_noise_multiple(multiple: float) -> None:
-    if not (multiple > 0 and math.isfinite(multiple)):
-        raise UsageError(f"--noise-multiple {multiple}: must be a positive number (the tolerance above concurrency "
-                         "1 is this many times the noise recorded with the reference)")
-
-
-def tolerance(ref: Reference, multiple: float) -> float:
-    """The tolerance above concurrency 1 for ``ref``: UsageError (naming the file) when it records no noise."""
-    from . import oracle
-
-    try:
-        return oracle.tolerance(ref.noise, multiple)
-    except ValueError as exc:
-        raise UsageError(f"--reference {ref.path}: {exc}") from None
-
-
 def refuse_other_settings(ref: Reference, here: dict[str, Any]) -> None:
     """UsageError, one line naming each difference, when ``here`` is not what ``ref`` was recorded under."""
     from . import oracle
@@ -344,28 +329,18 @@ class AnswerOptions:
 
     reference: Reference | None
     record: Path | None
-    noise_multiple: float
 
 
-def answer_options(reference: Path | None, record: Path | None, noise_multiple: float | None) -> AnswerOptions:
-    """--reference, --record-reference and --noise-multiple, checked (and the reference loaded) up front.
+def answer_options(reference: Path | None, record: Path | None) -> AnswerOptions:
+    """--reference and --record-reference, checked (and the reference loaded) up front.
 
     A reference that cannot be used, or a recording that would replace one,
     fails here, before a server starts.
     """
-    from . import oracle
-
     if reference is not None and record is not None:
         raise UsageError("--reference and --record-reference: give one (record once from a trusted image, "
                          "then check against it)")
     if record is not None and record.exists():
         raise UsageError(f"--record-reference {record}: already exists; a reference is recorded once "
                          "(remove it first to record it again)")
-    if noise_multiple is not None and reference is None and record is None:
-        raise UsageError("--noise-multiple needs --reference or --record-reference")
-    multiple = oracle.NOISE_MULTIPLE if noise_multiple is None else noise_multiple
-    check_noise_multiple(multiple)
-    loaded = load(reference) if reference is not None else None
-    if loaded is not None:
-        tolerance(loaded, multiple)
-    return AnswerOptions(loaded, record, multiple)
+    return AnswerOptions(load(reference) if reference is not None else None, record)

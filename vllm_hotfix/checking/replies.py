@@ -7,8 +7,9 @@ mark of its own. It never has the reference answers, so it cannot echo them;
 whatever it says of its replies' correctness is not read. Here, on the host,
 every reply is judged by the oracle exactly as :mod:`.sweep` judges a server
 the host asks itself: at concurrency 1 bit for bit against the reference,
-above it within the tolerance of the same image's concurrency-1 reply (the
-reference's where the image gave none that passed), and ``--min-tokens``.
+above it by its form (status, length, finish reason, no NaN) with its
+movement from the same image's concurrency-1 reply (the reference's where
+the image gave none that passed) measured, and ``--min-tokens``.
 A request whose reply did not come back, or came back unreadable, fails.
 Which requests there were is the host's too: the levels, the requests of
 each and the prompt each asked come from the job it sent, and a level the
@@ -24,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import Malformed
-from . import oracle
 from . import reference as answers
 from .sweep import Level, RequestEvidence, SweepResult, as_check, judge, summarise
 
@@ -109,7 +109,7 @@ def _said_levels(sweep: Mapping[str, Any]) -> dict[int | None, list[Mapping[str,
 
 def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers.Reference | None,
             levels: Sequence[int], requests: int, *, prompts: int, min_tokens: int | None = None,
-            noise_multiple: float = oracle.NOISE_MULTIPLE, keep_going: bool = False
+            keep_going: bool = False
             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the serve-sweep check, the sweep's report) as the host judges the runner's ``raw`` replies.
 
@@ -122,14 +122,13 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
     after the first failing one are left out, as a sweep judged where it
     runs stops there.
     """
-    tolerance = answers.tolerance(reference, noise_multiple) if reference is not None else None
     basis: dict[int, answers.Reply] = {}
     result = SweepResult(str(sweep.get("url", "")), str(sweep.get("model", "")), [],
                          max_tokens=int(sweep.get("max_tokens") or 0), min_tokens=min_tokens,
                          prompts=prompts, server_log=str(sweep.get("server_log") or ""),
                          server_died=bool(sweep.get("server_died")))
     if reference is not None:
-        result.reference = {**reference.summary(), "noise_multiple": noise_multiple, "tolerance_nats": tolerance}
+        result.reference = reference.summary()
     said_levels = _said_levels(sweep)
     foreign = sorted((c for c in said_levels if c not in levels), key=lambda c: (c is None, c or 0))
     if foreign:
@@ -157,7 +156,6 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
         except (TypeError, ValueError):
             level.wall_s = 0.0
         exact = reference is not None and concurrency == 1
-        level.tolerance_nats = 0.0 if exact else tolerance
         departs = off_schedule(said_level, concurrency, requests, prompts)
         measured = {} if departs else {int(r["index"]): r for r in said_level[0].get("per_request") or []}
         for index in range(requests):
@@ -186,7 +184,7 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
                 if not 0 <= ev.prompt < len(reference.answers):
                     ev.passed, ev.error = False, f"prompt {ev.prompt} is not one of the reference's"
                 else:
-                    judge(ev, ev.prompt, reply, reference, basis, None if exact else tolerance)
+                    judge(ev, ev.prompt, reply, reference, basis, exact)
                 if exact and ev.passed and reply.tokens is not None:
                     basis.setdefault(ev.prompt, reply)
             if ev.passed and min_tokens is not None and reply.completion_tokens < min_tokens:

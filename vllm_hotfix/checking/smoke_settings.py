@@ -31,8 +31,8 @@ from ..journal import records
 # Every setting, the flag that sets it, and the tool's default when neither flag nor table does.
 FLAGS: dict[str, str] = {
     "gpu": "--gpu", "model": "--serve-model", "reference": "--reference", "concurrency": "--concurrency",
-    "requests": "--requests", "min_tokens": "--min-tokens", "noise_multiple": "--noise-multiple",
-    "deadline": "--deadline", "serve_args": "--serve-arg", "sign_key": "--sign-key",
+    "requests": "--requests", "min_tokens": "--min-tokens", "deadline": "--deadline", "serve_args": "--serve-arg",
+    "sign_key": "--sign-key",
     "kubernetes.namespace": "--namespace", "kubernetes.gpus": "--gpus",
     "kubernetes.service_account": "--service-account", "kubernetes.pull_secrets": "--pull-secret",
     "kubernetes.node_selector": "--node-selector", "kubernetes.tolerations": "--toleration",
@@ -40,7 +40,7 @@ FLAGS: dict[str, str] = {
 }
 DEFAULTS: dict[str, Any] = {
     "gpu": "auto", "model": None, "reference": None, "concurrency": (1, 2, 4, 8, 16), "requests": 32,
-    "min_tokens": None, "noise_multiple": None, "deadline": None, "serve_args": (), "sign_key": None,
+    "min_tokens": None, "deadline": None, "serve_args": (), "sign_key": None,
     "kubernetes.namespace": "default", "kubernetes.gpus": 1, "kubernetes.service_account": None,
     "kubernetes.pull_secrets": (), "kubernetes.node_selector": None, "kubernetes.tolerations": (),
     "kubernetes.resources": None,

@@ -9,10 +9,13 @@ lengths as production traffic, at temperature 0 with the top-k logprobs.
 A server can survive a bug and answer wrongly with HTTP 200, so each request
 is judged by the strictest check given: with ``reference`` by the oracle
 (:mod:`vllm_hotfix.checking.oracle`: at concurrency 1 bit for bit against the
-reference, above it against the same image's concurrency-1 reply within a
-multiple of the noise recorded with the reference); with ``min_tokens`` a
+reference; above it by its form, HTTP status, length, finish reason and no
+NaN, with how far it moved from the same image's concurrency-1 reply
+measured, never judged: over HTTP a reply's batch is the timing's, and how
+far a batch moves a model's numerics is the model's); with ``min_tokens`` a
 shorter reply fails; else the HTTP status alone. Every request leaves its
-evidence in the report beside each level's summary.
+evidence in the report beside each level's summary, and each level above 1
+its measured movement (:func:`vllm_hotfix.checking.oracle.movement`).
 """
 
 from __future__ import annotations
@@ -122,14 +125,14 @@ class RequestEvidence:
     reply_tokens: int | None = None
     finish_reason: str | None = None
     reply_sha256: str | None = None  # of the reply's token IDs (its text where the server named no tokens)
-    judged_by: str = "status"  # what passed or failed it: status, min-tokens, exact, noise or schedule (the host's)
+    judged_by: str = "status"  # what passed or failed it: status, min-tokens, exact, form or schedule (the host's)
     passed: bool = False
     basis: str | None = None  # what the reply was compared with: reference, or concurrency-1 (the same image's)
     divergence: int | None = None  # the first position (from 0) where a token or a logprob differs from the basis
     token_divergence: int | None = None  # the first position where the tokens differ
     max_logprob_diff: float | None = None  # the largest logprob difference over the positions where tokens agree
     gap_nats: float | None = None  # at the token divergence: how far below the served token the basis's lay
-    deviation_nats: float | None = None  # the deviation judged against the tolerance (None: unmeasurable)
+    deviation_nats: float | None = None  # how far it lay from its basis, in nats (None: unmeasurable)
     error: str | None = None
 
 
@@ -148,9 +151,9 @@ class Level:
     errors: list[str] = field(default_factory=list)
     wrong_answers: int = 0  # replies the oracle failed
     identical: int = 0  # replies bitwise equal to their basis
-    deviated: int = 0  # replies that differ from their basis within the tolerance (passed)
-    widest_deviation_nats: float | None = None  # the largest deviation of a judged reply, passed or not
-    tolerance_nats: float | None = None  # 0 at concurrency 1 (bit for bit); above it, from the recorded noise
+    deviated: int = 0  # above concurrency 1: replies that passed and differ from their basis (moved)
+    widest_deviation_nats: float | None = None  # the largest measurable deviation of a judged reply
+    movement: dict[str, Any] | None = None  # above concurrency 1, with a reference: oracle.movement of its replies
     per_request: list[RequestEvidence] = field(default_factory=list)
 
 
@@ -163,7 +166,7 @@ class SweepResult:
     server_log: str = ""
     max_tokens: int = MAX_TOKENS
     min_tokens: int | None = None
-    reference: dict[str, Any] | None = None  # the reference answers judged against, and the tolerance above c1
+    reference: dict[str, Any] | None = None  # the reference answers judged against (file, sha256, ...)
     prompts: int = len(PROMPTS)
     server_died: bool = False
 
@@ -280,23 +283,24 @@ def ask(session: requests.Session, url: str, model: str, text: str, max_tokens: 
 
 
 def judge(ev: RequestEvidence, k: int, reply: answers.Reply, ref: answers.Reference,
-          basis: dict[int, answers.Reply], tolerance: float | None) -> None:
-    """The oracle's verdict on one reply into ``ev``: exact at concurrency 1 (``tolerance`` None), else within
-    ``tolerance`` of the same image's concurrency-1 reply to prompt ``k`` (the reference's where there is none)."""
+          basis: dict[int, answers.Reply], exact: bool) -> None:
+    """The oracle's verdict on one reply into ``ev``: at concurrency 1 (``exact``) bit for bit against the
+    reference; above it by its form, with its movement from the same image's concurrency-1 reply to prompt ``k``
+    (the reference's answer where there is none) measured."""
     answer = ref.answers[k]
     if answer.prompt_tokens is not None and reply.prompt_tokens is not None \
             and reply.prompt_tokens != answer.prompt_tokens:
-        ev.judged_by = "exact" if tolerance is None else "noise"
+        ev.judged_by = "exact" if exact else "form"
         ev.error = (f"prompt {k}: the prompt was {reply.prompt_tokens} tokens, in the reference "
                     f"{answer.prompt_tokens}: another model or tokenizer than the reference's")
         return
-    if tolerance is None:
+    if exact:
         ev.judged_by, ev.basis = "exact", "reference"
         verdict = oracle.exact(answer, reply)
     else:
         own = basis.get(k)
-        ev.judged_by, ev.basis = "noise", "concurrency-1" if own is not None else "reference"
-        verdict = oracle.within(own if own is not None else answer, reply, tolerance)
+        ev.judged_by, ev.basis = "form", "concurrency-1" if own is not None else "reference"
+        verdict = oracle.moved(own if own is not None else answer, reply, reply.completion_tokens, ref.max_tokens)
     dev = verdict.deviation
     ev.divergence, ev.token_divergence = dev.first_difference, dev.token_divergence
     # Not rounded: one bit of difference at concurrency 1 must show in the evidence.
@@ -309,7 +313,7 @@ def judge(ev: RequestEvidence, k: int, reply: answers.Reply, ref: answers.Refere
 
 def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int, i: int,
          prompts: Sequence[str], min_tokens: int | None, ref: answers.Reference | None,
-         basis: dict[int, answers.Reply], tolerance: float | None,
+         basis: dict[int, answers.Reply], exact: bool,
          replies: dict[str, dict[str, Any]] | None = None) -> tuple[RequestEvidence, answers.Reply | None]:
     """Send request ``i`` of a level and judge its reply; never raises for the server's faults. ``replies``: each
     reply as it came, kept under ``LEVEL:I`` for a judge elsewhere (the host judges a runner's sweep)."""
@@ -321,7 +325,7 @@ def _one(session: requests.Session, url: str, model: str, timeout: float, max_to
     if replies is not None:
         replies[f"{level}:{i}"] = asdict(reply)
     if ref is not None:
-        judge(ev, k, reply, ref, basis, tolerance)
+        judge(ev, k, reply, ref, basis, exact)
         if not ev.passed:
             return ev, reply
     if min_tokens is not None:
@@ -351,19 +355,18 @@ def pool(concurrency: int, n: int, job: Callable[[requests.Session, int], Any]) 
 
 def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
               min_tokens: int | None = None, ref: answers.Reference | None = None,
-              tolerance: float | None = None, basis: dict[int, answers.Reply] | None = None,
+              basis: dict[int, answers.Reply] | None = None,
               prompts: Sequence[str] | None = None, replies: dict[str, dict[str, Any]] | None = None) -> Level:
     """One level. With ``ref``: at concurrency 1 every reply bit for bit, and each prompt's first reply that
-    came back whole is kept in ``basis``; above it, within ``tolerance`` of ``basis``."""
+    came back whole is kept in ``basis``; above it, each reply by its form, its movement from ``basis``
+    measured."""
     level = Level(concurrency, n)
     prompts = ref.prompts if ref is not None else prompts or PROMPTS
     basis = {} if basis is None else basis
     exact = ref is not None and concurrency == 1
-    level.tolerance_nats = 0.0 if exact else tolerance if ref is not None else None
     start = time.monotonic()
     done = pool(concurrency, n, lambda session, i: _one(session, url, model, timeout, max_tokens, concurrency, i,
-                                                         prompts, min_tokens, ref, basis,
-                                                         None if exact else tolerance, replies))
+                                                         prompts, min_tokens, ref, basis, exact, replies))
     level.wall_s = round(time.monotonic() - start, 4)
     level.per_request = [ev for ev, _ in done]
     if exact:
@@ -373,6 +376,12 @@ def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, ma
                 basis.setdefault(ev.prompt, reply)
     summarise(level)
     return level
+
+
+def _deviation(ev: RequestEvidence) -> oracle.Deviation:
+    """A judged reply's deviation from its basis, as its evidence keeps it."""
+    return oracle.Deviation(ev.divergence is None, ev.divergence, ev.token_divergence, ev.max_logprob_diff or 0.0,
+                            ev.gap_nats, comparable=ev.deviation_nats is not None)
 
 
 def summarise(level: Level) -> None:
@@ -386,12 +395,14 @@ def summarise(level: Level) -> None:
     level.successes = len(passed)
     level.failures = len(level.per_request) - len(passed)
     level.errors = [" ".join(str(ev.error).split())[:300] for ev in level.per_request if not ev.passed][:3]
-    judged = [ev for ev in replies if ev.judged_by in ("exact", "noise")]
+    judged = [ev for ev in replies if ev.judged_by in ("exact", "form")]
     level.wrong_answers = sum(not ev.passed for ev in judged)
     level.identical = sum(ev.passed and ev.divergence is None for ev in judged)
     level.deviated = sum(ev.passed and ev.divergence is not None for ev in judged)
     level.widest_deviation_nats = max((ev.deviation_nats for ev in judged if ev.deviation_nats is not None),
                                       default=None)
+    formed = [ev for ev in judged if ev.judged_by == "form"]
+    level.movement = oracle.movement([_deviation(ev) for ev in formed]) if formed else None
     if passed:
         latencies = [ev.latency_s for ev in passed]
         level.p50_s = round(percentile(latencies, 50), 4)
@@ -411,7 +422,6 @@ def sweep(
     max_tokens: int = MAX_TOKENS,
     min_tokens: int | None = None,
     reference: answers.Reference | None = None,
-    noise_multiple: float = oracle.NOISE_MULTIPLE,
     progress: Callable[[str], None] | None = None,
     keep_going: bool = False,
     prompts: Sequence[str] | None = None,
@@ -422,28 +432,24 @@ def sweep(
 
     ``min_tokens``: every reply must carry at least this many completion tokens.
     ``reference``: every reply is judged by the oracle (bit for bit at
-    concurrency 1; above it within ``noise_multiple`` times the reference's
-    recorded noise of the same image's concurrency-1 reply); the reference's
-    prompts and max_tokens are used. Without it, ``prompts`` (default the
+    concurrency 1; above it by its form, its movement from the same image's
+    concurrency-1 reply measured); the reference's prompts and max_tokens
+    are used. Without it, ``prompts`` (default the
     fixed set) are asked, and ``replies`` keeps every reply as it came for a
     judge elsewhere (:mod:`.replies`: the host judges what a runner sent).
     """
-    tolerance = None
     if reference is not None:
         max_tokens = reference.max_tokens
-        answers.check_noise_multiple(noise_multiple)
-        tolerance = answers.tolerance(reference, noise_multiple)
     check_min_tokens(min_tokens, max_tokens)
     url = url.rstrip("/")
     model = model or first_model(url)
     asked = reference.prompts if reference is not None else tuple(prompts or PROMPTS)
     result = SweepResult(url, model, [], max_tokens=max_tokens, min_tokens=min_tokens, prompts=len(asked))
     if reference is not None:
-        result.reference = {**reference.summary(), "noise_multiple": noise_multiple, "tolerance_nats": tolerance}
+        result.reference = reference.summary()
     basis: dict[int, answers.Reply] = {}
     for c in levels:
-        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, tolerance, basis, asked,
-                          replies)
+        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, basis, asked, replies)
         result.levels.append(level)
         alive = watch.running() if watch is not None else True
         if progress is not None:
@@ -467,10 +473,11 @@ def format_level(level: Level) -> str:
 
     tps = f"{level.output_tokens_per_s:8.1f}" if level.output_tokens_per_s is not None else "       -"
     shortest = "-" if level.shortest_reply_tokens is None else str(level.shortest_reply_tokens)
-    judged = any(ev.judged_by in ("exact", "noise") for ev in level.per_request)
+    judged = any(ev.judged_by in ("exact", "form") for ev in level.per_request)
     widest = "-" if level.widest_deviation_nats is None else f"{level.widest_deviation_nats:.3g}"
-    answers_note = (f"  wrong answers {level.wrong_answers}, identical {level.identical}, within noise "
-                    f"{level.deviated} (widest {widest} nats)" if judged else "")
+    beyond = f", {level.movement['beyond_top_k']} beyond top-k" if level.movement else ""
+    answers_note = (f"  wrong answers {level.wrong_answers}, identical {level.identical}, moved "
+                    f"{level.deviated} (widest {widest} nats{beyond})" if judged else "")
     return (
         f"    concurrency {level.concurrency:>3}: {level.successes:>4}/{level.requests:<4} ok  "
         f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s  shortest reply {shortest} tok"
@@ -504,8 +511,9 @@ def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None)
     if min_tokens is not None:
         detail += f", every reply at least {min_tokens} token(s)"
     if result.reference is not None:
-        deviated = sum(lv.deviated for lv in result.levels if lv.concurrency != 1)
+        moved = [f"{lv.deviated} of {lv.requests} at {lv.concurrency}" for lv in result.levels if lv.concurrency != 1]
         detail += (f", every reply at concurrency 1 bitwise the reference answer ({result.reference['file']}) and "
-                   f"every reply above it within {result.reference['tolerance_nats']:.3g} nats of the same image's "
-                   f"concurrency-1 reply ({deviated} not bitwise equal)")
+                   f"every reply above it whole (status, length, finish reason, no NaN); moved from the same "
+                   f"image's concurrency-1 reply, measured and not judged: "
+                   f"{', '.join(moved) or 'no level above 1'}")
     return {"name": "serve-sweep", "status": "pass", "detail": detail}

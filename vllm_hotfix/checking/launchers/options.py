@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..oracle import NOISE_MULTIPLE
 from ..reference import Reference
 from ..sweep import DEFAULT_LEVELS
 
@@ -26,7 +25,6 @@ class SmokeOptions:
     min_tokens: int | None = None
     reference: Reference | None = None  # judge every reply against these answers
     record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
-    noise_multiple: float = NOISE_MULTIPLE  # tolerance above concurrency 1 = this x the recorded noise
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900

@@ -300,8 +300,7 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference
     return [check], evidence, None
 
 
-def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None,
-                 noise_multiple: float) -> Verdict:
+def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None) -> Verdict:
     """The runner's report with its serve-sweep judged here from the replies it sent back (:mod:`..replies`):
     against ``reference`` where there is one, else by status and length alone (a recording run included)."""
     report = launched.report
@@ -321,7 +320,7 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
     check, sweep = replies.rejudge(report.sweep, raw, reference, [int(c) for c in spec.get("levels") or []],
                                    int(spec.get("requests") or 0), prompts=len(spec.get("prompts") or PROMPTS),
                                    min_tokens=spec.get("min_tokens"),
-                                   noise_multiple=noise_multiple, keep_going=bool(spec.get("keep_going")))
+                                   keep_going=bool(spec.get("keep_going")))
     if said.status is Status.FAIL and check["status"] == "pass":
         # The runner's own failure (no server, a request refused) stands: the host found nothing to judge against it.
         return report
@@ -331,8 +330,8 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
 
 
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
-           started: str = "", seconds: float = 0.0, reference: Reference | None = None,
-           noise_multiple: float = oracle.NOISE_MULTIPLE) -> tuple[Verdict, Mapping[str, Any] | None]:
+           started: str = "", seconds: float = 0.0, reference: Reference | None = None
+           ) -> tuple[Verdict, Mapping[str, Any] | None]:
     """The host's verdict on what came back: the report judged, or the runner's failure to give one; and the
     per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
     against; None while recording)."""
@@ -341,7 +340,7 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
         return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
                                   started=started, seconds=seconds, gpu_facts=facts.gpu), None
     checks, evidence, levels = batch_check(job, launched, reference)
-    report = sweep_judged(job, launched, reference, noise_multiple)
+    report = sweep_judged(job, launched, reference)
     here = ["serve-sweep"] if report is not launched.report else []
     verdict = judging.host_verdict(job, report, judged_here=here, compiled_missing=facts.compiled_missing,
                                    base_imports=facts.base_imports, started=started, seconds=seconds,
@@ -356,7 +355,8 @@ def restamp(verdict: Verdict, reference: Reference, *, recorded: bool = False) -
     """The verdict naming the reference file as the host has it (path, sha256, levels): which file judged or was
     recorded by a run is the host's fact (the runner wrote its recording before the host added the per-level
     answers). A recording run, never judged against what it recorded, names it under ``recorded``."""
-    entry = {"file": reference.path, "sha256": reference.sha256, "levels": reference.summary()["levels"]}
+    entry = {"file": reference.path, "sha256": reference.sha256, "levels": reference.summary()["levels"],
+             "noise": reference.noise}
     if verdict.sweep is None:
         return verdict
     if recorded:
@@ -399,7 +399,7 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
                 say(exc.hint)
             launched = exc
     verdict, levels = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
-                             reference=options.reference, noise_multiple=options.noise_multiple)
+                             reference=options.reference)
     if options.reference is not None and isinstance(launched, Launched):
         from ..reference import refuse_other_settings
 

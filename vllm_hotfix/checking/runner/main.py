@@ -19,9 +19,9 @@ import the package from; or null); ``env_names``; ``pins`` (the pins_check spec,
 ``base_import_errors``, ``unavailable``: the ``gpu``
 check the host already settled, when no GPU request reaches this image);
 ``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
-``min_tokens``, ``keep_going``, ``reference`` (the reference answers file's
-content, its sha256 inside), ``record`` (record the answers first; they come
-back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`), ``noise_multiple``,
+``min_tokens``, ``keep_going``, ``prompts`` and ``max_tokens`` (the
+reference's: never its answers), ``record`` (record the answers first; they come
+back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`),
 ``overlap`` (start the server while the GPU checks run), ``batches`` (the
 fixed-batch probe's spec, :func:`vllm_hotfix.checking.fixed_batches.job_part`:
 its raw replies come back after :data:`~vllm_hotfix.checking.runner.BATCHES_MARK`
