@@ -24,7 +24,7 @@ from ..journal import leftovers, records
 from ..registry import refs
 from ..registry.pulling import PULL_POLICIES, resolve
 from ..verdicts import Status, Verdict, require_pass
-from . import base, definitions, platforms, render, sources
+from . import base, definitions, platforms, render, seen_bases, sources
 from . import patches as patchlib
 from .builders import BuildJob, builder, known_builder
 from .platforms import Platform, child_ref
@@ -208,14 +208,20 @@ def prepare(engine: Engine, p: Plan, info: ImageInfo, opts: BuildOptions) -> Pat
     return Patched(facts, files, applied, _pins(engine, p, facts, opts.wheelhouse, say))
 
 
-def render_only(engine: Engine, p: Plan, opts: BuildOptions | None = None, platform: Platform | None = None
-                ) -> str | NoHotfix:
+def render_only(engine: Engine, p: Plan, opts: BuildOptions | None = None, platform: Platform | None = None,
+                seen: ImageInfo | None = None) -> str | NoHotfix:
     """The Dockerfile ``image`` would build (for one ``platform`` of the base); builds nothing.
 
-    Pinned wheels are fetched: they are inputs.
+    Pinned wheels are fetched: they are inputs. ``seen``: the base as this host last saw it
+    (:mod:`.seen_bases`), for a render with no engine reachable.
     """
     opts = opts or BuildOptions()
     _check_builder(p, opts.builder)
+    if seen is not None:
+        done = prepare(engine, p, seen, opts)
+        if isinstance(done, NoHotfix):
+            return done
+        return render.render(p.template, p.definition, done.facts, done.files, done.applied, done.pinned)
     if platform is not None:
         platforms.require_engine(engine, platform)
         chosen = platforms.bases(engine, p.base_ref, [platform], opts.pull, asked=True,
@@ -280,6 +286,9 @@ def _resolve_base(engine: Engine, p: Plan, opts: BuildOptions, platform: Platfor
         info = base_info
     else:
         info = resolve(engine, p.base_ref, opts.pull, say, str(platform) if platform else None)
+        if platform is None:
+            # What a later render with no engine reachable starts from (the platform's own base is another ref).
+            seen_bases.remember(sources.cache_dir(p.root), p.base_ref, info)
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")

@@ -146,12 +146,31 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
     `image` sends to the engine as the build context; render writes no context,
     so `docker build` of this text alone fails: build with `image`.
     """
-    from ..building import pipeline
+    from ..building import pipeline, seen_bases, sources
+    from ..errors import EngineError, EngineLost
 
     plan = pipeline.plan(obj.root, base_tag, base_repo)
     plat = one_platform(platform_text)
     options = pipeline.BuildOptions(pull=pull, wheelhouse=wheelhouse, progress=progress)
-    dockerfile = pipeline.render_only(obj.engine, plan, options, plat)
+    engine: Any = obj.engine
+    seen = None
+    try:
+        engine.ping()
+    except EngineLost:
+        raise
+    except EngineError as exc:
+        # No engine: the base as this host last saw it, and the facts cache of that image, or the engine's error.
+        found = seen_bases.recall(sources.cache_dir(obj.root), plan.base_ref)
+        if found is None or plat is not None:
+            raise EngineError(f"{exc}; and this host has no cached description of {plan.base_ref} to render from"
+                              + (" (--platform needs the engine's index)" if plat is not None else ""),
+                              hint="render it once where an engine answers; after that it renders without one"
+                              ) from None
+        seen, when = found
+        progress(f"==> no engine answers: rendering from this host's description of {plan.base_ref} "
+                 f"({seen.id[:19]}, seen {when}) and its cached files")
+        engine = seen_bases.NoEngine(exc, plan.base_ref)
+    dockerfile = pipeline.render_only(engine, plan, options, plat, seen=seen)
     if isinstance(dockerfile, pipeline.NoHotfix):
         progress(dockerfile.message())
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -28,9 +29,13 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
 @click.option("--attestation", "attestation_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               multiple=True, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
                                   "attached beside the image. Repeatable.")
+@click.option("--dry-run", is_flag=True,
+              help="Judge as a push does (the gate, the files re-read from the layers) and say what would be "
+                   "pushed and attached; push, tag, attach and record nothing.")
 @click.pass_obj
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
-         platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...]) -> None:
+         platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...],
+         dry_run: bool) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from ..building import platforms
     from ..registry import refs
@@ -43,7 +48,10 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
         pushlib.plain_selection(obj.engine, obj.root, image_ref)
     if platform_text is not None or plats is not None:
         index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
-                                   progress=progress)
+                                   progress=progress, dry_run=dry_run)
+        if dry_run:
+            _say_dry_run(as_json, {"ref": index.ref, "children": index.children})
+            return
         if as_json:
             print_json({"ref": index.ref, "digest": index.digest, "media_type": index.media_type,
                    "children": index.children})
@@ -55,14 +63,37 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
     from ..journal.records import registry_digest
     from ..registry.pulling import pull_missing
 
-    # Made in its registry (image --in-registry) and smoked elsewhere: pulled by digest.
-    pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress, index=False)
-    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress)
+    # Made in its registry (image --in-registry) and smoked elsewhere: pulled by digest (not in a dry run).
+    if not dry_run:
+        pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress, index=False)
+    pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress,
+                          dry_run=dry_run)
+    if dry_run:
+        _say_dry_run(as_json, {"ref": pushed.ref, "image_id": pushed.image_id, "verdict": pushed.verdict,
+                               "gpu_verified": pushed.gpu_verified, "attestations": list(pushed.attestations)})
+        return
     if as_json:
         print_json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,
                "attestations": list(pushed.attestations)})
         return
     click.echo(f"pushed {pushed.ref} {pushed.digest}")
+
+
+def _say_dry_run(as_json: bool, plan: dict[str, Any]) -> None:
+    """What a push would do, as the last lines (or one JSON object); it did none of it."""
+    if as_json:
+        print_json({"dry_run": True, **plan})
+        return
+    for one in plan.get("children") or [plan]:
+        attached = one["attestations"]
+        names = attached.split(",") if isinstance(attached, str) else attached
+        gpu = one["gpu_verified"] in (True, "true")
+        click.echo(f"would push {one['image_id']} as {one['ref']} (let through by {one['verdict']}, "
+                   f"{'GPU-verified' if gpu else 'GPU-unverified'}) and attach "
+                   f"{len([n for n in names if n])} signed verdict(s){': ' + ', '.join(names) if any(names) else ''}")
+    if plan.get("children"):
+        click.echo(f"would put an index over them at {plan['ref']}")
+    click.echo("dry run: nothing was pushed, tagged, attached or recorded")
 
 
 @main.command()

@@ -58,6 +58,8 @@ class Pushed:
     image_id: str
     verdict: str  # the journal entry (or signed verdict) that let it through
     attestations: tuple[str, ...] = ()  # digests of the signed verdicts attached beside it
+    dry_run: bool = False  # nothing was pushed: ``digest`` is empty, ``attestations`` the files it would attach
+    gpu_verified: bool = False
 
 
 def target_ref(image_ref: str, registry: str) -> str:
@@ -228,6 +230,11 @@ class Gate:
         entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
         return Clearance(entry.path.name, entry.verdict.gpu_verified)
 
+    def would_attach(self, root: Path, info: ImageInfo) -> list[Path]:
+        """The signed verdicts :meth:`attach` puts beside the image: those kept for it and those given."""
+        extra = [path for path in self.attestations if attest.names(path, info.id)]
+        return list(dict.fromkeys([*attest.kept(root, info.id), *extra]))
+
     def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
                say: Callable[[str], None]) -> list[str]:
         """Put the image's signed verdicts beside it in the registry."""
@@ -262,8 +269,12 @@ def push(
     policy: Gate | None = None,
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
+    dry_run: bool = False,
 ) -> Pushed:
-    """Gate, re-check the landed files, push, confirm the digest, attach signed verdicts, record the push."""
+    """Gate, re-check the landed files, push, confirm the digest, attach signed verdicts, record the push.
+
+    ``dry_run``: the gate and the re-check only (both read, neither writes); what would be pushed and attached is
+    returned, and nothing is tagged, pushed, attached or recorded."""
     say = progress or (lambda _line: None)
     policy = policy or Gate()
     target = target_ref(image_ref, registry)
@@ -281,6 +292,9 @@ def push(
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
+    if dry_run:
+        return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
+                      dry_run=True, gpu_verified=verdict.gpu_verified)
     digest = _push_one(engine, root, info, target, attempts, say)
     attached = policy.attach(engine, root, info, target, digest, say)
     try:
@@ -294,7 +308,7 @@ def push(
             f"{target} landed in the registry as {digest}, but the push could not be recorded: {exc}",
             hint="free or fix the records folder; the registry already holds the image",
         ) from exc
-    return Pushed(target, digest, info.id, verdict.source, tuple(attached))
+    return Pushed(target, digest, info.id, verdict.source, tuple(attached), gpu_verified=verdict.gpu_verified)
 
 
 def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts: int,
@@ -408,8 +422,11 @@ def push_index(
     policy: Gate | None = None,
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
+    dry_run: bool = False,
 ) -> PushedIndex:
     """Push each platform's image as ``TAG-<machine>`` and one index over them as ``TAG``.
+
+    ``dry_run``: every gate and re-check, then what would be pushed; nothing is tagged, pushed or recorded.
 
     Every platform's image must pass the gate (and the landed re-check)
     before anything is pushed: an index is never put over an untested image.
@@ -433,6 +450,12 @@ def push_index(
     repo, _ = split_reference(target)
     children: list[dict[str, str]] = []
     entries: list[tuple[str, str, str, str]] = []
+    if dry_run:
+        children = [{"platform": str(plat), "image_id": info.id, "ref": child_ref(target, plat), "digest": "",
+                     "verdict": verdicts[plat].source, "gpu_verified": str(verdicts[plat].gpu_verified).lower(),
+                     "attestations": ",".join(p.name for p in policy.would_attach(root, info))}
+                    for plat, info in found]
+        return PushedIndex(target, "", "", children)
     for plat, info in found:
         child_target = child_ref(target, plat)
         digest = _push_one(engine, root, info, child_target, attempts, say)
