@@ -22,7 +22,8 @@ def test_render_without_an_engine_from_the_base_seen_before(engine: Engine, base
     offline = cli("render", "--definition", "v0.25.1", "--pull", "never", root=project, env=NO_ENGINE)
     assert offline.rc == 0, offline.err
     assert offline.out == online.out  # the same Dockerfile, byte for byte
-    assert f"==> no engine answers: rendering from this host's description of {base_v0251}" in offline.err
+    assert "==> no engine answers: rendering from this host's description of " in offline.err
+    assert f"({base_v0251[:19]}, seen 20" in offline.err
     described = list((project / "build" / "cache" / "refs").glob("*/index/description.json"))
     assert len(described) == 1
     # A description this host did not write (its MAC no longer matches) is not one to render from.
@@ -34,7 +35,7 @@ def test_render_without_an_engine_from_the_base_seen_before(engine: Engine, base
     forged = cli("render", "--definition", "v0.25.1", "--pull", "never", root=project, env=NO_ENGINE)
     assert forged.rc == 5, forged.err
     assert "no Docker engine answers" in forged.last_error
-    assert f"this host has no cached description of {base_v0251} to render from" in forged.last_error
+    assert "this host has no cached description of " in forged.last_error
     assert "hint: render it once where an engine answers" in forged.err
     # The description alone is not enough: without the facts cache of that image the run says what is missing.
     shutil.rmtree(project / "build" / "cache" / "refs")
