@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import requests
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 import registry_proxy
 from conftest import REPO, RUN_ID, Registry, RegistryPlace, cli, derive, docker_cli, fails
@@ -32,6 +34,7 @@ from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.registry import layerscan
 from vllm_hotfix.registry import remote as regbase
+from vllm_hotfix.trust import attest, referrers
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer.py"
@@ -477,9 +480,50 @@ def test_an_image_made_in_the_registry_is_proven_on_another_host_by_its_base_in_
     assert r.rc == 0, r.err
     assert "pass layer-identity: its 1 layer(s) over base" in r.err, r.err
     assert f"definition v0.25.1: {repo}:v0.25.1 in the engine" in r.err
-    # The same image judged against another repository's base is not found there: refused, nothing run.
-    r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", f"{registry.place}/nowhere", root=elsewhere)
-    assert r.rc == 14 and "cannot be pulled" in r.last_error, r.err
+    # Judged against another repository, where the base is not: this host cannot find it, which says nothing of the
+    # image. Incomplete (11), nothing signed, nothing attached; a verdict of the host's fault never outranks a pass.
+    key = tmp_path / "site.key"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
+    envelope = tmp_path / "verdict.dsse.json"
+    r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", f"{registry.place}/nowhere", "--sign-key", str(key),
+            "--attestation", str(envelope), root=elsewhere)
+    assert r.rc == 11 and "cannot be pulled" in r.err and "incomplete" in r.last_error, r.err
+    assert "signed verdict" not in r.err and not envelope.exists()
+    assert not attest.kept(elsewhere, image["image_id"])
+    assert not any(t.startswith(referrers.fallback_tag(image["digest"])) for t in tags(registry, "staging/vllm-openai"))
+    assert sorted(v.verdict.status.value for v in records.verdicts(elsewhere, image["image_id"])) == \
+        ["incomplete", "pass"]  # journalled as the host's record, never signed
+
+
+def test_an_image_made_in_the_registry_is_proven_on_its_build_host_without_its_base_in_the_engine(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, unique: str) -> None:
+    """The host that made the image in the registry never had the base in its engine: its smoke pulls the base the
+    build read (by the digest the build record names), as a second host does, and proves the image; it never signs
+    "no longer in the engine" (it never was)."""
+    repo = f"{registry.place}/vllm/only-there-{unique}"
+    own = derive(engine, base_v0251, f"{repo}:v0.25.1", f"LABEL io.vllm-hotfix.test-base={unique}")
+    engine.push(f"{repo}:v0.25.1")
+    engine.remove_image(f"{repo}:v0.25.1")
+    assert engine.image(own) is None  # the registry alone holds the base now
+    out = made.add(f"{registry.place}/staging/only-there-{unique}:v0.25.1-m3patch")
+    [image] = in_registry(project, repo, out)["images"]
+    made.add(f"{registry.place}/staging/only-there-{unique}@{image['digest']}")
+    [build] = records.builds_of_image(project, image["image_id"])
+    assert build.data["base"]["id"] == own
+    r = cli("smoke", out, "--gpu", "off", root=project)
+    try:
+        assert r.rc == 0, r.err
+        assert "pass layer-identity" in r.err and "pulled from its registry" in r.err, r.err
+        assert engine.image(own) is not None
+        # The same with --base-repo naming the base's repository.
+        engine.remove_image(own)
+        r = cli("smoke", out, "--gpu", "off", "--base-repo", repo, root=project)
+        assert r.rc == 0 and "pass layer-identity" in r.err, r.err
+    finally:
+        if engine.image(own) is not None:
+            engine.remove_image(own)
 
 
 def test_a_second_vllm_in_a_newer_layer_is_patched_there_and_smoke_refuses_the_image(

@@ -11,7 +11,11 @@ the builder writes, from facts the host finds itself:
   host built it), else the definition's base reference (``--base-repo``
   may name another repository) in the engine, pulled by that name when the
   engine lacks it (the layers came with the image, so only its config
-  travels). Never an image label: a label is data the image chose.
+  travels). A base the build record names that the engine lacks (built in
+  the registry, or removed since) is pulled as a second host pulls it.
+  Never an image label: a label is data the image chose. A base this host
+  cannot find, pull or read leaves the check incomplete (exit 11, nothing
+  signed): that is the host's shortcoming, not a fact about the image.
 * **the layers**: the image's diff IDs must begin with the base's, and the
   layers above are read whole where the image is started (:mod:`.layer_read`:
   the engine's or podman's overlay folders, a ``save`` export, a registry's
@@ -48,7 +52,7 @@ from ..building.assemble import CONFIG_FIELDS, layer_entries
 from ..building.bytecode import every_name
 from ..engine import Engine, ImageInfo
 from ..engine import labels as L
-from ..errors import BaseImageError, DefinitionError, PatchError, PinError, PipelineError
+from ..errors import BaseImageError, DefinitionError, PatchError, PinError, PipelineError, SmokeIncomplete
 from ..journal import records
 from ..tarball import Entry
 from ..verdicts import IDENTITY
@@ -113,7 +117,7 @@ class Base:
 class Outcome:
     """The identity check as the host settled it; ``base`` None where no base could be found."""
 
-    status: str  # pass, fail, skip; incomplete where this host has no engine to find the base in
+    status: str  # pass, fail, skip; incomplete where this host could not find, pull or read the base
     detail: str
     base: Base | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
@@ -134,16 +138,38 @@ def _names_registry(ref: str) -> bool:
     return bool(slash) and ("." in first or ":" in first or first == "localhost")
 
 
+def _pulled(engine: Engine, refs: list[str], base_id: str) -> tuple[ImageInfo | None, list[str]]:
+    """The base ``base_id`` pulled by the first of ``refs`` (each naming its registry) that gives it, as a
+    second host finds it; with what each other reference gave."""
+    tried: list[str] = []
+    for ref in dict.fromkeys(r for r in refs if r and _names_registry(r)):
+        try:
+            engine.pull(ref)
+        except PipelineError as exc:
+            tried.append(f"{ref}: {str(exc).splitlines()[0]}")
+            continue
+        found = engine.image(base_id)
+        if found is not None:
+            return found, tried
+        other = engine.image(ref)
+        tried.append(f"{ref} is {other.id[:19] if other is not None else 'another image'}")
+    return None, tried
+
+
 def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | None, base_repo: str | None,
               built_on: str | None = None) -> Base:
     """The image's base as this host knows it: the build's (``built_on``, or this host's build record), else the
-    definition's base reference in the engine, pulled by that name where missing. Raises PipelineError."""
+    definition's base reference in the engine, pulled by that name where missing. A base the build names that
+    this engine lacks is pulled from its registry (by the digest the build read it by, else by its reference or
+    the definition's), as a second host pulls it. Raises SmokeIncomplete where the base cannot be found, pulled
+    or read (the host's shortcoming, never the image's), BaseImageError where the image cannot be placed."""
     entries = records.builds_of_image(root, image.id)
     tag = definition
     base_id = built_on or ""
     how = "this build"
+    recorded: Mapping[str, Any] = dict(entries[0].data.get("base") or {}) if entries else {}
     if not base_id and entries:
-        base_id = str((entries[0].data.get("base") or {}).get("id", ""))
+        base_id = str(recorded.get("id", ""))
         how = f"build record {entries[0].path.name}"
         tag = tag or str((entries[0].data.get("inputs") or {}).get("definition", ""))
     # The definition the image claims chooses which patch set it must be the product of, never its base.
@@ -158,20 +184,31 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     ref = defn.base_ref(base_repo)
     if base_id:
         found = engine.image(base_id)
+        if found is not None:
+            return Base(found, ref, how, defn)
+        # Built here from a registry's base (image --in-registry), or the base removed since: pulled as a second
+        # host pulls it, and taken only where the pull gave the very base the build read.
+        where = [str(recorded.get("digest") or ""), str(recorded.get("ref") or "")] if recorded.get("id") == base_id \
+            else []
+        found, tried = _pulled(engine, [*where, ref], base_id)
         if found is None:
-            raise BaseImageError(f"base {base_id[:19]} ({how}) is no longer in the engine")
-        return Base(found, ref, how, defn)
+            raise SmokeIncomplete(f"base {base_id[:19]} ({how}) is not in the engine and was not pulled"
+                                  + (f" ({'; '.join(tried)})" if tried else f": {ref} names no registry to pull from")
+                                  + ": the image cannot be compared with it",
+                                  hint="pull the base, or name the registry that holds it with --base-repo")
+        return Base(found, ref, f"{how}, pulled from its registry", defn)
     found = engine.image(ref)
     if found is None and _names_registry(ref):
         try:
             engine.pull(ref)
         except PipelineError as exc:
-            raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine and cannot be pulled: "
-                                f"{exc}") from None
+            raise SmokeIncomplete(f"base {ref} (definition {tag}) is not in the engine and cannot be pulled: "
+                                  f"{exc}", hint="pull the base, or name the registry that holds it with "
+                                                 "--base-repo") from None
         found = engine.image(ref)
     if found is None:
-        raise BaseImageError(f"base {ref} (definition {tag}) is not in the engine: the image cannot be compared "
-                            "with it (pull it, or name its repository with --base-repo)")
+        raise SmokeIncomplete(f"base {ref} (definition {tag}) is not in the engine: the image cannot be compared "
+                              "with it (pull it, or name its repository with --base-repo)")
     return Base(found, ref, f"definition {tag}: {ref} in the engine", defn)
 
 
@@ -210,6 +247,9 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     where the image is started, podman's store or a registry, the image)."""
     try:
         base = find_base(engine, root, image, definition, base_repo, built_on)
+    except SmokeIncomplete as exc:
+        # The host could not find, pull or read the base: nothing is known of the image, so nothing is signed.
+        return Outcome("incomplete", f"no base to compare it with: {exc}")
     except PipelineError as exc:
         return Outcome("fail", f"no base to compare it with: {exc}", data={"first_difference": str(exc)})
     data: dict[str, Any] = {"base_id": base.info.id, "base_found_by": base.how}
@@ -218,8 +258,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
                                  sources.cache_dir(root)) as reader:
             python_path = reader.locate([])[0].sys_path
     except PipelineError as exc:
-        return Outcome("fail", f"base {base.info.id[:19]} ({base.how}) cannot be read: {exc}", base,
-                       {**data, "first_difference": str(exc)})
+        return Outcome("incomplete", f"base {base.info.id[:19]} ({base.how}) cannot be read: {exc}", base, data)
     if base.info.id == image.id:
         return Outcome("skip", f"the image is the definition's base itself ({base.how}): nothing built over it",
                        base, data, python_path)

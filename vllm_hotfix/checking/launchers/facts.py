@@ -113,7 +113,7 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     (:mod:`..identity`), whatever the journal says.
     """
     proven = identity.prove(engine, root, image, say=say)
-    if proven.status == "fail":
+    if proven.status in ("fail", "incomplete"):  # a base not found here proves nothing either way: no push
         return f"{identity.CHECK}: {proven.detail}"
     try:
         found = expected.for_image(engine, root, image, base_id=proven.base_id or None,

@@ -228,10 +228,12 @@ def unanswered(job: Mapping[str, Any], status: str, why: str, *, started: str = 
 def not_its_product(job: Mapping[str, Any], identity: Mapping[str, Any], *, started: str = "",
                     seconds: float = 0.0) -> Verdict:
     """The verdict on an image the host refused before any check ran: its failing ``layer-identity`` check alone
-    (nothing of the image was run, so nothing else was judged)."""
+    (nothing of the image was run, so nothing else was judged); incomplete where that check could not be made."""
     spec = job.get("gpu") or {}
+    why = ("its base could not be found here: nothing ran" if identity.get("status") == "incomplete"
+           else "not its definition's product: nothing ran")
     return judge(str(job.get("image", "")), str(job.get("image_id", "")), [as_check(dict(identity), 0.0, "check")],
                  gpu_verified=False, platform=str(job.get("platform", "")), started=started, seconds=seconds,
                  expected_from="", gpu={"mode": str(spec.get("mode", "auto")), "verified": False,
-                                        "why_unverified": "not its definition's product: nothing ran"},
+                                        "why_unverified": why},
                  host=dict(job.get("host") or {}))
