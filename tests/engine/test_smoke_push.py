@@ -15,12 +15,14 @@ import subprocess
 import sys
 import threading
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import REPO, Product, RegistryPlace, cli, derive, fails, requests_layer
+from vllm_hotfix.checking import compile_cache
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Status
@@ -160,6 +162,29 @@ def test_gpu_require_without_gpu_is_incomplete_not_a_failure(built: tuple[Path, 
     assert r.rc == 0 and r.out.strip() == f"reused {ref} {image_id}", r.err
 
 
+def test_an_untrusted_run_reads_the_base_cache_and_writes_only_its_private_layer(
+        engine: Engine, base_v0251: str, tmp_path: Path) -> None:
+    """The overlay the engine mounts: the container reads the shared folder's kernels, and what it writes or
+    changes (a planted kernel, one overwritten) lands in its private layer, removed with the run."""
+    shared = compile_cache.folder(tmp_path, "sha256:" + "e" * 64, base_v0251, ["NVIDIA H200"])
+    (shared.host / "triton").mkdir()
+    (shared.host / "triton" / "kernel.cubin").write_text("the base's kernel")
+    layered = replace(shared, access=compile_cache.LAYERED)
+    with compile_cache.given(engine, layered) as mounted:
+        assert mounted.mount[0] != str(shared.host)
+        done = engine.run(base_v0251, ["sh", "-c", "cat /root/.cache/triton/kernel.cubin; echo; "
+                                                   "echo planted > /root/.cache/triton/kernel.cubin; "
+                                                   "echo new > /root/.cache/triton/other.cubin; "
+                                                   "cat /root/.cache/triton/kernel.cubin"],
+                          writable=[mounted.mount], timeout=60)
+        assert done.exit_code == 0 and done.stdout.split() == ["the", "base's", "kernel", "planted"], done
+        volume = mounted.mount[0]
+    assert (shared.host / "triton" / "kernel.cubin").read_text() == "the base's kernel"
+    assert sorted(p.name for p in (shared.host / "triton").iterdir()) == ["kernel.cubin"]
+    assert not list((tmp_path / "compile" / "private").iterdir())
+    assert not engine.sdk.volumes.list(filters={"name": volume})
+
+
 @pytest.mark.parametrize("die", [False, True])
 def test_smoke_serve_sweep_uses_the_image_entrypoint(
     engine: Engine, base_v0251: str, project: Path, tmp_path: Path, unique: str, die: bool
@@ -196,10 +221,21 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
             assert cache["base_id"] == base_id.removeprefix("sha256:") and cache["gpu"] == "no-gpu"
             assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
+            # Its first run: no passing verdict here yet, so the base's cache read-only under a private layer; what
+            # its server wrote went to that layer, gone with the run.
+            assert cache["access"] == "layered" and "read-only under a private layer" in r.err
             starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
-            assert starts.read_text().count("started") >= 1
+            before = starts.read_text() if starts.exists() else ""
+            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
+            # Passed now: its next run writes the base's cache in place.
+            r = cli("smoke", served, "--serve-model", str(model), "--concurrency", "1", "--requests", "2",
+                    "--report", str(tmp_path / "r2.json"), root=project)
+            assert r.rc == 0, r.err
+            assert json.loads((tmp_path / "r2.json").read_text())["environment"]["compile_cache"]["access"] == "shared"
+            assert starts.read_text().count("started") == before.count("started") + 1
             # The oracle's settings reached the server: prefix caching off, batch-invariant mode on.
             assert "started prefix_caching=False VLLM_BATCH_INVARIANT=1" in starts.read_text()
+            shared_after = starts.read_text()
             # Recording from this image: its server answers, but a stand-in has no engine (no torch) for the
             # per-level answers under fixed batches, so the run fails on exact-levels and nothing is written.
             answers = tmp_path / "answers.json"
@@ -208,6 +244,10 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
                     root=project)
             assert r.rc == 7 and "no per-level answers under fixed batches came back" in r.err, r.err
             assert not answers.exists()
+            # A recording shares no cache: a folder of its own, removed after the run; the shared one untouched.
+            assert json.loads((tmp_path / "rec.json").read_text())["environment"]["compile_cache"]["access"] == \
+                "private"
+            assert starts.read_text() == shared_after
             checks = {c["name"]: c for c in json.loads((tmp_path / "rec.json").read_text())["checks"]}
             assert checks["serve-sweep"]["status"] == "pass"
             assert checks["exact-levels"]["status"] == "fail"

@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,28 @@ def test_an_unwritable_cache_root_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "compile").write_text("a file where the folder should be")
     with pytest.raises(SmokeError, match="cannot make the compile cache folder"):
         compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+
+
+def test_only_a_trusted_run_writes_the_shared_folder_and_a_recording_shares_none() -> None:
+    assert compile_cache.access(trusted=True, recording=False) == compile_cache.SHARED
+    assert compile_cache.access(trusted=False, recording=False) == compile_cache.LAYERED
+    assert compile_cache.access(trusted=True, recording=True) == compile_cache.PRIVATE
+    assert compile_cache.access(trusted=False, recording=True) == compile_cache.PRIVATE
+
+
+def test_a_recordings_folder_is_its_own_and_gone_after_the_run(tmp_path: Path) -> None:
+    shared = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+    (shared.host / "kernel.bin").write_bytes(b"another image's")
+    private = replace(shared, access=compile_cache.PRIVATE)
+    with compile_cache.given(None, private) as mounted:  # type: ignore[arg-type]  # no engine asked
+        own = Path(mounted.mount[0])
+        assert own != shared.host and own.is_dir() and not list(own.iterdir())
+        assert mounted.to_dict()["access"] == "private" and mounted.mount[1] == "/root/.cache"
+        (own / "written").write_text("x")
+    assert not own.exists() and not list((tmp_path / "compile" / "private").iterdir())
+    assert [p.name for p in shared.host.iterdir()] == ["kernel.bin"]
+    with compile_cache.given(None, shared) as mounted:  # type: ignore[arg-type]
+        assert mounted.mount == (str(shared.host), "/root/.cache")
 
 
 def test_a_bad_image_id_is_refused() -> None:

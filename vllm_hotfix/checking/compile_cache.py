@@ -22,6 +22,17 @@ user of the host cannot reach the kernels; the leaf is writable by anyone
 (0777) because the container's user may be mapped to another host user (a
 user-namespaced engine), and Triton fails a server start on an unwritable
 cache.
+
+Triton's and inductor's artifacts are loaded as they are found, so the
+folder is a write channel from one run to every later one: only a run that
+is trusted writes it in place (``shared``): the base itself, or an image
+this host already passed. Any other image (``layered``) sees the folder
+read-only under a private writable layer (an overlay volume the engine
+mounts: reads are the folder's, writes land in a private folder removed
+after the run), so it starts as warm as before and leaves nothing behind.
+A ``--record-reference`` run (``private``) gets an empty folder of its
+own, removed after the run: the answers every later run is judged by come
+from nothing another image wrote, and leave nothing for another image.
 """
 
 from __future__ import annotations
@@ -29,11 +40,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..engine import Engine
 from ..errors import SmokeError
+from ..journal import leftovers
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +68,28 @@ NO_GPU = "no-gpu"
 _IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
 
 
+# How a run gets the folder (see the module's doc).
+SHARED = "shared"  # written in place: the base itself, or an image with a passing verdict here
+LAYERED = "layered"  # read-only under a private writable layer, removed after the run: an image not yet trusted
+PRIVATE = "private"  # an empty folder of its own, removed after the run: a recording
+
+
+def access(*, trusted: bool, recording: bool) -> str:
+    """How a run gets the cache: a recording never shares one; only a trusted image writes the shared one."""
+    if recording:
+        return PRIVATE
+    return SHARED if trusted else LAYERED
+
+
 @dataclass(frozen=True, slots=True)
 class CompileCache:
-    """One cache folder: where it is on the host, and what it is keyed by."""
+    """One cache folder: where it is on the host, what it is keyed by, and how a run gets it."""
 
     host: Path
     base_id: str  # hex, without "sha256:"
     gpu: str  # the GPU model slug
+    access: str = SHARED
+    source: str = ""  # what the container mounts: the folder itself, or the overlay volume's name (given())
 
     @property
     def env(self) -> dict[str, str]:
@@ -66,10 +97,44 @@ class CompileCache:
 
     @property
     def mount(self) -> tuple[str, str]:
-        return (str(self.host), CONTAINER_ROOT)
+        return (self.source or str(self.host), CONTAINER_ROOT)
 
     def to_dict(self) -> dict[str, str]:
-        return {"host": str(self.host), "container": CONTAINER_ROOT, "base_id": self.base_id, "gpu": self.gpu}
+        return {"host": str(self.host), "container": CONTAINER_ROOT, "base_id": self.base_id, "gpu": self.gpu,
+                "access": self.access}
+
+
+PRIVATE_DIR = "private"  # under compile/: the private layers and folders of runs, each removed after its run
+
+
+@contextmanager
+def given(engine: Engine, cache: CompileCache) -> Iterator[CompileCache]:
+    """``cache`` as its run mounts it (:attr:`CompileCache.mount`): the shared folder itself; else a private
+    folder beside it (the writable layer over it, or the recording's own), removed on leaving, with the shared
+    folder only ever read. A killed run's private folder is removed by the next run that makes one."""
+    if cache.access == SHARED:
+        yield cache
+        return
+    scratch_root = cache.host.parent.parent / PRIVATE_DIR
+    try:
+        scratch_root.mkdir(mode=0o700, exist_ok=True)
+        leftovers.sweep_staging(scratch_root)
+        scratch = Path(tempfile.mkdtemp(prefix=leftovers.staging_prefix(), dir=scratch_root))
+        upper, work = scratch / "upper", scratch / "work"
+        upper.mkdir()
+        work.mkdir()
+        os.chmod(upper, 0o777)  # as the shared leaf: the container's user may be another host user
+    except OSError as exc:
+        raise SmokeError(f"cannot make a private compile cache folder in {scratch_root}: {exc.strerror or exc}",
+                         hint="set VLLM_HOTFIX_CACHE to a folder this user can write") from exc
+    try:
+        if cache.access == PRIVATE:
+            yield replace(cache, host=upper, source=str(upper))
+        else:
+            with engine.overlay_volume(cache.host, upper, work) as volume:
+                yield replace(cache, source=volume)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def base_key(image_id: str, base_id: str | None) -> str:

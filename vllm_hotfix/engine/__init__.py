@@ -11,6 +11,7 @@ package's parts:
 - :mod:`.registry_errors`: a registry's failure told apart: transient (tried again), unreachable, or final;
 - :mod:`.dockerconfig`: references, stored logins, registries the engine trusts without TLS;
 - :mod:`.labels`: every label key the tool uses, and the labels its containers get;
+- :mod:`.volumes`: overlay volumes, a host folder a container reads whole but writes only to a private layer;
 - :mod:`.model`: the data the engine's answers become.
 
 Every engine call goes through the Docker SDK. Importing this package does

@@ -23,11 +23,12 @@ import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse
 
 from ..errors import BuildError, EngineError, EngineLost, PipelineError, PushError
-from . import containers, dockerconfig, labels, registry_errors, streams
+from . import containers, dockerconfig, labels, registry_errors, streams, volumes
 from . import files as layers
 from .mapping import Refused, short, status, translating
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
@@ -421,6 +422,11 @@ class Engine:
         return containers.run(self, image, argv, files=files, files_at=files_at, gpu=gpu, network=network,
                               timeout=timeout, env=env, writable=writable, mounts=mounts, follow=follow,
                               shm_size=shm_size)
+
+    def overlay_volume(self, lower: Path, upper: Path, work: Path) -> AbstractContextManager[str]:
+        """A volume of ``lower`` read-only under the private writable ``upper`` (:func:`.volumes.overlay`), by name;
+        give it to :meth:`run` in ``writable`` as a host folder would be."""
+        return volumes.overlay(self, lower, upper, work)
 
     def read_files(self, image: str, paths: Sequence[str],
                    keep: Callable[[str], bool] = lambda _p: False) -> layers.Tree:

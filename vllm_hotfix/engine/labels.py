@@ -54,6 +54,20 @@ def owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def owner_gone(owner_label: str) -> bool:
+    """Whether ``owner_label`` (host:pid) names a process of this host that is no longer running."""
+    host, _, pid = owner_label.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def for_container(role: str) -> dict[str, str]:
     """Labels for a container we start (``probe``, ``smoke``, ``serve``), so leaks can be found by owner.
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..engine import Engine
+from ..engine import Engine, labels
 from ..engine.labels import owner
 from ..errors import PipelineError
 from .atomic import write_atomic
@@ -84,8 +83,7 @@ def sweep_staging(folder: Path | None = None) -> int:
 
 
 def _dead_here(owner_label: str) -> bool:
-    host, _, pid = owner_label.rpartition(":")
-    return host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
+    return labels.owner_gone(owner_label)
 
 
 class Pending:

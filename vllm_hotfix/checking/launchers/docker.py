@@ -18,6 +18,7 @@ second image of the same base starts warm.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -146,15 +147,20 @@ class DockerRun:
                                                        self.opt.gpu_request, self.opt.python, self.say)
         return self._access[image.id]
 
-    def compile_cache(self, image: ImageInfo) -> compile_cache.CompileCache | None:
-        """The compile cache folder of the image's base on the GPU model in use (None: not kept)."""
+    def compile_cache(self, image: ImageInfo, *, is_base: bool = False) -> compile_cache.CompileCache | None:
+        """The compile cache folder of the image's base on the GPU model in use (None: not kept), and how this
+        run gets it: written in place only by the base itself (``is_base``) or an image this host has passed;
+        read-only under a private layer for any other; a folder of its own for a recording."""
         if not self.opt.compile_cache:
             return None
         if image.id not in self._caches:
             access = self._access.get(image.id)
             devices = access.devices if access is not None and access.chosen is not None else []
-            self._caches[image.id] = compile_cache.folder(sources.cache_dir(self.root), image.id,
-                                                          self._bases.get(image.id), devices)
+            found = compile_cache.folder(sources.cache_dir(self.root), image.id, self._bases.get(image.id), devices)
+            judged = records.judgement(self.root, image.id)
+            trusted = is_base or (judged is not None and judged.verdict.passed)
+            how = compile_cache.access(trusted=trusted, recording=self.opt.record_reference is not None)
+            self._caches[image.id] = replace(found, access=how)
         return self._caches[image.id]
 
     def probe(self, image: ImageInfo, script: str, args: Sequence[str], *, gpu: GpuRequest | None = None,
@@ -199,7 +205,7 @@ class DockerRun:
         clock = Clock(phases)
         proven = self.prove_identity(image, ref, want)
         clock.mark("identity")
-        if proven.status == "fail":
+        if proven.status in ("fail", "incomplete"):
             ran = plan.refused(target, proven.check(), self.engine.host_facts(), self.opt.gpu, started=started,
                                seconds=time.monotonic() - start)
             return replace(ran, verdict=replace(ran.verdict, phases=phases)), target
@@ -216,29 +222,39 @@ class DockerRun:
         seen = self._access[image.id].devices if image.id in self._access else []
         if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
             answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
-        cache = self.compile_cache(image) if request is not None or self.opt.serve_model is not None else None
+        cache = (self.compile_cache(image, is_base=proven.status == "skip")
+                 if request is not None or self.opt.serve_model is not None else None)
         environment = {"compile_cache": cache.to_dict()} if cache is not None else {}
         if cache is not None:
-            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}")
-        launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
-                                  env=cache.env if cache is not None else None,
-                                  writable=[cache.mount] if cache is not None else (),
-                                  follow=lambda line: self.say(f"  {line}" if line.startswith("==>") else line))
+            self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}, "
+                     + {compile_cache.SHARED: "written in place",
+                        compile_cache.LAYERED: "read-only under a private layer (no passing verdict here yet)",
+                        compile_cache.PRIVATE: "a folder of its own (a recording shares none)"}[cache.access])
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
         clock.restart()
         host = self.engine.host_facts()
         host_facts = plan.HostFacts(found.compiled_missing, gpu_facts, environment,
                                     lambda modules: self.base_import_errors(image, modules))
+        mounted = None
         try:
-            ran = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
-                             host=host, expected_from=found.expected_from, landed=found.landed,
-                             gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False,
-                             python_path=proven.python_path)
+            with contextlib.ExitStack() as stack:
+                mounted = stack.enter_context(compile_cache.given(self.engine, cache)) if cache is not None else None
+                launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
+                                          env=mounted.env if mounted is not None else None,
+                                          writable=[mounted.mount] if mounted is not None else (),
+                                          follow=lambda line: self.say(f"  {line}" if line.startswith("==>")
+                                                                       else line))
+                ran = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
+                                 host=host, expected_from=found.expected_from, landed=found.landed,
+                                 gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False,
+                                 python_path=proven.python_path)
         except EngineLost as exc:
             ran = self._ended(target, found, host, "incomplete", str(exc))
         except EngineError as exc:
-            ran = self._ended(target, found, host, "fail", str(exc))
+            # An engine that cannot mount the cache's overlay is the host's shortcoming, not the image's.
+            own = mounted is not None and mounted.access == compile_cache.LAYERED and mounted.source in str(exc)
+            ran = self._ended(target, found, host, "incomplete" if own else "fail", str(exc))
         verdict = ran.verdict
         if ran.answers is not None and self.opt.record_reference is not None:
             kept = self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target),
