@@ -181,3 +181,58 @@ def test_a_run_where_the_definition_names_no_base_this_host_has_is_incomplete(
     assert r.rc == 11 and f"hotfix-test/nowhere-{unique}:v0.25.1 (definition v0.25.1) is not in the engine" in \
         r.last_error, r.err
     assert "incomplete layer-identity" in r.err
+
+
+def _pin(project: Path, image_id: str, platform: str = "linux/amd64") -> None:
+    """Pin the project copy's v0.25.1 definition to ``image_id``, as new-patchset writes it."""
+    path = project / "images" / "v0.25.1.toml"
+    text = path.read_text().replace("\n[package]", f'\n[base.digests]\n"{platform}" = "{image_id}"\n\n[package]', 1)
+    path.write_text(text)
+    assert definitions.load(project, "v0.25.1").base_digests == {platform: image_id}
+
+
+def test_a_pinned_base_is_found_by_digest_and_a_journal_line_naming_another_is_not_taken(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str]) -> None:
+    """Built over a decoy base found under the definition's tag (a mirror's other build), the image is that decoy's
+    product, and its build line says so. Unpinned, the host takes the journal's word and the tag's; pinned, the build
+    is refused naming both IDs, and the journal's line is not taken for the base: the pinned base, found by its ID,
+    is what the image is compared with, and the decoy's layer shows (exit 14)."""
+    repo = f"hotfix-test/decoy-{unique}"
+    decoy = derive(engine, base_v0251, f"{repo}:v0.25.1", f"COPY zz.pth /{SITE}/zz.pth", {"zz.pth": b"import os\n"})
+    forged.append(f"{repo}:v0.25.1")
+    out = f"hotfix-test/over-decoy-{unique}:x"
+    forged.append(out)
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", out, "--no-smoke", root=project)
+    assert r.rc == 0, r.err
+    r = cli("smoke", out, "--gpu", "off", root=project)
+    assert r.rc == 0 and "definition v0.25.1 pins no base digest" in r.err, r.err
+
+    standin = engine.image(base_v0251)
+    assert standin is not None and decoy != standin.id
+    _pin(project, standin.id, f"{standin.os}/{standin.architecture}")
+    r = cli("smoke", out, "--gpu", "off", root=project)
+    assert r.rc == 14, r.err
+    assert f"pinned {standin.id[:19]}, found by digest" in r.err and "2 layer(s) over the base" in r.last_error, r.err
+    r = cli("image", "--base", "v0.25.1", "--base-repo", repo, "--tag", f"{out}2", "--no-smoke", root=project)
+    assert r.rc == 4, r.err
+    assert (f"base {repo}:v0.25.1 is {decoy}; definition v0.25.1 pins {standin.id} for "
+            f"{standin.os}/{standin.architecture}") in r.last_error, r.err
+    assert engine.image(f"{out}2") is None
+    # The honest build over the pinned base passes, its base found by the pin.
+    honest = f"hotfix-test/over-pinned-{unique}:x"
+    forged.append(honest)
+    r = cli("image", "--base", "v0.25.1", "--tag", honest, root=project)
+    assert r.rc == 0 and "pass layer-identity" in r.err and "pins no base digest" not in r.err, r.err
+
+
+def test_a_tag_that_moved_off_the_pinned_base_leaves_the_run_incomplete(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str]) -> None:
+    """Another host whose engine has the definition's tag on another image, and not the pinned one: it cannot
+    compare the image with its base, which says nothing of the image (11, nothing signed); the message names both."""
+    ref = f"hotfix-test/forge-moved-{unique}:x"
+    forged.append(ref)
+    forge(engine, project, base_v0251, ref)
+    _pin(project, "sha256:" + "0" * 64)
+    r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1", root=project)
+    assert r.rc == 11, r.err
+    assert f"{STANDIN_REPO}:v0.25.1 is {base_v0251}; definition v0.25.1 pins sha256:{'0' * 64}" in r.last_error, r.err

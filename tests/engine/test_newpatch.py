@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conftest import REPO, STANDIN_REPO, cli, fails, snapshot
 from github_api import PRS, SLUG, TITLE
+from vllm_hotfix.building import definitions
 from vllm_hotfix.engine import Engine
 
 CACHE = {"VLLM_HOTFIX_CACHE": str(REPO / "build" / "cache")}
@@ -43,6 +44,10 @@ def test_new_patchset_from_pr_for_a_new_base(engine: Engine, base_v0251: str, fr
     assert "leaving out 2 file(s)" in r.err
     assert (fresh / "patches/v0.25.1/series").read_text().splitlines()[-1] == SLUG
     assert 'set = "v0.25.1"' in (fresh / "images/v0.25.1.toml").read_text()
+    # The base it read is pinned by image ID: a moved tag is refused from now on.
+    read = engine.image(f"{STANDIN_REPO}:v0.25.1")
+    assert read is not None
+    assert definitions.load(fresh, "v0.25.1").base_digests == {f"{read.os}/{read.architecture}": read.id}
     # The new set is the real fix: 0.26.0 still needs it, 0.27.0 ships it.
     for tag, word in (("v0.25.1", "needed"), ("v0.26.0", "needed"), ("v0.27.0", "included")):
         c = cli(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_hotfix.building import definitions, patches
-from vllm_hotfix.errors import DefinitionError, PatchError
+from vllm_hotfix.errors import BaseImageError, DefinitionError, PatchError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,43 @@ def test_bad_definitions_name_the_file(tmp_path: Path, text: str, message: str) 
         definitions.load(tmp_path, "v0.25.1")
     assert message in str(err.value)
     assert str(path) in str(err.value)
+
+
+PINNED = ('[base]\ntag = "v0.25.1"\n[base.digests]\n{pins}\n[package]\nname="vllm"\n[patches]\nset="v0.25.1"\n'
+          '[output]\nsuffix="p"\n')
+IMAGE_ID = "sha256:" + "ab" * 32
+
+
+def _pinned(tmp_path: Path, pins: str) -> definitions.ImageDefinition:
+    (tmp_path / "images").mkdir(exist_ok=True)
+    (tmp_path / "images" / "v0.25.1.toml").write_text(PINNED.format(pins=pins))
+    return definitions.load(tmp_path, "v0.25.1")
+
+
+def test_a_pinned_base_refuses_another_id_naming_both(tmp_path: Path) -> None:
+    d = _pinned(tmp_path, f'"linux/amd64" = "{IMAGE_ID}"')
+    assert d.base_digests == {"linux/amd64": IMAGE_ID}
+    assert d.base_problem(IMAGE_ID, "linux/amd64", "vllm/vllm-openai:v0.25.1") is None
+    other = "sha256:" + "cd" * 32
+    with pytest.raises(BaseImageError) as err:
+        d.check_base(other, "linux/amd64", "mirror/vllm-openai:v0.25.1")
+    assert str(err.value) == (f"base mirror/vllm-openai:v0.25.1 is {other}; definition v0.25.1 pins {IMAGE_ID} for "
+                              f"linux/amd64 ({tmp_path / 'images' / 'v0.25.1.toml'})")
+    assert "pins the base for linux/amd64 only" in str(d.base_problem(IMAGE_ID, "linux/arm64/v8", "x:v0.25.1"))
+    # Without the table nothing is pinned: the shipped definition (see the runbook on pinning the real base).
+    assert definitions.load(REPO, "v0.25.1").base_digests == {}
+    assert definitions.load(REPO, "v0.25.1").base_problem(other, "linux/amd64", "x") is None
+
+
+@pytest.mark.parametrize("pins, message", [
+    ('"linux/amd64" = "sha256:abc"', "must be an image ID"),
+    (f'"amd64" = "{IMAGE_ID}"', "is not a platform"),
+    ("", "must be a table of platform"),
+])
+def test_a_bad_pin_names_the_file(tmp_path: Path, pins: str, message: str) -> None:
+    with pytest.raises(DefinitionError, match=message) as err:
+        _pinned(tmp_path, pins)
+    assert str(tmp_path / "images" / "v0.25.1.toml") in str(err.value)
 
 
 def test_unknown_base_lists_known(tmp_path: Path) -> None:

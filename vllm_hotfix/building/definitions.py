@@ -28,17 +28,30 @@ and is built with ``--definition <base tag>-<variant>``.
 
 An optional ``[smoke]`` table says how ``smoke`` judges an image of the
 definition (:mod:`.smoke_table`).
+
+A pinned base names, per platform, the image ID (the config digest: the
+same whatever registry or mirror serves it, and what an engine names a
+local image by) that the tag must resolve to::
+
+    [base.digests]
+    "linux/amd64" = "sha256:..."
+    "linux/arm64" = "sha256:..."
+
+``new-patchset`` writes it from the base it read. A base found with another
+ID for a pinned platform is refused by name (:meth:`ImageDefinition.check_base`);
+a definition without the table pins nothing, and every run says so.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DefinitionError, UsageError
+from ..errors import BaseImageError, DefinitionError, UsageError
 from ..registry import refs
 from . import smoke_table
 
@@ -59,6 +72,8 @@ _PYTHON = re.compile(r"^(?:/[A-Za-z0-9._+-]+)+\Z|^[A-Za-z0-9][A-Za-z0-9._+-]*\Z"
 # package.version is compared with the image's and written into labels: a PEP 440 shape.
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}\Z")
 _HOSTS_MAX = 200
+_IMAGE_ID = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_PLATFORM = re.compile(r"^[a-z0-9]+/[a-z0-9_]+(?:/[a-z0-9]+)?\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +90,31 @@ class ImageDefinition:
     variant: str | None = None
     hosts: str | None = None
     smoke: smoke_table.SmokeTable = field(default_factory=smoke_table.SmokeTable)
+    base_digests: Mapping[str, str] = field(default_factory=dict)  # platform -> the base's image ID
 
     def base_ref(self, repository: str | None = None) -> str:
         return f"{repository or self.base_repository}:{self.base_tag}"
+
+    def base_problem(self, image_id: str, platform: str, found_as: str) -> str | None:
+        """Why the base ``found_as`` (image ``image_id``, on ``platform`` os/arch[/variant]) is not the one this
+        definition pins, in one line; None where it is, or where the definition pins no base at all."""
+        if not self.base_digests:
+            return None
+        want = self.base_digests.get(platform) or self.base_digests.get("/".join(platform.split("/")[:2]))
+        if want is None:
+            return (f"base {found_as} is a {platform} image; definition {self.tag} pins the base for "
+                    f"{', '.join(sorted(self.base_digests))} only ({self.path})")
+        if image_id != want:
+            return (f"base {found_as} is {image_id}; definition {self.tag} pins {want} for {platform} "
+                    f"({self.path})")
+        return None
+
+    def check_base(self, image_id: str, platform: str, found_as: str) -> None:
+        """Refuse (BaseImageError, naming the base and both IDs) a base that is not the pinned one."""
+        problem = self.base_problem(image_id, platform, found_as)
+        if problem is not None:
+            raise BaseImageError(problem, hint="a moved tag or a mirror's other build: pull the pinned base, or "
+                                               "pin the new one on purpose (see the runbook, 'a pinned base')")
 
     def output_ref(self, repository: str | None = None) -> str:
         return f"{repository or self.base_repository}:{self.output_tag}"
@@ -85,6 +122,11 @@ class ImageDefinition:
     @property
     def output_tag(self) -> str:
         return f"{self.base_tag}-{self.suffix}"
+
+
+def platform_text(os: str, architecture: str, variant: str = "") -> str:
+    """A platform as ``[base.digests]`` keys it: os/architecture[/variant]."""
+    return f"{os}/{architecture}" + (f"/{variant}" if variant else "")
 
 
 def version_from_tag(tag: str) -> str:
@@ -113,7 +155,28 @@ def load(root: Path, tag: str) -> ImageDefinition:
     return parse(data, path, tag)
 
 
+def _digests(table: object, path: Path) -> dict[str, str]:
+    """``[base.digests]``: platform -> image ID, each checked."""
+    if not isinstance(table, dict) or not table:
+        raise DefinitionError(f"{path}: [base.digests] must be a table of platform = \"sha256:...\"")
+    out = {}
+    for plat, digest in table.items():
+        if not _PLATFORM.match(str(plat)):
+            raise DefinitionError(f"{path}: base.digests key {refs.shown(str(plat), 40)} is not a platform "
+                                  "(os/architecture[/variant], e.g. linux/amd64)")
+        if not isinstance(digest, str) or not _IMAGE_ID.match(digest):
+            raise DefinitionError(f"{path}: base.digests.\"{plat}\" must be an image ID, sha256: and 64 hex digits")
+        out[str(plat)] = digest
+    return out
+
+
 def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
+    base_table = data.get("base")
+    pinned: dict[str, str] = {}
+    if isinstance(base_table, dict) and "digests" in base_table:
+        base_table = dict(base_table)
+        pinned = _digests(base_table.pop("digests"), path)
+        data = {**data, "base": base_table}
     for section in data:
         if section not in _SCHEMA and section != "smoke":
             raise DefinitionError(f"{path}: unknown section [{section}]")
@@ -181,6 +244,7 @@ def parse(data: dict[str, Any], path: Path, tag: str) -> ImageDefinition:
         variant=variant,
         hosts=values["variant"].get("hosts"),
         smoke=smoke_table.parse(data["smoke"], path) if "smoke" in data else smoke_table.SmokeTable(),
+        base_digests=pinned,
     )
 
 

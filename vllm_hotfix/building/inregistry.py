@@ -186,6 +186,8 @@ def prepare(p: Any, base: Base, opts: Options) -> Prepared | None:
     """Read, patch, compile and write one platform's layer and config; None: the base carries every patch."""
     say = opts.progress
     defn = p.definition
+    os_name, arch, variant = base.os_arch
+    defn.check_base(base.config_digest, definitions.platform_text(os_name, arch, variant), base.ref)
     rels = touched_files(p.patches)
     opener = opener_for(base.repo)
     # What earlier builds learnt of these layers, by digest: a repeat build reads none of them again.

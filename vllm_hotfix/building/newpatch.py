@@ -5,8 +5,11 @@ configurable, so tests serve a PR from a local HTTP server), keep only the
 files under the package, check the result applies to the base's files with
 zero fuzz on top of the set's existing patches, then write
 ``patches/<TAG>/NNNN-<slug>.patch`` with its header, its ``series`` line and
-``images/<TAG>.toml`` when missing. Every check runs before the first write,
-and a failed write undoes the others: nothing is left half-written.
+``images/<TAG>.toml`` when missing, pinning the base it read by image ID
+(``[base.digests]``; from the wheel, nothing is pinned). A definition that
+pins its base refuses a base found with another ID. Every check runs before
+the first write, and a failed write undoes the others: nothing is left
+half-written.
 """
 
 from __future__ import annotations
@@ -236,11 +239,16 @@ def _next_number(folder: Path, names: list[str]) -> int:
     return max(numbers, default=0) + 1
 
 
-def _definition_text(tag: str, version: str, repository: str, suffix: str) -> str:
+def _definition_text(tag: str, version: str, repository: str, suffix: str,
+                     pinned: dict[str, str] | None = None) -> str:
+    """A new definition; ``pinned``: the base read (platform -> image ID), pinned so that a moved tag is refused."""
+    pins = "".join(f'"{plat}" = "{digest}"\n' for plat, digest in sorted((pinned or {}).items()))
     return (
         f"# {repository}:{tag} with upstream fixes (patch set {tag}); made by new-patchset.\n\n"
         f'[base]\nrepository = "{repository}"\ntag = "{tag}"\n\n'
-        f'[package]\nname = "vllm"\nversion = "{version}"\n\n'
+        + (f"# The base new-patchset read, by image ID: a base found with another is refused.\n"
+           f"[base.digests]\n{pins}\n" if pins else "")
+        + f'[package]\nname = "vllm"\nversion = "{version}"\n\n'
         f'[patches]\nset = "{tag}"\n\n'
         f'[output]\nsuffix = "{suffix}"\n'
     )
@@ -278,6 +286,7 @@ def create(
     # Validate the patch as the pipeline will (paths, package, no new files).
     files, _hunks = patchlib.validate(diff, name, package)
     rels = list(dict.fromkeys([*base.touched_files(existing), *files]))
+    pinned: dict[str, str] = {}
     if from_wheel:
         whl = wheels.release(root, version, say)
         found, contents = sources.wheel_files(whl, package, rels)
@@ -288,6 +297,9 @@ def create(
         ref = f"{repository}:{tag}"
         eng = engine()
         info = resolve(eng, ref, pull, say)
+        if defn is not None:
+            defn.check_base(info.id, definitions.platform_text(info.os, info.architecture, info.variant), ref)
+        pinned = {definitions.platform_text(info.os, info.architecture, info.variant): info.id}
         facts, contents = sources.image_files(eng, package, defn.python if defn else "python3", ref, info, rels,
                                               sources.cache_dir(root))
         found, where = facts.version, ref
@@ -328,7 +340,7 @@ def create(
 
     definition_text = None
     if defn is None:
-        definition_text = _definition_text(tag, version, repository, suffix)
+        definition_text = _definition_text(tag, version, repository, suffix, pinned)
         definitions.parse(tomllib.loads(definition_text), defn_path, tag)
     return _write(root, set_dir, series, name, text, defn_path, definition_text, dropped, where)
 

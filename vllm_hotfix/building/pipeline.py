@@ -292,6 +292,9 @@ def _resolve_base(engine: Engine, p: Plan, opts: BuildOptions, platform: Platfor
     say(f"    base {p.base_ref} is {info.id} ({info.os}/{info.architecture})")
     if platform is not None and platforms.of(info.os, info.architecture) != platform:
         raise BaseImageError(f"base {p.base_ref} is {info.os}/{info.architecture}, not {platform}")
+    # A tag names whatever was pushed under it last: the definition's pin says which base it must be.
+    p.definition.check_base(info.id, definitions.platform_text(info.os, info.architecture, info.variant),
+                            p.base_ref)
     return info
 
 

@@ -210,6 +210,10 @@ def check(
         info = resolve(eng, ref, pull, say, str(platform) if platform else None)
         if platform is not None and platforms.of(info.os, info.architecture) != platform:
             raise UpstreamError(f"{ref} is {info.os}/{info.architecture}, not {platform}")
+        if definitions.definition_path(root, base_tag).is_file():
+            # NEWTAG's own definition pins its base: a release judged is the one it pins, never a moved tag.
+            definitions.load(root, base_tag).check_base(
+                info.id, definitions.platform_text(info.os, info.architecture, info.variant), ref)
         facts, files = sources.image_files(eng, ctx.package, ctx.python, ref, info, rels, sources.cache_dir(root))
         found = facts.version
         source = f"image {ref} ({info.id})"

@@ -7,7 +7,10 @@ go unseen, because which files are checked is decided by the image's own
 RECORD and Python. So before any check runs, the image is compared with what
 the builder writes, from facts the host finds itself:
 
-* **the base**, found by the host: the build record of this image (this
+* **the base**, found by the host: where the definition pins it
+  (``[base.digests]``), by that image ID, and a build record or a tag that
+  names another base is not taken (a tag is refused by name); else the
+  build record of this image (this
   host built it), else the definition's base reference (``--base-repo``
   may name another repository) in the engine, pulled by that name when the
   engine lacks it (the layers came with the image, so only its config
@@ -182,6 +185,16 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     except DefinitionError as exc:
         raise BaseImageError(f"definition {tag}: {exc}") from None
     ref = defn.base_ref(base_repo)
+    platform = definitions.platform_text(image.os, image.architecture, image.variant)
+    pinned = defn.base_digests.get(platform) or defn.base_digests.get(f"{image.os}/{image.architecture}")
+    if base_id and defn.base_digests and base_id != pinned:
+        # The journal is plain JSON: a build line is taken for the base only where it names the pinned one.
+        log.info("%s names base %s, not the base definition %s pins: not taken", how, base_id[:19], tag)
+        base_id, how = "", ""
+    if pinned and not base_id:
+        found = engine.image(pinned)
+        if found is not None:
+            return Base(found, ref, f"definition {tag}: pinned {pinned[:19]}, found by digest", defn)
     if base_id:
         found = engine.image(base_id)
         if found is not None:
@@ -209,6 +222,10 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     if found is None:
         raise SmokeIncomplete(f"base {ref} (definition {tag}) is not in the engine: the image cannot be compared "
                               "with it (pull it, or name its repository with --base-repo)")
+    problem = defn.base_problem(found.id, platform, ref)
+    if problem is not None:
+        # The host's base under that name is not the pinned one: nothing is known of the image against it.
+        raise SmokeIncomplete(problem, hint="pull the pinned base (its tag may have moved)")
     return Base(found, ref, f"definition {tag}: {ref} in the engine", defn)
 
 
@@ -252,7 +269,9 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         return Outcome("incomplete", f"no base to compare it with: {exc}")
     except PipelineError as exc:
         return Outcome("fail", f"no base to compare it with: {exc}", data={"first_difference": str(exc)})
-    data: dict[str, Any] = {"base_id": base.info.id, "base_found_by": base.how}
+    # Whether the definition pins its base: an unpinned one takes whatever its tag names here, and says so.
+    data: dict[str, Any] = {"base_id": base.info.id, "base_found_by": base.how,
+                            "base_pinned": bool(base.definition.base_digests)}
     try:
         with sources.ImageReader(engine, base.info, base.ref, base.definition.package, base.definition.python,
                                  sources.cache_dir(root)) as reader:
@@ -304,7 +323,8 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
                                    sources.cache_dir(root))
         if why is not None:
             return refused(f"pip layer: {why}")
+    unpinned = "" if base.definition.base_digests else f"; definition {base.definition.tag} pins no base digest"
     return Outcome("pass", f"its {above} layer(s) over base {base.info.id[:19]} ({base.how}) are exactly what "
                            f"the builder writes for patches/{base.definition.patch_set}, its config the base's "
-                           "plus labels", base, data, python_path)
+                           f"plus labels{unpinned}", base, data, python_path)
 
