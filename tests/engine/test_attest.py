@@ -5,13 +5,18 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import RegistryPlace, cli, fails
-from vllm_hotfix.engine import Engine
+from vllm_hotfix.engine import Engine, split_reference
+from vllm_hotfix.journal import records
+from vllm_hotfix.registry import client as registry_client
+from vllm_hotfix.trust import attest, referrers, signing
+from vllm_hotfix.verdicts import Check, Status
 
 
 def _keys(folder: Path, name: str) -> tuple[str, str]:
@@ -72,9 +77,10 @@ def test_signed_verdict_travels_with_the_image(
     r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", other_pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 22, r.err
+    # Nothing given: the signed verdicts beside the image's registry copies (the engine's repo digests) travel.
     r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--allow-gpu-unverified", root=elsewhere)
-    assert r.rc == 21 and "no signed verdict" in r.err
+    assert r.rc == 0 and "attached the signed verdict from" in r.err, r.err
 
     # A tampered envelope (fail edited into pass, or the payload swapped) is named as such.
     doc = json.loads(envelope.read_text())
@@ -132,3 +138,52 @@ def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str]
     envelope = tmp_path / "gpu.dsse.json"
     r = cli("smoke", ref, "--gpu", "require", "--sign-key", key, "--attestation", str(envelope), root=project)
     assert r.rc == 11 and not envelope.exists(), r.err
+
+
+def _statuses(engine: Engine, ref: str) -> list[str]:
+    """The status of every signed verdict beside ``ref`` (HOST/PATH:TAG) in its registry, read back over HTTP."""
+    repo, tag = split_reference(ref)
+    host, path = registry_client.split_repo(repo)
+    client = registry_client.client_for(engine, host)
+    manifest = client.manifest(path, tag)
+    assert manifest is not None
+    return sorted(json.loads(base64.b64decode(json.loads(data)["payload"]))["predicate"]["status"]
+                  for _artifact, data in referrers.envelopes(client, path, manifest.digest))
+
+
+def test_a_fail_beside_the_staging_copy_travels_with_the_promoted_image(
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path
+) -> None:
+    """Promoted from staging to another registry, the image takes every signed verdict of its copies along, pass and
+    fail: a gate on signed verdicts sees the fail another host attached beside the staging copy, and the promoted
+    copy carries both, so verify there refuses it too."""
+    project, ref, image_id = built
+    key, pub = _keys(tmp_path, "site")
+    passed = tmp_path / "pass.dsse.json"
+    assert cli("smoke", ref, "--sign-key", key, "--attestation", str(passed), root=project).rc == 0
+    r = cli("push", ref, "--registry", f"{registry.place}/staging", "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    staged = json.loads(r.out)
+    # Another host judged the staging copy later and failed it: its signed fail stands beside that copy only.
+    [entry] = [v for v in records.verdicts(project, image_id) if v.verdict.passed][:1]
+    failed = replace(entry.verdict, status=Status.FAIL, started=records.now_iso(),
+                     checks=(*entry.verdict.checks, Check("serve-sweep", Status.FAIL, "wrong answers at 4")))
+    other = _checkout(project, tmp_path / "other")
+    subjects = signing.subjects(staged["ref"], image_id, [f"{split_reference(staged['ref'])[0]}@{staged['digest']}"])
+    _kept, envelope = attest.sign(other, failed, {}, subjects, key)
+    attest.attach_and_read_back(engine, f"{split_reference(staged['ref'])[0]}@{staged['digest']}", envelope)
+    assert _statuses(engine, staged["ref"]) == ["fail", "pass"]
+
+    # A host with neither journal nor the fail's file, given the older pass: the fail beside staging decides.
+    elsewhere = _checkout(project, tmp_path / "elsewhere")
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--require-attestation", pub,
+            "--attestation", str(passed), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 24 and "fail" in r.last_error, r.err
+    # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts.
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0, r.err
+    promoted = json.loads(r.out)
+    assert _statuses(engine, promoted["ref"]) == ["fail", "pass"]
+    assert len(promoted["attestations"]) == 2
+    r = cli("verify", promoted["ref"], "--key", pub, "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 24, r.err

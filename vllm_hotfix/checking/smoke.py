@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..building import expected
-from ..engine import Engine, split_reference
+from ..engine import Engine
 from ..engine import labels as L
 from ..errors import BaseImageError, PipelineError, UsageError
 from ..journal import records
 from ..journal.atomic import write_atomic
 from ..registry.pulling import pull_missing
-from ..trust import attest, signing
+from ..trust import attest, signing, travel
 from ..verdicts import Status, Verdict
 from .launchers import NAMES, elsewhere
 from .launchers.docker import DockerRun, format_phases
@@ -132,20 +131,7 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
 def registry_copies(root: Path, target: Target) -> list[str]:
     """Every registry copy of the judged image this host knows, as NAME@sha256:... (the engine's repo digests,
     the journal's pushes and in-registry builds)."""
-    places = [str(d) for d in target.repo_digests if "@sha256:" in str(d)]
-    for entry in records.pushes(root, target.image_id):
-        # An index push names each platform's image among its children: the verdict goes beside that image.
-        mine: list[Mapping[str, Any]] = [c for c in entry.data.get("children") or [] if isinstance(c, dict)
-                                         and c.get("image_id") == target.image_id] or [entry.data]
-        for pushed in mine:
-            ref, digest = str(pushed.get("ref") or ""), str(pushed.get("digest") or "")
-            if ref and digest.startswith("sha256:"):
-                places.append(f"{split_reference(ref)[0]}@{digest}")
-    for entry in records.builds_of_image(root, target.image_id):
-        where = entry.data.get("registry")
-        if isinstance(where, dict) and str(where.get("digest", "")).startswith("sha256:") and where.get("repository"):
-            places.append(f"{where['repository']}@{where['digest']}")
-    return list(dict.fromkeys(places))
+    return travel.registry_copies(root, target.image_id, target.repo_digests)
 
 
 def attach_where_it_lives(engine: Callable[[], Engine], places: list[str], envelope: bytes,

@@ -13,10 +13,13 @@ the push, the engine asks the registry (with the same credentials and scheme)
 which digest the tag resolves to.
 
 With ``--require-attestation`` the gate reads signed verdicts instead of the
-journal (those given, those the journal keeps, those already beside the image
-in the target registry): the newest that verifies with one of the keys
-decides (:func:`vllm_hotfix.trust.attest.judge`), as the journal's newest
-does without it.
+journal (those given, those the journal keeps, those beside every registry
+copy of the image this host knows, those already beside the image in the
+target registry): the newest that verifies with one of the keys decides
+(:func:`vllm_hotfix.trust.attest.judge`), as the journal's newest does
+without it. Whichever gate let it through, every signed verdict found for the
+image, pass and fail, is attached beside the pushed copy
+(:mod:`vllm_hotfix.trust.travel`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..errors import (
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
-from ..trust import attest, signing
+from ..trust import attest, signing, travel
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +221,32 @@ class Gate:
         for path in self.attestations:
             attest.require_about(path, image_ids, what)
 
-    def clear(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, target: str) -> Clearance:
+    def carried(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, say: Callable[[str], None]
+                ) -> list[tuple[str, bytes]]:
+        """The signed verdicts beside every registry copy of the image this host knows (:mod:`..trust.travel`),
+        read before the gate: they are judged with the rest, and travel with the image, pass and fail alike.
+        A copy in the registry ``image_ref`` names (the source promoted from) that cannot be read refuses a push
+        judged on signed verdicts: a fail there could decide. Any other copy that cannot be read (a registry
+        the engine once pulled from and that is gone) is named, and left behind."""
+        found = travel.read(engine, info.id, travel.registry_copies(root, info.id, info.repo_digests))
+        first, slash, _rest = image_ref.partition("/")
+        named = slash and ("." in first or ":" in first or first == "localhost")  # the ref names its registry
+        source = registry_of(image_ref) if named else ""
+        for why in found.unread:
+            if self.require_attestation and source and registry_of(why.partition("@")[0]) == source:
+                raise PushError(f"cannot read the signed verdicts beside the source {why}: a fail there "
+                                       "would decide, so nothing is pushed",
+                                       hint="push again once that registry answers")
+            say(f"    the signed verdicts beside {why} were not read; they do not travel with this push")
+        return found.envelopes
+
+    def clear(self, engine: Engine, root: Path, info: ImageInfo, image_ref: str, target: str,
+              carried: list[tuple[str, bytes]] | None = None) -> Clearance:
         if self.require_attestation:
             keys = signing.load_public_keys(self.require_attestation)
             attest.require_given_verify(self.attestations, keys)
-            found = attest.local_candidates(root, info.id, self.attestations) + _pushed_candidates(engine, target,
-                                                                                                   info.id)
+            found = (attest.local_candidates(root, info.id, self.attestations) + list(carried or [])
+                     + _pushed_candidates(engine, target, info.id))
             accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys,
                                     gpu_verified=not self.allow_gpu_unverified)
             return Clearance(Path(accepted.source).name, accepted.gpu_verified)
@@ -236,11 +259,13 @@ class Gate:
         return list(dict.fromkeys([*attest.kept(root, info.id), *extra]))
 
     def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
-               say: Callable[[str], None]) -> list[str]:
-        """Put the image's signed verdicts beside it in the registry."""
+               say: Callable[[str], None], carried: list[tuple[str, bytes]] | None = None) -> list[str]:
+        """Put the image's signed verdicts beside it in the registry: the journal's, those given, and those
+        ``carried`` from its other registry copies (every one, pass or fail)."""
         extra = [path for path in self.attestations if attest.names(path, info.id)]
         try:
-            return attest.attach(engine, root, info.id, target, digest, extra, say)
+            out = attest.attach(engine, root, info.id, target, digest, extra, say)
+            return list(dict.fromkeys([*out, *travel.attach(engine, target, digest, carried or [], say)]))
         except PushError as exc:  # the registry's fault, coded as every registry fault is
             raise PushError(f"{target} landed in the registry as {digest}, but its signed verdicts could not be "
                             f"attached: {exc}", hint="push it again to attach them") from exc
@@ -285,7 +310,8 @@ def push(
                              hint="build it with `image` (which smoke-tests it), or pull it first")
     check_platform(root, info, image_ref)
     policy.given_are_about([info.id], image_ref)
-    verdict = policy.clear(engine, root, info, image_ref, target)
+    carried = policy.carried(engine, root, info, image_ref, say)
+    verdict = policy.clear(engine, root, info, image_ref, target, carried)
     records.ensure_writable(root)
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
     problem = facts.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
@@ -296,7 +322,7 @@ def push(
         return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
                       dry_run=True, gpu_verified=verdict.gpu_verified)
     digest = _push_one(engine, root, info, target, attempts, say)
-    attached = policy.attach(engine, root, info, target, digest, say)
+    attached = policy.attach(engine, root, info, target, digest, say, carried)
     try:
         records.append(root, "push", {
             "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
@@ -436,10 +462,11 @@ def push_index(
     target = target_ref(image_ref, registry_path)
     found = platform_images(engine, root, image_ref, plats)
     policy.given_are_about([info.id for _plat, info in found], f"any platform's image of {image_ref}")
-    verdicts = {}
+    verdicts, carried = {}, {}
     for plat, info in found:
+        carried[plat] = policy.carried(engine, root, info, child_ref(image_ref, plat), say)
         verdicts[plat] = policy.clear(engine, root, info, f"{child_ref(image_ref, plat)} ({plat})",
-                                      child_ref(target, plat))
+                                      child_ref(target, plat), carried[plat])
     records.ensure_writable(root)
     for plat, info in found:
         say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
@@ -459,7 +486,7 @@ def push_index(
     for plat, info in found:
         child_target = child_ref(target, plat)
         digest = _push_one(engine, root, info, child_target, attempts, say)
-        attached = policy.attach(engine, root, info, child_target, digest, say)
+        attached = policy.attach(engine, root, info, child_target, digest, say, carried[plat])
         children.append({"platform": str(plat), "image_id": info.id, "ref": child_target, "digest": digest,
                          "verdict": verdicts[plat].source,
                          "gpu_verified": str(verdicts[plat].gpu_verified).lower(),
