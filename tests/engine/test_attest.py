@@ -174,10 +174,15 @@ def test_a_fail_beside_the_staging_copy_travels_with_the_promoted_image(
     attest.attach_and_read_back(engine, f"{split_reference(staged['ref'])[0]}@{staged['digest']}", envelope)
     assert _statuses(engine, staged["ref"]) == ["fail", "pass"]
 
-    # A host with neither journal nor the fail's file, given the older pass: the fail beside staging decides.
+    # A host with neither journal nor the fail's file promotes the staging copy it pulled, given the older pass:
+    # the fail beside staging decides.
     elsewhere = _checkout(project, tmp_path / "elsewhere")
-    r = cli("push", ref, "--registry", f"{registry.place}/final", "--require-attestation", pub,
-            "--attestation", str(passed), "--allow-gpu-unverified", root=elsewhere)
+    engine.pull(staged["ref"])
+    try:
+        r = cli("push", staged["ref"], "--registry", f"{registry.place}/final", "--require-attestation", pub,
+                "--attestation", str(passed), "--allow-gpu-unverified", root=elsewhere)
+    finally:
+        engine.untag(staged["ref"])
     assert r.rc == 24 and "fail" in r.last_error, r.err
     # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts.
     r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--json", root=project)

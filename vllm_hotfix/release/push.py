@@ -228,7 +228,18 @@ class Gate:
         A copy in the registry ``image_ref`` names (the source promoted from) that cannot be read refuses a push
         judged on signed verdicts: a fail there could decide. Any other copy that cannot be read (a registry
         the engine once pulled from and that is gone) is named, and left behind."""
-        found = travel.read(engine, info.id, travel.registry_copies(root, info.id, info.repo_digests))
+        places = travel.registry_copies(root, info.id, info.repo_digests)
+        try:
+            source_copy = travel.source_copy(engine, image_ref, info.id)
+        except PipelineError as exc:
+            if self.require_attestation:
+                raise AttestationError(f"cannot read {image_ref} in its registry: {str(exc).splitlines()[0]}; a "
+                                       "fail beside it would decide, so nothing is pushed",
+                                       hint="push again once that registry answers") from exc
+            say(f"    {image_ref} could not be read in its registry ({str(exc).splitlines()[0]}); the signed "
+                "verdicts beside it do not travel with this push")
+            source_copy = None
+        found = travel.read(engine, info.id, [*places, *([source_copy] if source_copy else [])])
         first, slash, _rest = image_ref.partition("/")
         named = slash and ("." in first or ":" in first or first == "localhost")  # the ref names its registry
         source = registry_of(image_ref) if named else ""

@@ -6,7 +6,9 @@ attached beside the staging copy stays behind and the promoted copy says
 nothing (what ``cosign copy`` does for signatures). So a push reads the
 signed verdicts of its source, every registry copy of the image this host
 knows (:func:`registry_copies`: the engine's repo digests, the journal's
-pushes and in-registry builds), keeps those that name the image, and
+pushes and in-registry builds) and the copy in the registry the pushed
+reference names (:func:`source_copy`: the staging copy a promotion pulled
+from), keeps those that name the image, and
 attaches every one, pass and fail, beside the target, with the journal's
 own. Nothing here judges them: :func:`vllm_hotfix.trust.attest.judge` does,
 over the same set.
@@ -47,6 +49,27 @@ def registry_copies(root: Path, image_id: str, repo_digests: Sequence[str] = ())
         if isinstance(where, dict) and str(where.get("digest", "")).startswith("sha256:") and where.get("repository"):
             places.append(f"{where['repository']}@{where['digest']}")
     return list(dict.fromkeys(places))
+
+
+def source_copy(engine: Engine, image_ref: str, image_id: str) -> str | None:
+    """``image_ref``'s copy in the registry it names, as NAME@sha256:..., where that tag holds ``image_id`` (an
+    index: its child that does); None where the reference names no registry or the tag holds another image.
+    Raises PipelineError where the registry cannot be read."""
+    first, slash, _rest = image_ref.partition("/")
+    if not slash or not ("." in first or ":" in first or first == "localhost"):
+        return None
+    repo, tag = split_reference(image_ref)
+    host, path = registry.split_repo(repo)
+    client = registry.client_for(engine, host)
+    manifest = client.manifest(path, tag)
+    if manifest is None:
+        return None
+    found = [manifest] if not manifest.is_index else [
+        m for m in (client.manifest(path, c.digest) for c in registry.children(manifest)) if m is not None]
+    for one in found:
+        if (one.json().get("config") or {}).get("digest") == image_id:
+            return f"{repo}@{one.digest}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
