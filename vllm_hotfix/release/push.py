@@ -233,9 +233,9 @@ class Gate:
             source_copy = travel.source_copy(engine, image_ref, info.id)
         except PipelineError as exc:
             if self.require_attestation:
-                raise AttestationError(f"cannot read {image_ref} in its registry: {str(exc).splitlines()[0]}; a "
-                                       "fail beside it would decide, so nothing is pushed",
-                                       hint="push again once that registry answers") from exc
+                raise PushError(f"cannot read {image_ref} in its registry: {str(exc).splitlines()[0]}; a "
+                                "fail beside it would decide, so nothing is pushed",
+                                hint="push again once that registry answers") from exc
             say(f"    {image_ref} could not be read in its registry ({str(exc).splitlines()[0]}); the signed "
                 "verdicts beside it do not travel with this push")
             source_copy = None
@@ -246,8 +246,8 @@ class Gate:
         for why in found.unread:
             if self.require_attestation and source and registry_of(why.partition("@")[0]) == source:
                 raise PushError(f"cannot read the signed verdicts beside the source {why}: a fail there "
-                                       "would decide, so nothing is pushed",
-                                       hint="push again once that registry answers")
+                                "would decide, so nothing is pushed",
+                                hint="push again once that registry answers")
             say(f"    the signed verdicts beside {why} were not read; they do not travel with this push")
         return found.envelopes
 
