@@ -92,6 +92,26 @@ def test_emit_asks_every_registry_the_image_was_pushed_to(engine: Engine, built:
     assert r.rc == 8 and "cannot resolve it to a digest through a registry that holds it" in r.err, r.err
 
 
+def test_no_job_is_written_that_could_not_pass(project: Path, tmp_path: Path) -> None:
+    """The image's registry is down: its files cannot be read, and a Job judged without them cannot pass. --emit
+    and --submit write and start nothing, and say so in one line with the registry's code (was: exit 0, a Job
+    written, and one line mid-output)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = f"127.0.0.1:{port}/ops/vllm@sha256:{'a' * 64}"
+    job_yaml = tmp_path / "job.yaml"
+    for how in (("--emit", str(job_yaml)), ("--submit",)):
+        r = cli("smoke", down, "--launcher", "kubernetes", *how, root=project)
+        assert r.rc == 8, r.err
+        assert r.last_error.startswith(f"error: {down}: the image's files could not be read from its registry"), r.err
+        assert "none was written or submitted" in r.last_error and "nothing accepts connections" in r.last_error
+        assert not job_yaml.exists()
+    assert not (project / "build/records/job").exists()  # no Job journalled that was never written
+
+
 def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
     engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:

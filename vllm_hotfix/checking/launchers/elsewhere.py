@@ -92,17 +92,21 @@ def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: S
 
 
 def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, image_id: str,
-                        say: Callable[[str], None], options: SmokeOptions
+                        say: Callable[[str], None], options: SmokeOptions, *, new_job: bool = False
                         ) -> tuple[facts.FileFacts, ImageInfo | None, identity.Outcome | None]:
     """The identity and file facts of the image a cluster pulls, read from the registry's blobs (never run).
 
     The copy judged is the registry's (manifest by digest, every blob checked
     against its digest, :mod:`vllm_hotfix.registry.blobs`). A registry that cannot be
     read leaves the checks incomplete, so the Job's verdict cannot pass on the
-    runner's checks alone.
+    runner's checks alone: for a ``new_job`` (emitted or submitted now) that is
+    refused here, before anything is written or started, as a registry's fault
+    (exit 8); a Job collected later is judged incomplete.
     """
     from ...registry import blobs
 
+    if new_job:
+        engine()  # an engine that does not answer is the engine's fault (exit 5), named before any registry's
     try:
         docker = engine()
         source = blobs.for_reference(lambda host: registry.client_for(docker, host), ref)
@@ -111,6 +115,10 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
             raise EngineError(f"{ref} holds another image than {image_id[:19]} (the engine's copy differs)")
     except EngineError as exc:
         why = f"the image's files could not be read from its registry: {str(exc).splitlines()[0]}"
+        if new_job:
+            raise PushError(f"{ref}: {why}; a Job run now could not pass without them, so none was written or "
+                            "submitted", hint="reach the registry (docker login HOST where it needs one), then "
+                                              "emit the Job again") from None
         say(f"    {why}")
         return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None, None
     proven = prove(root, engine, info, options, say, lambda n: source.top_layers(n, layer_read.from_tar))
@@ -203,7 +211,8 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
         # Refused before the registry is read or anything is written: a Job has no folder of this host's.
         raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
     ref, labels, image_id = by_digest(root, engine, image_ref)
-    found, info, proven = registry_file_facts(root, engine, ref, image_id, say, options)
+    found, info, proven = registry_file_facts(root, engine, ref, image_id, say, options,
+                                              new_job=cluster.collect is None)
     if info is not None:
         labels, image_id = labels or dict(info.labels), info.id
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
