@@ -103,13 +103,68 @@ def test_no_job_is_written_that_could_not_pass(project: Path, tmp_path: Path) ->
         port = s.getsockname()[1]
     down = f"127.0.0.1:{port}/ops/vllm@sha256:{'a' * 64}"
     job_yaml = tmp_path / "job.yaml"
-    for how in (("--emit", str(job_yaml)), ("--submit",)):
+    kubeconfig = tmp_path / "config"  # a cluster nobody runs: never asked, the registry is read first
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    for how in (("--emit", str(job_yaml)), ("--submit", "--kubeconfig", str(kubeconfig))):
         r = cli("smoke", down, "--launcher", "kubernetes", *how, root=project)
         assert r.rc == 8, r.err
         assert r.last_error.startswith(f"error: {down}: the image's files could not be read from its registry"), r.err
         assert "none was written or submitted" in r.last_error and "nothing accepts connections" in r.last_error
         assert not job_yaml.exists()
     assert not (project / "build/records/job").exists()  # no Job journalled that was never written
+
+
+def test_a_job_of_a_readable_image_is_written_or_submitted_and_its_faults_are_one_line(
+        built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """The CLI's Job for an image its registry holds: the node selector given, a file that cannot be written
+    (exit 10, naming it), a cluster that does not answer (incomplete, 11: the host's shortcoming)."""
+    import os
+
+    import yaml
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    project, ref, _image_id = built
+    where = pushed(project, ref, registry)
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", where["by_digest"], "--launcher", "kubernetes", "--node-selector",
+            "nvidia.com/gpu.product=NVIDIA-H200", "--emit", str(out), root=project)
+    assert r.rc == 0 and "--collect job/vllm-hotfix-smoke-" in r.out, r.err
+    _config_map, job = list(yaml.safe_load_all(out.read_text()))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert [v["name"] for v in pod["volumes"]] == ["runner"]
+
+    if os.geteuid() == 0:  # root writes anywhere: the full device stands in for a full disk or a locked folder
+        target = tmp_path / "full"
+        os.mknod(target, 0o644 | 0o020000, os.makedev(1, 7))
+    else:
+        (tmp_path / "locked").mkdir(mode=0o500)
+        target = tmp_path / "locked" / "job.yaml"
+    r = cli("smoke", where["by_digest"], "--launcher", "kubernetes", "--emit", str(target), root=project)
+    assert r.rc == 10 and str(target) in r.last_error, r.err
+
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    key = tmp_path / "site.key"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
+    r = cli("smoke", where["by_digest"], "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig),
+            "--sign-key", str(key), root=project, timeout=120)
+    # The host could not run the Job: incomplete (11), not a check the image failed (7).
+    assert r.rc == 11, r.err
+    assert "cannot reach the Kubernetes API server" in r.last_error and "hint: check the cluster" in r.err
 
 
 def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(

@@ -106,7 +106,7 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
     from ...registry import blobs
 
     if new_job:
-        engine()  # an engine that does not answer is the engine's fault (exit 5), named before any registry's
+        engine().info()  # an engine that does not answer is the engine's fault (exit 5), named before any registry's
     try:
         docker = engine()
         source = blobs.for_reference(lambda host: registry.client_for(docker, host), ref)
@@ -210,6 +210,8 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     if options.serve_model is not None:
         # Refused before the registry is read or anything is written: a Job has no folder of this host's.
         raise UsageError("--serve-model with --launcher kubernetes: the model folder is not on the cluster")
+    if cluster.submit or (cluster.collect or "").startswith("job/"):
+        k8s.load_config(cluster.kubeconfig)  # a kubeconfig that is not one, named before any registry is read
     ref, labels, image_id = by_digest(root, engine, image_ref)
     found, info, proven = registry_file_facts(root, engine, ref, image_id, say, options,
                                               new_job=cluster.collect is None)

@@ -206,6 +206,29 @@ def check_name(value: str, option: str, *, subdomain: bool, what: str | None = N
     return value
 
 
+def load_config(kubeconfig: str | None) -> None:
+    """Load the kubeconfig the client talks with; UsageError (64, one line) for a file that is not one.
+
+    Called before anything is read from a registry or written, so a wrong
+    file is named at once, and again by the launcher that talks to the cluster.
+    """
+    try:
+        from kubernetes import config
+    except ImportError:
+        raise UsageError("--launcher kubernetes --submit/--collect job/NAME needs the kubernetes package: "
+                         "pip install 'vllm-hotfix[kubernetes]'") from None
+    import yaml  # the client's own YAML reader (a requirement of kubernetes)
+    from kubernetes.config.config_exception import ConfigException
+
+    try:
+        config.load_kube_config(config_file=kubeconfig)
+    except (ConfigException, OSError, yaml.YAMLError, ValueError, AttributeError, TypeError) as exc:
+        # A file that is not YAML raises the YAML library's own error; YAML that is not a mapping, an
+        # AttributeError or TypeError inside the client: all of them the file's fault.
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise UsageError(f"kubeconfig {kubeconfig or '(default)'}: not a usable kubeconfig: {why}") from None
+
+
 class KubernetesLauncher:
     """Submits the Job with the official client and follows it to its end, or reads one that has ended."""
 
@@ -278,24 +301,11 @@ class KubernetesLauncher:
 
     def _talk(self, first: Callable[[Any, Any], bool]) -> Launched:
         """Run ``first`` against the cluster, then read the runner's report from the Job's pod log."""
-        try:
-            from kubernetes import client, config
-            from kubernetes.client.rest import ApiException
-        except ImportError:
-            raise UsageError("--launcher kubernetes --submit/--collect job/NAME needs the kubernetes package: "
-                             "pip install 'vllm-hotfix[kubernetes]'") from None
+        load_config(self.kubeconfig)
         import urllib3.exceptions
-        import yaml  # the client's own YAML reader (a requirement of kubernetes)
-        from kubernetes.config.config_exception import ConfigException
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
 
-        try:
-            config.load_kube_config(config_file=self.kubeconfig)
-        except (ConfigException, OSError, yaml.YAMLError, ValueError, AttributeError, TypeError) as exc:
-            # A file that is not YAML raises the YAML library's own error; YAML that is not a mapping, an
-            # AttributeError or TypeError inside the client: all of them the file's fault.
-            why = " ".join(str(exc).split())[:300] or type(exc).__name__
-            raise UsageError(f"kubeconfig {self.kubeconfig or '(default)'}: not a usable kubeconfig: {why}") \
-                from None
         api: Any = client.ApiClient()
         # Untyped on purpose: the client takes the manifests as the same dicts --emit writes.
         core: Any = client.CoreV1Api(api)
