@@ -167,6 +167,53 @@ def test_a_job_of_a_readable_image_is_written_or_submitted_and_its_faults_are_on
     assert "cannot reach the Kubernetes API server" in r.last_error and "hint: check the cluster" in r.err
 
 
+def test_a_job_for_a_private_registry_and_tainted_gpu_nodes_fits_the_api_schema(
+        built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """Pull secrets, a service account, node labels, tolerations and resources, from a definition's
+    [smoke.kubernetes] table and from flags over it: the Job emitted is the API's Job field for field.
+    An image its registry holds: a Job is written only for an image whose files were read."""
+    import yaml
+    from k8s_schema import validate
+
+    project, ref, _image_id = built
+    where = pushed(project, ref, registry)
+    definition = project / "images" / "v0.25.1.toml"
+    definition.write_text(definition.read_text() + """
+[smoke]
+sign_key = "keys/absent.pem"
+
+[smoke.kubernetes]
+namespace = "gpu"
+service_account = "vllm-hotfix"
+pull_secrets = ["internal-registry"]
+node_selector = { "nvidia.com/gpu.product" = "NVIDIA-H200" }
+tolerations = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
+resources = { requests = { cpu = "8", memory = "64Gi" } }
+""")
+    out = tmp_path / "job.yaml"
+    r = cli("smoke", where["by_digest"], "--definition", "v0.25.1", "--launcher", "kubernetes", "--emit", str(out),
+            "--pull-secret", "mirror-pull", "--pull-secret", "internal-registry", "--node-selector", "pool=gpu",
+            "--node-selector", "zone=a", "--toleration", "dedicated=ml:NoExecute", "--toleration", ":",
+            "--resource", "limits.memory=96Gi", "--gpus", "2", root=project)
+    # The table's sign_key waits for --collect: an emitted Job holds no key, so it does not refuse the emit.
+    assert r.rc == 0, r.err
+    config_map_doc, job_doc = list(yaml.safe_load_all(out.read_text()))
+    validate(config_map_doc, "V1ConfigMap")
+    job = validate(job_doc, "V1Job")
+    assert job.metadata.namespace == "gpu"  # the table's, no flag over it
+    pod = job.spec.template.spec
+    assert [s.name for s in pod.image_pull_secrets] == ["mirror-pull", "internal-registry"]
+    assert pod.service_account_name == "vllm-hotfix"
+    assert pod.node_selector == {"pool": "gpu", "zone": "a"}  # the flags' replace the table's
+    assert [(t.key, t.operator, t.value, t.effect) for t in pod.tolerations] == \
+        [("dedicated", "Equal", "ml", "NoExecute"), (None, "Exists", None, None)]
+    [container] = pod.containers
+    assert container.resources.limits == {"memory": "96Gi", "nvidia.com/gpu": "2"}
+    assert container.resources.requests is None  # the flag replaced the table's resources whole
+    # Nothing of a credential reaches the runner: the Secrets are the kubelet's, by name.
+    assert [v.name for v in pod.volumes] == ["runner"] and not container.env_from
+
+
 def test_a_file_removed_in_a_later_layer_is_gone_and_a_bad_blob_is_named(
     engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str
 ) -> None:

@@ -174,52 +174,6 @@ def test_an_api_server_that_never_answers_ends_the_run_incomplete(tmp_path: Path
         assert time.monotonic() - start < 30
 
 
-def test_a_job_for_a_private_registry_and_tainted_gpu_nodes_fits_the_api_schema(tmp_path: Path) -> None:
-    """Pull secrets, a service account, node labels, tolerations and resources, from a definition's
-    [smoke.kubernetes] table and from flags over it: the Job emitted is the API's Job field for field."""
-    import shutil
-
-    from k8s_schema import validate
-
-    from conftest import REPO
-
-    root = tmp_path / "project"
-    shutil.copytree(REPO / "images", root / "images")
-    shutil.copytree(REPO / "patches", root / "patches")
-    definition = root / "images" / "v0.25.1.toml"
-    definition.write_text(definition.read_text() + """
-[smoke.kubernetes]
-namespace = "gpu"
-service_account = "vllm-hotfix"
-pull_secrets = ["internal-registry"]
-node_selector = { "nvidia.com/gpu.product" = "NVIDIA-H200" }
-tolerations = [{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }]
-resources = { requests = { cpu = "8", memory = "64Gi" } }
-""")
-    out = tmp_path / "job.yaml"
-    r = cli("smoke", IMAGE, "--definition", "v0.25.1", "--launcher", "kubernetes", "--emit", str(out),
-            "--pull-secret", "mirror-pull", "--pull-secret", "internal-registry", "--node-selector", "pool=gpu",
-            "--node-selector", "zone=a", "--toleration", "dedicated=ml:NoExecute", "--toleration", ":",
-            "--resource", "limits.memory=96Gi", "--gpus", "2", root=root)
-    assert r.rc == 0, r.err
-    yaml = pytest.importorskip("yaml")
-    config_map_doc, job_doc = list(yaml.safe_load_all(out.read_text()))
-    validate(config_map_doc, "V1ConfigMap")
-    job = validate(job_doc, "V1Job")
-    assert job.metadata.namespace == "gpu"  # the table's, no flag over it
-    pod = job.spec.template.spec
-    assert [s.name for s in pod.image_pull_secrets] == ["mirror-pull", "internal-registry"]
-    assert pod.service_account_name == "vllm-hotfix"
-    assert pod.node_selector == {"pool": "gpu", "zone": "a"}  # the flags' replace the table's
-    assert [(t.key, t.operator, t.value, t.effect) for t in pod.tolerations] == \
-        [("dedicated", "Equal", "ml", "NoExecute"), (None, "Exists", None, None)]
-    [container] = pod.containers
-    assert container.resources.limits == {"memory": "96Gi", "nvidia.com/gpu": "2"}
-    assert container.resources.requests is None  # the flag replaced the table's resources whole
-    # Nothing of a credential reaches the runner: the Secrets are the kubelet's, by name.
-    assert [v.name for v in pod.volumes] == ["runner"] and not container.env_from
-
-
 def test_the_schema_check_finds_what_the_client_would_drop() -> None:
     """Without the walk, the client's models take a misspelt field silently (the pod would run without its
     pull credentials) and a number where the API wants a string."""
