@@ -14,6 +14,11 @@ PLATFORM_FLAG = $(if $(PLATFORM),--platform $(PLATFORM),)
 # make push ALLOW_GPU_UNVERIFIED=1: push an image smoke-tested on a host without GPUs
 GPU_FLAG = $(if $(ALLOW_GPU_UNVERIFIED),--allow-gpu-unverified,)
 
+# make image ARGS="--rebuild --builder assemble": more of the tool's own arguments, after those a target gives.
+ARGS ?=
+# make exits 2 for any failed recipe: the tool's own exit code (build.py --help lists them) is said in a line.
+TOOL = tool_run() { "$$@" || { rc=$$?; echo "make: build.py exited $$rc (its exit codes: $(PYTHON) build.py --help)" >&2; exit $$rc; }; }; tool_run $(PYTHON) build.py
+
 # Error hints then name make variables (ALLOW_GPU_UNVERIFIED=1), not the CLI's flags.
 export VLLM_HOTFIX_VIA_MAKE := 1
 
@@ -46,17 +51,17 @@ services: ## Start a local Docker engine (and a second instance of it for the te
 stop: ## Stop the engine and registry that `make services` (or demo/test) started
 	.ci/services stop
 
-image: tool ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all]
-	$(PYTHON) build.py image --definition $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG)
+image: tool ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] [PLATFORM=all] [ARGS="--rebuild ..."]
+	$(TOOL) image --definition $(BASE) $(REPO_FLAG) $(PLATFORM_FLAG) $(ARGS)
 
 render: tool ## Print the Dockerfile `image` would build
-	$(PYTHON) build.py render --definition $(BASE) $(REPO_FLAG)
+	$(TOOL) render --definition $(BASE) $(REPO_FLAG) $(ARGS)
 
 smoke: tool ## Smoke-test an image: make smoke IMAGE=...
-	$(PYTHON) build.py smoke $(IMAGE)
+	$(TOOL) smoke $(IMAGE) $(ARGS)
 
 push: tool ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
-	$(PYTHON) build.py push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG)
+	$(TOOL) push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG) $(ARGS)
 
 demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry (downloads ~550 MB, README)
 	@echo "==> demo: starts a Docker engine and a registry on 127.0.0.1:5000 unless they answer, downloads the"
