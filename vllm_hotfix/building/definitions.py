@@ -143,10 +143,13 @@ def load(root: Path, tag: str) -> ImageDefinition:
         raise DefinitionError(f"invalid base tag {tag!r}")
     path = definition_path(root, tag)
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in (root / "images").glob("*.toml"))) or "none"
+        names = sorted(p.stem for p in (root / "images").glob("*.toml"))
+        # A tag written without its "v" (0.25.1 for v0.25.1), or with one too many: the definition meant.
+        meant = next((n for n in (f"v{tag}", tag.removeprefix("v")) if n != tag and n in names), None)
         raise DefinitionError(
-            f"{path}: no image definition for base {tag} (known: {known})",
-            hint=f"add {path.name} and patches/{tag}/, or run new-patchset",
+            f"{path}: no image definition for base {tag} (known: {', '.join(names) or 'none'})",
+            hint=f"did you mean {meant}? (definitions are named as the upstream tags are)" if meant else
+            f"add {path.name} and patches/{tag}/, or run new-patchset",
         )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

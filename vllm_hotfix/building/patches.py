@@ -35,6 +35,9 @@ PATCH_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 # git's mode lines: GNU patch drops a mode change without a word, so a patch
 # holding one would build an image that is not what the patch says.
 _MODE_LINE = re.compile(r"^(?:old mode|new mode|new file mode|deleted file mode) ([0-7]+)$", re.M)
+# A hunk whose context the base's file does not hold: the runbook's next step.
+CONFLICT_HINT = ("the base's file differs where this hunk goes: check-upstream --patches SET --base TAG says "
+                 "whether upstream changed it; regenerate the patch against this release (new-patchset)")
 _FAILED = re.compile(r"^Hunk #(\d+) FAILED at (\d+)")
 _FUZZ = re.compile(r"^Hunk #(\d+) succeeded at (\d+) with fuzz (\d+)")
 _FILE = re.compile(r"^(?:checking|patching) file (.+)$")
@@ -335,9 +338,10 @@ def explain_failure(patch: Patch, workdir: Path, out: str) -> PatchError:
             patch=patch.name,
             file=file,
             hunk=number,
+            hint=CONFLICT_HINT,
         )
     last = next((ln for ln in reversed(out.splitlines()) if ln.strip()), "patch failed")
-    return PatchConflict(f"{patch.name}: does not apply: {last.strip()}", patch=patch.name)
+    return PatchConflict(f"{patch.name}: does not apply: {last.strip()}", patch=patch.name, hint=CONFLICT_HINT)
 
 
 def apply_series(patches: list[Patch], workdir: Path, *, skip_included: bool = False) -> list[Patch]:

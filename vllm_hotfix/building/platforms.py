@@ -53,16 +53,20 @@ class Platform:
 _KNOWN = {"amd64": ("x86_64", "amd64"), "arm64": ("aarch64", "arm64")}
 _ALIASES = {"x86_64": "amd64", "aarch64": "arm64", "arm64/v8": "arm64"}
 ALL = "all"
+PLATFORM_HINT = ("--platform linux/amd64, linux/arm64, both (linux/amd64,linux/arm64), or all (every platform "
+                 "of the base's index); leave it out for the engine's own")
 
 
 def parse_one(text: str) -> Platform:
     """``linux/amd64``, ``linux/arm64`` (or ``linux/arm64/v8``) -> Platform."""
     parts = text.strip().lower().split("/")
     if len(parts) < 2 or parts[0] != "linux":
-        raise UsageError(f"--platform {text!r}: expected linux/amd64 or linux/arm64 (or a list of them, or all)")
+        raise UsageError(f"--platform {text!r}: expected linux/amd64 or linux/arm64 (or a list of them, or all)",
+                         hint=PLATFORM_HINT)
     arch = _ALIASES.get("/".join(parts[1:]), _ALIASES.get(parts[1], parts[1]))
     if arch not in _KNOWN:
-        raise UsageError(f"--platform {text!r}: vLLM images exist for linux/amd64 and linux/arm64 only")
+        raise UsageError(f"--platform {text!r}: vLLM images exist for linux/amd64 and linux/arm64 only",
+                         hint=PLATFORM_HINT)
     return Platform("linux", arch)
 
 

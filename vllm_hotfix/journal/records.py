@@ -40,6 +40,7 @@ file decides whether an image may be pushed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -214,6 +215,16 @@ def _append(root: Path, kind: str, data: Mapping[str, Any]) -> Entry:
     return entry
 
 
+def _unwritable_hint(exc: OSError, root: Path) -> str:
+    """What to do about a journal that cannot be written, by why."""
+    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
+        return f"free space on the disk holding {records_dir(root)}; nothing was built or pushed"
+    if exc.errno == errno.EROFS:
+        return f"{root} is on a read-only file system: run from a copy on a writable one (--root FOLDER)"
+    return (f"make {records_dir(root)} writable for this user (or run as its owner), or work in a project folder "
+            "you can write (--root FOLDER); nothing was built or pushed")
+
+
 def ensure_writable(root: Path) -> None:
     """Fail early, before any effect, if records cannot be written."""
     for folder in (records_dir(root), records_dir(root) / SEQ_DIR):  # an entry needs both
@@ -226,7 +237,8 @@ def ensure_writable(root: Path) -> None:
                 os.close(fd)
                 os.unlink(tmp)
         except OSError as exc:
-            raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}") from exc
+            raise RecordError(f"records folder {folder} is not writable: {exc.strerror or exc}",
+                              hint=_unwritable_hint(exc, root)) from exc
 
 
 def _read_entry(kind: str, path: Path) -> Entry | Damaged:

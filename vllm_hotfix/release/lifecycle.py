@@ -140,6 +140,11 @@ def rollback(engine: Engine, root: Path, base_tag: str, to_image: str | None = N
     if not made:
         raise NothingToRollBack(f"no build records for {defn.tag} under {records.records_dir(root)}",
                             hint="rollback needs recorded builds (python build.py list)")
+    if to_image is not None and not any(b.image_id.removeprefix("sha256:").startswith(to_image.removeprefix("sha256:"))
+                                        for b in made):
+        # Answered from the journal alone, before the engine is asked anything.
+        raise NothingToRollBack(f"{to_image}: no build record of {defn.tag} has that image ID",
+                                hint=f"python build.py list shows the builds of {defn.tag} and their image IDs")
     if ref is None:
         ref = made[0].output_ref or defn.output_ref()
         parent = platforms.parent_ref(ref)
@@ -227,10 +232,13 @@ def _plan(engine: Engine, definition: str, made: list[Build], ref: str, plat: Pl
         want = to_image.removeprefix("sha256:")
         match = [b for b in made if b.image_id.removeprefix("sha256:").startswith(want)]
         if not match:
-            raise NothingToRollBack(f"{to_image}: no build record of {definition} has that image ID")
+            raise NothingToRollBack(f"{to_image}: no build record of {definition} has that image ID",
+                                    hint=f"python build.py list shows the builds of {definition} and their image IDs")
         target = match[0]
         if engine.image(target.image_id) is None:
-            raise NothingToRollBack(f"{target.image_id}: recorded but no longer in the engine")
+            raise NothingToRollBack(f"{target.image_id}: recorded but no longer in the engine",
+                                    hint="it was removed (prune, docker rmi): roll to another build (python build.py "
+                                         "list), or build it again")
         if target.unreadable:
             raise target.unreadable[0].error()
         if target.verdict is Status.FAIL:

@@ -250,6 +250,11 @@ class _NoMatch(AttestationTampered):
     """A signature that claims the key (or names none) and does not verify with it."""
 
 
+# What to do about a verdict signed with a key not given.
+WRONG_KEY_HINT = ("give the public key of the key that signed it (--key again, or put it in the keys folder), or "
+                  "smoke the image again with --sign-key of a key given here")
+
+
 def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) -> Attested:
     """Verify a DSSE envelope with ``public`` and return its statement.
 
@@ -271,7 +276,8 @@ def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) ->
     tried = [sig for kid, sig in signatures if kid in ("", ours)]
     if not tried:
         raise AttestationWrongKey(f"{where}: signed with another key (key IDs "
-                                  f"{', '.join(k[:12] for k, _ in signatures) or 'none'}; this key is {ours[:12]})")
+                                  f"{', '.join(k[:12] for k, _ in signatures) or 'none'}; this key is {ours[:12]})",
+                                  hint=WRONG_KEY_HINT)
     for sig in tried:
         try:
             public.verify(sig, pae(payload_type, payload), ec.ECDSA(hashes.SHA256()))
@@ -313,7 +319,8 @@ def open_with_any(data: bytes, keys: Sequence[PublicKey], where: str) -> Atteste
         except (ValueError, KeyError, TypeError, AttributeError):
             ids = []
         raise AttestationWrongKey(f"{where}: signed with another key (key IDs {', '.join(ids) or 'none'}; the "
-                                  f"{len(keys)} keys given are {', '.join(k.id[:12] for k in keys)})")
+                                  f"{len(keys)} keys given are {', '.join(k.id[:12] for k in keys)})",
+                                  hint=WRONG_KEY_HINT)
     if refusal is None:
         raise AttestationError("no public key given")
     raise refusal
@@ -324,7 +331,9 @@ def require_subject(found: Attested, digests: Iterable[str], image: str, where: 
     wanted = set(digests)
     if not found.digests & wanted:
         raise AttestationMismatch(f"{where}: its subject ({', '.join(sorted(found.digests)) or 'none'}) is "
-                                  f"another image than {image} ({', '.join(sorted(wanted))})")
+                                  f"another image than {image} ({', '.join(sorted(wanted))})",
+                                  hint="a verdict holds for the exact image it names: smoke this image with "
+                                       "--sign-key (or give the verdict that names it)")
 
 
 def require_verdict(found: Attested, image: str, where: str, *, gpu_verified: bool = True,
@@ -336,11 +345,16 @@ def require_verdict(found: Attested, image: str, where: str, *, gpu_verified: bo
         # The first failing check names why (layer-identity: what the image is not), on the one line read.
         why = f": {failed[0].get('name')}: {' '.join(str(failed[0].get('detail')).split())[:300]}" if failed else ""
         raise AttestationMismatch(f"{where}: the signed smoke verdict of {image} is {report.get('status')!r}, "
-                                  f"not a pass{why}")
+                                  f"not a pass{why}",
+                                  hint="fix what failed (verify --json shows the verdict), rebuild and smoke it "
+                                       "again with --sign-key")
     if gpu_verified and report.get("gpu_verified") is not True:
-        raise AttestationMismatch(f"{where}: the signed smoke run of {image} was not GPU-verified")
+        raise AttestationMismatch(f"{where}: the signed smoke run of {image} was not GPU-verified",
+                                  hint="smoke it on a GPU host with --sign-key, or accept it with "
+                                       "--allow-gpu-unverified")
     devices = [str(d) for d in (report.get("gpu") or {}).get("devices") or []]
     for product in gpu_products:
         if not any(product.lower() in d.lower() for d in devices):
             raise AttestationMismatch(f"{where}: the signed smoke run of {image} ran on "
-                                      f"{', '.join(devices) or 'no GPU'}, not on {product}")
+                                      f"{', '.join(devices) or 'no GPU'}, not on {product}",
+                                      hint=f"smoke it with --sign-key on a host with {product} GPUs")
