@@ -259,3 +259,33 @@ print(len(STREAM_ERRORS))
     assert names == "['a']"
     assert "compressed with zstd" in error and "lacks the zstandard package" in error
     assert count == "5"  # tarfile's, EOF, OS, value and zlib errors: no zstandard one to catch
+
+
+@pytest.mark.parametrize(("compress", "media_type", "said"), [
+    ("zstd", "application/vnd.oci.image.layer.v1.tar+gzip", "its bytes are zstd-compressed, but its media type "
+                                                            "application/vnd.oci.image.layer.v1.tar+gzip says gzip"),
+    ("gzip", "application/vnd.oci.image.layer.v1.tar+zstd", "its bytes are gzip-compressed, but its media type "
+                                                            "application/vnd.oci.image.layer.v1.tar+zstd says zstd"),
+    ("none", "application/vnd.docker.image.rootfs.diff.tar.gzip", "its bytes are not compressed, but its media "
+                                                                  "type application/vnd.docker.image.rootfs.diff."
+                                                                  "tar.gzip says gzip"),
+    ("zstd", "application/vnd.oci.image.layer.v1.tar", "its bytes are zstd-compressed, but its media type "
+                                                       "application/vnd.oci.image.layer.v1.tar says uncompressed"),
+])
+def test_a_layer_whose_bytes_another_compression_than_its_media_type_names_is_refused(
+        compress: str, media_type: str, said: str) -> None:
+    """Read by the media type, checked against the bytes: a mislabelled layer is named in one line (zstd bytes
+    under a gzip type were read and the image written, exit 0), whichever way it is mislabelled."""
+    zstandard = pytest.importorskip("zstandard")
+    plain = gzip.decompress(layer(installed()))
+    blob = {"zstd": zstandard.ZstdCompressor().compress(plain), "gzip": gzip.compress(plain, mtime=0),
+            "none": plain}[compress]
+    ref = LayerRef("sha256:" + hashlib.sha256(blob).hexdigest(), media_type, len(blob))
+    with pytest.raises(BaseImageError) as err:
+        locate([ref], lambda _r: io.BytesIO(blob), "vllm", [REL], "test/base")
+    assert said in str(err.value) and "\n" not in str(err.value)
+    # Named rightly, each reads.
+    right = {"zstd": "application/vnd.oci.image.layer.v1.tar+zstd", "gzip": "application/vnd.oci.image.layer."
+             "v1.tar+gzip", "none": "application/vnd.oci.image.layer.v1.tar"}[compress]
+    got = locate([LayerRef(ref.digest, right, ref.size)], lambda _r: io.BytesIO(blob), "vllm", [REL], "test/base")
+    assert got.files[REL]["data"] == b"x = 1\n"

@@ -7,13 +7,22 @@ itself; zstd, which BuildKit and registries produce, through the
 ``zstandard`` library (its streaming decompressor, every frame read). The
 blob's own reader still sees every compressed byte, so its digest is checked
 as before.
+
+The media type is taken at its word, and the bytes must agree: a blob whose
+first bytes are zstd's frame under a gzip media type (or gzip's under zstd,
+or either under a plain tar's) is refused as it is read, naming both, where
+the Docker engine and containerd would read it by its bytes alone. An image
+whose manifest misnames its layers is malformed (a client that trusts the
+media type fails on it), and the tool writes manifests from these
+descriptors: it does not read one as if it were right. (A layer it does not
+read, copied by digest below those it reads, is not checked.)
 """
 
 from __future__ import annotations
 
 import tarfile
 import zlib
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 from ..errors import BaseImageError
 
@@ -28,16 +37,68 @@ except ImportError:
     _ZSTD = ()
 STREAM_ERRORS: tuple[type[Exception], ...] = (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, *_ZSTD)
 
-__all__ = ["STREAM_ERRORS", "is_zstd", "tar_stream"]
+__all__ = ["STREAM_ERRORS", "compression_of", "is_zstd", "tar_stream"]
 
 
 def is_zstd(media_type: str) -> bool:
     return media_type.endswith("+zstd") or media_type.endswith(".zstd")
 
 
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def compression_of(media_type: str) -> str:
+    """What a layer's media type says its bytes are compressed with: gzip, zstd or none."""
+    if is_zstd(media_type):
+        return "zstd"
+    return "gzip" if media_type.endswith(("+gzip", ".gzip", ".tar.gz")) else "none"
+
+
+class _Agreeing:
+    """A blob whose first bytes are checked against its media type when they are first read.
+
+    Checked as they stream by, never ahead: the error comes out of the read
+    that would have taken them, one of :data:`STREAM_ERRORS`, inside the
+    reader's own handling that names the layer.
+    """
+
+    def __init__(self, blob: IO[bytes] | Any, media_type: str) -> None:
+        self._blob: Any = blob
+        self._media_type = media_type
+        self._head: bytes | None = None
+
+    def _check(self) -> bytes:
+        head = b""
+        while len(head) < 4:
+            got = self._blob.read(4 - len(head))
+            if not got:
+                break
+            head += got
+        said, found = compression_of(self._media_type), next((n for m, n in _MAGIC.items() if head.startswith(m)),
+                                                             "none")
+        if head and said != found:
+            raise tarfile.ReadError(f"its bytes are {'not compressed' if found == 'none' else found + '-compressed'}, "
+                                    f"but its media type {self._media_type} says "
+                                    f"{'uncompressed' if said == 'none' else said}")
+        return head
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self._head is None:
+            self._head = self._check()
+        if not self._head:
+            return bytes(self._blob.read(size))
+        if size is None or size < 0:
+            out, self._head = self._head + self._blob.read(), b""
+            return out
+        out, self._head = self._head[:size], self._head[size:]
+        return out if len(out) == size else out + self._blob.read(size - len(out))
+
+
 def tar_stream(blob: IO[bytes] | Any, media_type: str) -> tuple[Any, Literal["r|", "r|*"]]:
     """(a reader of the layer's uncompressed tar, the :func:`tarfile.open` mode to stream it with). A damaged
-    zstd stream raises one of :data:`STREAM_ERRORS` as it is read."""
+    zstd stream, or bytes another compression than the media type names, raise one of :data:`STREAM_ERRORS` as
+    they are read."""
+    blob = cast(IO[bytes], _Agreeing(blob, media_type))  # read() is all either reader asks of it
     if is_zstd(media_type):
         try:
             import zstandard
