@@ -17,8 +17,12 @@ so the page reads without the pictures too:
 - latency (p50, p95) and tokens per second against concurrency;
 - the phases of the smoke time;
 - for a signed verdict beside the report (``NAME.dsse.json`` next to
-  ``NAME.json``), the key it was signed with and the subject it names, as the
-  envelope says (verified where the record's public key is beside it).
+  ``NAME.json``), or given among the files (paired with the report whose
+  image its subject names), the key it was signed with and the subject it
+  names, as the envelope says (``verify`` checks the signature).
+
+A pass that was not GPU-verified is shown as such, not as a plain pass, and
+every skipped check says why it was skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ from .journal.atomic import opened_regular
 
 MAX_BYTES = 2_000_000  # a page stays an attachment an incident tracker takes
 COLOURS = ("#2b6cb0", "#c05621", "#2f855a", "#805ad5", "#b7791f", "#c53030")
+# The phases of a smoke run, each its own colour (there are more phases than COLOURS); the time no phase
+# accounts for is grey.
+PHASE_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
+                 "#17becf", "#393b79", "#637939", "#843c39")
+OUTSIDE = "outside the phases"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +73,21 @@ def _read_json(path: Path, what: str) -> Any:
         raise UsageError(f"{what} {path}: not a readable JSON file ({exc})") from None
 
 
-def _envelope(path: Path) -> Mapping[str, Any] | None:
+def _is_envelope(doc: object) -> bool:
+    return isinstance(doc, Mapping) and "payload" in doc and "signatures" in doc
+
+
+def _envelope(path: Path, doc: object = None) -> Mapping[str, Any] | None:
     """The signed envelope beside a report, decoded (keyid, subjects, signed time); None where there is none."""
-    if not path.is_file():
-        return None
-    doc = _read_json(path, "signed verdict")
+    if doc is None:
+        if not path.is_file():
+            return None
+        doc = _read_json(path, "signed verdict")
     try:
+        assert isinstance(doc, Mapping)
         statement = json.loads(base64.b64decode(doc["payload"]))
         keys = [str(s.get("keyid", "")) for s in doc.get("signatures") or []]
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AssertionError):
         return {"file": path.name, "unreadable": True}
     predicate = statement.get("predicate") or {}
     return {"file": path.name, "keyids": keys, "subjects": statement.get("subject") or [],
@@ -82,6 +97,7 @@ def _envelope(path: Path) -> Mapping[str, Any] | None:
 def load(paths: Sequence[Path]) -> Page:
     """The reports named: report files, or a GPU record folder (its record.json and the reports beside it)."""
     shown: list[Shown] = []
+    given: list[tuple[Path, Any]] = []  # signed verdicts named among the files
     record = None
     for path in paths:
         if path.is_dir():
@@ -93,15 +109,42 @@ def load(paths: Sequence[Path]) -> Page:
                 shown.append(Shown(report.stem, _read_json(report, "smoke report"),
                                    _envelope(report.with_suffix(".dsse.json"))))
         else:
-            shown.append(Shown(path.stem, _read_json(path, "smoke report"),
-                               _envelope(path.with_name(path.stem + ".dsse.json"))))
+            doc = _read_json(path, "smoke report")
+            if _is_envelope(doc):
+                given.append((path, doc))
+                continue
+            shown.append(Shown(path.stem, doc, _envelope(path.with_name(path.stem + ".dsse.json"))))
     if not shown:
         raise UsageError("report: no smoke report among the files given")
     for s in shown:
         if not isinstance(s.report, Mapping) or "status" not in s.report or "checks" not in s.report:
             raise UsageError(f"report: {s.name} is not a smoke report (no status and checks)")
-    title = f"GPU record {paths[0].name}" if record is not None else ", ".join(s.name for s in shown)
+    shown = _paired(shown, given)
+    if record is not None:
+        title = f"GPU record {paths[0].name}"
+    elif len(shown) == 1 and shown[0].report.get("image"):
+        title = f"{shown[0].report.get('image')} ({shown[0].name})"
+    else:
+        title = ", ".join(s.name for s in shown)
     return Page(title, shown, record)
+
+
+def _paired(shown: list[Shown], given: list[tuple[Path, Any]]) -> list[Shown]:
+    """Each signed verdict given among the files beside the report whose image its subject names."""
+    out = list(shown)
+    for path, doc in given:
+        env = _envelope(path, doc)
+        assert env is not None
+        digests = {f"sha256:{(x.get('digest') or {}).get('sha256', '')}" for x in env.get("subjects") or []
+                   if isinstance(x, Mapping)}
+        match = [i for i, s in enumerate(out) if s.report.get("image_id") in digests]
+        if not match:
+            raise UsageError(f"report: the signed verdict {path} names no report given (its subject: "
+                             f"{', '.join(sorted(digests)) or 'none'})",
+                             hint="give the smoke report of that image beside it")
+        for i in match:
+            out[i] = Shown(out[i].name, out[i].report, env)
+    return out
 
 
 # -- charts -----------------------------------------------------------------------------------------------
@@ -218,23 +261,53 @@ def chart_speed(shown: Sequence[Shown]) -> str:
     return _svg(fig)
 
 
+def phases_of(report: Mapping[str, Any]) -> dict[str, float]:
+    """The report's phases, and the time of its run that none of them accounts for (so they add up to it)."""
+    phases = {str(k): float(v or 0) for k, v in (report.get("phases") or {}).items()}
+    rest = float(report.get("seconds") or 0) - sum(phases.values())
+    if rest >= 0.001:
+        phases[OUTSIDE] = round(rest, 3)
+    return phases
+
+
 def chart_phases(shown: Sequence[Shown]) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8.4, 0.6 + 0.5 * len(shown)))
-    names = sorted({p for s in shown for p in (s.report.get("phases") or {})})
-    for row, s in enumerate(shown):
+    timed = [phases_of(s.report) for s in shown]
+    names = sorted({p for t in timed for p in t if p != OUTSIDE}) + ([OUTSIDE] if any(OUTSIDE in t for t in timed)
+                                                                     else [])
+    for row, phases in enumerate(timed):
         left = 0.0
         for k, phase in enumerate(names):
-            took = float((s.report.get("phases") or {}).get(phase) or 0)
-            ax.barh(row, took, left=left, color=COLOURS[k % len(COLOURS)], label=phase if row == 0 else None)
+            took = phases.get(phase, 0.0)
+            colour = "#a0aec0" if phase == OUTSIDE else PHASE_COLOURS[k % len(PHASE_COLOURS)]
+            ax.barh(row, took, left=left, color=colour, label=phase if row == 0 else None)
             left += took
     ax.set_yticks(range(len(shown)), [s.name for s in shown])
     ax.set_xlabel("seconds")
-    ax.legend(fontsize=7, ncol=min(len(names), 6), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    # Beside the bars, never over the axis and its label.
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return _svg(fig)
 
 
 # -- tables and the page ------------------------------------------------------------------------------------
+
+
+def _number(value: object) -> str:
+    """A number as a person reads it: floats to four significant digits (7.768176555633545: 7.768)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _words(value: object, depth: int = 0) -> str:
+    """A finding's fields as ``key: value`` phrases, numbers rounded, not raw JSON."""
+    if isinstance(value, Mapping):
+        inner = "; ".join(f"{k}: {_words(v, depth + 1)}" for k, v in sorted(value.items()))
+        return f"({inner})" if depth else inner
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_words(v, depth + 1) for v in value)
+    return _number(value)
 
 
 def _e(value: object) -> str:
@@ -243,7 +316,7 @@ def _e(value: object) -> str:
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = "".join(f"<th>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_e(_number(c))}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -256,9 +329,16 @@ def _figure(page: Page, ident: str, caption: str, svg: str, table: str) -> str:
 def _verdict(s: Shown) -> str:
     r = s.report
     failed = [c for c in r.get("checks") or [] if c.get("status") in ("fail", "incomplete")]
+    skipped = [c for c in r.get("checks") or [] if c.get("status") == "skip"]
     reasons = "".join(f"<li><b>{_e(c.get('name'))}</b> ({_e(c.get('status'))}): {_e(c.get('detail'))}</li>"
-                      for c in failed) or "<li>every check passed or was skipped</li>"
+                      for c in failed) or f"<li>every check passed{' or was skipped' if skipped else ''}</li>"
+    # Each skipped check with why: a pass over checks that did not run says which, and why not.
+    reasons += "".join(f"<li class='skipped'><b>{_e(c.get('name'))}</b> (skipped): {_e(c.get('detail'))}</li>"
+                       for c in skipped)
     gpu = "GPU-verified" if r.get("gpu_verified") else "GPU-unverified"
+    status = str(r.get("status"))
+    shown_status = f"{status}, GPU-unverified" if status == "pass" and not r.get("gpu_verified") else status
+    css = "unverified" if status == "pass" and not r.get("gpu_verified") else status
     devices = ", ".join(map(str, (r.get("gpu") or {}).get("devices") or [])) or "no GPU"
     env = s.envelope
     signed = ""
@@ -269,7 +349,7 @@ def _verdict(s: Shown) -> str:
         signed = (f"<p class='signed'>signed verdict {_e(env.get('file'))}: key {_e(keys)}, signed "
                   f"{_e(env.get('signed_at'))}, status {_e(env.get('status'))}; subject {_e(subjects)} "
                   "(as the envelope says; <code>verify</code> checks the signature)</p>")
-    return (f'<section class="verdict {_e(r.get("status"))}"><h2>{_e(s.name)}: {_e(r.get("status"))}</h2>'
+    return (f'<section class="verdict {_e(css)}"><h2>{_e(s.name)}: {_e(shown_status)}</h2>'
             f"<p>{_e(r.get('image'))} {_e(r.get('image_id'))}: {gpu} ({_e(devices)}), {_e(r.get('seconds'))} s, "
             f"started {_e(r.get('started'))}</p><ul>{reasons}</ul>{signed}</section>")
 
@@ -284,8 +364,7 @@ def render(page: Page) -> str:
             if not isinstance(found, Mapping):
                 continue
             rest = {k: v for k, v in found.items() if k not in ("met", "detail")}
-            rows.append((name, "met" if found.get("met") else "not met",
-                         found.get("detail") or json.dumps(rest, sort_keys=True)[:300]))
+            rows.append((name, "met" if found.get("met") else "not met", found.get("detail") or _words(rest)))
         devices = ", ".join(map(str, page.record.get("gpu_devices") or [])) or "no GPU named"
         parts.append(f"<section><h2>record of {_e(page.record.get('date', ''))} on {_e(devices)}</h2>"
                      f"{_table(('finding', 'state', 'detail'), rows)}</section>")
@@ -321,13 +400,19 @@ def render(page: Page) -> str:
                              _table(("report", "concurrency", "p50 (s)", "p95 (s)", "tokens/s"), rows)))
     timed = [s for s in page.shown if s.report.get("phases")]
     if timed:
-        rows = [(s.name, phase, took) for s in timed for phase, took in (s.report.get("phases") or {}).items()]
+        rows = [(s.name, phase, _number(took)) for s in timed for phase, took in phases_of(s.report).items()]
+        for s in timed:
+            total = float(s.report.get("seconds") or 0)
+            over = sum(float(v or 0) for v in (s.report.get("phases") or {}).values()) > total + 0.001
+            rows.append((s.name, "total, the run's seconds" + (" (phases that ran side by side overlap)" if over
+                                                                 else ""), _number(total)))
         parts.append(_figure(page, "phases", "Where the smoke time went", chart_phases(timed),
                              _table(("report", "phase", "seconds"), rows)))
     style = ("body{font-family:sans-serif;max-width:1100px;margin:auto;padding:1em}table{border-collapse:collapse;"
              "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}figure{border:1px solid #ddd;padding:.5em}"
              ".svg svg{max-width:100%;height:auto}.numbers{max-height:20em;overflow:auto}"
-             ".verdict.fail h2{color:#c53030}.verdict.pass h2{color:#2f855a}")
+             ".verdict.fail h2{color:#c53030}.verdict.pass h2{color:#2f855a}.verdict.unverified h2{color:#b7791f}"
+             ".verdict.incomplete h2{color:#718096}.skipped{color:#4a5568}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(page.title)}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
 

@@ -114,3 +114,72 @@ def test_what_is_not_a_smoke_report_is_one_line(tmp_path: Path) -> None:
     r = cli("report", str(bad), "--out", str(tmp_path / "x.html"))
     assert r.rc == 64 and "is not a smoke report" in r.last_error
     assert not (tmp_path / "x.html").exists()
+
+
+def _cpu_pass(tmp_path: Path) -> Path:
+    """The committed patched report as a CPU host's smoke writes it: GPU-unverified, its GPU checks skipped."""
+    report = json.loads((RECORD / "patched.json").read_text())
+    report["gpu_verified"] = False
+    for check in report["checks"]:
+        if check["name"].startswith("gpu-") or check["name"] == "topk-layout":
+            check["status"], check["detail"] = "skip", "no GPU on this host (--gpu auto): the image is GPU-unverified"
+    report["seconds"], report["phases"] = 0.647, {"checks": 0.2, "files": 0.14}
+    path = tmp_path / "smoke.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_a_report_and_the_signed_verdict_given_beside_it_make_one_page(tmp_path: Path) -> None:
+    """`report out/smoke.json out/verdict.dsse.json`: the page is titled by the image, and shows the signature
+    (was: titled "smoke", no signature, and the envelope refused as "not a smoke report", 64)."""
+    report = tmp_path / "smoke.json"
+    shutil.copy(RECORD / "patched.json", report)
+    shutil.copy(RECORD / "patched.dsse.json", tmp_path / "verdict.dsse.json")
+    out = tmp_path / "page.html"
+    r = cli("report", str(report), str(tmp_path / "verdict.dsse.json"), "--out", str(out))
+    assert r.rc == 0, r.err
+    text = out.read_text()
+    image = json.loads(report.read_text())["image"]
+    assert f"<title>{image} (smoke)</title>" in text
+    assert "signed verdict verdict.dsse.json: key" in text
+    # An envelope about another image than any report given is named, not attached.
+    r = cli("report", str(RECORD / "unpatched.json"), str(tmp_path / "verdict.dsse.json"), "--out", str(out))
+    assert r.rc == 64 and "verdict.dsse.json names no report given" in r.last_error, r.err
+
+
+def test_a_cpu_pass_says_gpu_unverified_and_why_each_check_was_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.html"
+    r = cli("report", str(_cpu_pass(tmp_path)), "--out", str(out))
+    assert r.rc == 0, r.err
+    text = out.read_text()
+    assert '<section class="verdict unverified"><h2>smoke: pass, GPU-unverified</h2>' in text
+    assert "<b>gpu-kernel</b> (skipped): no GPU on this host (--gpu auto)" in text
+    # The phases add up to the run's seconds: the time no phase accounts for is its own row.
+    assert "<td>smoke</td><td>outside the phases</td><td>0.307</td>" in text
+    assert "<td>smoke</td><td>total, the run&#x27;s seconds</td><td>0.647</td>" in text
+
+
+def test_the_phase_chart_gives_each_phase_its_own_colour_and_keeps_its_legend_off_the_axis() -> None:
+    from vllm_hotfix import report_page
+
+    report = json.loads((RECORD / "patched.json").read_text())
+    phases = report_page.phases_of(report)
+    assert len(phases) <= len(report_page.PHASE_COLOURS)  # checks and sweep no longer share a colour
+    svg = report_page.chart_phases([report_page.Shown("patched", report)])
+    used = [c for c in report_page.PHASE_COLOURS if c in svg]
+    assert len(used) == len([p for p in phases if p != report_page.OUTSIDE])
+
+
+def test_findings_read_as_words_with_rounded_numbers(tmp_path: Path) -> None:
+    folder = tmp_path / "record"
+    shutil.copytree(RECORD, folder)
+    record = json.loads((folder / "record.json").read_text())
+    record["findings"]["warm_smoke_seconds"]["seconds"]["patched"] = 7.768176555633545
+    (folder / "record.json").write_text(json.dumps(record))
+    out = tmp_path / "record.html"
+    assert cli("report", str(folder), "--out", str(out)).rc == 0
+    text = out.read_text()
+    findings = text[text.index("<h2>record of"):].split("</section>")[0]
+    assert "patched: 7.768;" in findings and "{&quot;" not in findings  # words, not raw JSON
+    # Every table's numbers are rounded (the deviation table's tolerance read 7.768176555633545).
+    assert "7.768176555633545" not in text and "<td>7.768</td>" in text
