@@ -1,4 +1,5 @@
-"""Broken backports of #49149 onto v0.25.1, kept apart from the real patch sets, as inputs the GPU smoke must fail.
+"""Backports of #49149 onto v0.25.1 other than the real one, kept apart from the real patch sets: broken ones
+(mutants) the GPU smoke must fail, correct ones written another way (variants) it must pass.
 
     python3 gpu-runs/mutants.py list
     python3 gpu-runs/mutants.py root NAME DEST
@@ -7,16 +8,18 @@
 Each ``gpu-runs/mutants/NAME.patch`` replaces the real patch of
 ``patches/v0.25.1`` with a slip a person could make (its header says which,
 what it breaks in the kernels, and at which batch composition it should
-show). They are never definitions of the project: ``image`` offers only
+show). Each ``gpu-runs/variants/NAME.patch`` replaces it with a correct
+backport written differently (its header says how, and why it is still
+right). They are never definitions of the project: ``image`` offers only
 ``images/``. ``root`` writes a project root of its own under DEST (the real
 ``images/v0.25.1.toml``, the real series and checks, the mutant in the
 patch's place), so ``build.py --root DEST image --base v0.25.1`` builds it
 exactly as the patched image is built and ``smoke --root DEST`` judges it by
 that patch set (the files landed as the mutant made them, so only the GPU
-checks, the exact judge and the sweep can fail it). ``check`` applies every
-mutant to a copy of vLLM 0.25.1's sources with the tool's own patch step and
-refuses a mutant that does not apply, leaves the files as the real patch
-does, or equals another.
+checks, the exact judge and the sweep can fail it); the same for a variant.
+``check`` applies every mutant and variant to a copy of vLLM 0.25.1's sources
+with the tool's own patch step and refuses one that does not apply, lacks a
+header field, leaves the files as the real patch does, or as another does.
 """
 
 from __future__ import annotations
@@ -30,23 +33,40 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MUTANTS = HERE / "mutants"
+VARIANTS = HERE / "variants"
 TAG = "v0.25.1"
 FIELDS = ("Mutant", "Slip", "Breaks", "Shows", "Expected-first-level")
+VARIANT_FIELDS = ("Variant", "Differs", "Why-correct", "Expected")
 
 
 def names() -> list[str]:
     return sorted(p.stem for p in MUTANTS.glob("*.patch"))
 
 
+def variant_names() -> list[str]:
+    return sorted(p.stem for p in VARIANTS.glob("*.patch"))
+
+
+def patch_file(name: str) -> Path:
+    """The mutant's or variant's patch (one name space: ``check`` refuses a name in both folders)."""
+    for folder in (MUTANTS, VARIANTS):
+        if (folder / f"{name}.patch").is_file():
+            return folder / f"{name}.patch"
+    raise SystemExit(f"no mutant or variant {name!r} (mutants: {', '.join(names())}; "
+                     f"variants: {', '.join(variant_names())})")
+
+
 def header(name: str) -> dict[str, str]:
-    """The mutant's header fields (text before its first ``---`` line), continuation lines joined."""
+    """The mutant's or variant's header fields (text before its first ``---`` line), continuation lines joined."""
+    path = patch_file(name)
+    wanted = VARIANT_FIELDS if path.parent == VARIANTS else FIELDS
     fields: dict[str, str] = {}
     key = None
-    for line in (MUTANTS / f"{name}.patch").read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         if line.startswith("--- "):
             break
         head, sep, rest = line.partition(":")
-        if sep and head in FIELDS:
+        if sep and head in wanted:
             key = head
             fields[key] = rest.strip()
         elif key and line.startswith("  "):
@@ -55,11 +75,9 @@ def header(name: str) -> dict[str, str]:
 
 
 def root(name: str, dest: Path, source: Path = REPO) -> Path:
-    """A project root under ``dest`` whose v0.25.1 patch set is the real one with mutant ``name`` in its patch's
-    place; the folder is made anew."""
-    patch = MUTANTS / f"{name}.patch"
-    if not patch.is_file():
-        raise SystemExit(f"no mutant {name!r} (known: {', '.join(names())})")
+    """A project root under ``dest`` whose v0.25.1 patch set is the real one with mutant or variant ``name`` in
+    its patch's place; the folder is made anew."""
+    patch = patch_file(name)
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "images").mkdir(parents=True)
@@ -68,7 +86,8 @@ def root(name: str, dest: Path, source: Path = REPO) -> Path:
     shutil.copytree(real, dest / "patches" / TAG, ignore=shutil.ignore_patterns("*.patch", "__pycache__"))
     listed = [ln.strip() for ln in (real / "series").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     if len(listed) != 1:
-        raise SystemExit(f"{real}/series names {len(listed)} patches; a mutant replaces the one patch of the set")
+        raise SystemExit(f"{real}/series names {len(listed)} patches; a mutant or variant replaces the one patch "
+                         "of the set")
     shutil.copy2(patch, dest / "patches" / TAG / listed[0])
     return dest
 
@@ -99,19 +118,26 @@ def check(src: Path) -> int:
         work = Path(tmp)
         real = applied(REPO, src, work)
         seen: dict[tuple[bytes, ...], str] = {tuple(real.values()): "the real patch"}
-        for name in names():
-            fields = header(name)
-            missing = [k for k in FIELDS if not fields.get(k)]
-            if missing:
-                print(f"{name}: its header lacks {', '.join(missing)}", file=sys.stderr)
-                return 1
-            got = applied(root(name, work / "root"), src, work)
-            key = tuple(got.get(f, b"") for f in real)
-            if key in seen:
-                print(f"{name}: leaves the files as {seen[key]} does", file=sys.stderr)
-                return 1
-            seen[key] = name
-            print(f"{name}: applies; first level expected {fields['Expected-first-level']}")
+        both = sorted(set(names()) & set(variant_names()))
+        if both:
+            print(f"{', '.join(both)}: named both a mutant and a variant", file=sys.stderr)
+            return 1
+        for kind, listed, wanted in (("mutant", names(), FIELDS), ("variant", variant_names(), VARIANT_FIELDS)):
+            for name in listed:
+                fields = header(name)
+                missing = [k for k in wanted if not fields.get(k)]
+                if missing:
+                    print(f"{name}: its header lacks {', '.join(missing)}", file=sys.stderr)
+                    return 1
+                got = applied(root(name, work / "root"), src, work)
+                key = tuple(got.get(f, b"") for f in real)
+                if key in seen:
+                    print(f"{name}: leaves the files as {seen[key]} does", file=sys.stderr)
+                    return 1
+                seen[key] = name
+                said = (f"first level expected {fields['Expected-first-level']}" if kind == "mutant"
+                        else "correct, expected to pass")
+                print(f"{kind} {name}: applies; {said}")
     return 0
 
 
@@ -127,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "list":
         for name in names():
-            print(name)
+            print(f"mutant {name}")
+        for name in variant_names():
+            print(f"variant {name}")
         return 0
     if args.cmd == "root":
         print(root(args.name, args.dest))

@@ -46,20 +46,42 @@ def _rec(**result: object) -> dict[str, object]:
     return {"returncode": 0, "result": dict(result)}
 
 
-def test_outcomes(check: ModuleType) -> None:
+def _attention(**over: object) -> dict[str, object]:
+    right = {"tokens": 100, "judged": 98, "tied": 2, "off": 0, "decode_off": 0, "prefill_off": 0,
+             "max_rel_err": 0.004, "floor_max_rel_err": 0.004, "rel_tol": 0.02, "first_off": None}
+    return {**right, **over}
+
+
+def test_outcomes_come_from_the_numbers(check: ModuleType) -> None:
     assert check.outcome({"timeout": "no result within 5 s"}) == "timeout"
     assert check.outcome({"error": "ModuleNotFoundError: No module named 'pydantic'"}) == "env-error"
-    assert check.outcome(_rec(ok=True)) == "correct"
+    assert check.outcome(_rec(attention=_attention())) == "correct"
+    # The worker's own word is not taken: its numbers are judged again.
+    assert check.outcome(_rec(ok=True, attention=_attention(off=3))) == "wrong-attention"
+    assert check.outcome(_rec(ok=False, attention=_attention())) == "correct"
     ima = "indexer forward (top-k write): AcceleratorError: CUDA error: an illegal memory access was encountered"
     assert check.outcome(_rec(ok=False, error=ima)) == "illegal-memory-access"
-    assert check.outcome(_rec(ok=False, decode={"mismatch": 6, "rows": 12}, prefill={"mismatch": 0})) == "wrong-rows"
-    assert check.outcome(_rec(ok=False, error="reference scores: KeyError: 'decode_write'")) == "fault"
+    assert check.outcome(_rec(ok=False, error="reference top-k and attention (torch): RuntimeError: x")) == "fault"
+    # Tokens off while the kernels fed the right blocks were off too: the comparison, not the code, is in doubt.
+    assert check.outcome(_rec(attention=_attention(off=5, floor_max_rel_err=0.5))) == "inconclusive"
+    # Too many tokens left out as ties, or none judged: no verdict either way.
+    assert check.outcome(_rec(attention=_attention(judged=50, tied=50))) == "inconclusive"
+    assert check.outcome(_rec(attention=_attention(tokens=0, judged=0, floor_max_rel_err=None))) == "inconclusive"
+
+
+def test_a_wrong_scenario_is_summarized_by_its_first_token_off(check: ModuleType) -> None:
+    rec = _rec(attention=_attention(off=7, prefill_off=7, max_rel_err=0.9,
+                                    first_off={"token": 12, "side": "prefill", "rel_err": 0.9}))
+    text = check.summarize(rec)
+    assert "attention tokens off 7/98 judged" in text and "first prefill token 12 off by 0.9" in text
+    assert "kernels fed the right blocks: 0.004" in text
 
 
 @pytest.mark.parametrize(("kinds", "status", "lead"), [
-    ({"tp1": "correct", "tp4": "correct"}, "pass", "read back what they wrote"),
-    ({"tp1": "illegal-memory-access", "tp4": "timeout"}, "fail", "breaks the top-k layout (tp1)"),
-    ({"tp1": "wrong-rows"}, "fail", "breaks the top-k layout"),
+    ({"tp1": "correct", "tp4": "correct"}, "pass", "the blocks a right top-k selects"),
+    ({"tp1": "illegal-memory-access", "tp4": "timeout"}, "fail", "attends to the wrong blocks (tp1)"),
+    ({"tp1": "wrong-attention"}, "fail", "attends to the wrong blocks"),
+    ({"tp1": "correct", "tp4": "inconclusive"}, "fail", "inconclusive"),
     ({"tp1": "correct", "tp4": "timeout"}, "fail", "inconclusive"),
     ({"tp1": "timeout"}, "fail", "inconclusive"),
     ({"tp1": "fault"}, "fail", "inconclusive"),
@@ -77,7 +99,7 @@ def test_a_worker_that_times_out_is_inconclusive(check: ModuleType, tmp_path: Pa
     silent = tmp_path / "silent_worker.py"
     silent.write_text("import threading\nthreading.Event().wait()\n")
     monkeypatch.setattr(check, "__file__", str(silent))
-    args = argparse.Namespace(device="cuda", seed=0, vllm_src=None, timeout=0.2)
+    args = argparse.Namespace(device="cuda", seed=0, vllm_src=None, timeout=0.2, shapes="model")
     rec = check.run_worker(args, "tp1")
     assert check.outcome(rec) == "timeout"
     assert check.verdict({"tp1": check.outcome(rec)})[0] == "fail"
@@ -176,3 +198,9 @@ def test_the_check_reports_not_applicable_as_one_skip(check: ModuleType,
     assert c["status"] == "skip" and c["ran_against"] == "not-applicable"
     assert c["detail"].startswith("not applicable on this GPU family")
     assert c["data"]["path"]["capability"] == "10.0"
+
+
+def test_both_v0251_patch_sets_run_the_one_check() -> None:
+    # One file, not two copies that drift: the SM100 set's check is a link to the default set's.
+    sm100 = REPO / "patches" / "v0.25.1-sm100" / "checks" / "gpu_topk_layout.py"
+    assert sm100.is_symlink() and sm100.resolve() == CHECK.resolve()
