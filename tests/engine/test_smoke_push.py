@@ -209,6 +209,11 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert sweep_check["status"] == "fail"
             assert "concurrency 2" in sweep_check["detail"]
             assert any("illegal memory access" in ln for ln in sweep_check["data"]["server_log"])
+            # A run that failed, of an image never passed here: what its server wrote stayed in its private layer.
+            cache = report["environment"]["compile_cache"]
+            assert cache["access"] == "layered"
+            assert not (Path(cache["host"]) / "vllm" / "fake-openai-starts").exists()
+            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
         else:
             assert r.rc == 0, r.err
             assert sweep_check["status"] == "pass"
@@ -221,11 +226,12 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
             assert cache["base_id"] == base_id.removeprefix("sha256:") and cache["gpu"] == "no-gpu"
             assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
-            # Its first run: no passing verdict here yet, so the base's cache read-only under a private layer; what
-            # its server wrote went to that layer, gone with the run.
+            # Its first run: no passing verdict here yet, so the base's cache read-only under a private layer; the
+            # run passed, so what its server wrote there was moved into the cache after it (nothing left private).
             assert cache["access"] == "layered" and "read-only under a private layer" in r.err
             starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
-            before = starts.read_text() if starts.exists() else ""
+            before = starts.read_text()
+            assert before.count("started") == 1
             assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
             # Passed now: its next run writes the base's cache in place.
             r = cli("smoke", served, "--serve-model", str(model), "--concurrency", "1", "--requests", "2",

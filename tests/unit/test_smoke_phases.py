@@ -97,6 +97,23 @@ def test_a_recordings_folder_is_its_own_and_gone_after_the_run(tmp_path: Path) -
         assert mounted.mount == (str(shared.host), "/root/.cache")
 
 
+def test_a_passing_runs_private_writes_are_adopted_and_nothing_else(tmp_path: Path) -> None:
+    """What a layered run wrote moves into the shared folder (renames on one file system); a folder, a file that
+    is a folder there, and anything that is not a file or a link (an overlay whiteout) stay out."""
+    shared = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"]).host
+    (shared / "triton" / "held").mkdir(parents=True)
+    upper = tmp_path / "upper"
+    (upper / "triton" / "ab").mkdir(parents=True)
+    (upper / "triton" / "ab" / "kernel.cubin").write_bytes(b"k")
+    (upper / "triton" / "held").write_bytes(b"a file where the shared folder has a folder")
+    (upper / "link").symlink_to("triton/ab/kernel.cubin")
+    os.mkfifo(upper / "not-a-file")
+    assert compile_cache.adopt(upper, shared) == 2
+    assert (shared / "triton" / "ab" / "kernel.cubin").read_bytes() == b"k"
+    assert (shared / "link").is_symlink() and (shared / "triton" / "held").is_dir()
+    assert not (shared / "not-a-file").exists()
+
+
 def test_a_bad_image_id_is_refused() -> None:
     with pytest.raises(SmokeError, match="not a sha256 image ID"):
         compile_cache.base_key("../x", None)

@@ -29,7 +29,9 @@ is trusted writes it in place (``shared``): the base itself, or an image
 this host already passed. Any other image (``layered``) sees the folder
 read-only under a private writable layer (an overlay volume the engine
 mounts: reads are the folder's, writes land in a private folder removed
-after the run), so it starts as warm as before and leaves nothing behind.
+after the run), so it starts as warm as before and leaves nothing behind,
+unless its run passes: then what it wrote is moved into the folder, as a
+trusted image's writes are (so its next run starts warm, as before).
 A ``--record-reference`` run (``private``) gets an empty folder of its
 own, removed after the run: the answers every later run is judged by come
 from nothing another image wrote, and leave nothing for another image.
@@ -41,8 +43,9 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -107,11 +110,39 @@ class CompileCache:
 PRIVATE_DIR = "private"  # under compile/: the private layers and folders of runs, each removed after its run
 
 
+def adopt(upper: Path, shared: Path) -> int:
+    """Move what a run wrote in its private layer ``upper`` into the ``shared`` folder (the same file system: each
+    a rename); how many files. Overlay whiteouts (a deletion in the layer) are left: the shared folder only gains.
+    A file that cannot be moved stays behind (the next run compiles it again)."""
+    moved = 0
+    for folder, dirs, files in os.walk(upper):
+        rel = Path(folder).relative_to(upper)
+        target = shared / rel
+        try:
+            target.mkdir(mode=0o777, exist_ok=True)
+        except OSError:
+            dirs[:] = []
+            continue
+        for name in files:
+            src, dst = Path(folder) / name, target / name
+            try:
+                mode = src.lstat().st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)) or dst.is_dir():
+                    continue  # a whiteout (a character device), or a file where the shared folder has a folder
+                os.replace(src, dst)
+                moved += 1
+            except OSError as exc:
+                log.debug("compile cache entry %s not adopted: %s", src, exc)
+    return moved
+
+
 @contextmanager
-def given(engine: Engine, cache: CompileCache) -> Iterator[CompileCache]:
+def given(engine: Engine, cache: CompileCache, keep: Callable[[], bool] = lambda: False) -> Iterator[CompileCache]:
     """``cache`` as its run mounts it (:attr:`CompileCache.mount`): the shared folder itself; else a private
     folder beside it (the writable layer over it, or the recording's own), removed on leaving, with the shared
-    folder only ever read. A killed run's private folder is removed by the next run that makes one."""
+    folder only ever read while the run lasts. A layered run that ``keep`` says passed (asked once the volume is
+    gone) has what it wrote moved into the shared folder then: its image is trusted from that verdict on, as if
+    it had written in place. A killed run's private folder is removed by the next run that makes one."""
     if cache.access == SHARED:
         yield cache
         return
@@ -133,6 +164,9 @@ def given(engine: Engine, cache: CompileCache) -> Iterator[CompileCache]:
         else:
             with engine.overlay_volume(cache.host, upper, work) as volume:
                 yield replace(cache, source=volume)
+            if keep():
+                log.info("compile cache: %d file(s) of a passing run adopted into %s", adopt(upper, cache.host),
+                         cache.host)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -237,9 +237,12 @@ class DockerRun:
         host_facts = plan.HostFacts(found.compiled_missing, gpu_facts, environment,
                                     lambda modules: self.base_import_errors(image, modules))
         mounted = None
+        done: list[plan.Ran] = []  # the run, once judged: a layered cache's writes are kept only if it passed
         try:
             with contextlib.ExitStack() as stack:
-                mounted = stack.enter_context(compile_cache.given(self.engine, cache)) if cache is not None else None
+                mounted = stack.enter_context(compile_cache.given(
+                    self.engine, cache, keep=lambda: bool(done) and done[0].verdict.passed)) \
+                    if cache is not None else None
                 launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                           env=mounted.env if mounted is not None else None,
                                           writable=[mounted.mount] if mounted is not None else (),
@@ -249,6 +252,7 @@ class DockerRun:
                                  host=host, expected_from=found.expected_from, landed=found.landed,
                                  gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False,
                                  python_path=proven.python_path)
+                done.append(ran)
         except EngineLost as exc:
             ran = self._ended(target, found, host, "incomplete", str(exc))
         except EngineError as exc:
