@@ -23,7 +23,7 @@ TOOL = tool_run() { "$$@" || { rc=$$?; echo "make: build.py exited $$rc (its exi
 export VLLM_HOTFIX_VIA_MAKE := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup tool services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms bench-registry clean \
+.PHONY: help setup tool services stop image render smoke push demo demo-platforms test unit lint bench bench-platforms bench-registry prune clean \
 	clean-records
 # The Docker 26.1 engine `.ci/services start-cdi-engine` runs beside the distribution's (it keeps platforms).
 PLATFORM_ENGINE ?= unix:///run/vllm-hotfix-cdi/docker.sock
@@ -95,6 +95,10 @@ lint: tool ## ruff and mypy
 
 bench: tool ## Benchmarks: the tool against the manual flow and the floor
 	$(PYTHON) bench/run.py
+
+prune: tool ## Remove what builds, rollbacks, stand-ins, tests and the services left (README); then make stop
+	-$(TOOL) prune
+	.ci/services prune
 
 clean: ## Remove caches (keeps build/records, which push, list and rollback rely on; not images)
 	rm -rf build/cache build/runs .pytest_cache .mypy_cache .ruff_cache

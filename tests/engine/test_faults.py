@@ -509,3 +509,36 @@ def test_killed_during_smoke_its_staging_folder_goes_with_the_next_run(private: 
     assert not any(os.path.exists(p) for p in left), "the next run left the dead run's staging folder"
     assert engine.containers_by_owner() == {}
     assert engine.image(out) is None and engine.image_ids() - before == set()
+
+
+def test_prune_removes_what_rollbacks_and_stand_ins_left_and_keeps_tagged_images(
+        private: tuple[PrivateEngine, Engine], tmp_path: Path) -> None:
+    """On an engine of the test's own: an untagged build (what a rollback leaves), the stand-ins' rootfs cache;
+    a tagged build and the stand-in base stay. --dry-run removes nothing. Last in this module: the cache goes."""
+    from vllm_hotfix.tarball import tar_bytes
+
+    eng, engine = private
+    base = f"{STANDIN_REPO}:v0.25.1"
+
+    def build(tag: str, marker: str) -> str:
+        dockerfile = f"FROM {base}\nLABEL {labels.DEFINITION}=v0.25.1 marker={marker}\n"
+        image_id = engine.build(tar_bytes({"Dockerfile": dockerfile.encode()}))
+        engine.tag(image_id, tag)
+        return image_id
+
+    kept = build("hotfix-test/prune-kept:1", "kept")
+    left = build("hotfix-test/prune-left:1", "left")
+    engine.untag("hotfix-test/prune-left:1")  # a rollback moved its tag on
+    rootfs = engine.image(standin.ROOTFS_REF)
+    assert rootfs is not None and engine.image(left) is not None
+    env = {"DOCKER_HOST": eng.url}
+    r = cli("prune", "--dry-run", root=tmp_path, env=env)
+    assert r.rc == 0 and "would remove 2 image(s)" in r.out, r.err
+    assert f"would remove {left[:19]}: untagged build" in r.err and standin.ROOTFS_REF in r.err
+    assert engine.image(left) is not None and engine.image(standin.ROOTFS_REF) is not None
+    r = cli("prune", root=tmp_path, env=env)
+    assert r.rc == 0 and "removed 2 image(s)" in r.out, r.err
+    assert engine.image(left) is None and engine.image(standin.ROOTFS_REF) is None
+    assert engine.image(kept) is not None and engine.image(base) is not None
+    assert cli("prune", root=tmp_path, env=env).out.startswith("removed 0 image(s)")
+    engine.remove_image("hotfix-test/prune-kept:1")

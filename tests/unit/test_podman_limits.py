@@ -60,26 +60,3 @@ def test_a_remote_podman_chooses_its_own_limits(monkeypatch) -> None:  # type: i
     assert "--ulimit" not in PodmanLauncher().run_argv("img", Path("/r"), None, None, "n")
     monkeypatch.delenv("CONTAINER_HOST")
     assert "--ulimit" not in PodmanLauncher(global_args=["--remote"]).run_argv("img", Path("/r"), None, None, "n")
-
-
-SERVICES = Path(__file__).resolve().parents[2] / ".ci" / "services"
-SETTING = '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\n'
-
-
-def test_setup_writes_no_host_wide_podman_setting() -> None:
-    install = SERVICES.read_text().split("\n  install)\n", 1)[1].split("\n    ;;\n", 1)[0]
-    assert "containers.conf" not in install
-
-
-def test_stop_removes_the_podman_setting_an_earlier_setup_wrote_and_nothing_else(tmp_path: Path) -> None:
-    """`.ci/services stop` with a state folder of its own: it started nothing there, so it stops nothing."""
-    ours, theirs = tmp_path / "50-vllm-hotfix-ci.conf", tmp_path / "60-site.conf"
-    ours.write_text(SETTING)
-    theirs.write_text(SETTING.replace("4096", "8192"))
-    for dropin, kept in ((ours, False), (theirs, True)):
-        done = subprocess.run([str(SERVICES), "stop"], capture_output=True, text=True, timeout=60,
-                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "VLLM_HOTFIX_STATE": str(tmp_path / "s"),
-                                   "VLLM_HOTFIX_PODMAN_DROPIN": str(dropin)})
-        assert done.returncode == 0, done.stderr
-        assert dropin.exists() is kept
-        assert ("removed" in done.stdout) is not kept

@@ -7,7 +7,7 @@ One module per group of commands, each adding its commands to :data:`app.main`:
 - ``smoke_commands``: smoke, serve-check
 - ``push_commands``: push, verify
 - ``patchset_commands``: check-upstream, new-patchset
-- ``history_commands``: list, rollback
+- ``history_commands``: list, rollback, prune
 
 Only :func:`_run`, here, turns errors into an exit code (the table in
 ``--help`` is made from errors.py, so it names every one). Each command's

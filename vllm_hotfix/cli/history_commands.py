@@ -1,4 +1,5 @@
-"""list and rollback: every build with its verdicts and pushes, and moving a tag back."""
+"""list, rollback and prune: every build with its verdicts and pushes, moving a tag back, and removing what
+builds and rollbacks left untagged."""
 
 from __future__ import annotations
 
@@ -86,3 +87,18 @@ def _rolled_output(moves: Any) -> str:
         return str(moves[0].ref)
     parents = {got[0] for m in moves if (got := platforms.parent_ref(m.ref)) is not None}
     return parents.pop() if len(parents) == 1 else str(moves[-1].ref)
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@click.pass_obj
+def prune(obj: Ctx, dry_run: bool) -> None:
+    """Remove from the engine what builds, rollbacks and stand-ins left: untagged builds and stand-ins, and the
+    stand-ins' root file system cache (made again from build/cache when needed). Tagged images and the journal
+    stay."""
+    from ..release import prune as prunelib
+
+    gone = prunelib.prune(obj.engine, progress, dry_run=dry_run)
+    size = sum(item.size for item in gone) / 1e6
+    click.echo(f"{'would remove' if dry_run else 'removed'} {len(gone)} image(s), {size:.0f} MB as the engine "
+               "counts them (shared layers counted in each)")

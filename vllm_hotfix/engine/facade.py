@@ -204,6 +204,18 @@ class Engine:
         with self.translating("asking the engine to describe itself"):
             return dict(self.api.info() or {})
 
+    def images_listed(self, *, label: str | None = None, repository: str | None = None,
+                      dangling: bool | None = None) -> list[dict[str, Any]]:
+        """Top-level images as the engine lists them (``Id``, ``RepoTags``, ``Size``, ``Labels``): those
+        carrying ``label`` (``KEY`` or ``KEY=VALUE``), of ``repository``, untagged (``dangling``) or tagged."""
+        filters: dict[str, Any] = {}
+        if label is not None:
+            filters["label"] = [label]
+        if dangling is not None:
+            filters["dangling"] = dangling
+        with self.translating("listing images"):
+            return list(self.api.images(name=repository, filters=filters) or [])
+
     def image_ids(self) -> set[str]:
         """Every image in the engine, intermediate ones included."""
         with self.translating("listing images"):
