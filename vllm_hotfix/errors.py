@@ -218,8 +218,9 @@ class Refused(PipelineError):
     """
 
     exit_code = 13
-    meaning = ("refused: a tag the tool must not move without --force; a rollback onto an image whose smoke "
-               "failed, of another platform, or (--to) onto one platform of a multi-platform output")
+    meaning = ("refused: a tag the tool must not move without --force (push: off an image with a signed pass, "
+               "without --replace); a rollback onto an image whose smoke failed, of another platform, or (--to) "
+               "onto one platform of a multi-platform output")
 
 
 class UsageError(PipelineError):

@@ -275,3 +275,41 @@ def test_registry_client_uses_the_stored_login(tmp_path: Path, monkeypatch: pyte
         assert "plat-s3cret" not in str(bad.value)
     finally:
         reg.stop()
+
+
+def test_a_tag_naming_an_image_with_a_signed_pass_moves_only_with_replace(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str, tmp_path: Path) -> None:
+    """Another image pushed under a tag whose image passed, signed: refused (13) unless --replace, which says what
+    it replaces (was: replaced without a word, and verify then found no verdict, 21)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    project, ref, image_id = built
+    key = tmp_path / "site.key"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key.chmod(0o600)
+    assert cli("smoke", ref, "--sign-key", str(key), root=project).rc == 0
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
+    assert r.rc == 0 and len(json.loads(r.out)["attestations"]) == 1, r.err
+    first = json.loads(r.out)
+    # The same patch set built by the other builder: another image that passed its smoke, under the same name.
+    other = f"hotfix-test/{unique}/{ref.split('/')[-1]}"
+    r = cli("image", "--definition", "v0.25.1", "--tag", other, "--pull", "never", "--builder", "assemble",
+            root=project)
+    assert r.rc == 0, r.err
+    other_id = r.out.split()[-1]
+    try:
+        assert other_id != image_id
+        r = cli("push", other, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
+        fails(r, "refusing to push over", first["ref"], image_id[:19], "1 signed verdict(s) saying pass")
+        assert r.rc == 13 and "--replace" in r.err
+        assert engine.registry_digest(first["ref"]) == first["digest"]  # the tag still names the signed image
+        r = cli("push", other, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--replace",
+                root=project)
+        assert r.rc == 0 and f", replacing {first['ref']}" in r.out, r.err
+        # The image now there has no signed pass: moving the tag back needs no word.
+        r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
+        assert r.rc == 0 and "replacing" not in r.out, r.err
+    finally:
+        engine.remove_image(other)

@@ -32,10 +32,12 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
 @click.option("--dry-run", is_flag=True,
               help="Judge as a push does (the gate, the files re-read from the layers) and say what would be "
                    "pushed and attached; push, tag, attach and record nothing.")
+@click.option("--replace", is_flag=True, help="Move the target tag even where it names another image with a signed "
+                                              "pass (that image stays in the registry by digest).")
 @click.pass_obj
 def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
          platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...],
-         dry_run: bool) -> None:
+         dry_run: bool, replace: bool) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from ..building import platforms
     from ..registry import refs
@@ -48,7 +50,7 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
         pushlib.plain_selection(obj.engine, obj.root, image_ref)
     if platform_text is not None or plats is not None:
         index = pushlib.push_index(obj.engine, obj.root, image_ref, registry, plats, policy=policy,
-                                   progress=progress, dry_run=dry_run)
+                                   progress=progress, dry_run=dry_run, replace=replace)
         if dry_run:
             _say_dry_run(as_json, {"ref": index.ref, "children": index.children})
             return
@@ -67,16 +69,16 @@ def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as
     if not dry_run:
         pull_missing(obj.engine, image_ref, registry_digest(obj.root, image_ref), progress, index=False)
     pushed = pushlib.push(obj.engine, obj.root, image_ref, registry, policy=policy, progress=progress,
-                          dry_run=dry_run)
+                          dry_run=dry_run, replace=replace)
     if dry_run:
         _say_dry_run(as_json, {"ref": pushed.ref, "image_id": pushed.image_id, "verdict": pushed.verdict,
                                "gpu_verified": pushed.gpu_verified, "attestations": list(pushed.attestations)})
         return
     if as_json:
         print_json({"ref": pushed.ref, "digest": pushed.digest, "image_id": pushed.image_id, "verdict": pushed.verdict,
-               "attestations": list(pushed.attestations)})
+               "attestations": list(pushed.attestations), "replaced": pushed.replaced or None})
         return
-    click.echo(f"pushed {pushed.ref} {pushed.digest}")
+    click.echo(f"pushed {pushed.ref} {pushed.digest}" + (f", replacing {pushed.replaced}" if pushed.replaced else ""))
 
 
 def _say_dry_run(as_json: bool, plan: dict[str, Any]) -> None:

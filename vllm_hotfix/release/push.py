@@ -63,6 +63,7 @@ class Pushed:
     attestations: tuple[str, ...] = ()  # digests of the signed verdicts attached beside it
     dry_run: bool = False  # nothing was pushed: ``digest`` is empty, ``attestations`` the files it would attach
     gpu_verified: bool = False
+    replaced: str = ""  # what the tag named before, where that had a signed pass (--replace)
 
 
 def target_ref(image_ref: str, registry: str) -> str:
@@ -296,6 +297,51 @@ def _pushed_candidates(engine: Engine, target: str, image_id: str) -> list[tuple
     return attest.registry_candidates(client, path, manifest.digest)
 
 
+def signed_pass_under(engine: Engine, target: str, image_ids: set[str]) -> str | None:
+    """What ``target`` names in its registry, where that is another image than ``image_ids`` (one image's ID, or
+    an index's platform images) and it carries a signed verdict saying pass; None otherwise.
+
+    Replacing such an image under its tag takes a word from the user (``--replace``): deployments that pull
+    the tag would get another image than the one that passed. Read without a key (it is not trusted here, only
+    a reason to ask).
+    """
+    repo, tag = split_reference(target)
+    host, path = registry.split_repo(repo)
+    client = registry.client_for(engine, host)
+    manifest = client.manifest(path, tag)
+    if manifest is None:
+        return None
+    images: dict[str, str] = {}  # manifest digest -> image ID (config digest)
+    if manifest.is_index:
+        for child in registry.children(manifest):
+            found = client.manifest(path, child.digest)
+            if found is not None:
+                images[child.digest] = str((found.json().get("config") or {}).get("digest") or "")
+    else:
+        images[manifest.digest] = str((manifest.json().get("config") or {}).get("digest") or "")
+    if set(images.values()) == image_ids:
+        return None
+    passes = sum(1 for digest in [manifest.digest, *images] for _where, data in
+                 attest.registry_candidates(client, path, digest) if attest.claimed_status(data) == "pass")
+    if not passes:
+        return None
+    named = ", ".join(sorted(i[:19] for i in images.values() if i)) or "no image"
+    return f"{target} ({manifest.digest[:19]}, image {named}: {passes} signed verdict(s) saying pass)"
+
+
+def _check_replace(engine: Engine, target: str, image_ids: set[str], replace: bool,
+                   say: Callable[[str], None]) -> str | None:
+    """Refuse to move ``target`` off an image with a signed pass unless ``replace``; what is replaced."""
+    held = signed_pass_under(engine, target, image_ids)
+    if held is None:
+        return None
+    if not replace:
+        raise Refused(f"refusing to push over {held}: the tag would name another image",
+                      hint="give --replace to move the tag (the replaced image stays in the registry by digest)")
+    say(f"    replacing {held} (--replace)")
+    return held
+
+
 def push(
     engine: Engine,
     root: Path,
@@ -306,6 +352,7 @@ def push(
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
     dry_run: bool = False,
+    replace: bool = False,
 ) -> Pushed:
     """Gate, re-check the landed files, push, confirm the digest, attach signed verdicts, record the push.
 
@@ -329,6 +376,7 @@ def push(
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
+    replaced = _check_replace(engine, target, {info.id}, replace, say)
     if dry_run:
         return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
                       dry_run=True, gpu_verified=verdict.gpu_verified)
@@ -339,13 +387,15 @@ def push(
             "image_id": info.id, "image": image_ref, "ref": target, "digest": digest,
             "registry": registry_of(target), "verdict": verdict.source,
             "gpu_verified": verdict.gpu_verified, "attestations": attached,
+            **({"replaced": replaced} if replaced else {}),
         })
     except RecordError as exc:
         raise RecordError(
             f"{target} landed in the registry as {digest}, but the push could not be recorded: {exc}",
             hint="free or fix the records folder; the registry already holds the image",
         ) from exc
-    return Pushed(target, digest, info.id, verdict.source, tuple(attached), gpu_verified=verdict.gpu_verified)
+    return Pushed(target, digest, info.id, verdict.source, tuple(attached), gpu_verified=verdict.gpu_verified,
+                  replaced=replaced or "")
 
 
 def _push_one(engine: Engine, root: Path, info: ImageInfo, target: str, attempts: int,
@@ -460,6 +510,7 @@ def push_index(
     attempts: int = ATTEMPTS,
     progress: Callable[[str], None] | None = None,
     dry_run: bool = False,
+    replace: bool = False,
 ) -> PushedIndex:
     """Push each platform's image as ``TAG-<machine>`` and one index over them as ``TAG``.
 
@@ -485,6 +536,9 @@ def push_index(
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")
+    _check_replace(engine, target, {info.id for _plat, info in found}, replace, say)
+    for plat, info in found:
+        _check_replace(engine, child_ref(target, plat), {info.id}, replace, say)
     repo, _ = split_reference(target)
     children: list[dict[str, str]] = []
     entries: list[tuple[str, str, str, str]] = []

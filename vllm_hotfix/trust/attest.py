@@ -203,6 +203,20 @@ def named_images(data: bytes) -> set[str] | None:
         return None
 
 
+def claimed_status(data: bytes) -> str | None:
+    """The status an envelope's verdict says (``pass``, ``fail``...), unverified; None if it says none.
+
+    Only to ask the user before something is replaced, never to let anything through.
+    """
+    try:
+        envelope = json.loads(data)
+        doc = json.loads(base64.b64decode(envelope["payload"]))
+        status = doc["predicate"]["status"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
 def names(path: Path, image_id: str) -> bool:
     """Whether the envelope at ``path`` says it is about ``image_id`` (unverified: only to route it)."""
     try:
