@@ -528,7 +528,7 @@ def test_prune_removes_what_rollbacks_and_stand_ins_left_and_keeps_tagged_images
 
     kept = build("hotfix-test/prune-kept:1", "kept")
     left = build("hotfix-test/prune-left:1", "left")
-    engine.untag("hotfix-test/prune-left:1")  # a rollback moved its tag on
+    engine.tag(kept, "hotfix-test/prune-left:1")  # as a rollback does: the tag moved on, the image left untagged
     rootfs = engine.image(standin.ROOTFS_REF)
     assert rootfs is not None and engine.image(left) is not None
     env = {"DOCKER_HOST": eng.url}
@@ -541,4 +541,5 @@ def test_prune_removes_what_rollbacks_and_stand_ins_left_and_keeps_tagged_images
     assert engine.image(left) is None and engine.image(standin.ROOTFS_REF) is None
     assert engine.image(kept) is not None and engine.image(base) is not None
     assert cli("prune", root=tmp_path, env=env).out.startswith("removed 0 image(s)")
+    engine.untag("hotfix-test/prune-left:1")
     engine.remove_image("hotfix-test/prune-kept:1")

@@ -321,7 +321,7 @@ def signed_pass_under(engine: Engine, target: str, image_ids: set[str]) -> str |
         images[manifest.digest] = str((manifest.json().get("config") or {}).get("digest") or "")
     if set(images.values()) == image_ids:
         return None
-    passes = sum(1 for digest in [manifest.digest, *images] for _where, data in
+    passes = sum(1 for digest in dict.fromkeys([manifest.digest, *images]) for _where, data in
                  attest.registry_candidates(client, path, digest) if attest.claimed_status(data) == "pass")
     if not passes:
         return None
