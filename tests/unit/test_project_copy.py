@@ -74,3 +74,14 @@ def test_the_copy_of_this_checkout_holds_exactly_what_git_tracks(tmp_path: Path)
                             text=True, check=True).stdout.split()
     copy = project_copy(tmp_path / "copy")
     assert _files(copy) == {name for name in listed if (REPO / name).is_file()}
+
+
+def test_no_test_or_benchmark_copies_the_checkouts_folders_whole() -> None:
+    """Every copy of images/ or patches/ goes through the tracked files (conftest.copy_tracked, bench's
+    copy_definitions): a whole-folder copy would take a user's own sets along."""
+    import re
+
+    whole = re.compile(r"copytree\(\s*REPO\b")
+    found = [f"{p.relative_to(REPO)}:{n}" for folder in ("tests", "bench") for p in sorted((REPO / folder).rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if whole.search(line)]
+    assert not found, found

@@ -4,12 +4,11 @@ held to the Kubernetes API's schema."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, cli
+from conftest import REPO, cli, copy_tracked
 
 IMAGE = "registry.example/ops/vllm-openai:v0.25.1-m3patch"
 DIGEST = "registry.example/ops/vllm-openai@sha256:" + "ef" * 32
@@ -37,8 +36,7 @@ resources = { requests = { cpu = "8", memory = "64Gi" }, limits = { memory = "96
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     root = tmp_path / "project"
-    shutil.copytree(REPO / "images", root / "images")
-    shutil.copytree(REPO / "patches", root / "patches")
+    copy_tracked(REPO, ("images", "patches"), root)  # the project's own, never a user's untracked sets
     return root
 
 
