@@ -1,7 +1,7 @@
 """The topk-layout check against every backport of #49149 onto v0.25.1 we hold: a table of what it said.
 
-    python3 gpu-runs/topk_table.py prepare VLLM_SRC DEST
-    python3 gpu-runs/topk_table.py run DEST --vllm-src VLLM_SRC [--out DIR] [--device cpu --shapes small]
+    python3 gpu-runs/topk_table.py prepare VLLM_SRC DEST [--wheels]
+    python3 gpu-runs/topk_table.py run DEST [--vllm-src VLLM_SRC] [--out DIR] [--device cpu --shapes small]
 
 ``prepare`` (where the tool runs: it applies each patch with the tool's own
 patch step, ``patch -p1 --forward --fuzz=0``) writes, for vLLM 0.25.1 as
@@ -9,7 +9,12 @@ shipped (``base``), the real patch (``real``), every correct variant of
 ``gpu-runs/variants/`` and every mutant of ``gpu-runs/mutants/``, the files
 the patch leaves, under ``DEST/NAME/``, and ``DEST/manifest.json`` (kind and
 the verdict each must get: ``pass`` for the real patch and the variants,
-``fail`` for the base and the mutants).
+``fail`` for the base and the mutants); VLLM_SRC's ``vllm/**/*.py`` and
+dist-info as ``DEST/vllm-src.tar.gz`` (about 6 MB); with ``--wheels``, the
+wheels importing vLLM's indexer and sparse attention and building a
+``VllmConfig`` needs beyond a GPU host's torch Python (CPython 3.12, x86_64;
+the list bundle.sh's ``wheels/base`` holds) in ``DEST/wheels/``, from PyPI.
+DEST is what a GPU host needs besides this checkout.
 
 ``run`` (on a GPU host with torch, Triton and CUDA; no Docker, no vLLM install,
 standard library only) makes, per name, a tree of VLLM_SRC's files (links)
@@ -23,7 +28,8 @@ and a fail counts only as a caught bug (``wrong-attention`` or
 ``--device cpu --shapes small`` runs the same in Triton's interpreter on a
 CPU (float32, small shapes; minutes per name). ``--wheels DIR`` installs the
 wheels there (vLLM's requirements the host's Python lacks) into a folder of
-the run's own, put on the check's PYTHONPATH.
+the run's own, put on the check's PYTHONPATH (default: ``DEST/wheels`` where it
+exists); without ``--vllm-src`` the sources come from ``DEST/vllm-src.tar.gz``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +51,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHECK = REPO / "patches" / "v0.25.1" / "checks" / "gpu_topk_layout.py"
 CAUGHT = ("wrong-attention", "illegal-memory-access")
+# What importing vLLM's indexer and sparse attention and building a VllmConfig needs beyond a GPU host's torch
+# Python (bundle.sh's wheels/base).
+BASE_WHEELS = ("annotated-types==0.8.0", "cachetools==8.0.2", "cbor2==6.3.0", "httpcore2==2.16.2", "httpx2==2.16.2",
+               "jiter==0.19.0", "msgspec==0.23.0", "openai==3.57.0", "openai-harmony==0.0.8", "pybase64==1.5.1",
+               "pydantic==2.14.4", "pydantic_core==2.50.5", "pyzmq==27.3.0", "sniffio==1.3.1", "truststore==0.10.5",
+               "typing-inspection==0.4.5")
 
 
-def prepare(src: Path, dest: Path) -> dict[str, Any]:
+def prepare(src: Path, dest: Path, wheels: bool = False) -> dict[str, Any]:
     """``DEST/NAME/<file>`` for every name and ``DEST/manifest.json``; returns the manifest."""
     sys.path.insert(0, str(HERE))
     import mutants
@@ -71,6 +85,16 @@ def prepare(src: Path, dest: Path) -> dict[str, Any]:
             (dest / name / rel).write_bytes(data)
         manifest[name] = {"kind": kind, "expected": expected, "files": sorted(files)}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    with tarfile.open(dest / "vllm-src.tar.gz", "w:gz") as tar:
+        for top in sorted(p for p in src.iterdir() if p.name == "vllm" or p.name.endswith(".dist-info")):
+            for path in sorted(top.rglob("*")):
+                if path.is_file() and (path.suffix == ".py" or top.name.endswith(".dist-info")):
+                    tar.add(path, arcname=str(path.relative_to(src)))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                        "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+                        "-d", str(dest / "wheels"), *BASE_WHEELS], check=True)
     return manifest
 
 
@@ -110,10 +134,12 @@ def as_expected(expected: str, got: dict[str, Any]) -> bool:
 
 
 def install_wheels(wheels: Path, into: Path) -> Path:
+    """The wheels unpacked into one folder (what ``pip install --target --no-deps`` makes of them, less scripts):
+    a host's Python without pip takes them too."""
     site = into / "site"
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--disable-pip-version-check", "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))]
-    subprocess.run(cmd, check=True)
+    for wheel in sorted(wheels.glob("*.whl")):
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(site)
     return site
 
 
@@ -125,12 +151,18 @@ def run(prepared: Path, args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ)
-        if args.wheels:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(install_wheels(args.wheels, Path(tmp))),
+        wheels = args.wheels or (prepared / "wheels" if (prepared / "wheels").is_dir() else None)
+        if wheels:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(install_wheels(wheels, Path(tmp))),
                                                               env.get("PYTHONPATH")]))
+        src = args.vllm_src
+        if src is None:
+            src = Path(tmp) / "vllm-src"
+            with tarfile.open(prepared / "vllm-src.tar.gz") as tar:
+                tar.extractall(src, filter="data")
         for name in names:
             entry = manifest[name]
-            tree = tree_for(args.vllm_src, prepared, name, entry["files"], Path(tmp))
+            tree = tree_for(src, prepared, name, entry["files"], Path(tmp) / "trees")
             cmd = [sys.executable, str(CHECK), "--vllm-src", str(tree), "--device", args.device,
                    "--shapes", args.shapes, "--timeout", str(args.timeout)]
             start = time.monotonic()
@@ -168,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare")
     p.add_argument("src", type=Path, help="the parent of vLLM 0.25.1's vllm/ package")
     p.add_argument("dest", type=Path)
+    p.add_argument("--wheels", action="store_true", help="also download the wheels a GPU host's Python lacks")
     r = sub.add_parser("run")
     r.add_argument("prepared", type=Path, help="what prepare wrote")
-    r.add_argument("--vllm-src", type=Path, required=True, help="the parent of vLLM 0.25.1's vllm/ and dist-info")
+    r.add_argument("--vllm-src", type=Path, default=None,
+                   help="the parent of vLLM 0.25.1's vllm/ and dist-info (default: PREPARED/vllm-src.tar.gz)")
     r.add_argument("--out", type=Path, default=Path("topk-table"))
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     r.add_argument("--shapes", choices=("model", "small"), default="model")
@@ -179,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--only", nargs="*", default=None, help="these names only")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
-        manifest = prepare(args.src, args.dest)
+        manifest = prepare(args.src, args.dest, args.wheels)
         print(f"{len(manifest)} trees' files under {args.dest}: {', '.join(manifest)}")
         return 0
     return run(args.prepared, args)

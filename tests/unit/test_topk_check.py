@@ -204,3 +204,23 @@ def test_both_v0251_patch_sets_run_the_one_check() -> None:
     # One file, not two copies that drift: the SM100 set's check is a link to the default set's.
     sm100 = REPO / "patches" / "v0.25.1-sm100" / "checks" / "gpu_topk_layout.py"
     assert sm100.is_symlink() and sm100.resolve() == CHECK.resolve()
+
+
+def _table() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("topk_table", REPO / "gpu-runs" / "topk_table.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_table_counts_a_fail_as_a_catch_only_when_some_scenario_caught_a_bug() -> None:
+    table = _table()
+    line = json.dumps({"checks": [{"name": "topk-layout", "status": "fail", "detail": "x",
+                                   "data": {"outcomes": {"tp1": "wrong-attention", "tp4": "timeout"}}}]})
+    got = table.judged("noise before\n" + line + "\n")
+    assert got["status"] == "fail" and table.as_expected("fail", got) and not table.as_expected("pass", got)
+    inconclusive = {"status": "fail", "outcomes": {"tp1": "timeout", "tp4": "fault"}}
+    assert not table.as_expected("fail", inconclusive)  # a mutant that only timed out was not caught
+    assert table.judged("Traceback ...")["status"] == "no answer"
+    assert table.as_expected("pass", {"status": "pass", "outcomes": {"tp1": "correct"}})
