@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The seed's failure and fix end to end on a GPU host without Docker or a
 # package registry, and the record of it, made by this script alone: a real
-# `vllm serve` of a tiny MiniMax-M3 in the image the pipeline patched, in
-# another build of the same definition (the reference image) and in the
-# unpatched GPU base, through the engine, at concurrency 1, 2, 4, 8, 16, every
-# reply judged by the oracle (bit for bit at concurrency 1, within recorded
-# noise above it) against answers recorded from the reference image.
+# `vllm serve` of tiny MiniMax-M3 models in the image the pipeline patched, in
+# another build of the same definition (the reference image), in the
+# unpatched GPU base, in each broken backport (gpu-runs/mutants/) and each
+# correct one written another way (gpu-runs/variants/), through the engine, at
+# concurrency 1, 2, 4, 8, 16, every reply judged by the oracle against answers
+# recorded from the reference image.
 #
 #   bash gpu-runs/gpu-host-serve.sh PARTS_DIR OUTDIR
+#
+# MODELS (default "s0-l2:0:2 s1-l2:1:2 s1-l3:1:3"): NAME:SEED:LAYERS, each made by
+# gpu-runs/tiny_minimax_m3.py --seed SEED --layers LAYERS. The images (base,
+# patched, reference image, mutants, variants) are built once and shared; each
+# model has its own reference answers, smokes and record in OUTDIR/NAME/ (run.log,
+# the signing key's public half and the source checks stay in OUTDIR).
 #
 # PARTS_DIR holds part-NN and SHA256SUMS from gpu-runs/bundle-serve.sh (they can
 # arrive one call at a time). The GPU base is the host's filesystem (its Python,
@@ -40,27 +47,30 @@
 #   mutants   each broken backport of gpu-runs/mutants/ (MUTANTS, default all) as the patched
 #             image is built, from a project root of its own (gpu-runs/mutants.py root):
 #             REPO:v0.25.1-mutant-NAME
-#   model     gpu-runs/tiny_minimax_m3.py writes the tiny model (with the gains
-#             that make it read its prompt)
-#   inputs    hashes the model and the base into WORK/inputs.json the first
+#   variants  each correct backport of gpu-runs/variants/ (VARIANTS, default all), the same
+#             way: REPO:v0.25.1-variant-NAME
+#   model     gpu-runs/tiny_minimax_m3.py writes each model of MODELS (WORK/models/NAME)
+#   inputs    hashes each model and the base into WORK/inputs-NAME.json the first
 #             time (after either was made), and refuses (gpu_host.py inputs
 #             --check) to go on with a model or base whose hash changed since
 #   gpuonly   (not in the default) the patched image and the base, GPU checks alone (no server, no
 #             reference): OUTDIR/gpuonly-patched.json, gpuonly-unpatched.json
 #   check     (not in the default) imports vLLM's server, engine core, model
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
-#   reference the reference image, compile caches emptied first (cold), records
-#             the reference answers: --record-reference OUTDIR/answers.json
-#             (over HTTP concurrency 1 twice, then 16 for the noise; and every
-#             level under fixed batches, twice, bit for bit), then its own sweep
-#   patched   the patched image, caches warm, --reference answers.json
-#   patched2  the patched image again: a second server start (OUTDIR/patched-again.json)
-#   patched3  and a third (OUTDIR/patched-third.json): no false failure in 3 starts
-#   unpatched1 (not in the default) the base's first run here (OUTDIR/unpatched-first.json)
-#   unpatched the base, --definition v0.25.1 --reference answers.json (warm)
-#   mutantsmoke each mutant image, --root its own root --reference answers.json
-#             (OUTDIR/mutant-NAME.json)
-#   record    OUTDIR/record.json (gpu_host.py record, from the reports alone)
+#   reference per model, the reference image records the reference answers:
+#             --record-reference OUTDIR/NAME/answers.json (every level under fixed
+#             batches, twice, bit for bit; the HTTP sweep), then its own sweep; the
+#             first model's alone with the compile caches emptied first (cold), the
+#             others' side by side (PARALLEL), warm
+#   patched   per model, alone: the patched image, caches warm, --reference its answers
+#   unpatched1 (not in the default) the base's first run here (OUTDIR/NAME/unpatched-first.json)
+#   unpatched per model, alone: the base, --definition v0.25.1 --reference its answers (warm)
+#   patched2  per model, side by side: the patched image again, a second server start
+#             (OUTDIR/NAME/patched-again.json)
+#   patched3  and a third (patched-third.json): no false failure in 3 starts
+#   variantsmoke each variant image, --root its own root (OUTDIR/NAME/variant-V.json): must pass
+#   mutantsmoke each mutant image, --root its own root (OUTDIR/NAME/mutant-M.json): must fail
+#   record    OUTDIR/NAME/record.json per model (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
 # verdict with a P-256 key made here (WORK/signing-key.pem; the public key is
@@ -70,17 +80,45 @@
 # not measure the GPU's free memory and the server starts while the GPU checks
 # run.
 #
-# On a host that allows 10 minutes per command, calls after the parts (CALL_BUDGET=540
-# ends a call before a smoke it has no time for; the same STEPS again go on from there):
-#   STEPS="unpack engine base image refimage mutants model inputs"  (about 4 min; base 2 min)
-#   STEPS="reference"                                        (cold server start, about 5 min)
-#   STEPS="patched patched2 patched3 unpatched mutantsmoke record"  (warm, at most 90 s each)
+# Time plan: calls of at most 10 minutes on one 80 GB H100, after the parts; 30
+# minutes hold three of them, and the whole campaign needs four. Seconds from the H100 runs' run.log (2026-12-05 oracle,
+# 2026-12-06 exact): unpack 5, engine 8, base 132-143, image and reference image
+# 1-2 each, cold reference 283-308 (server start 175-195, fixed batches 215), warm
+# patched 71-77, warm unpatched 58; a mutant or variant build and a model are
+# estimated at 2 and 5 s (not timed there), a warm reference at 150 s (a warm
+# smoke plus the recording's second fixed-batch pass and 24 s of recording;
+# estimated), and a batch of PARALLEL=8 warm smokes at 200 s (each smoke is two
+# engine starts of mostly CPU on 16 cores; estimated, not measured). With
+# CALL_BUDGET=540 a call starts no smoke it has no time for, and the same STEPS
+# again go on from there (every step skips what is done):
+#   call 1  STEPS="unpack engine base image refimage mutants variants model inputs reference"
+#           setup about 200 s, the first model's cold reference about 300 s: about 500 s
+#           (the other references are not started: a batch would pass the budget)
+#   call 2  STEPS="reference patched unpatched patched2 patched3 variantsmoke mutantsmoke"
+#           the other two references side by side (about 200 s), the first model's
+#           patched and unpatched alone (75 + 60 s: the campaign's warm times), then one
+#           side-by-side batch of 8 (about 200 s): about 535 s
+#   call 3  the same STEPS plus record: two more batches (about 400 s) and the records
+# Side by side there are 46 smokes: the later models' patched and unpatched (4), every
+# model's second and third start (6), variants (9) and mutants (27), in that order, 6
+# batches of 8. By call 3, 24 have run: every start, base and variant of every model and
+# 5 of the first model's mutants; the 22 mutant smokes left need a fourth call (about
+# 600 s; the same STEPS, then record again). About 2,240 s in all by these estimates.
+# Each call, with the side-by-side settings the estimate assumes (the tiny models need
+# about 0.65 GiB of KV cache at concurrency 16 (3 layers x 2,304 bytes a token x 16
+# requests of at most 5,722 tokens, reasoned from their shapes): 2 GiB leaves
+# room, and 8 smokes' 16 engines then fit an 80 GB GPU by fitting_parallel below):
+#   PARALLEL=8 KV_BYTES=2147483648 SERVE_MEM=0.05 ENGINE_GIB=5 CALL_BUDGET=540 \
+#     STEPS="..." bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR
+# The batch time is the estimate least known: run.log times every smoke, so the first
+# batch of call 2 says how many of the rest fit.
 #
-# OUTDIR gets run.log, dockerd.log, smoke-<which>.log, <which>.json (reference,
-# patched, patched-again, unpatched-first, unpatched), <which>.dsse.json, answers.json,
-# signing-key.pub.pem, source-*.json and record.json.
+# OUTDIR gets run.log, dockerd.log, signing-key.pub.pem and source-*.json; OUTDIR/NAME/
+# per model smoke-<which>.log, <which>.json (reference, patched, patched-again,
+# patched-third, unpatched-first, unpatched, variant-V, mutant-M), <which>.dsse.json,
+# answers.json, inputs.json and record.json.
 #
-# REFERENCE_FROM (an earlier run's folder: its answers.json, for a model of the same hash).
+# REFERENCE_FROM (an earlier run's OUTDIR: its NAME/answers.json, for a model of the same hash).
 # TP (1): --tensor-parallel-size of every server; on a host with N GPUs, a run per size, each in its own OUTDIR:
 #   TP=2 STEPS="reference patched unpatched record" bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR-tp2
 # (the images, model and inputs made once, by the default steps' first call).
@@ -88,7 +126,7 @@
 # (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), KV_BYTES (4294967296; empty: let
 # vLLM size the KV cache, and start the server after the GPU checks),
 # CONCURRENCY (1,2,4,8,16), REQUESTS (32 per level), MUTANTS (names, default every
-# gpu-runs/mutants/*.patch), CALL_BUDGET and SMOKE_ESTIMATE (110) seconds, SERVE_ARGS (extra `vllm
+# gpu-runs/mutants/*.patch), VARIANTS (names, default every gpu-runs/variants/*.patch), CALL_BUDGET and SMOKE_ESTIMATE (110) seconds, SERVE_ARGS (extra `vllm
 # serve` arguments), TIMEOUT_REFERENCE (540), TIMEOUT_WARM (240) seconds per
 # smoke (the tool cleans up on TERM), TARGET_SECONDS (90, the record's smoke
 # time target for the warm runs), SOURCE_MANIFEST, DRY_RUN (1: print each
@@ -108,23 +146,46 @@ TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
 REFIMG=$REPO_NAME:$TAG-m3patch-assembled
-STEPS=${STEPS:-unpack engine base image refimage mutants model inputs reference patched patched2 patched3 unpatched mutantsmoke record}
+STEPS=${STEPS:-unpack engine base image refimage mutants variants model inputs reference patched unpatched patched2 patched3 variantsmoke mutantsmoke record}
 # The broken backports (gpu-runs/mutants/NAME.patch): each built from a project root of its own (mutants.py root).
 MUTANTS=${MUTANTS:-$(cd "$HERE/gpu-runs/mutants" 2>/dev/null && ls -- *.patch 2>/dev/null | sed 's/\.patch$//' | tr '\n' ' ')}
 MUTANT_ROOTS=$WORK/mutant-roots
+# The correct backports written another way (gpu-runs/variants/NAME.patch): built and judged as the mutants are.
+VARIANTS=${VARIANTS:-$(cd "$HERE/gpu-runs/variants" 2>/dev/null && ls -- *.patch 2>/dev/null | sed 's/\.patch$//' | tr '\n' ' ')}
+VARIANT_ROOTS=$WORK/variant-roots
+# The models (NAME:SEED:LAYERS, each made by gpu-runs/tiny_minimax_m3.py --seed SEED --layers LAYERS): the images
+# are shared; each model has its own reference, smokes and record under OUTDIR/NAME/.
+MODELS=${MODELS:-s0-l2:0:2 s1-l2:1:2 s1-l3:1:3}
 DRY_RUN=${DRY_RUN:-}
 PAYLOAD=$WORK/payload
-MODEL=$WORK/tiny-minimax-m3
 KEY=$WORK/signing-key.pem
 PUBKEY=$OUTDIR/signing-key.pub.pem
-ANSWERS=$OUTDIR/answers.json
-INPUTS=$WORK/inputs.json
 # The tool's caches (wheels, the compile caches of build/cache/compile/<base>/<gpu>/) stay on the host.
 export VLLM_HOTFIX_CACHE=$WORK/cache
 export DOCKER_HOST=unix://$WORK/docker.sock PYTHONUNBUFFERED=1
 LOG=$OUTDIR/run.log
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 step() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# use_model NAME:SEED:LAYERS: the model's folder, its OUTDIR subfolder, answers and input hashes.
+use_model() {
+  IFS=: read -r MNAME MSEED MLAYERS <<<"$1"
+  case "$MNAME:$MSEED:$MLAYERS" in
+    *[!A-Za-z0-9.:_-]*|:*|*::*|*:) die "MODELS entry '$1': NAME:SEED:LAYERS (letters, digits, . _ -)" ;;
+  esac
+  MODEL=$WORK/models/$MNAME
+  MOUT=$OUTDIR/$MNAME
+  ANSWERS=$MOUT/answers.json
+  INPUTS=$WORK/inputs-$MNAME.json
+  mkdir -p "$MOUT"
+}
+# each_model FUNCTION: FUNCTION once per model of MODELS, in order, with use_model's variables set.
+each_model() {
+  local spec
+  for spec in $MODELS; do
+    use_model "$spec"
+    "$@"
+  done
+}
 die() { log "error: $*"; exit 1; }
 # An engine-touching command: run, or under DRY_RUN printed (one line, shell-quoted).
 act() {
@@ -212,7 +273,7 @@ if step base; then
     act "$PY" gpu-runs/gpu_host.py base "$BASE" --vllm-src "$WORK/src" --wheels "$PAYLOAD/wheels/deps" \
       --python "$PY" --cuda >>"$LOG" 2>&1 || die "GPU base failed (see run.log)"
     echo "$PARTS_SUM" >"$WORK/base.parts"
-    rm -f "$INPUTS"  # a new base: its hash is written again below
+    rm -f "$WORK"/inputs-*.json  # a new base: its hash is written again below
     log "GPU base done: $(tail -1 "$LOG")"
   fi
 fi
@@ -242,11 +303,26 @@ if step mutants; then
   done
 fi
 
-if step model; then
+if step variants; then
+  for v in $VARIANTS; do
+    log "variant $v: build.py --root $VARIANT_ROOTS/$v image (gpu-runs/variants/$v.patch in the real patch's place)"
+    act "$PY" gpu-runs/mutants.py root "$v" "$VARIANT_ROOTS/$v" >>"$LOG" 2>&1 || die "mutants.py root $v failed"
+    act "$PY" build.py --root "$VARIANT_ROOTS/$v" image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
+      --tag "$REPO_NAME:$TAG-variant-$v" >>"$LOG" 2>&1 || die "build.py image of variant $v failed (see run.log)"
+    log "variant $v done: $(tail -1 "$LOG")"
+  done
+fi
+
+make_model() {
   if [ ! -f "$MODEL/model.safetensors" ]; then
-    act "$PY" gpu-runs/tiny_minimax_m3.py "$MODEL" | tee -a "$LOG" || die "model failed"
+    log "model $MNAME: tiny_minimax_m3.py --seed $MSEED --layers $MLAYERS"
+    act "$PY" gpu-runs/tiny_minimax_m3.py "$MODEL" --seed "$MSEED" --layers "$MLAYERS" | tee -a "$LOG" \
+      || die "model $MNAME failed"
     rm -f "$INPUTS"
   fi
+}
+if step model; then
+  each_model make_model
 fi
 
 # Inputs kept on the host are reused only when their hashes are the ones written when they were made.
@@ -257,11 +333,11 @@ check_inputs() {
   else
     act "$PY" gpu-runs/gpu_host.py inputs --model "$MODEL" --base "$BASE" --write "$INPUTS" >/dev/null \
       || die "cannot hash the inputs"
-    log "inputs hashed into $INPUTS"
+    log "inputs of $MNAME hashed into $INPUTS"
   fi
 }
 if step inputs; then
-  check_inputs
+  each_model check_inputs
 fi
 
 if step check; then
@@ -326,7 +402,7 @@ open(sys.argv[2], 'wb').write(key.public_key().public_bytes(serialization.Encodi
 # starts (the smoke then overlaps the two).
 # No --min-tokens: every reply is judged by the oracle, as a site judges its
 # own model, which can stop early.
-serve=(--serve-model "$MODEL" --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
+serve=(--concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
 # TP=N: every server (the sweep's and the fixed-batch engine) on N GPUs, the patch set's GPU checks on each of
 # them; the reference is recorded at N too (a reference of another size is refused), so give each TP an OUTDIR.
 TP=${TP:-1}
@@ -344,35 +420,35 @@ done
 smoke() {
   local which=$1 ref=$2 limit=$3
   shift 3
-  if [ -f "$OUTDIR/$which.json" ]; then
-    log "smoke $which: done already ($OUTDIR/$which.json)"
+  if [ -f "$MOUT/$which.json" ]; then
+    log "smoke $MNAME/$which: done already ($MOUT/$which.json)"
     return 0
   fi
   # CALL_BUDGET: a smoke this call has no time for is not started (the same STEPS again go on from it); the
   # steps after it still run, the record included, from the reports there are.
   if [ -n "${CALL_BUDGET:-}" ] && [ $((SECONDS + ${SMOKE_ESTIMATE:-110})) -gt "$CALL_BUDGET" ]; then
-    log "smoke $which: not started, ${SECONDS} s into a call of ${CALL_BUDGET} s; run this step again"
+    log "smoke $MNAME/$which: not started, ${SECONDS} s into a call of ${CALL_BUDGET} s; run this step again"
     return 0
   fi
   check_inputs
   ensure_key
-  log "smoke $which: $ref --gpu require --keep-going --base-repo $REPO_NAME $*${NO_SERVE:+ (no server)}${NO_SERVE:- ${serve[*]}}"
+  log "smoke $MNAME/$which: $ref --gpu require --keep-going --base-repo $REPO_NAME $*${NO_SERVE:+ (no server)}${NO_SERVE:- --serve-model $MODEL ${serve[*]}}"
   local start=$SECONDS rc=0
   # --base-repo: the definition's base is REPO:v0.25.1 here (the unpatched base's smoke has no build record).
-  local served=("${serve[@]}")
+  local served=(--serve-model "$MODEL" "${serve[@]}")
   [ -z "${NO_SERVE:-}" ] || served=()  # the gpuonly step's smokes: the GPU checks alone
   act timeout "$limit" "$PY" build.py smoke "$ref" --gpu require --keep-going --base-repo "$REPO_NAME" "$@" "${served[@]}" \
-    --sign-key "$KEY" --attestation "$OUTDIR/$which.dsse.json" --report "$OUTDIR/$which.json" \
-    >"$OUTDIR/smoke-$which.log" 2>&1 || rc=$?
-  log "smoke $which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$OUTDIR/smoke-$which.log" | tail -1))"
-  [ "$rc" != 124 ] || log "smoke $which: cut short at $limit s; run this step again"
+    --sign-key "$KEY" --attestation "$MOUT/$which.dsse.json" --report "$MOUT/$which.json" \
+    >"$MOUT/smoke-$which.log" 2>&1 || rc=$?
+  log "smoke $MNAME/$which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$MOUT/smoke-$which.log" | tail -1))"
+  [ "$rc" != 124 ] || log "smoke $MNAME/$which: cut short at $limit s; run this step again"
 }
 
-# PARALLEL=N: the smokes of the steps patched2, patched3 and mutantsmoke run N at a time (each its own server,
-# probe and GPU checks on the one GPU; with --kv-cache-memory-bytes no server sizes its KV cache from the GPU's
-# free memory, and no reply depends on what else runs). Their smoke times are then not warm times alone: the
-# record's warm times are patched's and unpatched's, which run alone. BATCH_ESTIMATE (200) s per batch against
-# CALL_BUDGET.
+# PARALLEL=N: the smokes of the steps patched2, patched3, variantsmoke and mutantsmoke, and the references of
+# the models after the first, run N at a time (each its own server, probe and GPU checks on the one GPU; with
+# --kv-cache-memory-bytes no server sizes its KV cache from the GPU's free memory, and no reply depends on what
+# else runs). Their smoke times are then not warm times alone: the record's warm times are patched's and
+# unpatched's, which run alone. BATCH_ESTIMATE (200) s per batch against CALL_BUDGET.
 PARALLEL=${PARALLEL:-1}
 # Each vLLM engine still refuses to start unless the GPU's free memory is at least SERVE_MEM of its total
 # (vLLM's worker checks it at start-up, KV size given or not), and a smoke starts two engines (the server and
@@ -416,94 +492,177 @@ flush() {
 
 # The patched image and the base with their GPU checks alone (no server, no reference): the layer identity
 # check, the isolated runner and the patch set's GPU checks on this GPU, in minutes instead of the run's twenty.
+# They do not depend on the model: the first model's folder holds them.
 if step gpuonly; then
+  use_model "${MODELS%% *}"
   NO_SERVE=1 smoke gpuonly-patched "$PATCHED" "${TIMEOUT_WARM:-240}"
   NO_SERVE=1 smoke gpuonly-unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG"
 fi
-if step reference; then
-  if [ ! -f "$OUTDIR/reference.json" ]; then
-    # Cold means no compile cache of any base on any GPU, and answers recorded afresh.
+
+# REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in gpu-runs/:
+# DIR/NAME/answers.json per model), on a model whose hash must equal the one that run's DIR/NAME/inputs.json names.
+reference_from() {
+  [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] || return 0
+  local want have
+  want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" \
+         "$REFERENCE_FROM/$MNAME/inputs.json") || die "cannot read $REFERENCE_FROM/$MNAME/inputs.json"
+  have=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" "$INPUTS") \
+    || die "cannot read $INPUTS (run the inputs step)"
+  [ "$want" = "$have" ] || die "model $MNAME here ($have) is not the one $REFERENCE_FROM answered with ($want)"
+  if [ ! -f "$ANSWERS" ]; then
+    cp "$REFERENCE_FROM/$MNAME/answers.json" "$ANSWERS" || die "no $REFERENCE_FROM/$MNAME/answers.json"
+  fi
+  log "reference answers of $MNAME from $REFERENCE_FROM (model $have): $(sha256sum "$ANSWERS" | cut -c1-64)"
+}
+need_answers() {
+  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step for $MNAME first"
+}
+
+# The first model's reference is the cold one (no compile cache of any base on any GPU, answers recorded
+# afresh): alone. The other models' references are warm and go side by side (PARALLEL).
+first_reference() {
+  if [ ! -f "$MOUT/reference.json" ]; then
     act rm -rf "$VLLM_HOTFIX_CACHE/compile"
     rm -f "$ANSWERS"
   fi
   smoke reference "$REFIMG" "${TIMEOUT_REFERENCE:-540}" --record-reference "$ANSWERS"
+}
+more_reference() {
+  [ -f "$MOUT/reference.json" ] || rm -f "$ANSWERS"
+  queued reference "$REFIMG" "${TIMEOUT_REFERENCE:-540}" --record-reference "$ANSWERS"
+}
+if step reference; then
+  use_model "${MODELS%% *}"
+  first_reference
+  for spec in ${MODELS#* }; do
+    [ "$spec" != "${MODELS%% *}" ] || continue  # one model only: nothing more
+    use_model "$spec"
+    more_reference
+  done
+  flush
 fi
-# REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
-# gpu-runs/), on a model whose hash must equal the one that run's inputs.json names.
-if [ -n "${REFERENCE_FROM:-}" ] && [ -z "$DRY_RUN" ] && { step unpatched || step patched || step patched2; }; then
-  want=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" \
-         "$REFERENCE_FROM/inputs.json") || die "cannot read $REFERENCE_FROM/inputs.json"
-  have=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['inputs']['model']['sha256'])" "$INPUTS") \
-    || die "cannot read $INPUTS (run the inputs step)"
-  [ "$want" = "$have" ] || die "the model here ($have) is not the one $REFERENCE_FROM answered with ($want)"
-  if [ ! -f "$ANSWERS" ]; then
-    cp "$REFERENCE_FROM/answers.json" "$ANSWERS" || die "no $REFERENCE_FROM/answers.json"
-  fi
-  log "reference answers from $REFERENCE_FROM (model $have): $(sha256sum "$ANSWERS" | cut -c1-64)"
-fi
-if step patched; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
-fi
-# The base carries no labels: --definition judges it by the patch set it lacks.
-if step unpatched1; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  smoke unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
-fi
-if step unpatched; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+if step patched || step patched2 || step patched3 || step unpatched || step unpatched1; then
+  each_model reference_from
 fi
 
-# The patched image's second and third server starts: after the base, so that with PARALLEL they join the
-# mutants' batches and the warm times of patched and unpatched stay their own.
-if step patched2; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
-fi
-if step patched3; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  queued patched-third "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
-fi
-# Each broken backport judged as the patched image is, by its own patch set (--root): its files landed as the
-# mutant made them, so only the GPU checks, the exact judge and the sweep can fail it.
-if step mutantsmoke; then
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step first"
-  for m in $MUTANTS; do
-    queued "mutant-$m" "$REPO_NAME:$TAG-mutant-$m" "${TIMEOUT_WARM:-240}" --root "$MUTANT_ROOTS/$m" --reference "$ANSWERS"
+# The warm times (patched, unpatched): the first model's smokes alone, one after the other. The other models'
+# patched and unpatched smokes go side by side (below): their records say so (--side-by-side) and leave the warm
+# times to the first model's record.
+first_model() { [ "$MNAME" = "$(IFS=: read -r n _ <<<"${MODELS%% *}"; echo "$n")" ]; }
+alone() {
+  first_model || return 0
+  if step patched; then
+    need_answers
+    smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+  fi
+  # The base carries no labels: --definition judges it by the patch set it lacks.
+  if step unpatched1; then
+    need_answers
+    smoke unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+  fi
+  if step unpatched; then
+    need_answers
+    smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+  fi
+}
+each_model alone
+
+# Side by side (PARALLEL), across the models, in this order so that a call that runs out of time cuts the mutants
+# of the later models first: the later models' patched and unpatched smokes and every model's second and third
+# start of the patched image, then every model's correct
+# variants, then every model's broken backports, each judged as the patched image is, by its own patch set
+# (--root): its files landed as the patch made them, so only the GPU checks, the exact judge and the sweep can tell
+# them apart.
+starts() {
+  if ! first_model; then
+    if step patched; then
+      need_answers
+      queued patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+    fi
+    if step unpatched1; then
+      need_answers
+      queued unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+    fi
+    if step unpatched; then
+      need_answers
+      queued unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+    fi
+  fi
+  if step patched2; then
+    need_answers
+    queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+  fi
+  if step patched3; then
+    need_answers
+    queued patched-third "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+  fi
+}
+variant_smokes() {
+  step variantsmoke || return 0
+  need_answers
+  for v in $VARIANTS; do
+    queued "variant-$v" "$REPO_NAME:$TAG-variant-$v" "${TIMEOUT_WARM:-240}" --root "$VARIANT_ROOTS/$v" \
+      --reference "$ANSWERS"
   done
-fi
+}
+mutant_smokes() {
+  step mutantsmoke || return 0
+  need_answers
+  for m in $MUTANTS; do
+    queued "mutant-$m" "$REPO_NAME:$TAG-mutant-$m" "${TIMEOUT_WARM:-240}" --root "$MUTANT_ROOTS/$m" \
+      --reference "$ANSWERS"
+  done
+}
+each_model starts
+each_model variant_smokes
+each_model mutant_smokes
 flush
 
-if step record; then
-  # The record needs these; the other starts and the mutants are recorded where their reports are (its
-  # findings say what is missing).
+# Each model's record: MOUT/record.json (gpu_host.py record, from the reports alone).
+record_model() {
+  # The record needs these; the other starts, the variants and the mutants are recorded where their reports are
+  # (its findings say what is missing).
+  local which
   for which in reference patched unpatched; do
-    [ -f "$OUTDIR/$which.json" ] || [ -n "$DRY_RUN" ] || die "no $OUTDIR/$which.json: run its smoke first"
+    if [ ! -f "$MOUT/$which.json" ] && [ -z "$DRY_RUN" ]; then
+      log "record $MNAME: no $MOUT/$which.json yet: run its smoke first"
+      RECORD_MISSING=1
+      return 0
+    fi
   done
-  signed=()
+  local signed=() more=() calls=() f
+  first_model || more+=(--side-by-side)
   for which in reference patched patched-again patched-third unpatched-first unpatched; do
-    [ ! -f "$OUTDIR/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$OUTDIR/$which.dsse.json")
+    [ ! -f "$MOUT/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$MOUT/$which.dsse.json")
   done
-  first=()
-  [ ! -f "$OUTDIR/unpatched-first.json" ] || first=(--unpatched-first "$OUTDIR/unpatched-first.json")
-  [ ! -f "$OUTDIR/patched-third.json" ] || first+=(--patched-third "$OUTDIR/patched-third.json")
+  [ ! -f "$MOUT/unpatched-first.json" ] || more+=(--unpatched-first "$MOUT/unpatched-first.json")
+  [ ! -f "$MOUT/patched-again.json" ] || more+=(--patched-again "$MOUT/patched-again.json")
+  [ ! -f "$MOUT/patched-third.json" ] || more+=(--patched-third "$MOUT/patched-third.json")
   for m in $MUTANTS; do
-    [ ! -f "$OUTDIR/mutant-$m.json" ] || first+=(--mutant "$m=$OUTDIR/mutant-$m.json")
-    [ ! -f "$OUTDIR/mutant-$m.dsse.json" ] || signed+=(--attestation "mutant_$m=$OUTDIR/mutant-$m.dsse.json")
+    [ ! -f "$MOUT/mutant-$m.json" ] || more+=(--mutant "$m=$MOUT/mutant-$m.json")
+    [ ! -f "$MOUT/mutant-$m.dsse.json" ] || signed+=(--attestation "mutant_$m=$MOUT/mutant-$m.dsse.json")
   done
-  calls=()
+  for v in $VARIANTS; do
+    [ ! -f "$MOUT/variant-$v.json" ] || more+=(--variant "$v=$MOUT/variant-$v.json")
+    [ ! -f "$MOUT/variant-$v.dsse.json" ] || signed+=(--attestation "variant_$v=$MOUT/variant-$v.dsse.json")
+  done
   for f in "$OUTDIR"/source-*.json; do
     [ ! -f "$f" ] || calls+=(--source-call "$f")
   done
-  [ ! -f "$OUTDIR/patched-again.json" ] || first+=(--patched-again "$OUTDIR/patched-again.json")
-  act "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --reference-run "$OUTDIR/reference.json" \
-    --patched "$OUTDIR/patched.json" \
-    --unpatched "$OUTDIR/unpatched.json" "${first[@]}" --timings "$LOG" --model "$MODEL" --base "$BASE" --reference "$ANSWERS" \
-    --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
+  # The inputs the smokes ran with, kept beside the record (REFERENCE_FROM reads them).
+  [ ! -f "$INPUTS" ] || cp "$INPUTS" "$MOUT/inputs.json"
+  act "$PY" gpu-runs/gpu_host.py record "$MOUT/record.json" --reference-run "$MOUT/reference.json" \
+    --patched "$MOUT/patched.json" --unpatched "$MOUT/unpatched.json" "${more[@]}" --timings "$LOG" \
+    --model "$MODEL" --model-made "gpu-runs/tiny_minimax_m3.py --seed $MSEED --layers $MLAYERS" --base "$BASE" \
+    --reference "$ANSWERS" --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
     --source-manifest "$SOURCE_MANIFEST" --source-root "$HERE" "${calls[@]}" "${signed[@]}" | tee -a "$LOG.summary"
-  rc=${PIPESTATUS[0]}
+  local rc=${PIPESTATUS[0]}
   cat "$LOG.summary" >>"$LOG" && rm -f "$LOG.summary"
-  [ "$rc" = 0 ] || die "gpu_host.py record refused (exit $rc)"
+  [ "$rc" = 0 ] || die "gpu_host.py record of $MNAME refused (exit $rc)"
+}
+if step record; then
+  RECORD_MISSING=
+  each_model record_model
+  [ -z "$RECORD_MISSING" ] || die "a model's record is missing a report (see above): run its smokes, then record"
 fi
 log "done"

@@ -361,11 +361,12 @@ def _record(args: argparse.Namespace) -> int:
     given = {"reference": args.reference_run, "patched": args.patched, "patched_again": args.patched_again,
              "patched_third": args.patched_third, "unpatched_first": args.unpatched_first,
              "unpatched": args.unpatched}
-    for item in args.mutant or []:
-        name, _, path = item.partition("=")
-        if not name or not path:
-            raise InputMismatch(f"--mutant {item}: expected NAME=REPORT")
-        given[f"mutant_{name}"] = path
+    for flag, items in (("mutant", args.mutant), ("variant", args.variant)):
+        for item in items or []:
+            name, _, path = item.partition("=")
+            if not name or not path:
+                raise InputMismatch(f"--{flag} {item}: expected NAME=REPORT")
+            given[f"{flag}_{name}"] = path
     reports = {kind: _load_json(path, f"--{kind.replace('_', '-')}") for kind, path in given.items() if path}
     patched, unpatched = reports["patched"], reports["unpatched"]
     src = source(args.source_manifest, args.source_root, args.source_call or [])
@@ -411,6 +412,8 @@ def _record(args: argparse.Namespace) -> int:
     rec: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": src,
+        # Which model (the record is per model; a campaign's models share the images).
+        "model": {"path": args.model, "made_with": args.model_made},
         # The engine that built the images (and, with the docker launcher, ran the smokes).
         "engine": {"name": "docker", "version": facts.server_version, "api": facts.api_version,
                    "cdi_spec_dirs": list(facts.cdi_spec_dirs), "runtimes": list(facts.runtimes)} if facts else None,
@@ -423,13 +426,15 @@ def _record(args: argparse.Namespace) -> int:
         "smoke_seconds_target": args.target_seconds,
         "result": {kind: gpu_record.image_sentences(img, args.target_seconds) for kind, img in images.items()},
     }
-    shown = [kind.removeprefix("mutant_") for kind in images if kind.startswith("mutant_")]
-    if shown:
-        import mutants
+    for prefix, key in (("mutant_", "mutants"), ("variant_", "variants")):
+        shown = [kind.removeprefix(prefix) for kind in images if kind.startswith(prefix)]
+        if shown:
+            import mutants
 
-        # What each broken backport is, and where its header says it should first show.
-        rec["mutants"] = {name: mutants.header(name) for name in shown}
-    rec["findings"] = gpu_record.findings(images, reference, args.target_seconds)
+            # What each broken backport is and where its header says it should first show; what each correct
+            # one changes and why it is right.
+            rec[key] = {name: mutants.header(name) for name in shown}
+    rec["findings"] = gpu_record.findings(images, reference, args.target_seconds, alone=not args.side_by_side)
     rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
@@ -481,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--patched-third", default=None, help="the patched image's report from a third server start")
     r.add_argument("--mutant", action="append", default=None, metavar="NAME=FILE",
                    help="a broken backport's report (gpu-runs/mutants/NAME.patch), each judged as the patched image")
+    r.add_argument("--variant", action="append", default=None, metavar="NAME=FILE",
+                   help="a correct backport's report (gpu-runs/variants/NAME.patch), which must pass as the patched "
+                        "image does")
+    r.add_argument("--side-by-side", action="store_true",
+                   help="the patched and unpatched smokes ran beside others: no warm times are judged here")
+    r.add_argument("--model-made", default=None,
+                   help="how the model was made (e.g. gpu-runs/tiny_minimax_m3.py --seed 1 --layers 3)")
     r.add_argument("--unpatched-first", default=None,
                    help="the unpatched base's first run on this host (its caches filled; --unpatched is the warm one)")
     r.add_argument("--reference-run", default=None,

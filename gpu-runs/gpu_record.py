@@ -4,7 +4,8 @@ Per image (``reference``: the image the reference answers were recorded
 from; ``patched``, ``patched_again`` and ``patched_third``: the image judged,
 in three server starts; ``unpatched``: the base, warm, and
 ``unpatched_first``: its first run where one was made; ``mutant_NAME``: each
-broken backport of gpu-runs/mutants/): its verdict, smoke time and phase times,
+broken backport of gpu-runs/mutants/; ``variant_NAME``: each correct backport
+of gpu-runs/variants/): its verdict, smoke time and phase times,
 checks, the top-k check's scenarios, and the serve sweep per level with every
 request's evidence as rows. In words (``result``): each image's verdict and
 times against the target, then per level the requests passed, their HTTP
@@ -16,7 +17,8 @@ every start, exactly under fixed batches (the ``exact-levels`` check), with no
 wrong answer; what share of the unpatched base's answered concurrency-1
 replies the oracle judged wrong, and was it wrong by its answers at every
 level where it answered; which check failed each mutant first, at which
-level; is each warm smoke (patched, unpatched: run alone) within the target;
+level; does each correct variant pass every level exactly, as the right patch
+does; is each warm smoke (patched, unpatched: run alone) within the target;
 does the model read its prompt; was the reference recorded from another image
 than the one judged.
 """
@@ -28,7 +30,8 @@ from typing import Any
 EVIDENCE_COLUMNS = ("level", "index", "prompt", "http_status", "latency_s", "prompt_tokens", "reply_tokens",
                     "finish_reason", "reply_sha256", "judged_by", "passed", "basis", "divergence", "token_divergence",
                     "max_logprob_diff", "gap_nats", "deviation_nats", "error")
-KINDS = ("reference", "patched", "patched_again", "patched_third", "unpatched_first", "unpatched")  # + mutant_NAME
+KINDS = ("reference", "patched", "patched_again", "patched_third", "unpatched_first", "unpatched")  # + mutant_NAME,
+# variant_NAME
 RIGHT = ("patched", "patched_again", "patched_third")  # the right patch, in three server starts
 WRONG_SHARE = 0.8  # the unpatched base must have at least this share of its answered concurrency-1 replies wrong
 DISTINCT_TARGET = 24
@@ -51,7 +54,17 @@ def image(report: dict[str, Any]) -> dict[str, Any]:
         "topk_layout": _topk(report),
         "serve": _serve(report),
         "exact": _exact(report),
+        "golden": _golden(report),
     }
+
+
+def _golden(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The golden check (the model's forward in plain PyTorch, judged on the host): its verdict and numbers (the
+    positions judged, confident and agreeing), as the report holds them."""
+    check = next((c for c in report.get("checks", []) if c.get("name") == "golden"), None)
+    if check is None:
+        return None
+    return {"status": check.get("status"), "detail": check.get("detail"), "data": check.get("data")}
 
 
 def _exact(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -303,8 +316,11 @@ def wrong_share(img: dict[str, Any]) -> dict[str, Any]:
             "share": round(share, 4), "at_least": WRONG_SHARE, "met": bool(answered) and share >= WRONG_SHARE}
 
 
-def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], target: float) -> dict[str, Any]:
-    """The run's questions answered from the reports (see the module's docstring)."""
+def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], target: float,
+             alone: bool = True) -> dict[str, Any]:
+    """The run's questions answered from the reports (see the module's docstring). ``alone``: the patched and
+    unpatched smokes ran alone, so their times are warm times held to the target; otherwise (a campaign's later
+    models) no warm time is judged here and the record says where they are."""
     out: dict[str, Any] = {}
     for kind in RIGHT:
         if kind in images:
@@ -322,24 +338,37 @@ def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], targe
     mutants = {kind.removeprefix("mutant_"): caught(img) for kind, img in images.items() if kind.startswith("mutant_")}
     if mutants:
         out["every_mutant_fails"] = {"mutants": mutants, "met": all(m["met"] for m in mutants.values())}
+    variants = {kind.removeprefix("variant_"): passes_every_level(img) for kind, img in images.items()
+                if kind.startswith("variant_")}
+    if variants:
+        # A correct backport written another way is judged as the right patch: a false failure is as costly.
+        out["every_variant_passes"] = {"variants": {name: {"met": ok, "detail": words}
+                                                    for name, (ok, words) in variants.items()},
+                                       "met": all(ok for ok, _ in variants.values())}
     # The warm times are of smokes that ran alone (patched, unpatched); the other starts and the mutants may run
     # side by side on the GPU (gpu-host-serve.sh PARALLEL), so their times are shown, not held to the target.
-    warm = {kind: images[kind].get("seconds") for kind in ("patched", "unpatched") if kind in images}
+    warm = {kind: images[kind].get("seconds") for kind in ("patched", "unpatched") if kind in images and alone}
     beside = {kind: images[kind].get("seconds") for kind in images
               if kind not in warm and kind not in ("reference", "unpatched_first")}
-    out["warm_smoke_seconds"] = {"target": target, "seconds": warm, "side_by_side_seconds": beside,
-                                 "met": bool(warm) and all(isinstance(v, (int, float)) and v <= target
-                                                           for v in warm.values())}
+    if alone:
+        out["warm_smoke_seconds"] = {"target": target, "seconds": warm, "side_by_side_seconds": beside,
+                                     "met": bool(warm) and all(isinstance(v, (int, float)) and v <= target
+                                                               for v in warm.values())}
+    else:
+        # Shown, never a bar met or missed: there is no warm time here to hold to the target.
+        out["warm_times"] = {"judged": False, "side_by_side_seconds": beside,
+                             "why": "every smoke of this model ran beside others; the first model's record has them"}
     sens = reference.get("prompt_sensitivity") or {}
     gap = sens.get("median_first_token_gap_nats")
     out["model_reads_its_prompt"] = {
         **sens, "targets": {"distinct_replies": DISTINCT_TARGET, "median_first_token_gap_nats": GAP_TARGET},
         "met": sens.get("distinct_replies") == DISTINCT_TARGET and isinstance(gap, (int, float)) and gap >= GAP_TARGET}
-    judged = {images[k].get("id") for k in (*RIGHT, "unpatched") if k in images}
+    judged = {images[k].get("id") for k in images if k in (*RIGHT, "unpatched") or k.startswith(("mutant_",
+                                                                                                  "variant_"))}
     recorded = (images.get("reference") or {}).get("id")
     out["reference_from_another_image"] = {"reference_image": recorded, "judged_images": sorted(filter(None, judged)),
                                            "met": bool(recorded) and recorded not in judged}
-    out["done"] = all(v.get("met") for v in out.values() if isinstance(v, dict))
+    out["done"] = all(v["met"] for v in out.values() if isinstance(v, dict) and "met" in v)
     return out
 
 
@@ -348,6 +377,7 @@ def finding_sentences(found: dict[str, Any]) -> list[str]:
     for name, value in found.items():
         if isinstance(value, dict):
             detail = value.get("detail") or {k: v for k, v in value.items() if k not in ("met", "detail")}
-            said.append(f"{name}: {'met' if value.get('met') else 'NOT met'} ({detail})")
+            verdict = "" if "met" not in value else ("met " if value["met"] else "NOT met ")
+            said.append(f"{name}: {verdict}({detail})")
     said.append(f"done: {found.get('done')}")
     return said

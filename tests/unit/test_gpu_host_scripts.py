@@ -48,7 +48,7 @@ def _dry(tmp_path: Path, steps: str, **more: str) -> tuple[list[list[str]], str,
     (parts / "SHA256SUMS").write_text("")
     # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
     env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work),
-           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), **more}
+           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "MODELS": "m0:0:2", **more}
     r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -67,7 +67,8 @@ def _smokes(commands: list[list[str]]) -> dict[str, list[str]]:
 
 
 def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
-    commands, log, out = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
+    commands, log, top = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
+    out = top / "m0"  # the one model's folder
     smokes = _smokes(commands)
     # The patched image's second start after the base: the warm times of patched and unpatched are their own.
     assert list(smokes) == ["reference", "patched", "unpatched-first", "unpatched", "patched-again"]
@@ -96,24 +97,24 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert build[build.index("--builder") + 1] == "assemble" and build[-1].endswith("-m3patch-assembled")
     # Cold means the compile caches go first; the key stays on the host, its public half in OUTDIR.
     assert ["rm", "-rf", str(tmp_path / "work" / "cache" / "compile")] in commands
-    assert (out / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
-    assert not (out / "signing-key.pem").exists()
+    assert (top / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
+    assert not (top / "signing-key.pem").exists() and not (out / "signing-key.pem").exists()
     [record] = [argv for argv in commands if "record" in argv]
     assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "90"
-    assert "smoke reference: exit code 0" in log
+    assert "smoke m0/reference: exit code 0" in log
     # This checkout is no clean commit with a manifest here: a real run would refuse before any step.
     assert "source check: would refuse" in log
 
 
 def test_a_step_whose_report_is_there_is_skipped(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+    out = tmp_path / "out" / "m0"
+    out.mkdir(parents=True)
     (out / "reference.json").write_text("{}")
     commands, log, _ = _dry(tmp_path, "reference patched")
     assert list(_smokes(commands)) == ["patched"]
-    assert "smoke reference: done already" in log
+    assert "smoke m0/reference: done already" in log
     assert not any(argv[:2] == ["rm", "-rf"] for argv in commands)  # a done cold run keeps the warm caches
 
 
@@ -152,7 +153,7 @@ def test_the_mutants_are_built_from_roots_of_their_own_and_judged_by_them(tmp_pa
         assert "--builder" not in argv  # the Dockerfile builder, as the patched image
     smokes = _smokes(commands)
     assert list(smokes) == ["patched-third", *(f"mutant-{n}" for n in names)]
-    answers = str(out / "answers.json")
+    answers = str(out / "m0" / "answers.json")
     for name in names:
         argv = smokes[f"mutant-{name}"]
         assert argv[argv.index("--root") + 1] == str(roots / name)
@@ -162,6 +163,81 @@ def test_the_mutants_are_built_from_roots_of_their_own_and_judged_by_them(tmp_pa
     [record] = [argv for argv in commands if "record" in argv]
     # (DRY_RUN writes no reports, so the record is named with none of them here.)
     assert "--mutant" not in record and "--patched-third" not in record
+
+
+def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_and_record(tmp_path: Path) -> None:
+    """The campaign: the images (base, patched, reference, every mutant and variant) built once; per model its
+    reference (the first cold and alone, the others after it), right patch three times, base, every variant and
+    every mutant, each under OUTDIR/NAME/, and a record per model naming how its model was made."""
+    models = "a:0:2 b:1:2 c:1:3"
+    commands, log, out = _dry(tmp_path, "image refimage mutants variants model reference patched unpatched patched2 "
+                              "patched3 variantsmoke mutantsmoke record", MODELS=models)
+    mutants = sorted(p.stem for p in (SCRIPTS / "mutants").glob("*.patch"))
+    variants = sorted(p.stem for p in (SCRIPTS / "variants").glob("*.patch"))
+    assert len(variants) >= 3
+    builds: list[list[str]] = []
+    for argv in commands:  # (a command whose output goes to the log is printed there twice)
+        if "build.py" in argv and "image" in argv and argv not in builds:
+            builds.append(argv)
+    tags = [argv[argv.index("--tag") + 1] for argv in builds]
+    assert len(tags) == len(set(tags)) == 2 + len(mutants) + len(variants)  # each image once, for every model
+    roots = tmp_path / "work" / "variant-roots"
+    for name in variants:
+        [argv] = [a for a in builds if a[a.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-variant-{name}"]
+        assert argv[argv.index("--root") + 1] == str(roots / name) and "--builder" not in argv
+    made: list[list[str]] = []
+    for argv in commands:
+        if "gpu-runs/tiny_minimax_m3.py" in argv and argv not in made:
+            made.append(argv)
+    assert [(a[a.index("--seed") + 1], a[a.index("--layers") + 1]) for a in made] == [("0", "2"), ("1", "2"),
+                                                                                        ("1", "3")]
+    smokes: dict[str, dict[str, list[str]]] = {}
+    for argv in commands:
+        if "smoke" in argv and "build.py" in argv:
+            report = Path(argv[argv.index("--report") + 1])
+            smokes.setdefault(report.parent.name, {})[report.stem] = argv
+    assert list(smokes) == ["a", "b", "c"]
+    for name, mine in smokes.items():
+        expected = {"reference", "patched", "unpatched", "patched-again", "patched-third",
+                    *(f"variant-{v}" for v in variants), *(f"mutant-{m}" for m in mutants)}
+        assert set(mine) == expected
+        answers = str(out / name / "answers.json")
+        assert mine["reference"][mine["reference"].index("--record-reference") + 1] == answers
+        for which, argv in mine.items():
+            assert argv[argv.index("--serve-model") + 1] == str(tmp_path / "work" / "models" / name)
+            if which != "reference":
+                assert argv[argv.index("--reference") + 1] == answers
+        for v in variants:
+            argv = mine[f"variant-{v}"]
+            assert argv[argv.index("--root") + 1] == str(roots / v) and argv[5].endswith(f"-variant-{v}")
+    # Only the first model's reference is cold: the compile caches go once, before it.
+    order = [line for line in log.splitlines() if "rm -rf" in line or "/reference: exit code" in line]
+    assert "rm -rf" in order[0] and sum("rm -rf" in line for line in order) == 1 and "a/reference" in order[1]
+    # The warm times (the first model's patched and unpatched) run alone, after every reference; then side by
+    # side the other models' patched and unpatched and every model's other starts, then the variants, then the
+    # mutants (a call out of time cuts the later models' mutants first).
+    said = [line.split("smoke ")[1].split(":")[0] for line in log.splitlines() if ": exit code" in line]
+    assert said[:7] == ["a/reference", "b/reference", "c/reference", "a/patched", "a/unpatched", "a/patched-again",
+                        "a/patched-third"]
+    assert said[7:10] == ["b/patched", "b/unpatched", "b/patched-again"]
+    first_mutant = next(i for i, s in enumerate(said) if "/mutant-" in s)
+    assert all("/variant-" in s or "/patched" in s or "/unpatched" in s for s in said[3:first_mutant])
+    assert said[-1] == f"c/mutant-{mutants[-1]}"
+    records = [argv for argv in commands if "record" in argv and "gpu_host.py" in " ".join(argv)]
+    assert [Path(argv[argv.index("record") + 1]).parent.name for argv in records] == ["a", "b", "c"]
+    assert records[2][records[2].index("--model-made") + 1] == "gpu-runs/tiny_minimax_m3.py --seed 1 --layers 3"
+    # Only the first model's record holds warm times: the others' smokes ran side by side.
+    assert ["--side-by-side" in argv for argv in records] == [False, True, True]
+
+
+def test_a_models_entry_that_is_not_name_seed_layers_is_refused(tmp_path: Path) -> None:
+    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts.mkdir()
+    (parts / "SHA256SUMS").write_text("")
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": "model", "GPU_HOST_WORK": str(tmp_path / "work"),
+           "SOURCE_MANIFEST": str(tmp_path / "none.json"), "MODELS": "a:0:2 b/../x:1:2"}
+    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "MODELS entry 'b/../x:1:2'" in r.stdout
 
 
 def _gpu_host() -> Any:

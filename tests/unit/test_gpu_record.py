@@ -171,6 +171,33 @@ def test_findings_show_each_mutant_caught_and_the_right_patch_exact_in_three_sta
     assert not found["every_mutant_fails"]["mutants"]["right"]["met"] and not found["every_mutant_fails"]["met"]
 
 
+
+def test_each_correct_variant_must_pass_as_the_right_patch_does() -> None:
+    host = _gpu_host()
+    every = [_level(c, [ok(c, 0), ok(c, 1)]) for c in (1, 2, 4, 8, 16)]
+    right = host.image({**_report(every, None), "image_id": "sha256:v1"})
+    # A correct backport the gate fails (its topk-layout said fail) is a false failure, as costly as a false pass.
+    false_fail = host.image({**_report(every, None, topk="fail"), "image_id": "sha256:v2", "status": "fail"})
+    found = host.findings({"variant_copy": right, "variant_permute": right}, {}, 90.0)
+    assert found["every_variant_passes"]["met"] and set(found["every_variant_passes"]["variants"]) == {"copy",
+                                                                                                     "permute"}
+    found = host.findings({"variant_copy": right, "variant_permute": false_fail}, {}, 90.0)
+    assert not found["every_variant_passes"]["variants"]["permute"]["met"] and not found["every_variant_passes"]["met"]
+    assert found["done"] is False
+    # A variant is an image judged: a reference recorded from it is not from another image.
+    found = host.findings({"variant_copy": right, "reference": right}, {}, 90.0)
+    assert not found["reference_from_another_image"]["met"]
+
+
+def test_the_golden_check_is_kept_with_its_numbers() -> None:
+    host = _gpu_host()
+    golden = {"name": "golden", "status": "pass", "detail": "agree at 812 of 812 confident positions",
+              "data": {"judged": 1024, "confident": 812, "agreeing": 812, "first_disagreement": None}}
+    img = host.image({"checks": [golden], "image_id": "sha256:g"})
+    assert img["golden"] == {"status": "pass", "detail": golden["detail"], "data": golden["data"]}
+    assert host.image({"checks": [], "image_id": "sha256:g"})["golden"] is None
+
+
 def _git_repo(folder: Path) -> Path:
     folder.mkdir()
     for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
@@ -261,3 +288,16 @@ def test_a_tensor_parallel_runs_topk_layout_is_kept_per_gpu() -> None:
     assert got["per_gpu"][1]["status"] == "fail" and got["per_gpu"][1]["outcomes"] == {"tp1": "wrong-rows"}
     # One GPU's run stays as it was.
     assert record.image({"checks": [{**check, "data": one}]})["topk_layout"]["outcomes"] == {"tp1": "correct"}
+
+
+def test_a_model_whose_smokes_all_ran_side_by_side_has_no_warm_time_judged() -> None:
+    host = _gpu_host()
+    every = [_level(c, [ok(c, 0), ok(c, 1)]) for c in (1, 2, 4, 8, 16)]
+    slow = host.image({**_report(every, None), "image_id": "sha256:p", "seconds": 190.0})
+    found = host.findings({"patched": slow}, {}, 90.0, alone=False)
+    assert "warm_smoke_seconds" not in found and found["warm_times"]["judged"] is False
+    assert found["warm_times"]["side_by_side_seconds"] == {"patched": 190.0}
+    assert found["patched_passes_every_level"]["met"]
+    assert any(line.startswith("warm_times: (") for line in host.finding_sentences(found))
+    # Alone, the same time misses the target.
+    assert not host.findings({"patched": slow}, {}, 90.0)["warm_smoke_seconds"]["met"]
