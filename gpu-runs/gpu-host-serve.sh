@@ -55,6 +55,9 @@
 #             --check) to go on with a model or base whose hash changed since
 #   gpuonly   (not in the default) the patched image and the base, GPU checks alone (no server, no
 #             reference): OUTDIR/gpuonly-patched.json, gpuonly-unpatched.json
+#   topk      (not in the default; no engine) the topk-layout check on the host's Python against
+#             vLLM 0.25.1's sources as shipped, with the real patch, every variant and every
+#             mutant (gpu-runs/topk_table.py): OUTDIR/topk-table/table.md and one JSON per name
 #   check     (not in the default) imports vLLM's server, engine core, model
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
 #   reference per model, the reference image records the reference answers:
@@ -338,6 +341,15 @@ check_inputs() {
 }
 if step inputs; then
   each_model check_inputs
+fi
+
+if step topk; then
+  log "topk: gpu_topk_layout.py against the base, the real patch, every variant and every mutant"
+  act "$PY" gpu-runs/topk_table.py prepare "$WORK/src" "$WORK/topk" >>"$LOG" 2>&1 \
+    || die "topk_table.py prepare failed (see run.log)"
+  act "$PY" gpu-runs/topk_table.py run "$WORK/topk" --vllm-src "$WORK/src" --wheels "$PAYLOAD/wheels/deps" \
+    --out "$OUTDIR/topk-table" 2>&1 | tee -a "$LOG"
+  log "topk: exit code ${PIPESTATUS[0]} ($OUTDIR/topk-table/table.md)"
 fi
 
 if step check; then
