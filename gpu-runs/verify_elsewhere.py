@@ -6,8 +6,8 @@
 RECORD_DIR is a folder gpu-host-serve.sh wrote (its OUTDIR, with
 <which>.json, <which>.dsse.json and signing-key.pub.pem). For each report,
 the tool's own `verify IMAGE-ID --attestation <which>.dsse.json --key
-signing-key.pub.pem --require-gpu PRODUCT` runs here (PRODUCT: the model the
-record's record.json names, e.g. H200 of "NVIDIA H200"), and securesystemslib's DSSE
+signing-key.pub.pem --require-gpu PRODUCT` runs here (PRODUCT: the whole name of
+the GPU the record's record.json names, e.g. "NVIDIA H200"), and securesystemslib's DSSE
 implementation checks the same envelope with the same key. Writes
 RECORD_DIR/verified-elsewhere.json: this machine, each command, its exit code
 and answer, and whether the independent check agreed.
@@ -20,7 +20,6 @@ import datetime as dt
 import hashlib
 import json
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,12 +32,13 @@ WHICH = ("reference", "patched-cold", "patched", "patched-again", "unpatched-fir
 
 
 def gpu_product(folder: Path) -> str:
-    """The GPU model the record says the run had (H100 of "NVIDIA H100 80GB HBM3"): what the verdicts must name."""
+    """The GPU product the record says the run had, by its whole name ("NVIDIA H100 80GB HBM3"): what the
+    verdicts must name (verify compares whole names, never a part of one)."""
     devices = json.loads((folder / "record.json").read_text()).get("gpu_devices") or []
-    models = {m.group(0) for m in (re.search(r"\b[A-Z]+\d{2,4}[A-Z]?\b", str(d)) for d in devices) if m}
-    if len(models) != 1:
+    names = {" ".join(str(d).split()) for d in devices}
+    if len(names) != 1:
         raise SystemExit(f"{folder / 'record.json'}: gpu_devices {devices!r} name no single GPU model")
-    return models.pop()
+    return names.pop()
 
 
 def independent(envelope: bytes, public_pem: bytes) -> dict[str, Any]:

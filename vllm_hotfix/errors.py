@@ -260,11 +260,24 @@ class AttestationTampered(AttestationError):
 
 
 class AttestationMismatch(AttestationError):
-    """A valid signed verdict about another image, or one that does not pass what was required."""
+    """The verification policy refused: the signed verdicts verify, but none that covers the policy meets it."""
 
     exit_code = 24
-    meaning = ("a valid signed verdict about another image, or one that does not pass what was required "
-               "(status, GPU-verified, GPU product)")
+    meaning = ("the verification policy refused: the newest signed verdict that covers it is not a pass or "
+               "misses a requirement (checks, definition, digests, age, GPU product, tool version), a newer "
+               "fail blocks it, none covers it, one is dated in the future, or they are about another image")
+
+
+class CannotCheck(AttestationError):
+    """The signed verdicts could not be checked: nothing was judged, so nothing was refused either.
+
+    A registry that cannot be read is the other "could not check", and keeps
+    the registry's code (:class:`PushError`, 8), as every registry fault does.
+    """
+
+    exit_code = 25
+    meaning = ("could not check the signed verdicts: they cannot be ordered (one carries no signed time, two "
+               "newest end at the same instant); a registry that cannot be read is 8")
 
 
 class NotRegular(OSError):

@@ -11,7 +11,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import RegistryPlace, cli, fails
+from conftest import RegistryPlace, cli
 from vllm_hotfix.engine import Engine, split_reference
 from vllm_hotfix.journal import records
 from vllm_hotfix.registry import client as registry_client
@@ -63,8 +63,41 @@ def test_signed_verdict_travels_with_the_image(
     r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
     assert f"verified {target} {pushed['digest']}" in r.out
-    fails(cli("verify", target, "--key", pub, root=elsewhere), "not GPU-verified")
-    assert cli("verify", target, "--key", pub, root=elsewhere).rc == 24
+    # The default policy is the definition's full smoke: a CPU host's pass (no GPU checks, no sweep, no
+    # exact-levels) covers none of it.
+    r = cli("verify", target, "--key", pub, root=elsewhere)
+    assert r.rc == 24 and "covers what the policy requires" in r.last_error and "gpu-torch not run" in r.last_error
+    # The signed predicate names what this host proved: the definition, its patch set's digest, the base it found.
+    assert statement["predicate"]["definition"] == "v0.25.1" and statement["predicate"]["claimed"]["definition"]
+    proved = statement["predicate"]["patch_set"]["digest"]
+    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--definition", "v0.25.1", "--json",
+            root=elsewhere)
+    assert r.rc == 0, r.err
+    found = {f["requirement"]: f["found"] for f in json.loads(r.out)["found"]}
+    assert found["definition v0.25.1"] == "v0.25.1" and found[f"patch-set digest {proved}"] == proved
+    # The runbook's deployment gate: on this CPU host's verdict, no GPU product can be met.
+    r = cli("verify", target, "--key", pub, "--definition", "v0.25.1", "--require-gpu", "NVIDIA H200",
+            "--max-age", "7d", root=elsewhere)
+    assert r.rc == 24 and "gpu-torch not run" in r.last_error, r.err
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text(f'allow_gpu_unverified = true\ndefinition = "v0.25.1"\npatch_set_digest = "{proved}"\n'
+                      'max_age = "1d"\n')
+    r = cli("verify", target, "--key", pub, "--policy", str(deploy), root=elsewhere)
+    assert r.rc == 0 and "GPU-unverified, accepted under --allow-gpu-unverified" in r.out, r.err
+    # The checkout's patch set changed: its digest is no longer the one the host proved.
+    with (elsewhere / "patches/v0.25.1/series").open("a") as fh:
+        fh.write("# a comment changes no patch\n")
+    assert cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--definition", "v0.25.1",
+               root=elsewhere).rc == 0
+    series = elsewhere / "patches/v0.25.1/series"
+    [name] = [line for line in series.read_text().splitlines() if line and not line.startswith("#")]
+    (series.parent / name).rename(series.parent / f"renamed-{name}")
+    series.write_text(f"renamed-{name}\n")
+    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--definition", "v0.25.1", root=elsewhere)
+    assert r.rc == 24 and "not sha256:" in r.last_error and "patch-set digest" in r.last_error, r.err
+    # A registry that cannot be read: nothing was judged, the registry's code (8), never the policy's refusal.
+    r = cli("verify", "127.0.0.1:9/ops/vllm-openai:nothing", "--key", pub, root=elsewhere)
+    assert r.rc == 8 and "cannot read its signed verdicts" in r.last_error, r.err
     r = cli("verify", target, "--key", other_pub, "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 22 and "signed with another key" in r.err
     r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--require-gpu", "H200", root=elsewhere)

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -180,6 +181,16 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
                 assert not path.endswith(".whl"), f"{name}: {path}"
                 if size > 4096:
                     assert hashlib.sha256(read()).hexdigest() not in wheel_hashes, f"{name}: {path}"
+
+        # The push gate reads the pinned distributions from the image's layers: no container of the image starts
+        # (its Python, configured as the image says, never answers for it).
+        since = time.time()
+        pushed = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
+        assert pushed.rc == 0, pushed.err
+        created = [e for e in engine.api.events(since=since, until=time.time() + 1, decode=True,
+                                                filters={"type": "container", "event": "create"})
+                   if (e.get("Actor") or {}).get("Attributes", {}).get("image") in (image_id, ref)]
+        assert created == [], created
 
         # What the pins must be is pins.txt's, read again at push time: once it
         # names another version, the image it no longer describes is not pushed.

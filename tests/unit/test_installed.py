@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hotfix.checking import integrity
-from vllm_hotfix.checking.installed import Environment, closure, distributions, environment
+from vllm_hotfix.checking.installed import Environment, closure, copies, distributions, environment
 from vllm_hotfix.engine import Tree
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
@@ -71,3 +71,18 @@ def test_an_invalid_requirement_is_not_followed_and_breaks_nothing() -> None:
     tree = _tree({"pkg": ["lib (>=1", "other"], "lib": [], "other": []})
     found, _parents = closure(distributions(tree, SITE), ["pkg"], environment(SITE))
     assert set(found) == {"pkg", "other"}
+
+
+def test_every_copy_of_a_distribution_is_counted_where_the_push_gate_reads_pins() -> None:
+    meta = "Metadata-Version: 2.1\nName: {}\nVersion: {}\n"
+    tree = Tree({}, {
+        f"{SITE}/quack_kernels-0.6.4.dist-info/METADATA": meta.format("quack_kernels", "0.6.4").encode(),
+        f"{SITE}/quack_kernels-0.6.5.dist-info/METADATA": meta.format("Quack-Kernels", "0.6.5").encode(),
+        f"{SITE}/quack_kernels-0.6.5.dist-info/RECORD": b"",
+        f"{SITE}/nested/other-1.0.dist-info/METADATA": meta.format("other", "1.0").encode(),
+        f"{SITE}/notes.egg-info/METADATA": meta.format("notes", "1.0").encode(),
+    })
+    # One per name where a distribution's requirements are followed; both where the pins are counted.
+    assert sorted(distributions(tree, SITE)) == ["notes", "quack-kernels"]
+    assert copies(tree, SITE) == [("notes", "1.0"), ("quack-kernels", "0.6.4"), ("quack-kernels", "0.6.5")]
+    assert copies(tree, "/elsewhere") == []

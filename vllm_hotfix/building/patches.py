@@ -107,6 +107,19 @@ def load_series(root: Path, set_name: str, package: str) -> list[Patch]:
     return [load_patch(series.parent / name, package) for name in names]
 
 
+def set_digest(series: Iterable[Patch], pins_sha256: str | None = None) -> str:
+    """The patch set's digest: its patches in series order, each by name and sha256, and its pins.txt's sha256.
+
+    What a signed verdict names as the patch set the host proved the image
+    to be the product of, and what a verification policy may require: a
+    patch renamed, reordered, edited, added or dropped, or a pin changed,
+    changes it.
+    """
+    lines = [f"{patch.name} {patch.sha256}" for patch in series]
+    lines.append(f"{PINS_FILE} {pins_sha256 or '-'}")
+    return "sha256:" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 # A hotfix is a handful of upstream hunks; anything near this size is a
 # mistake (a whole file tree, a binary) and would take minutes to parse.
 MAX_PATCH_BYTES = 4 * 1024 * 1024

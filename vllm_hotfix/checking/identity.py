@@ -269,9 +269,14 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         return Outcome("incomplete", f"no base to compare it with: {exc}")
     except PipelineError as exc:
         return Outcome("fail", f"no base to compare it with: {exc}", data={"first_difference": str(exc)})
-    # Whether the definition pins its base: an unpinned one takes whatever its tag names here, and says so.
+    # What the host found and proved, which a signed verdict names (never the image's labels): the definition
+    # it judged the image against, its base's reference and the registry digests the engine holds for that base;
+    # and whether the definition pins its base (an unpinned one takes whatever its tag names here, and says so).
     data: dict[str, Any] = {"base_id": base.info.id, "base_found_by": base.how,
-                            "base_pinned": bool(base.definition.base_digests)}
+                            "base_pinned": bool(base.definition.base_digests), "definition": base.definition.tag,
+                            "base_ref": base.ref,
+                            "base_digests": sorted({d.partition("@")[2] for d in base.info.repo_digests
+                                                    if "@sha256:" in d})}
     try:
         with sources.ImageReader(engine, base.info, base.ref, base.definition.package, base.definition.python,
                                  sources.cache_dir(root)) as reader:
@@ -302,6 +307,9 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         pinset = pins.load(root, base.definition.patch_set, base.definition.package)
     except (PatchError, PinError) as exc:
         return refused(f"patches/{base.definition.patch_set}: {exc}")
+    data["patch_set"] = base.definition.patch_set
+    data["patch_set_digest"] = patchlib.set_digest(patches, pinset.sha256 if pinset is not None else None)
+    data["patches"] = {patch.name: patch.sha256 for patch in patches}
     above = len(layers) - len(base_layers)
     want = 2 if pinset is not None else 1
     if above != want:

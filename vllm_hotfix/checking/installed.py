@@ -120,6 +120,20 @@ def distributions(tree: Tree, site_dir: str) -> dict[str, Dist]:
     return found
 
 
+def copies(tree: Tree, site_dir: str) -> list[tuple[str, str]]:
+    """(canonical name, version) of every dist-info (or egg-info) directly in ``site_dir``: two of one name both
+    counted, as :func:`distributions` (one per name) cannot show."""
+    found = []
+    for path in sorted(tree.kept):
+        folder, name = posixpath.split(path)
+        if name != "METADATA" or posixpath.dirname(folder) != posixpath.normpath(site_dir):
+            continue
+        meta = HeaderParser().parsestr(tree.kept[path].decode("utf-8", "replace"))
+        if meta.get("Name"):
+            found.append((canonical(meta["Name"]), meta.get("Version") or ""))
+    return found
+
+
 def required(dist: Dist, extras: set[str], env: Environment) -> list[tuple[str, set[str]]]:
     """(name, extras it asks for) of each requirement that applies in ``env`` with the given extras."""
     out = []

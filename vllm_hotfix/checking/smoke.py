@@ -23,7 +23,6 @@ from pathlib import Path
 
 from ..building import expected
 from ..engine import Engine
-from ..engine import labels as L
 from ..errors import BaseImageError, PipelineError, UsageError
 from ..journal import records
 from ..journal.atomic import write_atomic
@@ -116,9 +115,10 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
         # tools that look attestations up by manifest digest find it.
         places = registry_copies(root, target) if request.launcher != "kubernetes" else []
         subjects = signing.subjects(target.ref, verdict.image_id, [*target.repo_digests, *places])
-        # The base a signed verdict names is the one the host found by the image's layers, never the label's.
-        labels = {**target.labels, L.BASE_ID: target.base_id}
-        signed, envelope = attest.sign(root, verdict, labels, subjects, request.sign_key, request.attestation)
+        # What the signed verdict says the image is comes from the host's identity check; the labels go only under
+        # its ``claimed`` key (signing.predicate).
+        signed, envelope = attest.sign(root, verdict, target.labels, subjects, request.sign_key,
+                                       request.attestation)
         progress(f"==> signed verdict: {signed}")
         if request.launcher == "kubernetes":
             attest.attach_and_read_back(engine(), target.start, envelope)

@@ -3,29 +3,80 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import UsageError
 from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
 
+if TYPE_CHECKING:
+    from ..trust.policy import Policy
+
+
+def policy_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The options that make up a verification policy, shared by verify and push --require-attestation."""
+    for option in reversed((
+        click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="A verification policy (TOML, or JSON for *.json): what the signed verdict must show. "
+                          "The flags below add to it. Default: the definition's full smoke, every check passed."),
+        click.option("--require-check", "require_checks", multiple=True, metavar="NAME[=STATUS|STATUS]",
+                     help="A check the signed run must have, with its status (default pass). Repeatable."),
+        click.option("--definition", "definition", default="", metavar="TAG",
+                     help="The definition the host must have proved the image the product of (and, where this "
+                          "checkout has it, its patch set's digest)."),
+        click.option("--patch-set-digest", default="", metavar="sha256:...",
+                     help="The patch-set digest the host must have proved."),
+        click.option("--base-digest", default="", metavar="sha256:...",
+                     help="The base the host must have found (its image ID or a registry digest)."),
+        click.option("--reference-digest", default="", metavar="sha256:...",
+                     help="The reference the run's answers must have been judged against."),
+        click.option("--max-age", default="", metavar="DURATION",
+                     help="How long ago the signed run may have been made at most (90s, 15m, 12h, 7d, 2w)."),
+        click.option("--max-skew", default="", metavar="DURATION",
+                     help="How far ahead of this host's clock a verdict may be dated (default 5m); later: refused."),
+        click.option("--require-gpu", "require_gpu", multiple=True, metavar="PRODUCT",
+                     help="The GPU product the signed run ran on, as its whole name (e.g. 'NVIDIA H100 80GB HBM3'; "
+                          "'H100' alone matches nothing). Several: any of them (repeatable, or comma-separated)."),
+        click.option("--tool-version", default="", metavar="VERSION",
+                     help="The version of this tool that signed the verdict."),
+        click.option("--allow-gpu-unverified", is_flag=True,
+                     help="Accept a pass whose GPU checks, server sweep and exact-levels did not run (a host "
+                          "without a GPU); the answer says so."),
+    )):
+        command = option(command)
+    return command
+
+
+def verification_policy(root: Path, policy_file: Path | None, require_checks: tuple[str, ...], definition: str,
+                        patch_set_digest: str, base_digest: str, reference_digest: str, max_age: str,
+                        max_skew: str, require_gpu: tuple[str, ...], tool_version: str,
+                        allow_gpu_unverified: bool) -> Policy:
+    """The verification policy of ``--policy`` and the flags (``root``: the checkout, for a definition's digest)."""
+    from ..trust import policy
+
+    flags = policy.Flags(checks=require_checks, allow_gpu_unverified=allow_gpu_unverified, definition=definition,
+                         patch_set_digest=patch_set_digest, base_digest=base_digest,
+                         reference_digest=reference_digest, tool_version=tool_version, max_age=max_age,
+                         gpu_products=tuple(policy.products(require_gpu)), max_skew=max_skew)
+    return policy.build(policy_file, flags, root)
+
 
 @main.command()
 @click.argument("image_ref", metavar="IMAGE", type=REFERENCE)
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
-@click.option("--allow-gpu-unverified", is_flag=True, help="Push an image smoke-tested without GPU checks.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--platform", "platform_text", default=None, metavar="LIST|all",
               help="Push IMAGE-<machine> of each platform (all: every one `image` made) and an index over them "
                    "as IMAGE. Default: every platform `image` built for IMAGE (IMAGE alone after a "
                    "single-platform build).")
 @click.option("--require-attestation", "require_attestation", multiple=True, metavar="PUBKEY",
-              help="Let the image through on signed verdicts instead of the local journal's: the newest one found "
+              help="Let the image through on signed verdicts instead of the local journal's: of those found "
                    "(given with --attestation, kept in the journal, beside the image in the target registry) "
-                   "must verify with one of these public keys and pass. A PEM file, a folder of them, or "
-                   "env:NAME; repeatable.")
+                   "that verify with one of these public keys, the newest that covers the verification policy "
+                   "must meet it (see verify). A PEM file, a folder of them, or env:NAME; repeatable.")
 @click.option("--attestation", "attestation_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               multiple=True, help="A signed verdict (DSSE envelope) made elsewhere, e.g. on the GPU host; "
                                   "attached beside the image. Repeatable.")
@@ -34,17 +85,26 @@ from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
                    "pushed and attached; push, tag, attach and record nothing.")
 @click.option("--replace", is_flag=True, help="Move the target tag even where it names another image with a signed "
                                               "pass (that image stays in the registry by digest).")
+@policy_options
 @click.pass_obj
-def push(obj: Ctx, image_ref: str, registry: str, allow_gpu_unverified: bool, as_json: bool,
-         platform_text: str | None, require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...],
-         dry_run: bool, replace: bool) -> None:
+def push(obj: Ctx, image_ref: str, registry: str, as_json: bool, platform_text: str | None,
+         require_attestation: tuple[str, ...], attestation_paths: tuple[Path, ...], dry_run: bool, replace: bool,
+         **rules: Any) -> None:
     """Push a smoke-tested IMAGE to REGISTRY and confirm the digest there."""
     from ..building import platforms
     from ..registry import refs
     from ..release import push as pushlib
 
     refs.check_registry(registry)
-    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_paths)
+    allow_gpu_unverified = bool(rules["allow_gpu_unverified"])
+    required = None
+    if require_attestation:
+        required = verification_policy(obj.root, **rules)
+        required.requirements()  # an empty policy is refused before anything is read or pushed
+    elif any(value for name, value in rules.items() if name != "allow_gpu_unverified"):
+        raise UsageError("a verification policy (--policy, --require-check, --definition, ...) judges signed "
+                         "verdicts: give --require-attestation PUBKEY")
+    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_paths, required)
     # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
     plats = platforms.parse(platform_text) if platform_text is not None else \
         pushlib.plain_selection(obj.engine, obj.root, image_ref)
@@ -103,28 +163,27 @@ def _say_dry_run(as_json: bool, plan: dict[str, Any]) -> None:
 @click.option("--key", "keys", required=True, multiple=True, metavar="PUBKEY",
               help="A public key the verdict may be signed with: a PEM file, a folder of PEM files (*.pem, *.pub), "
                    "or env:NAME. Repeatable; the answer names the key that signed.")
-@click.option("--require-gpu", "require_gpu", default="", metavar="NAME,...",
-              help="GPU products the signed smoke run must have run on, e.g. H200 (matched in the device names).")
-@click.option("--allow-gpu-unverified", is_flag=True, help="Accept a signed pass that was not GPU-verified.")
+@policy_options
 @click.option("--attestation", "attestation_paths", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               multiple=True, help="A signed verdict file to judge with those in the registry (repeatable). With "
                                   "REF the image's ID (sha256:...), the files alone are judged.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: what was required and what was found.")
 @click.pass_obj
-def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gpu_unverified: bool,
-           attestation_paths: tuple[Path, ...], as_json: bool) -> None:
-    """Check the signed smoke verdicts of REF: the newest one found must pass."""
+def verify(obj: Ctx, ref: str, keys: tuple[str, ...], attestation_paths: tuple[Path, ...], as_json: bool,
+           **rules: Any) -> None:
+    """Check the signed smoke verdicts of REF against a verification policy: the newest one that covers it
+    must meet it."""
     from ..trust import attest, signing
 
-    products = [p.strip() for p in require_gpu.split(",") if p.strip()]
+    required = verification_policy(obj.root, **rules)
+    required.requirements()  # an empty policy is refused before any key or registry is read
     public = signing.load_public_keys(keys)
     if re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
         if not attestation_paths:
             raise UsageError(f"verify {ref}: an image ID has no registry to read from; give --attestation FILE")
         digest = ref
         attest.require_given_verify(attestation_paths, public)
-        accepted = attest.judge(attest.files(attestation_paths), {ref}, ref, public,
-                                gpu_verified=not allow_gpu_unverified, gpu_products=products)
+        accepted = attest.judge(attest.files(attestation_paths), {ref}, ref, public, required)
     elif ref.startswith("sha256:") or not _in_a_registry(ref):
         raise UsageError(f"verify {ref!r}: REF must be HOST[:PORT]/PATH:TAG in a registry, or with --attestation "
                          "the image's ID (sha256:<64 hex>)")
@@ -132,20 +191,26 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], require_gpu: str, allow_gp
         from ..errors import PushError
 
         try:
-            digest, accepted = attest.verify(obj.engine, ref, public, given=attestation_paths,
-                                             gpu_verified=not allow_gpu_unverified, gpu_products=products)
+            digest, accepted = attest.verify(obj.engine, ref, public, required, given=attestation_paths)
         except PushError as exc:
-            # The registry could not be read (down, no login, an error answered): a registry's fault, 8 as for push.
+            # The registry could not be read (down, no login, an error answered): a registry's fault, 8 as for push;
+            # nothing was judged, so never the policy's refusal (24).
             raise PushError(f"verify {ref}: cannot read its signed verdicts: {exc}", hint=exc.hint) from exc
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
+    unverified = f"GPU-unverified, accepted under --allow-gpu-unverified: {', '.join(accepted.not_run)} not run" \
+        if not accepted.gpu_verified else ""
     if as_json:
         print_json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "key": accepted.key_name,
                     "status": accepted.report.get("status"), "gpu_verified": accepted.gpu_verified,
-                    "devices": devices, "source": accepted.source, "signed_at": accepted.signed_at})
+                    "devices": devices, "source": accepted.source, "signed_at": accepted.signed_at,
+                    "gpu_unverified_accepted": unverified, **accepted.decision.to_dict()})
         return
     named = ref if digest == ref else f"{ref} {digest}"  # an image ID given as REF is its own digest here
     click.echo(f"verified {named}: signed pass by key {accepted.key_name} ({accepted.key_id[:12]}), signed "
-               f"{accepted.signed_at} ({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})")
+               f"{accepted.signed_at} ({'GPU-verified' if accepted.gpu_verified else 'GPU-unverified'} on {devices})"
+               f" meets {required.source}")
+    if unverified:
+        click.echo(f"    {unverified}")
 
 
 def _in_a_registry(ref: str) -> bool:

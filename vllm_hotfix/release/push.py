@@ -15,11 +15,12 @@ which digest the tag resolves to.
 With ``--require-attestation`` the gate reads signed verdicts instead of the
 journal (those given, those the journal keeps, those beside every registry
 copy of the image this host knows, those already beside the image in the
-target registry): the newest that verifies with one of the keys decides
-(:func:`vllm_hotfix.trust.attest.judge`), as the journal's newest does
-without it. Whichever gate let it through, every signed verdict found for the
-image, pass and fail, is attached beside the pushed copy
-(:mod:`vllm_hotfix.trust.travel`).
+target registry): of those that verify with one of the keys, the newest that
+covers the verification policy must meet it
+(:func:`vllm_hotfix.trust.attest.judge`; by default the definition's full
+smoke), as the journal's newest must pass without it. Whichever gate let it
+through, every signed verdict found for the image, pass and fail, is attached
+beside the pushed copy (:mod:`vllm_hotfix.trust.travel`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from ..errors import (
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
-from ..trust import attest, signing, travel
+from ..trust import attest, policy, signing, travel
+from ..trust.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +218,7 @@ class Gate:
     allow_gpu_unverified: bool = False
     require_attestation: tuple[str, ...] = ()  # public keys: files, folders of PEM files, or env:NAME
     attestations: tuple[Path, ...] = ()  # signed verdicts given on the command line
+    policy: Policy | None = None  # what the signed verdict must show (None: the definition's full smoke)
 
     def given_are_about(self, image_ids: list[str], what: str) -> None:
         """Each signed verdict given on the command line must name one of the images pushed (checked first)."""
@@ -257,10 +260,16 @@ class Gate:
         if self.require_attestation:
             keys = signing.load_public_keys(self.require_attestation)
             attest.require_given_verify(self.attestations, keys)
-            found = (attest.local_candidates(root, info.id, self.attestations) + list(carried or [])
-                     + _pushed_candidates(engine, target, info.id))
-            accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys,
-                                    gpu_verified=not self.allow_gpu_unverified)
+            rules = self.policy or policy.build(flags=policy.Flags(allow_gpu_unverified=self.allow_gpu_unverified))
+            try:
+                pushed = _pushed_candidates(engine, target, info.id)
+            except PushError as exc:
+                # A fail already beside the target may be there: nothing is judged without it (8, the registry's
+                # fault, never the policy's refusal).
+                raise PushError(f"{image_ref}: cannot read the signed verdicts beside {target}: {exc}",
+                                hint=exc.hint) from exc
+            found = attest.local_candidates(root, info.id, self.attestations) + list(carried or []) + pushed
+            accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys, rules)
             return Clearance(Path(accepted.source).name, accepted.gpu_verified)
         entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
         return Clearance(entry.path.name, entry.verdict.gpu_verified)

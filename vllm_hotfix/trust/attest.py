@@ -10,8 +10,9 @@ reads the envelopes back from the registry.
 
 One rule wherever signed verdicts are judged (:func:`judge`): of every
 envelope found for the image that verifies with one of the given keys, the
-newest by its signed time decides; it must pass, and two newest signed at
-the same instant are refused. An older pass never stands in for a newer fail.
+verification policy (:mod:`.policy`) is asked of the newest that covers it,
+by when its run ended, and a newer fail of a check it counts blocks it
+(:mod:`.decide`). An older pass never stands in for a newer fail.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..journal.atomic import opened_regular, write_atomic
 from ..journal.records import records_dir
 from ..registry import client as registry
 from ..verdicts import Verdict
-from . import referrers, signing
+from . import decide, policy, referrers, signing
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,13 @@ def kept(root: Path, image_id: str) -> list[Path]:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The signed verdict that let an image through: the newest found, a pass, and where it came from."""
+    """The signed verdict that let an image through, where it came from, and the policy's decision."""
 
     source: str
     key_id: str
     key_name: str
     report: dict[str, Any]
+    decision: decide.Decision
 
     @property
     def gpu_verified(self) -> bool:
@@ -91,33 +93,11 @@ class Accepted:
     def signed_at(self) -> str:
         return str(self.report.get("signed_at", ""))
 
-
-def _newest(found: list[tuple[str, signing.Attested]], image: str) -> tuple[str, signing.Attested,
-                                                                           list[tuple[str, signing.Attested]]]:
-    """The newest by the time of the run it judged (``run_at``, else its signed time; two of one run by signed
-    time), and the others; refused when none says when, or two newest tie. A run's verdict signed later (a Job's
-    log collected after another run failed) is as new as its run, not as its signature."""
-    def when(predicate: Mapping[str, Any]) -> tuple[dt.datetime, dt.datetime] | None:
-        signed = signing.signed_time(predicate)
-        if signed is None:
-            return None
-        ran = signing.signed_time(predicate, "run_at") or signed
-        return ran, signed
-
-    timed = [(when(f.predicate), where, f) for where, f in found]
-    dated = [(at, where, f) for at, where, f in timed if at is not None]
-    if not dated:
-        raise AttestationMismatch(f"{image}: its signed verdict(s) ({', '.join(w for w, _ in found)}) carry no "
-                                  "signed time (made before verdicts were dated), so none can be told the newest",
-                                  hint="smoke it again with --sign-key")
-    latest = max(when for when, _, _ in dated)
-    top = [(where, f) for when, where, f in dated if when == latest]
-    if len(top) > 1:
-        raise AttestationMismatch(f"{image}: {len(top)} signed verdicts were signed at the same instant "
-                                  f"({top[0][1].predicate.get('signed_at')}): {' and '.join(w for w, _ in top)}; "
-                                  "neither is the newest", hint="smoke it again with --sign-key")
-    where, newest = top[0]
-    return where, newest, [(w, f) for w, f in found if f is not newest]
+    @property
+    def not_run(self) -> list[str]:
+        """The GPU-bound checks the accepted run skipped or never ran (accepted under allow_gpu_unverified)."""
+        statuses = self.decision.accepted.facts.statuses
+        return [name for name in sorted(policy.GPU_BOUND) if statuses.get(name, "skip") == "skip"]
 
 
 def require_given_verify(paths: Sequence[Path], keys: Sequence[signing.PublicKey]) -> None:
@@ -129,14 +109,15 @@ def require_given_verify(paths: Sequence[Path], keys: Sequence[signing.PublicKey
 
 
 def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str, keys: Sequence[signing.PublicKey],
-          *, gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> Accepted:
-    """The newest envelope about the image that verifies with one of ``keys``, if it passes.
+          rules: policy.Policy, now: dt.datetime | None = None) -> Accepted:
+    """The signed verdict about the image that answers ``rules`` (:func:`.decide.decide`), if it meets them.
 
     ``candidates``: (where it came from, envelope bytes), every one found.
     With none: AttestationMissing. When none verifies with the keys and
     names the image, the refusal of the one that got furthest. The same
     statement found twice (in the registry and given as a file) counts once.
     """
+    rules.requirements()  # an empty policy is refused before anything is read
     if not candidates:
         raise AttestationMissing(f"{image}: no signed verdict found", hint="smoke it with --sign-key, then push it")
     refusal: tuple[int, PipelineError] | None = None
@@ -155,19 +136,10 @@ def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str
     if not about:
         assert refusal is not None
         raise refusal[1]
-    where, newest, older = _newest(list(about.values()), image)
-    try:
-        signing.require_verdict(newest, image, where, gpu_verified=gpu_verified, gpu_products=gpu_products)
-    except AttestationMismatch as exc:
-        passes = [(w, f) for w, f in older if f.predicate.get("status") == "pass"]
-        if not passes:
-            raise
-        w, f = max(passes, key=lambda p: str(p[1].predicate.get("signed_at", "")))
-        raise AttestationMismatch(f"{exc} (the newest, signed {newest.predicate.get('signed_at')}); the older signed "
-                                  f"pass {w} (signed {f.predicate.get('signed_at') or 'at no stated time'}) does "
-                                  f"not count", hint="smoke the image again; the newest signed verdict decides") \
-            from None
-    return Accepted(where, newest.key_id, newest.key_name, newest.predicate)
+    decision = decide.decide([decide.found(where, f) for where, f in about.values()], rules, image, now)
+    chosen = decision.accepted
+    return Accepted(chosen.where, chosen.attested.key_id, chosen.attested.key_name, chosen.attested.predicate,
+                    decision)
 
 
 # A DSSE envelope of a smoke report is tens of kilobytes; a file far larger is not one.
@@ -294,8 +266,8 @@ def registry_candidates(client: registry.Client, path: str, digest: str) -> list
     return [(f"{where} (signed verdict {d[:19]})", data) for d, data in referrers.envelopes(client, path, digest)]
 
 
-def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], *, given: Sequence[Path] = (),
-           gpu_verified: bool = True, gpu_products: Sequence[str] = ()) -> tuple[str, Accepted]:
+def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: policy.Policy, *,
+           given: Sequence[Path] = ()) -> tuple[str, Accepted]:
     """Judge every signed verdict of ``ref`` (its registry's, and ``given``); return (manifest digest, accepted).
 
     An index is judged per platform: each platform's image must pass.
@@ -327,7 +299,7 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], *, given
         if isinstance(config, str):
             digests.add(config)
         accepted = judge(registry_candidates(client, path, image.digest) + extra, digests,
-                         f"{ref} ({image.digest[:19]})", keys, gpu_verified=gpu_verified, gpu_products=gpu_products)
+                         f"{ref} ({image.digest[:19]})", keys, rules)
     if accepted is None:
         raise AttestationMissing(f"{ref}: no image to judge")
     return manifest.digest, accepted

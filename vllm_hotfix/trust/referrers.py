@@ -202,7 +202,15 @@ def _pages(client: Client, res: requests.Response, repo: str, key: str, what: st
 
 
 def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
-    """Descriptors of the signed verdicts referring to ``repo@digest`` (referrers API, else fallback tag)."""
+    """Descriptors of the signed verdicts referring to ``repo@digest``: the union of the referrers API, the
+    fallback index and the verdicts' own tags, each once.
+
+    All three are read whatever the registry answers: a verdict attached while
+    the registry had no referrers API (or by a writer that could not use it)
+    stands under the fallback tag and its own, which a registry that gained
+    the API later need not list; one dropped from the fallback index still
+    stands under its own tag, and is named.
+    """
     res = client.request("GET", f"/v2/{repo}/referrers/{digest}", f"repository:{repo}:pull",
                          params={"artifactType": PAYLOAD_TYPE}, headers={"Accept": OCI_INDEX})
     entries: list[Any] = []
@@ -212,22 +220,24 @@ def listed(client: Client, repo: str, digest: str) -> list[dict[str, Any]]:
         for page in _pages(client, res, repo, "manifests", f"the referrers of {repo}@{digest}", "an index",
                            headers={"Accept": OCI_INDEX}):
             entries += page
-    else:
-        found = client.manifest(repo, fallback_tag(digest))
-        if found is not None and found.media_type == OCI_INDEX:
-            entries = found.json().get("manifests") or []
+    found = client.manifest(repo, fallback_tag(digest))
+    indexed: set[Any] = set()
+    if found is not None and found.media_type == OCI_INDEX:
+        fallback = [e for e in found.json().get("manifests") or [] if isinstance(e, dict)]
+        indexed = {e.get("digest") for e in fallback}
+        entries += fallback
+    for e in tagged(client, repo, digest):
+        if found is not None and e["digest"] not in indexed:
             # Every verdict also stands under its own tag: one the index lacks was dropped from it.
-            own = tagged(client, repo, digest)
-            listed_there = {e.get("digest") for e in entries if isinstance(e, dict)}
-            for e in own:
-                if e["digest"] not in listed_there:
-                    log.warning("registry %s: the signed verdict %s stands under its own tag beside %s@%s, but the "
-                                "fallback index %s lacks it (the index was rewritten); it is read all the same",
-                                client.host, e["digest"][:19], repo, digest[:19], fallback_tag(digest))
-                    entries.append(e)
-        else:
-            entries = tagged(client, repo, digest)
-    return [e for e in entries if isinstance(e, dict) and e.get("artifactType") == PAYLOAD_TYPE]
+            log.warning("registry %s: the signed verdict %s stands under its own tag beside %s@%s, but the "
+                        "fallback index %s lacks it (the index was rewritten); it is read all the same",
+                        client.host, e["digest"][:19], repo, digest[:19], fallback_tag(digest))
+        entries.append(e)
+    unique: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        if isinstance(e, dict) and e.get("artifactType") == PAYLOAD_TYPE:
+            unique.setdefault(str(e.get("digest")), e)
+    return list(unique.values())
 
 
 def envelopes(client: Client, repo: str, digest: str) -> list[tuple[str, bytes]]:

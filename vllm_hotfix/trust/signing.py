@@ -37,6 +37,7 @@ from .. import __version__
 from ..engine import labels as L
 from ..errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey, NotRegular
 from ..journal.atomic import opened_regular
+from ..verdicts import IDENTITY
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -174,21 +175,66 @@ def signed_time(predicate: Mapping[str, Any], key: str = "signed_at") -> dt.date
     return when if when.tzinfo is not None else None
 
 
-def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str,
-              run_at: str | None = None) -> dict[str, Any]:
-    """The host's judged smoke report, what the image's labels say it was made from, when it was signed, and when
-    the run it judged was made (``run_at``: a Job's emission, collected later, is that run's time)."""
+def proved(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the host proved about the image, from its own layer-identity check of ``report``.
+
+    The definition, patch set and patches only where the check passed (the
+    image is that definition's product on that base) or found the image to
+    be the definition's base itself; the base wherever the host found one.
+    Nothing here comes from the image's labels.
+    """
+    identity = next((c for c in report.get("checks") or [] if isinstance(c, Mapping) and c.get("name") == IDENTITY),
+                    None)
+    data = identity.get("data") if identity is not None else None
+    data = data if isinstance(data, Mapping) else {}
+    status = identity.get("status") if identity is not None else None
+    digests = [str(d) for d in data.get("base_digests") or [] if isinstance(d, str)]
+    base = {"id": str(data.get("base_id") or ""), "name": str(data.get("base_ref") or ""), "digests": digests}
+    if status not in ("pass", "skip"):
+        return {"definition": "", "patch_set": {}, "patches": {}, "base": base}
+    patches = data.get("patches")
+    patch_set = {"name": str(data.get("patch_set") or ""), "digest": str(data.get("patch_set_digest") or "")} \
+        if status == "pass" else {}
+    return {"definition": str(data.get("definition") or ""), "patch_set": patch_set,
+            "patches": dict(patches) if isinstance(patches, Mapping) else {}, "base": base}
+
+
+def scope(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run covered: the checks that ran to a pass or a fail, those skipped, the reference its answers
+    were judged against (its sha256), and whether its GPU checks verified the image."""
+    checks = [c for c in report.get("checks") or [] if isinstance(c, Mapping)]
+    sweep = report.get("sweep")
+    reference = sweep.get("reference") if isinstance(sweep, Mapping) else None
+    return {"ran": sorted({str(c.get("name")) for c in checks if c.get("status") in ("pass", "fail")}),
+            "skipped": sorted({str(c.get("name")) for c in checks if c.get("status") == "skip"}),
+            "reference": str(reference.get("sha256") or "") if isinstance(reference, Mapping) else "",
+            "gpu_verified": report.get("gpu_verified") is True}
+
+
+def claimed(labels: Mapping[str, str]) -> dict[str, Any]:
+    """What the image's labels say it was made from: kept apart, under ``claimed``, for a person to read; no
+    policy reads it (a label is data the image chose)."""
     try:
         patches = json.loads(labels.get(L.PATCHES, "{}"))
     except ValueError:
         patches = {}
+    return {"definition": labels.get(L.DEFINITION, ""), "patches": patches if isinstance(patches, dict) else {},
+            "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
+                     "digest": labels.get(L.OCI_BASE_DIGEST, "")},
+            "tool_version": labels.get(L.TOOL_VERSION, "")}
+
+
+def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str,
+              run_at: str | None = None) -> dict[str, Any]:
+    """The host's judged smoke report, what the host proved the image to be (:func:`proved`), what the run
+    covered (:func:`scope`), when it was signed and when the run it judged was made (``run_at``: a Job's
+    emission, collected later, is that run's time); the image's labels only under ``claimed``."""
     return {
         **report,
         "tool_version": __version__,
-        "definition": labels.get(L.DEFINITION, ""),
-        "patches": patches if isinstance(patches, dict) else {},
-        "base": {"id": labels.get(L.BASE_ID, ""), "name": labels.get(L.OCI_BASE_NAME, ""),
-                 "digest": labels.get(L.OCI_BASE_DIGEST, "")},
+        **proved(report),
+        "scope": scope(report),
+        "claimed": claimed(labels),
         "signed_at": signed_at,
         **({"run_at": run_at} if run_at else {}),
     }
@@ -335,26 +381,3 @@ def require_subject(found: Attested, digests: Iterable[str], image: str, where: 
                                   hint="a verdict holds for the exact image it names: smoke this image with "
                                        "--sign-key (or give the verdict that names it)")
 
-
-def require_verdict(found: Attested, image: str, where: str, *, gpu_verified: bool = True,
-                    gpu_products: Iterable[str] = ()) -> None:
-    """AttestationError unless the signed report is a pass (GPU-verified, on the named GPU products)."""
-    report = found.predicate
-    if report.get("status") != "pass":
-        failed = [c for c in report.get("checks") or [] if isinstance(c, dict) and c.get("status") == "fail"]
-        # The first failing check names why (layer-identity: what the image is not), on the one line read.
-        why = f": {failed[0].get('name')}: {' '.join(str(failed[0].get('detail')).split())[:300]}" if failed else ""
-        raise AttestationMismatch(f"{where}: the signed smoke verdict of {image} is {report.get('status')!r}, "
-                                  f"not a pass{why}",
-                                  hint="fix what failed (verify --json shows the verdict), rebuild and smoke it "
-                                       "again with --sign-key")
-    if gpu_verified and report.get("gpu_verified") is not True:
-        raise AttestationMismatch(f"{where}: the signed smoke run of {image} was not GPU-verified",
-                                  hint="smoke it on a GPU host with --sign-key, or accept it with "
-                                       "--allow-gpu-unverified")
-    devices = [str(d) for d in (report.get("gpu") or {}).get("devices") or []]
-    for product in gpu_products:
-        if not any(product.lower() in d.lower() for d in devices):
-            raise AttestationMismatch(f"{where}: the signed smoke run of {image} ran on "
-                                      f"{', '.join(devices) or 'no GPU'}, not on {product}",
-                                      hint=f"smoke it with --sign-key on a host with {product} GPUs")

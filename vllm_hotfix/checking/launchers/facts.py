@@ -10,7 +10,7 @@ right before a push (:func:`landed_problem`, :func:`pins_problem`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from ...building import definitions, expected, pins, sources
 from ...engine import Engine, ImageInfo
 from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
-from .. import identity, integrity
+from .. import identity, installed, integrity
 
 
 def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
@@ -120,7 +120,8 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
                                    definition=proven.base.definition.tag if proven.base is not None else None)
     except UnknownExpectation as exc:
         return str(exc)
-    problem = pins_problem(engine, root, image, found)
+    sites = [p for p in proven.python_path if p.rstrip("/").endswith("-packages")]
+    problem = pins_problem(engine, root, image, found, sites)
     if problem is not None:
         return problem
     try:
@@ -138,8 +139,15 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     return None
 
 
-def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected) -> str | None:
-    """None if every distribution the definition's pins.txt names has its pinned version, once."""
+def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected,
+                 sites: Sequence[str] = ()) -> str | None:
+    """None if every distribution the definition's pins.txt names has its pinned version, once.
+
+    Read from the image's layers, in its site folder and every other site
+    folder on the base's ``sys.path`` (``sites``, as the host read it from the
+    base): nothing of the image runs, so neither its Python nor anything its
+    configuration would load answers for it.
+    """
     try:
         defn = definitions.load(root, found.definition)
         pinset = pins.load(root, defn.patch_set, defn.package)
@@ -147,10 +155,16 @@ def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.E
         return f"pins: {exc}"
     if pinset is None:
         return None
-    state = pins.probe(engine, image.id, defn.python, pinset.names)
+    copies: dict[str, list[str]] = {}
+    for site in dict.fromkeys([found.site_dir, *sites]):
+        if not site:
+            continue
+        tree = integrity.read_site(engine, image.id, site, integrity.keep_metadata, sources.cache_dir(root))
+        for name, version in installed.copies(tree, site):
+            copies.setdefault(name, []).append(version)
     for pin in pinset.pins:
-        have = sorted(c.version for c in state.dists.get(pin.name) or ())
+        have = sorted(copies.get(pin.name) or ())
         if have != [pin.version]:
-            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image, but "
-                    f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image (read from its "
+                    f"layers), but {pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
     return None

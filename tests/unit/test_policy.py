@@ -1,0 +1,240 @@
+"""The verification policy and the scope and time rule, through `verify` on signed verdict files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from conftest import cli
+from vllm_hotfix.errors import UsageError
+from vllm_hotfix.trust import decide, policy, signing
+
+IMAGE_ID = "sha256:" + "ab" * 32
+BASE_ID = "sha256:" + "ba" * 32
+PATCH_SET = "sha256:" + "5e" * 32
+REFERENCE = "sha256:" + "4e" * 32
+H100 = "NVIDIA H100 80GB HBM3"
+NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def _at(minutes: float) -> str:
+    """A time ``minutes`` from now (negative: ago), as a predicate spells it."""
+    return (NOW + dt.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def report(*, skip: tuple[str, ...] = (), fail: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+           gpu_verified: bool = True, devices: tuple[str, ...] = (H100,), definition: str = "v0.25.1",
+           started: float = -60, seconds: float = 60, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A host's judged report of a smoke (every check of the full smoke passed unless said otherwise)."""
+    names = [*(only if only is not None else policy.FULL_SMOKE), *extra]
+    checks = [{"name": n, "status": "fail" if n in fail else "skip" if n in skip else "pass", "detail": "x"}
+              for n in names]
+    identity = next((c for c in checks if c["name"] == "layer-identity"), None)
+    if identity is not None:
+        identity["data"] = {"base_id": BASE_ID, "base_found_by": "build record", "definition": definition,
+                            "base_ref": "vllm/vllm-openai:v0.25.1", "base_digests": [],
+                            "patch_set": definition, "patch_set_digest": PATCH_SET, "patches": {"0001.patch": "ff"}}
+    return {"image_id": IMAGE_ID, "image": "ops/vllm:fix", "status": "fail" if fail else "pass",
+            "gpu_verified": gpu_verified and not fail, "gpu": {"devices": list(devices)}, "checks": checks,
+            "seconds": seconds, "started": _at(started),
+            "sweep": {"reference": {"sha256": REFERENCE.removeprefix("sha256:")}}}
+
+
+@pytest.fixture
+def key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+@pytest.fixture
+def pub(tmp_path: Path, key: ec.EllipticCurvePrivateKey) -> str:
+    path = tmp_path / "site.pub"
+    path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(path)
+
+
+def sign(folder: Path, key: ec.EllipticCurvePrivateKey, name: str, rep: dict[str, Any],
+         labels: dict[str, str] | None = None, signed: float | None = None) -> str:
+    """The envelope smoke would write for ``rep``, signed at ``signed`` minutes from now (default: its end)."""
+    started = dt.datetime.fromisoformat(rep["started"])
+    at = signed if signed is not None else (started - NOW).total_seconds() / 60 + rep["seconds"] / 60
+    pred = signing.predicate(rep, labels or {}, _at(at), rep["started"])
+    path = folder / f"{name}.dsse.json"
+    path.write_bytes(signing.sign(signing.statement({"ops/vllm:fix": IMAGE_ID}, pred), key))
+    return str(path)
+
+
+def verify(tmp_path: Path, pub: str, *files: str, args: tuple[str, ...] = ()) -> Any:
+    given = [a for f in files for a in ("--attestation", f)]
+    return cli("verify", IMAGE_ID, "--key", pub, *given, *args, root=tmp_path)
+
+
+def test_the_default_policy_refuses_a_pass_without_answers(tmp_path: Path, key: Any, pub: str) -> None:
+    # GPU-verified, but no --serve-model: the sweep skipped, exact-levels never ran. Not a deploy pass.
+    gpu_only = sign(tmp_path, key, "gpu-only", report(skip=("serve-sweep",), only=policy.FULL_SMOKE[:-1]))
+    r = verify(tmp_path, pub, gpu_only)
+    assert r.rc == 24 and "covers what the policy requires" in r.last_error, r.err
+    assert "serve-sweep skip" in r.last_error and "exact-levels not run" in r.last_error
+    # A check the plan ran beyond the fixed list (a patch set's GPU check) counts too: skipped, not a deploy pass.
+    skipped = sign(tmp_path, key, "na", report(extra=("topk-layout",), skip=("topk-layout",)))
+    r = verify(tmp_path, pub, skipped)
+    assert r.rc == 24 and "not every check passed: topk-layout skip" in r.last_error, r.err
+    # The full smoke passes.
+    assert verify(tmp_path, pub, sign(tmp_path, key, "full", report(extra=("topk-layout",)))).rc == 0
+    # The policy may say so: the sweep's skip accepted where it names it.
+    r = verify(tmp_path, pub, gpu_only, args=("--require-check", "serve-sweep=pass|skip",
+                                              "--require-check", "exact-levels=pass|skip"))
+    assert r.rc == 0, r.err
+
+
+def test_allow_gpu_unverified_accepts_a_cpu_hosts_verdict_and_says_so(tmp_path: Path, key: Any, pub: str) -> None:
+    cpu = sign(tmp_path, key, "cpu", report(only=(*policy.CPU_CHECKS, "gpu", "serve-sweep"),
+                                            skip=("gpu", "serve-sweep"), gpu_verified=False, devices=()))
+    assert verify(tmp_path, pub, cpu).rc == 24
+    r = verify(tmp_path, pub, cpu, args=("--allow-gpu-unverified",))
+    assert r.rc == 0, r.err
+    assert "GPU-unverified, accepted under --allow-gpu-unverified" in r.out and "exact-levels" in r.out
+    # A CPU check failed is no pass under it either.
+    bad = sign(tmp_path, key, "bad", report(only=(*policy.CPU_CHECKS, "gpu"), skip=("gpu",), fail=("integrity",),
+                                            gpu_verified=False, devices=()), signed=1)
+    r = verify(tmp_path, pub, bad, args=("--allow-gpu-unverified",))
+    assert r.rc == 24 and "integrity" in r.last_error
+
+
+def test_gpu_products_are_whole_names(tmp_path: Path, key: Any, pub: str) -> None:
+    full = sign(tmp_path, key, "full", report())
+    r = verify(tmp_path, pub, full, args=("--require-gpu", "H10"))
+    assert r.rc == 24 and f"ran on {H100}, not on H10" in r.last_error, r.err
+    assert verify(tmp_path, pub, full, args=("--require-gpu", "H100")).rc == 24
+    assert verify(tmp_path, pub, full, args=("--require-gpu", "nvidia  h100 80gb hbm3")).rc == 0
+    assert verify(tmp_path, pub, full, args=("--require-gpu", f"NVIDIA H200,{H100}")).rc == 0
+
+
+def test_a_narrower_newer_pass_does_not_outrank_a_full_fail(tmp_path: Path, key: Any, pub: str) -> None:
+    # The issue's case: a full smoke started at 10:00 whose exact-levels failed at 10:30; a GPU-only pass
+    # started at 10:05 (and over at 10:06).
+    full_fail = sign(tmp_path, key, "full-fail", report(started=-60, seconds=1800, fail=("exact-levels",)))
+    gpu_pass = sign(tmp_path, key, "gpu-pass", report(started=-55, seconds=60, only=policy.FULL_SMOKE[:-2]))
+    r = verify(tmp_path, pub, full_fail, gpu_pass, args=("--allow-gpu-unverified",))
+    assert r.rc == 24 and "full-fail" in r.last_error and "exact-levels" in r.last_error, r.err
+    # Ordered by when the run ended: the full fail ended last even though it started first.
+    r = verify(tmp_path, pub, full_fail, gpu_pass, args=("--json", "--allow-gpu-unverified"))
+    assert r.rc == 24
+
+
+def test_a_newer_fail_of_a_counted_check_blocks_whatever_its_scope(tmp_path: Path, key: Any, pub: str) -> None:
+    full = sign(tmp_path, key, "full", report(started=-120))
+    narrow_fail = sign(tmp_path, key, "narrow-fail", report(started=-30, only=policy.CPU_CHECKS,
+                                                             fail=("integrity",)))
+    r = verify(tmp_path, pub, full, narrow_fail)
+    assert r.rc == 24 and "narrow-fail" in r.last_error and "'fail', not a pass: integrity" in r.last_error, r.err
+    assert "the older signed pass" in r.last_error and "does not count" in r.last_error
+    # An older narrow fail does not: the newer full pass covers and passes it.
+    old_fail = sign(tmp_path, key, "old-fail", report(started=-300, only=policy.CPU_CHECKS, fail=("integrity",)))
+    assert verify(tmp_path, pub, full, old_fail).rc == 0
+
+
+def test_a_verdict_dated_in_the_future_is_refused(tmp_path: Path, key: Any, pub: str) -> None:
+    ahead = sign(tmp_path, key, "ahead", report(started=24 * 60))
+    r = verify(tmp_path, pub, ahead)
+    assert r.rc == 24 and "ahead of this host's clock" in r.last_error, r.err
+    # Within the stated skew it stands.
+    near = sign(tmp_path, key, "near", report(started=1, seconds=30))
+    assert verify(tmp_path, pub, near).rc == 0
+    assert verify(tmp_path, pub, near, args=("--max-skew", "10s")).rc == 24
+
+
+def test_age_definition_digests_and_tool_version(tmp_path: Path, key: Any, pub: str) -> None:
+    old = sign(tmp_path, key, "old", report(started=-3 * 24 * 60))
+    assert verify(tmp_path, pub, old, args=("--max-age", "7d")).rc == 0
+    r = verify(tmp_path, pub, old, args=("--max-age", "2d"))
+    assert r.rc == 24 and "older than 2d" in r.last_error, r.err
+    full = sign(tmp_path, key, "full", report())
+    for flag, good, bad in (("--definition", "v0.25.1", "v0.26.0"),
+                            ("--patch-set-digest", PATCH_SET, "sha256:" + "00" * 32),
+                            ("--base-digest", BASE_ID, "sha256:" + "00" * 32),
+                            ("--reference-digest", REFERENCE, "sha256:" + "00" * 32),
+                            ("--tool-version", signing.__version__, "9.9.9")):
+        assert verify(tmp_path, pub, full, args=(flag, good)).rc == 0, flag
+        r = verify(tmp_path, pub, full, args=(flag, bad))
+        assert r.rc == 24 and bad in r.last_error, (flag, r.err)
+
+
+def test_a_policy_reads_what_the_host_proved_never_the_labels(tmp_path: Path, key: Any, pub: str) -> None:
+    # Identity failed: the host proved no definition; the labels claim one, and are kept apart.
+    rep = report(fail=("layer-identity",))
+    labels = {"io.vllm-hotfix.definition": "v0.25.1", "org.opencontainers.image.base.digest": "sha256:" + "11" * 32,
+              "io.vllm-hotfix.patches": json.dumps({"0001.patch": "ff"})}
+    pred = signing.predicate(rep, labels, _at(0))
+    assert pred["definition"] == "" and pred["patch_set"] == {} and pred["patches"] == {}
+    assert pred["claimed"]["definition"] == "v0.25.1"
+    assert pred["claimed"]["base"]["digest"] == "sha256:" + "11" * 32
+    assert pred["base"] == {"id": BASE_ID, "name": "vllm/vllm-openai:v0.25.1", "digests": []}
+    assert pred["scope"]["ran"] == sorted(policy.FULL_SMOKE) and pred["scope"]["reference"] == REFERENCE[7:]
+    # A pass with labels naming another definition and base: the policy reads the host's facts.
+    lied = sign(tmp_path, key, "lied", report(), labels={**labels, "io.vllm-hotfix.definition": "v0.26.0"})
+    assert verify(tmp_path, pub, lied, args=("--definition", "v0.25.1", "--base-digest", BASE_ID)).rc == 0
+    r = verify(tmp_path, pub, lied, args=("--base-digest", "sha256:" + "11" * 32))
+    assert r.rc == 24 and "not sha256:1111" in r.last_error
+    assert verify(tmp_path, pub, lied, args=("--definition", "v0.26.0")).rc == 24
+    # A verdict signed before `claimed` existed took these from the labels: it proves none of them.
+    before = {k: v for k, v in pred.items() if k != "claimed"} | {"definition": "v0.25.1"}
+    facts = decide.facts(before, "old")
+    assert facts.definition == "" and facts.patch_set_digest == ""
+
+
+def test_policy_files_and_empty_policies(tmp_path: Path, key: Any, pub: str) -> None:
+    full = sign(tmp_path, key, "full", report())
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    r = verify(tmp_path, pub, full, args=("--policy", str(empty)))
+    assert r.rc == 64 and "requires nothing" in r.last_error and str(empty) in r.last_error, r.err
+    nothing = tmp_path / "nothing.json"
+    nothing.write_text(json.dumps({"full_smoke": False}))
+    r = verify(tmp_path, pub, full, args=("--policy", str(nothing)))
+    assert r.rc == 64 and "requires nothing" in r.last_error, r.err
+    with pytest.raises(UsageError, match="requires nothing"):
+        policy.AllOf(())
+    typo = tmp_path / "typo.toml"
+    typo.write_text('definiton = "v0.25.1"\n')
+    r = verify(tmp_path, pub, full, args=("--policy", str(typo)))
+    assert r.rc == 64 and "unknown key(s) definiton" in r.last_error, r.err
+    # A narrow policy: these checks, this GPU, no more.
+    narrow = tmp_path / "narrow.toml"
+    narrow.write_text('full_smoke = false\nchecks = ["layer-identity", "gpu-torch"]\n'
+                      f'gpu_products = ["{H100}"]\nmax_age = "1d"\n')
+    gpu_only = sign(tmp_path, key, "gpu-only", report(only=("layer-identity", "gpu-torch")))
+    r = verify(tmp_path, pub, gpu_only, args=("--policy", str(narrow), "--json"))
+    assert r.rc == 0, r.err
+    out = json.loads(r.out)
+    assert out["policy"]["source"] == f"policy {narrow}"
+    assert out["policy"]["required"] == ["status pass", "check gpu-torch: pass", "check layer-identity: pass",
+                                         "run at most 1d ago", f"GPU product {H100}"]
+    assert {f["requirement"]: f["found"] for f in out["found"]}["check gpu-torch: pass"] == "pass"
+    assert all(f["met"] for f in out["found"]) and out["verdicts"][0]["covers"] == "yes"
+    assert verify(tmp_path, pub, gpu_only, args=("--policy", str(narrow), "--require-gpu", "NVIDIA H200")).rc == 24
+
+
+def test_could_not_check_is_not_a_refusal(tmp_path: Path, key: Any, pub: str) -> None:
+    one = sign(tmp_path, key, "one", report(), signed=0)
+    two = sign(tmp_path, key, "two", report(gpu_verified=False), signed=0)
+    r = verify(tmp_path, pub, one, two, args=("--allow-gpu-unverified",))
+    assert r.rc == 25 and "at the same instant" in r.last_error, r.err
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("15m", 900), ("12h", 43200),
+                                               ("7d", 604800), ("2w", 1209600), (30, 30)])
+def test_durations(text: object, seconds: int) -> None:
+    assert policy.duration(text, "x").total_seconds() == seconds
+
+
+@pytest.mark.parametrize("text", ["", "7 days", "-1d", "d", True])
+def test_bad_durations_are_named(text: object) -> None:
+    with pytest.raises(UsageError, match="not a duration"):
+        policy.duration(text, "max age")
