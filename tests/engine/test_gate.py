@@ -313,3 +313,53 @@ def test_a_tag_naming_an_image_with_a_signed_pass_moves_only_with_replace(
         assert r.rc == 0 and "replacing" not in r.out, r.err
     finally:
         engine.remove_image(other)
+
+
+def _key_pair(folder: Path) -> tuple[str, str]:
+    """A signing key (mode 0600) and its public key, as PEM files."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / "site.key", folder / "site.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return str(private), str(public)
+
+
+def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
+        built: tuple[Path, str, str], registry: RegistryPlace, auth_registry: Registry, tmp_path: Path) -> None:
+    project, ref, _image_id = built
+    key, pub = _key_pair(tmp_path)
+    envelope = tmp_path / "verdict.dsse.json"
+    r = cli("smoke", ref, "--sign-key", key, "--attestation", str(envelope), root=project)
+    assert r.rc == 0, r.err
+    dest = f"{registry.place}/ops"
+    # A pass without answers (no GPU checks, no sweep, no exact-levels) is no deploy pass by default.
+    r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
+            root=project)
+    assert r.rc == 24 and "covers what the policy requires" in r.last_error and "pushing" not in r.err, r.err
+    # A policy naming another definition, or one that requires nothing: nothing is pushed.
+    r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
+            "--allow-gpu-unverified", "--definition", "v0.26.0", root=project)
+    assert r.rc == 24 and "definition v0.25.1, not v0.26.0" in r.last_error, r.err
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--policy", str(empty), root=project)
+    assert r.rc == 64 and "requires nothing" in r.last_error, r.err
+    r = cli("push", ref, "--registry", dest, "--definition", "v0.25.1", root=project)
+    assert r.rc == 64 and "give --require-attestation" in r.last_error, r.err
+    name = ref.rsplit("/", 1)[-1].split(":")[0]
+    assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
+    # A target registry whose verdicts cannot be read (no login): could not check (25), not a refusal.
+    r = cli("push", ref, "--registry", f"{auth_registry.addr}/ops", "--require-attestation", pub,
+            "--attestation", str(envelope), "--allow-gpu-unverified", root=project,
+            env={"DOCKER_CONFIG": str(tmp_path / "no-login")})
+    assert r.rc == 25 and "cannot read the signed verdicts beside" in r.last_error, r.err
+    # What the policy allows goes through, on the host's proved facts.
+    r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
+            "--allow-gpu-unverified", "--definition", "v0.25.1", root=project)
+    assert r.rc == 0, r.err

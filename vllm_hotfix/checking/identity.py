@@ -28,8 +28,11 @@ the builder writes, from facts the host finds itself:
   :func:`vllm_hotfix.building.assemble.layer_entries` (the Dockerfile's
   ``COPY`` adds the same entries; the in-registry builder the same, or
   whiteouts of every bytecode name of the patched files, or the sources
-  alone), and below it, for a patch set with pins, the pip layer
-  (:mod:`.pin_layer`).
+  alone); and below it, for a patch set with pins, the pip layer, whose
+  entries are judged one by one as what pip may write from the pinned wheels
+  (:mod:`.pin_layer`: a wheel member's bytes at its install path, pip's own
+  dist-info files, script launchers, removals of what the base's copies own),
+  not against one exact layer.
 * **the config**: the runtime fields (entrypoint, command, environment,
   user, working folder, ...) must be the base's; labels may only be added
   under the tool's own keys and the OCI base keys; platform the base's.
