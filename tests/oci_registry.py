@@ -48,6 +48,8 @@ class Store:
     log: list[tuple[str, str, int]] = field(default_factory=list)
     # Extra descriptors the referrers API lists for a subject (a registry that lists a stranger).
     extra_referrers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Artifacts the referrers API does not list (pushed before the registry indexed subjects).
+    unindexed: set[str] = field(default_factory=set)
     referrers_body: bytes | None = None  # the referrers API's answer, when set (a registry answering nonsense)
     page_size: int | None = None  # the referrers API and tag list answer this many per page, the rest behind a Link
     broken_pages: bool = False  # a page after the first is answered 500
@@ -56,7 +58,7 @@ class Store:
         found = []
         for (where, digest), (media, body) in sorted(self.manifests.items()):
             doc = json.loads(body)
-            if where != repo or (doc.get("subject") or {}).get("digest") != subject:
+            if where != repo or (doc.get("subject") or {}).get("digest") != subject or digest in self.unindexed:
                 continue
             kind = doc.get("artifactType") or (doc.get("config") or {}).get("mediaType")
             found.append({"mediaType": media, "digest": digest, "size": len(body), "artifactType": kind})

@@ -76,14 +76,35 @@ def test_verdicts_attach_and_read_back_by_the_registrys_way(registry: tuple[Clie
              or path.endswith("/manifests/" + referrers.fallback_tag(subject.digest))]
     fallback = (REPO, referrers.fallback_tag(subject.digest))
     if store.referrers_api:
-        # The registry indexes the artifacts itself: no fallback tag written, none read.
+        # The registry indexes the artifacts itself: no fallback tag written; readers take the union, so it is
+        # asked for all the same.
         assert fallback not in store.tags
-        assert asked == [("GET", f"/v2/{REPO}/referrers/{subject.digest}", 200)]
+        assert asked == [("GET", f"/v2/{REPO}/referrers/{subject.digest}", 200),
+                         ("GET", f"/v2/{REPO}/manifests/{fallback[1]}", 404)]
     else:
         index = json.loads(store.manifests[(REPO, store.tags[fallback])][1])
         assert len(index["manifests"]) == 2
         assert asked == [("GET", f"/v2/{REPO}/referrers/{subject.digest}", 404),
                          ("GET", f"/v2/{REPO}/manifests/{fallback[1]}", 200)]
+
+
+def test_readers_take_the_union_of_the_api_the_fallback_index_and_the_own_tags() -> None:
+    with serving(referrers_api=False) as (addr, store):
+        client = Client(addr, secure=False, credentials=None)
+        subject = _image(client)
+        # A fail attached while the registry had no referrers API: the fallback index and its own tag hold it.
+        before = _envelope(subject, "fail")
+        old = referrers.attach(client, REPO, subject, before)
+        # The registry gains the API, which does not list what was pushed before it indexed subjects.
+        store.referrers_api = True
+        store.unindexed.add(old)
+        after = _envelope(subject, "pass")
+        referrers.attach(client, REPO, subject, after)
+        assert [e["digest"] for e in store.referrers(REPO, subject.digest, None)] != []
+        assert sorted(e for _d, e in referrers.envelopes(client, REPO, subject.digest)) == sorted([before, after])
+        # Dropped from the fallback index too: its own tag still holds it.
+        del store.tags[(REPO, referrers.fallback_tag(subject.digest))]
+        assert sorted(e for _d, e in referrers.envelopes(client, REPO, subject.digest)) == sorted([before, after])
 
 
 def test_an_image_without_verdicts_has_none(registry: tuple[Client, Store, referrers.Subject]) -> None:
