@@ -233,6 +233,10 @@ class UsageError(PipelineError):
 class AttestationError(PipelineError):
     """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
 
+    # What a verification policy required and found, and the verdicts it considered, where it got that far
+    # (``verify --json`` prints it with a refusal too).
+    evidence: dict[str, object] | None = None
+
     exit_code = 20
     meaning = ("signed verdicts: a signing or public key that cannot be used, or an attestation that cannot be "
                "read or written")

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import cli
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.trust import decide, policy, signing
+from vllm_hotfix.trust import decide, policy, policy_file, signing
 
 IMAGE_ID = "sha256:" + "ab" * 32
 BASE_ID = "sha256:" + "ba" * 32
@@ -81,6 +81,16 @@ def test_the_default_policy_refuses_a_pass_without_answers(tmp_path: Path, key: 
     r = verify(tmp_path, pub, gpu_only)
     assert r.rc == 24 and "covers what the policy requires" in r.last_error, r.err
     assert "serve-sweep skip" in r.last_error and "exact-levels not run" in r.last_error
+    # --json says what was required and what each verdict left out, with the refusal.
+    r = verify(tmp_path, pub, gpu_only, args=("--json",))
+    out = json.loads(r.out)
+    assert r.rc == 24 and out["status"] == "refused" and out["exit_code"] == 24
+    assert "check exact-levels: pass" in out["policy"]["required"] and "serve-sweep" in out["policy"]["scope"]
+    assert out["verdicts"][0]["covers"] == "exact-levels not run; serve-sweep skip"
+    # A verdict that covers and misses a requirement: each requirement with what was found.
+    r = verify(tmp_path, pub, sign(tmp_path, key, "h100", report()), args=("--json", "--require-gpu", "H10"))
+    found = {f["requirement"]: (f["found"], f["met"]) for f in json.loads(r.out)["found"]}
+    assert r.rc == 24 and found["GPU product H10"] == (H100, False) and found["status pass"] == ("pass", True)
     # A check the plan ran beyond the fixed list (a patch set's GPU check) counts too: skipped, not a deploy pass.
     skipped = sign(tmp_path, key, "na", report(extra=("topk-layout",), skip=("topk-layout",)))
     r = verify(tmp_path, pub, skipped)
@@ -231,10 +241,10 @@ def test_could_not_check_is_not_a_refusal(tmp_path: Path, key: Any, pub: str) ->
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("15m", 900), ("12h", 43200),
                                                ("7d", 604800), ("2w", 1209600), (30, 30)])
 def test_durations(text: object, seconds: int) -> None:
-    assert policy.duration(text, "x").total_seconds() == seconds
+    assert policy_file.duration(text, "x").total_seconds() == seconds
 
 
 @pytest.mark.parametrize("text", ["", "7 days", "-1d", "d", True])
 def test_bad_durations_are_named(text: object) -> None:
     with pytest.raises(UsageError, match="not a duration"):
-        policy.duration(text, "max age")
+        policy_file.duration(text, "max age")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 def policy_options(command: Callable[..., None]) -> Callable[..., None]:
     """The options that make up a verification policy, shared by verify and push --require-attestation."""
     for option in reversed((
-        click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="A verification policy (TOML, or JSON for *.json): what the signed verdict must show. "
                           "The flags below add to it. Default: the definition's full smoke, every check passed."),
         click.option("--require-check", "require_checks", multiple=True, metavar="NAME[=STATUS|STATUS]",
@@ -50,18 +49,18 @@ def policy_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-def verification_policy(root: Path, policy_file: Path | None, require_checks: tuple[str, ...], definition: str,
+def verification_policy(root: Path, policy_path: Path | None, require_checks: tuple[str, ...], definition: str,
                         patch_set_digest: str, base_digest: str, reference_digest: str, max_age: str,
                         max_skew: str, require_gpu: tuple[str, ...], tool_version: str,
                         allow_gpu_unverified: bool) -> Policy:
     """The verification policy of ``--policy`` and the flags (``root``: the checkout, for a definition's digest)."""
-    from ..trust import policy
+    from ..trust import policy_file
 
-    flags = policy.Flags(checks=require_checks, allow_gpu_unverified=allow_gpu_unverified, definition=definition,
-                         patch_set_digest=patch_set_digest, base_digest=base_digest,
-                         reference_digest=reference_digest, tool_version=tool_version, max_age=max_age,
-                         gpu_products=tuple(policy.products(require_gpu)), max_skew=max_skew)
-    return policy.build(policy_file, flags, root)
+    flags = policy_file.Flags(checks=require_checks, allow_gpu_unverified=allow_gpu_unverified,
+                              definition=definition, patch_set_digest=patch_set_digest, base_digest=base_digest,
+                              reference_digest=reference_digest, tool_version=tool_version, max_age=max_age,
+                              gpu_products=tuple(policy_file.products(require_gpu)), max_skew=max_skew)
+    return policy_file.build(policy_path, flags, root)
 
 
 @main.command()
@@ -173,29 +172,19 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], attestation_paths: tuple[P
            **rules: Any) -> None:
     """Check the signed smoke verdicts of REF against a verification policy: the newest one that covers it
     must meet it."""
-    from ..trust import attest, signing
+    from ..errors import AttestationError
+    from ..trust import attest
 
     required = verification_policy(obj.root, **rules)
     required.requirements()  # an empty policy is refused before any key or registry is read
-    public = signing.load_public_keys(keys)
-    if re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
-        if not attestation_paths:
-            raise UsageError(f"verify {ref}: an image ID has no registry to read from; give --attestation FILE")
-        digest = ref
-        attest.require_given_verify(attestation_paths, public)
-        accepted = attest.judge(attest.files(attestation_paths), {ref}, ref, public, required)
-    elif ref.startswith("sha256:") or not _in_a_registry(ref):
-        raise UsageError(f"verify {ref!r}: REF must be HOST[:PORT]/PATH:TAG in a registry, or with --attestation "
-                         "the image's ID (sha256:<64 hex>)")
-    else:
-        from ..errors import PushError
-
-        try:
-            digest, accepted = attest.verify(obj.engine, ref, public, required, given=attestation_paths)
-        except PushError as exc:
-            # The registry could not be read (down, no login, an error answered): a registry's fault, 8 as for push;
-            # nothing was judged, so never the policy's refusal (24).
-            raise PushError(f"verify {ref}: cannot read its signed verdicts: {exc}", hint=exc.hint) from exc
+    try:
+        digest, accepted = attest.check(lambda: obj.engine, ref, keys, required, attestation_paths)
+    except AttestationError as exc:
+        if as_json and exc.evidence is not None:
+            # What was required and found, with the refusal: a deployment gate reads why, not only the code.
+            print_json({"ref": ref, "status": "refused", "exit_code": exc.exit_code, "error": str(exc),
+                        **exc.evidence})
+        raise
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
     unverified = f"GPU-unverified, accepted under --allow-gpu-unverified: {', '.join(accepted.not_run)} not run" \
         if not accepted.gpu_verified else ""
@@ -211,15 +200,3 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], attestation_paths: tuple[P
                f" meets {required.source}")
     if unverified:
         click.echo(f"    {unverified}")
-
-
-def _in_a_registry(ref: str) -> bool:
-    from ..engine import split_reference
-    from ..errors import PushError
-    from ..registry import client as registry
-
-    try:
-        registry.split_repo(split_reference(ref)[0])
-    except PushError:
-        return False
-    return True

@@ -48,7 +48,7 @@ from ..errors import (
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs
-from ..trust import attest, policy, signing, travel
+from ..trust import attest, policy_file, signing, travel
 from ..trust.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,8 @@ class Gate:
         if self.require_attestation:
             keys = signing.load_public_keys(self.require_attestation)
             attest.require_given_verify(self.attestations, keys)
-            rules = self.policy or policy.build(flags=policy.Flags(allow_gpu_unverified=self.allow_gpu_unverified))
+            rules = self.policy or policy_file.build(
+                flags=policy_file.Flags(allow_gpu_unverified=self.allow_gpu_unverified))
             try:
                 pushed = _pushed_candidates(engine, target, info.id)
             except PushError as exc:

@@ -35,6 +35,8 @@ from ..errors import (
     AttestationTampered,
     NotRegular,
     PipelineError,
+    PushError,
+    UsageError,
 )
 from ..journal.atomic import opened_regular, write_atomic
 from ..journal.records import records_dir
@@ -303,3 +305,35 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: p
     if accepted is None:
         raise AttestationMissing(f"{ref}: no image to judge")
     return manifest.digest, accepted
+
+
+def check(engine: Callable[[], Engine], ref: str, key_sources: Sequence[str], rules: policy.Policy,
+          given: Sequence[Path] = ()) -> tuple[str, Accepted]:
+    """What ``verify`` does: (the digest judged, the accepted verdict) of ``ref``, an image in a registry (its
+    verdicts there and ``given``), or an image ID with ``given`` alone. A registry that cannot be read is a
+    PushError (the registry's fault): nothing was judged, so nothing was refused."""
+    import re
+
+    public = signing.load_public_keys(key_sources)
+    if re.fullmatch(r"sha256:[0-9a-f]{64}", ref):
+        if not given:
+            raise UsageError(f"verify {ref}: an image ID has no registry to read from; give --attestation FILE")
+        require_given_verify(given, public)
+        return ref, judge(files(given), {ref}, ref, public, rules)
+    if ref.startswith("sha256:") or not _in_a_registry(ref):
+        raise UsageError(f"verify {ref!r}: REF must be HOST[:PORT]/PATH:TAG in a registry, or with --attestation "
+                         "the image's ID (sha256:<64 hex>)")
+    try:
+        return verify(engine(), ref, public, rules, given=given)
+    except PushError as exc:
+        # The registry could not be read (down, no login, an error answered): a registry's fault, 8 as for push;
+        # nothing was judged, so never the policy's refusal (24).
+        raise PushError(f"verify {ref}: cannot read its signed verdicts: {exc}", hint=exc.hint) from exc
+
+
+def _in_a_registry(ref: str) -> bool:
+    try:
+        registry.split_repo(split_reference(ref)[0])
+    except PushError:
+        return False
+    return True

@@ -122,8 +122,20 @@ class Decision:
 
 
 def decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.datetime | None = None) -> Decision:
-    """The decision of ``policy`` over ``candidates`` (every verified verdict about the image; see the module)."""
-    now = now or dt.datetime.now(dt.UTC)
+    """The decision of ``policy`` over ``candidates`` (every verified verdict about the image; see the module).
+
+    A refusal (AttestationMismatch) or a verdict set that cannot be ordered (CannotCheck) carries its
+    ``evidence``: the policy, what was found where it got that far, and every verdict considered."""
+    try:
+        return _decide(candidates, policy, image, now or dt.datetime.now(dt.UTC))
+    except (AttestationMismatch, CannotCheck) as exc:
+        if exc.evidence is None:
+            exc.evidence = {"policy": policy.to_dict(), "found": [],
+                            "verdicts": [f.summary(policy) for f in candidates]}
+        raise
+
+
+def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.datetime) -> Decision:
     requirements = policy.requirements()  # an empty policy is refused before any verdict is read
     for f in candidates:
         ahead = max(f.signed, f.ended) - now
@@ -163,8 +175,10 @@ def decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.date
             w = max(older, key=lambda f: f.ended)
             message += (f" (the newest, its run ended {newest.ended.isoformat()}); the older signed pass {w.where} "
                         f"(ended {w.ended.isoformat()}) does not count")
-        raise AttestationMismatch(message, hint="smoke the image again; the newest signed verdict that covers the "
-                                                "policy decides")
+        refusal = AttestationMismatch(message, hint="smoke the image again; the newest signed verdict that covers "
+                                                    "the policy decides")
+        refusal.evidence = Decision(newest, results, policy, tuple(candidates)).to_dict()
+        raise refusal
     counted |= {c.name for c in newest.facts.verdict.checks}
     for f in sorted(candidates, key=lambda f: f.ended, reverse=True):
         if f.ended > newest.ended and _failed(f, counted):

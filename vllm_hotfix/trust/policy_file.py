@@ -1,0 +1,171 @@
+"""A verification policy as its author writes it: a TOML or JSON file, and the command line's flags.
+
+Every key a file may hold is named (:data:`FILE_KEYS`); any other is
+refused, so that a misspelt requirement is never silently dropped, and a
+file that requires nothing is refused as an empty policy. Flags add to the
+file. The definition's full smoke is the default unless the file says
+``full_smoke = false``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .policy import DEFAULT_SKEW, STATUSES, Policy, full_smoke
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(text: object, what: str) -> dt.timedelta:
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` as a duration; UsageError naming ``what`` otherwise."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
+        return dt.timedelta(seconds=float(text))
+    match = _DURATION.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise UsageError(f"{what} {text!r}: not a duration (a number of seconds, or e.g. 90s, 15m, 12h, 7d, 2w)")
+    return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def _statuses(value: object, where: str) -> frozenset[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(s, str) and s in STATUSES for s in items):
+        raise UsageError(f"{where}: {value!r} is not a status ({', '.join(STATUSES)}) or a list of them")
+    return frozenset(items)
+
+
+def _digest(value: object, where: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
+        raise UsageError(f"{where}: {value!r} is not a digest (sha256:<64 hex>)")
+    return value
+
+
+# The keys a policy file may hold; anything else is refused, so that a misspelt requirement is never dropped.
+FILE_KEYS = ("full_smoke", "checks", "allow_gpu_unverified", "definition", "patch_set_digest", "base_digest",
+             "reference_digest", "max_age", "gpu_products", "tool_version", "max_skew")
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """A policy file's table (TOML, or JSON for a name ending in ``.json``); UsageError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"policy {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"policy {path}: not {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"policy {path}: not a table of requirements")
+    unknown = sorted(set(raw) - set(FILE_KEYS))
+    if unknown:
+        raise UsageError(f"policy {path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(FILE_KEYS)})")
+    if not raw:
+        raise UsageError(f"policy {path} requires nothing: an empty policy would accept any signed verdict",
+                         hint="write full_smoke = true for the definition's full smoke, or name what to require")
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class Flags:
+    """What the command line adds to (or sets instead of) a policy file's requirements."""
+
+    checks: Sequence[str] = ()  # NAME or NAME=STATUS[|STATUS]
+    allow_gpu_unverified: bool = False
+    definition: str = ""
+    patch_set_digest: str = ""
+    base_digest: str = ""
+    reference_digest: str = ""
+    tool_version: str = ""
+    max_age: str = ""
+    gpu_products: Sequence[str] = ()
+    max_skew: str = ""
+
+
+def patch_set_digest(root: Path, tag: str) -> str:
+    """The digest of definition ``tag``'s patch set as this checkout has it ("" where the checkout has no such
+    definition: a host that verifies need not hold one): what a verdict about that definition's product must
+    name. A definition this checkout holds whose patch set cannot be read is refused, never dropped."""
+    from ..building import definitions, pins
+    from ..building import patches as patchlib
+    from ..errors import PipelineError
+
+    if not definitions.definition_path(root, tag).is_file():
+        return ""
+    try:
+        defn = definitions.load(root, tag)
+        series = patchlib.load_series(root, defn.patch_set, defn.package)
+        pinset = pins.load(root, defn.patch_set, defn.package)
+    except PipelineError as exc:
+        raise UsageError(f"--definition {tag}: its patch set's digest cannot be made from this checkout: {exc}") \
+            from None
+    return patchlib.set_digest(series, pinset.sha256 if pinset is not None else None)
+
+
+def build(file: Path | None = None, flags: Flags | None = None, root: Path | None = None) -> Policy:
+    """The policy of a file (if any) and the command line's flags; the definition's full smoke unless the file
+    says ``full_smoke = false``. With a definition named and ``root`` holding it, its patch set's digest as
+    ``root`` has it is required too, unless one is named."""
+    flags = flags or Flags()
+    raw = read_file(file) if file is not None else {}
+    where = f"policy {file}" if file is not None else "the command line"
+
+    def text(key: str, flag: str) -> str:
+        value = flag or raw.get(key, "")
+        if not isinstance(value, str):
+            raise UsageError(f"{where}: {key} {value!r} is not text")
+        return value
+
+    whole = raw.get("full_smoke", True)
+    allow = raw.get("allow_gpu_unverified", False)
+    if not isinstance(whole, bool) or not isinstance(allow, bool):
+        raise UsageError(f"{where}: full_smoke and allow_gpu_unverified are true or false")
+    allow = allow or flags.allow_gpu_unverified
+    checks = full_smoke(allow) if whole else {}
+    table = raw.get("checks", {})
+    if isinstance(table, list):
+        table = {name: "pass" for name in table}
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: checks is a table of check name = status(es), or a list of names")
+    for name, statuses in table.items():
+        checks[str(name)] = _statuses(statuses, f"{where}: checks.{name}")
+    for spec in flags.checks:
+        name, eq, statuses = spec.partition("=")
+        if not name.strip():
+            raise UsageError(f"--require-check {spec!r}: name a check (NAME or NAME=STATUS|STATUS)")
+        checks[name.strip()] = _statuses(statuses.split("|") if eq else "pass", f"--require-check {spec}")
+    products = list(flags.gpu_products) or raw.get("gpu_products", [])
+    if isinstance(products, str) or not isinstance(products, list) or not all(isinstance(p, str) for p in products):
+        raise UsageError(f"{where}: gpu_products is a list of whole GPU product names")
+    digests = {key: _digest(value, f"{where}: {key}") if value else ""
+               for key, value in (("patch_set_digest", text("patch_set_digest", flags.patch_set_digest)),
+                                  ("base_digest", text("base_digest", flags.base_digest)),
+                                  ("reference_digest", text("reference_digest", flags.reference_digest)))}
+    definition = text("definition", flags.definition)
+    if definition and not digests["patch_set_digest"] and root is not None:
+        digests["patch_set_digest"] = patch_set_digest(root, definition)
+    age = flags.max_age or raw.get("max_age")
+    skew = flags.max_skew or raw.get("max_skew")
+    return Policy(
+        checks=checks, every_check=whole, gpu_verified=whole and not allow, allow_gpu_unverified=allow,
+        definition=definition, tool_version=text("tool_version", flags.tool_version),
+        max_age=duration(age, "max age") if age not in (None, "") else None,
+        gpu_products=tuple(p.strip() for p in products if p.strip()),
+        max_skew=duration(skew, "max skew") if skew not in (None, "") else DEFAULT_SKEW,
+        source=(f"policy {file}" if file is not None else "the default policy (the definition's full smoke)")
+        + (" and the command line" if file is not None and flags != Flags() else ""),
+        **digests,
+    )
+
+
+def products(values: Iterable[str]) -> list[str]:
+    """``--require-gpu`` values: each a whole product name, several in one value separated by commas."""
+    return [p.strip() for value in values for p in value.split(",") if p.strip()]
