@@ -362,4 +362,4 @@ def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
     # What the policy allows goes through, on the host's proved facts.
     r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
             "--allow-gpu-unverified", "--definition", "v0.25.1", root=project)
-    assert r.rc == 0, r.err
+    assert r.rc == 0 and "GPU-unverified (" in r.err and "accepted under --allow-gpu-unverified" in r.err, r.err

@@ -271,6 +271,9 @@ class Gate:
                                 hint=exc.hint) from exc
             found = attest.local_candidates(root, info.id, self.attestations) + list(carried or []) + pushed
             accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys, rules)
+            if not accepted.gpu_verified:
+                log.warning("%s: its signed pass is GPU-unverified (%s not run), accepted under "
+                            "--allow-gpu-unverified", image_ref, ", ".join(accepted.not_run))
             return Clearance(Path(accepted.source).name, accepted.gpu_verified)
         entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
         return Clearance(entry.path.name, entry.verdict.gpu_verified)
