@@ -354,11 +354,11 @@ def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
     assert r.rc == 64 and "give --require-attestation" in r.last_error, r.err
     name = ref.rsplit("/", 1)[-1].split(":")[0]
     assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
-    # A target registry whose verdicts cannot be read (no login): could not check (25), not a refusal.
+    # A target registry whose verdicts cannot be read (no login): the registry's fault (8), not a refusal (24).
     r = cli("push", ref, "--registry", f"{auth_registry.addr}/ops", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=project,
             env={"DOCKER_CONFIG": str(tmp_path / "no-login")})
-    assert r.rc == 25 and "cannot read the signed verdicts beside" in r.last_error, r.err
+    assert r.rc == 8 and "cannot read the signed verdicts beside" in r.last_error, r.err
     # What the policy allows goes through, on the host's proved facts.
     r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
             "--allow-gpu-unverified", "--definition", "v0.25.1", root=project)
