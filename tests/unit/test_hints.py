@@ -52,17 +52,14 @@ def test_verify_with_another_key_or_a_failed_verdict_says_what_to_do(tmp_path: P
         signing.open_envelope(_signed(site), other.public_key(), "v")
     assert wrong.value.hint
     found = signing.open_envelope(_signed(site, {**REPORT, "status": "fail"}), site.public_key(), "v")
-    with pytest.raises(AttestationMismatch) as failed:
-        signing.require_verdict(found, "img", "v")
-    assert failed.value.hint and "smoke it again" in failed.value.hint
-    unverified = signing.open_envelope(_signed(site, {**REPORT, "gpu_verified": False}), site.public_key(), "v")
-    with pytest.raises(AttestationMismatch) as cpu:
-        signing.require_verdict(unverified, "img", "v")
-    assert cpu.value.hint and "--allow-gpu-unverified" in cpu.value.hint
-    with pytest.raises(AttestationMismatch) as product:
-        signing.require_verdict(signing.open_envelope(_signed(site), site.public_key(), "v"), "img", "v",
-                                gpu_products=["B200"])
-    assert product.value.hint and "B200" in product.value.hint
+    pub = str(_public(tmp_path / "site.pub", site))
+    # The verification policy's refusals: each names its next step.
+    for report, args, needle in (({**REPORT, "status": "fail"}, (), "smoke it again"),
+                                 ({**REPORT, "gpu_verified": False}, (), "--allow-gpu-unverified"),
+                                 (REPORT, ("--require-gpu", "NVIDIA B200"), "B200")):
+        envelope.write_bytes(_signed(site, report))
+        r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", pub, *args, root=tmp_path)
+        assert r.rc == 24 and needle in _hint(r.err), r.err
     with pytest.raises(AttestationMismatch) as other_image:
         signing.require_subject(found, {"sha256:" + "ef" * 32}, "img", "v")
     assert other_image.value.hint and "this image" in other_image.value.hint

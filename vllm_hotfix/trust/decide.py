@@ -175,8 +175,8 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
             w = max(older, key=lambda f: f.ended)
             message += (f" (the newest, its run ended {newest.ended.isoformat()}); the older signed pass {w.where} "
                         f"(ended {w.ended.isoformat()}) does not count")
-        refusal = AttestationMismatch(message, hint="smoke the image again; the newest signed verdict that covers "
-                                                    "the policy decides")
+        refusal = AttestationMismatch(message, hint=failures[0].hint or "smoke the image again; the newest signed "
+                                                                        "verdict that covers the policy decides")
         refusal.evidence = Decision(newest, results, policy, tuple(candidates)).to_dict()
         raise refusal
     counted |= {c.name for c in newest.facts.verdict.checks}

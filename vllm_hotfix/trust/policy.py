@@ -77,6 +77,7 @@ class Failure:
     requirement: str
     found: str
     reason: str
+    hint: str = ""  # the next step, for the one line a person reads after the error
 
 
 Result = Success | Failure
@@ -90,8 +91,11 @@ class Requirement(Protocol):
     def check(self, facts: Facts, now: dt.datetime) -> Result: ...
 
 
-def _answer(what: str, found: str, ok: bool, reason: str) -> Result:
-    return Success(what, found) if ok else Failure(what, found, reason)
+SMOKE_AGAIN = "fix what failed (verify --json shows the verdict), rebuild and smoke it again with --sign-key"
+
+
+def _answer(what: str, found: str, ok: bool, reason: str, hint: str = SMOKE_AGAIN) -> Result:
+    return Success(what, found) if ok else Failure(what, found, reason, hint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +160,8 @@ class GpuVerified:
         ok = facts.verdict.gpu_verified
         why = str(facts.verdict.gpu.get("why_unverified") or "")
         return _answer(self.describe(), "GPU-verified" if ok else "GPU-unverified", ok,
-                       "not GPU-verified" + (f" ({why[:200]})" if why else ""))
+                       "not GPU-verified" + (f" ({why[:200]})" if why else ""),
+                       "smoke it on a GPU host with --sign-key, or accept it with --allow-gpu-unverified")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +208,8 @@ class MaxAge:
 
     def check(self, facts: Facts, now: dt.datetime) -> Result:
         if facts.run_at is None:
-            return Failure(self.describe(), "no run time", "the verdict does not say when its run was made")
+            return Failure(self.describe(), "no run time", "the verdict does not say when its run was made",
+                           "smoke it again with --sign-key: a new verdict says when it ran")
         age = now - facts.run_at
         found = f"run {_duration_text(age)} ago ({facts.run_at.isoformat()})"
         return _answer(self.describe(), found, age <= self.limit, f"{found}, older than {_duration_text(self.limit)}")
@@ -229,7 +235,8 @@ class GpuProducts:
         other = [d for d in devices if _product(d) not in wanted]
         found = ", ".join(devices) or "no GPU"
         return _answer(self.describe(), found, bool(devices) and not other,
-                       f"ran on {found}, not on {' or '.join(self.names)}")
+                       f"ran on {found}, not on {' or '.join(self.names)}",
+                       f"smoke it with --sign-key on a host with {' or '.join(self.names)} GPUs")
 
 
 @dataclass(frozen=True, slots=True)
