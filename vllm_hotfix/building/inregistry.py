@@ -225,7 +225,9 @@ def prepare(p: Any, base: Base, opts: Options) -> Prepared | None:
     files = [PatchedFile(rel, patched[rel], int(where.files[rel]["mode"]) & 0o7777,
                          patchlib.sha256_bytes(originals[rel]), tuple(sorted(compiled.get(rel, {}).items())))
              for rel in changed]
-    entries = layer_entries(facts, files) + _whiteouts(facts.site_dir, choice.whiteouts)
+    # Each path once (a folder both name is the patch layer's): a layer naming a path twice is refused on reading.
+    entries = list({e.name: e for e in [*_whiteouts(facts.site_dir, choice.whiteouts),
+                                        *layer_entries(facts, files)]}.values())
     layer = write(entries)
     label_items = render.labels(defn, facts, files, applied)
     description = f"vllm-hotfix: {defn.tag} patched files and bytecode into {facts.site_dir}"

@@ -60,10 +60,12 @@ from ..engine import Engine, ImageInfo
 from ..engine import labels as L
 from ..errors import BaseImageError, DefinitionError, PatchError, PinError, PipelineError, SmokeIncomplete
 from ..journal import records
+from ..layers import Layer, LayerEntry, in_words
+from ..layers.read import from_entries
 from ..tarball import Entry
 from ..verdicts import IDENTITY
 from . import pin_layer
-from .layer_read import Layer, LayerSource, Node, from_entries, layers_above
+from .layer_read import LayerSource, layers_above
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +76,32 @@ OCI_LABELS = (L.OCI_BASE_NAME, L.OCI_BASE_DIGEST)
 RUNTIME_FIELDS = tuple(f for f in CONFIG_FIELDS if f != "Labels")
 
 
-def first_difference(actual: Mapping[str, Node], expected: Mapping[str, Node]) -> str | None:
+def same(found: LayerEntry, wanted: LayerEntry) -> bool:
+    """Whether two layer entries agree on what identity compares (owners and times are the builder's business; a
+    hard link is a file with its target's bytes)."""
+    kind = "file" if found.kind == "hardlink" else found.kind
+    if kind != wanted.kind:
+        return False
+    if kind == "file":
+        return (found.sha256, found.mode) == (wanted.sha256, wanted.mode)
+    if kind == "dir":
+        return (found.mode, found.opaque) == (wanted.mode, wanted.opaque)
+    if kind == "link":
+        return found.target == wanted.target
+    return kind == "whiteout"
+
+
+def first_difference(actual: Layer, expected: Layer) -> str | None:
     """The first path (in order) where the layer read differs from the one the builder writes, in words."""
-    for path in sorted(set(actual) | set(expected)):
-        a, e = actual.get(path), expected.get(path)
+    found, wanted = actual.entries, expected.entries
+    for path in sorted(set(found) | set(wanted)):
+        a, e = found.get(path), wanted.get(path)
         if a is None and e is not None:
-            return f"/{path} is missing (the builder writes {e.show()})"
+            return f"{path} is missing (the builder writes {in_words(e)})"
         if e is None and a is not None:
-            return f"/{path} is not the builder's ({a.show()})"
-        if a is not None and e is not None and not a.same(e):
-            return f"/{path} is {a.show()}, the builder writes {e.show()}"
+            return f"{path} is not the builder's ({in_words(a)})"
+        if a is not None and e is not None and not same(a, e):
+            return f"{path} is {in_words(a)}, the builder writes {in_words(e)}"
     return None
 
 
@@ -249,13 +267,13 @@ def expected_patch_layers(engine: Engine, root: Path, base: Base, patches: list[
     stale = sorted({*(pyc for f in files for pyc, _data in f.bytecode),
                     *(name for f in files for name in every_name(f.rel, facts.cache_tag) if facts.cache_tag)})
     bare = [replace(f, bytecode=()) for f in files]
-    whiteouts = list(layer_entries(facts, bare))
+    whiteouts = {e.name: e for e in layer_entries(facts, bare)}
     for rel in stale:
         folder, name = rel.rsplit("/", 1)
-        whiteouts.append(Entry(f"{site}/{folder}", None, 0o755))
-        whiteouts.append(Entry(f"{site}/{folder}/.wh.{name}", b"", 0o644))
+        whiteouts.setdefault(f"{site}/{folder}", Entry(f"{site}/{folder}", None, 0o755))
+        whiteouts[f"{site}/{folder}/.wh.{name}"] = Entry(f"{site}/{folder}/.wh.{name}", b"", 0o644)
     sources_only = from_entries(layer_entries(facts, bare))
-    return ([compiled, from_entries(whiteouts), sources_only] if stale else [compiled]), facts.site_dir
+    return ([compiled, from_entries(whiteouts.values()), sources_only] if stale else [compiled]), facts.site_dir
 
 
 def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | None = None,
@@ -325,6 +343,9 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     except PipelineError as exc:
         return refused(f"cannot read or make its layers: {exc}")
     data["layers_above"] = above
+    if not choices:
+        return refused(f"patches/{base.definition.patch_set} changes no file of the base, so its builder writes no "
+                       f"patch layer, yet the image has {above} layer(s) above the base")
     differences = [first_difference(read[-1], c) for c in choices]
     if all(differences):
         return refused(f"patch layer: {differences[0]}")

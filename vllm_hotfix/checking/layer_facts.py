@@ -16,10 +16,14 @@ and the overlay2 driver keeps them as folders (``GraphDriver`` ``UpperDir``
 and ``LowerDir``, the image's layers top first): each layer's folder holds
 the files it adds or changes, a character device 0/0 for each it removes,
 and ``trusted.overlay.opaque=y`` on a folder that replaces the one below.
-Where a layer touches a folder above the site folder, the whole site folder
-is read through the archive as before, and kept. Where the engine is not a
-local overlay2 one (another driver, a remote engine, podman's own store),
-nothing is kept: the copy that runs is read whole every time.
+Each is read (:func:`vllm_hotfix.layers.read.from_folder`, the site folder
+and each folder above it) and laid over the kept facts by the one flattener
+(:func:`vllm_hotfix.layers.apply`), so a layer that removes, replaces or
+empties a folder above the site folder empties the facts too. A folder
+whose opaque mark this host cannot read sends the whole site folder through
+the archive, as before, and kept. Where the engine is not a local overlay2
+one (another driver, a remote engine, podman's own store), nothing is kept:
+the copy that runs is read whole every time.
 
 The facts are kept with the facts cache's storage (:class:`~vllm_hotfix.journal.cache.Store`):
 under ``VLLM_HOTFIX_CACHE/layers/<chain ID>/``, an index only this host can
@@ -33,20 +37,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import posixpath
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ..engine import FileFact, ImageInfo, Tree
 from ..journal.cache import Store, host_key
+from ..layers import apply
+from ..layers.read import from_folder
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")
-CHUNK = 1 << 20
 
 
 class Reader(Protocol):
@@ -112,82 +114,6 @@ def layer_folders(info: ImageInfo, drivers: tuple[str, ...] = ("overlay2",)) -> 
     return folders
 
 
-def is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def opaque_state(path: str) -> bool | None:
-    """Whether an overlay folder replaces the one below (None: its attributes cannot be read here)."""
-    for name in OPAQUE:
-        try:
-            if os.getxattr(path, name, follow_symlinks=False) == b"y":
-                return True
-        except OSError as exc:
-            if exc.errno not in (61, 95):  # ENODATA: no such attribute; EOPNOTSUPP: none on this fs
-                return None
-    return False
-
-
-def hash_file(path: str, want: bool) -> tuple[str, bytes | None]:
-    digest = hashlib.sha256()
-    parts: list[bytes] = []
-    with open(path, "rb") as fh:
-        while block := fh.read(CHUNK):
-            digest.update(block)
-            if want:
-                parts.append(block)
-    return digest.hexdigest(), b"".join(parts) if want else None
-
-
-def apply_layer(folder: str, site_dir: str, entries: dict[str, FileFact], kept: dict[str, bytes],
-                keep: Callable[[str], bool]) -> bool:
-    """Apply one layer's folder to the facts of the site folder below it; False when it cannot be done here."""
-    # A layer that removes, replaces or makes opaque a folder above the site folder changes all of it.
-    parts = site_dir.strip("/").split("/")
-    for i in range(1, len(parts) + 1):
-        above = os.path.join(folder, *parts[:i])
-        try:
-            st = os.lstat(above)
-        except FileNotFoundError:
-            return True  # the layer holds nothing at or under the site folder
-        if not stat.S_ISDIR(st.st_mode) or opaque_state(above) is not False:
-            return False
-    root = os.path.join(folder, *parts)
-    for top, dirs, files in os.walk(root):
-        rel = os.path.relpath(top, folder)
-        base = "/" + rel.replace(os.sep, "/")
-        for name in sorted(dirs + files):
-            full = os.path.join(top, name)
-            path = posixpath.join(base, name)
-            st = os.lstat(full)
-            opaque = opaque_state(full) if stat.S_ISDIR(st.st_mode) else False
-            if opaque is None:
-                return False
-            if is_whiteout(st) or opaque:
-                # Removed, or replaced by this layer's folder: nothing below it survives from the layers under.
-                for old in [p for p in entries if p == path or p.startswith(path + "/")]:
-                    entries.pop(old)
-                    kept.pop(old, None)
-                if is_whiteout(st):
-                    continue
-            if stat.S_ISDIR(st.st_mode):
-                entries[path] = FileFact(path, "dir", mode=stat.S_IMODE(st.st_mode))
-            elif stat.S_ISLNK(st.st_mode):
-                entries[path] = FileFact(path, "link", target=os.readlink(full), mode=stat.S_IMODE(st.st_mode))
-                kept.pop(path, None)
-            elif stat.S_ISREG(st.st_mode):
-                sha, data = hash_file(full, keep(path))
-                entries[path] = FileFact(path, "file", st.st_size, sha, mode=stat.S_IMODE(st.st_mode),
-                                         mtime=int(st.st_mtime))
-                if data is not None:
-                    kept[path] = data
-                else:
-                    kept.pop(path, None)
-            else:
-                entries[path] = FileFact(path, "other", mode=stat.S_IMODE(st.st_mode))
-    return True
-
-
 def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str, keep: Callable[[str], bool],
               say: Callable[[str], None] = lambda _l: None) -> Tree:
     """The facts of ``site_dir`` in the image: kept ones, kept ones of a lower chain and the layers above, or a
@@ -211,8 +137,11 @@ def site_tree(info: ImageInfo | None, reader: Reader, cache: Path, site_dir: str
     how = ""
     if tree is not None and start < len(chains) - 1:
         entries, kept = dict(tree.entries), dict(tree.kept)
-        if all(apply_layer(folders[i], site_dir, entries, kept, keep)
-                                       for i in range(start + 1, len(chains))):
+        above = [from_folder(folders[i], keep=keep, under=site_dir) for i in range(start + 1, len(chains))]
+        if all(layer is not None for layer in above):
+            for layer in above:
+                assert layer is not None
+                apply(layer, entries, kept, site_dir)
             tree = Tree(entries, kept, tree.missing)
             how = (f"the facts of its first {start + 1} layer(s) kept from before, its top "
                    f"{len(chains) - start - 1} layer(s) read")

@@ -34,9 +34,9 @@ from pathlib import Path
 from ..building import pins
 from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
+from ..layers import Layer, LayerEntry, in_words
 from .installed import canonical
 from .integrity import keep_metadata, read_site
-from .layer_read import Layer
 
 PIP_FILES = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
 _SCRIPT = re.compile(r"^\s*([\w.-]+)\s*=\s*([\w.]+)\s*:\s*([\w.]+)\s*$")
@@ -127,8 +127,11 @@ def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], b
         mine, inside = _owned_by_base(engine, base, "/" + site, names, cache)
         owned |= mine
         below.update(inside)
-    for path in sorted(layer):
-        why = _judge(path, layer, files, loose, launchers, pip_files, owned, below)
+    # Paths relative to / here, as the wheel's members are placed.
+    entries = {p.lstrip("/"): e for p, e in layer.entries.items()}
+    data = {p.lstrip("/"): b for p, b in layer.kept.items()}
+    for path in sorted(entries):
+        why = _judge(path, entries, data, files, loose, launchers, pip_files, owned, below)
         if why is not None:
             return why
     return None
@@ -142,11 +145,11 @@ def _removable(path: str, owned: set[str], below: Mapping[str, list[str]]) -> bo
     return inside is not None and all(p in owned for p in inside)
 
 
-def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str, str],
-           launchers: Mapping[str, tuple[str, str]], pip_files: set[str], owned: set[str],
+def _judge(path: str, layer: Mapping[str, LayerEntry], data: Mapping[str, bytes], files: Mapping[str, str],
+           loose: Mapping[str, str], launchers: Mapping[str, tuple[str, str]], pip_files: set[str], owned: set[str],
            below: Mapping[str, list[str]]) -> str | None:
     node = layer[path]
-    if node.kind == "file":
+    if node.kind in ("file", "hardlink"):
         if path in files:
             return None if files[path] == node.sha256 else \
                 f"/{path} is not the wheel's (sha256 {node.sha256[:12]}, the wheel's {files[path][:12]})"
@@ -159,10 +162,10 @@ def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str
         folder, name = posixpath.split(path)
         if posixpath.basename(folder) == "bin" and name in launchers:
             module, attr = launchers[name]
-            if node.data is not None and launcher_ok(node.data, module, attr):
+            if path in data and launcher_ok(data[path], module, attr):
                 return None
             return f"/{path} is not pip's launcher of {module}:{attr}"
-        return f"/{path} is not a file of a pinned wheel ({node.show()})"
+        return f"/{path} is not a file of a pinned wheel ({in_words(node)})"
     if node.kind == "whiteout" or (node.kind == "dir" and node.opaque):
         if _removable(path, owned, below):
             return None
@@ -177,7 +180,7 @@ def _judge(path: str, layer: Layer, files: Mapping[str, str], loose: Mapping[str
             # A folder pip wrote into or passed through (its scratch folder under /tmp): it holds nothing here.
             return None
         return f"/{path}: a folder pip does not make, writable by others (mode {node.mode:o})"
-    return f"/{path} is not a file of a pinned wheel ({node.show()})"
+    return f"/{path} is not a file of a pinned wheel ({in_words(node)})"
 
 
 def _owned_by_base(engine: Engine, base: ImageInfo, site_dir: str, names: set[str], cache: Path | None

@@ -15,7 +15,6 @@ folder that was asked for.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import posixpath
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from ..errors import EngineError, PipelineError
+from ..layers import LayerEntry
+from ..layers.read import from_tar
 from .containers import lifetime
 from .mapping import status
 from .model import Refused, Seam
@@ -37,17 +38,9 @@ CHUNK = 1 << 20
 _INERT = {"entrypoint": ["/nonexistent-vllm-hotfix-never-started"], "command": [], "network_mode": "none"}
 
 
-@dataclass(frozen=True, slots=True)
-class FileFact:
-    """One entry of an image's filesystem as its layers hold it."""
-
-    path: str  # absolute, normalised
-    kind: str  # "file", "link" (symbolic), "hardlink", "dir", "other"
-    size: int = 0
-    sha256: str = ""  # hex, regular files (and hard links, with their target's content) only
-    target: str = ""  # a link's target as written in the image
-    mode: int = 0
-    mtime: int = 0
+# One entry of an image's filesystem as its layers hold it: the layer model's entry (kinds file, link, hardlink,
+# dir, other; paths absolute).
+FileFact = LayerEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,56 +79,13 @@ class _Chunks(io.RawIOBase):
 
 def scan_tar(stream: IO[bytes] | Iterable[bytes], parent: str, keep: Callable[[str], bool] = lambda _p: False,
              ) -> tuple[dict[str, FileFact], dict[str, bytes]]:
-    """Every entry of a tar stream, by absolute path (names are relative to ``parent``), in one pass.
-
-    Regular files are hashed block by block; the bytes of those ``keep``
-    says yes to are kept too. A hard link gets its target's hash (the
-    engine's archive uses them for files that share an inode).
-    """
+    """Every entry of an archive of a folder (names relative to ``parent``), in one pass
+    (:func:`vllm_hotfix.layers.read.from_tar`: files hashed block by block, the bytes of those ``keep`` says yes
+    to kept, a hard link given its target's hash)."""
     fileobj = (cast("IO[bytes]", stream) if hasattr(stream, "read")
                else io.BufferedReader(_Chunks(cast("Iterable[bytes]", stream))))
-    entries: dict[str, FileFact] = {}
-    kept: dict[str, bytes] = {}
-    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
-        for member in tar:
-            add(tar, member, posixpath.normpath(posixpath.join(parent, member.name)), parent, keep, entries, kept)
-    return entries, kept
-
-
-def add(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, parent: str, keep: Callable[[str], bool],
-        entries: dict[str, FileFact], kept: dict[str, bytes]) -> None:
-    """Put one member of a tar being streamed into ``entries`` (and its bytes into ``kept`` when asked).
-
-    Regular files are hashed block by block; a hard link gets its target's
-    hash (targets come earlier in the same tar).
-    """
-    if member.isreg():
-        digest = hashlib.sha256()
-        wanted = keep(path)
-        parts: list[bytes] = []
-        source = tar.extractfile(member)
-        assert source is not None
-        while block := source.read(CHUNK):
-            digest.update(block)
-            if wanted:
-                parts.append(block)
-        entries[path] = FileFact(path, "file", member.size, digest.hexdigest(), mode=member.mode,
-                                 mtime=int(member.mtime))
-        if wanted:
-            kept[path] = b"".join(parts)
-    elif member.issym():
-        entries[path] = FileFact(path, "link", target=member.linkname, mode=member.mode)
-    elif member.islnk():
-        target = posixpath.normpath(posixpath.join(parent, member.linkname))
-        first = entries.get(target)
-        entries[path] = FileFact(path, "hardlink", first.size if first else 0, first.sha256 if first else "",
-                                 target=target, mode=member.mode)
-        if first is not None and target in kept and keep(path):
-            kept[path] = kept[target]
-    elif member.isdir():
-        entries[path] = FileFact(path, "dir", mode=member.mode)
-    else:
-        entries[path] = FileFact(path, "other", mode=member.mode)
+    layer = from_tar(fileobj, root=parent, keep=keep, markers=False, mode="r|", where=f"the archive of {parent}")
+    return layer.entries, layer.kept
 
 
 Found = tuple[dict[str, FileFact], dict[str, bytes]]

@@ -25,25 +25,24 @@ import hashlib
 import json
 import logging
 import posixpath
-import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import requests
 import urllib3
 
 from ..engine import ImageInfo
 from ..engine.dockerconfig import registry_of
-from ..engine.files import FileFact, Tree, add
+from ..engine.files import FileFact, Tree
 from ..errors import EngineError, PushError
-from ..tarball import marker
+from ..layers import Layer, apply, within
+from ..layers.read import checked
 from . import client as registry
-from .compression import STREAM_ERRORS, tar_stream
+from .compression import STREAM_ERRORS, uncompressed
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CHUNK = 1 << 20
 
@@ -83,15 +82,14 @@ class _Verified:
 
 
 @dataclass(frozen=True, slots=True)
-class Layer:
+class LayerRef:
     digest: str
     media_type: str
     size: int
 
 
-def _within(path: str, folder: str) -> bool:
-    """``path`` is ``folder`` or lies below it."""
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
+def diff_ids(info: ImageInfo) -> list[str]:
+    return [str(d) for d in ((info.attrs or {}).get("RootFS") or {}).get("Layers") or []]
 
 
 class RegistryReader:
@@ -102,14 +100,19 @@ class RegistryReader:
     again only for bytes a caller wants kept that the first pass did not keep.
     """
 
-    def __init__(self, client: registry.Client, repo: str, layers: Sequence[Layer]) -> None:
+    def __init__(self, client: registry.Client, repo: str, layers: Sequence[LayerRef],
+                 diff_ids: Sequence[str]) -> None:
+        if len(diff_ids) != len(layers):
+            raise EngineError(f"{client.host}/{repo}: its manifest names {len(layers)} layer(s), its config "
+                              f"{len(diff_ids)} diff ID(s)")
         self._client = client
         self._repo = repo
         self._layers = tuple(layers)
+        self._diff_ids = tuple(diff_ids)
         self._entries: dict[str, FileFact] | None = None
         self._kept: dict[str, bytes] = {}
 
-    def blob(self, layer: Layer) -> _Verified:
+    def blob(self, layer: LayerRef) -> _Verified:
         where = f"layer {layer.digest[:19]} of {self._client.host}/{self._repo}"
         try:
             res = self._client.request("GET", f"/v2/{self._repo}/blobs/{layer.digest}",
@@ -121,44 +124,31 @@ class RegistryReader:
             raise EngineError(f"{where}: the registry answered {res.status_code}")
         return _Verified(res, layer.digest, layer.size, where)
 
+    def layer(self, index: int, keep: Callable[[str], bool] = lambda _p: False, keep_max: int | None = None
+              ) -> Layer:
+        """Layer ``index`` (manifest order) read from its blob: the blob checked against its digest, its
+        uncompressed tar against the config's diff ID, before any of it is used."""
+        ref = self._layers[index]
+        where = f"layer {ref.digest[:19]} of {self._client.host}/{self._repo}"
+        blob = self.blob(ref)
+        try:
+            layer = checked(uncompressed(blob, ref.media_type), self._diff_ids[index], where, keep=keep,
+                            keep_max=keep_max)
+            blob.finish()
+        except STREAM_ERRORS as exc:
+            raise EngineError(f"{where} is not a readable tar: {exc}") from None
+        finally:
+            blob.close()
+        return layer
+
     def _scan(self, keep: Callable[[str], bool]) -> tuple[dict[str, FileFact], dict[str, bytes]]:
-        """Every entry of the image, its layers laid over each other; the bytes of the files ``keep`` names."""
+        """Every entry of the image, its layers laid over each other (:func:`vllm_hotfix.layers.apply`); the bytes
+        of the files ``keep`` names. Every regular file is hashed on the one pass (a hard link may point outside
+        the folders asked for)."""
         entries: dict[str, FileFact] = {}
         kept: dict[str, bytes] = {}
-        for layer in self._layers:
-            blob = self.blob(layer)
-            mine: dict[str, FileFact] = {}
-            mine_kept: dict[str, bytes] = {}
-            gone: list[str] = []  # whiteouts: a path and everything below it, in the layers under this one
-            emptied: list[str] = []  # opaque folders: everything below, in the layers under this one
-            source, mode = tar_stream(blob, layer.media_type)
-            try:
-                with tarfile.open(fileobj=source, mode=mode) as tar:
-                    for member in tar:
-                        path = posixpath.normpath("/" + member.name)
-                        marks = marker(path)
-                        if marks is None:
-                            add(tar, member, path, "/", keep, mine, mine_kept)
-                        else:
-                            (emptied if marks[0] == "opaque" else gone).append(marks[1])
-                blob.finish()
-            except STREAM_ERRORS as exc:
-                raise EngineError(f"layer {layer.digest[:19]} of {self._client.host}/{self._repo} is not a "
-                                  f"readable tar: {exc}") from None
-            finally:
-                blob.close()
-            # What this layer removes or replaces in the layers below it: whiteouts and opaque folders, and
-            # below any path it holds as something other than a folder (a file or link in place of a folder).
-            replaced = [path for path, f in mine.items()
-                        if f.kind != "dir" and (lower := entries.get(path)) is not None and lower.kind == "dir"]
-            below = tuple([f.rstrip("/") + "/" for f in emptied] + [top + "/" for top in [*gone, *replaced]])
-            removed = set(gone)
-            if below or removed:
-                for path in [p for p in entries if p in removed or p.startswith(below)]:
-                    entries.pop(path)
-                    kept.pop(path, None)
-            entries.update(mine)
-            kept.update(mine_kept)
+        for index in range(len(self._layers)):
+            apply(self.layer(index, keep), entries, kept)
         log.info("read %d entries of %s from %d layer blob(s)", len(entries), self._repo, len(self._layers))
         return entries, kept
 
@@ -167,7 +157,7 @@ class RegistryReader:
         wanted = [posixpath.normpath(p) for p in paths]
 
         def under(path: str) -> bool:
-            return any(_within(path, w) for w in wanted)
+            return any(within(path, w) for w in wanted)
 
         if self._entries is None or any(under(p) and keep(p) and p not in self._kept
                                         for p, f in self._entries.items() if f.kind in ("file", "hardlink")):
@@ -175,7 +165,7 @@ class RegistryReader:
             self._kept.update(more)
         entries = {p: f for p, f in self._entries.items() if under(p)}
         kept = {p: b for p, b in self._kept.items() if p in entries and keep(p)}
-        missing = tuple(w for w in wanted if not any(_within(p, w) for p in entries))
+        missing = tuple(w for w in wanted if not any(within(p, w) for p in entries))
         return Tree(entries, kept, missing)
 
 
@@ -187,7 +177,7 @@ class RegistryFiles:
         self._repo = repo
         self._digest = manifest_digest
         self._info: ImageInfo | None = None
-        self._layers: tuple[Layer, ...] = ()
+        self._layers: tuple[LayerRef, ...] = ()
 
     @property
     def name(self) -> str:
@@ -219,7 +209,7 @@ class RegistryFiles:
                 layers, list) or not all(isinstance(d, dict) and str(d.get("digest", "")).startswith("sha256:")
                                          and isinstance(d.get("size"), int) for d in layers):
             raise EngineError(f"{self.name}: its manifest or config is not an image's (layers or config malformed)")
-        self._layers = tuple(Layer(str(d["digest"]), str(d.get("mediaType") or ""), int(d["size"]))
+        self._layers = tuple(LayerRef(str(d["digest"]), str(d.get("mediaType") or ""), int(d["size"]))
                              for d in layers)
         rootfs: dict[str, Any] = conf["rootfs"] if isinstance(conf.get("rootfs"), dict) else {}
         self._info = ImageInfo.from_inspect({
@@ -247,27 +237,23 @@ class RegistryFiles:
         info = self._load()
         return info if ref in (info.id, self._digest) else None
 
-    def top_layers(self, count: int, read: Callable[[IO[bytes]], T]) -> list[T]:
-        """``read`` of each of the image's top ``count`` layer blobs (compressed as the registry holds them), bottom
-        first, one download at a time; each is read to its end and checked against its digest."""
-        self._load()
-        reader = RegistryReader(self._client, self._repo, self._layers)
-        out = []
-        for layer in self._layers[len(self._layers) - count:]:
-            blob = reader.blob(layer)
-            try:
-                out.append(read(tar_stream(blob, layer.media_type)[0]))
-                blob.finish()
-            finally:
-                blob.close()
-        return out
+    def _reader(self) -> RegistryReader:
+        info = self._load()
+        return RegistryReader(self._client, self._repo, self._layers, diff_ids(info))
+
+    def top_layers(self, count: int, keep: Callable[[str], bool] = lambda _p: False,
+                   keep_max: int | None = None) -> list[Layer]:
+        """The image's top ``count`` layers, bottom first, one download at a time; each blob read to its end and
+        checked against its digest, its uncompressed tar against the config's diff ID."""
+        reader = self._reader()
+        return [reader.layer(i, keep, keep_max) for i in range(len(self._layers) - count, len(self._layers))]
 
     @contextmanager
     def files(self, image: str) -> Iterator[RegistryReader]:
         info = self._load()
         if image not in (info.id, self._digest):
             raise EngineError(f"{self.name} holds image {info.id[:19]}, not {image[:19]}")
-        yield RegistryReader(self._client, self._repo, self._layers)
+        yield self._reader()
 
 
 def for_reference(client_for: Callable[[str], registry.Client], ref: str) -> RegistryFiles:

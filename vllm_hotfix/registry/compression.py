@@ -20,6 +20,7 @@ read, copied by digest below those it reads, is not checked.)
 
 from __future__ import annotations
 
+import gzip
 import tarfile
 import zlib
 from typing import IO, Any, Literal, cast
@@ -37,7 +38,7 @@ except ImportError:
     _ZSTD = ()
 STREAM_ERRORS: tuple[type[Exception], ...] = (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, *_ZSTD)
 
-__all__ = ["STREAM_ERRORS", "compression_of", "is_zstd", "tar_stream"]
+__all__ = ["STREAM_ERRORS", "compression_of", "is_zstd", "tar_stream", "uncompressed"]
 
 
 def is_zstd(media_type: str) -> bool:
@@ -107,3 +108,10 @@ def tar_stream(blob: IO[bytes] | Any, media_type: str) -> tuple[Any, Literal["r|
                                  "zstandard package that reads it", hint="pip install zstandard") from None
         return zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True, closefd=False), "r|"
     return blob, "r|*"
+
+
+def uncompressed(blob: IO[bytes] | Any, media_type: str) -> Any:
+    """A reader of the layer's uncompressed tar bytes (what its diff ID hashes): decompressed as its media type
+    says, the bytes checked against it as :func:`tar_stream` checks them."""
+    source, _mode = tar_stream(blob, media_type)
+    return gzip.GzipFile(fileobj=source, mode="rb") if compression_of(media_type) == "gzip" else source

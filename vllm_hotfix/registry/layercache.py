@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..journal.cache import Store, host_key
-from .layerscan import Entry, Listing, Wanted
+from ..layers import LayerEntry
+from .layerscan import Listing, Wanted
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ def load(cache: Path, digest: str, wanted: Wanted, index: int) -> Listing | None
     if not whole and (body.get("package") != wanted.package or body.get("rels") != sorted(wanted.rels)):
         return None  # left early for other files: what this build wants may lie past where it was left
     try:
-        entries = {str(row[0]): Entry(str(row[0]), str(row[1]), int(row[2]), int(row[3]), int(row[4]),
-                                      int(row[5]), str(row[6])) for row in body.get("entries") or []}
+        entries = {str(row[0]): LayerEntry(str(row[0]), str(row[1]), mode=int(row[2]), uid=int(row[3]),
+                                           gid=int(row[4]), mtime=int(row[5]), target=str(row[6]))
+                   for row in body.get("entries") or []}
         hint = body.get("hint")
         kept_hint = (str(hint[0]), base64.b64decode(hint[1])) if hint else None
     except (TypeError, ValueError, IndexError):

@@ -39,11 +39,13 @@ import posixpath
 import tarfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.parser import HeaderParser
 from typing import Any, Protocol
 
 from ..errors import BaseImageError, PushError
+from ..layers import LayerEntry, ancestors, hides
+from ..layers.read import entry_of
 from ..tarball import OPAQUE, WHITEOUT, marker
 from .compression import STREAM_ERRORS, tar_stream
 
@@ -78,50 +80,34 @@ class Folder:
     mtime: int
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One member of a layer, as the image shows it where that layer decides."""
-
-    path: str
-    kind: str  # file, dir, link, hardlink, other
-    mode: int = 0
-    uid: int = 0
-    gid: int = 0
-    mtime: int = 0
-    target: str = ""
-
-
 @dataclass
 class Listing:
     """What one layer holds that matters here: every folder, whiteout, opaque marker and non-folder path,
     and the bytes of the files asked for."""
 
     index: int  # in the manifest's order (0: the oldest)
-    entries: dict[str, Entry] = field(default_factory=dict)
+    entries: dict[str, LayerEntry] = field(default_factory=dict)
     whiteouts: set[str] = field(default_factory=set)
     opaque: set[str] = field(default_factory=set)
     data: dict[str, bytes] = field(default_factory=dict)
     hint: tuple[str, bytes] | None = None  # (name, first 16 bytes) of a pyc of the package, any
     whole: bool = True  # read to its end (False: left once past every wanted path)
 
+    def at(self, path: str) -> LayerEntry | None:
+        """What this layer says at ``path``: its entry (opaque where marked so), a whiteout, or None."""
+        if path in self.whiteouts:
+            found = self.entries.get(path)
+            return replace(found, opaque=True) if found is not None and found.kind == "dir" else \
+                found or LayerEntry(path, "whiteout")
+        found = self.entries.get(path)
+        if path in self.opaque:
+            return replace(found, opaque=True) if found is not None else LayerEntry(path, "dir", opaque=True)
+        return found
+
     def cuts(self, path: str) -> bool:
-        """Whether this layer removes ``path`` (and so hides what the layers below hold there)."""
-        for above in _ancestors(path):
-            if above in self.whiteouts:
-                return True
-            if above != path:
-                if above in self.opaque:
-                    return True
-                found = self.entries.get(above)
-                if found is not None and found.kind != "dir":
-                    return True
-        return False
-
-
-def _ancestors(path: str) -> list[str]:
-    """``/a/b/c`` -> [/a, /a/b, /a/b/c]."""
-    parts = path.strip("/").split("/")
-    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        """Whether this layer removes ``path`` (and so hides what the layers below hold there): the flattener's
+        rule (:func:`vllm_hotfix.layers.hides`)."""
+        return hides(path, self.at)
 
 
 def key(path: str) -> tuple[str, ...]:
@@ -141,7 +127,7 @@ class Stack:
     def __init__(self) -> None:
         self.layers: list[Listing] = []
 
-    def resolve(self, path: str) -> Entry | None | object:
+    def resolve(self, path: str) -> LayerEntry | None | object:
         """The entry the image shows at ``path``, None if it is gone, UNKNOWN if no layer read says."""
         for layer in self.layers:
             found = layer.entries.get(path)
@@ -215,7 +201,7 @@ class Wanted:
             files += [f"{self.dist_info}/METADATA", f"{self.dist_info}/RECORD"]
         out: dict[str, None] = {}
         for f in files:
-            for a in _ancestors(f):
+            for a in ancestors(f):
                 out.setdefault(a, None)
         return list(out)
 
@@ -295,13 +281,6 @@ class Counted:
             raise BaseImageError(f"{self.where}: its bytes hash to {got}, not to the digest the manifest names")
 
 
-def _entry(member: tarfile.TarInfo, path: str) -> Entry:
-    kind = ("dir" if member.isdir() else "file" if member.isreg() else "link" if member.issym()
-            else "hardlink" if member.islnk() else "other")
-    target = member.linkname if kind in ("link", "hardlink") else ""
-    return Entry(path, kind, member.mode & 0o7777, member.uid, member.gid, int(member.mtime), target)
-
-
 def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: Callable[[], None]) -> None:
     """Fill ``listing`` from one layer's stream; left early where its order allows (``listing.whole`` False)."""
     last: tuple[str, ...] = ()
@@ -325,10 +304,16 @@ def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: C
                     break
                 marks = marker(path)
                 if marks is not None:
-                    (listing.opaque if marks[0] == "opaque" else listing.whiteouts).add(marks[1])
+                    seen = listing.opaque if marks[0] == "opaque" else listing.whiteouts
+                    if marks[1] in seen:
+                        raise BaseImageError(f"{stream.where} names the {marks[0]} mark of {marks[1]} twice")
+                    seen.add(marks[1])
                     continue
                 name = posixpath.basename(path)
-                listing.entries[path] = _entry(member, path)
+                if path in listing.entries:
+                    raise BaseImageError(f"{stream.where} names {path} twice: which one an engine shows is the "
+                                         "engine's choice, so the layer cannot be read")
+                listing.entries[path] = entry_of(member, path)
                 if not member.isreg():
                     continue
                 if wanted.keep(path):
@@ -385,7 +370,7 @@ def _candidates(stack: Stack, wanted: Wanted) -> dict[str, str]:
             site = posixpath.dirname(folder)
             meta = stack.resolve(path)
             init = stack.resolve(f"{site}/{wanted.package}/__init__.py")
-            if isinstance(meta, Entry) and isinstance(init, Entry) and init.kind == "file":
+            if isinstance(meta, LayerEntry) and isinstance(init, LayerEntry) and init.kind == "file":
                 text = (stack.data(path) or b"").decode("utf-8", "replace")
                 named = HeaderParser().parsestr(text).get("Name") or ""
                 if _canonical(named) == _canonical(wanted.package):
@@ -461,9 +446,9 @@ def _answer(stack: Stack, wanted: Wanted, dist_info: str, layers_read: int, read
     site = wanted.site
     assert site is not None
     folders = []
-    for path in _ancestors(site):
+    for path in ancestors(site):
         got = stack.resolve(path)
-        if not isinstance(got, Entry) or got.kind != "dir":
+        if not isinstance(got, LayerEntry) or got.kind != "dir":
             what = "nothing any layer read states" if got is UNKNOWN else "not a folder"
             raise BaseImageError(f"{path} above {site} is {what}: cannot restate it in the new layer")
         folders.append(Folder(path, got.mode, got.uid, got.gid, got.mtime))
@@ -494,14 +479,14 @@ def _record_paths(record: bytes) -> set[str]:
 def _file_info(stack: Stack, site: str, rel: str) -> dict[str, Any]:
     """What the locate probe says of a touched file: kind, mode, whether reached without links, its bytes."""
     path = f"{site}/{rel}"
-    for above in _ancestors(path)[:-1]:
+    for above in ancestors(path)[:-1]:
         got = stack.resolve(above)
-        if isinstance(got, Entry) and got.kind == "link":
+        if isinstance(got, LayerEntry) and got.kind == "link":
             return {"kind": "file", "real": False, "mode": 0, "data": None}
     got = stack.resolve(path)
     if got is UNKNOWN or got is None:
         return {"kind": "missing", "real": True, "mode": 0, "data": None}
-    assert isinstance(got, Entry)
+    assert isinstance(got, LayerEntry)
     kind = {"file": "file", "dir": "dir", "link": "symlink"}.get(got.kind, "other")
     data = stack.data(path) if kind == "file" else None
     if got.kind == "hardlink":
@@ -517,7 +502,7 @@ def _pycs(stack: Stack, site: str, rel: str) -> dict[str, bytes]:
     out = {}
     for path in sorted(stack.seen_under(folder, lambda n: n.startswith(stem) and n.endswith(".pyc"))):
         got = stack.resolve(path)
-        if isinstance(got, Entry):
+        if isinstance(got, LayerEntry):
             out[posixpath.relpath(path, site)] = stack.data(path) or b""
     return out
 

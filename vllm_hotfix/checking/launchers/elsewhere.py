@@ -121,7 +121,8 @@ def registry_file_facts(root: Path, engine: Callable[[], Engine], ref: str, imag
                                               "emit the Job again") from None
         say(f"    {why}")
         return facts.FileFacts(tuple(facts.unread_file_checks(why)), ""), None, None
-    proven = prove(root, engine, info, options, say, lambda n: source.top_layers(n, layer_read.from_tar))
+    proven = prove(root, engine, info, options, say,
+                   lambda n: source.top_layers(n, layer_read.small_script, layer_read.SCRIPT_MAX))
     if proven.status in ("fail", "incomplete"):
         return facts.FileFacts((), ""), info, proven
     say(f"==> reading the files of {ref} from its registry's blobs")

@@ -1,0 +1,8 @@
+"""An image's layers: one entry type, the readers of each source, and the one flattener (see :mod:`.flatten`)."""
+
+from __future__ import annotations
+
+from .entry import Layer, LayerEntry, ancestors, in_words, within
+from .flatten import apply, flatten, hides
+
+__all__ = ["Layer", "LayerEntry", "ancestors", "apply", "flatten", "hides", "in_words", "within"]
