@@ -236,3 +236,17 @@ def test_a_tag_that_moved_off_the_pinned_base_leaves_the_run_incomplete(
     r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1", root=project)
     assert r.rc == 11, r.err
     assert f"{STANDIN_REPO}:v0.25.1 is {base_v0251}; definition v0.25.1 pins sha256:{'0' * 64}" in r.last_error, r.err
+
+
+def test_an_image_over_a_base_that_already_holds_every_patch_is_refused_in_one_line(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str]) -> None:
+    # The base holds the patched files already, so the patch set changes nothing and its builder writes no patch
+    # layer; an image with a layer over that base is not its product (this was an IndexError, exit 70).
+    repo = f"hotfix-test/forge-included-{unique}"
+    forged.append(f"{repo}:v0.25.1")
+    forge(engine, project, base_v0251, f"{repo}:v0.25.1")
+    ref = f"{repo}:over"
+    forged.append(ref)
+    derive(engine, f"{repo}:v0.25.1", ref, "RUN touch /over")
+    r = cli("smoke", ref, "--gpu", "off", "--base-repo", repo, root=project)
+    assert r.rc == 14 and "changes no file of the base, so its builder writes no patch layer" in r.last_error, r.err

@@ -6,6 +6,8 @@ from the registry, each blob checked against its digest, whiteouts applied.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 from pathlib import Path
 
@@ -258,7 +260,6 @@ def registry_manifest(reg: RegistryPlace, by_digest: str) -> bytes:
 
 def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
     """A gzipped layer: (name, kind, data) with kind file, dir, link (data: target) or hard (data: target)."""
-    import gzip
     import io
     import tarfile
 
@@ -280,10 +281,10 @@ def _tar(members: list[tuple[str, str, bytes | str]]) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
-def _push_layers(reg: RegistryPlace, repo: str, layers: list[bytes], sizes: list[int] | None = None) -> str:
-    """Upload ``layers`` and a config as blobs, put a manifest over them; its digest."""
-    import hashlib
-
+def _push_layers(reg: RegistryPlace, repo: str, layers: list[bytes], sizes: list[int] | None = None,
+                 diff_ids: list[str] | None = None) -> str:
+    """Upload ``layers`` and a config naming their diff IDs (or ``diff_ids``) as blobs, put a manifest over them;
+    its digest."""
     import requests
 
     base = f"http://{reg.addr}/v2/{repo}"
@@ -301,7 +302,8 @@ def _push_layers(reg: RegistryPlace, repo: str, layers: list[bytes], sizes: list
         return digest
 
     config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Labels": {"x": "y"}},
-                         "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+                         "rootfs": {"type": "layers", "diff_ids": diff_ids if diff_ids is not None else [
+                             f"sha256:{hashlib.sha256(gzip.decompress(b)).hexdigest()}" for b in layers]}}).encode()
     doc = {"schemaVersion": 2, "mediaType": registry.DOCKER_MANIFEST,
            "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": len(config),
                       "digest": blob(config)},
@@ -337,10 +339,19 @@ def test_layers_laid_over_each_other_as_an_engine_does(registry: RegistryPlace) 
         assert sorted(tree.entries) == ["/site", "/site/opaque", "/site/opaque/z.py", "/site/pkg", "/site/twin.py"]
         assert tree.entries["/site/pkg"].kind == "link"
         twin = tree.entries["/site/twin.py"]
-        import hashlib
-
         assert twin.kind == "hardlink" and twin.sha256 == hashlib.sha256(b"shared\n").hexdigest()
         assert reader.read(["/nowhere"]).missing == ("/nowhere",)
+
+    # A layer whose uncompressed tar is not the diff ID its config names is refused before any of it is used.
+    wrong = _push_layers(registry, f"{registry.ns}/ops/wrong", [lower, upper],
+                         diff_ids=[f"sha256:{hashlib.sha256(gzip.decompress(lower)).hexdigest()}",
+                                   f"sha256:{hashlib.sha256(gzip.decompress(lower)).hexdigest()}"])
+    with blobs.RegistryFiles(client, f"{registry.ns}/ops/wrong", wrong).files(wrong) as reader:
+        try:
+            reader.read(["/site"])
+            raise AssertionError("a layer other than its config's diff ID was read")
+        except EngineError as exc:
+            assert "diff ID" in str(exc)
 
     # A registry sending more than the manifest says of a blob is stopped.
     short = _push_layers(registry, f"{registry.ns}/ops/short", [lower], sizes=[len(lower) - 10])

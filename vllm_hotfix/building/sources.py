@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from ..registry.layerscan import Folder  # a folder above the package, as a laye
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5  # 5: the base Python's install scheme (scheme)
 
 
 def scratch_prefix() -> str:
@@ -126,6 +126,7 @@ class BaseFacts:
     # The engine's history of the image, oldest first (created, created by, comment, size)
     history: tuple[Mapping[str, Any], ...] = ()
     sys_path: tuple[str, ...] = ()  # the folders the base's Python puts on sys.path at start-up
+    scheme: Mapping[str, str] = field(default_factory=dict)  # its install scheme: purelib, platlib, scripts, ...
 
 
 def content(info: Mapping[str, Any]) -> bytes | None:
@@ -263,6 +264,7 @@ class ImageReader:
             folders=tuple(Folder(*d) for d in data.get("dirs", ())),
             history=tuple(data.get("history") or ()),
             sys_path=tuple(str(p) for p in data.get("sys_path") or ()),
+            scheme={str(k): str(v) for k, v in (data.get("scheme") or {}).items()},
         )
         return facts, {rel: known[rel] for rel in rels}
 

@@ -9,7 +9,6 @@ Names, versions and tags are read with ``packaging``, as pip reads them.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import logging
 import os
@@ -27,6 +26,7 @@ from packaging.tags import parse_tag
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from .. import dist_record
 from ..errors import PinError, PipelineError, UpstreamError
 from ..journal.atomic import one_writer
 from .sources import cache_dir
@@ -141,8 +141,10 @@ def record(path: Path) -> dict[str, str]:
         name = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1), None)
         if name is None:
             raise PinError(f"{path}: no RECORD; not a wheel")
-        rows = csv.reader(zf.read(name).decode("utf-8").splitlines())
-        return {r[0]: r[1][len("sha256="):] for r in rows if len(r) >= 2 and r[1].startswith("sha256=")}
+        rows = dist_record.read(zf.read(name))
+        if rows.problems:
+            raise PinError(f"{path}: {name} is not a RECORD: {rows.problems[0]}")
+        return rows.sha256s()
 
 
 def download(

@@ -301,7 +301,8 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     try:
         with sources.ImageReader(engine, base.info, base.ref, base.definition.package, base.definition.python,
                                  sources.cache_dir(root)) as reader:
-            python_path = reader.locate([])[0].sys_path
+            located = reader.locate([])[0]
+            python_path, scheme = located.sys_path, located.scheme
     except PipelineError as exc:
         return Outcome("incomplete", f"base {base.info.id[:19]} ({base.how}) cannot be read: {exc}", base, data)
     if base.info.id == image.id:
@@ -351,7 +352,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         return refused(f"patch layer: {differences[0]}")
     if pinset is not None:
         sites = [p for p in python_path if p.rstrip("/").endswith(("-packages", "site-packages"))]
-        why = pin_layer.difference(read[0], root, pinset, [*sites, site_dir], base.info, engine,
+        why = pin_layer.difference(read[0], root, pinset, scheme, [*sites, site_dir], base.info, engine,
                                    sources.cache_dir(root))
         if why is not None:
             return refused(f"pip layer: {why}")

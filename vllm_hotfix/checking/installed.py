@@ -12,7 +12,6 @@ one installed distribution too many is safe, missing one is not.
 
 from __future__ import annotations
 
-import csv
 import logging
 import posixpath
 import re
@@ -24,6 +23,7 @@ from packaging.markers import Marker
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from .. import dist_record
 from ..engine import Tree
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,8 @@ class Dist:
     version: str
     info_dir: str
     requires: tuple[str, ...]
-    rows: tuple[tuple[str, str], ...]  # (absolute path, RECORD hash or "")
+    rows: tuple[tuple[str, str], ...]  # (absolute path, RECORD sha256 or "")
+    record_problems: tuple[str, ...] = ()  # rows of its RECORD left out for their shape ("line N: why")
 
 
 def distributions(tree: Tree, site_dir: str) -> dict[str, Dist]:
@@ -108,15 +109,11 @@ def distributions(tree: Tree, site_dir: str) -> dict[str, Dist]:
         dist_name = meta.get("Name")
         if not dist_name:
             continue
-        rows: list[tuple[str, str]] = []
-        record = tree.kept.get(posixpath.join(folder, "RECORD"))
-        for row in csv.reader((record or b"").decode("utf-8", "replace").splitlines()):
-            if not row or not row[0]:
-                continue
-            digest = row[1][len("sha256="):] if len(row) > 1 and row[1].startswith("sha256=") else ""
-            rows.append((posixpath.normpath(posixpath.join(site_dir, row[0])), digest))
+        record = dist_record.read(tree.kept.get(posixpath.join(folder, "RECORD")) or b"")
+        rows = tuple((row.under(site_dir), row.digest if row.algorithm == "sha256" else "") for row in record.rows)
         found.setdefault(canonical(dist_name), Dist(canonical(dist_name), meta.get("Version") or "", folder,
-                                                    tuple(meta.get_all("Requires-Dist") or ()), tuple(rows)))
+                                                    tuple(meta.get_all("Requires-Dist") or ()), rows,
+                                                    record.problems))
     return found
 
 

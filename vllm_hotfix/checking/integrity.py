@@ -55,13 +55,14 @@ KNOWN_BAD = {
                           "the same time, or one distribution overwriting another's files): an inherited case "
                           "breaks the image all the same",
 }
-KINDS = ("mismatched", "conflicting_claims", "missing_py", "missing_compiled", "unlisted")
+KINDS = ("mismatched", "conflicting_claims", "missing_py", "missing_compiled", "unlisted", "malformed_record")
 WORDS = {
     "mismatched": "file(s) differ from RECORD",
     "conflicting_claims": "path(s) claimed with different content",
     "missing_py": ".py file(s) missing",
     "missing_compiled": "compiled file(s) listed in RECORD but absent",
     "unlisted": "file(s) under the package that no RECORD lists",
+    "malformed_record": "RECORD row(s) of the wrong shape (left out of the check)",
 }
 
 
@@ -299,6 +300,8 @@ def scan(tree: Tree, site_dir: str, package: str, patched: Mapping[str, str] | N
     on_disk: dict[str, str] = {}
     missing_other = checked = 0
     for name, dist in sorted(dists.items()):
+        for problem in dist.record_problems:
+            dev["malformed_record"][f"{name}: RECORD {problem}"] = ""
         for path, want in dist.rows:
             listed.add(path)
             rel = posixpath.relpath(path, site_dir)

@@ -5,12 +5,16 @@ The Dockerfile builder installs each pinned wheel with ``pip install
 step may leave in its layer, given the wheels (found in the pin cache by the
 hashes ``pins.txt`` names) and the base's site folder:
 
-* each member of each wheel, at the path the wheel installs it to (the site
-  folder; ``NAME.data/scripts`` in a ``bin`` folder; ``NAME.data/data``
-  under the prefix), holding exactly the member's bytes;
+* each member of each wheel, exactly where pip installs it under the base
+  Python's own install scheme (``sysconfig.get_paths()`` as the base's
+  Python answers, read with its ``sys.path``): the wheel's root in
+  ``purelib`` (``Root-Is-Purelib: true``) or ``platlib``, ``NAME.data/KEY``
+  in the scheme's ``KEY`` folder (``headers`` in ``include/NAME``), holding
+  exactly the member's bytes (a script's ``#!python`` line rewritten to a
+  Python's path, as pip does);
 * in each pinned distribution's ``.dist-info``: the files pip writes itself
   (``RECORD`` rewritten, ``INSTALLER``, ``REQUESTED``, ``direct_url.json``);
-* a launcher in a ``bin`` folder for each console or GUI script the wheel's
+* a launcher in the scheme's ``scripts`` folder for each console or GUI script the wheel's
   ``entry_points.txt`` declares, importing what it names and nothing else;
 * removals (whiteouts, opaque folders) only of what the base's copies of the
   pinned distributions own (their RECORD, their ``.dist-info``, the bytecode
@@ -22,15 +26,15 @@ No bytecode: ``--no-compile`` means a ``.pyc`` in this layer is not pip's.
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import posixpath
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
+from email.parser import HeaderParser
 from pathlib import Path
 
+from .. import dist_record
 from ..building import pins
 from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
@@ -70,31 +74,62 @@ def launcher_ok(data: bytes, module: str, attr: str) -> bool:
     return all(line in allowed for line in lines[1:] if line.strip())
 
 
-def _installed_path(member: str, site: str, data_dir: str) -> str | None:
-    """Where pip installs a wheel member (relative to /), or None for a dist-info file pip rewrites or a scheme
-    this check does not place (headers)."""
+SCHEME_KEYS = ("purelib", "platlib", "scripts", "data", "include")
+
+
+def _installed_path(member: str, scheme: Mapping[str, str], data_dir: str, root_is_purelib: bool,
+                    dist: str) -> str | None:
+    """Where pip installs a wheel member (relative to /) under the base Python's install ``scheme``, or None for
+    a ``NAME.data`` folder pip does not know."""
     if member.startswith(data_dir + "/"):
-        scheme, _, rest = member[len(data_dir) + 1:].partition("/")
-        if scheme in ("purelib", "platlib"):
-            return f"{site}/{rest}"
-        if scheme == "scripts":
-            return f"*bin/{rest}"
-        if scheme == "data":
-            return f"*data/{rest}"
-        return None
-    return f"{site}/{member}"
+        key, _, rest = member[len(data_dir) + 1:].partition("/")
+        if key == "headers":
+            return posixpath.join(scheme["include"], dist, rest).strip("/")
+        if key not in ("purelib", "platlib", "scripts", "data"):
+            return None
+        return posixpath.join(scheme[key], rest).strip("/")
+    return posixpath.join(scheme["purelib" if root_is_purelib else "platlib"], member).strip("/")
 
 
-def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], base: ImageInfo,
-               engine: Engine, cache: Path | None = None) -> str | None:
-    """The first entry of the pip layer pip could not have written from the pinned wheels into one of the base's
-    site folders (``sites``: the base Python's sys.path folders and the package's), in words."""
+def _root_is_purelib(zf: zipfile.ZipFile, info_dir: str) -> bool:
+    try:
+        text = zf.read(f"{info_dir}/WHEEL").decode("utf-8", "replace")
+    except KeyError:
+        return True
+    return HeaderParser().parsestr(text).get("Root-Is-Purelib", "true").strip().lower() == "true"
+
+
+def _script_ok(data: bytes, member: bytes) -> bool:
+    """Whether a file pip put in the scripts folder is the wheel's script: its bytes, or (pip rewrites a
+    ``#!python`` first line to the interpreter's path) its bytes after a Python shebang."""
+    if data == member:
+        return True
+    if not member.startswith((b"#!python", b"#!pythonw")):
+        return False
+    head, _, rest = data.partition(b"\n")
+    return bool(re.match(rb"^#!\S*python[\d.]*\s*$", head)) and rest == member.partition(b"\n")[2]
+
+
+def difference(layer: Layer, root: Path, pinset: PinSet, scheme: Mapping[str, str], sites: Sequence[str],
+               base: ImageInfo, engine: Engine, cache: Path | None = None) -> str | None:
+    """The first entry of the pip layer that pip could not have written from the pinned wheels, in words.
+
+    ``scheme``: the base Python's install scheme (``sysconfig.get_paths()``
+    as the base itself answers: purelib, platlib, scripts, data, include),
+    which places each member exactly where pip puts it. ``sites``: the
+    base's site folders, where pip may remove the pinned distributions' old
+    copies from."""
+    lacking = [k for k in SCHEME_KEYS if not scheme.get(k)]
+    if lacking:
+        return (f"the base's Python gave no install scheme path {lacking[0]} (its locate probe is older): cannot "
+                "place the wheels' files")
     folders = [s.strip("/") for s in dict.fromkeys(sites) if s.strip("/")]
     files: dict[str, str] = {}  # path -> sha256 of the wheel member it must hold
-    loose: dict[str, str] = {}  # bin/ or data/ tail -> sha256 (the prefix is the base's)
-    launchers: dict[str, tuple[str, str]] = {}
+    scripts: dict[str, bytes] = {}  # path in the scripts folder -> the wheel member's bytes
+    launchers: dict[str, tuple[str, str]] = {}  # path of a console or GUI script launcher -> (module, attribute)
     pip_files: set[str] = set()
     names = set()
+    scripts_dir = scheme["scripts"].strip("/")
     for pin in pinset.pins:
         wheel = pins.cached_wheel(root, pin)
         if wheel is None:
@@ -105,22 +140,26 @@ def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], b
         with zipfile.ZipFile(wheel) as zf:
             info_dir = next(n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info"))
             data_dir = info_dir[: -len(".dist-info")] + ".data"
+            # Headers go to a folder named as the METADATA names the project (pip's scheme takes that name).
+            meta = HeaderParser().parsestr(zf.read(f"{info_dir}/METADATA").decode("utf-8", "replace"))
+            dist = meta.get("Name") or info_dir[: -len(".dist-info")].rsplit("-", 1)[0]
+            purelib = _root_is_purelib(zf, info_dir)
             for member in zf.namelist():
                 if member.endswith("/"):
                     continue
                 if member.startswith(info_dir + "/") and member.split("/", 1)[1] in PIP_FILES:
                     continue
-                digest = hashlib.sha256(zf.read(member)).hexdigest()
-                for site in folders:
-                    where = _installed_path(member, site, data_dir)
-                    if where is None:
-                        continue
-                    if where.startswith("*"):
-                        loose[where[1:]] = digest
-                    else:
-                        files[where] = digest
-            pip_files.update(f"{site}/{info_dir}/{f}" for site in folders for f in PIP_FILES)
-            launchers.update(_scripts(zf))
+                where = _installed_path(member, scheme, data_dir, purelib, dist)
+                if where is None:
+                    return f"{wheel.name}: {member} is in a {data_dir} folder pip does not install"
+                body = zf.read(member)
+                if member.startswith(f"{data_dir}/scripts/"):
+                    scripts[where] = body
+                else:
+                    files[where] = hashlib.sha256(body).hexdigest()
+            home = scheme["purelib" if purelib else "platlib"].strip("/")
+            pip_files.update(f"{home}/{info_dir}/{f}" for f in PIP_FILES)
+            launchers.update({f"{scripts_dir}/{name}": target for name, target in _scripts(zf).items()})
     owned: set[str] = set()
     below: dict[str, list[str]] = {}
     for site in folders:
@@ -131,7 +170,7 @@ def difference(layer: Layer, root: Path, pinset: PinSet, sites: Sequence[str], b
     entries = {p.lstrip("/"): e for p, e in layer.entries.items()}
     data = {p.lstrip("/"): b for p, b in layer.kept.items()}
     for path in sorted(entries):
-        why = _judge(path, entries, data, files, loose, launchers, pip_files, owned, below)
+        why = _judge(path, entries, data, files, scripts, launchers, pip_files, owned, below)
         if why is not None:
             return why
     return None
@@ -146,8 +185,8 @@ def _removable(path: str, owned: set[str], below: Mapping[str, list[str]]) -> bo
 
 
 def _judge(path: str, layer: Mapping[str, LayerEntry], data: Mapping[str, bytes], files: Mapping[str, str],
-           loose: Mapping[str, str], launchers: Mapping[str, tuple[str, str]], pip_files: set[str], owned: set[str],
-           below: Mapping[str, list[str]]) -> str | None:
+           scripts: Mapping[str, bytes], launchers: Mapping[str, tuple[str, str]], pip_files: set[str],
+           owned: set[str], below: Mapping[str, list[str]]) -> str | None:
     node = layer[path]
     if node.kind in ("file", "hardlink"):
         if path in files:
@@ -157,11 +196,12 @@ def _judge(path: str, layer: Mapping[str, LayerEntry], data: Mapping[str, bytes]
             return None
         if path.endswith(".pyc"):
             return f"/{path}: bytecode, which pip --no-compile does not write"
-        if any(path.endswith("/" + tail) and digest == node.sha256 for tail, digest in loose.items()):
-            return None
-        folder, name = posixpath.split(path)
-        if posixpath.basename(folder) == "bin" and name in launchers:
-            module, attr = launchers[name]
+        if path in scripts:
+            if path in data and _script_ok(data[path], scripts[path]):
+                return None
+            return f"/{path} is not the wheel's script (its bytes after a Python shebang)"
+        if path in launchers:
+            module, attr = launchers[path]
             if path in data and launcher_ok(data[path], module, attr):
                 return None
             return f"/{path} is not pip's launcher of {module}:{attr}"
@@ -206,10 +246,8 @@ def _owned_by_base(engine: Engine, base: ImageInfo, site_dir: str, names: set[st
             continue
         owned.add(folder)
         owned.update(below.get(folder, []))
-        for row in csv.reader(io.StringIO(data.decode("utf-8", "replace"))):
-            if not row:
-                continue
-            rel = posixpath.normpath(posixpath.join(site, row[0]))
+        for row in dist_record.read(data).rows:
+            rel = row.under(site)
             owned.add(rel)
             if rel.endswith(".py"):
                 parent, stem = posixpath.split(rel[:-3])

@@ -136,6 +136,7 @@ class RegistryReader:
                             keep_max=keep_max)
             blob.finish()
         except STREAM_ERRORS as exc:
+            blob.finish()  # bytes other than the manifest names are the first thing to say (a damaged gzip trailer)
             raise EngineError(f"{where} is not a readable tar: {exc}") from None
         finally:
             blob.close()

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from email.parser import HeaderParser
 from typing import Any, Protocol
 
+from .. import dist_record
 from ..errors import BaseImageError, PushError
 from ..layers import LayerEntry, ancestors, hides
 from ..layers.read import entry_of
@@ -471,9 +472,7 @@ def _answer(stack: Stack, wanted: Wanted, dist_info: str, layers_read: int, read
 
 
 def _record_paths(record: bytes) -> set[str]:
-    import csv
-
-    return {row[0] for row in csv.reader(record.decode("utf-8", "replace").splitlines()) if row}
+    return dist_record.read(record).paths()
 
 
 def _file_info(stack: Stack, site: str, rel: str) -> dict[str, Any]:

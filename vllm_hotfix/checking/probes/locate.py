@@ -20,6 +20,7 @@ import os
 import platform
 import stat
 import sys
+import sysconfig
 
 
 def describe(path: str) -> dict[str, object]:
@@ -48,6 +49,17 @@ def bytecode_levels(source: str) -> list[int]:
     return levels
 
 
+def install_scheme() -> dict[str, str]:
+    """The folders pip installs into with this Python (its default scheme, as pip reads it from sysconfig; in a
+    virtual environment, headers go to its include/site/pythonX.Y, as pip puts them)."""
+    paths = sysconfig.get_paths()
+    scheme = {k: v for k, v in paths.items() if k in ("purelib", "platlib", "scripts", "data", "include")}
+    if sys.prefix != getattr(sys, "base_prefix", sys.prefix):
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        scheme["include"] = os.path.join(sys.prefix, "include", "site", version)
+    return scheme
+
+
 def main(argv: list[str]) -> int:
     package, rels = argv[0], argv[1:]
     result: dict[str, object] = {
@@ -60,6 +72,9 @@ def main(argv: list[str]) -> int:
         # what a check started without them (python -S) is given explicitly.
         # (Run with -c: the working folder's "" is left out.)
         "sys_path": [p for p in sys.path if p and os.path.isdir(p)],
+        # Where pip installs a wheel's parts with this Python: what the pip layer of pinned wheels is judged
+        # against.
+        "scheme": install_scheme(),
     }
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
