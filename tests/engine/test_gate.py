@@ -25,6 +25,7 @@ from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import PushError
 from vllm_hotfix.journal import records
 from vllm_hotfix.registry import client as registry
+from vllm_hotfix.registry.write import Repo, Writer
 
 
 @pytest.fixture
@@ -269,9 +270,9 @@ def test_registry_client_uses_the_stored_login(tmp_path: Path, monkeypatch: pyte
         assert registry.read_index(eng, f"{reg.addr}/ops/absent:v1") is None  # past the login: a plain 404
         # Push scope too: the registry reads the index and refuses it for its unknown child, not for the login.
         kid = registry.Child("sha256:" + "d" * 64, registry.DOCKER_MANIFEST, 10, "linux", "arm64")
-        with pytest.raises(PushError, match="refused the index") as bad:
-            registry.Client(reg.addr, secure=False, credentials=("ops", "plat-s3cret")).put_manifest(
-                "ops/absent", "v1", *registry.index_body([kid]))
+        with pytest.raises(PushError, match="refused the manifest ops/absent:v1") as bad:
+            Writer(Repo(registry.Client(reg.addr, secure=False, credentials=("ops", "plat-s3cret")),
+                        "ops/absent")).put_manifest("v1", *registry.index_body([kid]))
         assert "plat-s3cret" not in str(bad.value)
     finally:
         reg.stop()

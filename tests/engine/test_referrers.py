@@ -15,6 +15,7 @@ from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
 from vllm_hotfix.registry.client import Client
+from vllm_hotfix.registry.write import Repo, Writer
 from vllm_hotfix.trust import referrers, signing
 
 REGISTRY = "127.0.0.1:5000"
@@ -103,8 +104,8 @@ def test_two_hosts_attaching_at_once_both_land_and_a_rewritten_index_hides_neith
     # Someone who may push rewrites the index to list one verdict only: every other is still read, and named.
     index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
              "manifests": [e for e in referrers.tagged(client, path, image.digest) if e["digest"] == digests[0]]}
-    client.put_manifest(path, referrers.fallback_tag(image.digest), "application/vnd.oci.image.index.v1+json",
-                        json.dumps(index).encode())
+    Writer(Repo(client, path)).put_manifest(referrers.fallback_tag(image.digest),
+                                            "application/vnd.oci.image.index.v1+json", json.dumps(index).encode())
     with caplog.at_level("WARNING"):
         assert sorted(e for _d, e in referrers.envelopes(client, path, image.digest)) == sorted(made)
     assert "the fallback index" in caplog.text and "lacks it (the index was rewritten)" in caplog.text

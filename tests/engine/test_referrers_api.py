@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from oci_registry import Store, serving
 from vllm_hotfix.errors import PushError
 from vllm_hotfix.registry.client import OCI_MANIFEST, Client, sha256
+from vllm_hotfix.registry.write import Repo, Writer
 from vllm_hotfix.trust import referrers, signing
 
 REPO = "ops/vllm-openai"
@@ -29,14 +30,14 @@ def _image(client: Client) -> referrers.Subject:
     config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}})
     layer = b"layer bytes"
     for blob in (config.encode(), layer):
-        referrers._put_blob(client, REPO, blob)
+        Writer(Repo(client, REPO)).put_blob(blob, "a blob")
     manifest = {"schemaVersion": 2, "mediaType": OCI_MANIFEST,
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                            "digest": sha256(config.encode()), "size": len(config)},
                 "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": sha256(layer),
                             "size": len(layer)}]}
     body = json.dumps(manifest).encode()
-    client.put_manifest(REPO, "t", OCI_MANIFEST, body)
+    Writer(Repo(client, REPO)).put_manifest("t", OCI_MANIFEST, body)
     return referrers.Subject(sha256(body), OCI_MANIFEST, len(body))
 
 

@@ -32,6 +32,7 @@ from ..engine import Engine, ImageInfo, labels, split_reference
 from ..errors import BaseImageError, PushError, UpstreamError
 from ..journal.atomic import one_writer
 from ..registry import client as registry
+from ..registry import write
 from ..tarball import tar_bytes
 from . import platforms, wheels
 from .platforms import Platform
@@ -261,6 +262,6 @@ def publish(
         digests[str(plat)] = digest
     if not entries:
         raise PushError("no platform to publish")
-    index_digest, _ = registry.put_index(engine, f"{repo}:{tag}", entries)
+    index_digest, _ = write.put_index(engine, f"{repo}:{tag}", entries)
     say(f"==> {repo}:{tag} is an index over {', '.join(digests)}: {index_digest}")
     return index_digest, digests

@@ -201,25 +201,6 @@ class Client:
                 from None
         return Manifest(media, digest, body)
 
-    def put_manifest(self, repo: str, tag: str, media_type: str, body: bytes) -> str:
-        """Put a manifest or index under ``tag``; return the digest the registry confirmed."""
-        res = self.request("PUT", f"/v2/{repo}/manifests/{tag}", f"repository:{repo}:pull,push",
-                           data=body, headers={"Content-Type": media_type})
-        if not res.ok:
-            detail = ""
-            try:
-                errors = res.json().get("errors") or []
-                detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-            except ValueError:
-                pass
-            raise PushError(f"registry {self.host} refused the index {repo}:{tag} ({res.status_code}"
-                            f"{': ' + detail if detail else ''})")
-        digest = sha256(body)
-        said = res.headers.get("Docker-Content-Digest")
-        if said and said != digest:
-            raise PushError(f"registry {self.host} stored {repo}:{tag} as {said}, not {digest}")
-        return digest
-
 
 def children(index: Manifest) -> list[Child]:
     """The platform entries of an index (attestation entries without a platform left out)."""
@@ -262,27 +243,3 @@ def read_index(engine: Engine, ref: str) -> Manifest | None:
         return hub.manifest(path, tag)
     host, path = split_repo(repo)
     return client_for(engine, host).manifest(path, tag)
-
-
-def put_index(engine: Engine, index_ref: str, entries: list[tuple[str, str, str, str]]) -> tuple[str, Manifest]:
-    """Put one index under ``index_ref`` over already pushed images.
-
-    ``entries``: (os, architecture, variant, child reference by digest, ``repo@sha256:...``) of each
-    platform's image in the same repository. Each child's manifest is read back (its media type and size
-    go into the index, and reading it proves it landed). Returns the index digest and the index.
-    """
-    repo, tag = split_reference(index_ref)
-    host, path = split_repo(repo)
-    client = client_for(engine, host)
-    kids: list[Child] = []
-    for os_name, arch, variant, child in entries:
-        digest = child.split("@", 1)[1]
-        found = client.manifest(path, digest)
-        if found is None:
-            raise PushError(f"registry {host} has no {path}@{digest}, which the index {index_ref} must name")
-        if found.is_index:
-            raise PushError(f"{path}@{digest} is itself an index; an index names one image per platform")
-        kids.append(Child(digest, found.media_type, found.size, os_name, arch, variant))
-    media, body = index_body(kids)
-    digest = client.put_manifest(path, tag, media, body)
-    return digest, Manifest(media, digest, body)

@@ -11,6 +11,8 @@ checked as it passes. New blobs (the hotfix layer, the config) are put whole.
 Manifests are put by digest, so nothing names them until the tag, put last,
 once every blob and manifest it reaches is in.
 
+Every write to a registry goes through :class:`Writer` (the in-registry
+builder's, a push's index, a signed verdict and its referrers index).
 Registries refuse manifests over a size limit (4 MiB for the distribution
 registry, and for Docker Hub; containerd will not read bigger ones): a
 manifest over it is refused here before anything is written.
@@ -27,6 +29,8 @@ from urllib.parse import urlsplit
 import requests
 import urllib3
 
+from ..engine import Engine
+from ..engine.dockerconfig import split_reference
 from ..errors import PushError
 from . import client as registry
 
@@ -98,8 +102,17 @@ class _Body:
         return data
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A manifest the registry took: its digest, and the subject digest the registry says it indexed it under
+    (its OCI-Subject answer; "" where it indexes no referrers itself)."""
+
+    digest: str
+    subject: str = ""
+
+
 class Writer:
-    """Puts blobs, manifests and tags into one target repository."""
+    """Puts blobs, manifests and tags into one target repository: the one way this tool writes to a registry."""
 
     def __init__(self, target: Repo, say: Any = lambda _l: None) -> None:
         self.target = target
@@ -186,8 +199,13 @@ class Writer:
 
     # -- manifests and tags -------------------------------------------------------
 
-    def put_manifest(self, reference: str, media_type: str, body: bytes) -> str:
+    def put_manifest(self, reference: str, media_type: str, body: bytes, what: str = "") -> str:
         """A manifest or index under ``reference`` (its digest, or a tag); its digest, as confirmed."""
+        return self.store_manifest(reference, media_type, body, what).digest
+
+    def store_manifest(self, reference: str, media_type: str, body: bytes, what: str = "") -> Stored:
+        """:meth:`put_manifest`, with what the registry said of a manifest's subject (OCI-Subject: it indexes
+        referrers itself). ``what``: the manifest in words, for a refusal (default: ``the manifest NAME``)."""
         t = self.target
         digest = registry.sha256(body)
         check_size(body, f"{t.name}@{digest}")
@@ -198,11 +216,11 @@ class Writer:
             raise PushError(f"registry {t.client.host} refused the manifest {t.path}@{digest}: {len(body)} bytes "
                             f"is over its size limit ({_detail(res) or res.status_code})")
         if not res.ok:
-            raise _refused(res, f"the manifest {t.path}:{reference}", t.client.host)
+            raise _refused(res, what or f"the manifest {t.path}:{reference}", t.client.host)
         said = res.headers.get("Docker-Content-Digest")
         if said and said != digest:
             raise PushError(f"registry {t.client.host} stored {t.path}:{reference} as {said}, not {digest}")
-        return digest
+        return Stored(digest, res.headers.get("OCI-Subject", ""))
 
     def resolve(self, tag: str) -> str | None:
         """The digest the target's ``tag`` resolves to now (None: no such tag)."""
@@ -216,3 +234,28 @@ def check_size(body: bytes, name: str) -> None:
                         "registries accept (the distribution registry, Docker Hub, containerd)",
                         hint="its base has too many layers or annotations to extend in a registry; "
                              "build from the engine (image without --in-registry)")
+
+
+def put_index(engine: Engine, index_ref: str, entries: list[tuple[str, str, str, str]]
+              ) -> tuple[str, registry.Manifest]:
+    """Put one index under ``index_ref`` over already pushed images.
+
+    ``entries``: (os, architecture, variant, child reference by digest, ``repo@sha256:...``) of each
+    platform's image in the same repository. Each child's manifest is read back (its media type and size
+    go into the index, and reading it proves it landed). Returns the index digest and the index.
+    """
+    repo, tag = split_reference(index_ref)
+    host, path = registry.split_repo(repo)
+    client = registry.client_for(engine, host)
+    kids: list[registry.Child] = []
+    for os_name, arch, variant, child in entries:
+        digest = child.split("@", 1)[1]
+        found = client.manifest(path, digest)
+        if found is None:
+            raise PushError(f"registry {host} has no {path}@{digest}, which the index {index_ref} must name")
+        if found.is_index:
+            raise PushError(f"{path}@{digest} is itself an index; an index names one image per platform")
+        kids.append(registry.Child(digest, found.media_type, found.size, os_name, arch, variant))
+    media, body = registry.index_body(kids)
+    digest = Writer(Repo(client, path)).put_manifest(tag, media, body, f"the index {path}:{tag}")
+    return digest, registry.Manifest(media, digest, body)

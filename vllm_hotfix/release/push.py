@@ -47,7 +47,7 @@ from ..errors import (
 )
 from ..journal import leftovers, records
 from ..registry import client as registry
-from ..registry import refs
+from ..registry import refs, write
 from ..trust import attest, policy_file, signing, travel
 from ..trust.policy import Policy
 
@@ -571,7 +571,7 @@ def push_index(
                          "attestations": ",".join(attached)})
         entries.append((plat.os, plat.architecture, plat.variant, f"{repo}@{digest}"))
     say(f"==> putting the index {target} over {', '.join(c['platform'] for c in children)}")
-    index_digest, index = registry.put_index(engine, target, entries)
+    index_digest, index = write.put_index(engine, target, entries)
     seen = engine.registry_digest(target)
     if seen != index_digest:
         raise PushError(f"registry resolves {target} to {seen}, not the index put there ({index_digest})")

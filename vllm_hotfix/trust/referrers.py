@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PushError
 from ..registry.client import OCI_INDEX, OCI_MANIFEST, Client, sha256
+from ..registry.write import Repo, Writer
 from .signing import ENVELOPE_MEDIA_TYPE, PAYLOAD_TYPE
 
 if TYPE_CHECKING:
@@ -57,30 +58,15 @@ def verdict_tag(subject: str, artifact: str) -> str:
 INDEX_RETRIES = 5  # times the fallback index is written again when a concurrent writer replaced it
 
 
-def _put_blob(client: Client, repo: str, data: bytes) -> str:
-    digest = sha256(data)
-    scope = f"repository:{repo}:pull,push"
-    if client.request("HEAD", f"/v2/{repo}/blobs/{digest}", scope).status_code == 200:
-        return digest
-    started = client.request("POST", f"/v2/{repo}/blobs/uploads/", scope)
-    location = started.headers.get("Location", "")
-    if started.status_code != 202 or not location:
-        raise PushError(f"registry {client.host} refused to start an upload to {repo} ({started.status_code})")
-    if location.startswith("/"):
-        location = client.base + location
-    sep = "&" if "?" in location else "?"
-    # Monolithic upload: the whole blob in the closing PUT.
-    path = location.removeprefix(client.base) + f"{sep}digest={digest}"
-    done = client.request("PUT", path, scope, data=data, headers={"Content-Type": "application/octet-stream"})
-    if done.status_code != 201:
-        raise PushError(f"registry {client.host} refused the blob {digest} in {repo} ({done.status_code})")
-    return digest
+def _writer(client: Client, repo: str) -> Writer:
+    return Writer(Repo(client, repo))
 
 
 def attach(client: Client, repo: str, subject: Subject, envelope: bytes) -> str:
     """Store ``envelope`` as an artifact referring to ``subject``; return the artifact's digest."""
-    _put_blob(client, repo, EMPTY)
-    layer = _put_blob(client, repo, envelope)
+    writer = _writer(client, repo)
+    writer.put_blob(EMPTY, "the empty config")
+    layer = writer.put_blob(envelope, "the signed verdict's envelope")
     manifest = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
@@ -90,15 +76,12 @@ def attach(client: Client, repo: str, subject: Subject, envelope: bytes) -> str:
         "subject": subject.descriptor(),
     }
     body = json.dumps(manifest, indent=2).encode()
-    digest = sha256(body)
-    res = client.request("PUT", f"/v2/{repo}/manifests/{digest}", f"repository:{repo}:pull,push",
-                         data=body, headers={"Content-Type": OCI_MANIFEST})
-    if res.status_code != 201:
-        raise PushError(f"registry {client.host} refused the signed verdict for {repo}@{subject.digest} "
-                        f"({res.status_code})")
+    stored = writer.store_manifest(sha256(body), OCI_MANIFEST, body,
+                                   f"the signed verdict for {repo}@{subject.digest}")
+    digest = stored.digest
     # Its own tag: no other writer ever writes it, so no concurrent attach can drop it.
-    client.put_manifest(repo, verdict_tag(subject.digest, digest), OCI_MANIFEST, body)
-    if res.headers.get("OCI-Subject") == subject.digest:
+    writer.put_manifest(verdict_tag(subject.digest, digest), OCI_MANIFEST, body)
+    if stored.subject == subject.digest:
         log.info("registry %s indexes referrers itself", client.host)
         return digest
     _add_to_fallback(client, repo, subject, {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(body),
@@ -130,7 +113,8 @@ def _add_to_fallback(client: Client, repo: str, subject: Subject, entry: dict[st
             if not wanted:
                 return
             index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": [*entries, *wanted]}
-            client.put_manifest(repo, tag, OCI_INDEX, json.dumps(index, indent=2).encode())
+            _writer(client, repo).put_manifest(tag, OCI_INDEX, json.dumps(index, indent=2).encode(),
+                                               f"the referrers index {repo}:{tag}")
         except PushError as exc:
             if "is not a referrers index" in str(exc):
                 raise
