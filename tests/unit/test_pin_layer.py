@@ -22,6 +22,7 @@ import pytest
 
 from vllm_hotfix.building import pinfile
 from vllm_hotfix.checking import layer_read, pin_layer
+from vllm_hotfix.checking.difference import Difference
 from vllm_hotfix.layers import Layer, LayerEntry
 from vllm_hotfix.layers.read import from_folder
 
@@ -80,7 +81,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, pi
     return root, pinset, layer
 
 
-def _judge(root: Path, pinset: pinfile.PinSet, layer: Layer) -> str | None:
+def _judge(root: Path, pinset: pinfile.PinSet, layer: Layer) -> Difference | None:
     return pin_layer.difference(layer, root, pinset, _scheme(), [], None, None)  # type: ignore[arg-type]
 
 
@@ -108,4 +109,4 @@ def test_a_wheels_file_at_a_path_pip_never_writes_is_refused(installed: tuple[Pa
     entries = {**layer.entries, stray: LayerEntry(stray, "file", sha256=layer.entries[source].sha256, mode=0o755)}
     kept = {**layer.kept, **({stray: layer.kept[source]} if source in layer.kept else {})}
     why = _judge(root, pinset, Layer(entries, kept))
-    assert why is not None and why.startswith(stray)
+    assert why is not None and why.path == stray and why.field == "entry" and str(why).startswith(stray)

@@ -65,6 +65,7 @@ from ..layers.read import from_entries
 from ..tarball import Entry
 from ..verdicts import IDENTITY
 from . import pin_layer
+from .difference import Difference
 from .layer_read import LayerSource, layers_above
 
 log = logging.getLogger(__name__)
@@ -91,17 +92,30 @@ def same(found: LayerEntry, wanted: LayerEntry) -> bool:
     return kind == "whiteout"
 
 
-def first_difference(actual: Layer, expected: Layer) -> str | None:
-    """The first path (in order) where the layer read differs from the one the builder writes, in words."""
+def _field(found: LayerEntry, wanted: LayerEntry) -> tuple[str, str, str]:
+    """The first field two entries at one path differ in: (field, expected, found)."""
+    kind = "file" if found.kind == "hardlink" else found.kind
+    if kind != wanted.kind:
+        return "kind", wanted.kind, found.kind
+    for name, want, got in (("sha256", wanted.sha256, found.sha256), ("mode", f"{wanted.mode:o}", f"{found.mode:o}"),
+                            ("target", wanted.target, found.target),
+                            ("opaque", str(wanted.opaque), str(found.opaque))):
+        if want != got:
+            return name, want, got
+    return "kind", wanted.kind, found.kind
+
+
+def first_difference(actual: Layer, expected: Layer) -> Difference | None:
+    """The first path (in order) where the layer read differs from the one the builder writes."""
     found, wanted = actual.entries, expected.entries
     for path in sorted(set(found) | set(wanted)):
         a, e = found.get(path), wanted.get(path)
         if a is None and e is not None:
-            return f"{path} is missing (the builder writes {in_words(e)})"
+            return Difference(path, "entry", in_words(e), "", f"{path} is missing (the builder writes {in_words(e)})")
         if e is None and a is not None:
-            return f"{path} is not the builder's ({in_words(a)})"
+            return Difference(path, "entry", "", in_words(a), f"{path} is not the builder's ({in_words(a)})")
         if a is not None and e is not None and not same(a, e):
-            return f"{path} is {in_words(a)}, the builder writes {in_words(e)}"
+            return Difference(path, *_field(a, e), f"{path} is {in_words(a)}, the builder writes {in_words(e)}")
     return None
 
 
@@ -109,21 +123,27 @@ def _norm(value: object) -> object:
     return None if value in (None, "", [], {}, False) else value
 
 
-def config_difference(base: Mapping[str, Any], image: Mapping[str, Any]) -> str | None:
+def config_difference(base: Mapping[str, Any], image: Mapping[str, Any]) -> Difference | None:
     """Where the image's config differs from its base's other than by the labels a builder adds."""
     for key, field_name in (("Os", "os"), ("Architecture", "architecture"), ("Variant", "variant")):
         if _norm(base.get(key)) != _norm(image.get(key)):
-            return f"platform {field_name} {image.get(key)!r}, the base's {base.get(key)!r}"
+            return Difference("platform", field_name, str(base.get(key) or ""), str(image.get(key) or ""),
+                              f"platform {field_name} {image.get(key)!r}, the base's {base.get(key)!r}")
     bc, ic = base.get("Config") or {}, image.get("Config") or {}
     for key in RUNTIME_FIELDS:
         if _norm(bc.get(key)) != _norm(ic.get(key)):
-            return f"config {key} {ic.get(key)!r}, the base's {bc.get(key)!r}"
+            return Difference("config", key, repr(bc.get(key)), repr(ic.get(key)),
+                              f"config {key} {ic.get(key)!r}, the base's {bc.get(key)!r}")
     bl, il = dict(bc.get("Labels") or {}), dict(ic.get("Labels") or {})
     for key in sorted(set(bl) | set(il)):
-        if key in bl and il.get(key) != bl[key] and not key.startswith(OWN_LABELS) and key not in OCI_LABELS:
-            return f"label {key} {il.get(key)!r}, the base's {bl[key]!r}"
-        if key not in bl and not key.startswith(OWN_LABELS) and key not in OCI_LABELS:
-            return f"label {key} added ({il[key]!r}): a builder adds only {L.PREFIX}.* and the OCI base labels"
+        if key.startswith(OWN_LABELS) or key in OCI_LABELS:
+            continue
+        if key in bl and il.get(key) != bl[key]:
+            return Difference("label", key, bl[key], str(il.get(key) or ""),
+                              f"label {key} {il.get(key)!r}, the base's {bl[key]!r}")
+        if key not in bl:
+            return Difference("label", key, "", il[key], f"label {key} added ({il[key]!r}): a builder adds only "
+                                                         f"{L.PREFIX}.* and the OCI base labels")
     return None
 
 
@@ -311,10 +331,10 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     base_layers = [str(d) for d in ((base.info.attrs or {}).get("RootFS") or {}).get("Layers") or []]
     layers = [str(d) for d in ((image.attrs or {}).get("RootFS") or {}).get("Layers") or []]
 
-    def refused(why: str) -> Outcome:
+    def refused(why: str | Difference) -> Outcome:
+        said = {"first_difference": str(why), **({"difference": why.as_dict()} if isinstance(why, Difference) else {})}
         return Outcome("fail", f"not the product of definition {base.definition.tag} on base "
-                               f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, "first_difference": why},
-                       python_path)
+                               f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, **said}, python_path)
 
     if layers[:len(base_layers)] != base_layers:
         at = next((i for i, (a, b) in enumerate(zip(layers, base_layers, strict=False)) if a != b),
@@ -348,14 +368,19 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         return refused(f"patches/{base.definition.patch_set} changes no file of the base, so its builder writes no "
                        f"patch layer, yet the image has {above} layer(s) above the base")
     differences = [first_difference(read[-1], c) for c in choices]
-    if all(differences):
-        return refused(f"patch layer: {differences[0]}")
+    if all(d is not None for d in differences):
+        first = differences[0]
+        assert first is not None
+        return refused(replace(first, words=f"patch layer: {first}"))
     if pinset is not None:
         sites = [p for p in python_path if p.rstrip("/").endswith(("-packages", "site-packages"))]
-        why = pin_layer.difference(read[0], root, pinset, scheme, [*sites, site_dir], base.info, engine,
-                                   sources.cache_dir(root))
+        try:
+            why = pin_layer.difference(read[0], root, pinset, scheme, [*sites, site_dir], base.info, engine,
+                                       sources.cache_dir(root))
+        except PinError as exc:
+            return refused(f"pip layer: {exc}")
         if why is not None:
-            return refused(f"pip layer: {why}")
+            return refused(replace(why, words=f"pip layer: {why}"))
     unpinned = "" if base.definition.base_digests else f"; definition {base.definition.tag} pins no base digest"
     return Outcome("pass", f"its {above} layer(s) over base {base.info.id[:19]} ({base.how}) are exactly what "
                            f"the builder writes for patches/{base.definition.patch_set}, its config the base's "

@@ -38,7 +38,9 @@ from .. import dist_record
 from ..building import pins
 from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
+from ..errors import PinError
 from ..layers import Layer, LayerEntry, in_words
+from .difference import Difference
 from .installed import canonical
 from .integrity import keep_metadata, read_site
 
@@ -111,8 +113,9 @@ def _script_ok(data: bytes, member: bytes) -> bool:
 
 
 def difference(layer: Layer, root: Path, pinset: PinSet, scheme: Mapping[str, str], sites: Sequence[str],
-               base: ImageInfo, engine: Engine, cache: Path | None = None) -> str | None:
-    """The first entry of the pip layer that pip could not have written from the pinned wheels, in words.
+               base: ImageInfo, engine: Engine, cache: Path | None = None) -> Difference | None:
+    """The first entry of the pip layer that pip could not have written from the pinned wheels (PinError: a wheel
+    or the base's scheme this host lacks, so the layer cannot be judged).
 
     ``scheme``: the base Python's install scheme (``sysconfig.get_paths()``
     as the base itself answers: purelib, platlib, scripts, data, include),
@@ -121,8 +124,8 @@ def difference(layer: Layer, root: Path, pinset: PinSet, scheme: Mapping[str, st
     copies from."""
     lacking = [k for k in SCHEME_KEYS if not scheme.get(k)]
     if lacking:
-        return (f"the base's Python gave no install scheme path {lacking[0]} (its locate probe is older): cannot "
-                "place the wheels' files")
+        raise PinError(f"the base's Python gave no install scheme path {lacking[0]}: cannot place the wheels' "
+                       "files")
     folders = [s.strip("/") for s in dict.fromkeys(sites) if s.strip("/")]
     files: dict[str, str] = {}  # path -> sha256 of the wheel member it must hold
     scripts: dict[str, bytes] = {}  # path in the scripts folder -> the wheel member's bytes
@@ -133,9 +136,9 @@ def difference(layer: Layer, root: Path, pinset: PinSet, scheme: Mapping[str, st
     for pin in pinset.pins:
         wheel = pins.cached_wheel(root, pin)
         if wheel is None:
-            return (f"{pinset.path.name} pins {pin.spelled} {pin.version}, and {pins.cache(root)} holds no wheel of it "
-                    "with a hash it names: the layer cannot be judged against that pin (build the patch set once "
-                    "to fetch it)")
+            raise PinError(f"{pinset.path.name} pins {pin.spelled} {pin.version}, and {pins.cache(root)} holds no "
+                           "wheel of it with a hash it names: the layer cannot be judged against that pin (build the "
+                           "patch set once to fetch it)")
         names.add(canonical(pin.name))
         with zipfile.ZipFile(wheel) as zf:
             info_dir = next(n.split("/", 1)[0] for n in zf.namelist() if n.split("/", 1)[0].endswith(".dist-info"))
@@ -151,7 +154,7 @@ def difference(layer: Layer, root: Path, pinset: PinSet, scheme: Mapping[str, st
                     continue
                 where = _installed_path(member, scheme, data_dir, purelib, dist)
                 if where is None:
-                    return f"{wheel.name}: {member} is in a {data_dir} folder pip does not install"
+                    raise PinError(f"{wheel.name}: {member} is in a {data_dir} folder pip does not install")
                 body = zf.read(member)
                 if member.startswith(f"{data_dir}/scripts/"):
                     scripts[where] = body
@@ -186,32 +189,38 @@ def _removable(path: str, owned: set[str], below: Mapping[str, list[str]]) -> bo
 
 def _judge(path: str, layer: Mapping[str, LayerEntry], data: Mapping[str, bytes], files: Mapping[str, str],
            scripts: Mapping[str, bytes], launchers: Mapping[str, tuple[str, str]], pip_files: set[str],
-           owned: set[str], below: Mapping[str, list[str]]) -> str | None:
+           owned: set[str], below: Mapping[str, list[str]]) -> Difference | None:
     node = layer[path]
     if node.kind in ("file", "hardlink"):
         if path in files:
-            return None if files[path] == node.sha256 else \
-                f"/{path} is not the wheel's (sha256 {node.sha256[:12]}, the wheel's {files[path][:12]})"
+            return None if files[path] == node.sha256 else Difference(
+                f"/{path}", "sha256", files[path], node.sha256,
+                f"/{path} is not the wheel's (sha256 {node.sha256[:12]}, the wheel's {files[path][:12]})")
         if path in pip_files:
             return None
         if path.endswith(".pyc"):
-            return f"/{path}: bytecode, which pip --no-compile does not write"
+            return Difference(f"/{path}", "entry", "", in_words(node),
+                              f"/{path}: bytecode, which pip --no-compile does not write")
         if path in scripts:
             if path in data and _script_ok(data[path], scripts[path]):
                 return None
-            return f"/{path} is not the wheel's script (its bytes after a Python shebang)"
+            return Difference(f"/{path}", "sha256", hashlib.sha256(scripts[path]).hexdigest(), node.sha256,
+                              f"/{path} is not the wheel's script (its bytes after a Python shebang)")
         if path in launchers:
             module, attr = launchers[path]
             if path in data and launcher_ok(data[path], module, attr):
                 return None
-            return f"/{path} is not pip's launcher of {module}:{attr}"
-        return f"/{path} is not a file of a pinned wheel ({in_words(node)})"
+            return Difference(f"/{path}", "sha256", f"pip's launcher of {module}:{attr}", node.sha256,
+                              f"/{path} is not pip's launcher of {module}:{attr}")
+        return Difference(f"/{path}", "entry", "", in_words(node),
+                          f"/{path} is not a file of a pinned wheel ({in_words(node)})")
     if node.kind == "whiteout" or (node.kind == "dir" and node.opaque):
         if _removable(path, owned, below):
             return None
         stray = sorted(p for p in below.get(path, ()) if p not in owned)
-        return f"/{path} is {'removed' if node.kind == 'whiteout' else 'made opaque'}, and the base's pinned " \
-               f"distributions do not own all it held (not /{stray[0] if stray else path})"
+        return Difference(f"/{path}", "entry", "held by the base", in_words(node),
+                          f"/{path} is {'removed' if node.kind == 'whiteout' else 'made opaque'}, and the base's "
+                          f"pinned distributions do not own all it held (not /{stray[0] if stray else path})")
     if node.kind == "dir":
         inner = path + "/"
         if any(p.startswith(inner) for p in layer if layer[p].kind != "dir" or layer[p].opaque):
@@ -219,8 +228,10 @@ def _judge(path: str, layer: Mapping[str, LayerEntry], data: Mapping[str, bytes]
         if any(k.startswith(inner) for k in files) or node.mode & 0o1000 or not node.mode & 0o022:
             # A folder pip wrote into or passed through (its scratch folder under /tmp): it holds nothing here.
             return None
-        return f"/{path}: a folder pip does not make, writable by others (mode {node.mode:o})"
-    return f"/{path} is not a file of a pinned wheel ({in_words(node)})"
+        return Difference(f"/{path}", "mode", "", f"{node.mode:o}",
+                          f"/{path}: a folder pip does not make, writable by others (mode {node.mode:o})")
+    return Difference(f"/{path}", "entry", "", in_words(node),
+                      f"/{path} is not a file of a pinned wheel ({in_words(node)})")
 
 
 def _owned_by_base(engine: Engine, base: ImageInfo, site_dir: str, names: set[str], cache: Path | None
