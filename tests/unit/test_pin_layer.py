@@ -16,6 +16,7 @@ import runpy
 import subprocess
 import sys
 import zipfile
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def _wheel(folder: Path) -> Path:
 
 
 def _scheme() -> dict[str, str]:
-    probe = runpy.run_path(str(Path(pin_layer.__file__).parent / "probes" / "locate.py"), run_name="probe")
+    probe = runpy.run_path(str(resources.files("vllm_hotfix.checking.probes") / "locate.py"), run_name="probe")
     scheme: dict[str, str] = probe["install_scheme"]()
     return scheme
 
