@@ -7,6 +7,8 @@ against the reference's per-level answers (exact-levels)."""
 from __future__ import annotations
 
 import copy
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -98,8 +100,8 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
-    verdict, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
-                             reference=options.reference)
+    verdict, _, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
+                                reference=options.reference)
     return verdict
 
 
@@ -375,7 +377,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
                           capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
-    judged, levels = plan.judged(job, launched)
+    judged, levels, _ = plan.judged(job, launched)
     sweep_check = next(c for c in judged.checks if c.name == "serve-sweep")
     assert "bitwise" not in sweep_check.detail and (judged.sweep or {}).get("reference") is None, sweep_check
     assert sweep_check.data["judged_on"] == "host" and sweep_check.data["answered_by"] == "filesystem"
@@ -391,11 +393,13 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     judged = plan.restamp(judged, kept, recorded=True)
     assert judged.sweep is not None and judged.sweep["recorded"]["levels"]["schedule"]["levels"] == [1, 2]
     assert json.loads((tmp_path / "new.json").read_text())["sha256"] == kept.sha256
-    # This Python has neither vLLM nor torch: the image's env-report says so, and the file keeps it.
-    assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": "absent"}
+    # This Python has no vLLM (and torch where the test extras put it): the image's env-report says so, and the
+    # file keeps it.
+    torch = importlib.metadata.version("torch") if importlib.util.find_spec("torch") is not None else "absent"
+    assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": torch}
     assert judged.sweep["recorded"]["sha256"] == kept.sha256
     # A recording whose settings are not this run's is refused and not kept.
-    with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch 'absent' there, "
-                                         r"'2.11.0' here\); nothing written"):
+    with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch "
+                                         rf"'{re.escape(torch)}' there, '2.11.0' here\); nothing written"):
         reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
     assert not (tmp_path / "other.json").exists()

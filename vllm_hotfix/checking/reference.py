@@ -24,6 +24,9 @@ never a tolerance) and
 ``prompt_sensitivity`` (distinct replies, and the median gap between the
 first token's two best candidates: a model that hardly reads its prompt
 makes a weak oracle).
+A recording on a host that can run the golden forward (:mod:`vllm_hotfix.golden`)
+also keeps ``golden``: the noise between the golden and the trusted image's
+replies, per prompt, and the margin thresholds the ``golden`` check judges at.
 
 The file is JSON and carries the sha256 of its own canonical content, so a
 file changed after it was recorded is refused instead of quietly judging
@@ -205,6 +208,8 @@ class Reference:
     prompt_sensitivity: dict[str, Any] = field(default_factory=dict)  # oracle.prompt_sensitivity
     # fixed_batches.record: every level's answers under fixed batches, and the schedule they were recorded under
     levels: dict[str, Any] = field(default_factory=dict)
+    # golden.judge.recorded: the noise between the golden forward and the trusted image, and its margin threshold
+    golden: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -219,7 +224,8 @@ class Reference:
                 "repeat": self.repeat, "prompt_sensitivity": self.prompt_sensitivity,
                 "answers": [a.to_dict() for a in self.answers],
                 # Absent, not empty, where none were recorded: a file written before keeps its sha256.
-                **({"levels": self.levels} if self.levels else {})}
+                **({"levels": self.levels} if self.levels else {}),
+                **({"golden": self.golden} if self.golden else {})}
 
     def summary(self) -> dict[str, Any]:
         """What a sweep report says about the reference it judged against."""
@@ -228,7 +234,8 @@ class Reference:
                 "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version,
                 "settings": self.settings, "noise": self.noise, "repeat": self.repeat,
                 "prompt_sensitivity": self.prompt_sensitivity,
-                "levels": {k: v for k, v in self.levels.items() if k != "answers"}}
+                "levels": {k: v for k, v in self.levels.items() if k != "answers"},
+                "golden": {k: v for k, v in self.golden.items() if k in ("noise", "recorded")}}
 
 
 def digest(content: dict[str, Any]) -> str:
@@ -243,11 +250,13 @@ def write(ref: Reference, path: Path) -> Reference:
     return replace(ref, sha256=sha, path=str(path))
 
 
-def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None) -> Reference:
+def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None,
+         golden: dict[str, Any] | None = None) -> Reference:
     """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
     checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
     is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
-    probe's replies (:func:`vllm_hotfix.checking.fixed_batches.record`), written into the same file."""
+    probe's replies (:func:`vllm_hotfix.checking.fixed_batches.record`), written into the same file; ``golden``
+    the noise the host measured between them and the golden forward (:func:`vllm_hotfix.golden.judge.recorded`)."""
     from ..errors import SmokeError
     from . import oracle
 
@@ -258,8 +267,8 @@ def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, An
         path.unlink()
         raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
                          f"({differ}); nothing written")
-    if levels:
-        ref = write(replace(ref, levels=levels), path)
+    if levels or golden:
+        ref = write(replace(ref, levels=levels or {}, golden=golden or {}), path)
     return ref
 
 
@@ -305,7 +314,8 @@ def load(path: Path, option: str = "--reference") -> Reference:
         ref = Reference(str(data["model"]), str(data["served_model"]), int(data["max_tokens"]),
                         int(data["top_logprobs"]), answers, str(data["tool_version"]), str(data["recorded"]),
                         str(data["recorded_from"]), sha, str(path), _dict(data["settings"]), _dict(data["noise"]),
-                        _dict(data["repeat"]), _dict(data["prompt_sensitivity"]), _dict(data.get("levels") or {}))
+                        _dict(data["repeat"]), _dict(data["prompt_sensitivity"]), _dict(data.get("levels") or {}),
+                        _dict(data.get("golden") or {}))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
     if not answers or ref.max_tokens < 1:

@@ -34,7 +34,7 @@ from ..runner.main import IMAGE_PYTHON, as_check
 FILESYSTEM = "filesystem"  # as vllm_hotfix.checking.integrity names the host's file facts
 # Checks only the host makes: a runner's report of these names is never taken.
 HOST_CHECKS = ("layer-identity", "patch-landed", "package-version", "integrity", "compiled-files", "runner",
-               "gpu-claim", "exact-levels")
+               "gpu-claim", "exact-levels", "golden")
 
 
 def required(job: Mapping[str, Any]) -> list[str]:

@@ -23,7 +23,8 @@ from typing import Any
 from ...building import definitions, patches, pins, wheels
 from ...building.pinfile import Pin
 from ...engine import labels as L
-from ...errors import DefinitionError, PatchError, PinError, RunnerFailed, SmokeError, UsageError
+from ...errors import DefinitionError, Malformed, PatchError, PinError, RunnerFailed, SmokeError, UsageError
+from ...golden import check as golden
 from ...journal import leftovers, records
 from ...verdicts import Check, Status, Verdict
 from .. import compile_cache, fixed_batches, oracle, replies
@@ -253,6 +254,7 @@ class Ran:
     job: Mapping[str, Any]
     answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
     levels: Mapping[str, Any] | None = None  # per-level answers recorded under fixed batches (the host's reading)
+    golden: Mapping[str, Any] | None = None  # the golden's noise measured on a recording run (the host's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +302,30 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference
     return [check], evidence, None
 
 
+def golden_check(job: Mapping[str, Any], launched: Launched, reference: Reference | None, model: Path | None
+                 ) -> tuple[list[Check], dict[str, Any] | None]:
+    """The host's ``golden`` check of the replies that came back (none where the job judged no answers, or the
+    host has no model folder), and, for a recording, the golden's noise to keep in the reference."""
+    spec = (job.get("serve") or {}).get("batches")
+    if not spec or model is None:
+        return [], None
+    sweep = next((c for c in launched.report.checks if c.name == "serve-sweep"), None)
+    if launched.batches is None and (sweep is None or sweep.status is Status.SKIP):
+        return [golden.judge.skipped(sweep.detail if sweep is not None else "the sweep did not run")], None
+    prompts = [str(p) for p in spec["prompts"]]
+    try:
+        http = json.loads(launched.replies) if launched.replies is not None else {}
+        if not isinstance(http, dict):
+            raise Malformed("the sweep's replies are not an object")
+        served = golden.served_replies(http, len(prompts), fixed_batches.parse(launched.batches).runs)
+    except (ValueError, Malformed) as exc:
+        return [Check(golden.judge.CHECK, Status.FAIL, f"the runner's replies cannot be read: {exc}")], None
+    start = time.monotonic()
+    check, section = golden.run(model, prompts, served, section=reference.golden if reference is not None else None,
+                                recording=reference is None)
+    return [replace(check, seconds=round(time.monotonic() - start, 3))], section
+
+
 def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None) -> Verdict:
     """The runner's report with its serve-sweep judged here from the replies it sent back (:mod:`..replies`):
     against ``reference`` where there is one, else by status and length alone (a recording run included)."""
@@ -330,16 +356,19 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
 
 
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
-           started: str = "", seconds: float = 0.0, reference: Reference | None = None
-           ) -> tuple[Verdict, Mapping[str, Any] | None]:
-    """The host's verdict on what came back: the report judged, or the runner's failure to give one; and the
+           started: str = "", seconds: float = 0.0, reference: Reference | None = None,
+           model: Path | None = None) -> tuple[Verdict, Mapping[str, Any] | None, Mapping[str, Any] | None]:
+    """The host's verdict on what came back: the report judged, or the runner's failure to give one; the
     per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
-    against; None while recording)."""
+    against; None while recording) and the golden's noise it measured (``model``: the served model's folder on
+    this host, which the golden computes)."""
     facts = facts or HostFacts()
     if isinstance(launched, RunnerFailed):
         return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
-                                  started=started, seconds=seconds, gpu_facts=facts.gpu), None
+                                  started=started, seconds=seconds, gpu_facts=facts.gpu), None, None
     checks, evidence, levels = batch_check(job, launched, reference)
+    found, noise = golden_check(job, launched, reference, model)
+    checks += found
     report = sweep_judged(job, launched, reference)
     here = ["serve-sweep"] if report is not launched.report else []
     verdict = judging.host_verdict(job, report, judged_here=here, compiled_missing=facts.compiled_missing,
@@ -348,7 +377,7 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
                                    exact=evidence)
     if reference is not None:
         verdict = restamp(verdict, reference)
-    return verdict, levels
+    return verdict, levels, noise
 
 
 def restamp(verdict: Verdict, reference: Reference, *, recorded: bool = False) -> Verdict:
@@ -398,8 +427,8 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
             if exc.hint:
                 say(exc.hint)
             launched = exc
-    verdict, levels = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
-                             reference=options.reference)
+    verdict, levels, noise = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
+                                    reference=options.reference, model=model)
     if options.reference is not None and isinstance(launched, Launched):
         from ..reference import refuse_other_settings
 
@@ -410,4 +439,4 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     for c in verdict.checks:
         if echo or ((c.name, c.status, c.detail) not in said and (c.name, c.status.value, c.detail) not in shown):
             say(f"    {c.status.value:<4} {c.name}: {c.detail}" + ("" if echo else " (judged here)"))
-    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None, levels)
+    return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None, levels, noise)

@@ -165,7 +165,7 @@ def check_torch() -> tuple[list[dict[str, Any]], Any]:
                 )
             ], None
         n = torch.cuda.device_count()
-        devices = []
+        devices: list[dict[str, Any]] = []
         for i in range(n):
             major, minor = torch.cuda.get_device_capability(i)
             devices.append({"index": i, "name": torch.cuda.get_device_name(i), "capability": [major, minor]})

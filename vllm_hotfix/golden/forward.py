@@ -1,0 +1,370 @@
+"""The MiniMax-M3 text backbone in plain PyTorch, float32: what the served model should compute.
+
+Written from vLLM 0.25.1's definition (``vllm/models/minimax_m3/nvidia/model.py``,
+``common/indexer.py``, ``common/ops/index_topk.py``, ``common/ops/sparse_attn.py``,
+the fused MoE's sigmoid router and ``SiluAndMulWithClamp``), never calling
+vLLM, its kernels or its buffers. Per layer, as vLLM computes it:
+
+- Gemma-style RMSNorm, ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, before
+  attention and before the MLP (pre-norm residual stream), and at the end;
+- attention: q, k, v and, on sparse layers, the index query (one per KV head)
+  and the index key (one per token) from the hidden state; per-head Gemma
+  norms of q, k, index q and index k; partial NeoX rotary embedding on the
+  first ``rotary_dim`` dims of all four; on sparse layers the lightning
+  indexer's block score ``max over the block's keys at or before the query of
+  index_q . index_k`` (no scale), the init blocks and the local blocks forced
+  in, the ``topk_blocks`` best of the rest, then each KV head's 16 query
+  heads attend, causally, to the tokens of its own index head's chosen blocks
+  (softmax scale ``head_dim ** -0.5``); dense layers attend causally to all;
+- the first layers' dense MLP and the others' MoE: a float32 sigmoid router
+  whose top-k is chosen on ``sigmoid + routing bias``, weighted by the
+  sigmoid renormalised over the chosen experts and scaled by
+  ``routed_scaling_factor``, plus the shared expert; every MLP is SwiGLU-OAI
+  (``gate`` clamped above, ``up`` clamped both ways, ``gate * sigmoid(alpha *
+  gate) * (up + beta)``);
+- the LM head on the final norm, log-softmax.
+
+Sequences are computed alone (no padding across prompts): :meth:`Golden.prefill`
+runs a prompt once and keeps its keys and values, :meth:`Golden.extend` runs
+any number of continuations of it in one batch (the replies served to one
+prompt share its prefix), :meth:`Golden.greedy` generates the golden's own
+reply. Queries go through attention in chunks so a prompt of thousands of
+tokens needs a few hundred MB, not the square of its length.
+
+Imports torch at module level: import this module only where torch is there
+(:mod:`.scoring` asks first).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import Malformed
+from .config import ModelConfig, Sparse
+from .config import load as load_config
+
+# Query rows per attention chunk: 512 rows x 5,600 keys x 64 heads x 4 bytes is about 730 MB.
+QUERY_CHUNK = 512
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file (an 8-byte header length, a JSON header, the raw data), as float32."""
+    data = Path(path).read_bytes()
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + size])
+    except (struct.error, ValueError) as exc:
+        raise Malformed(f"{path}: not a safetensors file ({exc})") from None
+    base = 8 + size
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise Malformed(f"{path}: tensor {name} is {entry.get('dtype')}, the golden reads F32, BF16 and F16")
+        start, end = entry["data_offsets"]
+        raw = bytearray(data[base + start:base + end])
+        flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        out[name] = flat.reshape(entry["shape"]).to(torch.float32)
+    return out
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model folder: ``model.safetensors``, or the shards its index names."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(read_safetensors(folder / shard))
+        return out
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise Malformed(f"{folder}: no model.safetensors (nor an index of shards)")
+    return read_safetensors(single)
+
+
+def _router(name: str) -> bool:
+    return name.endswith((".gate.weight", ".e_score_correction_bias"))
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-style RMSNorm, computed in float32 whatever ``x``'s dtype (as FlashInfer's kernel does)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    gate = gate.clamp(max=cfg.swiglu_limit)
+    up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    return gate * torch.sigmoid(cfg.swiglu_alpha * gate) * (up + cfg.swiglu_beta)
+
+
+def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse) -> torch.Tensor:
+    """Which keys each index head lets each query read, [index_heads, n, keys], from the block scores ``scores``
+    [index_heads, n, blocks] of queries at ``positions`` [n]: the blocks holding a key at or before the query
+    (``position // block_size + 1`` of them), the init blocks and the local (last) blocks forced in, the
+    ``topk_blocks`` best in all; a NaN score counts as the lowest; and within the chosen blocks, the keys at
+    or before the query."""
+    blocks = scores.shape[-1]
+    block = torch.arange(blocks, device=scores.device)
+    valid_blocks = positions // sp.block_size + 1
+    valid = block[None, :] < valid_blocks[:, None]
+    s = torch.where(torch.isnan(scores), torch.full_like(scores, -1e30), scores)
+    s = torch.where((block[None, :] < sp.init_blocks)[None] & valid[None], torch.full_like(s, 1e30), s)
+    local = block[None, :] >= (valid_blocks[:, None] - sp.local_blocks)
+    s = torch.where((local & valid)[None], torch.full_like(s, 1e29), s)
+    s = torch.where(valid[None], s, torch.full_like(s, float("-inf")))
+    picked = torch.topk(s, min(sp.topk_blocks, blocks), dim=-1).indices
+    chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, picked, True) & valid[None]
+    tokens = chosen.repeat_interleave(sp.block_size, dim=-1)[..., :keys]
+    causal = torch.arange(keys, device=scores.device)[None, :] <= positions[:, None]
+    return tokens & causal[None]
+
+
+@dataclass
+class Prefix:
+    """A prompt run once: its per-layer keys, values and index keys, and its last position's log-probabilities."""
+
+    ids: list[int]
+    keys: list[torch.Tensor]  # per layer [P, kv_heads, head_dim], normed and rotated
+    values: list[torch.Tensor]  # per layer [P, kv_heads, head_dim]
+    index_keys: list[torch.Tensor | None]  # per layer [P, head_dim] (None: a dense layer)
+    last: torch.Tensor  # [vocab] log-probabilities of the token after the prompt
+    logprobs: torch.Tensor | None = None  # [P, vocab] at every prompt position, where asked for
+
+
+class Golden:
+    """The model of one folder on one device, float32."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        # ``dtype``: float32 is the golden; a lower precision is a right computation that is not (tests use it to
+        # stand for a right image's bfloat16 numerics).
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        missing = [n for n in self.names() if n not in weights]
+        if missing:
+            raise Malformed(f"the weights lack {len(missing)} tensor(s) the model needs, e.g. {', '.join(missing[:3])}")
+        # vLLM serves the weights in the config's dtype (rounded once, when it loads them) except the router's,
+        # which it keeps in float32: the golden computes with those values, in ``dtype``.
+        served = _DTYPES.get(cfg.dtype, torch.float32)
+        self.w = {n: weights[n].to(self.device, torch.float32 if _router(n) else served).to(dtype)
+                  for n in self.names()}
+        half = cfg.rotary_dim // 2
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32,
+                                                               device=self.device)[:half] / cfg.rotary_dim))
+
+    @classmethod
+    def load(cls, folder: Path, device: str | torch.device | None = None, dtype: torch.dtype = torch.float32
+             ) -> Golden:
+        """The model in ``folder`` (config.json and its safetensors) on ``device`` (CUDA where there is one)."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(load_config(Path(folder)), read_weights(Path(folder)), device, dtype)
+
+    def names(self) -> list[str]:
+        cfg = self.cfg
+        out = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        for i in range(cfg.layers):
+            p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+            out += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            out += [f"{a}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+            if self.sparse_layer(i):
+                out += [f"{a}.{n}.weight" for n in ("index_q_proj", "index_k_proj", "index_q_norm", "index_k_norm")]
+            if i in cfg.moe_layers:
+                m = f"{p}.block_sparse_moe"
+                out.append(f"{m}.gate.weight")
+                if cfg.routing_bias:
+                    out.append(f"{m}.e_score_correction_bias")
+                for e in range(cfg.experts):
+                    out += [f"{m}.experts.{e}.{n}.weight" for n in ("w1", "w2", "w3")]
+                if cfg.shared_inter:
+                    out += [f"{m}.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+            else:
+                out += [f"{p}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        return out
+
+    def sparse_layer(self, i: int) -> bool:
+        return self.cfg.sparse is not None and i in self.cfg.sparse.layers
+
+    # -- the pieces -------------------------------------------------------------------------------------------
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Partial NeoX rotary embedding of ``x`` [..., n, heads, head_dim] at ``positions`` [n]."""
+        rd, half = self.cfg.rotary_dim, self.cfg.rotary_dim // 2
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        x1, x2, rest = x[..., :half], x[..., half:rd], x[..., rd:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+    def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        w = self.w
+        h = swiglu_oai(x @ w[f"{prefix}.gate_proj.weight"].T, x @ w[f"{prefix}.up_proj.weight"].T, self.cfg)
+        return h @ w[f"{prefix}.down_proj.weight"].T
+
+    def moe(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        cfg, w, m = self.cfg, self.w, f"model.layers.{i}.block_sparse_moe"
+        # The router computes in float32 whatever the model's dtype (vLLM's GateLinear does).
+        scores = torch.sigmoid(x.float() @ w[f"{m}.gate.weight"].float().T)
+        choice = scores + w[f"{m}.e_score_correction_bias"][None, :] if cfg.routing_bias else scores
+        chosen = torch.topk(choice, cfg.experts_per_token, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        weights = (weights / weights.sum(-1, keepdim=True) * cfg.routed_scale).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(cfg.experts):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = x[rows]
+            h = swiglu_oai(xe @ w[f"{m}.experts.{e}.w1.weight"].T, xe @ w[f"{m}.experts.{e}.w3.weight"].T, cfg)
+            # Each token picks an expert once, so the rows are distinct: the sum is deterministic on any device.
+            out.index_add_(0, rows, (h @ w[f"{m}.experts.{e}.w2.weight"].T) * weights[rows, slot, None])
+        if cfg.shared_inter:
+            out = out + self.mlp(x, f"{m}.shared_experts")
+        return out
+
+    def allowed(self, scores: torch.Tensor, positions: torch.Tensor, keys: int) -> torch.Tensor:
+        """Which keys each index head lets each query read (see :func:`select`)."""
+        assert self.cfg.sparse is not None
+        return select(scores, positions, keys, self.cfg.sparse)
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
+               ik: torch.Tensor | None, start: int) -> torch.Tensor:
+        """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1."""
+        cfg = self.cfg
+        n, keys = q.shape[0], k.shape[0]
+        group = cfg.heads // cfg.kv_heads
+        scale = cfg.head_dim ** -0.5
+        out = torch.empty_like(q)
+        for a in range(0, n, QUERY_CHUNK):
+            b = min(n, a + QUERY_CHUNK)
+            positions = torch.arange(start + a, start + b, device=q.device)
+            if iq is not None and ik is not None:
+                sp = cfg.sparse
+                assert sp is not None
+                raw = torch.einsum("chd,sd->hcs", iq[a:b], ik).float()
+                causal = torch.arange(keys, device=q.device)[None, :] <= positions[:, None]
+                raw = raw.masked_fill(~causal[None], float("-inf"))
+                blocks = -(-keys // sp.block_size)
+                pad = blocks * sp.block_size - keys
+                if pad:
+                    raw = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
+                scores = raw.view(raw.shape[0], b - a, blocks, sp.block_size).amax(-1)
+                mask = self.allowed(scores, positions, keys)  # [kv_heads, c, S]
+            else:
+                mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None]
+            qc = q[a:b].view(b - a, cfg.kv_heads, group, cfg.head_dim)
+            logits = torch.einsum("ckgd,skd->kgcs", qc, k).float() * scale
+            logits = logits.masked_fill(~mask[:, None], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).to(v.dtype)
+            out[a:b] = torch.einsum("kgcs,skd->ckgd", probs, v).reshape(b - a, cfg.heads, cfg.head_dim)
+        return out
+
+    def project(self, i: int, x: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q, k, v, index q, index k of hidden states ``x`` [n, hidden] at ``positions``: normed and rotated."""
+        cfg, w, a = self.cfg, self.w, f"model.layers.{i}.self_attn"
+        n = x.shape[0]
+        q = (x @ w[f"{a}.q_proj.weight"].T).view(n, cfg.heads, cfg.head_dim)
+        k = (x @ w[f"{a}.k_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
+        v = (x @ w[f"{a}.v_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
+        q = self.rope(gemma_norm(q, w[f"{a}.q_norm.weight"], cfg.eps), positions)
+        k = self.rope(gemma_norm(k, w[f"{a}.k_norm.weight"], cfg.eps), positions)
+        if not self.sparse_layer(i):
+            return q, k, v, None, None
+        sp = cfg.sparse
+        assert sp is not None
+        iq = (x @ w[f"{a}.index_q_proj.weight"].T).view(n, sp.index_heads, sp.index_dim)
+        ik = (x @ w[f"{a}.index_k_proj.weight"].T).view(n, 1, sp.index_dim)
+        iq = self.rope(gemma_norm(iq, w[f"{a}.index_q_norm.weight"], cfg.eps), positions)
+        ik = self.rope(gemma_norm(ik, w[f"{a}.index_k_norm.weight"], cfg.eps), positions)[:, 0]
+        return q, k, v, iq, ik
+
+    # -- whole sequences --------------------------------------------------------------------------------------
+    def run(self, ids: torch.Tensor, start: int, prefix: Prefix | None, all_positions: bool
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+        """Tokens ``ids`` [R, n] at positions start.., each row after ``prefix`` (None: start is 0): the
+        log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only) and the new rows' keys,
+        values and index keys per layer ([R, n, ...])."""
+        cfg, w = self.cfg, self.w
+        rows, n = ids.shape
+        positions = torch.arange(start, start + n, device=self.device)
+        stream = w["model.embed_tokens.weight"][ids.reshape(-1)]  # [R*n, hidden]: the residual stream
+        keys, values, index_keys = [], [], []
+        for i in range(cfg.layers):
+            p = f"model.layers.{i}"
+            x = gemma_norm(stream, w[f"{p}.input_layernorm.weight"], cfg.eps)
+            parts = [self.project(i, x[r * n:(r + 1) * n], positions) for r in range(rows)]
+            outs = []
+            for q, k, v, iq, ik in parts:
+                if prefix is not None:
+                    k_all = torch.cat((prefix.keys[i], k))
+                    v_all = torch.cat((prefix.values[i], v))
+                    pik = prefix.index_keys[i]
+                    ik_all = torch.cat((pik, ik)) if pik is not None and ik is not None else ik
+                else:
+                    k_all, v_all, ik_all = k, v, ik
+                outs.append(self.attend(i, q, k_all, v_all, iq, ik_all, start))
+            attn = torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim)
+            stream = stream + attn @ w[f"{p}.self_attn.o_proj.weight"].T
+            x = gemma_norm(stream, w[f"{p}.post_attention_layernorm.weight"], cfg.eps)
+            stream = stream + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp"))
+            keys.append(torch.stack([part[1] for part in parts]))
+            values.append(torch.stack([part[2] for part in parts]))
+            iks = [part[4] for part in parts if part[4] is not None]
+            index_keys.append(torch.stack(iks) if len(iks) == rows else None)
+        hidden = stream.view(rows, n, cfg.hidden)
+        if not all_positions:
+            hidden = hidden[:, -1:]
+        hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps)
+        return torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys
+
+    @torch.no_grad()
+    def prefill(self, ids: Sequence[int], all_positions: bool = False) -> Prefix:
+        """Run the prompt ``ids`` once; its keys and values are kept for :meth:`extend`."""
+        if not ids:
+            raise Malformed("an empty prompt")
+        t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        logprobs, keys, values, index_keys = self.run(t, 0, None, all_positions)
+        return Prefix(list(ids), [k[0] for k in keys], [v[0] for v in values],
+                      [None if ik is None else ik[0] for ik in index_keys], logprobs[0, -1],
+                      logprobs[0] if all_positions else None)
+
+    @torch.no_grad()
+    def extend(self, prefix: Prefix, continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Log-probabilities after every token of each continuation of ``prefix`` (teacher-forced): for a
+        continuation of L tokens, [L, vocab], row j the distribution of the token after its j-th token. The
+        continuations run as one batch, padded at their ends (causal: padding changes no earlier row)."""
+        if not continuations:
+            return []
+        longest = max(len(c) for c in continuations)
+        if longest == 0:
+            return [prefix.last.new_zeros((0, self.cfg.vocab)) for _ in continuations]
+        padded = [list(c) + [0] * (longest - len(c)) for c in continuations]
+        t = torch.tensor(padded, dtype=torch.long, device=self.device)
+        logprobs, _, _, _ = self.run(t, len(prefix.ids), prefix, True)
+        return [logprobs[r, :len(c)] for r, c in enumerate(continuations)]
+
+    @torch.no_grad()
+    def greedy(self, prefix: Prefix, max_tokens: int) -> tuple[list[int], list[float]]:
+        """The golden's own reply to ``prefix``'s prompt, greedy, and the top-1 margin (nats) at each position."""
+        tokens: list[int] = []
+        margins: list[float] = []
+        dist = prefix.last
+        for _ in range(max_tokens):
+            top = torch.topk(dist, 2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            dist = self.extend(prefix, [tokens])[0][-1]
+        return tokens, margins

@@ -1,0 +1,192 @@
+"""Served replies scored by the golden forward, on the host: prompts tokenised here, one prefill per prompt.
+
+The server names its tokens ``token_id:N`` (``return_tokens_as_token_ids``;
+the fixed-batch probe writes them the same way), so a reply's tokens are
+the model's IDs. The prompt's are not in a reply: the host tokenises each
+prompt itself with the model folder's ``tokenizer.json`` (the ``tokenizers``
+library), and a reply whose server counted another number of prompt tokens
+cannot be scored (it fails the check: the image read another prompt).
+
+Every prompt runs through the golden once (:meth:`~.forward.Golden.prefill`),
+and every distinct reply to it as one batch of continuations of that
+prefix (:meth:`~.forward.Golden.extend`): the same reply at several levels is
+scored once. torch and tokenizers are imported only here, when a score is
+asked for; :func:`missing` says what a host lacks before anything is tried.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import Malformed
+from .judge import Position, Scored
+
+CONTINUATIONS_PER_BATCH = 16  # replies to one prompt run together through the golden
+NEEDS = ("torch", "tokenizers")
+
+
+def missing() -> str | None:
+    """What this host lacks to run the golden, in words (None: nothing)."""
+    absent = [m for m in NEEDS if not _importable(m)]
+    if absent:
+        return (f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed on this host (the golden "
+                "forward runs on the host, in PyTorch: pip install torch tokenizers)")
+    return None
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
+        return False
+
+
+def token_id(text: str) -> int | None:
+    """The ID in a token the server named ``token_id:N`` (None: not so named)."""
+    name, sep, number = str(text).partition(":")
+    if name != "token_id" or not sep or not number.isdigit():
+        return None
+    return int(number)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One served reply to score: where it came from, its tokens, vLLM's log-probabilities and top-k."""
+
+    source: str  # "http" or "fixed"
+    level: int
+    request: int
+    prompt: int  # index into the prompt set
+    tokens: tuple[str, ...]
+    logprobs: tuple[float | None, ...] = ()
+    top: tuple[Mapping[str, float], ...] = ()
+    prompt_tokens: int | None = None  # as the server counted them
+
+
+@dataclass
+class Timing:
+    """What scoring took: the model's load, the prompts' prefills, the replies' batches."""
+
+    device: str = ""
+    load_s: float = 0.0
+    score_s: float = 0.0
+    prompts: int = 0
+    distinct_replies: int = 0
+    tokens: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "load_s": round(self.load_s, 3), "score_s": round(self.score_s, 3),
+                "prompts": self.prompts, "distinct_replies": self.distinct_replies, "tokens": self.tokens}
+
+
+class Scorer:
+    """The golden of one model folder, with its tokenizer; :meth:`score` scores served replies."""
+
+    def __init__(self, folder: Path, device: str | None = None) -> None:
+        import torch
+        from tokenizers import Tokenizer
+
+        from .forward import Golden
+
+        self.timing = Timing()
+        start = time.monotonic()
+        folder = Path(folder)
+        tokenizer = folder / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise Malformed(f"{folder}: no tokenizer.json (the golden tokenises the prompts itself)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer))
+        except Exception as exc:  # tokenizers raises its own exception type, which has no import path
+            raise Malformed(f"{tokenizer}: unreadable ({exc})") from None
+        self.golden = Golden.load(folder, device)
+        self.torch = torch
+        self.timing.device = str(self.golden.device) + (
+            f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
+        self.timing.load_s = time.monotonic() - start
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt).ids)
+
+    def _positions(self, dists: Any, reply: Served, ids: list[int]) -> tuple[Position, ...]:
+        """The positions of ``reply`` (served IDs ``ids``) from the golden's distributions ``dists`` [L, vocab]."""
+        torch = self.torch
+        vocab = dists.shape[-1]
+        # vLLM's two best tokens per position and its log-probabilities of them: what the noise compares.
+        best: list[list[tuple[int, float]]] = []
+        for j in range(len(ids)):
+            named = dict(reply.top[j]) if j < len(reply.top) else {}
+            ranked = sorted(((token_id(t), float(v)) for t, v in named.items()), key=lambda tv: -tv[1])
+            pair = [(t, v) for t, v in ranked if t is not None and t < vocab][:2]
+            best.append(pair if len(pair) == 2 else [])
+        index = [[ids[j], *([t for t, _ in best[j]] or [ids[j], ids[j]])] for j in range(len(ids))]
+        gathered = dists.gather(1, torch.tensor(index, dtype=torch.long, device=dists.device)).cpu().tolist()
+        top = torch.topk(dists, 2, dim=-1)
+        golden, values = top.indices[:, 0].cpu().tolist(), top.values.cpu().tolist()
+        out = []
+        for j, tid in enumerate(ids):
+            error = None
+            if best[j]:
+                (_, va), (_, vb) = best[j]
+                error = abs((va - vb) - (gathered[j][1] - gathered[j][2]))
+            out.append(Position(int(golden[j]), float(values[j][0] - values[j][1]), tid, float(gathered[j][0]),
+                                error))
+        return tuple(out)
+
+    def score(self, prompts: Sequence[str], replies: Sequence[Served]) -> list[Scored]:
+        """Each of ``replies`` scored (in their order); a reply that cannot be scored says why."""
+        start = time.monotonic()
+        out: dict[int, Scored] = {}
+        by_prompt: dict[int, list[int]] = {}
+        parsed: dict[int, list[int]] = {}
+        for n, reply in enumerate(replies):
+            base = Scored(reply.source, reply.level, reply.request, reply.prompt)
+            if not 0 <= reply.prompt < len(prompts):
+                out[n] = Scored(**{**_fields(base), "problem": f"prompt {reply.prompt} is not one of the prompt set"})
+                continue
+            named = [token_id(t) for t in reply.tokens]
+            bad = next((t for t, i in zip(reply.tokens, named, strict=True)
+                        if i is None or i >= self.golden.cfg.vocab), None)
+            if bad is not None:
+                out[n] = Scored(**{**_fields(base), "problem": f"the served token {bad!r} is no token ID of the model"})
+                continue
+            parsed[n] = [int(i) for i in named if i is not None]
+            by_prompt.setdefault(reply.prompt, []).append(n)
+        for k, members in sorted(by_prompt.items()):
+            prompt_ids = self.prompt_ids(prompts[k])
+            counted = {replies[n].prompt_tokens for n in members} - {None}
+            if counted and counted != {len(prompt_ids)}:
+                for n in members:
+                    out[n] = Scored(replies[n].source, replies[n].level, replies[n].request, k, problem=(
+                        f"the server counted {replies[n].prompt_tokens} prompt tokens, the model's tokenizer makes "
+                        f"{len(prompt_ids)} of the prompt"))
+                continue
+            prefix = self.golden.prefill(prompt_ids)
+            self.timing.prompts += 1
+            self.timing.tokens += len(prompt_ids)
+            distinct = sorted({tuple(parsed[n]) for n in members})
+            self.timing.distinct_replies += len(distinct)
+            dists: dict[tuple[int, ...], Any] = {}
+            for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
+                batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
+                # The distribution of served token j is the prefix's last row for j = 0, else row j - 1 after it.
+                rows = self.golden.extend(prefix, [list(c[:-1]) for c in batch])
+                for c, r in zip(batch, rows, strict=True):
+                    self.timing.tokens += max(0, len(c) - 1)
+                    dists[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
+            for n in members:
+                reply = replies[n]
+                served = parsed[n]
+                out[n] = Scored(reply.source, reply.level, reply.request, k,
+                                self._positions(dists[tuple(served)], reply, served) if served else ())
+        self.timing.score_s += time.monotonic() - start
+        return [out[n] for n in range(len(replies))]
+
+
+def _fields(s: Scored) -> dict[str, Any]:
+    return {"source": s.source, "level": s.level, "request": s.request, "prompt": s.prompt}
