@@ -1,0 +1,115 @@
+"""Time the golden forward on a model folder and, given a reference file, measure its noise against vLLM.
+
+    python3 gpu-runs/golden_run.py MODEL_DIR [--reference answers.json] [--tokens 32] [--device cuda]
+                                   [--out golden.json]
+
+On a GPU host with torch, tokenizers and the tool's checkout (no vLLM, no
+Docker needed): loads the model as the ``golden`` check does (float32, CUDA
+where there is one), generates the golden's own greedy reply to every
+prompt of the prompt set (the reference's, else the tool's) and says how long
+each part took. With ``--reference`` (a file ``smoke --record-reference``
+wrote on the same model), it scores every answer the reference holds
+(concurrency 1 over HTTP and every fixed-batch level) teacher-forced, and
+reports the noise between vLLM and the golden as the recording measures it
+(:func:`vllm_hotfix.golden.judge.noise`: the distribution, per prompt), the
+confident positions and their agreement at those thresholds, how the
+golden's greedy replies compare with the reference's concurrency-1 answers,
+and, where the file holds a ``golden`` section, the noise it recorded.
+Prints one JSON object (and writes it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_hotfix.golden import judge  # noqa: E402
+from vllm_hotfix.golden.scoring import Served, missing  # noqa: E402
+
+
+def reference_replies(ref: Any) -> list[Served]:
+    """Every answer a reference holds, as the golden scores them."""
+    out = [Served("http", 1, k, k, a.tokens, a.logprobs, a.top, a.prompt_tokens) for k, a in enumerate(ref.answers)]
+    for level, replies in sorted((ref.levels.get("answers") or {}).items(), key=lambda kv: int(kv[0])):
+        for i, a in enumerate(replies):
+            out.append(Served("fixed", int(level), i, int(a["prompt"]), tuple(a["tokens"]), tuple(a["logprobs"]),
+                              tuple(a["top_logprobs"]), a.get("prompt_tokens")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--reference", type=Path)
+    ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (the reference's max_tokens)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    absent = missing()
+    if absent:
+        print(f"golden_run: {absent}", file=sys.stderr)
+        return 2
+    import torch
+
+    from vllm_hotfix.checking import reference as answers
+    from vllm_hotfix.golden.scoring import Scorer
+
+    ref = answers.load(args.reference) if args.reference is not None else None
+    prompts = list(ref.prompts) if ref is not None else list(answers.PROMPTS)
+    tokens = args.tokens or (ref.max_tokens if ref is not None else 32)
+    scorer = Scorer(args.model, args.device)
+    golden = scorer.golden
+    report: dict[str, Any] = {"model": str(args.model), "device": scorer.timing.device,
+                              "torch": torch.__version__, "load_s": round(scorer.timing.load_s, 3)}
+    sync = torch.cuda.synchronize if golden.device.type == "cuda" else (lambda: None)
+    start = time.monotonic()
+    greedy, margins, prompt_tokens = [], [], []
+    for prompt in prompts:
+        ids = scorer.prompt_ids(prompt)
+        prompt_tokens.append(len(ids))
+        got, margin = golden.greedy(golden.prefill(ids), tokens)
+        greedy.append(got)
+        margins.extend(margin)
+    sync()
+    margins.sort()
+    report["greedy"] = {"prompts": len(prompts), "tokens_each": tokens, "seconds": round(time.monotonic() - start, 3),
+                        "prompt_tokens": prompt_tokens,
+                        "margin_nats": {"median": margins[len(margins) // 2], "p10": margins[len(margins) // 10],
+                                        "p90": margins[len(margins) * 9 // 10]}}
+    if ref is not None:
+        replies = reference_replies(ref)
+        start = time.monotonic()
+        scored = scorer.score(prompts, replies)
+        sync()
+        report["scoring"] = {**scorer.timing.to_dict(), "replies": len(replies),
+                             "seconds": round(time.monotonic() - start, 3)}
+        unscored = [f"{s.name}: {s.problem}" for s in scored if s.problem]
+        if unscored:
+            report["unscored"] = unscored[:10]
+        measured = judge.noise(scored)
+        limits = judge.thresholds({"noise": measured})
+        assert limits is not None
+        report["noise"] = measured
+        report["judged_at_this_noise"] = judge.judge(scored, limits).to_dict()
+        if ref.golden:
+            recorded = judge.thresholds(ref.golden)
+            report["recorded_golden"] = ref.golden.get("noise")
+            if recorded is not None:
+                report["judged_at_recorded_noise"] = judge.judge(scored, recorded).to_dict()
+        same = [list(int(t.split(":")[1]) for t in a.tokens) == g for a, g in zip(ref.answers, greedy, strict=True)]
+        report["greedy_vs_reference"] = {"identical": sum(same), "prompts": len(same)}
+    text = json.dumps(report, indent=1, sort_keys=True)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
