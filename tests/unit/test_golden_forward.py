@@ -260,3 +260,34 @@ def test_without_torch_the_check_is_a_skip_that_says_so(tmp_path: Path):
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=True)
     status, detail, section = (part.strip() for part in done.stdout.split("|"))
     assert status == "skip" and "torch is not installed on this host" in detail and section == "None"
+
+
+def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, tmp_path: Path):
+    """gpu-runs/golden_run.py, as the GPU host runs it: on a reference whose answers a bfloat16 computation gave
+    (at concurrency 1 and at two fixed-batch levels), it times the golden and reports the noise per prompt."""
+    import importlib.util
+
+    from vllm_hotfix.checking import reference as answers
+
+    spec = importlib.util.spec_from_file_location("golden_run", REPO / "gpu-runs" / "golden_run.py")
+    assert spec is not None and spec.loader is not None
+    golden_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(golden_run)
+    scorer = Scorer(model, "cpu")
+    bf16 = Golden.load(model, "cpu", torch.bfloat16)
+    prompts = PROMPTS[:2]
+    served = [serve(bf16, scorer.prompt_ids(p), k, k) for k, p in enumerate(prompts)]
+    got = [answers.Answer(p, s.prompt_tokens, s.tokens, s.logprobs, tuple(dict(t) for t in s.top), "length",
+                          answers.tokens_sha256(s.tokens)) for p, s in zip(prompts, served, strict=True)]
+    levels = {"answers": {str(c): [{**a.to_dict(), "prompt": k} for k, a in enumerate(got)] for c in (1, 2)}}
+    ref = answers.write(answers.Reference("m", "m", TOKENS, 5, tuple(got), "0", "now", "image", levels=levels),
+                        tmp_path / "answers.json")
+    out = tmp_path / "golden.json"
+    assert golden_run.main([str(model), "--reference", ref.path, "--device", "cpu", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["greedy"]["prompts"] == 2 and report["greedy"]["tokens_each"] == TOKENS
+    assert report["scoring"]["replies"] == 6 and report["scoring"]["distinct_replies"] == 2
+    assert set(report["noise"]["by_prompt_max_nats"]) == {"0", "1"}
+    judged = report["judged_at_this_noise"]
+    assert judged["positions"] == 6 * TOKENS and judged["first_disagreement"] is None
+    assert report["greedy_vs_reference"]["prompts"] == 2
