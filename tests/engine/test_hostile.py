@@ -280,3 +280,36 @@ def test_the_default_deadline_fits_the_checks_asked_for() -> None:
     assert plan.deadline(cpu, gpu=True) == 600 + 1800
     assert plan.deadline(smoke.SmokeOptions(serve_model=Path("/m")), gpu=True) == 600 + 1800 + 900 + 1800
     assert plan.deadline(smoke.SmokeOptions(deadline=42), gpu=True) == 42
+
+
+@pytest.mark.parametrize(("name", "runner", "said"), [
+    # python3 gone as the runner starts (a base whose interpreter answers the build's probes, then not).
+    ("missingpython", b"echo \"/bin/sh: 1: exec: python3: not found\" >&2; exit 127", "python3: not found"),
+    # 64 MB of output on stdout and stderr, and no report.
+    ("floodingpython", b"yes 'flood flood flood flood flood flood flood' | head -c 33554432;"
+                       b" yes 'err err err err err err' | head -c 33554432 >&2; exit 0", "err err err"),
+])
+def test_an_image_whose_base_python_fails_the_runner_fails_on_record(
+        engine: Engine, base_v0251: str, project: Path, unique: str, name: str, runner: bytes, said: str) -> None:
+    """A broken base, the patch set built over it by the tool (so the layer identity check passes and the runner
+    is reached): its python3 is missing as the runner starts, or floods both streams. Either is the image's
+    failing, recorded as such in one line with the last of what it said; nothing is left behind."""
+    import time
+
+    from vllm_hotfix.journal import records
+    from vllm_hotfix.verdicts import Status
+
+    made = _odd_runner_python(engine, base_v0251, project, unique, name, runner)
+    try:
+        started = time.monotonic()
+        r = cli("smoke", made.ref, "--gpu", "off", root=project)
+        took = time.monotonic() - started
+        fails(r, "smoke failed", "runner")
+        assert r.rc == 7 and "the runner gave no report" in r.err and said in r.err, r.err[-2000:]
+        assert len(r.err) < 100_000, len(r.err)  # the last lines, never the flood
+        assert took < 300, f"took {took:.0f} s"
+        [entry] = records.verdicts(project, made.image_id)
+        checks = {c.name: c.status for c in entry.verdict.checks}
+        assert entry.verdict.status is Status.FAIL and checks["layer-identity"] is Status.PASS
+    finally:
+        made.drop()
