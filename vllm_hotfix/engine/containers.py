@@ -265,18 +265,40 @@ def run(engine: Seam, image: str, argv: Sequence[str], *, files: Mapping[str, by
         return ExecResult(code, out, err)
 
 
+# What of a container's stderr is relayed as progress: an image that floods its stderr (its own Python, a
+# broken base) would otherwise flood the user's terminal and log with it. The run's outcome never depends on it.
+FOLLOW_LINES = 2000
+FOLLOW_LINE_CHARS = 2000
+
+
 def _follow(container: Any, say: Callable[[str], None]) -> threading.Thread:
-    """A thread that hands each stderr line of ``container`` to ``say`` until the container ends."""
+    """A thread that hands each stderr line of ``container`` to ``say`` until the container ends: at most
+    :data:`FOLLOW_LINES` lines of at most :data:`FOLLOW_LINE_CHARS` characters, then one line saying the rest
+    is not shown (its last lines still come with the run's outcome)."""
     def read() -> None:
         pending = b""
+        shown = 0
+
+        def relay(line: bytes) -> None:
+            nonlocal shown
+            shown += 1
+            if shown <= FOLLOW_LINES:
+                text = line.decode("utf-8", "replace")
+                say(text if len(text) <= FOLLOW_LINE_CHARS else text[:FOLLOW_LINE_CHARS] + " [...]")
+            elif shown == FOLLOW_LINES + 1:
+                say(f"    [the container's further output is not shown here: more than {FOLLOW_LINES} lines]")
+
         try:
             for chunk in container.logs(stdout=False, stderr=True, stream=True, follow=True):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    say(line.decode("utf-8", "replace"))
+                    relay(line)
+                if len(pending) > 4 * FOLLOW_LINE_CHARS:  # a line without end: shown cut, never held whole
+                    relay(pending)
+                    pending = b""
             if pending:
-                say(pending.decode("utf-8", "replace"))
+                relay(pending)
         except Exception as exc:  # noqa: BLE001 - progress only: the run's outcome comes from its full log
             log.debug("following %s ended: %s", container.id[:12], exc)
 

@@ -42,6 +42,7 @@ from vllm_hotfix.checking.runner.main import main  # noqa: E402
 sys.exit(main())
 '''
 TAIL = 20
+LINE = 300  # characters of one line of a runner's output shown in an error
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,8 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
     answers: bytes | None = None
     batches: bytes | None = None
     replies: bytes | None = None
-    tail = "\n".join(stderr.strip().splitlines()[-TAIL:])
+    # Each of the last lines cut to a line's length: an image's output is never relayed whole.
+    tail = "\n".join(ln[:LINE] for ln in stderr.strip().splitlines()[-TAIL:])
     what = {REPORT_MARK: "report", ANSWERS_MARK: "recorded answers", BATCHES_MARK: "batch replies",
             REPLIES_MARK: "sweep replies"}
     for line in stdout.splitlines():
@@ -140,6 +142,6 @@ def results(stdout: str, stderr: str, where: str) -> Launched:
         except (binascii.Error, ValueError, Malformed) as exc:
             raise RunnerFailed(f"{where}: the runner's {what[mark]} is unreadable ({exc})") from None
     if verdict is None:
-        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        last = (stderr.strip().splitlines() or ["no output"])[-1][:LINE]
         raise RunnerFailed(f"{where}: the runner gave no report ({last})", hint=f"its last lines:\n{tail}")
     return Launched(verdict, tail, answers, batches, replies)
