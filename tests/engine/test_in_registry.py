@@ -206,6 +206,7 @@ def test_smoke_pulls_it_by_digest_and_push_lets_it_through_on_that_verdict(
     out = made.add(f"{registry.place}/staging/vllm-openai:v0.25.1-m3patch")
     got = in_registry(project, repo, out)
     [image] = got["images"]
+    assert "==> not smoke-tested (nothing runs here)" in got["err"]
     made.add(f"{registry.place}/staging/vllm-openai@{image['digest']}")
     [build] = records.builds_of_image(project, image["image_id"])
     assert build.data["builder"] == "registry" and build.data["registry"]["digest"] == image["digest"]
@@ -223,6 +224,10 @@ def test_smoke_pulls_it_by_digest_and_push_lets_it_through_on_that_verdict(
     assert "pass patch-landed" in r.err and "pass import-location" in r.err
     [verdict] = records.verdicts(project, image["image_id"])
     assert verdict.verdict.passed
+    # Made again, the same image is reused: it says it passed (it said "not smoke-tested" after a pass).
+    again = in_registry(project, repo, out)
+    assert again["images"][0]["reused"] and "not smoke-tested" not in again["err"], again["err"]
+    assert f"==> smoke-tested: its newest verdict passed (GPU-unverified; {verdict.path.name})" in again["err"]
 
     r = cli("push", out, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err

@@ -41,9 +41,7 @@ def image_in_registry(plan: Any, wanted: Any, asked: bool, *, in_registry: bool,
         return
     how = "reused" if all(i.reused for i in result.images) else "built"
     name = result.ref.rpartition(":")[0]
-    progress(f"==> not smoke-tested (nothing runs here): smoke it where an engine and GPUs are, "
-             f"python build.py smoke {name}@{result.digest if not result.index else result.images[0].digest}, "
-             "then push it")
+    progress(smoke_state(plan.root, result, name))
     if as_json:
         print_json({"result": how, "ref": result.ref, "digest": result.digest, "index": result.index,
                     "images": [{"ref": i.ref, "digest": i.digest, "image_id": i.image_id, "platform": i.platform,
@@ -54,3 +52,22 @@ def image_in_registry(plan: Any, wanted: Any, asked: bool, *, in_registry: bool,
         click.echo(f"{'reused' if i.reused else 'built'} {i.ref} {i.image_id} {i.platform} {name}@{i.digest}")
     if result.index:
         click.echo(f"index {result.ref} {name}@{result.digest}")
+
+
+def smoke_state(root: Path, result: Any, name: str) -> str:
+    """What the journal says of the images' smoke runs: a reused image that passed says so (it said "not
+    smoke-tested" after a pass), one not yet judged what to do."""
+    from ..journal import records
+
+    judged = [records.judgement(root, i.image_id) for i in result.images]
+    if all(j is not None and j.verdict.status.value == "pass" for j in judged):
+        gpu = ", ".join("GPU-verified" if j.verdict.gpu_verified else "GPU-unverified" for j in judged if j)
+        return (f"==> smoke-tested: its newest verdict passed ({gpu}; {', '.join(j.path.name for j in judged if j)})"
+                f": push it")
+    failed = [j.path.name for j in judged if j is not None and j.verdict.status.value != "pass"]
+    if failed:
+        return f"==> its newest smoke verdict failed ({', '.join(failed)}): fix it, build and smoke it again"
+    first = result.digest if not result.index else result.images[0].digest
+    return (f"==> not smoke-tested (nothing runs here): smoke it where an engine and GPUs are, "
+            f"python build.py smoke {name}@{first}, then push it")
+
