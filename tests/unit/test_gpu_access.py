@@ -63,3 +63,11 @@ def test_bad_gpu_request_is_a_usage_error(tmp_path: Path) -> None:
     r = cli("smoke", "any-image", "--gpu-request", "cuda", root=tmp_path)
     assert r.rc == 64
     fails(r, "--gpu-request", "'cuda'", "expected auto, cdi[:DEVICE], gpus or runtime[:NAME]")
+
+
+def test_the_engines_refusal_of_gpus_is_said_as_what_the_host_lacks() -> None:
+    from vllm_hotfix.checking.gpu_access import engine_words
+
+    said = engine_words('could not select device driver "" with capabilities: [[gpu]]')
+    assert 'driver ""' not in said and "NVIDIA Container Toolkit" in said and "could not select device driver" in said
+    assert engine_words("unknown runtime specified nvidia") == "unknown runtime specified nvidia"

@@ -203,8 +203,8 @@ def confirm(engine: Engine, image: str, request: GpuRequest, python: str = "pyth
         res = engine.run(image, [python, f"/tmp/{PROBE}"], files={PROBE: _probe_bytes()}, gpu=request,
                          timeout=CONFIRM_TIMEOUT)
     except EngineError as exc:
-        # The engine's own words, without the "cannot run ... in IMAGE" lead-in.
-        return Attempt(str(request), True, False, _one_line(str(exc).split(f" in {image}: ", 1)[-1]))
+        # The engine's own words, without the "cannot run ... in IMAGE" lead-in, in a person's words where known.
+        return Attempt(str(request), True, False, engine_words(_one_line(str(exc).split(f" in {image}: ", 1)[-1])))
     data: dict[str, Any] = {}
     for line in reversed(res.stdout.strip().splitlines()):
         try:
@@ -254,6 +254,19 @@ def choose(
     # Ways ruled out by the engine's answer come last: they were never started.
     access.attempts += ruled_out
     return access
+
+
+# What Docker says when no hook serves a device request, and what that means on the host.
+_NO_DRIVER = re.compile(r'could not select device driver "[^"]*" with capabilities: \[\[[^\]]*\]\]')
+
+
+def engine_words(text: str) -> str:
+    """The engine's refusal of a GPU request, said as what the host lacks (Docker's is ``could not select device
+    driver "" with capabilities: [[gpu]]``)."""
+    if _NO_DRIVER.search(text):
+        return ("this engine has no GPU device driver for --gpus (could not select device driver): the NVIDIA "
+                "Container Toolkit is not installed or not set up for it")
+    return text
 
 
 def _one_line(text: str) -> str:
