@@ -291,3 +291,59 @@ def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, 
     judged = report["judged_at_this_noise"]
     assert judged["positions"] == 6 * TOKENS and judged["first_disagreement"] is None
     assert report["greedy_vs_reference"]["prompts"] == 2
+
+
+def sweep_and_probe(served: list[Served]) -> tuple[bytes, bytes]:
+    """What a runner sends back for ``served`` (one reply per prompt): the HTTP sweep's replies at concurrency 1
+    and 2 (``LEVEL:I``), and the fixed-batch probe's lines at levels 1 and 2."""
+    http, lines = {}, []
+    for level in (1, 2):
+        for s in served:
+            http[f"{level}:{s.request}"] = {"text": "", "finish_reason": "length", "prompt_tokens": s.prompt_tokens,
+                                            "completion_tokens": len(s.tokens), "tokens": list(s.tokens),
+                                            "logprobs": list(s.logprobs), "top": [dict(t) for t in s.top],
+                                            "model": "m"}
+        lines.append({"pass": 0, "level": level, "seconds": 0.1, "replies": [
+            {"request": s.request, "prompt": s.prompt, "prompt_tokens": s.prompt_tokens, "tokens": list(s.tokens),
+             "logprobs": list(s.logprobs), "top_logprobs": [dict(t) for t in s.top], "finish_reason": "length"}
+            for s in served]})
+    return json.dumps(http).encode(), json.dumps({"lines": [*lines, {"done": True}], "exit": 0}).encode()
+
+
+def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_blocks: Path):
+    """The smoke's wiring (plan.golden_check): a recording run's replies (bfloat16) give the reference its golden
+    section; a run whose replies a right computation made passes against it, one with the layout slip fails,
+    naming the reply; a run whose sweep did not run is a skip."""
+    from vllm_hotfix.checking import reference as answers
+    from vllm_hotfix.checking.launchers import base, plan
+    from vllm_hotfix.verdicts import Check, judge as verdict_of
+
+    scorer = Scorer(small_blocks, "cpu")
+    prompts = PROMPTS[:4]
+    ids = [scorer.prompt_ids(p) for p in prompts]
+    job = {"serve": {"batches": {"prompts": prompts}}}
+    swept = verdict_of("img", "sha256:0", [Check("serve-sweep", Status.PASS, "ok")], gpu_verified=False)
+
+    def launched(served_by: Golden) -> base.Launched:
+        http, probe = sweep_and_probe([serve(served_by, ids[k], k, k) for k in range(len(prompts))])
+        return base.Launched(swept, replies=http, batches=probe)
+
+    checks, section = plan.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.bfloat16)), None,
+                                        small_blocks)
+    assert [c.status for c in checks] == [Status.PASS] and section is not None, checks
+    # judged: the HTTP sweep at concurrency 1 (not at 2: its batches are the timing's), fixed batches at 1 and 2
+    assert section["recorded"]["replies"] == 3 * len(prompts)
+    assert set(section["recorded"]["by_source"]) == {"http:1", "fixed:1", "fixed:2"}
+    ref = answers.Reference("m", "m", TOKENS, 5, (), "0", "now", "image", golden=section)
+    right, _ = plan.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.float16)), ref, small_blocks)
+    assert right[0].status is Status.PASS, right[0].detail
+    wrong, kept = plan.golden_check(job, launched(HeadMajorRead.load(small_blocks, "cpu")), ref, small_blocks)
+    assert wrong[0].status is Status.FAIL and kept is None
+    assert "HTTP sweep at concurrency 1, request" in wrong[0].detail, wrong[0].detail
+    skipped = verdict_of("img", "sha256:0", [Check("serve-sweep", Status.SKIP, "no --serve-model")],
+                         gpu_verified=False)
+    none, _ = plan.golden_check(job, base.Launched(skipped), ref, small_blocks)
+    assert none[0].status is Status.SKIP and "no --serve-model" in none[0].detail
+    # no model folder on this host, or no answers judged: no golden check at all
+    assert plan.golden_check(job, launched(scorer.golden), ref, None) == ([], None)
+    assert plan.golden_check({"serve": {}}, launched(scorer.golden), ref, small_blocks) == ([], None)

@@ -81,6 +81,11 @@ def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, secti
         scored = scorer.score(prompts, replies)
     except Malformed as exc:
         return judge.skipped(f"the golden cannot compute this model: {exc}"), None
+    except (RuntimeError, ValueError, IndexError, KeyError) as exc:
+        # torch's errors for weights that do not fit the config (a shape, a dtype, memory): the golden cannot
+        # compute this folder, which is no judgement of the image.
+        return judge.skipped(f"the golden cannot compute the model in {model}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:300]}"), None
     timing = {"timing": scorer.timing.to_dict()}
     log.info("golden: %s", timing["timing"])
     if recording:
