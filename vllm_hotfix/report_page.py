@@ -225,6 +225,27 @@ def movement_rows(shown: Sequence[Shown]) -> list[tuple[object, ...]]:
     return rows
 
 
+def golden_rows(shown: Sequence[Shown]) -> list[tuple[object, ...]]:
+    """Per report, its ``golden`` check: what it judged against the model's forward, where it was confident, the
+    first disagreement, the noise it judged at (or recorded), and what the forward took."""
+    rows = []
+    for s in shown:
+        found = next((c for c in s.report.get("checks") or [] if c.get("name") == "golden"), None)
+        if not isinstance(found, Mapping):
+            continue
+        data = found.get("data") if isinstance(found.get("data"), Mapping) else {}
+        noise = data.get("noise") if isinstance(data.get("noise"), Mapping) else {}
+        timing = data.get("timing") if isinstance(data.get("timing"), Mapping) else {}
+        first = data.get("first_disagreement") if isinstance(data.get("first_disagreement"), Mapping) else None
+        said = (f"{first.get('reply')}, position {first.get('position')}: golden {first.get('golden')}, served "
+                f"{first.get('served')}, margin {_number(first.get('margin_nats'))}" if first else
+                ("" if data else str(found.get("detail") or "")))
+        rows.append((s.name, found.get("status"), data.get("replies"), data.get("positions"), data.get("confident"),
+                     data.get("agreeing"), said, noise.get("median_nats"), noise.get("max_nats"),
+                     timing.get("device"), timing.get("score_s")))
+    return rows
+
+
 def chart_deviation(shown: Sequence[Shown]) -> str:
     plt = _plt()
     fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 2.8), squeeze=False)
@@ -374,6 +395,13 @@ def render(page: Page) -> str:
     parts.append("<section><h2>checks</h2>" + _table(("check", *(s.name for s in page.shown)),
                                                         [(n, *(b.get(n, "") for b in by)) for n in checks])
                  + "</section>")
+    golden = golden_rows(page.shown)
+    if golden:
+        parts.append("<section id='golden'><h2>Replies against the golden forward of the model (concurrency 1 and "
+                     "every fixed-batch level)</h2>"
+                     + _table(("report", "status", "replies", "positions", "confident", "agreeing",
+                               "first disagreement (or why not run)", "noise median (nats)", "noise max (nats)",
+                               "device", "scoring (s)"), golden) + "</section>")
     swept = [s for s in page.shown if _levels(s.report)]
     if swept:
         rows = [(s.name, lv["concurrency"], lv.get("successes"), lv.get("wrong_answers"),

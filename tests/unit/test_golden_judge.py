@@ -170,3 +170,21 @@ def test_a_reference_without_the_golden_noise_skips_the_check_and_says_why(tmp_p
     got, section = golden_check.run(tmp_path, ["p"], [], section={}, recording=False)
     assert got.status is Status.SKIP and section is None
     assert "records no golden noise" in got.detail or "not installed" in got.detail
+
+
+def test_the_report_page_shows_each_reports_golden_check():
+    from vllm_hotfix import report_page
+
+    failed = judge.check(judge.judge([reply(pos(5, 2.0, served=4), level=8, request=3, prompt=1)], 1.0),
+                         {"noise": {"median_nats": 0.25, "max_nats": 1.5}, "timing": {"device": "cuda (H100)",
+                                                                                      "score_s": 2.5}})
+    skipped = judge.skipped("torch is not installed on this host")
+    shown = [report_page.Shown(name, {"checks": [{"name": c.name, "status": c.status.value, "detail": c.detail,
+                                                   "data": c.data}]})
+             for name, c in (("mutant", failed), ("cpu-host", skipped))]
+    rows = report_page.golden_rows(shown)
+    assert rows[0] == ("mutant", "fail", 1, 1, 1, 0, "fixed batches at concurrency 8, request 3 (prompt 1), position 0: "
+                       "golden token_id:5, served token_id:4, margin 2", 0.25, 1.5, "cuda (H100)", 2.5)
+    assert rows[1][:2] == ("cpu-host", "skip") and "torch is not installed" in str(rows[1][6])
+    page = report_page.render(report_page.Page("t", shown))
+    assert "id='golden'" in page and "served token_id:4" in page
