@@ -225,18 +225,21 @@ def movement_rows(shown: Sequence[Shown]) -> list[tuple[object, ...]]:
     return rows
 
 
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
 def golden_rows(shown: Sequence[Shown]) -> list[tuple[object, ...]]:
     """Per report, its ``golden`` check: what it judged against the model's forward, where it was confident, the
     first disagreement, the noise it judged at (or recorded), and what the forward took."""
-    rows = []
+    rows: list[tuple[object, ...]] = []
     for s in shown:
         found = next((c for c in s.report.get("checks") or [] if c.get("name") == "golden"), None)
         if not isinstance(found, Mapping):
             continue
-        data = found.get("data") if isinstance(found.get("data"), Mapping) else {}
-        noise = data.get("noise") if isinstance(data.get("noise"), Mapping) else {}
-        timing = data.get("timing") if isinstance(data.get("timing"), Mapping) else {}
-        first = data.get("first_disagreement") if isinstance(data.get("first_disagreement"), Mapping) else None
+        data = _mapping(found.get("data"))
+        noise, timing, first = _mapping(data.get("noise")), _mapping(data.get("timing")), \
+            _mapping(data.get("first_disagreement"))
         said = (f"{first.get('reply')}, position {first.get('position')}: golden {first.get('golden')}, served "
                 f"{first.get('served')}, margin {_number(first.get('margin_nats'))}" if first else
                 ("" if data else str(found.get("detail") or "")))

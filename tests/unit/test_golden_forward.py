@@ -316,7 +316,8 @@ def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_bl
     naming the reply; a run whose sweep did not run is a skip."""
     from vllm_hotfix.checking import reference as answers
     from vllm_hotfix.checking.launchers import base, plan
-    from vllm_hotfix.verdicts import Check, judge as verdict_of
+    from vllm_hotfix.verdicts import Check
+    from vllm_hotfix.verdicts import judge as verdict_of
 
     scorer = Scorer(small_blocks, "cpu")
     prompts = PROMPTS[:4]

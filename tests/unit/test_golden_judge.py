@@ -183,8 +183,8 @@ def test_the_report_page_shows_each_reports_golden_check():
                                                    "data": c.data}]})
              for name, c in (("mutant", failed), ("cpu-host", skipped))]
     rows = report_page.golden_rows(shown)
-    assert rows[0] == ("mutant", "fail", 1, 1, 1, 0, "fixed batches at concurrency 8, request 3 (prompt 1), position 0: "
-                       "golden token_id:5, served token_id:4, margin 2", 0.25, 1.5, "cuda (H100)", 2.5)
+    assert rows[0] == ("mutant", "fail", 1, 1, 1, 0, "fixed batches at concurrency 8, request 3 (prompt 1), "
+                       "position 0: golden token_id:5, served token_id:4, margin 2", 0.25, 1.5, "cuda (H100)", 2.5)
     assert rows[1][:2] == ("cpu-host", "skip") and "torch is not installed" in str(rows[1][6])
     page = report_page.render(report_page.Page("t", shown))
     assert "id='golden'" in page and "served token_id:4" in page
