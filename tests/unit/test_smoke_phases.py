@@ -135,6 +135,9 @@ def test_the_clock_charges_each_phase_its_own_time() -> None:
     clock.mark("server_start")
     assert phases == {"checks": 2.0, "server_start": 9.75}
     assert format_phases(phases) == "checks 2.0 s, server_start 9.8 s"
+    # Given the run's total, the line adds up to it (it said 0.34 s of phases under a 0.647 s heading).
+    assert format_phases(phases, 12.5) == "checks 2.0 s, server_start 9.8 s, outside the phases 0.8 s"
+    assert format_phases(phases, 11.0) == "checks 2.0 s, server_start 9.8 s"  # overlapping phases: nothing added
 
 
 def test_phases_are_in_the_report_and_read_back() -> None:

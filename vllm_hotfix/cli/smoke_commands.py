@@ -282,7 +282,7 @@ def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Pa
     )
     gpu_note = "GPU-verified" if verdict.gpu_verified else "GPU-unverified"
     click.echo(f"smoke passed {image_ref} {verdict.image_id} ({gpu_note}, {verdict.seconds:.1f} s; phases: "
-               f"{smokelib.format_phases(dict(verdict.phases))})")
+               f"{smokelib.format_phases(dict(verdict.phases), verdict.seconds)})")
 
 
 @main.command("serve-check")

@@ -118,8 +118,12 @@ class Clock:
         return took
 
 
-def format_phases(phases: Mapping[str, float]) -> str:
-    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()) or "none"
+def format_phases(phases: Mapping[str, float], total: float | None = None) -> str:
+    """``name 1.2 s, ...``; given the run's ``total``, the time no phase accounts for too, so the line adds up
+    (phases that ran side by side can add up to more, and then nothing is added)."""
+    rest = total - sum(phases.values()) if total is not None else 0.0
+    shown = {**phases, **({"outside the phases": rest} if rest >= 0.05 else {})}
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in shown.items()) or "none"
 
 
 def _probe(name: str) -> bytes:
@@ -269,7 +273,7 @@ class DockerRun:
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)
-        self.say(f"==> phases: {format_phases(phases)} (total {seconds:.1f} s)")
+        self.say(f"==> phases: {format_phases(phases, seconds)} (total {seconds:.1f} s)")
         return replace(ran, verdict=verdict), target
 
     def _ended(self, target: plan.Target, found: facts.FileFacts, host: Mapping[str, Any], status: str,
