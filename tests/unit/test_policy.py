@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import cli
+from conftest import REPO, cli, copy_tracked
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.trust import decide, policy, policy_file, signing
 
@@ -41,6 +41,7 @@ def report(*, skip: tuple[str, ...] = (), fail: tuple[str, ...] = (), only: tupl
                             "base_ref": "vllm/vllm-openai:v0.25.1", "base_digests": [],
                             "patch_set": definition, "patch_set_digest": PATCH_SET, "patches": {"0001.patch": "ff"}}
     return {"image_id": IMAGE_ID, "image": "ops/vllm:fix", "status": "fail" if fail else "pass",
+            "platform": "linux/amd64",
             "gpu_verified": gpu_verified and not fail, "gpu": {"devices": list(devices)}, "checks": checks,
             "seconds": seconds, "started": _at(started),
             "sweep": {"reference": {"sha256": REFERENCE.removeprefix("sha256:")}}}
@@ -248,3 +249,23 @@ def test_durations(text: object, seconds: int) -> None:
 def test_bad_durations_are_named(text: object) -> None:
     with pytest.raises(UsageError, match="not a duration"):
         policy_file.duration(text, "max age")
+
+
+def test_a_definition_of_this_checkout_requires_its_patch_set_and_its_pinned_base(tmp_path: Path, key: Any,
+                                                                                  pub: str) -> None:
+    copy_tracked(REPO, ("images", "patches"), tmp_path)
+    full = sign(tmp_path, key, "full", report())
+    # The checkout's patch set is not the one the host proved (PATCH_SET): refused, naming both.
+    r = verify(tmp_path, pub, full, args=("--definition", "v0.25.1", "--json"))
+    assert r.rc == 24 and "patch-set digest" in json.loads(r.out)["error"], r.out
+    digest = policy_file.pinned(tmp_path, "v0.25.1").patch_set_digest
+    assert digest.startswith("sha256:") and digest != PATCH_SET
+    # Given the host's digest, the definition's pinned base decides: pinned to another base, refused.
+    toml = tmp_path / "images/v0.25.1.toml"
+    toml.write_text(toml.read_text() + f'\n[base.digests]\n"linux/amd64" = "sha256:{"cc" * 32}"\n')
+    r = verify(tmp_path, pub, full, args=("--definition", "v0.25.1", "--patch-set-digest", PATCH_SET))
+    assert r.rc == 24 and "not the one the definition pins" in r.last_error, r.err
+    toml.write_text(toml.read_text().replace("cc" * 32, BASE_ID.removeprefix("sha256:")))
+    r = verify(tmp_path, pub, full, args=("--definition", "v0.25.1", "--patch-set-digest", PATCH_SET, "--json"))
+    assert r.rc == 0, r.err
+    assert f"base pinned by the definition (linux/amd64 {BASE_ID})" in json.loads(r.out)["policy"]["required"]

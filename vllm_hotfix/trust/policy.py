@@ -198,6 +198,23 @@ class BaseDigest:
 
 
 @dataclass(frozen=True, slots=True)
+class PinnedBase:
+    """The base the host found is the one the definition pins for the run's platform (its image ID)."""
+
+    pins: Mapping[str, str]  # platform -> image ID, as images/<tag>.toml's [base.digests]
+
+    def describe(self) -> str:
+        return f"base pinned by the definition ({', '.join(f'{p} {d}' for p, d in sorted(self.pins.items()))})"
+
+    def check(self, facts: Facts, now: dt.datetime) -> Result:
+        platform = facts.verdict.platform
+        want = self.pins.get(platform) or self.pins.get("/".join(platform.split("/")[:2]))
+        found = f"{facts.base_id or 'no base found'} on {platform or 'no stated platform'}"
+        return _answer(self.describe(), found, bool(want) and facts.base_id == want,
+                       f"base {found}, not the one the definition pins ({want or 'none for that platform'})")
+
+
+@dataclass(frozen=True, slots=True)
 class MaxAge:
     """The judged run started no longer ago than ``limit``."""
 
@@ -266,6 +283,7 @@ class Policy:
     definition: str = ""
     patch_set_digest: str = ""
     base_digest: str = ""
+    base_pins: Mapping[str, str] = field(default_factory=dict)  # the definition's pinned base, per platform
     reference_digest: str = ""
     tool_version: str = ""
     max_age: dt.timedelta | None = None
@@ -291,6 +309,8 @@ class Policy:
                 reqs.append(Equals(what, attribute, value))
         if self.base_digest:
             reqs.append(BaseDigest(self.base_digest))
+        if self.base_pins:
+            reqs.append(PinnedBase(dict(self.base_pins)))
         if self.max_age is not None:
             reqs.append(MaxAge(self.max_age))
         if self.gpu_products:

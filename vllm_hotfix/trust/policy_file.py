@@ -13,8 +13,8 @@ import datetime as dt
 import json
 import re
 import tomllib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +90,24 @@ class Flags:
     max_skew: str = ""
 
 
-def patch_set_digest(root: Path, tag: str) -> str:
-    """The digest of definition ``tag``'s patch set as this checkout has it ("" where the checkout has no such
-    definition: a host that verifies need not hold one): what a verdict about that definition's product must
-    name. A definition this checkout holds whose patch set cannot be read is refused, never dropped."""
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """What this checkout says a definition's product is: its patch set's digest, and the base it pins."""
+
+    patch_set_digest: str = ""
+    base: Mapping[str, str] = field(default_factory=dict)  # platform -> the base's image ID
+
+
+def pinned(root: Path, tag: str) -> Pinned:
+    """Definition ``tag`` as this checkout has it (nothing where the checkout has no such definition: a host
+    that verifies need not hold one): what a verdict about that definition's product must name. A definition
+    this checkout holds whose patch set cannot be read is refused, never dropped."""
     from ..building import definitions, pins
     from ..building import patches as patchlib
     from ..errors import PipelineError
 
     if not definitions.definition_path(root, tag).is_file():
-        return ""
+        return Pinned()
     try:
         defn = definitions.load(root, tag)
         series = patchlib.load_series(root, defn.patch_set, defn.package)
@@ -107,13 +115,14 @@ def patch_set_digest(root: Path, tag: str) -> str:
     except PipelineError as exc:
         raise UsageError(f"--definition {tag}: its patch set's digest cannot be made from this checkout: {exc}") \
             from None
-    return patchlib.set_digest(series, pinset.sha256 if pinset is not None else None)
+    return Pinned(patchlib.set_digest(series, pinset.sha256 if pinset is not None else None),
+                  dict(defn.base_digests))
 
 
 def build(file: Path | None = None, flags: Flags | None = None, root: Path | None = None) -> Policy:
     """The policy of a file (if any) and the command line's flags; the definition's full smoke unless the file
     says ``full_smoke = false``. With a definition named and ``root`` holding it, its patch set's digest as
-    ``root`` has it is required too, unless one is named."""
+    ``root`` has it is required too (unless one is named), and the base it pins, where it pins one."""
     flags = flags or Flags()
     raw = read_file(file) if file is not None else {}
     where = f"policy {file}" if file is not None else "the command line"
@@ -150,13 +159,16 @@ def build(file: Path | None = None, flags: Flags | None = None, root: Path | Non
                                   ("base_digest", text("base_digest", flags.base_digest)),
                                   ("reference_digest", text("reference_digest", flags.reference_digest)))}
     definition = text("definition", flags.definition)
-    if definition and not digests["patch_set_digest"] and root is not None:
-        digests["patch_set_digest"] = patch_set_digest(root, definition)
+    base_pins: Mapping[str, str] = {}
+    if definition and root is not None:
+        checkout = pinned(root, definition)
+        digests["patch_set_digest"] = digests["patch_set_digest"] or checkout.patch_set_digest
+        base_pins = checkout.base
     age = flags.max_age or raw.get("max_age")
     skew = flags.max_skew or raw.get("max_skew")
     return Policy(
         checks=checks, every_check=whole, gpu_verified=whole and not allow, allow_gpu_unverified=allow,
-        definition=definition, tool_version=text("tool_version", flags.tool_version),
+        definition=definition, base_pins=base_pins, tool_version=text("tool_version", flags.tool_version),
         max_age=duration(age, "max age") if age not in (None, "") else None,
         gpu_products=tuple(p.strip() for p in products if p.strip()),
         max_skew=duration(skew, "max skew") if skew not in (None, "") else DEFAULT_SKEW,
