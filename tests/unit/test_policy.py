@@ -107,7 +107,8 @@ def test_the_default_policy_refuses_a_pass_without_answers(tmp_path: Path, key: 
 def test_allow_gpu_unverified_accepts_a_cpu_hosts_verdict_and_says_so(tmp_path: Path, key: Any, pub: str) -> None:
     cpu = sign(tmp_path, key, "cpu", report(only=(*policy.CPU_CHECKS, "gpu", "serve-sweep"),
                                             skip=("gpu", "serve-sweep"), gpu_verified=False, devices=()))
-    assert verify(tmp_path, pub, cpu).rc == 24
+    r = verify(tmp_path, pub, cpu)
+    assert r.rc == 24 and "--allow-gpu-unverified" in r.err.splitlines()[-1], r.err
     r = verify(tmp_path, pub, cpu, args=("--allow-gpu-unverified",))
     assert r.rc == 0, r.err
     assert "GPU-unverified, accepted under --allow-gpu-unverified" in r.out and "exact-levels" in r.out

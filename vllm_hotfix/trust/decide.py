@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import AttestationMismatch, AttestationTampered, CannotCheck, Malformed
 from ..verdicts import Status, Verdict
 from . import signing
-from .policy import Facts, Failure, Passed, Policy, Result
+from .policy import GPU_BOUND, Facts, Failure, Passed, Policy, Result
 
 
 def facts(predicate: Mapping[str, Any], where: str) -> Facts:
@@ -155,9 +155,12 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
                                       hint="smoke the image again")
         latest3 = sorted(candidates, key=lambda f: f.ended, reverse=True)[:3]
         left = "; ".join(f"{f.where} ({f.status.value}) left out {policy.covers(f.facts)}" for f in latest3)
+        hint = "smoke it with everything the policy requires (on a GPU host, with --serve-model and --reference)"
+        if not policy.allow_gpu_unverified and all(
+                set(policy.scope) - _ran(f) <= GPU_BOUND for f in latest3):
+            hint += ", or accept a run on a host without a GPU with --allow-gpu-unverified"
         raise AttestationMismatch(f"{image}: none of its {len(candidates)} signed verdict(s) covers what the policy "
-                                  f"requires ({', '.join(policy.scope) or 'its reference'}): {left}",
-                                  hint="smoke it with everything the policy requires (--serve-model, --reference)")
+                                  f"requires ({', '.join(policy.scope) or 'its reference'}): {left}", hint=hint)
     latest = max(f.ended for f in covering)
     top = [f for f in covering if f.ended == latest]
     if len(top) > 1:
@@ -187,6 +190,11 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
                                       f"{newest.where} (ended {newest.ended.isoformat()}) does not count",
                                       hint="smoke the image again; a newer fail of a check the pass ran blocks it")
     return Decision(newest, results, policy, tuple(candidates))
+
+
+def _ran(found: Found) -> set[str]:
+    """The checks ``found``'s run ran to a pass or a fail."""
+    return {c.name for c in found.facts.verdict.checks if c.status in (Status.PASS, Status.FAIL)}
 
 
 def _failed(found: Found, counted: set[str]) -> list[str]:
