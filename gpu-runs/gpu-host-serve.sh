@@ -73,6 +73,9 @@
 #   patched3  and a third (patched-third.json): no false failure in 3 starts
 #   variantsmoke each variant image, --root its own root (OUTDIR/NAME/variant-V.json): must pass
 #   mutantsmoke each mutant image, --root its own root (OUTDIR/NAME/mutant-M.json): must fail
+#   golden    per model, on the host's Python (no engine): gpu-runs/golden_run.py on the model with its
+#             reference answers (OUTDIR/NAME/golden.json: the golden forward's noise against vLLM
+#             and its confident positions), after the reference
 #   record    OUTDIR/NAME/record.json per model (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
@@ -97,7 +100,7 @@
 #   call 1  STEPS="unpack engine base image refimage mutants variants model inputs reference"
 #           setup about 200 s, the first model's cold reference about 300 s: about 500 s
 #           (the other references are not started: a batch would pass the budget)
-#   call 2  STEPS="reference patched unpatched patched2 patched3 variantsmoke mutantsmoke"
+#   call 2  STEPS="reference golden patched unpatched patched2 patched3 variantsmoke mutantsmoke"
 #           the other two references side by side (about 200 s), the first model's
 #           patched and unpatched alone (75 + 60 s: the campaign's warm times), then one
 #           side-by-side batch of 8 (about 200 s): about 535 s
@@ -114,7 +117,8 @@
 #   PARALLEL=8 KV_BYTES=2147483648 SERVE_MEM=0.05 ENGINE_GIB=5 CALL_BUDGET=540 \
 #     STEPS="..." bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR
 # The batch time is the estimate least known: run.log times every smoke, so the first
-# batch of call 2 says how many of the rest fit.
+# batch of call 2 says how many of the rest fit. The golden step (per model, on the host's
+# Python, while no smoke runs) is not in these sums: its time on a GPU is not measured yet.
 #
 # OUTDIR gets run.log, dockerd.log, signing-key.pub.pem and source-*.json; OUTDIR/NAME/
 # per model smoke-<which>.log, <which>.json (reference, patched, patched-again,
@@ -149,7 +153,7 @@ TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
 REFIMG=$REPO_NAME:$TAG-m3patch-assembled
-STEPS=${STEPS:-unpack engine base image refimage mutants variants model inputs reference patched unpatched patched2 patched3 variantsmoke mutantsmoke record}
+STEPS=${STEPS:-unpack engine base image refimage mutants variants model inputs reference golden patched unpatched patched2 patched3 variantsmoke mutantsmoke record}
 # The broken backports (gpu-runs/mutants/NAME.patch): each built from a project root of its own (mutants.py root).
 MUTANTS=${MUTANTS:-$(cd "$HERE/gpu-runs/mutants" 2>/dev/null && ls -- *.patch 2>/dev/null | sed 's/\.patch$//' | tr '\n' ' ')}
 MUTANT_ROOTS=$WORK/mutant-roots
@@ -553,8 +557,23 @@ if step reference; then
   done
   flush
 fi
-if step patched || step patched2 || step patched3 || step unpatched || step unpatched1; then
+if step patched || step patched2 || step patched3 || step unpatched || step unpatched1 || step golden; then
   each_model reference_from
+fi
+
+# The golden forward of each model against its reference answers (host's torch; no engine, no vLLM).
+golden_model() {
+  if [ -f "$MOUT/golden.json" ]; then
+    log "golden $MNAME: done already ($MOUT/golden.json)"
+    return 0
+  fi
+  need_answers
+  log "golden $MNAME: golden_run.py $MODEL --reference $ANSWERS"
+  act "$PY" gpu-runs/golden_run.py "$MODEL" --reference "$ANSWERS" --out "$MOUT/golden.json" \
+    >"$MOUT/golden.log" 2>&1 || log "golden $MNAME: exit code $? (see $MOUT/golden.log)"
+}
+if step golden; then
+  each_model golden_model
 fi
 
 # The warm times (patched, unpatched): the first model's smokes alone, one after the other. The other models'
@@ -661,6 +680,7 @@ record_model() {
   for f in "$OUTDIR"/source-*.json; do
     [ ! -f "$f" ] || calls+=(--source-call "$f")
   done
+  [ ! -f "$MOUT/golden.json" ] || more+=(--golden-run "$MOUT/golden.json")
   # The inputs the smokes ran with, kept beside the record (REFERENCE_FROM reads them).
   [ ! -f "$INPUTS" ] || cp "$INPUTS" "$MOUT/inputs.json"
   act "$PY" gpu-runs/gpu_host.py record "$MOUT/record.json" --reference-run "$MOUT/reference.json" \

@@ -434,6 +434,11 @@ def _record(args: argparse.Namespace) -> int:
             # What each broken backport is and where its header says it should first show; what each correct
             # one changes and why it is right.
             rec[key] = {name: mutants.header(name) for name in shown}
+    if args.golden_run:
+        # The golden forward against this model's reference (its noise per prompt, the confident positions and
+        # their agreement), as golden_run.py measured it on this host.
+        rec["golden"] = _load_json(args.golden_run, "--golden-run")
+        inputs["golden_run"] = {"path": args.golden_run, "sha256": _sha256_file(Path(args.golden_run))}
     rec["findings"] = gpu_record.findings(images, reference, args.target_seconds, alone=not args.side_by_side)
     rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
     if args.timings and Path(args.timings).exists():
@@ -489,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--variant", action="append", default=None, metavar="NAME=FILE",
                    help="a correct backport's report (gpu-runs/variants/NAME.patch), which must pass as the patched "
                         "image does")
+    r.add_argument("--golden-run", default=None,
+                   help="gpu-runs/golden_run.py's output for this model: kept as the record's golden section")
     r.add_argument("--side-by-side", action="store_true",
                    help="the patched and unpatched smokes ran beside others: no warm times are judged here")
     r.add_argument("--model-made", default=None,

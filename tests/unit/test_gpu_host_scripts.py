@@ -170,8 +170,8 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
     reference (the first cold and alone, the others after it), right patch three times, base, every variant and
     every mutant, each under OUTDIR/NAME/, and a record per model naming how its model was made."""
     models = "a:0:2 b:1:2 c:1:3"
-    commands, log, out = _dry(tmp_path, "image refimage mutants variants model reference patched unpatched patched2 "
-                              "patched3 variantsmoke mutantsmoke record", MODELS=models)
+    commands, log, out = _dry(tmp_path, "image refimage mutants variants model reference golden patched unpatched "
+                              "patched2 patched3 variantsmoke mutantsmoke record", MODELS=models)
     mutants = sorted(p.stem for p in (SCRIPTS / "mutants").glob("*.patch"))
     variants = sorted(p.stem for p in (SCRIPTS / "variants").glob("*.patch"))
     assert len(variants) >= 3
@@ -226,6 +226,14 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
     records = [argv for argv in commands if "record" in argv and "gpu_host.py" in " ".join(argv)]
     assert [Path(argv[argv.index("record") + 1]).parent.name for argv in records] == ["a", "b", "c"]
     assert records[2][records[2].index("--model-made") + 1] == "gpu-runs/tiny_minimax_m3.py --seed 1 --layers 3"
+    # The golden forward of each model against that model's own reference answers.
+    golden: list[list[str]] = []
+    for argv in commands:
+        if "gpu-runs/golden_run.py" in argv and argv not in golden:
+            golden.append(argv)
+    assert [(a[a.index("gpu-runs/golden_run.py") + 1], a[a.index("--reference") + 1], a[a.index("--out") + 1])
+            for a in golden] == [(str(tmp_path / "work" / "models" / n), str(out / n / "answers.json"),
+                                  str(out / n / "golden.json")) for n in "abc"]
     # Only the first model's record holds warm times: the others' smokes ran side by side.
     assert ["--side-by-side" in argv for argv in records] == [False, True, True]
 
@@ -308,9 +316,20 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
                                "--source-call", str(call), *extra],
                               capture_output=True, text=True, timeout=60)
 
+    # A correct variant's report (it passed, as the patched image did) and the golden run's output for the model.
+    (tmp_path / "variant-copy.json").write_text(json.dumps(reports["patched"] | {"image": "v", "image_id": "sha256:"
+                                                                                 + "7" * 64}))
+    golden_run = {"noise": {"median_nats": 0.2}, "scoring": {"confident": 812, "agreeing": 812}}
+    (tmp_path / "golden.json").write_text(json.dumps(golden_run))
+    args += ["--variant", f"read-copies-transposed-view={tmp_path / 'variant-copy.json'}",
+             "--golden-run", str(tmp_path / "golden.json"), "--model-made", "tiny_minimax_m3.py --seed 1 --layers 3"]
     r = record(*args)
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "record.json").read_text())
+    assert rec["golden"] == golden_run and rec["inputs"]["golden_run"]["path"] == str(tmp_path / "golden.json")
+    assert rec["model"]["made_with"] == "tiny_minimax_m3.py --seed 1 --layers 3"
+    assert rec["variants"]["read-copies-transposed-view"]["Variant"] == "read-copies-transposed-view"
+    assert "read-copies-transposed-view" in rec["findings"]["every_variant_passes"]["variants"]
     head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD", "HEAD^{tree}"], capture_output=True,
                           text=True, check=True).stdout.split()
     assert rec["source"]["commit"] == head[0] and rec["source"]["tree"] == head[1] and rec["source"]["clean"] is True
@@ -326,12 +345,14 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
     signed = rec["images"]["unpatched"]["attestation"]
     assert signed["file"] == "unpatched.dsse.json" and signed["verified"] is True
     assert signed["key_id"] == signing.key_id(key.public_key()) and signed["status"] == "fail"
-    assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched_first", "unpatched"}
+    assert set(rec["inputs"]["reports"]) == {"reference", "patched", "patched_again", "unpatched_first", "unpatched",
+                                             "variant_read-copies-transposed-view"}
     # The base's first run is recorded with its time, and only the warm runs are held to the target.
     assert "smoke 160.0 s" in rec["result"]["unpatched_first"][0]
     # Warm: the smokes that ran alone; the second start may have shared the GPU (PARALLEL), so it is only shown.
     assert set(rec["findings"]["warm_smoke_seconds"]["seconds"]) == {"patched", "unpatched"}
-    assert set(rec["findings"]["warm_smoke_seconds"]["side_by_side_seconds"]) == {"patched_again"}
+    assert set(rec["findings"]["warm_smoke_seconds"]["side_by_side_seconds"]) == {"patched_again",
+                                                                                   "variant_read-copies-transposed-view"}
     assert rec["images"]["unpatched_first"]["attestation"]["status"] == "fail"
     assert rec["gpu_devices"] == ["NVIDIA H200"]
     # A podman run's record names podman as what started the smokes.
