@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from vllm_hotfix.checking import reference as answers
     from vllm_hotfix.golden.scoring import Scorer
+    from vllm_hotfix.inimage import reference as answers
 
     ref = answers.load(args.reference) if args.reference is not None else None
     prompts = list(ref.prompts) if ref is not None else list(answers.PROMPTS)

@@ -30,10 +30,10 @@ fi
     "$PY" -c 'import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)'
 } >"$OUTDIR/system.txt" 2>&1
 
-"$PY" vllm_hotfix/checking/probes/env_report.py >"$OUTDIR/env_report.json" 2>"$OUTDIR/env_report.stderr"
+"$PY" vllm_hotfix/inimage/probes/env_report.py >"$OUTDIR/env_report.json" 2>"$OUTDIR/env_report.stderr"
 echo "env_report rc=$?" >>"$OUTDIR/system.txt"
 
-"$PY" vllm_hotfix/checking/probes/gpu_check.py --timeout "${EXTRA_TIMEOUT:-540}" \
+"$PY" vllm_hotfix/inimage/probes/gpu_check.py --timeout "${EXTRA_TIMEOUT:-540}" \
     --extra patches/v0.25.1/checks/gpu_topk_layout.py \
     --extra-args="--vllm-src $VSRC --timeout ${WORKER_TIMEOUT:-240} --log $OUTDIR/topk_workers.jsonl" \
     >"$OUTDIR/gpu_check.json" 2>"$OUTDIR/gpu_check.stderr"

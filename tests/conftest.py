@@ -460,7 +460,7 @@ def _preloaded() -> types.ModuleType:
 
     for mod in pkgutil.walk_packages(vllm_hotfix.__path__, "vllm_hotfix."):
         # Not the scripts run inside images, nor entry scripts (importing one runs it).
-        if not mod.name.startswith("vllm_hotfix.checking.probes") and not mod.name.endswith("__main__"):
+        if not mod.name.startswith("vllm_hotfix.inimage.probes") and not mod.name.endswith("__main__"):
             importlib.import_module(mod.name)
     return entry
 

@@ -24,9 +24,9 @@ import pytest
 
 from conftest import REPO, STANDIN_REPO, RegistryPlace, Result, cli, fails
 from vllm_hotfix.building import standin
-from vllm_hotfix.checking import integrity
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
+from vllm_hotfix.judges import integrity
 
 SM100 = "v0.25.1-sm100"
 QUACK_HASH = "e77c5d1f1299b0b38487fe8737df6c6975daa16bca7f7eb883bd1a74d09e7e78"

@@ -294,7 +294,8 @@ def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ..
     from dataclasses import replace
 
     from conftest import free_port
-    from vllm_hotfix.checking import fixed_batches, oracle, recording, reference, sweep
+    from vllm_hotfix.inimage import oracle, recording, reference, sweep
+    from vllm_hotfix.judges import fixed_batches
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, str(FAKE), "serve", "m", "--port", str(port)],
@@ -310,7 +311,7 @@ def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ..
     spec = fixed_batches.job_part(settings, levels, requests, made.prompts, made.max_tokens, recording=True)
     out = path.with_suffix(".jsonl")
     (path.parent / "spec.json").write_text(json.dumps({**spec, "out": str(out)}))
-    probe = REPO / "vllm_hotfix" / "checking" / "probes" / "batches.py"
+    probe = REPO / "vllm_hotfix" / "inimage" / "probes" / "batches.py"
     subprocess.run([sys.executable, str(probe), str(path.parent / "spec.json")], check=True, timeout=60,
                    env={"PYTHONPATH": str(REPO / "tests" / "fake_vllm")})
     run = fixed_batches.parse(json.dumps({"lines": [json.loads(ln) for ln in out.read_text().splitlines()]}).encode())

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from conftest import REPO, cli, fails, free_port
-from vllm_hotfix.checking import oracle, reference
-from vllm_hotfix.checking.reference import Answer, Reply
+from vllm_hotfix.inimage import oracle, reference
+from vllm_hotfix.inimage.reference import Answer, Reply
 
 FAKE = REPO / "tests" / "fake_openai.py"
 

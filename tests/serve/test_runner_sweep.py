@@ -23,15 +23,16 @@ import pytest
 
 from conftest import REPO, free_port
 from vllm_hotfix import report_page
-from vllm_hotfix.checking import fixed_batches, recording, reference, sweep
 from vllm_hotfix.checking.launchers import base, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import SmokeError, UsageError
+from vllm_hotfix.inimage import recording, reference, sweep
+from vllm_hotfix.judges import fixed_batches
 from vllm_hotfix.verdicts import Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
 ENGINE = REPO / "tests" / "fake_vllm"  # on the probe's path: the stand-in for vLLM's offline engine
-PROBE = REPO / "vllm_hotfix" / "checking" / "probes" / "batches.py"
+PROBE = REPO / "vllm_hotfix" / "inimage" / "probes" / "batches.py"
 IMAGE_ID = "sha256:" + "ab" * 32
 LEVELS, REQUESTS = (1, 2, 4), 8
 

@@ -9,9 +9,9 @@ import tarfile
 import pytest
 
 from vllm_hotfix import dist_record
-from vllm_hotfix.checking import integrity
 from vllm_hotfix.engine import Tree
 from vllm_hotfix.engine.files import scan_tar
+from vllm_hotfix.judges import integrity
 
 EMPTY = "47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"  # sha256 of b"" as RECORD writes it
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix.checking import integrity
 from vllm_hotfix.engine import FileFact, Tree
 from vllm_hotfix.engine.files import CHUNK, scan_tar
+from vllm_hotfix.judges import integrity
 
 SITE = "/site"
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_hotfix.checking.reference import QUESTIONS, SENTENCES
 from vllm_hotfix.errors import Malformed
 from vllm_hotfix.golden import check as golden_check
 from vllm_hotfix.golden import judge
 from vllm_hotfix.golden.config import Sparse, parse
 from vllm_hotfix.golden.forward import Golden, select
 from vllm_hotfix.golden.scoring import Scorer, Served
+from vllm_hotfix.inimage.reference import QUESTIONS, SENTENCES
 from vllm_hotfix.verdicts import Status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,7 +267,7 @@ def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, 
     (at concurrency 1 and at two fixed-batch levels), it times the golden and reports the noise per prompt."""
     import importlib.util
 
-    from vllm_hotfix.checking import reference as answers
+    from vllm_hotfix.inimage import reference as answers
 
     spec = importlib.util.spec_from_file_location("golden_run", REPO / "gpu-runs" / "golden_run.py")
     assert spec is not None and spec.loader is not None
@@ -314,8 +314,8 @@ def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_bl
     """The smoke's wiring (plan.golden_check): a recording run's replies (bfloat16) give the reference its golden
     section; a run whose replies a right computation made passes against it, one with the layout slip fails,
     naming the reply; a run whose sweep did not run is a skip."""
-    from vllm_hotfix.checking import reference as answers
     from vllm_hotfix.checking.launchers import base, plan
+    from vllm_hotfix.inimage import reference as answers
     from vllm_hotfix.verdicts import Check
     from vllm_hotfix.verdicts import judge as verdict_of
 

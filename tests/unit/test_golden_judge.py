@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix.checking import reference as answers
 from vllm_hotfix.errors import Malformed
 from vllm_hotfix.golden import check as golden_check
 from vllm_hotfix.golden import judge
 from vllm_hotfix.golden.judge import Position, Scored
+from vllm_hotfix.inimage import reference as answers
 from vllm_hotfix.verdicts import Status
 
 

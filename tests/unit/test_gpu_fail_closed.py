@@ -120,7 +120,7 @@ def test_modules_of_the_patched_files() -> None:
     assert modules_of(files) == ["vllm.models.minimax_m3", "vllm.models.minimax_m3.common.indexer"]
 
 
-GPU_CHECK = REPO / "vllm_hotfix" / "checking" / "probes" / "gpu_check.py"
+GPU_CHECK = REPO / "vllm_hotfix" / "inimage" / "probes" / "gpu_check.py"
 
 
 def test_gpu_check_imports_each_module_and_names_those_that_fail() -> None:

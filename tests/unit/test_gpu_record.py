@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import REPO
-from vllm_hotfix.checking import sweep
+from vllm_hotfix.inimage import sweep
 
 SCRIPT = REPO / "gpu-runs" / "gpu_host.py"
 MANIFEST = REPO / "gpu-runs" / "source_manifest.py"

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix.checking.identity import config_difference, first_difference
 from vllm_hotfix.engine import labels as L
+from vllm_hotfix.judges.identity import config_difference, first_difference
 from vllm_hotfix.layers import Layer, LayerEntry
 
 F = "/s/pkg/a.py"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hotfix.checking import integrity
-from vllm_hotfix.checking.installed import Environment, closure, copies, distributions, environment
 from vllm_hotfix.engine import Tree
+from vllm_hotfix.judges import integrity
+from vllm_hotfix.judges.installed import Environment, closure, copies, distributions, environment
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 

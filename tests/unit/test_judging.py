@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_hotfix.checking.launchers import judging
+from vllm_hotfix.judges import judging
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge
 
 IMAGE_ID = "sha256:" + "ab" * 32

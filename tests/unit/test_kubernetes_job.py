@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import cli
 from vllm_hotfix.checking.launchers import kubernetes as k8s
-from vllm_hotfix.checking.runner import MOUNT
 from vllm_hotfix.errors import UsageError
+from vllm_hotfix.inimage.runner import MOUNT
 
 kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
 
@@ -49,7 +49,7 @@ def test_emitted_job_is_accepted_by_the_client_models() -> None:
     assert [e.name for e in container.env] == ["PYTHONDONTWRITEBYTECODE"] and not container.env_from
     assert "PRIVATE KEY" not in text and "secret" not in text.lower()
     paths = {item.path for item in volumes["runner"].config_map.items}
-    assert {"run.py", "job.json", "vllm_hotfix/checking/runner/main.py", "probes/gpu_check.py",
+    assert {"run.py", "job.json", "vllm_hotfix/inimage/runner/main.py", "probes/gpu_check.py",
             "checks/gpu_topk_layout.py"} <= paths
     assert set(config_map.data) == {item.key for item in volumes["runner"].config_map.items}
     assert json.loads(config_map.data["job.json"])["gpu"]["mode"] == "require"

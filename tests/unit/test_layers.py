@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix.checking import layer_read
 from vllm_hotfix.engine import ImageInfo
 from vllm_hotfix.errors import EngineError
+from vllm_hotfix.judges import layer_read
 from vllm_hotfix.layers import Layer, LayerEntry, apply, flatten, hides
 from vllm_hotfix.layers.read import checked, from_export, from_folder, from_tar
 from vllm_hotfix.registry.compression import uncompressed

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from vllm_hotfix.building import pinfile
-from vllm_hotfix.checking import layer_read, pin_layer
-from vllm_hotfix.checking.difference import Difference
+from vllm_hotfix.judges import layer_read, pin_layer
+from vllm_hotfix.judges.difference import Difference
 from vllm_hotfix.layers import Layer, LayerEntry
 from vllm_hotfix.layers.read import from_folder
 
@@ -56,7 +56,7 @@ def _wheel(folder: Path) -> Path:
 
 
 def _scheme() -> dict[str, str]:
-    probe = runpy.run_path(str(resources.files("vllm_hotfix.checking.probes") / "locate.py"), run_name="probe")
+    probe = runpy.run_path(str(resources.files("vllm_hotfix.inimage.probes") / "locate.py"), run_name="probe")
     scheme: dict[str, str] = probe["install_scheme"]()
     return scheme
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix.checking import smoke, sweep
-from vllm_hotfix.checking.probes import env_report
+from vllm_hotfix.checking import smoke
 from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
+from vllm_hotfix.inimage import sweep
+from vllm_hotfix.inimage.probes import env_report
 from vllm_hotfix.release import push
 from vllm_hotfix.verdicts import Check, Status, judge
 

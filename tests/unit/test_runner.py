@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from vllm_hotfix.checking.launchers import base, judging
+from vllm_hotfix.checking.launchers import base
 from vllm_hotfix.errors import SmokeError
+from vllm_hotfix.judges import judging
 
 IMAGE_ID = "sha256:" + "cd" * 32
 
@@ -153,7 +154,7 @@ def test_the_batch_probe_starts_with_the_server_only_where_the_kv_cache_size_is_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --kv-cache-memory-bytes each vLLM engine measures the GPU's free memory as it starts: the probe's
     engine then waits for the server's sweep to end (it starts in finish), and gets its own time there."""
-    from vllm_hotfix.checking.runner import serve
+    from vllm_hotfix.inimage.runner import serve
 
     events: list[str] = []
 

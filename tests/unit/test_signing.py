@@ -16,12 +16,7 @@ from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
 from conftest import REPO
-from vllm_hotfix.errors import (
-    AttestationError,
-    AttestationMismatch,
-    AttestationTampered,
-    AttestationWrongKey,
-)
+from vllm_hotfix.errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey
 from vllm_hotfix.trust import policy, signing
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -232,7 +227,7 @@ def test_a_fifo_is_no_key_and_no_reference(tmp_path: Path) -> None:
          "signing key {}: not a regular file"),
         ("import sys; from vllm_hotfix.trust import signing; signing.load_public_key(sys.argv[1])",
          "public key {}: not a regular file"),
-        ("import sys; from pathlib import Path; from vllm_hotfix.checking import reference; "
+        ("import sys; from pathlib import Path; from vllm_hotfix.inimage import reference; "
          "reference.load(Path(sys.argv[1]))", "--reference {}: not a regular file"),
     ):
         r = _in_child(code, str(fifo))

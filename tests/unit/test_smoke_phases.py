@@ -1,6 +1,6 @@
 """A smoke run's phases without an engine: the compile cache folder's key, phase times, ordering, --keep-going.
 
-The runner's checks are replaced by recorders (:class:`vllm_hotfix.checking.runner.main.Run`
+The runner's checks are replaced by recorders (:class:`vllm_hotfix.inimage.runner.main.Run`
 runs them in every launcher, the default Docker one included), so what is
 tested is the order they run in and when a failure ends the run.
 """
@@ -19,9 +19,9 @@ import pytest
 
 from vllm_hotfix.checking import compile_cache
 from vllm_hotfix.checking.launchers.docker import Clock, format_phases
-from vllm_hotfix.checking.runner.main import Run
 from vllm_hotfix.engine import ImageInfo, labels
 from vllm_hotfix.errors import SmokeError
+from vllm_hotfix.inimage.runner.main import Run
 from vllm_hotfix.verdicts import NOT_APPLICABLE, Check, Status, Verdict, judge, judge_gpu
 
 BASE = "sha256:" + "b" * 64
@@ -311,7 +311,7 @@ def test_gpu_checks_run_side_by_side_and_report_in_order(tmp_path: Path) -> None
             f"others = all((here / f'{{n}}.started').exists() for n in {names!r})\n"
             f"print(json.dumps({{'checks': [{{'name': '{name}', 'status': 'pass' if others else 'fail', "
             "'detail': 'met the others' if others else 'ran alone'}]}))\n")
-    done = subprocess.run([sys.executable, str(REPO / "vllm_hotfix" / "checking" / "probes" / "gpu_check.py"),
+    done = subprocess.run([sys.executable, str(REPO / "vllm_hotfix" / "inimage" / "probes" / "gpu_check.py"),
                            "--extra", str(tmp_path), "--modules", "json"], capture_output=True, text=True,
                           timeout=120)
     checks = json.loads(done.stdout.strip().splitlines()[-1])["checks"]

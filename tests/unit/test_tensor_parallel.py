@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hotfix.checking import oracle
 from vllm_hotfix.checking.launchers import plan
 from vllm_hotfix.checking.launchers.options import SmokeOptions
 from vllm_hotfix.checking.launchers.podman import PodmanLauncher
 from vllm_hotfix.engine.containers import extras
 from vllm_hotfix.errors import UsageError
+from vllm_hotfix.inimage import oracle
 
 IMAGE_ID = "sha256:" + "ab" * 32
 TARGET = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {})

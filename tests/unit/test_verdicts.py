@@ -15,14 +15,7 @@ from vllm_hotfix import cli, errors
 from vllm_hotfix.building import patches as patchlib
 from vllm_hotfix.building import pipeline, upstream
 from vllm_hotfix.building.builders import BUILDERS, AssembleBuilder, DockerfileBuilder, builder
-from vllm_hotfix.errors import (
-    Malformed,
-    PipelineError,
-    RecordError,
-    SmokeError,
-    SmokeIncomplete,
-    UsageError,
-)
+from vllm_hotfix.errors import Malformed, PipelineError, RecordError, SmokeError, SmokeIncomplete, UsageError
 from vllm_hotfix.journal import records
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge, require_pass
 
@@ -67,7 +60,7 @@ def test_require_pass_raises_the_error_of_each_outcome() -> None:
 
 
 def test_a_probes_malformed_check_is_a_failing_check() -> None:
-    from vllm_hotfix.checking.runner.main import as_check, parse
+    from vllm_hotfix.inimage.runner.main import as_check, parse
 
     assert as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
         Check("x", Status.PASS, "ok", 0.5)

@@ -57,7 +57,7 @@ def for_image(engine: Engine | None, root: Path, image: ImageInfo, *, base_id: s
     ``engine``: the Docker engine that may hold the base; None where there is
     none (a podman host), and then only the build record can tell.
     ``base_id`` and ``definition``: the base and definition the host found the
-    image to be the product of (:mod:`vllm_hotfix.checking.identity`); they
+    image to be the product of (:mod:`vllm_hotfix.judges.identity`); they
     stand before the image's labels.
     """
     built = records.builds_of_image(root, image.id)

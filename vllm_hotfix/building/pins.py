@@ -90,7 +90,7 @@ class ImageState:
 
 def probe(engine: Engine, image: str, python: str, names: Sequence[str],
           paths: Sequence[str] | None = None) -> ImageState:
-    script = resources.files("vllm_hotfix.checking.probes").joinpath("pinstate.py").read_bytes()
+    script = resources.files("vllm_hotfix.inimage.probes").joinpath("pinstate.py").read_bytes()
     files = {"vllm-hotfix-pins/pinstate.py": script}
     argv = [python, "/tmp/vllm-hotfix-pins/pinstate.py", json.dumps(sorted(names))]
     if paths is not None:

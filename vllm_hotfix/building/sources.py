@@ -75,7 +75,7 @@ def scratch_error(folder: Path, exc: OSError) -> StorageError:
 def probe_source(name: str) -> str:
     from importlib import resources  # here: only a probe needs its script
 
-    return resources.files("vllm_hotfix.checking.probes").joinpath(name).read_text(encoding="utf-8")
+    return resources.files("vllm_hotfix.inimage.probes").joinpath(name).read_text(encoding="utf-8")
 
 
 PROBE_TIMEOUT_MAX = 86400  # a day: beyond it a thread's join overflows, and no probe of a base needs it

@@ -194,7 +194,7 @@ def candidates(facts: EngineFacts) -> tuple[list[GpuRequest], list[Attempt]]:
 
 
 def _probe_bytes() -> bytes:
-    return resources.files("vllm_hotfix.checking.probes").joinpath("gpu_list.py").read_bytes()
+    return resources.files("vllm_hotfix.inimage.probes").joinpath("gpu_list.py").read_bytes()
 
 
 def confirm(engine: Engine, image: str, request: GpuRequest, python: str = "python3") -> Attempt:

@@ -1,7 +1,7 @@
 """Smoke an image: one library call that chooses the launcher, judges, records and signs.
 
 :func:`run` takes a :class:`SmokeRequest` and starts the runner
-(:mod:`vllm_hotfix.checking.runner`) through the launcher it names: the Docker engine
+(:mod:`vllm_hotfix.inimage.runner`) through the launcher it names: the Docker engine
 (:mod:`.launchers.docker`, also what ``image`` runs after a build), podman,
 or a Kubernetes Job (:mod:`.launchers.elsewhere`). Whichever it is, the
 host's own facts (the image's files, the GPU request it made) decide what

@@ -14,7 +14,7 @@ from .app import IMAGE, REPOSITORY, Ctx, check_output_file, main, progress
 
 if TYPE_CHECKING:
     from ..checking.launchers.options import SmokeOptions
-    from ..checking.reference import AnswerOptions
+    from ..inimage.reference import AnswerOptions
     from ..verdicts import Verdict
 
 
@@ -23,8 +23,8 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                    min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
                    compile_cache: bool = True, deadline: int | None = None,
                    base_repo: str | None = None) -> SmokeOptions:
-    from ..checking import reference, sweep
     from ..checking.launchers.options import SmokeOptions
+    from ..inimage import reference, sweep
 
     answers = answers or reference.answer_options(None, None)
     if serve_model is None and (answers.reference is not None or answers.record is not None):
@@ -158,8 +158,9 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
     host's build record of IMAGE, else IMAGE's tag when it is a definition's output tag), else the defaults shown
     here; --explain prints each one and where it came from.
     """
-    from ..checking import reference, smoke_settings, sweep
     from ..checking import smoke as smokelib
+    from ..checking import smoke_settings
+    from ..inimage import reference, sweep
 
     ctx = click.get_current_context()
     flags = {"gpu": gpu, "model": serve_model, "reference": reference_path,
@@ -301,9 +302,9 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     import json
     from dataclasses import replace
 
-    from ..checking import recording, sweep
-    from ..checking import reference as refmod
     from ..errors import SmokeError
+    from ..inimage import recording, sweep
+    from ..inimage import reference as refmod
 
     sweep.check_url(url)
     levels = sweep.parse_levels(concurrency)

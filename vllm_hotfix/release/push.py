@@ -36,15 +36,7 @@ from ..building import platforms
 from ..building.platforms import Platform, child_ref
 from ..checking.launchers import facts
 from ..engine import Engine, ImageInfo, registry_errors, registry_of, split_reference
-from ..errors import (
-    AttestationError,
-    BaseImageError,
-    PipelineError,
-    PushError,
-    RecordError,
-    Refused,
-    StorageError,
-)
+from ..errors import AttestationError, BaseImageError, PipelineError, PushError, RecordError, Refused, StorageError
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs, write

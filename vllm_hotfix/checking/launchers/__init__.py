@@ -1,4 +1,4 @@
-"""Launchers: each starts the runner (:mod:`vllm_hotfix.checking.runner`) in the image under test, its own way.
+"""Launchers: each starts the runner (:mod:`vllm_hotfix.inimage.runner`) in the image under test, its own way.
 
 One interface (:class:`.base.Launcher`), one module per way: :mod:`.docker`
 (the engine seam, and the whole Docker run), :mod:`.podman` (the podman CLI,

@@ -19,17 +19,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...errors import Malformed, RunnerFailed
+from ...inimage.runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPLIES_MARK, REPORT_MARK, RUNNER_FLAGS
 from ...verdicts import Verdict
-from ..runner import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, MOUNT, REPLIES_MARK, REPORT_MARK, RUNNER_FLAGS
 
 log = logging.getLogger(__name__)
 
 # What the runner imports from the package: itself, and the verdict code it judges with.
 # The sweep and reference answers are the host's own, so a verdict from the image judges replies the same way.
 PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py", "journal/atomic.py",
-                 "checking/__init__.py", "checking/reference.py", "checking/sweep.py", "checking/oracle.py",
-                 "checking/recording.py", "checking/runner/__init__.py", "checking/runner/main.py",
-                 "checking/runner/serve.py")
+                 "inimage/__init__.py", "inimage/reference.py", "inimage/sweep.py", "inimage/oracle.py",
+                 "inimage/recording.py", "inimage/runner/__init__.py", "inimage/runner/main.py",
+                 "inimage/runner/serve.py")
 BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 -I -S run.py JOB.json (this folder is put first on sys.path;
 the job's python_path, the base's own sys.path folders, is added by the runner)."""
 import os
@@ -37,7 +37,7 @@ import sys
 
 # This folder first, even under -I or with another vllm_hotfix installed in the image.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_hotfix.checking.runner.main import main  # noqa: E402
+from vllm_hotfix.inimage.runner.main import main  # noqa: E402
 
 sys.exit(main())
 '''
@@ -61,7 +61,7 @@ class Launcher(Protocol):
     """Start the runner in the container image ``image`` (by ID or digest) and bring its results back.
 
     ``runner_dir`` is the staged folder (:func:`stage`), mounted read-only at
-    :data:`~vllm_hotfix.checking.runner.MOUNT`; ``job`` is what it was staged with;
+    :data:`~vllm_hotfix.inimage.runner.MOUNT`; ``job`` is what it was staged with;
     ``gpu`` the GPU request in ``--gpu-request`` words (``cdi:DEVICE``,
     ``gpus``, ``runtime:NAME``), None for none; ``model`` a folder mounted
     read-only at /model for the serve sweep.
@@ -82,7 +82,7 @@ def runner_files(extra: Mapping[str, bytes] | None = None) -> dict[str, bytes]:
     root = package_root()
     files = {f"vllm_hotfix/{rel}": (root / rel).read_bytes() for rel in PACKAGE_FILES}
     files["run.py"] = BOOTSTRAP
-    for probe in sorted((root / "checking" / "probes").glob("*.py")):
+    for probe in sorted((root / "inimage" / "probes").glob("*.py")):
         files[f"probes/{probe.name}"] = probe.read_bytes()
     files.update(extra or {})
     return dict(sorted(files.items()))

@@ -1,9 +1,9 @@
 """Smoke through the Docker engine: the default ``smoke``, and the one ``image`` runs after a build.
 
 A run has three steps. The file facts are read from the image's layers and
-judged here (:mod:`vllm_hotfix.checking.integrity`): nothing of the image runs for
+judged here (:mod:`vllm_hotfix.judges.integrity`): nothing of the image runs for
 them. The GPU request that reaches the image is tried on this host
-(:mod:`vllm_hotfix.checking.gpu_access`). Then the runner (:mod:`vllm_hotfix.checking.runner`)
+(:mod:`vllm_hotfix.checking.gpu_access`). Then the runner (:mod:`vllm_hotfix.inimage.runner`)
 runs in one container of the image (:class:`DockerLauncher`), its folder
 mounted read-only, its progress followed live, and its report is judged
 here (:mod:`.judging`): the file facts stay the host's, GPU claims stand
@@ -30,13 +30,14 @@ from typing import Any
 from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
+from ...inimage import reference as answers
+from ...inimage.runner import MOUNT
+from ...inimage.runner.main import as_check, parse
 from ...journal import records
+from ...judges import identity, integrity, judging
 from ...verdicts import Status, Verdict
-from .. import compile_cache, gpu_access, identity, integrity
-from .. import reference as answers
-from ..runner import MOUNT
-from ..runner.main import as_check, parse
-from . import facts, judging, plan
+from .. import compile_cache, gpu_access
+from . import facts, plan
 from .base import Launched, argv, results
 from .options import SmokeOptions
 
@@ -127,7 +128,7 @@ def format_phases(phases: Mapping[str, float], total: float | None = None) -> st
 
 
 def _probe(name: str) -> bytes:
-    return resources.files("vllm_hotfix.checking.probes").joinpath(name).read_bytes()
+    return resources.files("vllm_hotfix.inimage.probes").joinpath(name).read_bytes()
 
 
 class DockerRun:

@@ -22,8 +22,8 @@ from ...engine import Engine, ImageInfo, split_reference
 from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed, UsageError
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
+from ...judges import identity, layer_read
 from ...registry import client as registry
-from .. import identity, layer_read
 from . import facts, plan
 from .base import Launched, results
 from .kubernetes import JobSpec

@@ -2,7 +2,7 @@
 
 Podman's store, a registry's blobs or the Docker engine: wherever the image
 is started from, its files are read from there and judged the same way
-(:func:`~vllm_hotfix.checking.integrity.check_image`). A smoke run's job carries the
+(:func:`~vllm_hotfix.judges.integrity.check_image`). A smoke run's job carries the
 finished checks (:func:`file_facts`); the host's verdict keeps them as the
 host made them, whatever the runner reports. The push gate reads them again
 right before a push (:func:`landed_problem`, :func:`pins_problem`).
@@ -18,7 +18,7 @@ from typing import Any
 from ...building import definitions, expected, pins, sources
 from ...engine import Engine, ImageInfo
 from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
-from .. import identity, installed, integrity
+from ...judges import identity, installed, integrity
 
 
 def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
@@ -63,7 +63,7 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
     """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
 
     For ``--launcher podman|kubernetes``: the same expectation and judgement
-    as a Docker run (:func:`~vllm_hotfix.checking.integrity.check_image`), only the
+    as a Docker run (:func:`~vllm_hotfix.judges.integrity.check_image`), only the
     files come from wherever the image is started. ``expect_from``: the Docker
     engine that may hold the base to recompute the expectation from (None:
     none; the build record alone then). Files that cannot be read make the

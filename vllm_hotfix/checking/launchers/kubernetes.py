@@ -26,8 +26,8 @@ from typing import Any
 
 from ...building.smoke_table import Toleration, resource_problem, toleration_problem
 from ...errors import Refused, SmokeError, SmokeIncomplete, UsageError
+from ...inimage.runner import MOUNT
 from ...registry.refs import shown
-from ..runner import MOUNT
 from .base import Launched, argv, job_bytes, results, runner_files
 
 log = logging.getLogger(__name__)

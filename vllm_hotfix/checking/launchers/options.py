@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..reference import Reference
-from ..sweep import DEFAULT_LEVELS
+from ...inimage.reference import Reference
+from ...inimage.sweep import DEFAULT_LEVELS
 
 GPU_MODES = ("auto", "require", "off")
 

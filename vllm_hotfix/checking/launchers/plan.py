@@ -25,11 +25,12 @@ from ...building.pinfile import Pin
 from ...engine import labels as L
 from ...errors import DefinitionError, Malformed, PatchError, PinError, RunnerFailed, SmokeError, UsageError
 from ...golden import check as golden
+from ...inimage import oracle
+from ...inimage.reference import PROMPTS, Reference
 from ...journal import leftovers, records
+from ...judges import fixed_batches, judging, replies
 from ...verdicts import Check, Status, Verdict
-from .. import compile_cache, fixed_batches, oracle, replies
-from ..reference import PROMPTS, Reference
-from . import judging
+from .. import compile_cache
 from .base import Launched, Launcher, stage
 from .options import SmokeOptions
 
@@ -124,7 +125,7 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
                         "keep_going": options.keep_going}
         ref = options.reference
         if ref is not None:
-            from ..reference import refuse_other_settings
+            from ...inimage.reference import refuse_other_settings
 
             refuse_other_settings(ref, settings)
             fixed_batches.refuse_other_schedule(ref, options.levels, options.requests)
@@ -137,7 +138,7 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
             out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
                                       "settings": settings}
         if ref is not None or record is not None:
-            from ..sweep import MAX_TOKENS
+            from ...inimage.sweep import MAX_TOKENS
 
             # Every level again under fixed batches: the probe's replies come back raw and are judged here.
             out["serve"]["batches"] = fixed_batches.job_part(
@@ -430,7 +431,7 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     verdict, levels, noise = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
                                     reference=options.reference, model=model)
     if options.reference is not None and isinstance(launched, Launched):
-        from ..reference import refuse_other_settings
+        from ...inimage.reference import refuse_other_settings
 
         # What the host judged the run to have had (a GPU model only where it gave one), as the reference names it.
         refuse_other_settings(options.reference, run_settings(verdict))

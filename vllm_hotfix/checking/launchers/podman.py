@@ -27,7 +27,7 @@ from ...engine import ImageInfo
 from ...engine import labels as L
 from ...engine.files import FileFact, FolderReader, Found, exported_layers, scan_tar
 from ...errors import BaseImageError, EngineError, RunnerFailed, SmokeError
-from ..runner import MOUNT
+from ...inimage.runner import MOUNT
 from .base import Launched, argv, results
 from .plan import shm_size
 
@@ -207,7 +207,7 @@ NEVER_STARTED = "/nonexistent-vllm-hotfix-never-started"
 
 class PodmanFiles:
     """Files of an image in podman's store, read without running it (an
-    :class:`~vllm_hotfix.checking.integrity.FileSource`).
+    :class:`~vllm_hotfix.judges.integrity.FileSource`).
 
     As the Docker engine's reader (:mod:`vllm_hotfix.engine.files`) does: a
     container is created and never started, each folder comes out of it as a

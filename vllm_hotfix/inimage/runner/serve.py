@@ -1,10 +1,10 @@
 """The serve sweep from inside the image: start the server, wait for its health, ask, send the replies back.
 
-The sweep is the host's own code (:mod:`vllm_hotfix.checking.sweep`,
-:mod:`vllm_hotfix.checking.recording`, carried in the runner folder): the
+The sweep is the host's own code (:mod:`vllm_hotfix.inimage.sweep`,
+:mod:`vllm_hotfix.inimage.recording`, carried in the runner folder): the
 reference's prompts at every level, the same per-request evidence. It never
 has the reference answers: every reply goes back to the host as it came
-(``replies``), and the host judges them (:mod:`vllm_hotfix.checking.replies`:
+(``replies``), and the host judges them (:mod:`vllm_hotfix.judges.replies`:
 bit for bit at concurrency 1, within recorded noise above it). What the runner
 says of its own sweep (status, lengths) is only its measurement. A run that
 records reference answers sends them back and is not judged against them.
@@ -44,7 +44,7 @@ BATCH_ALONE = 1200  # seconds for a probe started after the sweep: an engine's s
 
 
 class Process:
-    """The server process as the sweep watches it (:class:`vllm_hotfix.checking.sweep.Watcher`)."""
+    """The server process as the sweep watches it (:class:`vllm_hotfix.inimage.sweep.Watcher`)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.lines: deque[str] = deque(maxlen=LOG_LINES)

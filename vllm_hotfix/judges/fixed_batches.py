@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SmokeError, UsageError
+from ..inimage import oracle
+from ..inimage import reference as answers
 from ..verdicts import Check, Status
-from . import oracle
-from . import reference as answers
 
 CHECK = "exact-levels"
 PASSES_RECORDING = 2  # the whole schedule run twice when recording: the second must repeat the first

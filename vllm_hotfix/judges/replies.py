@@ -2,7 +2,7 @@
 
 The runner in the image asks the image's server the reference's prompts at
 every level and sends back each reply as it came (tokens, log-probabilities,
-top-k; :func:`vllm_hotfix.checking.sweep.sweep` with ``replies``), after a
+top-k; :func:`vllm_hotfix.inimage.sweep.sweep` with ``replies``), after a
 mark of its own. It never has the reference answers, so it cannot echo them;
 whatever it says of its replies' correctness is not read. Here, on the host,
 every reply is judged by the oracle exactly as :mod:`.sweep` judges a server
@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import Malformed
-from . import reference as answers
-from .sweep import Level, RequestEvidence, SweepResult, as_check, judge, summarise
+from ..inimage import reference as answers
+from ..inimage.sweep import Level, RequestEvidence, SweepResult, as_check, judge, summarise
 
 # What the runner measured and may say; every judgement field, and the schedule, is the host's.
 _MEASURED = ("http_status", "latency_s", "error")

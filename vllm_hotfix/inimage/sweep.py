@@ -3,19 +3,19 @@
 Each level sends N completions at that concurrency (concurrency 1 too: with
 four index heads on one GPU the unpatched MiniMax-M3 fails there); any failed
 request, or a server that died, fails the sweep naming the level. The
-requests are the fixed prompt set of :mod:`vllm_hotfix.checking.reference`, of mixed
+requests are the fixed prompt set of :mod:`vllm_hotfix.inimage.reference`, of mixed
 lengths as production traffic, at temperature 0 with the top-k logprobs.
 
 A server can survive a bug and answer wrongly with HTTP 200, so each request
 is judged by the strictest check given: with ``reference`` by the oracle
-(:mod:`vllm_hotfix.checking.oracle`: at concurrency 1 bit for bit against the
+(:mod:`vllm_hotfix.inimage.oracle`: at concurrency 1 bit for bit against the
 reference; above it by its form, HTTP status, length, finish reason and no
 NaN, with how far it moved from the same image's concurrency-1 reply
 measured, never judged: over HTTP a reply's batch is the timing's, and how
 far a batch moves a model's numerics is the model's); with ``min_tokens`` a
 shorter reply fails; else the HTTP status alone. Every request leaves its
 evidence in the report beside each level's summary, and each level above 1
-its measured movement (:func:`vllm_hotfix.checking.oracle.movement`).
+its measured movement (:func:`vllm_hotfix.inimage.oracle.movement`).
 """
 
 from __future__ import annotations

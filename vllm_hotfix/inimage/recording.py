@@ -2,8 +2,8 @@
 
 :func:`record` asks the prompt set once at concurrency 1 (the answers), once
 more (every reply must repeat bit for bit, or the exact oracle cannot hold on
-this server and its settings), then :data:`~vllm_hotfix.checking.oracle.NOISE_ROUNDS`
-times at :data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against those answers:
+this server and its settings), then :data:`~vllm_hotfix.inimage.oracle.NOISE_ROUNDS`
+times at :data:`~vllm_hotfix.inimage.oracle.NOISE_CONCURRENCY` against those answers:
 how far those replies moved is measured and kept (``noise``), whatever it is
 (a model's sensitivity to its batch is its own, and a right image may serve
 there tokens its concurrency-1 answer had outside its top-k); only a reply
@@ -11,7 +11,7 @@ whose form is wrong (a NaN, a finish reason other than stop or length, a
 length that does not add up) ends the recording. It also measures whether the
 model reads its prompt (distinct replies, the median gap between the first
 token's two best candidates). It speaks HTTP through
-:mod:`vllm_hotfix.checking.sweep`; the runner carries both into the image.
+:mod:`vllm_hotfix.inimage.sweep`; the runner carries both into the image.
 """
 
 from __future__ import annotations

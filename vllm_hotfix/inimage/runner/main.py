@@ -5,10 +5,10 @@ Reads the job (what to check and how; written by a launcher, see
 image's own Python under a timeout, judges them with the same
 :func:`~vllm_hotfix.verdicts.judge` and :func:`~vllm_hotfix.verdicts.judge_gpu`
 the host uses, and prints its report on one line after
-:data:`~vllm_hotfix.checking.runner.REPORT_MARK` (base64 JSON). Progress goes to
+:data:`~vllm_hotfix.inimage.runner.REPORT_MARK` (base64 JSON). Progress goes to
 stderr. A job it cannot read ends it with exit 2 and one line. It holds no
 key and signs nothing: the report is the image's word, which the host that
-launched it judges (:mod:`vllm_hotfix.checking.launchers.judging`) and signs.
+launched it judges (:mod:`vllm_hotfix.judges.judging`) and signs.
 
 The job's keys: ``image``, ``image_id``, ``platform``, ``expected_from``,
 ``host`` and ``launcher`` (facts for the report); ``checks`` (checks made
@@ -21,10 +21,10 @@ check the host already settled, when no GPU request reaches this image);
 ``serve`` (``argv``, ``env``, ``port``, ``levels``, ``requests``, ``timeout``,
 ``min_tokens``, ``keep_going``, ``prompts`` and ``max_tokens`` (the
 reference's: never its answers), ``record`` (record the answers first; they come
-back after :data:`~vllm_hotfix.checking.runner.ANSWERS_MARK`),
+back after :data:`~vllm_hotfix.inimage.runner.ANSWERS_MARK`),
 ``overlap`` (start the server while the GPU checks run), ``batches`` (the
-fixed-batch probe's spec, :func:`vllm_hotfix.checking.fixed_batches.job_part`:
-its raw replies come back after :data:`~vllm_hotfix.checking.runner.BATCHES_MARK`
+fixed-batch probe's spec, :func:`vllm_hotfix.judges.fixed_batches.job_part`:
+its raw replies come back after :data:`~vllm_hotfix.inimage.runner.BATCHES_MARK`
 for the host to judge); or null);
 ``keep_going``; ``probe_timeout``.
 """
@@ -47,9 +47,9 @@ from ... import verdicts
 from ...errors import Malformed
 from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPLIES_MARK, REPORT_MARK, child_argv, child_env, serve
 
-# As vllm_hotfix.checking.integrity names who answered a check (that module is not carried into the image).
+# As vllm_hotfix.judges.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
-# The runner folder: this file is vllm_hotfix/checking/runner/main.py in it.
+# The runner folder: this file is vllm_hotfix/inimage/runner/main.py in it.
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
 

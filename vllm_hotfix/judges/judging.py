@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ...verdicts import Check, Status, Verdict, judge, rejudge_gpu
-from ..runner.main import IMAGE_PYTHON, as_check
+from ..inimage.runner.main import IMAGE_PYTHON, as_check
+from ..verdicts import Check, Status, Verdict, judge, rejudge_gpu
 
-FILESYSTEM = "filesystem"  # as vllm_hotfix.checking.integrity names the host's file facts
+FILESYSTEM = "filesystem"  # as vllm_hotfix.judges.integrity names the host's file facts
 # Checks only the host makes: a runner's report of these names is never taken.
 HOST_CHECKS = ("layer-identity", "patch-landed", "package-version", "integrity", "compiled-files", "runner",
                "gpu-claim", "exact-levels", "golden")

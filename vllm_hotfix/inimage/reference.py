@@ -9,7 +9,7 @@ on the same model. The reference must never come from the code under test:
 an unpatched MiniMax-M3 with four index heads on one GPU is wrong even at
 concurrency 1.
 
-How replies are judged against it is :mod:`vllm_hotfix.checking.oracle`: bit for bit
+How replies are judged against it is :mod:`vllm_hotfix.inimage.oracle`: bit for bit
 at concurrency 1 (and under fixed batches at every level,
 :mod:`.fixed_batches`). So the file
 names what decides the numerics (``settings``: the server's arguments and
@@ -18,7 +18,7 @@ the model), and a run under other settings is refused, naming the
 difference. It also keeps what recording measured: ``repeat`` (the prompt set
 asked again at concurrency 1 on the same server, which must be bitwise
 equal), ``noise`` (the same image at concurrency
-:data:`~vllm_hotfix.checking.oracle.NOISE_CONCURRENCY` against its own answers: how
+:data:`~vllm_hotfix.inimage.oracle.NOISE_CONCURRENCY` against its own answers: how
 far its replies moved, a measurement shown beside the runs judged against it,
 never a tolerance) and
 ``prompt_sensitivity`` (distinct replies, and the median gap between the
@@ -32,7 +32,7 @@ The file is JSON and carries the sha256 of its own canonical content, so a
 file changed after it was recorded is refused instead of quietly judging
 against other answers.
 
-This module is pure (no network): :mod:`vllm_hotfix.checking.sweep` sends the requests.
+This module is pure (no network): :mod:`vllm_hotfix.inimage.sweep` sends the requests.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, An
     """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
     checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
     is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
-    probe's replies (:func:`vllm_hotfix.checking.fixed_batches.record`), written into the same file; ``golden``
+    probe's replies (:func:`vllm_hotfix.judges.fixed_batches.record`), written into the same file; ``golden``
     the noise the host measured between them and the golden forward (:func:`vllm_hotfix.golden.judge.recorded`)."""
     from ..errors import SmokeError
     from . import oracle

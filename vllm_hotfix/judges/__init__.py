@@ -1,0 +1,1 @@
+"""The host's judges: what an image is judged by, from facts the host reads itself."""
