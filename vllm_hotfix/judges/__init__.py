@@ -1,1 +1,8 @@
-"""The host's judges: what an image is judged by, from facts the host reads itself."""
+"""The host's judges: whether an image is what it must be, decided on the host from facts the host read itself.
+
+Layer identity (:mod:`.identity`), the pip layer of pins (:mod:`.pin_layer`), the file facts and
+installed-package integrity (:mod:`.integrity`, :mod:`.installed`), the runner's report (:mod:`.judging`),
+the sweep's replies and the fixed batches (:mod:`.replies`, :mod:`.fixed_batches`). A difference is typed
+(:class:`.difference.Difference`: path, field, expected, found). The readers of the image's layers these judge
+from live beside them (:mod:`.layer_read`, :mod:`.layer_facts`); nothing here runs anything of the image.
+"""
