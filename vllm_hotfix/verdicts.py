@@ -38,7 +38,7 @@ class Status(StrEnum):
 
 # What a whole run can come to; a skipped check alone never decides a run.
 VERDICT_STATUSES = (Status.PASS, Status.FAIL, Status.INCOMPLETE)
-# The check that settles, before any other, whether the image is its definition's product (checking.identity).
+# The check that settles, before any other, whether the image is its definition's product (judges.identity).
 IDENTITY = "layer-identity"
 
 

@@ -9,7 +9,7 @@ one there), which is a host folder kept under the tool's cache:
     <VLLM_HOTFIX_CACHE>/compile/<base image ID, hex>/<GPU model slug>/
 
 Keyed by the *base* image's ID (the base the host proved by the image's
-layers, :mod:`.identity`, never a label the image carries; the image's own
+layers, :mod:`vllm_hotfix.judges.identity`, never a label the image carries; the image's own
 ID for an unpatched base), so a patched image and its base share one folder
 and an image cannot claim another base's folder; and by the GPU model, since compiled kernels are for
 one architecture. Sharing is safe because every one of these caches keys its

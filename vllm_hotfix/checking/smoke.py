@@ -6,7 +6,7 @@
 or a Kubernetes Job (:mod:`.launchers.elsewhere`). Whichever it is, the
 host's own facts (the image's files, the GPU request it made) decide what
 the host can judge, and the runner's report only adds the checks that need
-the image's Python (:mod:`.launchers.judging`). The verdict is appended to
+the image's Python (:mod:`vllm_hotfix.judges.judging`). The verdict is appended to
 the journal, and with a key it is signed here, by the host that started the
 runner, after it judged the report (:mod:`.attest`); no key ever goes near
 the image under test. The CLI only parses options and prints what comes

@@ -23,7 +23,7 @@ is the reference answer exactly, or it is wrong:
   alone (:func:`form_fault`: HTTP status, length, finish reason, no NaN) and
   how far it moved from the same image's concurrency-1 reply is measured
   (:func:`movement`), never judged. What decides each level above 1 is the
-  fixed-batch check (``exact-levels``, :mod:`.fixed_batches`), where the
+  fixed-batch check (``exact-levels``, :mod:`vllm_hotfix.judges.fixed_batches`), where the
   batches are the same every run and the answers must be bitwise the
   reference's.
 

@@ -11,7 +11,7 @@ concurrency 1.
 
 How replies are judged against it is :mod:`vllm_hotfix.inimage.oracle`: bit for bit
 at concurrency 1 (and under fixed batches at every level,
-:mod:`.fixed_batches`). So the file
+:mod:`vllm_hotfix.judges.fixed_batches`). So the file
 names what decides the numerics (``settings``: the server's arguments and
 environment, the GPU model, the vLLM and torch versions, the base image and
 the model), and a run under other settings is refused, naming the

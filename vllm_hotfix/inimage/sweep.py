@@ -436,7 +436,7 @@ def sweep(
     concurrency-1 reply measured); the reference's prompts and max_tokens
     are used. Without it, ``prompts`` (default the
     fixed set) are asked, and ``replies`` keeps every reply as it came for a
-    judge elsewhere (:mod:`.replies`: the host judges what a runner sent).
+    judge elsewhere (:mod:`vllm_hotfix.judges.replies`: the host judges what a runner sent).
     """
     if reference is not None:
         max_tokens = reference.max_tokens

@@ -2,7 +2,7 @@
 
 Over HTTP the batches of a level depend on when each request reaches the
 engine, so the oracle can judge a reply above concurrency 1 only within the
-noise (:mod:`.oracle`): measured on an H100, at concurrency 16 the trusted
+noise (:mod:`vllm_hotfix.inimage.oracle`): measured on an H100, at concurrency 16 the trusted
 image's replies differed from its own concurrency-1 replies in 48 of 48, so
 the tolerance there admitted nearly every token of the model's top-5, and a
 backport broken only under load would have passed. The probe

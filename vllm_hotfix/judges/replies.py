@@ -5,7 +5,7 @@ every level and sends back each reply as it came (tokens, log-probabilities,
 top-k; :func:`vllm_hotfix.inimage.sweep.sweep` with ``replies``), after a
 mark of its own. It never has the reference answers, so it cannot echo them;
 whatever it says of its replies' correctness is not read. Here, on the host,
-every reply is judged by the oracle exactly as :mod:`.sweep` judges a server
+every reply is judged by the oracle exactly as :mod:`vllm_hotfix.inimage.sweep` judges a server
 the host asks itself: at concurrency 1 bit for bit against the reference,
 above it by its form (status, length, finish reason, no NaN) with its
 movement from the same image's concurrency-1 reply (the reference's where

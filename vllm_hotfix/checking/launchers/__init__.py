@@ -8,7 +8,7 @@ submitted, or collected once it ended, with the official client);
 all: :mod:`.options` (what a run is asked, typed), :mod:`.plan` (the same job
 for every launcher), :mod:`.facts` (the file facts the host reads itself,
 and the push gate reads again), :mod:`.base` (the runner folder, holding no
-key, and the report read back) and :mod:`.judging` (the host's verdict on
+key, and the report read back) and :mod:`vllm_hotfix.judges.judging` (the host's verdict on
 the runner's report). Nothing here signs: the caller signs the host's
 verdict.
 """

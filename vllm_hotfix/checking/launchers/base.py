@@ -2,7 +2,7 @@
 
 The folder holds the runner, the probes, the patch set's checks and the job:
 never a key. What comes back is the runner's report, the image's own word;
-the host judges it (:mod:`.judging`) before it is recorded or signed.
+the host judges it (:mod:`vllm_hotfix.judges.judging`) before it is recorded or signed.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ them. The GPU request that reaches the image is tried on this host
 (:mod:`vllm_hotfix.checking.gpu_access`). Then the runner (:mod:`vllm_hotfix.inimage.runner`)
 runs in one container of the image (:class:`DockerLauncher`), its folder
 mounted read-only, its progress followed live, and its report is judged
-here (:mod:`.judging`): the file facts stay the host's, GPU claims stand
+here (:mod:`vllm_hotfix.judges.judging`): the file facts stay the host's, GPU claims stand
 only where a GPU was given, and its GPU checks are judged again with the
 imports that fail in the image asked of its base too. The runner goes in
 phases, cheapest first, so that a doomed image fails fast; a phase with a
@@ -308,7 +308,8 @@ class DockerRun:
         return ref
 
     def prove_identity(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> identity.Outcome:
-        """Whether the image is its definition's product over the base this host finds (:mod:`..identity`)."""
+        """Whether the image is its definition's product over the base this host finds
+        (:mod:`vllm_hotfix.judges.identity`)."""
         self.say(f"==> smoke 1/3: {ref} against what its builder writes over its base (read from the layers)")
         proven = identity.prove(self.engine, self.root, image, definition=self.opt.definition,
                                 base_repo=self.opt.base_repo, built_on=want.base_id if want is not None else None,

@@ -4,7 +4,7 @@ From an image reference to the host's verdict: where the launcher's copy of
 the image is (podman's store, the registry a cluster pulls from), its file
 facts read from that copy without running it, the job planned (:mod:`.plan`,
 the same checks a docker run has), the runner started, and its report
-judged here (:mod:`.judging`). Nothing is signed here and no key goes
+judged here (:mod:`vllm_hotfix.judges.judging`). Nothing is signed here and no key goes
 anywhere: the caller signs the verdict this returns.
 """
 
@@ -76,8 +76,9 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
 
 def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: SmokeOptions,
           say: Callable[[str], None], read_layers: layer_read.LayerSource) -> identity.Outcome:
-    """The image's layer identity (:mod:`..identity`), its layers read where the launcher starts it, its base
-    found in the Docker engine; incomplete where this host has none (nothing it could compare the image with)."""
+    """The image's layer identity (:mod:`vllm_hotfix.judges.identity`), its layers read where the launcher starts
+    it, its base found in the Docker engine; incomplete where this host has none (nothing it could compare the
+    image with)."""
     say(f"==> {image.id[:19]} against what its builder writes over its base (read from the layers)")
     try:
         docker = engine()

@@ -110,7 +110,7 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     interpreter can vouch for its files. ``gpu_claimed``: the verdict says
     GPU-verified, which an image lacking compiled files cannot be. First of
     all, its layers and config must be what its builder makes of its base
-    (:mod:`..identity`), whatever the journal says.
+    (:mod:`vllm_hotfix.judges.identity`), whatever the journal says.
     """
     proven = identity.prove(engine, root, image, say=say)
     if proven.status in ("fail", "incomplete"):  # a base not found here proves nothing either way: no push

@@ -5,7 +5,7 @@ must not decide (which patch set, which pins, which modules must import,
 where the package must import from) is settled here, from the project's
 files. Every launcher gets the same job for the same image, so every one
 runs the same named checks. The job holds no key: the runner signs nothing.
-A run ends with the host's verdict (:mod:`.judging`), not the runner's.
+A run ends with the host's verdict (:mod:`vllm_hotfix.judges.judging`), not the runner's.
 """
 
 from __future__ import annotations
@@ -328,8 +328,9 @@ def golden_check(job: Mapping[str, Any], launched: Launched, reference: Referenc
 
 
 def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None) -> Verdict:
-    """The runner's report with its serve-sweep judged here from the replies it sent back (:mod:`..replies`):
-    against ``reference`` where there is one, else by status and length alone (a recording run included)."""
+    """The runner's report with its serve-sweep judged here from the replies it sent back
+    (:mod:`vllm_hotfix.judges.replies`): against ``reference`` where there is one, else by status and length alone
+    (a recording run included)."""
     report = launched.report
     spec = job.get("serve") or {}
     said = next((c for c in report.checks if c.name == "serve-sweep"), None)
