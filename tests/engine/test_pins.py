@@ -183,14 +183,15 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
                     assert hashlib.sha256(read()).hexdigest() not in wheel_hashes, f"{name}: {path}"
 
         # The push gate reads the pinned distributions from the image's layers: no container of the image starts
-        # (its Python, configured as the image says, never answers for it).
+        # (its Python, configured as the image says, never answers for it; a container only created, never
+        # started, is how the engine hands out an image's files).
         since = time.time()
         pushed = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         assert pushed.rc == 0, pushed.err
-        created = [e for e in engine.api.events(since=since, until=time.time() + 1, decode=True,
-                                                filters={"type": "container", "event": "create"})
+        started = [e for e in engine.api.events(since=since, until=time.time() + 1, decode=True,
+                                                filters={"type": "container", "event": "start"})
                    if (e.get("Actor") or {}).get("Attributes", {}).get("image") in (image_id, ref)]
-        assert created == [], created
+        assert started == [], started
 
         # What the pins must be is pins.txt's, read again at push time: once it
         # names another version, the image it no longer describes is not pushed.
