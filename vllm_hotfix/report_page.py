@@ -375,7 +375,24 @@ def _verdict(s: Shown) -> str:
                   "(as the envelope says; <code>verify</code> checks the signature)</p>")
     return (f'<section class="verdict {_e(css)}"><h2>{_e(s.name)}: {_e(shown_status)}</h2>'
             f"<p>{_e(r.get('image'))} {_e(r.get('image_id'))}: {gpu} ({_e(devices)}), {_e(r.get('seconds'))} s, "
-            f"started {_e(r.get('started'))}</p><ul>{reasons}</ul>{signed}</section>")
+            f"started {_e(r.get('started'))}</p><ul>{reasons}</ul>{_answers(r)}{signed}</section>")
+
+
+def _answers(report: Mapping[str, Any]) -> str:
+    """What the run's answers were judged against or recorded into, and what they prove, as the verdict says."""
+    sweep = report.get("sweep") or {}
+    parts = []
+    for key, what in (("reference", "answers judged against"), ("recorded", "answers recorded into")):
+        ref = sweep.get(key)
+        if not isinstance(ref, Mapping) or not ref.get("sha256"):
+            continue
+        signature = ref.get("signature") if isinstance(ref.get("signature"), Mapping) else {}
+        line = (f"{what} {ref.get('file')} (sha256 {ref.get('sha256')}), recorded from image "
+                f"{ref.get('image_id') or 'not named'}; signature: {(signature or {}).get('state', 'not named')}")
+        if key == "reference":
+            line += f"; they prove: {ref.get('proves') or 'nothing (a check of the answers did not pass)'}"
+        parts.append(f"<p class='answers'>{_e(line)}</p>")
+    return "".join(parts)
 
 
 def render(page: Page) -> str:

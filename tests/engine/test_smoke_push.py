@@ -248,11 +248,12 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             # Recording from this image: its server answers, but a stand-in has no engine (no torch) for the
             # per-level answers under fixed batches, so the run fails on exact-levels and nothing is written.
             answers = tmp_path / "answers.json"
+            site, other = site_key(tmp_path / "site.key"), site_key(tmp_path / "other.key")
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
                     str(answers), "--concurrency", "1,2", "--requests", "6", "--report", str(tmp_path / "rec.json"),
-                    root=project)
+                    "--sign-key", site, root=project)
             assert r.rc == 7 and "no per-level answers under fixed batches came back" in r.err, r.err
-            assert not answers.exists()
+            assert not answers.exists() and not (tmp_path / "answers.dsse.json").exists()  # nothing to sign
             # A recording shares no cache: a folder of its own, removed after the run; the shared one untouched.
             assert json.loads((tmp_path / "rec.json").read_text())["environment"]["compile_cache"]["access"] == \
                 "private"
@@ -263,7 +264,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert "No module named 'torch'" in checks["exact-levels"]["detail"]
             # Answers with every level, recorded where an engine ran, under this run's settings: the HTTP sweep
             # passes against them, and the image's missing engine fails exact-levels, judged on the host.
-            write_reference(answers, model, base_id, (1, 2, 4), 6)
+            write_reference(answers, model, base_id, (1, 2, 4), 6, TRUSTED)
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
                     "--concurrency", "1,2,4", "--requests", "6", "--report", str(tmp_path / "ref.json"),
                     root=project)
@@ -279,6 +280,9 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert exact["detail"].startswith("wrong under fixed batches from concurrency 1: no replies from "
                                               "concurrency 1 on: ModuleNotFoundError: No module named 'torch'")
             assert report["sweep"]["reference"]["sha256"] == json.loads(answers.read_text())["sha256"]
+            assert checks["reference"]["status"] == "skip" and checks["reference"]["detail"].endswith(
+                "its signature not checked (no --sign-key)")
+            check_reference_provenance(served, image_id, base_id, model, answers, tmp_path, project, site, other)
             # Another model than the one recorded with: refused before the server starts, naming it (exit 64).
             (model / "config.json").write_text('{"other": 1}')
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
@@ -288,9 +292,82 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
         product.drop()
 
 
-def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ...], requests: int) -> None:
+# The image test references are recorded from: another than any judged here (a trusted build the site keeps).
+TRUSTED = "sha256:" + "7e" * 32
+
+
+def site_key(path: Path) -> str:
+    """A site's ECDSA P-256 private key written to ``path``, readable by its owner alone."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    path.chmod(0o600)
+    return str(path)
+
+
+def check_reference_provenance(served: str, image_id: str, base_id: str, model: Path, answers: Path, tmp_path: Path,
+                               project: Path, site: str, other: str) -> None:
+    """Answers recorded from the judged image itself, or from its base, are refused before the run (exit 64);
+    with --sign-key a reference must carry the site key's signature (checked before anything runs), unless the run
+    accepts it unsigned, and the verdict names the reference, its image, its digest and its signature."""
+    from dataclasses import replace
+
+    from vllm_hotfix.inimage import reference
+    from vllm_hotfix.trust import references
+
+    def smoke(ref: Path, *extra: str) -> tuple[int, str, dict[str, dict]]:
+        out = tmp_path / "prov.json"
+        out.unlink(missing_ok=True)
+        r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(ref),
+                "--concurrency", "1,2,4", "--requests", "6", "--report", str(out), *extra, root=project)
+        checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]} if out.exists() else {}
+        return r.rc, r.err, checks
+
+    trusted = reference.load(answers)
+    for recorded_from, said in ((image_id, f"recorded from {image_id}, the judged image itself"),
+                                (base_id, f"recorded from {base_id}, the base of the judged image {image_id}")):
+        mine = reference.write(replace(trusted, image_id=recorded_from), tmp_path / "mine.json")
+        rc, err, checks = smoke(Path(mine.path))
+        assert rc == 64 and said in err and not checks, err
+    # Not signed: refused before anything runs (exit 21), naming the envelope it looked for.
+    rc, err, checks = smoke(answers, "--sign-key", site)
+    assert rc == 21 and f"--reference {answers}: not signed with the site key (no {tmp_path}/answers.dsse.json" \
+        in err and not checks, err
+    # Signed by the host that recorded it, with the site key: checked, and the verdict says by which key.
+    signed = references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site)
+    report = tmp_path / "signed.json"
+    r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
+            "--concurrency", "1,2,4", "--requests", "6", "--sign-key", site, "--report", str(report), root=project)
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    # exact-levels fails (no engine in a stand-in), so the answers prove nothing; the reference is named all the same
+    assert r.rc == 7 and checks["reference"]["status"] == "pass", r.err
+    assert json.loads(report.read_text())["sweep"]["reference"]["proves"] is None
+    assert checks["reference"]["detail"] == (f"{answers} (sha256 {trusted.sha256}) recorded from image {TRUSTED}, "
+                                             f"neither the judged image nor its base; signed with the site key "
+                                             f"{signed.key_id[:12]} ({tmp_path}/answers.dsse.json)")
+    # Another key's signature: refused (22) unless accepted explicitly, and then the verdict says so.
+    references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, other)
+    rc, err, checks = smoke(answers, "--sign-key", site)
+    assert rc == 22 and "signed with another key" in err and not checks, err
+    rc, err, checks = smoke(answers, "--sign-key", site, "--accept-unsigned-reference")
+    assert rc == 7 and checks["reference"]["status"] == "skip", err
+    assert "signed with another key than the site's" in checks["reference"]["detail"]
+    assert checks["reference"]["detail"].endswith("accepted by --accept-unsigned-reference")
+    # A signature of other content beside it is no missing signature but a wrong one: refused even so (24).
+    references.sign(answers, "0" * 64, {"image_id": TRUSTED}, site)
+    rc, err, checks = smoke(answers, "--sign-key", site, "--accept-unsigned-reference")
+    assert rc == 24 and "vouches for other content" in err and not checks, err
+    references.envelope_path(answers).unlink()
+
+
+def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ...], requests: int,
+                    image_id: str = TRUSTED) -> None:
     """Reference answers as a trusted image with an engine gives them: tests/fake_openai.py's over HTTP and the
-    stand-in engine's (tests/fake_vllm) under fixed batches, named with the settings of the smoke that uses them."""
+    stand-in engine's (tests/fake_vllm) under fixed batches, named with the settings of the smoke that uses them
+    and the image they stand for (``image_id``)."""
     from dataclasses import replace
 
     from conftest import free_port
@@ -316,7 +393,7 @@ def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ..
                    env={"PYTHONPATH": str(REPO / "tests" / "fake_vllm")})
     run = fixed_batches.parse(json.dumps({"lines": [json.loads(ln) for ln in out.read_text().splitlines()]}).encode())
     section = fixed_batches.record(run, made.prompts, levels, requests, made.max_tokens)
-    reference.write(replace(made, settings=settings, levels=section), path)
+    reference.write(replace(made, settings=settings, levels=section, image_id=image_id), path)
 
 
 def test_push_gate_and_push(engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace) -> None:

@@ -20,20 +20,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from conftest import REPO, free_port
 from vllm_hotfix import report_page
+from vllm_hotfix.checking import smoke as smokelib
 from vllm_hotfix.checking.launchers import base, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
-from vllm_hotfix.errors import SmokeError, UsageError
+from vllm_hotfix.errors import AttestationTampered, SmokeError, UsageError
 from vllm_hotfix.inimage import recording, reference, sweep
 from vllm_hotfix.judges import fixed_batches
+from vllm_hotfix.trust import references, signing
 from vllm_hotfix.verdicts import Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
 ENGINE = REPO / "tests" / "fake_vllm"  # on the probe's path: the stand-in for vLLM's offline engine
 PROBE = REPO / "vllm_hotfix" / "inimage" / "probes" / "batches.py"
 IMAGE_ID = "sha256:" + "ab" * 32
+TRUSTED_ID = "sha256:" + "cd" * 32  # the image the test references were recorded from: another than the judged one
 LEVELS, REQUESTS = (1, 2, 4), 8
 
 
@@ -111,7 +116,7 @@ def options(tmp_path: Path, **more: Any) -> SmokeOptions:
     (tmp_path / "model").mkdir(exist_ok=True)
     opts = SmokeOptions(gpu="off", serve_model=tmp_path / "model", levels=LEVELS, requests=REQUESTS, **more)
     if opts.reference is not None:
-        mine = replace(opts.reference, settings=plan.serve_settings(opts, TARGET))
+        mine = replace(opts.reference, settings=plan.serve_settings(opts, TARGET), image_id=TRUSTED_ID)
         opts = replace(opts, reference=reference.write(mine, tmp_path / "answers.json"))
     return opts
 
@@ -144,6 +149,37 @@ def test_runner_sweep_matches_the_reference_and_keeps_per_request_evidence(
     at1 = {r["reply_sha256"] for r in v.sweep["exact"]["levels"][0]["replies"]}
     assert at1 == {a.sha256 for a in answers.answers[:REQUESTS]}
     assert v.sweep["reference"]["levels"]["schedule"]["levels"] == list(LEVELS)
+    # What the answers prove, and which answers: the reference's image and digest, its signature not checked here.
+    assert v.sweep["reference"]["proves"] == f"reproducible against image {TRUSTED_ID}"
+    assert exact.detail.endswith(f"under fixed batches: reproducible against image {TRUSTED_ID}")
+    ref_check = next(c for c in v.checks if c.name == "reference")
+    assert ref_check.status is Status.SKIP and ref_check.data["answered_by"] == "filesystem"
+    assert ref_check.detail == (f"{opts.reference.path} (sha256 {opts.reference.sha256}) recorded from image "
+                                f"{TRUSTED_ID}, neither the judged image nor its base; its signature not checked "
+                                "(no --sign-key)")
+    assert v.sweep["reference"]["image_id"] == TRUSTED_ID and v.sweep["reference"]["signature"]["state"] == \
+        "unchecked"
+
+
+def test_a_reference_recorded_from_the_judged_image_or_its_base_is_refused(answers: reference.Reference,
+                                                                           tmp_path: Path) -> None:
+    opts = options(tmp_path, reference=answers)
+    assert opts.reference is not None
+    base = "sha256:" + "ba" * 32
+    itself = reference.write(replace(opts.reference, image_id=IMAGE_ID), tmp_path / "itself.json")
+    with pytest.raises(UsageError, match=rf"--reference {tmp_path}/itself.json: recorded from {IMAGE_ID}, the "
+                                         "judged image itself"):
+        plan.job(tmp_path, TARGET, replace(opts, reference=itself), launcher="test", gpu_request=None)
+    of_base = reference.write(replace(opts.reference, image_id=base), tmp_path / "base.json")
+    with pytest.raises(UsageError, match=rf"recorded from {base}, the base of the judged image {IMAGE_ID}"):
+        plan.job(tmp_path, replace(TARGET, base_id=base), replace(opts, reference=of_base), launcher="test",
+                 gpu_request=None)
+    unnamed = reference.write(replace(opts.reference, image_id=""), tmp_path / "unnamed.json")
+    with pytest.raises(UsageError, match="names no image it was recorded from"):
+        plan.job(tmp_path, TARGET, replace(opts, reference=unnamed), launcher="test", gpu_request=None)
+    # Another image than both (and recorded under this run's settings): the job is made.
+    job, _ = plan.job(tmp_path, TARGET, opts, launcher="test", gpu_request=None)
+    assert job["serve"]["prompts"] == list(opts.reference.prompts)
 
 
 def test_the_image_never_sees_the_reference_answers(answers: reference.Reference, tmp_path: Path) -> None:
@@ -304,6 +340,8 @@ def test_runner_sweep_measures_replies_that_move_far_and_fails_malformed_ones_wi
     text = (tmp_path / "page.html").read_text()
     assert "deviation" in page.figures and "id='movement'" in text
     assert f"<td>moved</td><td>2</td><td>8</td><td>{moved[0]['identical']}</td>" in text
+    assert f"recorded from image {TRUSTED_ID}; signature: unchecked; they prove: reproducible against image " \
+        f"{TRUSTED_ID}" in text
     # The same fault under fixed batches (the engine's own numerics, not the timing's): exact-levels fails there.
     v = run_job(tmp_path, ["--wrong-at-concurrency", "2"], options(tmp_path, reference=answers))
     failed = {c.name: c for c in v.checks if c.status is Status.FAIL}
@@ -389,7 +427,9 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     assert levels is not None and levels["repeat"] == {"passes": 2, "replies": 2 * REQUESTS,
                                                        "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
-    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels))
+    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), IMAGE_ID)
+    # The image recorded is the host's fact, named in the file it keeps.
+    assert kept.image_id == IMAGE_ID and json.loads((tmp_path / "new.json").read_text())["image_id"] == IMAGE_ID
     # The report names the file the host keeps (with the per-level answers), as the docker launcher stamps it.
     judged = plan.restamp(judged, kept, recorded=True)
     assert judged.sweep is not None and judged.sweep["recorded"]["levels"]["schedule"]["levels"] == [1, 2]
@@ -404,3 +444,27 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
                                          rf"'{re.escape(torch)}' there, '2.11.0' here\); nothing written"):
         reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
     assert not (tmp_path / "other.json").exists()
+    # With the site key the host signs what it kept, beside it, and the verdict names the signature.
+    key = site_key(tmp_path / "site.key")
+    request = smokelib.SmokeRequest("ops/vllm:fix", opts, sign_key=str(tmp_path / "site.key"))
+    signed = smokelib.sign_recorded(judged, request, lambda _line: None)
+    envelope = tmp_path / "new.dsse.json"
+    assert signed.sweep is not None and signed.sweep["recorded"]["signature"] == {
+        "state": "signed", "key_id": signing.key_id(key.public_key()), "envelope": str(envelope), "why": ""}
+    found = signing.open_envelope(envelope.read_bytes(), key.public_key(), "new.dsse.json",
+                                  signing.REFERENCE_PREDICATE_TYPE)
+    assert found.digests == {f"sha256:{kept.sha256}"} and found.predicate["image_id"] == IMAGE_ID
+    assert found.predicate["settings"] == kept.settings and found.predicate["signed_at"]
+    # Never taken for a smoke verdict (nor a verdict for it): each is opened as its own predicate type.
+    with pytest.raises(AttestationTampered, match="not a smoke-report statement"):
+        signing.open_envelope(envelope.read_bytes(), key.public_key(), "new.dsse.json")
+    assert references.check(tmp_path / "new.json", kept.sha256, str(tmp_path / "site.key")).state == "signed"
+
+
+def site_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    """A site's ECDSA P-256 key at ``path``, readable by its owner alone."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    path.chmod(0o600)
+    return key

@@ -9,16 +9,19 @@ the host can judge, and the runner's report only adds the checks that need
 the image's Python (:mod:`vllm_hotfix.judges.judging`). The verdict is appended to
 the journal, and with a key it is signed here, by the host that started the
 runner, after it judged the report (:mod:`.attest`); no key ever goes near
-the image under test. The CLI only parses options and prints what comes
-back.
+the image under test. The same key signs the reference answers a run
+records (``--record-reference``), and checks the signature of those a run is
+judged against (``--reference``) before anything starts
+(:mod:`..trust.references`). The CLI only parses options and prints what
+comes back.
 """
 
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..building import expected
@@ -27,7 +30,7 @@ from ..errors import BaseImageError, PipelineError, UsageError
 from ..journal import records
 from ..journal.atomic import write_atomic
 from ..registry.pulling import pull_missing
-from ..trust import attest, signing, travel
+from ..trust import attest, references, signing, travel
 from ..verdicts import Status, Verdict
 from .launchers import NAMES, elsewhere
 from .launchers.docker import DockerRun, format_phases
@@ -76,8 +79,47 @@ def check(request: SmokeRequest) -> None:
         if request.sign_key is not None and not cluster.submit and cluster.collect is None:
             raise UsageError("--emit writes a Job that holds no key: sign when its report is read, with "
                              "--collect job/NAME (or the pod's log) --sign-key KEY")
+    options = request.options
+    if options.accept_unsigned_reference and (options.reference is None or request.sign_key is None):
+        raise UsageError("--accept-unsigned-reference needs --reference and --sign-key (without a key no "
+                         "reference signature is checked, and the verdict says so)")
     if request.sign_key is not None:
         signing.load_private_key(request.sign_key)  # a key that cannot sign fails before the run, not after it
+        record = options.record_reference
+        if record is not None and references.envelope_path(record).exists():
+            raise UsageError(f"--record-reference {record}: {references.envelope_path(record)} already exists; a "
+                             "reference and its signature are written once (remove both to record it again)")
+
+
+def reference_signature(request: SmokeRequest) -> references.Signature | None:
+    """The signature of the reference a run is judged against, checked with the site key before anything runs
+    (None: no reference). A reference not signed with it is refused unless the run accepts it."""
+    ref = request.options.reference
+    if ref is None:
+        return None
+    if request.sign_key is None:
+        return references.UNCHECKED
+    return references.check(Path(ref.path), ref.sha256, request.sign_key,
+                            accept_unsigned=request.options.accept_unsigned_reference)
+
+
+def sign_recorded(verdict: Verdict, request: SmokeRequest, progress: Callable[[str], None]) -> Verdict:
+    """A recording run's reference, written by the host, signed with the site key beside it (``NAME.dsse.json``);
+    the verdict names the signature. Nothing where no file was written (the run failed before it)."""
+    from ..inimage.reference import load
+    from .launchers import plan
+
+    record = request.options.record_reference
+    recorded = (verdict.sweep or {}).get("recorded")
+    if record is None or request.sign_key is None or not isinstance(recorded, Mapping) or not record.exists():
+        return verdict
+    ref = load(record, "--record-reference")
+    signature = references.sign(record, ref.sha256, {
+        "image_id": ref.image_id, "recorded_from": ref.recorded_from, "model": ref.model,
+        "served_model": ref.served_model, "recorded": ref.recorded, "settings": ref.settings,
+        "tool_version": ref.tool_version}, request.sign_key)
+    progress(f"==> signed reference answers: {signature.envelope} (key {signature.key_id[:12]})")
+    return plan.restamp(verdict, ref, recorded=True, signature=signature)
 
 
 def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
@@ -90,6 +132,10 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
     check(request)
     records.ensure_writable(root)
     options = request.options
+    signature = reference_signature(request)
+    if signature is not None:
+        options = replace(options, reference_signature=signature)
+        progress(f"==> reference {options.reference.path if options.reference else ''}: {signature.words()}")
     if request.launcher == "docker":
         docker = engine()
         # An image only its registry holds (made there by image --in-registry): pulled by digest.
@@ -107,7 +153,7 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
         if found is None:
             return SmokeResult(None, wrote=wrote)
         ran = found
-    verdict = ran.verdict
+    verdict = sign_recorded(ran.verdict, request, progress)
     entry = records.append_verdict(root, verdict)
     signed = None
     if request.sign_key is not None and verdict.judged:

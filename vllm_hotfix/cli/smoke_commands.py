@@ -22,7 +22,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                    requests_n: int, gpu_request: str = "auto", definition: str | None = None,
                    min_tokens: int | None = None, answers: AnswerOptions | None = None, keep_going: bool = False,
                    compile_cache: bool = True, deadline: int | None = None,
-                   base_repo: str | None = None) -> SmokeOptions:
+                   base_repo: str | None = None, accept_unsigned_reference: bool = False) -> SmokeOptions:
     from ..checking.launchers.options import SmokeOptions
     from ..inimage import reference, sweep
 
@@ -34,7 +34,7 @@ def _smoke_options(gpu: str, serve_model: Path | None, serve_args: tuple[str, ..
                         serve_args=serve_args, levels=sweep.parse_levels(concurrency), requests=requests_n,
                         min_tokens=min_tokens, reference=answers.reference, record_reference=answers.record,
                         keep_going=keep_going, compile_cache=compile_cache,
-                        deadline=deadline, base_repo=base_repo)
+                        deadline=deadline, base_repo=base_repo, accept_unsigned_reference=accept_unsigned_reference)
 
 
 def _gpu_request_option(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -100,7 +100,13 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.option("--sign-key", default=None, metavar="KEY",
               help="Sign the verdict with this ECDSA P-256 private key (PEM file readable by its owner alone, or "
                    "env:NAME), here, after judging the runner's report; kept in the journal and attached beside the "
-                   "image when it is pushed. The key never goes into the image's container, Job or mounts.")
+                   "image when it is pushed. With --record-reference it also signs the answers recorded "
+                   "(NAME.dsse.json beside them); with --reference it checks theirs first. The key never goes into "
+                   "the image's container, Job or mounts.")
+@click.option("--accept-unsigned-reference", is_flag=True,
+              help="With --reference and --sign-key: judge against a reference that is not signed with the site key "
+                   "(no NAME.dsse.json beside it, or another key's); the verdict says so. One whose signature does "
+                   "not verify, or vouches for other content, is refused all the same.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
 @click.option("--keep-going", is_flag=True,
@@ -145,7 +151,7 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
 @click.pass_obj
 def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str | None, base_repo: str | None,
           report_path: Path | None, junit_path: Path | None, html_path: Path | None, serve_model: Path | None,
-          serve_args: tuple[str, ...], sign_key: str | None,
+          serve_args: tuple[str, ...], sign_key: str | None, accept_unsigned_reference: bool,
           attestation_path: Path | None, keep_going: bool, compile_cache: bool, launcher: str,
           emit_path: Path | None, submit: bool, collect: str | None, kubeconfig: str | None, namespace: str,
           node_selectors: tuple[str, ...], pull_secrets: tuple[str, ...], service_account: str | None,
@@ -195,7 +201,7 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
                              settings["min_tokens"],
                              reference.answer_options(settings["reference"], record_path),
                              keep_going=keep_going, compile_cache=compile_cache, deadline=settings["deadline"],
-                             base_repo=base_repo)
+                             base_repo=base_repo, accept_unsigned_reference=accept_unsigned_reference)
     sign_key = settings["sign_key"]
     if launcher == "kubernetes" and not submit and collect is None and settings.from_table("sign_key"):
         sign_key = None  # an emitted Job is signed when its report is collected, by the table's key then

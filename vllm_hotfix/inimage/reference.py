@@ -7,7 +7,15 @@ with the answer a trusted image (the site's running image, another build of
 the same definition, or an earlier verified hotfix) gave to the same prompt
 on the same model. The reference must never come from the code under test:
 an unpatched MiniMax-M3 with four index heads on one GPU is wrong even at
-concurrency 1.
+concurrency 1, and answers recorded from the judged image itself only show
+that it repeats itself. So the file names the image it was recorded from
+(``image_id``, its config digest, written by the host that recorded it), and
+``smoke`` refuses a reference recorded from the judged image or from its
+definition's base (:func:`refuse_judged_image`). What agreement with it
+proves is that the judged image reproduces that image's answers; a wrong
+backport built twice would agree with itself, which is why the reference
+must be another image the site trusts, signed with the site key
+(:mod:`vllm_hotfix.trust.references`).
 
 How replies are judged against it is :mod:`vllm_hotfix.inimage.oracle`: bit for bit
 at concurrency 1 (and under fixed batches at every level,
@@ -210,6 +218,7 @@ class Reference:
     levels: dict[str, Any] = field(default_factory=dict)
     # golden.judge.recorded: the noise between the golden forward and the trusted image, and its margin threshold
     golden: dict[str, Any] = field(default_factory=dict)
+    image_id: str = ""  # the config digest of the image recorded, as the host knew it ("": not known, serve-check)
 
     @property
     def prompts(self) -> tuple[str, ...]:
@@ -225,13 +234,15 @@ class Reference:
                 "answers": [a.to_dict() for a in self.answers],
                 # Absent, not empty, where none were recorded: a file written before keeps its sha256.
                 **({"levels": self.levels} if self.levels else {}),
-                **({"golden": self.golden} if self.golden else {})}
+                **({"golden": self.golden} if self.golden else {}),
+                **({"image_id": self.image_id} if self.image_id else {})}
 
     def summary(self) -> dict[str, Any]:
         """What a sweep report says about the reference it judged against."""
         return {"file": self.path, "sha256": self.sha256, "model": self.model, "served_model": self.served_model,
                 "prompts": len(self.answers), "max_tokens": self.max_tokens, "top_logprobs": self.top_logprobs,
-                "recorded": self.recorded, "recorded_from": self.recorded_from, "tool_version": self.tool_version,
+                "recorded": self.recorded, "recorded_from": self.recorded_from, "image_id": self.image_id,
+                "tool_version": self.tool_version,
                 "settings": self.settings, "noise": self.noise, "repeat": self.repeat,
                 "prompt_sensitivity": self.prompt_sensitivity,
                 "levels": {k: v for k, v in self.levels.items() if k != "answers"},
@@ -251,12 +262,13 @@ def write(ref: Reference, path: Path) -> Reference:
 
 
 def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None,
-         golden: dict[str, Any] | None = None) -> Reference:
+         golden: dict[str, Any] | None = None, image_id: str = "") -> Reference:
     """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
     checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
     is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
     probe's replies (:func:`vllm_hotfix.judges.fixed_batches.record`), written into the same file; ``golden``
-    the noise the host measured between them and the golden forward (:func:`vllm_hotfix.golden.judge.recorded`)."""
+    the noise the host measured between them and the golden forward (:func:`vllm_hotfix.golden.judge.recorded`);
+    ``image_id``: the image recorded, as the host knows it (whatever the runner wrote is replaced)."""
     from ..errors import SmokeError
     from . import oracle
 
@@ -267,8 +279,8 @@ def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, An
         path.unlink()
         raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
                          f"({differ}); nothing written")
-    if levels or golden:
-        ref = write(replace(ref, levels=levels or {}, golden=golden or {}), path)
+    if levels or golden or image_id != ref.image_id:
+        ref = write(replace(ref, levels=levels or ref.levels, golden=golden or ref.golden, image_id=image_id), path)
     return ref
 
 
@@ -315,7 +327,7 @@ def load(path: Path, option: str = "--reference") -> Reference:
                         int(data["top_logprobs"]), answers, str(data["tool_version"]), str(data["recorded"]),
                         str(data["recorded_from"]), sha, str(path), _dict(data["settings"]), _dict(data["noise"]),
                         _dict(data["repeat"]), _dict(data["prompt_sensitivity"]), _dict(data.get("levels") or {}),
-                        _dict(data.get("golden") or {}))
+                        _dict(data.get("golden") or {}), str(data.get("image_id") or ""))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UsageError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
     if not answers or ref.max_tokens < 1:
@@ -331,6 +343,25 @@ def refuse_other_settings(ref: Reference, here: dict[str, Any]) -> None:
     if differ:
         raise UsageError(f"--reference {ref.path}: recorded under other settings ({differ}); record the reference "
                          "again under these settings, or judge under the ones it names")
+
+
+def refuse_judged_image(ref: Reference, image_id: str, base_id: str = "") -> None:
+    """UsageError, one line naming both, when ``ref`` was recorded from the judged image ``image_id`` itself or
+    from its definition's base ``base_id`` (the base the host found by the image's layers): answers of the image
+    under test prove only that it repeats itself, and the base's are the bug's. A reference that names no image
+    is refused too: nothing shows it is another."""
+    where = f"--reference {ref.path}"
+    if not ref.image_id:
+        raise UsageError(f"{where}: names no image it was recorded from (recorded by serve-check or an earlier "
+                         "version), so nothing shows it is not the judged image; record it again with smoke "
+                         "--record-reference from a trusted image")
+    if ref.image_id == image_id:
+        raise UsageError(f"{where}: recorded from {image_id}, the judged image itself: its answers prove only that "
+                         "the image repeats itself; record the reference from another image the site trusts")
+    if base_id and ref.image_id == base_id:
+        raise UsageError(f"{where}: recorded from {base_id}, the base of the judged image {image_id} (its "
+                         "definition's base, found by its layers): the unpatched base's answers are the bug's; "
+                         "record the reference from a trusted patched image")
 
 
 @dataclass(frozen=True, slots=True)

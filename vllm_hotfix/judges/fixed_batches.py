@@ -249,10 +249,11 @@ def judge(ref: answers.Reference, run: ProbeRun, levels: Sequence[int], requests
     first = failed[0] if failed else None
     data = {"levels": [ev.to_dict() for ev in evidence], "first_failed_level": first,
             "engine_start_s": run.ready_s, "probe_s": run.wall_s, "ended": run.ended(),
-            "reference_sha256": ref.sha256}
+            "reference_sha256": ref.sha256, "reference_image_id": ref.image_id}
     if first is None:
         detail = (f"levels {','.join(map(str, levels))}: each of the {requests} replies per level bitwise the "
-                  f"reference's at the same level, under fixed batches")
+                  f"reference's at the same level, under fixed batches: reproducible against image "
+                  f"{ref.image_id or 'not named by the reference'}")
         return Check(CHECK, Status.PASS, detail, data=data), data
     wrong = [ev for ev in evidence if ev.wrong]
     parts = [f"concurrency {ev.concurrency}: {ev.wrong} of {ev.answered} replies not bitwise the reference's "

@@ -34,7 +34,7 @@ from ..verdicts import Check, Status, Verdict, judge, rejudge_gpu
 FILESYSTEM = "filesystem"  # as vllm_hotfix.judges.integrity names the host's file facts
 # Checks only the host makes: a runner's report of these names is never taken.
 HOST_CHECKS = ("layer-identity", "patch-landed", "package-version", "integrity", "compiled-files", "runner",
-               "gpu-claim", "exact-levels", "golden")
+               "gpu-claim", "exact-levels", "golden", "reference")
 
 
 def required(job: Mapping[str, Any]) -> list[str]:

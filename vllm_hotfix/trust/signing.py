@@ -42,6 +42,9 @@ from ..verdicts import IDENTITY
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "urn:vllm-hotfix:smoke-report:v1"
+# Reference answers a site recorded from a trusted image (:mod:`.references`): signed by the same key, never
+# taken for a smoke verdict (nor a verdict for them), since each is opened only as its own predicate type.
+REFERENCE_PREDICATE_TYPE = "urn:vllm-hotfix:reference-answers:v1"
 ENVELOPE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
 # The password of an encrypted PEM private key, when it has one.
 PASSWORD_ENV = "VLLM_HOTFIX_SIGN_KEY_PASSWORD"
@@ -301,8 +304,9 @@ WRONG_KEY_HINT = ("give the public key of the key that signed it (--key again, o
                   "smoke the image again with --sign-key of a key given here")
 
 
-def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) -> Attested:
-    """Verify a DSSE envelope with ``public`` and return its statement.
+def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str,
+                  predicate_type: str = PREDICATE_TYPE) -> Attested:
+    """Verify a DSSE envelope with ``public`` and return its statement (of ``predicate_type``).
 
     AttestationWrongKey: no signature was made with this key;
     AttestationTampered: one claims this key but does not verify, or the
@@ -336,12 +340,14 @@ def open_envelope(data: bytes, public: ec.EllipticCurvePublicKey, where: str) ->
         doc = json.loads(payload)
     except ValueError:
         raise AttestationTampered(f"{where}: the signed payload is not JSON") from None
-    if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != PREDICATE_TYPE:
-        raise AttestationTampered(f"{where}: not a smoke-report statement")
+    if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE or doc.get("predicateType") != predicate_type:
+        what = "reference-answers" if predicate_type == REFERENCE_PREDICATE_TYPE else "smoke-report"
+        raise AttestationTampered(f"{where}: not a {what} statement")
     return Attested(doc, ours)
 
 
-def open_with_any(data: bytes, keys: Sequence[PublicKey], where: str) -> Attested:
+def open_with_any(data: bytes, keys: Sequence[PublicKey], where: str,
+                  predicate_type: str = PREDICATE_TYPE) -> Attested:
     """Verify a DSSE envelope with whichever of ``keys`` signed it; else the closest refusal.
 
     A signature that claims one of the keys but does not verify with it
@@ -351,7 +357,7 @@ def open_with_any(data: bytes, keys: Sequence[PublicKey], where: str) -> Atteste
     refusal: AttestationError | None = None
     for public in keys:
         try:
-            found = open_envelope(data, public.key, where)
+            found = open_envelope(data, public.key, where, predicate_type)
         except _NoMatch as exc:
             refusal = exc
             continue

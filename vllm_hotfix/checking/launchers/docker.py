@@ -267,7 +267,8 @@ class DockerRun:
         verdict = ran.verdict
         if ran.answers is not None and self.opt.record_reference is not None:
             kept = self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target),
-                                                   **plan.run_settings(verdict)}, ran.levels, ran.golden, verdict)
+                                                   **plan.run_settings(verdict)}, ran.levels, ran.golden, verdict,
+                                     target.image_id)
             if kept is not None:
                 # The report names the file as written (its sweep was not judged against it).
                 verdict = plan.restamp(verdict, kept, recorded=True)
@@ -286,11 +287,12 @@ class DockerRun:
         return plan.Ran(judging.unanswered(job, status, why), job)
 
     def keep_answers(self, data: bytes, settings: dict[str, Any], levels: Mapping[str, Any] | None,
-                     golden: Mapping[str, Any] | None = None, verdict: Verdict | None = None
-                     ) -> answers.Reference | None:
+                     golden: Mapping[str, Any] | None = None, verdict: Verdict | None = None,
+                     image_id: str = "") -> answers.Reference | None:
         """Write the reference answers the runner recorded (``--record-reference``) with their settings, the
-        per-level answers the host read from the batch probe and the golden's noise measured on them; nothing
-        without the per-level answers, nor where the golden judged the trusted image wrong."""
+        per-level answers the host read from the batch probe, the golden's noise measured on them and the image
+        they were recorded from (its config digest, the host's fact); nothing without the per-level answers, nor
+        where the golden judged the trusted image wrong."""
         assert self.opt.record_reference is not None
         if not levels:
             # The run fails on its exact-levels check, which says why; a reference without them judges nothing.
@@ -302,7 +304,8 @@ class DockerRun:
             self.say(f"    --record-reference {self.opt.record_reference}: the golden check of the trusted image's "
                      "replies did not pass (see the golden check); nothing written")
             return None
-        ref = answers.keep(self.opt.record_reference, data, settings, dict(levels), dict(golden) if golden else None)
+        ref = answers.keep(self.opt.record_reference, data, settings, dict(levels), dict(golden) if golden else None,
+                           image_id)
         self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)}; answers at concurrency "
                  f"{','.join(map(str, levels['schedule']['levels']))} under fixed batches)")
         return ref

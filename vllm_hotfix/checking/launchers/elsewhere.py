@@ -266,7 +266,8 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     if isinstance(launched, Launched):
         started = _this_run(root, launched, ref, cluster, job.get("run_nonce"))
     verdict, _levels, _noise = plan.judged(job, launched, host_facts, started=started, reference=options.reference,
-                                           model=Path(options.serve_model) if options.serve_model else None)
+                                           model=Path(options.serve_model) if options.serve_model else None,
+                                           signature=options.reference_signature)
     for c in verdict.checks:
         say(f"    {c.status.value:<4} {c.name}: {c.detail}")
     return plan.Ran(verdict, job), target, wrote

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ...inimage.reference import Reference
 from ...inimage.sweep import DEFAULT_LEVELS
+from ...trust.references import Signature
 
 GPU_MODES = ("auto", "require", "off")
 
@@ -25,6 +26,8 @@ class SmokeOptions:
     min_tokens: int | None = None
     reference: Reference | None = None  # judge every reply against these answers
     record_reference: Path | None = None  # record answers here first (a trusted image), then judge against them
+    accept_unsigned_reference: bool = False  # a --reference not signed with the site key is judged against anyway
+    reference_signature: Signature | None = None  # what the host found of the reference's signature (smoke.run)
     python: str = "python3"
     probe_timeout: float = 600
     serve_timeout: float = 900

@@ -29,6 +29,7 @@ from ...inimage import oracle
 from ...inimage.reference import PROMPTS, Reference
 from ...journal import leftovers, records
 from ...judges import fixed_batches, judging, replies
+from ...trust.references import UNCHECKED, Signature
 from ...verdicts import Check, Status, Verdict
 from .. import compile_cache
 from .base import Launched, Launcher, stage
@@ -125,8 +126,9 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
                         "keep_going": options.keep_going}
         ref = options.reference
         if ref is not None:
-            from ...inimage.reference import refuse_other_settings
+            from ...inimage.reference import refuse_judged_image, refuse_other_settings
 
+            refuse_judged_image(ref, target.image_id, target.base_id)
             refuse_other_settings(ref, settings)
             fixed_batches.refuse_other_schedule(ref, options.levels, options.requests)
             # The reference's prompts and length only: its answers stay here, where the replies are judged.
@@ -359,11 +361,12 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
 
 def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: HostFacts | None = None, *,
            started: str = "", seconds: float = 0.0, reference: Reference | None = None,
-           model: Path | None = None) -> tuple[Verdict, Mapping[str, Any] | None, Mapping[str, Any] | None]:
+           model: Path | None = None, signature: Signature | None = None
+           ) -> tuple[Verdict, Mapping[str, Any] | None, Mapping[str, Any] | None]:
     """The host's verdict on what came back: the report judged, or the runner's failure to give one; the
     per-level answers a recording run gave (``reference``: the loaded reference the probe's replies are judged
     against; None while recording) and the golden's noise it measured (``model``: the served model's folder on
-    this host, which the golden computes)."""
+    this host, which the golden computes); ``signature``: what the host found of the reference's signature."""
     facts = facts or HostFacts()
     if isinstance(launched, RunnerFailed):
         return judging.unanswered(job, "incomplete" if launched.incomplete else "fail", str(launched),
@@ -371,6 +374,8 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
     checks, evidence, levels = batch_check(job, launched, reference)
     found, noise = golden_check(job, launched, reference, model)
     checks += found
+    if reference is not None:
+        checks.append(reference_check(reference, signature or UNCHECKED))
     report = sweep_judged(job, launched, reference)
     here = ["serve-sweep"] if report is not launched.report else []
     verdict = judging.host_verdict(job, report, judged_here=here, compiled_missing=facts.compiled_missing,
@@ -378,16 +383,47 @@ def judged(job: Mapping[str, Any], launched: Launched | RunnerFailed, facts: Hos
                                    gpu_facts=facts.gpu, environment=facts.environment, host_checks=checks,
                                    exact=evidence)
     if reference is not None:
-        verdict = restamp(verdict, reference)
+        verdict = restamp(verdict, reference, signature=signature or UNCHECKED)
     return verdict, levels, noise
 
 
-def restamp(verdict: Verdict, reference: Reference, *, recorded: bool = False) -> Verdict:
-    """The verdict naming the reference file as the host has it (path, sha256, levels): which file judged or was
-    recorded by a run is the host's fact (the runner wrote its recording before the host added the per-level
-    answers). A recording run, never judged against what it recorded, names it under ``recorded``."""
-    entry = {"file": reference.path, "sha256": reference.sha256, "levels": reference.summary()["levels"],
-             "noise": reference.noise}
+REFERENCE_CHECK = "reference"
+
+
+def reference_check(reference: Reference, signature: Signature) -> Check:
+    """The host's ``reference`` check: which answers the run is judged against, the image they were recorded from
+    (refused before the run where it is the judged image or its base) and their signature. A pass only where the
+    site key's signature verified; a skip, saying why, where it was not checked or was accepted unsigned."""
+    status = Status.PASS if signature.state == "signed" else Status.SKIP
+    detail = (f"{reference.path} (sha256 {reference.sha256}) recorded from image {reference.image_id}, neither the "
+              f"judged image nor its base; {signature.words()}")
+    return Check(REFERENCE_CHECK, status, detail,
+                 data={"file": reference.path, "sha256": reference.sha256, "image_id": reference.image_id,
+                       "recorded_from": reference.recorded_from, "signature": signature.to_dict()})
+
+
+def proves(verdict: Verdict, reference: Reference) -> str | None:
+    """What the run's answers prove, in words, where they prove anything: every level bitwise the reference's
+    under fixed batches and every HTTP reply judged passed make the judged image reproduce the reference image's
+    answers; no more (a wrong backport built twice would reproduce itself, hence a reference of another image)."""
+    passed = {c.name for c in verdict.checks if c.status is Status.PASS}
+    if {fixed_batches.CHECK, "serve-sweep"} <= passed:
+        return f"reproducible against image {reference.image_id}"
+    return None
+
+
+def restamp(verdict: Verdict, reference: Reference, *, recorded: bool = False,
+            signature: Signature | None = None) -> Verdict:
+    """The verdict naming the reference file as the host has it (path, sha256, the image it was recorded from,
+    levels, its signature, what the answers prove): which file judged or was recorded by a run is the host's fact
+    (the runner wrote its recording before the host added the per-level answers). A recording run, never judged
+    against what it recorded, names it under ``recorded``."""
+    entry: dict[str, Any] = {"file": reference.path, "sha256": reference.sha256, "image_id": reference.image_id,
+                             "levels": reference.summary()["levels"], "noise": reference.noise}
+    if signature is not None:
+        entry["signature"] = signature.to_dict()
+    if not recorded:
+        entry["proves"] = proves(verdict, reference)
     if verdict.sweep is None:
         return verdict
     if recorded:
@@ -430,7 +466,7 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
                 say(exc.hint)
             launched = exc
     verdict, levels, noise = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
-                                    reference=options.reference, model=model)
+                                    reference=options.reference, model=model, signature=options.reference_signature)
     if options.reference is not None and isinstance(launched, Launched):
         from ...inimage.reference import refuse_other_settings
 
