@@ -427,7 +427,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     assert levels is not None and levels["repeat"] == {"passes": 2, "replies": 2 * REQUESTS,
                                                        "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
-    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), IMAGE_ID)
+    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), image_id=IMAGE_ID)
     # The image recorded is the host's fact, named in the file it keeps.
     assert kept.image_id == IMAGE_ID and json.loads((tmp_path / "new.json").read_text())["image_id"] == IMAGE_ID
     # The report names the file the host keeps (with the per-level answers), as the docker launcher stamps it.

@@ -262,7 +262,7 @@ def write(ref: Reference, path: Path) -> Reference:
 
 
 def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None,
-         golden: dict[str, Any] | None = None, image_id: str = "") -> Reference:
+         golden: dict[str, Any] | None = None, *, image_id: str = "") -> Reference:
     """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
     checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
     is removed and the recording refused. ``levels``: the per-level answers the host took from the batch

@@ -305,7 +305,7 @@ class DockerRun:
                      "replies did not pass (see the golden check); nothing written")
             return None
         ref = answers.keep(self.opt.record_reference, data, settings, dict(levels), dict(golden) if golden else None,
-                           image_id)
+                           image_id=image_id)
         self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)}; answers at concurrency "
                  f"{','.join(map(str, levels['schedule']['levels']))} under fixed batches)")
         return ref
