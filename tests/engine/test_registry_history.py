@@ -1,0 +1,87 @@
+"""list --registry and rollback --registry: the team's builds and verdicts read from the registry, from a host
+whose journal knows nothing of them; a tag moved back in the registry only onto an image with a signed pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import requests
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from conftest import RegistryPlace, cli
+from vllm_hotfix.engine import Engine
+
+
+def _keys(folder: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = folder / "team.key", folder / "team.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
+def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    project, ref, first = built
+    private, public = _keys(tmp_path)
+    where = f"{registry.place}/ops"
+    repo = f"{where}/{ref.rsplit('/', 1)[-1].split(':')[0]}"
+    tag = ref.rsplit(":", 1)[1]
+    # Build host: two builds of the definition, each smoked, signed and pushed under the same tag.
+    r = cli("smoke", ref, "--sign-key", str(private), root=project)
+    assert r.rc == 0, r.err
+    r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", root=project)
+    assert r.rc == 0, r.err
+    first_digest = r.out.split()[-1]
+    r = cli("image", "--definition", "v0.25.1", "--tag", ref, "--pull", "never", "--rebuild", "--builder",
+            "assemble", root=project)
+    assert r.rc == 0, r.err
+    second = r.out.split()[-1]
+    try:
+        assert second != first
+        r = cli("smoke", ref, "--sign-key", str(private), root=project)
+        assert r.rc == 0, r.err
+        r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", root=project)
+        assert r.rc == 0, r.err
+        second_digest = r.out.split()[-1]
+        # Another host: the same definitions, an empty journal.
+        other = tmp_path / "other"
+        for folder in ("images", "patches"):
+            shutil.copytree(project / folder, other / folder)
+        r = cli("list", "--registry", repo, "--json", root=other)
+        assert r.rc == 0, r.err
+        rows = {b["image_id"]: b for b in json.loads(r.out)["builds"]}
+        # The first build is found although its tag moved on (its verdict's tag names it).
+        assert set(rows) >= {first, second}
+        assert rows[second]["tags"] == [tag] and rows[first]["tags"] == []
+        assert rows[first]["definition"] == "v0.25.1" and rows[first]["verdicts_found"] == 1
+        assert rows[first]["verdict"] is None  # no key given: counted, not checked
+        r = cli("list", "--registry", repo, "--key", str(public), root=other)
+        assert r.rc == 0, r.err
+        assert f"{first}  v0.25.1  linux/amd64  {repo}@{first_digest}  tags none  smoke pass, signed " in r.out
+        # Rolled back in the registry, from the other host: the tag names the first image's manifest again.
+        r = cli("rollback", "--definition", "v0.25.1", "--registry", repo, "--tag", f"{repo}:{tag}", root=other)
+        assert r.rc == 13 and "needs --key" in r.last_error, r.err
+        r = cli("rollback", "--definition", "v0.25.1", "--registry", repo, "--tag", f"{repo}:{tag}", "--key",
+                str(public), root=other)
+        assert r.rc == 0, r.err
+        assert f"rolled back {repo}:{tag} in its registry to {first} ({first_digest}" in r.out
+        assert f"was {second_digest}" in r.out
+        host, path = repo.split("/", 1)
+        res = requests.head(f"http://{host}/v2/{path}/manifests/{tag}", timeout=10, headers={
+            "Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+        assert res.headers["Docker-Content-Digest"] == first_digest
+        # Nothing earlier with a signed pass: refused, the tag left where it is.
+        r = cli("rollback", "--definition", "v0.25.1", "--registry", repo, "--tag", f"{repo}:{tag}", "--key",
+                str(public), root=other)
+        assert r.rc != 0 and "no earlier image of v0.25.1" in r.last_error, r.err
+    finally:
+        engine.tag(first, ref)
+        if engine.image(second) is not None:
+            engine.remove_image(second)
