@@ -368,9 +368,9 @@ def test_a_changed_prompt_fails_the_runner_sweep_and_recording_needs_docker(
     v = run_job(tmp_path, [], options(tmp_path, reference=answers), tamper)
     check = next(c for c in v.checks if c.name == "serve-sweep")
     assert v.status.value == "fail" and "serve sweep failed at concurrency 1" in check.detail, check.detail
-    with pytest.raises(UsageError, match="--record-reference needs --launcher docker"):
+    with pytest.raises(UsageError, match="--record-reference needs --launcher docker or podman"):
         plan.job(tmp_path, plan.Target("x", IMAGE_ID, IMAGE_ID, {}),
-                 options(tmp_path, record_reference=tmp_path / "new.json"), launcher="podman", gpu_request=None)
+                 options(tmp_path, record_reference=tmp_path / "new.json"), launcher="kubernetes", gpu_request=None)
 
 
 def test_a_reference_recorded_under_other_settings_is_refused_naming_the_difference(

@@ -153,3 +153,17 @@ def test_podman_runs_with_only_what_it_needs_of_the_environment(monkeypatch: pyt
     env = podman_env()
     assert "HOTFIX_SIGNING_KEY" not in env and "VLLM_HOTFIX_SIGN_KEY_PASSWORD" not in env
     assert env.get("PATH") == os.environ["PATH"]
+
+
+def test_recording_answers_is_planned_for_podman_too(tmp_path: Path) -> None:
+    """--record-reference under podman: the job asks the runner to record (it was refused: docker only)."""
+    from vllm_hotfix.checking.launchers import plan
+    from vllm_hotfix.checking.smoke import SmokeOptions
+
+    target = plan.Target("ops/vllm:x", "sha256:" + "ab" * 32, "sha256:" + "ab" * 32, {})
+    model = tmp_path / "model"
+    model.mkdir()
+    job, _extra = plan.job(tmp_path, target, SmokeOptions(serve_model=model, record_reference=tmp_path / "a.json"),
+                           launcher="podman", gpu_request=None)
+    assert job["serve"]["record"]["file"] == str(tmp_path / "a.json")
+    assert job["serve"]["batches"]

@@ -445,6 +445,11 @@ class Engine:
         """Entries (hashed) under ``paths`` of ``image``, read from its layers, nothing run (:func:`.files.read`)."""
         return layers.read(self, image, paths, keep)
 
+    def save_stream(self, image: str) -> Iterator[bytes]:
+        """``docker save`` of ``image`` as an archive, chunk by chunk (for another store to load)."""
+        with self.translating(f"save {image[:19]}"):
+            yield from self.api.get_image(image)
+
     def export_layers(self, image: str) -> Iterator[IO[bytes]]:
         """The layer tars of ``image`` as the engine exports it (``docker save``), streamed (:mod:`.files`)."""
         with self.translating(f"export {image[:19]}"):

@@ -35,6 +35,7 @@ from ..errors import AttestationError, NothingToRollBack, PushError, Refused
 from ..journal import records
 from ..registry import client as registry
 from ..registry import refs
+from ..registry.write import Repo, Writer
 from ..trust import referrers, signing
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ def rollback(engine: Engine, root: Path, repo: str, definition: str, tag: str, k
     records.append(root, "tag", {"ref": ref, "image_id": target.image_id, "why": "rollback --registry",
                                  "registry_digest": target.digest,
                                  **({"from": current.image_id} if current is not None else {})})
-    put = client.put_manifest(path, tag, manifest.media_type, manifest.body)
+    put = Writer(Repo(client, path)).put_manifest(tag, manifest.media_type, manifest.body, f"the tag {ref}")
     if put != target.digest:
         raise PushError(f"registry {host} stored {ref} as {put}, not {target.digest}")
     direction = "back" if current is None or target.created < current.created else "forward"

@@ -264,14 +264,8 @@ class DockerRun:
             # An engine that cannot mount the cache's overlay is the host's shortcoming, not the image's.
             own = mounted is not None and mounted.access == compile_cache.LAYERED and mounted.source in str(exc)
             ran = self._ended(target, found, host, "incomplete" if own else "fail", str(exc))
+        ran = plan.keep_recorded(ran, self.opt, target, self.say)
         verdict = ran.verdict
-        if ran.answers is not None and self.opt.record_reference is not None:
-            kept = self.keep_answers(ran.answers, {**plan.serve_settings(self.opt, target),
-                                                   **plan.run_settings(verdict)}, ran.levels, ran.golden, verdict,
-                                     target.image_id)
-            if kept is not None:
-                # The report names the file as written (its sweep was not judged against it).
-                verdict = plan.restamp(verdict, kept, recorded=True)
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
         verdict = replace(verdict, started=started, seconds=round(seconds, 3), phases=phases)
@@ -285,30 +279,6 @@ class DockerRun:
                "checks": list(found.checks), "expected_from": found.expected_from, "gpu": {"mode": self.opt.gpu}}
         self.say(f"    {status:<4} runner: {why}")
         return plan.Ran(judging.unanswered(job, status, why), job)
-
-    def keep_answers(self, data: bytes, settings: dict[str, Any], levels: Mapping[str, Any] | None,
-                     golden: Mapping[str, Any] | None = None, verdict: Verdict | None = None,
-                     image_id: str = "") -> answers.Reference | None:
-        """Write the reference answers the runner recorded (``--record-reference``) with their settings, the
-        per-level answers the host read from the batch probe, the golden's noise measured on them and the image
-        they were recorded from (its config digest, the host's fact); nothing without the per-level answers, nor
-        where the golden judged the trusted image wrong."""
-        assert self.opt.record_reference is not None
-        if not levels:
-            # The run fails on its exact-levels check, which says why; a reference without them judges nothing.
-            self.say(f"    --record-reference {self.opt.record_reference}: no per-level answers under fixed batches "
-                     "came back (see the exact-levels check); nothing written")
-            return None
-        said = next((c for c in verdict.checks if c.name == "golden"), None) if verdict is not None else None
-        if said is not None and said.status is not Status.SKIP and not golden:
-            self.say(f"    --record-reference {self.opt.record_reference}: the golden check of the trusted image's "
-                     "replies did not pass (see the golden check); nothing written")
-            return None
-        ref = answers.keep(self.opt.record_reference, data, settings, dict(levels), dict(golden) if golden else None,
-                           image_id=image_id)
-        self.say(f"    wrote {ref.path} (sha256 {ref.sha256}; {answers.describe(settings)}; answers at concurrency "
-                 f"{','.join(map(str, levels['schedule']['levels']))} under fixed batches)")
-        return ref
 
     def prove_identity(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> identity.Outcome:
         """Whether the image is its definition's product over the base this host finds

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...engine import Engine, ImageInfo, split_reference
 from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed, UsageError
@@ -29,6 +30,9 @@ from .base import Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
 
+if TYPE_CHECKING:
+    from .podman import PodmanLauncher
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +42,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
     from .podman import PodmanFiles, PodmanLauncher
 
     launcher = PodmanLauncher(python=options.python, timeout=plan.deadline(options, options.gpu != "off"))
+    into_podman(root, engine, launcher, image_ref, say)
     inspected = launcher.image_facts(image_ref)
     config = inspected.get("Config") or {}
     labels = dict(config.get("Labels") or inspected.get("Labels") or {})
@@ -71,7 +76,34 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
                      checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
                      landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing),
                      python_path=proven.python_path if proven is not None else ())
-    return ran, target
+    return plan.keep_recorded(ran, options, target, say), target
+
+
+def into_podman(root: Path, engine: Callable[[], Engine], launcher: PodmanLauncher, image_ref: str,
+                say: Callable[[str], None]) -> None:
+    """The image into podman's store where podman lacks it: from the Docker engine that holds it (``save`` into
+    ``podman load``), else pulled by the digest this host's journal names for it. Nothing is taken on trust: the
+    copy podman starts is the copy whose layers and files are judged next."""
+    if launcher.has_image(image_ref):
+        return
+    docker = None
+    try:
+        docker = engine()
+        held = docker.image(image_ref)
+    except EngineError:
+        held = None
+    if docker is not None and held is not None:
+        say(f"==> podman has no {image_ref}: moving it from the Docker engine ({held.id[:19]}) into podman's store")
+        launcher.load(docker.save_stream(held.id), image_ref)
+        if launcher.image_id(image_ref) != held.id:
+            raise EngineError(f"podman loaded {image_ref} as {launcher.image_id(image_ref)[:19]}, not the Docker "
+                              f"engine's {held.id[:19]}")
+        return
+    digest = records.registry_digest(root, image_ref)
+    if digest is not None:
+        by_digest = f"{image_ref.rsplit(':', 1)[0] if ':' in image_ref.rsplit('/', 1)[-1] else image_ref}@{digest}"
+        say(f"==> podman has no {image_ref}: pulling it by digest ({by_digest})")
+        launcher.pull(by_digest, image_ref)
 
 
 def prove(root: Path, engine: Callable[[], Engine], image: ImageInfo, options: SmokeOptions,

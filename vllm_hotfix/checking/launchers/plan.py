@@ -71,9 +71,10 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
     the base), which the runner, started without its site module, adds; the
     landed site folder where the base could not be asked.
     """
-    if options.record_reference is not None and launcher != "docker":
-        raise UsageError(f"--record-reference needs --launcher docker: record the answers once on a host with "
-                         f"Docker, then give them to the {launcher} launcher with --reference")
+    if options.record_reference is not None and launcher not in ("docker", "podman"):
+        raise UsageError(f"--record-reference needs --launcher docker or podman (the host that keeps the file "
+                         f"starts the server): record the answers once there, then give them to the {launcher} "
+                         "launcher with --reference")
     extra: dict[str, bytes] = {}
     out: dict[str, Any] = {
         "image": target.ref, "image_id": target.image_id, "platform": target.platform, "launcher": launcher,
@@ -478,3 +479,31 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
         if echo or ((c.name, c.status, c.detail) not in said and (c.name, c.status.value, c.detail) not in shown):
             say(f"    {c.status.value:<4} {c.name}: {c.detail}" + ("" if echo else " (judged here)"))
     return Ran(verdict, spec, launched.answers if isinstance(launched, Launched) else None, levels, noise)
+
+
+def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable[[str], None]) -> Ran:
+    """A recording run (``--record-reference``, docker or podman): the answers the runner recorded written with
+    their settings, the per-level answers the host read from the batch probe and the golden's noise measured on
+    them, and the verdict naming the file; nothing written without the per-level answers (the run fails on its
+    exact-levels check, which says why), nor where the golden judged the trusted image wrong."""
+    if ran.answers is None or options.record_reference is None:
+        return ran
+    from .. import reference as answers
+
+    if not ran.levels:
+        say(f"    --record-reference {options.record_reference}: no per-level answers under fixed batches came back "
+            "(see the exact-levels check); nothing written")
+        return ran
+    said = next((c for c in ran.verdict.checks if c.name == "golden"), None)
+    if said is not None and said.status is not Status.SKIP and not ran.golden:
+        say(f"    --record-reference {options.record_reference}: the golden check of the trusted image's replies did "
+            "not pass (see the golden check); nothing written")
+        return ran
+    settings = {**serve_settings(options, target), **run_settings(ran.verdict)}
+    # The image they were recorded from: its config digest, the host's fact.
+    kept = answers.keep(options.record_reference, ran.answers, settings, dict(ran.levels),
+                        dict(ran.golden) if ran.golden else None, image_id=target.image_id)
+    say(f"    wrote {kept.path} (sha256 {kept.sha256}; {answers.describe(settings)}; answers at concurrency "
+        f"{','.join(map(str, ran.levels['schedule']['levels']))} under fixed batches)")
+    # The report names the file as written (its sweep was not judged against it).
+    return replace(ran, verdict=restamp(ran.verdict, kept, recorded=True))

@@ -185,6 +185,58 @@ class PodmanLauncher:
             raise EngineError(f"podman could not run {image}: {said}")
         return results(done.stdout, done.stderr, f"runner in {image} (podman)")
 
+    def _call(self, *args: str, stdin: IO[bytes] | None = None, timeout: float = CALL_TIMEOUT
+              ) -> subprocess.CompletedProcess[str]:
+        self.require()
+        try:
+            return subprocess.run(self.command(*args), stdin=stdin, capture_output=True, text=True,
+                                  errors="replace", timeout=timeout, env=podman_env())
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"podman {args[0]} {args[1] if len(args) > 1 else ''} did not answer within "
+                              f"{timeout:.0f} s") from None
+
+    def has_image(self, image: str) -> bool:
+        return self._call("image", "exists", image).returncode == 0
+
+    def image_id(self, image: str) -> str:
+        done = self._call("image", "inspect", "--format", "{{.Id}}", image)
+        return "sha256:" + done.stdout.strip().removeprefix("sha256:") if done.returncode == 0 else ""
+
+    def load(self, tar_chunks: Iterator[bytes], image: str) -> None:
+        """``podman load`` of an image archive (``docker save``'s), piped chunk by chunk, never held whole."""
+        self.require()
+        with tempfile.TemporaryFile(prefix="vllm-hotfix-podman-load-") as said:
+            proc = subprocess.Popen(self.command("load"), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=said, env=podman_env())
+            assert proc.stdin is not None
+            try:
+                try:
+                    for chunk in tar_chunks:
+                        proc.stdin.write(chunk)
+                except BrokenPipeError:
+                    pass  # podman stopped reading: its exit status and words say why
+                finally:
+                    proc.stdin.close()
+                code = proc.wait(timeout=max(CALL_TIMEOUT, self.timeout))
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            if code != 0:
+                said.seek(0)
+                last = (said.read().decode("utf-8", "replace").strip().splitlines() or [f"exit {code}"])[-1]
+                raise EngineError(f"podman load of {image} failed: {last}")
+
+    def pull(self, by_digest: str, image: str) -> None:
+        """``podman pull NAME@sha256:...``, then tagged ``image`` (the name the run was asked for)."""
+        done = self._call("pull", "--quiet", by_digest, timeout=max(CALL_TIMEOUT, self.timeout))
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise BaseImageError(f"podman could not pull {by_digest}: {said}")
+        tagged = self._call("tag", by_digest, image)
+        if tagged.returncode != 0:
+            raise EngineError(f"podman tag {by_digest} {image}: {(tagged.stderr.strip().splitlines() or ['?'])[-1]}")
+
     def image_facts(self, image: str) -> dict[str, Any]:
         """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
         self.require()
