@@ -141,11 +141,13 @@ def test_a_bad_table_is_one_line_naming_the_file_and_key(project: Path, text: st
 
 
 def test_a_broken_table_of_another_definition_is_not_skipped_silently(project: Path) -> None:
-    """The tag decides by loading every definition: a broken one is named, never a run under the defaults it was
-    meant to tighten."""
+    """A tag no loadable definition makes, where one cannot be loaded: that one's error, never a run under the
+    defaults it was meant to tighten; a tag another definition makes is that one's."""
     path = with_table(project, '\n[smoke]\ngpu = "requires"\n', name="v0.25.1-sm100")
-    r = cli("smoke", IMAGE, "--explain", root=project)
+    r = cli("smoke", "ops/vllm:v0.25.1-m3patch-sm100", "--explain", root=project)
     assert r.rc == 2 and str(path) in r.last_error, r.err
+    r = cli("smoke", IMAGE, "--explain", root=project)
+    assert r.rc == 0 and settings_of(r.out)["definition"][0] == "v0.25.1", r.err
 
 
 def test_a_table_path_this_host_lacks_is_named_before_anything_runs(project: Path) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from ..building import definitions
 from ..building.smoke_table import SmokeTable
 from ..engine import split_reference
-from ..errors import UsageError
+from ..errors import DefinitionError, UsageError
 from ..journal import records
 
 # Every setting, the flag that sets it, and the tool's default when neither flag nor table does.
@@ -84,9 +84,20 @@ def choose_definition(root: Path, image: str, flag: str | None) -> tuple[definit
         return None, f"none: {image} names no tag (give --definition TAG)"
     tag = split_reference(image)[1]
     wanted = {tag, *(tag.removesuffix(s) for s in PLATFORM_SUFFIXES if tag.endswith(s))}
-    # Every definition is loaded, so that one with a broken [smoke] table is an error here, never a run under the
-    # defaults that the broken table was meant to tighten.
-    found = [d for d in definitions.load_all(root) if d.output_tag in wanted]
+    found: list[definitions.ImageDefinition] = []
+    broken: list[DefinitionError] = []
+    for path in sorted((root / "images").glob("*.toml")):
+        try:
+            loaded = definitions.load(root, path.stem)
+        except DefinitionError as exc:
+            broken.append(exc)
+            continue
+        if loaded.output_tag in wanted:
+            found.append(loaded)
+    if not found and broken:
+        # A definition that cannot be loaded may be this image's: its error, never a run under the defaults its
+        # [smoke] table was meant to tighten.
+        raise broken[0]
     if len(found) == 1:
         return found[0], f"the image's tag {tag} (definition {found[0].tag}'s output tag)"
     if len(found) > 1:

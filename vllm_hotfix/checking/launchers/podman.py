@@ -248,7 +248,8 @@ class PodmanLauncher:
         if done.returncode != 0:
             said = (done.stderr.strip().splitlines() or ["no such image"])[-1]
             raise BaseImageError(f"podman has no image {image}: {said}",
-                              hint="load it: docker save IMAGE | podman load (or podman pull by digest)")
+                              hint="neither the Docker engine nor the journal had it to move there: podman pull "
+                                   "NAME@sha256:... (or build it with `image` on this host)")
         found = json.loads(done.stdout)
         return dict(found[0]) if found else {}
 
