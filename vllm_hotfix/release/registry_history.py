@@ -13,10 +13,13 @@ referrers.
 A verdict counts only when it verifies with one of the keys given: without
 keys, the verdicts found are counted and shown as not checked. What the
 image's labels say (its definition) is shown as its claim; nothing here runs
-the image or trusts it further.
+the image or trusts it further. An image's place in the history is when its
+oldest verified verdict was signed (a reproducible build's config carries a
+fixed creation time), else its config's creation time.
 
 ``rollback`` in the registry moves a tag to an earlier image of the same
-definition and platform whose newest verified verdict is a pass, by putting
+definition and platform whose newest verified verdict is a pass (earlier by
+that order), by putting
 that image's manifest (the same bytes, so the same digest) under the tag.
 """
 
@@ -64,6 +67,13 @@ class RemoteBuild:
     verdicts_found: int
     verdict: Verdict | None  # the newest that verified with a given key
     refused: tuple[str, ...] = field(default_factory=tuple)  # why found verdicts did not count
+    first_judged: str = ""  # when its oldest verified verdict was signed
+
+    @property
+    def when(self) -> str:
+        """Its place in the repository's history: when it was first judged under a key given, else its config's
+        creation time (a reproducible build's is fixed, so the verdicts tell its order better)."""
+        return self.first_judged or self.created
 
     def as_dict(self) -> dict[str, Any]:
         return {"digest": self.digest, "image_id": self.image_id, "created": self.created, "platform": self.platform,
@@ -71,7 +81,8 @@ class RemoteBuild:
                 "verdict": self.verdict.status if self.verdict else None,
                 "gpu_verified": bool(self.verdict and self.verdict.gpu_verified),
                 "signed_at": self.verdict.signed_at if self.verdict else None,
-                "key_id": self.verdict.key_id if self.verdict else None, "refused": list(self.refused)}
+                "key_id": self.verdict.key_id if self.verdict else None, "refused": list(self.refused),
+                "first_judged": self.first_judged or None}
 
 
 def _config(client: registry.Client, path: str, manifest: registry.Manifest) -> dict[str, Any]:
@@ -89,12 +100,12 @@ def _config(client: registry.Client, path: str, manifest: registry.Manifest) -> 
 
 
 def _judged(client: registry.Client, path: str, digest: str, image_id: str,
-            keys: Sequence[signing.PublicKey]) -> tuple[int, Verdict | None, tuple[str, ...]]:
-    """How many signed verdicts refer to the image, the newest that verifies with ``keys`` and names it, and why
-    the others did not count."""
+            keys: Sequence[signing.PublicKey]) -> tuple[int, Verdict | None, tuple[str, ...], str]:
+    """How many signed verdicts refer to the image, the newest that verifies with ``keys`` and names it, why the
+    others did not count, and when the oldest that verifies was signed."""
     found = referrers.envelopes(client, path, digest)
     if not keys:
-        return len(found), None, ()
+        return len(found), None, (), ""
     good: list[tuple[str, signing.Attested]] = []
     refused: list[str] = []
     for artifact, data in found:
@@ -107,12 +118,16 @@ def _judged(client: registry.Client, path: str, digest: str, image_id: str,
             continue
         good.append((artifact, attested))
     if not good:
-        return len(found), None, tuple(refused)
-    artifact, newest = max(good, key=lambda g: str(g[1].predicate.get("run_at") or g[1].predicate.get("signed_at")
-                                                   or ""))
+        return len(found), None, tuple(refused), ""
+
+    def ran(g: tuple[str, signing.Attested]) -> str:
+        return str(g[1].predicate.get("run_at") or g[1].predicate.get("signed_at") or "")
+
+    artifact, newest = max(good, key=ran)
     pred = newest.predicate
     return len(found), Verdict(str(pred.get("status") or ""), bool(pred.get("gpu_verified")),
-                               str(pred.get("signed_at") or ""), newest.key_id, artifact), tuple(refused)
+                               str(pred.get("signed_at") or ""), newest.key_id, artifact), tuple(refused), \
+        ran(min(good, key=ran))
 
 
 def _candidates(client: registry.Client, path: str, repo: str, root: Path) -> dict[str, list[str]]:
@@ -155,12 +170,12 @@ def builds(engine: Engine, root: Path, repo: str, keys: Sequence[signing.PublicK
         config = _config(client, path, manifest)
         image_id = str(manifest.json()["config"]["digest"])
         labels = (config.get("config") or {}).get("Labels") or {}
-        count, verdict, refused = _judged(client, path, manifest.digest, image_id, keys)
+        count, verdict, refused, first = _judged(client, path, manifest.digest, image_id, keys)
         plat = "/".join(p for p in (config.get("os"), config.get("architecture"), config.get("variant")) if p)
         out.append(RemoteBuild(manifest.digest, image_id, str(config.get("created") or ""), plat,
                                str(labels.get(L.DEFINITION) or ""), tuple(sorted(tags)), manifest.media_type,
-                               count, verdict, refused))
-    return sorted(out, key=lambda b: b.created, reverse=True)
+                               count, verdict, refused, first))
+    return sorted(out, key=lambda b: b.when, reverse=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +210,7 @@ def rollback(engine: Engine, root: Path, repo: str, definition: str, tag: str, k
         if current is None:
             raise NothingToRollBack(f"{ref} names no image of {definition}: nothing to roll back from",
                                     hint="name the image with --to ID")
-        older = [b for b in made if b.created < current.created and b.platform == current.platform]
+        older = [b for b in made if b.when < current.when and b.platform == current.platform]
         passing = [b for b in older if b.verdict is not None and b.verdict.status == "pass"]
         if not passing:
             raise NothingToRollBack(f"{ref}: no earlier image of {definition} ({current.platform}) in {repo} has a "
@@ -220,5 +235,5 @@ def rollback(engine: Engine, root: Path, repo: str, definition: str, tag: str, k
     put = Writer(Repo(client, path)).put_manifest(tag, manifest.media_type, manifest.body, f"the tag {ref}")
     if put != target.digest:
         raise PushError(f"registry {host} stored {ref} as {put}, not {target.digest}")
-    direction = "back" if current is None or target.created < current.created else "forward"
+    direction = "back" if current is None or target.when < current.when else "forward"
     return Moved(ref, target, current.digest if current is not None else "", direction)
