@@ -94,7 +94,8 @@ def into_podman(root: Path, engine: Callable[[], Engine], launcher: PodmanLaunch
         held = None
     if docker is not None and held is not None:
         say(f"==> podman has no {image_ref}: moving it from the Docker engine ({held.id[:19]}) into podman's store")
-        launcher.load(docker.save_stream(held.id), image_ref)
+        # Saved by name, so the archive carries it (saved by ID it would be nameless in podman's store).
+        launcher.load(docker.save_stream(image_ref), image_ref)
         if launcher.image_id(image_ref) != held.id:
             raise EngineError(f"podman loaded {image_ref} as {launcher.image_id(image_ref)[:19]}, not the Docker "
                               f"engine's {held.id[:19]}")
