@@ -47,7 +47,7 @@ def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
         assert second != first
         r = cli("smoke", ref, "--sign-key", str(private), root=project)
         assert r.rc == 0, r.err
-        r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", root=project)
+        r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", "--replace", root=project)
         assert r.rc == 0, r.err
         second_digest = r.out.split()[-1]
         # Another host: the same definitions, an empty journal.
