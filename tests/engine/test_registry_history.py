@@ -49,7 +49,6 @@ def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
         assert r.rc == 0, r.err
         r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", "--replace", root=project)
         assert r.rc == 0, r.err
-        second_digest = r.out.split()[-1]
         # Another host: the same definitions, an empty journal.
         other = tmp_path / "other"
         for folder in ("images", "patches"):
@@ -57,6 +56,8 @@ def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
         r = cli("list", "--registry", repo, "--json", root=other)
         assert r.rc == 0, r.err
         rows = {b["image_id"]: b for b in json.loads(r.out)["builds"]}
+        assert rows[first]["digest"] == first_digest
+        second_digest = rows[second]["digest"]
         # The first build is found although its tag moved on (its verdict's tag names it).
         assert set(rows) >= {first, second}
         assert rows[second]["tags"] == [tag] and rows[first]["tags"] == []
