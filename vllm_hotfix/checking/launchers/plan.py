@@ -488,7 +488,7 @@ def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable
     exact-levels check, which says why), nor where the golden judged the trusted image wrong."""
     if ran.answers is None or options.record_reference is None:
         return ran
-    from .. import reference as answers
+    from ...inimage import reference as answers
 
     if not ran.levels:
         say(f"    --record-reference {options.record_reference}: no per-level answers under fixed batches came back "
