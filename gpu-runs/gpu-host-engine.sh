@@ -10,7 +10,7 @@
 #    spec `nvidia-ctk cdi generate` would write on a host with the toolkit;
 # 3. starts dockerd with the cdi feature on its own socket (none runs here);
 # 4. makes a GPU base image from this host's own filesystem (gpu_host.py base);
-# 5. runs `build.py image --base v0.25.1 --base-repo <that base> --pull never`;
+# 5. runs `build.py image --definition v0.25.1 --base-repo <that base> --pull never`;
 # 6. runs `build.py smoke --gpu require` on the patched image and on the
 #    unpatched base, side by side;
 # 7. writes OUTDIR/record.json (gpu_host.py record).
@@ -111,8 +111,8 @@ if step base; then
 fi
 # 5. the real pipeline
 if step image; then
-  log "build.py image --base $TAG --base-repo $REPO_NAME --pull never"
-  "$PY" build.py image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --tag "$PATCHED" \
+  log "build.py image --definition $TAG --base-repo $REPO_NAME --pull never"
+  "$PY" build.py image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --tag "$PATCHED" \
     >>"$LOG" 2>&1 || die "build.py image failed (see run.log)"
   log "image done: $(tail -1 "$LOG")"
 fi

@@ -40,7 +40,7 @@
 #             (gpu-runs/gpu-host-engine.sh's engine step)
 #   base      GPU base REPO:v0.25.1 (gpu_host.py base --cuda); made again when
 #             the parts it came from changed
-#   image     build.py image --base v0.25.1 --base-repo REPO (the patched image,
+#   image     build.py image --definition v0.25.1 --base-repo REPO (the patched image,
 #             REPO:v0.25.1-m3patch, the Dockerfile builder)
 #   refimage  the same definition by the assemble builder (REPO:v0.25.1-m3patch-assembled):
 #             the reference image, another image than the one judged
@@ -286,8 +286,8 @@ if step base; then
 fi
 
 if step image; then
-  log "build.py image --base $TAG --base-repo $REPO_NAME --pull never"
-  act "$PY" build.py image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --tag "$PATCHED" \
+  log "build.py image --definition $TAG --base-repo $REPO_NAME --pull never"
+  act "$PY" build.py image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --tag "$PATCHED" \
     >>"$LOG" 2>&1 || die "build.py image failed (see run.log)"
   log "image done: $(tail -1 "$LOG")"
 fi
@@ -295,7 +295,7 @@ fi
 if step refimage; then
   # Another image of the same definition: the reference answers must not come from the image judged.
   log "build.py image --builder assemble --tag $REFIMG (the reference image)"
-  act "$PY" build.py image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --builder assemble \
+  act "$PY" build.py image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke --builder assemble \
     --tag "$REFIMG" >>"$LOG" 2>&1 || die "build.py image --builder assemble failed (see run.log)"
   log "reference image done: $(tail -1 "$LOG")"
 fi
@@ -304,7 +304,7 @@ if step mutants; then
   for m in $MUTANTS; do
     log "mutant $m: build.py --root $MUTANT_ROOTS/$m image (gpu-runs/mutants/$m.patch in the real patch's place)"
     act "$PY" gpu-runs/mutants.py root "$m" "$MUTANT_ROOTS/$m" >>"$LOG" 2>&1 || die "mutants.py root $m failed"
-    act "$PY" build.py --root "$MUTANT_ROOTS/$m" image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
+    act "$PY" build.py --root "$MUTANT_ROOTS/$m" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
       --tag "$REPO_NAME:$TAG-mutant-$m" >>"$LOG" 2>&1 || die "build.py image of mutant $m failed (see run.log)"
     log "mutant $m done: $(tail -1 "$LOG")"
   done
@@ -314,7 +314,7 @@ if step variants; then
   for v in $VARIANTS; do
     log "variant $v: build.py --root $VARIANT_ROOTS/$v image (gpu-runs/variants/$v.patch in the real patch's place)"
     act "$PY" gpu-runs/mutants.py root "$v" "$VARIANT_ROOTS/$v" >>"$LOG" 2>&1 || die "mutants.py root $v failed"
-    act "$PY" build.py --root "$VARIANT_ROOTS/$v" image --base "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
+    act "$PY" build.py --root "$VARIANT_ROOTS/$v" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
       --tag "$REPO_NAME:$TAG-variant-$v" >>"$LOG" 2>&1 || die "build.py image of variant $v failed (see run.log)"
     log "variant $v done: $(tail -1 "$LOG")"
   done

@@ -13,7 +13,7 @@ backport written differently (its header says how, and why it is still
 right). They are never definitions of the project: ``image`` offers only
 ``images/``. ``root`` writes a project root of its own under DEST (the real
 ``images/v0.25.1.toml``, the real series and checks, the mutant in the
-patch's place), so ``build.py --root DEST image --base v0.25.1`` builds it
+patch's place), so ``build.py --root DEST image --definition v0.25.1`` builds it
 exactly as the patched image is built and ``smoke --root DEST`` judges it by
 that patch set (the files landed as the mutant made them, so only the GPU
 checks, the exact judge and the sweep can fail it); the same for a variant.
