@@ -66,7 +66,9 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 RUN_ID = f"pytest-{RUN_TOKEN}" + (f"-{WORKER}" if WORKER else "")
 os.environ["VLLM_HOTFIX_RUN_ID"] = RUN_ID
 STANDIN_REPO = "hotfix-test/vllm-openai-" + RUN_ID
-TIERS = ("unit", "serve", "engine", "platforms", "gpu_access")
+TIERS = ("unit", "numerics", "serve", "engine", "platforms", "gpu_access")
+# The tiers that see no engine: pure logic, the model's forward in PyTorch on the CPU, the sweep against a fake server.
+ENGINELESS = ("unit", "numerics", "serve")
 # Where a unit test's engine and package index would be: nowhere, so a unit
 # test that reaches for either fails at once instead of passing slowly.
 NO_ENGINE = "unix:///nonexistent/docker.sock"
@@ -121,7 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier not in TIERS:
             raise pytest.UsageError(f"{item.nodeid}: tests belong in a tier folder ({', '.join(TIERS)})")
         item.add_marker(getattr(pytest.mark, tier))
-        if tier in ("unit", "serve"):
+        if tier in ENGINELESS:
             continue
         names = getattr(item, "fixturenames", ())
         default = any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
@@ -206,7 +208,7 @@ def leftovers(url: str, before: EngineState) -> list[str]:
 
 
 def _reaches_engines(config: pytest.Config) -> bool:
-    """Whether the run's paths reach beyond the unit and serve tiers (which see no engine)."""
+    """Whether the run's paths reach beyond the tiers that see no engine (ENGINELESS)."""
     here = Path(__file__).resolve().parent
     paths = [Path(str(a).split("::")[0]).resolve() for a in config.args] or [here]
     for path in paths:
@@ -214,7 +216,7 @@ def _reaches_engines(config: pytest.Config) -> bool:
             rel = path.relative_to(here).parts
         except ValueError:
             return True
-        if not rel or rel[0] not in ("unit", "serve"):
+        if not rel or rel[0] not in ENGINELESS:
             return True
     return False
 
@@ -258,7 +260,7 @@ LEFT = pytest.StashKey[list[str]]()
 @pytest.fixture(autouse=True)
 def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit tests, and the CLIs they spawn, see no engine and no package index."""
-    if request.node.get_closest_marker("unit") is not None or request.node.get_closest_marker("serve") is not None:
+    if any(request.node.get_closest_marker(tier) is not None for tier in ENGINELESS):
         monkeypatch.setenv("DOCKER_HOST", NO_ENGINE)
         monkeypatch.setenv("PIP_INDEX_URL", NO_INDEX)
         monkeypatch.setenv("PIP_RETRIES", "0")
