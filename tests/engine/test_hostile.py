@@ -223,7 +223,7 @@ def test_push_refuses_an_attestation_about_another_image(built: tuple[Path, str,
     r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(own),
             "--json", root=project)
     assert r.rc == 0, r.err
-    assert f"attached signed verdict {own.name} as" in r.err and json.loads(r.out)["attestations"]
+    assert f"attached the signed verdict from {own.name} as" in r.err and json.loads(r.out)["attestations"]
 
 
 @pytest.mark.parametrize("command", ["push", "verify"])

@@ -279,10 +279,10 @@ class Gate:
                say: Callable[[str], None], carried: list[tuple[str, bytes]] | None = None) -> list[str]:
         """Put the image's signed verdicts beside it in the registry: the journal's, those given, and those
         ``carried`` from its other registry copies (every one, pass or fail)."""
-        extra = [path for path in self.attestations if attest.names(path, info.id)]
         try:
-            out = attest.attach(engine, root, info.id, target, digest, extra, say)
-            return list(dict.fromkeys([*out, *travel.attach(engine, target, digest, carried or [], say)]))
+            local = [(path.name, attest.read_envelope(path))
+                     for path in self.would_attach(root, info)]
+            return travel.attach(engine, target, digest, [*local, *(carried or [])], say)
         except PushError as exc:  # the registry's fault, coded as every registry fault is
             raise PushError(f"{target} landed in the registry as {digest}, but its signed verdicts could not be "
                             f"attached: {exc}", hint="push it again to attach them") from exc

@@ -225,26 +225,6 @@ def local_candidates(root: Path, image_id: str, given: Sequence[Path] = ()) -> l
     return files(dict.fromkeys([*given, *kept(root, image_id)]))
 
 
-def attach(engine: Engine, root: Path, image_id: str, target: str, digest: str,
-           extra: Sequence[Path] = (), say: Callable[[str], None] = lambda _l: None) -> list[str]:
-    """Attach every envelope kept for ``image_id`` (and ``extra``) to ``target``'s pushed manifest."""
-    paths = list(dict.fromkeys([*kept(root, image_id), *extra]))
-    if not paths:
-        return []
-    repo, _tag = split_reference(target)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, digest)
-    if manifest is None:
-        raise AttestationError(f"registry {host} has no {path}@{digest} to attach the signed verdict to")
-    subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
-    out = []
-    for envelope in paths:
-        out.append(referrers.attach(client, path, subject, read_envelope(envelope)))
-        say(f"    attached signed verdict {envelope.name} as {out[-1][:19]}")
-    return out
-
-
 def attach_and_read_back(engine: Engine, image: str, envelope: bytes) -> bytes:
     """Attach ``envelope`` to ``image`` (NAME@sha256:...) in its registry, and return it as read back from there."""
     name, _, digest = image.partition("@")
