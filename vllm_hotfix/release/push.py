@@ -335,9 +335,25 @@ def signed_pass_under(engine: Engine, target: str, image_ids: set[str]) -> str |
 
 
 def _check_replace(engine: Engine, target: str, image_ids: set[str], replace: bool,
-                   say: Callable[[str], None]) -> str | None:
-    """Refuse to move ``target`` off an image with a signed pass unless ``replace``; what is replaced."""
-    held = signed_pass_under(engine, target, image_ids)
+                   say: Callable[[str], None], attempts: int = 1) -> str | None:
+    """Refuse to move ``target`` off an image with a signed pass unless ``replace``; what is replaced.
+
+    Reading what the tag names is the push's first word with the registry, so it is tried as the push is
+    (:func:`_push_with_retries`): again after a transient failure, at once never again after any other, and a
+    failure is named as the push's."""
+    delay = 1.0
+    for attempt in range(1, attempts + 1):
+        try:
+            held = signed_pass_under(engine, target, image_ids)
+            break
+        except PushError as exc:
+            failure = registry_errors.classify(exc)
+            if attempt == attempts or not failure.transient:
+                raise PushError(f"push of {target} (attempt {attempt}/{attempts}): cannot read what the tag names "
+                                f"now: {exc}", hint=exc.hint) from exc
+            say(f"    transient registry error ({failure.why}) reading {target}, retrying in {delay:.0f} s: {exc}")
+            time.sleep(delay)
+            delay *= 2
     if held is None:
         return None
     if not replace:
@@ -381,7 +397,7 @@ def push(
     if problem is not None:
         raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
                         hint="its verdict does not match its files; rebuild and smoke-test it")
-    replaced = _check_replace(engine, target, {info.id}, replace, say)
+    replaced = _check_replace(engine, target, {info.id}, replace, say, attempts)
     if dry_run:
         return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
                       dry_run=True, gpu_verified=verdict.gpu_verified)
@@ -541,9 +557,9 @@ def push_index(
         if problem is not None:
             raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
                             hint="its verdict does not match its files; rebuild and smoke-test it")
-    _check_replace(engine, target, {info.id for _plat, info in found}, replace, say)
+    _check_replace(engine, target, {info.id for _plat, info in found}, replace, say, attempts)
     for plat, info in found:
-        _check_replace(engine, child_ref(target, plat), {info.id}, replace, say)
+        _check_replace(engine, child_ref(target, plat), {info.id}, replace, say, attempts)
     repo, _ = split_reference(target)
     children: list[dict[str, str]] = []
     entries: list[tuple[str, str, str, str]] = []
