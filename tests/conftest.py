@@ -257,6 +257,18 @@ ENGINES_BEFORE = pytest.StashKey[dict[str, EngineState]]()
 LEFT = pytest.StashKey[list[str]]()
 
 
+# What `make test` exports to the suite that is about make itself, not about a test: the tool's hints name make's
+# variables under VLLM_HOTFIX_VIA_MAKE, and a make a test runs would join the outer make's jobs through MAKEFLAGS.
+OUTER_MAKE = ("VLLM_HOTFIX_VIA_MAKE", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
+@pytest.fixture(autouse=True)
+def not_under_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test, and what it runs, sees the environment of a shell, whether pytest ran from `make test` or not."""
+    for name in OUTER_MAKE:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def unit_tier_reaches_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unit tests, and the CLIs they spawn, see no engine and no package index."""

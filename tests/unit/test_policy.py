@@ -23,6 +23,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
 
 
+@pytest.fixture(autouse=True)
+def _now() -> None:
+    """Times are "minutes from now" as each test starts, not as the module was imported: a worker may import it
+    minutes before it runs a test, and a verdict meant to lie a minute ahead would lie in the past by then."""
+    global NOW
+    NOW = dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
 def _at(minutes: float) -> str:
     """A time ``minutes`` from now (negative: ago), as a predicate spells it."""
     return (NOW + dt.timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
