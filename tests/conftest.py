@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import glob
-import importlib
+import importlib.util
 import logging
 import os
 import pkgutil
@@ -418,6 +418,20 @@ class Result:
     def last_error(self) -> str:
         lines = [ln for ln in self.err.splitlines() if ln.startswith("error: ")]
         return lines[-1] if lines else ""
+
+
+# The v0.25.1 patch set's topk-layout check (the SM100 set's is a link to it).
+TOPK_CHECK = REPO / "patches" / "v0.25.1" / "checks" / "gpu_topk_layout.py"
+
+
+def load_script(path: Path, name: str | None = None) -> types.ModuleType:
+    """A script the project runs by path (a patch set's check, an in-image probe, a gpu-runs tool) as a fresh
+    module, never put in ``sys.modules``: each caller gets its own copy to set attributes on."""
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def fails(result: Result, *needles: str) -> None:

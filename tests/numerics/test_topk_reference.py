@@ -8,26 +8,19 @@ tolerance to what one wrong block does to a token's output.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import TOPK_CHECK, load_script
 
 torch = pytest.importorskip("torch")
-
-CHECK = REPO / "patches" / "v0.25.1" / "checks" / "gpu_topk_layout.py"
 
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_topk_layout_ref", CHECK)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOPK_CHECK)
 
 
 @pytest.fixture(scope="module")

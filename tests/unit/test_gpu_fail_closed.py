@@ -7,7 +7,6 @@ from being GPU-verified, and under ``--gpu require`` fails the run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, TOPK_CHECK, load_script
 from vllm_hotfix.building.patches import modules_of
 from vllm_hotfix.errors import Malformed, SmokeError
 from vllm_hotfix.verdicts import Check, Status, judge, judge_gpu, require_pass
@@ -136,26 +135,16 @@ def test_gpu_check_names_modules_a_dying_importer_never_reached(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "dies_on_import.py").write_text("import os\nos._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("gpu_check_probe", GPU_CHECK)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(GPU_CHECK)
     errors = mod.import_errors(["json", "dies_on_import", "xml"], 30)
     assert list(errors) == ["dies_on_import", "xml"]
     assert errors["xml"].startswith("the importing process exited 3")
     assert mod.import_errors([], 1) == {}
 
 
-TOPK = REPO / "patches" / "v0.25.1" / "checks" / "gpu_topk_layout.py"
-
-
 @pytest.fixture(scope="module")
 def topk() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_topk_layout_fc", TOPK)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOPK_CHECK)
 
 
 def test_topk_check_reports_vllm_only_when_nothing_stood_in(topk: ModuleType) -> None:
@@ -182,7 +171,7 @@ def test_topk_worker_keeps_what_it_stubbed_when_the_import_fails(topk: ModuleTyp
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') is None else 3)"
     if subprocess.run([sys.executable, "-c", probe]).returncode == 3:
         pytest.skip("vllm is installed in this Python")
-    p = subprocess.run([sys.executable, str(TOPK), "--worker", "--scenario", "tp1", "--device", "cpu"],
+    p = subprocess.run([sys.executable, str(TOPK_CHECK), "--worker", "--scenario", "tp1", "--device", "cpu"],
                        capture_output=True, text=True, timeout=60)
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     assert "error" in rec and "vllm._C_stable_libtorch" in rec["import"]["import_errors"]
@@ -213,10 +202,7 @@ def test_the_host_judges_a_runners_gpu_checks_again_with_the_base() -> None:
 
 
 def test_a_check_run_on_several_gpus_claims_only_what_every_run_claims() -> None:
-    spec = importlib.util.spec_from_file_location("gpu_check_merge", GPU_CHECK)
-    assert spec is not None and spec.loader is not None
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script(GPU_CHECK)
     real = {"name": "topk-layout", "status": "pass", "detail": "ok", "ran_against": "vllm"}
     [both] = probe.merge_devices([[real], [dict(real, detail="ok too")]])
     assert both["ran_against"] == "vllm" and both["status"] == "pass"

@@ -9,7 +9,6 @@ caught bug.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,25 +17,19 @@ from types import ModuleType
 
 import pytest
 
-from conftest import REPO
-
-CHECK = REPO / "patches" / "v0.25.1" / "checks" / "gpu_topk_layout.py"
+from conftest import REPO, TOPK_CHECK, load_script
 
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_topk_layout", CHECK)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TOPK_CHECK)
 
 
 def test_without_torch_the_check_skips() -> None:
     probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('torch') is None else 3)"
     if subprocess.run([sys.executable, "-c", probe]).returncode == 3:
         pytest.skip("torch is installed in this Python")
-    p = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, str(TOPK_CHECK)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     [c] = json.loads(p.stdout.strip().splitlines()[-1])["checks"]
     assert c["name"] == "topk-layout" and c["status"] == "skip" and "torch" in c["detail"]
@@ -203,15 +196,11 @@ def test_the_check_reports_not_applicable_as_one_skip(check: ModuleType,
 def test_both_v0251_patch_sets_run_the_one_check() -> None:
     # One file, not two copies that drift: the SM100 set's check is a link to the default set's.
     sm100 = REPO / "patches" / "v0.25.1-sm100" / "checks" / "gpu_topk_layout.py"
-    assert sm100.is_symlink() and sm100.resolve() == CHECK.resolve()
+    assert sm100.is_symlink() and sm100.resolve() == TOPK_CHECK.resolve()
 
 
 def _table() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("topk_table", REPO / "gpu-runs" / "topk_table.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(REPO / "gpu-runs" / "topk_table.py")
 
 
 def test_the_table_counts_a_fail_as_a_catch_only_when_some_scenario_caught_a_bug() -> None:
