@@ -300,25 +300,21 @@ if step refimage; then
   log "reference image done: $(tail -1 "$LOG")"
 fi
 
-if step mutants; then
-  for m in $MUTANTS; do
-    log "mutant $m: build.py --root $MUTANT_ROOTS/$m image (gpu-runs/mutants/$m.patch in the real patch's place)"
-    act "$PY" gpu-runs/mutants.py root "$m" "$MUTANT_ROOTS/$m" >>"$LOG" 2>&1 || die "mutants.py root $m failed"
-    act "$PY" build.py --root "$MUTANT_ROOTS/$m" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
-      --tag "$REPO_NAME:$TAG-mutant-$m" >>"$LOG" 2>&1 || die "build.py image of mutant $m failed (see run.log)"
-    log "mutant $m done: $(tail -1 "$LOG")"
+# The broken backports (gpu-runs/mutants/) and the correct ones written another way (gpu-runs/variants/) are built
+# alike, each from a project root of its own with its patch in the real patch's place: KIND ROOTS "NAMES".
+build_backports() {
+  local kind=$1 roots=$2 names=$3 name
+  for name in $names; do
+    log "$kind $name: build.py --root $roots/$name image (gpu-runs/${kind}s/$name.patch in the real patch's place)"
+    act "$PY" gpu-runs/mutants.py root "$name" "$roots/$name" >>"$LOG" 2>&1 || die "mutants.py root $name failed"
+    act "$PY" build.py --root "$roots/$name" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
+      --tag "$REPO_NAME:$TAG-$kind-$name" >>"$LOG" 2>&1 || die "build.py image of $kind $name failed (see run.log)"
+    log "$kind $name done: $(tail -1 "$LOG")"
   done
-fi
+}
 
-if step variants; then
-  for v in $VARIANTS; do
-    log "variant $v: build.py --root $VARIANT_ROOTS/$v image (gpu-runs/variants/$v.patch in the real patch's place)"
-    act "$PY" gpu-runs/mutants.py root "$v" "$VARIANT_ROOTS/$v" >>"$LOG" 2>&1 || die "mutants.py root $v failed"
-    act "$PY" build.py --root "$VARIANT_ROOTS/$v" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
-      --tag "$REPO_NAME:$TAG-variant-$v" >>"$LOG" 2>&1 || die "build.py image of variant $v failed (see run.log)"
-    log "variant $v done: $(tail -1 "$LOG")"
-  done
-fi
+if step mutants; then build_backports mutant "$MUTANT_ROOTS" "$MUTANTS"; fi
+if step variants; then build_backports variant "$VARIANT_ROOTS" "$VARIANTS"; fi
 
 make_model() {
   if [ ! -f "$MODEL/model.safetensors" ]; then

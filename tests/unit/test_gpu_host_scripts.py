@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -185,6 +186,11 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
     for name in variants:
         [argv] = [a for a in builds if a[a.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-variant-{name}"]
         assert argv[argv.index("--root") + 1] == str(roots / name) and "--builder" not in argv
+    # One build loop serves both kinds: each name says what is built from which root, then that it is done.
+    for kind, names in (("mutant", mutants), ("variant", variants)):
+        said = re.findall(rf"^\[[0-9:]+\] ({kind} \S+(?:: build\.py --root \S+| done))", log, re.MULTILINE)
+        assert said == [line for n in names for line in
+                        (f"{kind} {n}: build.py --root {tmp_path / 'work' / f'{kind}-roots' / n}", f"{kind} {n} done")]
     made: list[list[str]] = []
     for argv in commands:
         if "gpu-runs/tiny_minimax_m3.py" in argv and argv not in made:
