@@ -148,6 +148,25 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
         engine.untag(alias)
 
 
+def test_a_push_whose_base_this_host_cannot_find_is_refused_as_unchecked_not_as_a_difference(
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace
+) -> None:
+    """The definition pins a base this host lacks (its tag here names another image): the re-check knows nothing
+    against the image, so the gate refuses (8, nothing pushed) saying its files could not be re-checked here, and
+    does not send a sound image to be rebuilt."""
+    project, ref, image_id = built
+    path = project / "images" / "v0.25.1.toml"
+    pinned = "sha256:" + "0" * 64
+    path.write_text(path.read_text().replace("\n[package]", f'\n[base.digests]\n"linux/amd64" = "{pinned}"\n\n'
+                                                             "[package]", 1))
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
+    fails(r, f"refusing to push {ref} ({image_id[:19]}): its files could not be re-checked on this host: "
+             "layer-identity: no base to compare it with", f"definition v0.25.1 pins {pinned}")
+    assert r.rc == 8 and "hint: nothing is known against the image" in r.err and "rebuild" not in r.err, r.err
+    name = ref.split("/")[-1].split(":")[0]
+    assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
+
+
 def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
     engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, unique: str, tmp_path: Path
 ) -> None:

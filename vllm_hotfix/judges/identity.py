@@ -166,6 +166,7 @@ class Outcome:
     base: Base | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
     python_path: tuple[str, ...] = ()  # the base's sys.path folders, given to every check started with -S
+    difference: Difference | None = None  # where a fail names one: the path, field, expected and found
 
     @property
     def base_id(self) -> str:
@@ -334,7 +335,8 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     def refused(why: str | Difference) -> Outcome:
         said = {"first_difference": str(why), **({"difference": why.as_dict()} if isinstance(why, Difference) else {})}
         return Outcome("fail", f"not the product of definition {base.definition.tag} on base "
-                               f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, **said}, python_path)
+                               f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, **said}, python_path,
+                       why if isinstance(why, Difference) else None)
 
     if layers[:len(base_layers)] != base_layers:
         at = next((i for i, (a, b) in enumerate(zip(layers, base_layers, strict=False)) if a != b),

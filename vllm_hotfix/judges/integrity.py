@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..engine import FileFact, ImageInfo, Tree
+from .difference import Difference
 from .installed import Environment, canonical, closure, distributions, environment
 
 if TYPE_CHECKING:
@@ -153,8 +154,12 @@ def pyc_hash_matches(pyc: bytes, source: bytes) -> bool | None:
 
 @dataclass(frozen=True, slots=True)
 class Landed:
-    problems: tuple[str, ...]
+    differences: tuple[Difference, ...]  # in the order the check names them
     files: Mapping[str, Any]
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return tuple(str(d) for d in self.differences)
 
 
 def landed(tree: Tree, site_dir: str, expected: Mapping[str, str], cache_tag: str = "",
@@ -165,30 +170,35 @@ def landed(tree: Tree, site_dir: str, expected: Mapping[str, str], cache_tag: st
     and the bytes of those pycs (see :func:`landed_keep`); ``sources``, when
     given, the patched files' bytes, to compare checked pycs' source hashes.
     """
-    problems: list[str] = []
+    differences: list[Difference] = []
     files: dict[str, Any] = {}
     for rel, sha in sorted(expected.items()):
         path = posixpath.join(site_dir, rel)
         fact = tree.file(path)
         if fact is None or fact.kind != "file":
             what = "missing" if fact is None else f"a {fact.kind}" + (f" to {fact.target}" if fact.target else "")
-            problems.append(f"{path} is {what}, not a regular file")
+            differences.append(Difference(path, "entry" if fact is None else "kind", "file",
+                                          fact.kind if fact is not None else "",
+                                          f"{path} is {what}, not a regular file"))
             files[rel] = {"kind": fact.kind if fact else "missing"}
             continue
         pycs = {}
+        stale: list[Difference] = []
         for pyc_path in pycs_of(tree, path, cache_tag):
             state = pyc_state(tree.kept.get(pyc_path, b""), fact)
             if state == "checked" and sources is not None and rel in sources:
                 if pyc_hash_matches(tree.kept.get(pyc_path, b""), sources[rel]) is False:
                     state = "stale (hash mismatch)"
-            pycs[posixpath.basename(pyc_path)] = state
+            name = posixpath.basename(pyc_path)
+            pycs[name] = state
+            if state.startswith("stale"):
+                stale.append(Difference(pyc_path, "bytecode", "checked", state, f"{name} for {rel} is {state}"))
         files[rel] = {"sha256": fact.sha256, "bytecode": pycs}
         if fact.sha256 != sha:
-            problems.append(f"{path} has sha256 {fact.sha256[:12]}, expected {sha[:12]} (altered after the build?)")
-        for name, state in pycs.items():
-            if state.startswith("stale"):
-                problems.append(f"{name} for {rel} is {state}")
-    return Landed(tuple(problems), files)
+            words = f"{path} has sha256 {fact.sha256[:12]}, expected {sha[:12]} (altered after the build?)"
+            differences.append(Difference(path, "sha256", sha, fact.sha256, words))
+        differences.extend(stale)
+    return Landed(tuple(differences), files)
 
 
 def pycs_of(tree: Tree, source_path: str, cache_tag: str = "") -> list[str]:
@@ -437,6 +447,8 @@ class FileChecks:
 
     checks: tuple[dict[str, Any], ...]
     judged: Judged
+    # The first difference of each failing check that names one (patch-landed, package-version).
+    differences: Mapping[str, Difference] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         return [f"{c['name']}: {c['detail']}" for c in self.checks if c["status"] != "pass"]
@@ -488,6 +500,10 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
     checks.append({"name": "package-version", "status": "pass" if have == want.version else "fail",
                    "detail": f"{want.package} {have} installed, base had {want.version}",
                    "data": {"answered_by": FILESYSTEM}})
+    differences = {"patch-landed": put.differences[0]} if put.differences else {}
+    if have != want.version:
+        differences["package-version"] = Difference(want.package, "version", want.version, have or "",
+                                                    checks[-1]["detail"])
     base = None
     if want.base_id and want.base_id != image_id:
         base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say, want.cache_tag)
@@ -495,4 +511,4 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
     env = environment(site_dir, want.cache_tag, info.architecture if info is not None else "")
     judged = judge(scan(tree, site_dir, want.package, want.files, roots, env), want.package, base)
     checks.append(judged.check)
-    return FileChecks(tuple(checks), judged)
+    return FileChecks(tuple(checks), judged, differences)

@@ -334,6 +334,25 @@ def signed_pass_under(engine: Engine, target: str, image_ids: set[str]) -> str |
     return f"{target} ({manifest.digest[:19]}, image {named}: {passes} signed verdict(s) saying pass)"
 
 
+def landed_refusal(what: str, problem: facts.LandedProblem) -> PushError:
+    """The push gate's answer to a re-check of the files that did not pass; both are the gate's refusal (8).
+
+    A difference is the image's: its verdict does not match its files, and
+    only a rebuild mends that. A host fault (a base this host could not find
+    or read, a pins.txt or definition it cannot use) says nothing against the
+    image: the user is told its files could not be re-checked here, and what
+    to make readable, never to rebuild an image that may be sound. Both keep
+    the code every refusal of the gate has: nothing is pushed either way, and
+    the push never judged the image good.
+    """
+    if problem.host_fault:
+        return PushError(f"refusing to push {what}: its files could not be re-checked on this host: {problem}",
+                         hint="nothing is known against the image; make what is named readable here (pull its "
+                              "base, mend the project's files) and push again")
+    return PushError(f"refusing to push {what}: {problem}",
+                     hint="its verdict does not match its files; rebuild and smoke-test it")
+
+
 def _check_replace(engine: Engine, target: str, image_ids: set[str], replace: bool,
                    say: Callable[[str], None], attempts: int = 1) -> str | None:
     """Refuse to move ``target`` off an image with a signed pass unless ``replace``; what is replaced.
@@ -395,8 +414,7 @@ def push(
     say(f"==> re-checking the files of {info.id[:19]} (read from its layers) before the push")
     problem = facts.landed_problem(engine, root, info, say, gpu_claimed=verdict.gpu_verified)
     if problem is not None:
-        raise PushError(f"refusing to push {image_ref} ({info.id[:19]}): {problem}",
-                        hint="its verdict does not match its files; rebuild and smoke-test it")
+        raise landed_refusal(f"{image_ref} ({info.id[:19]})", problem)
     replaced = _check_replace(engine, target, {info.id}, replace, say, attempts)
     if dry_run:
         return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
@@ -555,8 +573,7 @@ def push_index(
         say(f"==> re-checking the files of {info.id[:19]} ({plat}, read from its layers) before the push")
         problem = facts.landed_problem(engine, root, info, say, gpu_claimed=verdicts[plat].gpu_verified)
         if problem is not None:
-            raise PushError(f"refusing to push {child_ref(image_ref, plat)} ({info.id[:19]}, {plat}): {problem}",
-                            hint="its verdict does not match its files; rebuild and smoke-test it")
+            raise landed_refusal(f"{child_ref(image_ref, plat)} ({info.id[:19]}, {plat})", problem)
     _check_replace(engine, target, {info.id for _plat, info in found}, replace, say, attempts)
     for plat, info in found:
         _check_replace(engine, child_ref(target, plat), {info.id}, replace, say, attempts)

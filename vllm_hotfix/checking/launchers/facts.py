@@ -5,7 +5,9 @@ is started from, its files are read from there and judged the same way
 (:func:`~vllm_hotfix.judges.integrity.check_image`). A smoke run's job carries the
 finished checks (:func:`file_facts`); the host's verdict keeps them as the
 host made them, whatever the runner reports. The push gate reads them again
-right before a push (:func:`landed_problem`, :func:`pins_problem`).
+right before a push (:func:`landed_problem`, :func:`pins_problem`), and answer
+with a typed :class:`LandedProblem`: the check, whether the image differs or
+the host could not tell, and the difference where there is one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from ...building import definitions, expected, pins, sources
 from ...engine import Engine, ImageInfo
 from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
 from ...judges import identity, installed, integrity
+from ...judges.difference import Difference
+from ...verdicts import Status
 
 
 def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
@@ -100,8 +104,64 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
                      found.source, missing_compiled(judged), landed_of(found))
 
 
-def landed_problem(engine: Engine, root: Path, image: ImageInfo,
-                   say: Callable[[str], None] = lambda _line: None, *, gpu_claimed: bool = False) -> str | None:
+# What the push gate's re-check calls the parts it runs, beside layer identity's name and integrity's checks'
+# (patch-landed, package-version, integrity), which keep theirs.
+EXPECTATION = "expectation"  # what the patched files must be, recomputed from the patch set and the base
+PINS = "pins"  # the versions pins.txt names, once each in the image's site folders
+COMPILED_FILES = "compiled-files"  # the compiled files a GPU-verified image must have
+
+
+@dataclass(frozen=True, slots=True)
+class LandedProblem:
+    """Why the re-check of an image's files stops a push: the check that found it, and whose fault it is.
+
+    ``status`` is :attr:`Status.FAIL` where the image differs from what it
+    must be, :attr:`Status.INCOMPLETE` where this host could not read or work
+    out what the check needs (a base not found, a pins.txt or definition it
+    cannot use, an expectation it cannot recompute): nothing is then known
+    against the image, and it is never called a difference.
+    """
+
+    check: str  # identity.CHECK, EXPECTATION, PINS, COMPILED_FILES, or an integrity check's name
+    status: Status
+    words: str  # what the check says, after its name
+    difference: Difference | None = None  # where a fail names one: the path, field, expected and found
+
+    @property
+    def host_fault(self) -> bool:
+        return self.status is Status.INCOMPLETE
+
+    def __str__(self) -> str:
+        return f"{self.check}: {self.words}"
+
+
+def identity_problem(proven: identity.Outcome) -> LandedProblem | None:
+    """Layer identity's outcome as the re-check's problem: a base this host could not find or read is its own
+    fault (incomplete), a layer, file or config field that differs is the image's (fail)."""
+    if proven.status not in (Status.FAIL, Status.INCOMPLETE):
+        return None
+    return LandedProblem(identity.CHECK, Status(proven.status), proven.detail, proven.difference)
+
+
+def files_problem(checked: integrity.FileChecks, gpu_claimed: bool) -> LandedProblem | None:
+    """The first of the file checks that does not pass (each keeps its status), else, where the verdict claims
+    GPU-verified, the compiled files RECORD lists that the image lacks."""
+    for check in checked.checks:
+        if check["status"] != Status.PASS:
+            return LandedProblem(str(check["name"]), Status(check["status"]), str(check["detail"]),
+                                 checked.differences.get(str(check["name"])))
+    judged = checked.judged
+    missing = missing_compiled(judged)
+    if not (gpu_claimed and missing):
+        return None
+    first = (*judged.compiled_missing, *judged.compiled_missing_base)[0]
+    words = (f"its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed RECORD lists are "
+             f"absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+    return LandedProblem(COMPILED_FILES, Status.FAIL, words, Difference(first, "entry", "listed in RECORD", "", words))
+
+
+def landed_problem(engine: Engine, root: Path, image: ImageInfo, say: Callable[[str], None] = lambda _line: None,
+                   *, gpu_claimed: bool = False) -> LandedProblem | None:
     """The file checks alone, read from the image's layers: None if its files are what they must be.
 
     The patched files with the hashes the patch set and the base give, the
@@ -110,16 +170,23 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     interpreter can vouch for its files. ``gpu_claimed``: the verdict says
     GPU-verified, which an image lacking compiled files cannot be. First of
     all, its layers and config must be what its builder makes of its base
-    (:mod:`vllm_hotfix.judges.identity`), whatever the journal says.
+    (:mod:`vllm_hotfix.judges.identity`), whatever the journal says. A file
+    of the image that cannot be read raises the engine's error, as a read
+    anywhere else does.
     """
     proven = identity.prove(engine, root, image, say=say)
-    if proven.status in ("fail", "incomplete"):  # a base not found here proves nothing either way: no push
-        return f"{identity.CHECK}: {proven.detail}"
+    problem = identity_problem(proven)
+    if problem is not None:  # a base not found here proves nothing either way: no push
+        return problem
     try:
         found = expected.for_image(engine, root, image, base_id=proven.base_id or None,
                                    definition=proven.base.definition.tag if proven.base is not None else None)
     except UnknownExpectation as exc:
-        return str(exc)
+        return LandedProblem(EXPECTATION, Status.INCOMPLETE, str(exc))
+    if not found.site_dir:
+        return LandedProblem(EXPECTATION, Status.INCOMPLETE, "the build record names no site folder to read the "
+                                                             "image's files in: rebuild the image with this version "
+                                                             "of the tool")
     sites = [p for p in proven.python_path if p.rstrip("/").endswith("-packages")]
     problem = pins_problem(engine, root, image, found, sites)
     if problem is not None:
@@ -127,32 +194,39 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo,
     try:
         pinned = pinned_names(root, found.definition)
     except (DefinitionError, PinError) as exc:
-        return f"pins: {exc}"
-    checked = integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say)
-    problems = checked.problems()
-    if problems:
-        return problems[0]
-    missing = missing_compiled(checked.judged)
-    if gpu_claimed and missing:
-        return (f"compiled-files: its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed "
-                f"RECORD lists are absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
+        return LandedProblem(PINS, Status.INCOMPLETE, str(exc))
+    return files_problem(integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say),
+                         gpu_claimed)
+
+
+def pins_difference(pinset: pins.PinSet, copies: Mapping[str, Sequence[str]]) -> LandedProblem | None:
+    """The first pin whose distribution the image does not hold at exactly its version, once (``copies``: each
+    distribution's versions found in the image's site folders)."""
+    for pin in pinset.pins:
+        have = sorted(copies.get(pin.name) or ())
+        if have != [pin.version]:
+            found = ", ".join(have)
+            words = (f"{pin.spelled} is {found or 'not installed'} in the image (read from its layers), but "
+                     f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
+            return LandedProblem(PINS, Status.FAIL, words, Difference(pin.name, "version", pin.version, found, words))
     return None
 
 
 def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected,
-                 sites: Sequence[str] = ()) -> str | None:
+                 sites: Sequence[str] = ()) -> LandedProblem | None:
     """None if every distribution the definition's pins.txt names has its pinned version, once.
 
     Read from the image's layers, in its site folder and every other site
     folder on the base's ``sys.path`` (``sites``, as the host read it from the
     base): nothing of the image runs, so neither its Python nor anything its
-    configuration would load answers for it.
+    configuration would load answers for it. A definition or pins.txt this
+    host cannot use is its own fault (incomplete), never the image's.
     """
     try:
         defn = definitions.load(root, found.definition)
         pinset = pins.load(root, defn.patch_set, defn.package)
     except (DefinitionError, PinError) as exc:
-        return f"pins: {exc}"
+        return LandedProblem(PINS, Status.INCOMPLETE, str(exc))
     if pinset is None:
         return None
     copies: dict[str, list[str]] = {}
@@ -162,9 +236,4 @@ def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.E
         tree = integrity.read_site(engine, image.id, site, integrity.keep_metadata, sources.cache_dir(root))
         for name, version in installed.copies(tree, site):
             copies.setdefault(name, []).append(version)
-    for pin in pinset.pins:
-        have = sorted(copies.get(pin.name) or ())
-        if have != [pin.version]:
-            return (f"pins: {pin.spelled} is {', '.join(have) or 'not installed'} in the image (read from its "
-                    f"layers), but {pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
-    return None
+    return pins_difference(pinset, copies)
