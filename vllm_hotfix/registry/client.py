@@ -20,7 +20,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import requests
 
@@ -225,6 +225,27 @@ def index_body(entries: list[Child]) -> tuple[str, bytes]:
 def client_for(engine: Engine, host: str) -> Client:
     """A client for ``host`` with the engine's scheme and the user's stored login."""
     return Client(host, secure=engine.registry_secure(host), credentials=registry_credentials(host))
+
+
+class Lookup(NamedTuple):
+    """What a reference names in its registry: the client for its host, the repository's path there, and the
+    manifest (an index or one image's; None where the registry has no such tag or digest)."""
+
+    client: Client
+    path: str
+    manifest: Manifest | None
+
+
+def look_up(engine: Engine, ref: str, reference: str | None = None) -> Lookup:
+    """Read ``ref`` (``HOST[:PORT]/PATH:TAG`` or ``...@sha256:...``) from its registry, with the engine's scheme
+    and the user's stored login; ``reference``: another tag or digest of the same repository to read instead.
+
+    Raises PushError where the reference names no registry or the registry cannot be read; each caller says
+    what an absent manifest means to it."""
+    repo, tag = split_reference(ref)
+    host, path = split_repo(repo)
+    client = client_for(engine, host)
+    return Lookup(client, path, client.manifest(path, reference or tag))
 
 
 def docker_hub(repo: str) -> tuple[Client, str]:

@@ -293,10 +293,7 @@ class Gate:
 
 def _pushed_candidates(engine: Engine, target: str, image_id: str) -> list[tuple[str, bytes]]:
     """The signed verdicts already beside ``target`` in its registry, when it holds this very image."""
-    repo, tag = split_reference(target)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, tag)
+    client, path, manifest = registry.look_up(engine, target)
     if manifest is None or manifest.is_index or (manifest.json().get("config") or {}).get("digest") != image_id:
         return []
     return attest.registry_candidates(client, path, manifest.digest)
@@ -310,10 +307,7 @@ def signed_pass_under(engine: Engine, target: str, image_ids: set[str]) -> str |
     the tag would get another image than the one that passed. Read without a key (it is not trusted here, only
     a reason to ask).
     """
-    repo, tag = split_reference(target)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, tag)
+    client, path, manifest = registry.look_up(engine, target)
     if manifest is None:
         return None
     images: dict[str, str] = {}  # manifest digest -> image ID (config digest)

@@ -227,10 +227,8 @@ def local_candidates(root: Path, image_id: str, given: Sequence[Path] = ()) -> l
 
 def attach_and_read_back(engine: Engine, image: str, envelope: bytes) -> bytes:
     """Attach ``envelope`` to ``image`` (NAME@sha256:...) in its registry, and return it as read back from there."""
-    name, _, digest = image.partition("@")
-    host, path = registry.split_repo(name)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, digest)
+    client, path, manifest = registry.look_up(engine, image)
+    host, digest = client.host, image.partition("@")[2]
     if manifest is None:
         raise AttestationMissing(f"registry {host} has no {path}@{digest} to attach the signed verdict to")
     subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
@@ -254,10 +252,8 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: p
 
     An index is judged per platform: each platform's image must pass.
     """
-    repo, tag = split_reference(ref)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, tag)
+    client, path, manifest = registry.look_up(engine, ref)
+    host, tag = client.host, split_reference(ref)[1]
     if manifest is None:
         raise AttestationMissing(f"registry {host} has no {path}:{tag}")
     images = [manifest]

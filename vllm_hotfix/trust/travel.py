@@ -58,17 +58,14 @@ def source_copy(engine: Engine, image_ref: str, image_id: str) -> str | None:
     first, slash, _rest = image_ref.partition("/")
     if not slash or not ("." in first or ":" in first or first == "localhost"):
         return None
-    repo, tag = split_reference(image_ref)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, tag)
+    client, path, manifest = registry.look_up(engine, image_ref)
     if manifest is None:
         return None
     found = [manifest] if not manifest.is_index else [
         m for m in (client.manifest(path, c.digest) for c in registry.children(manifest)) if m is not None]
     for one in found:
         if (one.json().get("config") or {}).get("digest") == image_id:
-            return f"{repo}@{one.digest}"
+            return f"{client.host}/{path}@{one.digest}"
     return None
 
 
@@ -103,12 +100,9 @@ def attach(engine: Engine, target: str, digest: str, envelopes: Sequence[tuple[s
     unique = {hashlib.sha256(data).hexdigest(): (where, data) for where, data in envelopes}
     if not unique:
         return []
-    repo, _tag = split_reference(target)
-    host, path = registry.split_repo(repo)
-    client = registry.client_for(engine, host)
-    manifest = client.manifest(path, digest)
+    client, path, manifest = registry.look_up(engine, target, digest)
     if manifest is None:
-        raise AttestationError(f"registry {host} has no {path}@{digest} to attach the signed verdicts to")
+        raise AttestationError(f"registry {client.host} has no {path}@{digest} to attach the signed verdicts to")
     subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
     out = []
     for where, data in unique.values():
