@@ -167,6 +167,24 @@ def test_a_push_whose_base_this_host_cannot_find_is_refused_as_unchecked_not_as_
     assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
 
 
+def test_a_patch_set_this_host_cannot_load_leaves_identity_incomplete_in_smoke_and_push(
+    engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace
+) -> None:
+    """The project's patch file damaged on this host after a passing build: layer identity cannot be judged, which
+    says nothing of the image. Smoke ends incomplete (11, no fail of the image recorded), and the push gate refuses
+    (8) saying its files could not be re-checked, not that they differ."""
+    project, ref, image_id = built
+    (project / "patches" / "v0.25.1" / "0001-minimax-m3-topk-buffer-layout.patch").write_text("not a patch\n")
+    r = cli("smoke", ref, "--gpu", "off", root=project)
+    assert r.rc == 11 and "incomplete layer-identity" in r.err, r.err
+    assert "cannot compare it with what the builder writes for definition v0.25.1" in r.last_error, r.err
+    assert not [v for v in records.verdicts(project, image_id) if v.verdict.status == "fail"]
+    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
+    fails(r, "its files could not be re-checked on this host: layer-identity: cannot compare it with what the "
+             "builder writes", "patches/v0.25.1: ")
+    assert r.rc == 8 and "rebuild" not in r.err, r.err
+
+
 def test_a_later_failing_verdict_on_a_shared_image_id_closes_the_gate(
     engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, unique: str, tmp_path: Path
 ) -> None:

@@ -18,7 +18,9 @@ the builder writes, from facts the host finds itself:
   the registry, or removed since) is pulled as a second host pulls it.
   Never an image label: a label is data the image chose. A base this host
   cannot find, pull or read leaves the check incomplete (exit 11, nothing
-  signed): that is the host's shortcoming, not a fact about the image.
+  signed): that is the host's shortcoming, not a fact about the image. So
+  does a patch set or pins.txt it cannot load, a pinned wheel its cache
+  lacks, and a layer it cannot read or make.
 * **the layers**: the image's diff IDs must begin with the base's, and the
   layers above are read whole where the image is started (:mod:`.layer_read`:
   the engine's or podman's overlay folders, a ``save`` export, a registry's
@@ -338,6 +340,12 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
                                f"{base.info.id[:19]} ({base.how}): {why}", base, {**data, **said}, python_path,
                        why if isinstance(why, Difference) else None)
 
+    def unjudged(why: str) -> Outcome:
+        # A patch set, a pinned wheel or a layer this host cannot read or make: nothing is known of the image.
+        return Outcome("incomplete", f"cannot compare it with what the builder writes for definition "
+                                     f"{base.definition.tag} on base {base.info.id[:19]} ({base.how}): {why}",
+                       base, data, python_path)
+
     if layers[:len(base_layers)] != base_layers:
         at = next((i for i, (a, b) in enumerate(zip(layers, base_layers, strict=False)) if a != b),
                   min(len(layers), len(base_layers)))
@@ -350,7 +358,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         patches = patchlib.load_series(root, base.definition.patch_set, base.definition.package)
         pinset = pins.load(root, base.definition.patch_set, base.definition.package)
     except (PatchError, PinError) as exc:
-        return refused(f"patches/{base.definition.patch_set}: {exc}")
+        return unjudged(f"patches/{base.definition.patch_set}: {exc}")
     data["patch_set"] = base.definition.patch_set
     data["patch_set_digest"] = patchlib.set_digest(patches, pinset.sha256 if pinset is not None else None)
     data["patches"] = {patch.name: patch.sha256 for patch in patches}
@@ -364,7 +372,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
         choices, site_dir = expected_patch_layers(engine, root, base, patches)
         read = read_layers(above) if read_layers is not None else layers_above(engine, image, above)
     except PipelineError as exc:
-        return refused(f"cannot read or make its layers: {exc}")
+        return unjudged(f"cannot read or make its layers: {exc}")
     data["layers_above"] = above
     if not choices:
         return refused(f"patches/{base.definition.patch_set} changes no file of the base, so its builder writes no "
@@ -380,7 +388,7 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
             why = pin_layer.difference(read[0], root, pinset, scheme, [*sites, site_dir], base.info, engine,
                                        sources.cache_dir(root))
         except PinError as exc:
-            return refused(f"pip layer: {exc}")
+            return unjudged(f"pip layer: {exc}")
         if why is not None:
             return refused(replace(why, words=f"pip layer: {why}"))
     unpinned = "" if base.definition.base_digests else f"; definition {base.definition.tag} pins no base digest"
