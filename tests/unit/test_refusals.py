@@ -224,7 +224,7 @@ def test_every_reference_argument_is_checked_while_parsing() -> None:
 
     names = {"image_ref", "ref", "output_ref", "base_repo", "to_image"}
     seen = 0
-    for command in climod.main.commands.values():
+    for command in climod.every_command().values():
         for param in command.params:
             if param.name in names:
                 assert isinstance(param.type, climod.Checked), f"{command.name} {param.name} is not checked"

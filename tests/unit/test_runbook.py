@@ -72,7 +72,7 @@ def test_runbook_has_commands() -> None:
 @pytest.mark.parametrize("args", runbook_commands(), ids=lambda a: " ".join(a))
 def test_runbook_command_is_real_and_exercised(args: list[str]) -> None:
     sub, flags = _sub_and_flags(args)
-    command = climod.main.commands.get(sub)
+    command = climod.every_command().get(sub)
     assert command is not None, f"runbook names unknown command {sub!r}"
     known = {opt for param in command.params for opt in getattr(param, "opts", [])}
     assert flags <= known, f"{sub}: unknown options {flags - known}"
@@ -105,7 +105,7 @@ def test_runbook_values_pass_their_checks(args: list[str]) -> None:
     from vllm_hotfix.errors import UsageError
 
     sub_args = args[2:] if args[:1] == ["--root"] else args
-    command = climod.main.commands[sub_args[0]]
+    command = climod.every_command()[sub_args[0]]
     checked = {opt: param.type for param in command.params for opt in getattr(param, "opts", [])
                if isinstance(param.type, Checked)}
     words = [w for w in sub_args[1:] if not w.startswith("#")]

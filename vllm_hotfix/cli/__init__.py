@@ -1,6 +1,7 @@
 """The command line: parse, call the library, print; map its errors to exit codes.
 
-One module per group of commands, each adding its commands to :data:`app.main`:
+One module per group of commands, each imported when one of its commands runs
+(:data:`app.COMMANDS` says where each command lives):
 
 - ``app``: the group, shared options, checked argument types, printing helpers
 - ``image_commands``: image, render, standin
@@ -28,24 +29,9 @@ from pathlib import Path
 import click
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
-from . import history_commands, image_commands, patchset_commands, push_commands, smoke_commands
-from .app import EXIT_CODES, Checked, main, report_error, set_root, set_verbose
+from .app import EXIT_CODES, Checked, every_command, main, report_error
 
-__all__ = ["EXIT_CODES", "Checked", "main", "run"]
-# The command modules register their commands with `main` as they are imported.
-COMMAND_MODULES = (image_commands, smoke_commands, push_commands, patchset_commands, history_commands)
-
-
-def _accept_verbose_anywhere() -> None:
-    for command in main.commands.values():
-        command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
-                                           callback=set_verbose, help="Debug logging of the tool."))
-        command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
-                                           expose_value=False, callback=set_root,
-                                           help="Folder holding images/ and patches/ (as before the subcommand)."))
-
-
-_accept_verbose_anywhere()
+__all__ = ["EXIT_CODES", "Checked", "every_command", "main", "run"]
 
 
 def run(argv: Sequence[str] | None = None) -> int:

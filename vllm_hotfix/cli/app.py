@@ -1,12 +1,14 @@
 """The command group, its shared options and checked argument types, and how the CLI prints.
 
-Every command module adds its commands to :data:`main`; only :func:`vllm_hotfix.cli.run` turns
-errors into exit codes.
+:data:`main` names every command and the module that defines it (:data:`COMMANDS`); a
+command's module is imported when the command is run, or when ``--help`` lists them
+all. Only :func:`vllm_hotfix.cli.run` turns errors into exit codes.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
@@ -233,7 +235,59 @@ def check_output_file(path: Path | None, option: str) -> None:
         raise UsageError(f"{option} {refs.shown(str(path))}: cannot write there: {problem}")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES,
+# Each command and where it is defined (module.function, under vllm_hotfix/cli/). Imported when
+# named, so `image` does not import the smoke, push and history commands and what they import.
+COMMANDS = {
+    "image": "image_commands.image",
+    "render": "image_commands.render",
+    "standin": "image_commands.standin_cmd",
+    "smoke": "smoke_commands.smoke",
+    "serve-check": "smoke_commands.serve_check",
+    "report": "smoke_commands.report",
+    "push": "push_commands.push",
+    "verify": "push_commands.verify",
+    "check-upstream": "patchset_commands.check_upstream",
+    "new-patchset": "patchset_commands.new_patchset",
+    "list": "history_commands.list_cmd",
+    "rollback": "history_commands.rollback",
+    "prune": "history_commands.prune",
+}
+
+
+class CommandGroup(click.Group):
+    """A group whose commands are imported on demand (click's lazy-loading pattern), each given the
+    group's ``-v/--verbose`` and ``--root`` as well, so they may follow the subcommand."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module_name, name = COMMANDS[cmd_name].rsplit(".", 1)
+            command = getattr(importlib.import_module(f".{module_name}", __package__), name)
+            if not isinstance(command, click.Command) or command.name != cmd_name:
+                raise TypeError(f"COMMANDS[{cmd_name!r}] names {COMMANDS[cmd_name]}, not that command")
+            _accept_group_options(command)
+            self.add_command(command)
+        return self.commands.get(cmd_name)
+
+
+def _accept_group_options(command: click.Command) -> None:
+    command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                       callback=set_verbose, help="Debug logging of the tool."))
+    command.params.append(click.Option(["--root"], type=click.Path(path_type=Path), default=None,
+                                       expose_value=False, callback=set_root,
+                                       help="Folder holding images/ and patches/ (as before the subcommand)."))
+
+
+def every_command() -> dict[str, click.Command]:
+    """Every command by name, each module imported (for a walk over all of them, as ``--help`` does)."""
+    ctx = click.Context(main)
+    found = {name: main.get_command(ctx, name) for name in main.list_commands(ctx)}
+    return {name: command for name, command in found.items() if command is not None}
+
+
+@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES,
              invoke_without_command=True)
 @click.option(
     "--root",

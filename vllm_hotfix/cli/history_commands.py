@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ..errors import UsageError
-from .app import IMAGE_ID, REPOSITORY, TAG, Ctx, base_option, main, print_json, progress
+from .app import IMAGE_ID, REPOSITORY, TAG, Ctx, base_option, print_json, progress
 
 registry_option = click.option(
     "--registry", "registry_repo", type=REPOSITORY, default=None, metavar="HOST[:PORT]/PATH/NAME",
@@ -20,7 +20,7 @@ key_option = click.option(
          "without one, verdicts are counted, not checked.")
 
 
-@main.command("list")
+@click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @registry_option
 @key_option
@@ -89,7 +89,7 @@ def _pushes_once(pushes: list[dict[str, str]]) -> str:
     return ", ".join(name + (f" ({n} pushes)" if n > 1 else "") for name, n in counts.items()) or "none"
 
 
-@main.command()
+@click.command()
 @base_option
 @click.option("--to", "to_image", type=IMAGE_ID, default=None,
               help="Image ID of a recorded build (default: the one before the tag's current image).")
@@ -144,7 +144,7 @@ def _rolled_output(moves: Any) -> str:
     return parents.pop() if len(parents) == 1 else str(moves[-1].ref)
 
 
-@main.command()
+@click.command()
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 @click.pass_obj
 def prune(obj: Ctx, dry_run: bool) -> None:

@@ -14,7 +14,6 @@ from .app import (
     TAG,
     Ctx,
     base_option,
-    main,
     one_platform,
     platform_option,
     print_json,
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from ..building import pipeline
 
 
-@main.command()
+@click.command()
 @base_option
 @repo_option
 @click.option("--tag", "output_ref", type=TAG, default=None, help="Output reference (default REPO:TAG-<suffix>).")
@@ -129,7 +128,7 @@ def _report_platforms(plan: pipeline.Plan, results: list[pipeline.BuildResult], 
                f"(push them with an index: push {plan.output_ref} --platform {names} --registry HOST[:PORT]/PATH)")
 
 
-@main.command()
+@click.command()
 @base_option
 @repo_option
 @pull_option
@@ -179,7 +178,7 @@ def render(obj: Ctx, base_tag: str, base_repo: str | None, pull: str, wheelhouse
              "alone has none (build with `image`)")
 
 
-@main.command("standin")
+@click.command("standin")
 @click.option("--version", "version", required=True, help="vLLM release, e.g. 0.25.1.")
 @click.option("--ref", type=TAG, default=None, help="Image reference (default vllm/vllm-openai:v<version>).")
 @click.option("--sources-version", default=None, help="Use another release's wheel (for tests).")

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 
 from ..errors import PinError, UsageError
-from .app import Ctx, base_option, main, one_platform, progress, pull_option, repo_option
+from .app import Ctx, base_option, one_platform, progress, pull_option, repo_option
 
 
-@main.command("check-upstream")
+@click.command("check-upstream")
 @click.option("--patches", "patch_set", required=True, help="Patch set to judge, e.g. v0.25.1.")
 @click.option("--base", "base_tag", required=True, help="The newer release's tag, e.g. v0.27.0.")
 @repo_option
@@ -58,7 +58,7 @@ def check_upstream(obj: Ctx, patch_set: str, base_tag: str, base_repo: str | Non
                  "a set for it would pin only")
 
 
-@main.command("new-patchset")
+@click.command("new-patchset")
 @base_option
 @click.option("--from-pr", "pr", default=None, metavar="N|URL", help="Upstream PR number or URL.")
 @click.option("--from-file", "diff_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,

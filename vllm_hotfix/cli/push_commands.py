@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import UsageError
-from .app import IMAGE, REFERENCE, Ctx, main, print_json, progress
+from .app import IMAGE, REFERENCE, Ctx, print_json, progress
 
 if TYPE_CHECKING:
     from ..trust.policy import Policy
@@ -63,7 +63,7 @@ def verification_policy(root: Path, policy_path: Path | None, require_checks: tu
     return policy_file.build(policy_path, flags, root)
 
 
-@main.command()
+@click.command()
 @click.argument("image_ref", metavar="IMAGE", type=REFERENCE)
 @click.option("--registry", required=True, help="HOST[:PORT]/PATH, e.g. 127.0.0.1:5000/ops.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -157,7 +157,7 @@ def _say_dry_run(as_json: bool, plan: dict[str, Any]) -> None:
     click.echo("dry run: nothing was pushed, tagged, attached or recorded")
 
 
-@main.command()
+@click.command()
 @click.argument("ref", metavar="REF", type=IMAGE)
 @click.option("--key", "keys", required=True, multiple=True, metavar="PUBKEY",
               help="A public key the verdict may be signed with: a PEM file, a folder of PEM files (*.pem, *.pub), "

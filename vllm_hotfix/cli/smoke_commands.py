@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..errors import UsageError
-from .app import IMAGE, REPOSITORY, Ctx, check_output_file, main, progress
+from .app import IMAGE, REPOSITORY, Ctx, check_output_file, progress
 
 if TYPE_CHECKING:
     from ..checking.launchers.options import SmokeOptions
@@ -76,7 +76,7 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
     return apply
 
 
-@main.command()
+@click.command()
 @click.argument("image_ref", metavar="IMAGE", type=IMAGE)
 @click.option("--gpu", type=click.Choice(["auto", "require", "off"]), default="auto", show_default=True,
               help="GPU checks: where a GPU request works (else GPU-unverified), required to run and pass, or never.")
@@ -292,7 +292,7 @@ def _finish_smoke(verdict: Verdict, image_ref: str, entry: Path, report_path: Pa
                f"{smokelib.format_phases(dict(verdict.phases), verdict.seconds)})")
 
 
-@main.command("serve-check")
+@click.command("serve-check")
 @click.option("--url", required=True, help="Base URL of a running OpenAI-compatible server.")
 @click.option("--model", default=None, help="Model name (default: the first /v1/models lists).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path), help="Write JSON here.")
@@ -340,7 +340,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")
 
 
-@main.command()
+@click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path), metavar="FILE...")
 @click.option("--out", "-o", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The HTML page to write.")

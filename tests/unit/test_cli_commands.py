@@ -1,0 +1,62 @@
+"""The command group: each command's module imported when that command runs, every command listed by --help,
+and the group's -v/--root accepted after every subcommand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_hotfix import cli as climod
+from vllm_hotfix.cli.app import COMMANDS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _modules_after(*argv: str) -> tuple[int, set[str]]:
+    """Run the CLI with ``argv`` in a fresh interpreter: its exit code and the modules it imported."""
+    code = ("import sys\nfrom vllm_hotfix.cli import run\nrc = run(sys.argv[1:])\n"
+            "print('MODULES', ' '.join(sorted(sys.modules)))\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("MODULES "))
+    return done.returncode, set(line.split()[1:])
+
+
+def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
+    rc, modules = _modules_after("image", "--help")
+    assert rc == 0
+    commands = {m for m in modules if m.startswith("vllm_hotfix.cli.")}
+    assert commands == {"vllm_hotfix.cli.app", "vllm_hotfix.cli.image_commands"}, commands
+    # Nor the engine's SDK: --help never reaches the engine.
+    assert not {m for m in modules if m.split(".")[0] in ("docker", "requests", "urllib3")}
+
+
+def test_help_lists_every_command_with_its_short_help() -> None:
+    done = subprocess.run([sys.executable, "build.py", "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    listed = done.stdout.split("Commands:", 1)[1].split("Exit codes:", 1)[0]
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in listed.splitlines() if line.strip()}
+    assert set(rows) == set(COMMANDS)
+    commands = climod.every_command()
+    for name, short in rows.items():
+        assert short.rstrip(".").removesuffix("..") in commands[name].get_short_help_str(limit=200), name
+
+
+def test_every_command_is_where_the_table_says_and_takes_verbose_and_root_after_it() -> None:
+    first = climod.every_command()
+    again = climod.every_command()  # loaded once: the options are not added twice
+    assert set(first) == set(COMMANDS)
+    for name, command in first.items():
+        assert command is again[name] and command.name == name
+        opts = [opt for param in command.params for opt in getattr(param, "opts", [])]
+        assert opts.count("--root") == 1 and opts.count("-v") == 1 and opts.count("--verbose") == 1, (name, opts)
+
+
+def test_root_after_the_subcommand_is_taken(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    done = subprocess.run([sys.executable, "build.py", "list", "--root", str(missing), "-v"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 64, done.stderr
+    assert f"--root '{missing}': does not exist" in done.stderr
