@@ -18,6 +18,7 @@ body only calls the library and prints what comes back.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import signal
@@ -45,7 +46,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _output_closed() if code == 0 else code
+    _skip_last_collection()
     return code
+
+
+def _skip_last_collection() -> None:
+    """The process ends next: spare the interpreter's garbage collections over every object it holds.
+
+    At exit the interpreter still runs atexit handlers, flushes and closes its files and frees the modules,
+    but its collections walk every object the imports made (the Docker SDK's and requests' above all): 10-20
+    ms of an assembled build, measured. Frozen objects are left to the process's end; finalizers of objects
+    in reference cycles are not promised at exit anyway (the language reference, ``object.__del__``).
+    """
+    gc.freeze()
 
 
 def _finished_before() -> None:

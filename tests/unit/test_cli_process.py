@@ -1,5 +1,5 @@
-"""The command group: each command's module imported when that command runs, every command listed by --help,
-and the group's -v/--root accepted after every subcommand."""
+"""The command line as a process: each command's module imported when that command runs, every command listed
+by --help, the group's -v/--root accepted after every subcommand, and the end of a run left to the process."""
 
 from __future__ import annotations
 
@@ -60,3 +60,18 @@ def test_root_after_the_subcommand_is_taken(tmp_path: Path) -> None:
                           text=True, timeout=120, cwd=REPO)
     assert done.returncode == 64, done.stderr
     assert f"--root '{missing}': does not exist" in done.stderr
+
+
+def test_the_run_leaves_its_objects_to_the_process_end_and_still_finishes_its_exit(tmp_path: Path) -> None:
+    """run() freezes what the interpreter holds (no collection walks it at exit); atexit handlers still run and
+    output is still written."""
+    mark = tmp_path / "atexit-ran"
+    code = ("import atexit, gc, sys\nfrom vllm_hotfix.cli import run\n"
+            f"atexit.register(lambda: open({str(mark)!r}, 'w').write('yes'))\n"
+            "rc = run(['--version'])\nprint('FROZEN', gc.get_freeze_count())\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "version" in done.stdout
+    frozen = int(done.stdout.split("FROZEN", 1)[1].split()[0])
+    assert frozen > 1000, done.stdout
+    assert mark.read_text() == "yes"
