@@ -10,6 +10,7 @@ import pytest
 from vllm_hotfix import tarball
 from vllm_hotfix.building import assemble
 from vllm_hotfix.engine import Engine, labels
+from vllm_hotfix.engine.pending_load import PendingLoad
 from vllm_hotfix.errors import EngineError
 
 
@@ -80,3 +81,43 @@ def test_a_containers_shared_memory_is_what_it_is_given(engine: Engine, base_v02
 
     assert shm_kib(None) == 64 * 1024
     assert shm_kib("16g") == 16 * 1024 * 1024
+
+
+def test_a_load_opened_before_its_archive_loads_that_archive(engine: Engine, loaded: tuple[str, bytes]) -> None:
+    """expect_load opens the load; the engine's other calls go on meanwhile; load() completes it."""
+    image_id, archive = loaded
+    fresh = Engine.connect(timeout=30, base_url=engine.address)
+    try:
+        fresh.expect_load()
+        assert fresh.image(image_id) is None
+        assert fresh.load(archive) == [image_id]
+        info = fresh.image(image_id)
+        assert info is not None and info.id == image_id
+        # Only the first load was opened ahead; the next is a load of its own.
+        assert fresh.load(archive) == [image_id]
+    finally:
+        fresh.close()
+
+
+def test_a_load_opened_and_never_given_an_archive_loads_nothing(engine: Engine) -> None:
+    fresh = Engine.connect(timeout=30, base_url=engine.address)
+    try:
+        pending = PendingLoad(fresh.api)
+        answer = pending.cancel(wait=30)
+        # The engine answered: it unpacked the lead and an empty manifest, and loaded nothing.
+        assert answer is not None
+        assert not [m for m in answer if "Loaded image" in str(m.get("stream", ""))], answer
+    finally:
+        fresh.close()
+
+
+def test_a_refused_load_opened_ahead_is_one_line(engine: Engine) -> None:
+    fresh = Engine.connect(timeout=30, base_url=engine.address)
+    try:
+        fresh.expect_load()
+        with pytest.raises(Exception) as caught:
+            fresh.load(tarball.write([tarball.Entry("manifest.json", b"[{]", 0o644)]))
+        assert type(caught.value).__name__ == "BuildError"
+        assert str(caught.value).startswith("the engine refused to load the image: ") and "\n" not in str(caught.value)
+    finally:
+        fresh.close()

@@ -196,15 +196,30 @@ def test_a_signal_while_the_engine_builds_leaves_no_image(private: tuple[Private
     assert engine.image_ids() - before == set(), "the interrupted build left images"
 
 
+def test_interrupt_before_an_assembled_image_is_loaded_leaves_no_image(private: tuple[PrivateEngine, Engine],
+                                                                       project: Path, unique: str) -> None:
+    """Ctrl-C while the base is probed: the load the run opened ahead (engine/pending_load.py) is completed with
+    an archive that loads nothing, and the run ends as any interrupted run does."""
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/interrupted-assemble-{unique}:x"
+    rc, err = _signalled(eng, engine, project, out, "==> checking vllm in the base", signal.SIGINT,
+                         args=("--builder", "assemble", "--no-smoke"))
+    assert rc == 130 and "error: interrupted" in err, err
+    assert engine.image(out) is None
+    assert engine.containers_by_owner() == {}
+    assert engine.image_ids() - before == set(), "the interrupted run left images"
+
+
 def _signalled(eng: PrivateEngine, engine: Engine, project: Path, out: str, point: str,
-               sig: signal.Signals) -> tuple[int, str]:
+               sig: signal.Signals, args: tuple[str, ...] = ()) -> tuple[int, str]:
     """A run sent ``sig`` at ``point``: its exit code and stderr.
 
     A run (a few seconds in all) that finished before the signal reached it on a loaded machine was not
     signalled: what it made is removed and it is tried again, three times at most.
     """
     for _attempt in range(3):
-        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig))
+        rc, err = run_and_hit(eng, project, out, point, lambda proc: proc.send_signal(sig), args=args)
         if rc != 0:
             break
         engine.remove_image(out)

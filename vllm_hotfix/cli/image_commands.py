@@ -55,6 +55,9 @@ def image(obj: Ctx, base_tag: str, base_repo: str | None, output_ref: str | None
           pull: str, no_smoke: bool, rebuild: bool, skip_included: bool, force: bool, builder: str, as_json: bool,
           wheelhouse: Path | None, platform_text: str | None, in_registry: bool, bytecode: str | None) -> None:
     """Build the patched image of definition NAME (one per platform of the base, tagged OUTPUT-<machine>)."""
+    if builder == "assemble" and not in_registry and bytecode is None:
+        # Before the build code is imported: the engine starts on the load meanwhile (engine/pending_load.py).
+        obj.engine.expect_load()
     from ..building import pipeline, platforms
 
     wanted = platforms.parse(platform_text)

@@ -7,6 +7,7 @@ package's parts:
 - :mod:`.containers`: the containers it starts, each removed before the call returns;
 - :mod:`.files`: files of an image read from its layers (a container created, never started), hashed as they stream;
 - :mod:`.streams`: the streamed work (pull, build, push), progress handed on as it comes;
+- :mod:`.pending_load`: a load opened before its archive exists, so the engine starts on it meanwhile;
 - :mod:`.mapping`: every SDK, HTTP and socket error as one PipelineError naming the operation;
 - :mod:`.registry_errors`: a registry's failure told apart: transient (tried again), unreachable, or final;
 - :mod:`.dockerconfig`: references, stored logins, registries the engine trusts without TLS;

@@ -32,6 +32,7 @@ from . import containers, dockerconfig, labels, registry_errors, streams, volume
 from . import files as layers
 from .mapping import Refused, short, status, translating
 from .model import EngineFacts, ExecResult, GpuRequest, ImageInfo
+from .pending_load import PendingLoad
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Engine:
         self.on_container: Callable[[int], None] | None = None
         self._deadline: float | None = None  # seconds per socket operation, when shorter than ``timeout``
         self._lost = False
+        self._pending_load: PendingLoad | None = None
 
     @classmethod
     def connect(cls, timeout: float = 120, base_url: str | None = None, *, ping: bool = True) -> Engine:
@@ -69,7 +71,11 @@ class Engine:
         return engine
 
     def close(self) -> None:
-        """Let go of the engine's connections (a later call opens new ones)."""
+        """Let go of the engine's connections (a later call opens new ones); a load opened by
+        :meth:`expect_load` and not used loads nothing."""
+        if self._pending_load is not None:
+            self._pending_load.cancel(LOST_DEADLINE)
+            self._pending_load = None
         if self._client is not None:
             self._client.close()
 
@@ -221,6 +227,18 @@ class Engine:
         with self.translating("listing images"):
             return set(self.api.images(all=True, quiet=True))
 
+    def expect_load(self) -> None:
+        """Open the next :meth:`load` now (:mod:`.pending_load`): the engine starts unpacking while the
+        caller makes the archive. An engine that cannot be reached now is no error here: the run's
+        own calls say so."""
+        if self._pending_load is not None:
+            return
+        try:
+            api = self.api
+        except PipelineError:
+            return
+        self._pending_load = PendingLoad(api)
+
     def load(self, archive: bytes) -> list[str]:
         """``docker load`` of a save-format archive; layers the engine has need not be in it.
 
@@ -229,9 +247,10 @@ class Engine:
         def refused(message: str) -> PipelineError:
             return BuildError(f"the engine refused to load the image: {message}")
 
+        pending, self._pending_load = self._pending_load, None
         with self.translating("loading an image", refused):
-            messages = [m if isinstance(m, dict) else {"stream": str(m)}
-                        for m in self.api.load_image(archive, quiet=True)]
+            answer = pending.finish(archive) if pending is not None else self.api.load_image(archive, quiet=True)
+            messages = [m if isinstance(m, dict) else {"stream": str(m)} for m in answer]
         errors = [str(m.get("error") or m.get("message")) for m in messages if m.get("error") or m.get("message")]
         if errors:
             raise BuildError("the engine refused to load the image: " + "; ".join(errors),
