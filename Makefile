@@ -42,9 +42,10 @@ setup: ## Install the system packages, a Docker 26.1 engine under /opt and the t
 tool:
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) is missing: run 'make setup' first (or pass PYTHON=...)" >&2; exit 1; }
 
-services: ## Start a local Docker engine (and a second instance of it for the tests), a CDI-capable Docker 26.1 engine and a registry unless they answer
+services: ## Start a local Docker engine (and two more instances of it for the tests), a CDI-capable Docker 26.1 engine and a registry unless they answer
 	.ci/services start-engine
 	.ci/services start-second-engine
+	.ci/services start-third-engine
 	.ci/services start-cdi-engine
 	.ci/services start-registry
 
@@ -84,7 +85,7 @@ demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from 
 		--registry $(REGISTRY) --allow-gpu-unverified
 
 test: setup services ## Run every tier against real engines and registries: one worker per engine
-	$(PYTHON) -m pytest -v -n 3 --dist loadgroup --durations=15 tests
+	$(PYTHON) -m pytest -v -n 4 --dist loadgroup --durations=15 tests
 
 unit: tool ## Run the unit tier (tests/unit): no engine, no registry, no network; seconds
 	$(PYTHON) -m pytest -q -n 3 tests/unit

@@ -76,17 +76,25 @@ NO_INDEX = "http://127.0.0.1:9/simple"
 
 
 DEFAULT_ENGINE = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
-# A second instance of the default engine (`.ci/services start-second-engine`): the test modules below
-# build there, in a lane of their own beside the default engine's, each lane one engine's only builder.
+# Other instances of the default engine (`.ci/services start-second-engine`, `start-third-engine`): the test
+# modules named below build there, each instance a lane of its own beside the default engine's, each lane one
+# engine's only builder. Where an instance does not answer, its modules build on the default engine.
 SECOND_ENGINE = os.environ.get("SECOND_DOCKER_HOST") or "unix:///run/vllm-hotfix-second/docker.sock"
-SECOND_LANE = frozenset({
-    "test_signed_launchers.py", "test_smoke_push.py", "test_attest.py", "test_assemble.py", "test_image.py",
-    "test_registry_files.py", "test_file_facts.py", "test_integrity_base.py", "test_fail_closed.py",
-})
-# Every engine a session may use: the default one, its second instance and the platform-aware 26.1 one.
+THIRD_ENGINE = os.environ.get("THIRD_DOCKER_HOST") or "unix:///run/vllm-hotfix-third/docker.sock"
+INSTANCE_LANES = {
+    SECOND_ENGINE: ("second-engine", frozenset({
+        "test_signed_launchers.py", "test_smoke_push.py", "test_assemble.py", "test_image.py",
+        "test_registry_files.py", "test_file_facts.py", "test_integrity_base.py", "test_fail_closed.py",
+    })),
+    THIRD_ENGINE: ("third-engine", frozenset({
+        "test_in_registry.py", "test_identity.py", "test_attest.py", "test_podman_store.py",
+        "test_referrers_api.py", "test_registry_history.py",
+    })),
+}
+# Every engine a session may use: the default one, its other instances and the platform-aware 26.1 one.
 ENGINES = tuple(dict.fromkeys([
     DEFAULT_ENGINE,
-    SECOND_ENGINE,
+    *INSTANCE_LANES,
     os.environ.get("VLLM_HOTFIX_PLATFORM_ENGINE") or os.environ.get("CDI_DOCKER_HOST")
     or "unix:///run/vllm-hotfix-cdi/docker.sock",
 ]))
@@ -105,16 +113,16 @@ TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its tier, the folder it sits in under tests/, and its engine's lane.
 
-    ``make test`` runs three workers (``-n 3 --dist loadgroup``), one lane
+    ``make test`` runs four workers (``-n 4 --dist loadgroup``), one lane
     per engine, each lane in order on one worker: every test that reaches the
-    default engine; every one of the modules in ``SECOND_LANE``, on the
-    second instance of that engine; every one that reaches only the Docker
+    default engine; the modules of each instance in ``INSTANCE_LANES``, on
+    that instance of the same engine; every one that reaches only the Docker
     26.1 engine (platforms, GPU access); the fault tests that start and kill
-    an engine of their own. Unit and serve tests go to whichever worker is
-    free. Only one lane builds on each of the two default engines, so each
-    test's own check for untagged images there still names the test that left
-    one (a test that compares builds on both engines runs in the default
-    lane; the 26.1 engine's images are checked once, for the whole run).
+    an engine of their own. Unit, numerics and serve tests go to whichever
+    worker is free. Only one lane builds on each instance of the default
+    engine, so each test's own check for untagged images there still names
+    the test that left one (the 26.1 engine's images are checked once, for
+    the whole run).
     """
     here = Path(__file__).resolve().parent
     for item in items:
@@ -129,8 +137,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         default = any(n in DEFAULT_ENGINE_FIXTURES or n.startswith("base_") for n in names)
         if "private" in names and not default:
             lane = "private-engine"  # an engine of the test's own (tests/engine/test_faults.py)
-        elif engine_url(item.path) == SECOND_ENGINE:
-            lane = "second-engine"
+        elif (url := engine_url(item.path)) != DEFAULT_ENGINE:
+            lane = INSTANCE_LANES[url][0]
         elif tier == "engine" or default:
             lane = "default-engine"
         else:
@@ -139,24 +147,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @functools.cache
-def _second_engine_answers() -> bool:
-    """Whether the second engine answers; where it does not, its modules build on the default engine."""
+def _answers(url: str) -> bool:
+    """Whether the engine at ``url`` answers; where an instance does not, its modules build on the default engine."""
     import docker
 
     try:
-        client = docker.DockerClient(base_url=SECOND_ENGINE, timeout=5)
+        client = docker.DockerClient(base_url=url, timeout=5)
         try:
             return bool(client.ping())
         finally:
             client.close()
-    except Exception:  # noqa: BLE001 - no engine there: one lane for both
+    except Exception:  # noqa: BLE001 - no engine there: its lane joins the default one
         return False
 
 
 def engine_url(path: Path) -> str:
-    """The engine a test module's tests build on: the second engine for its lane's modules, where it answers."""
-    if path.name in SECOND_LANE and path.parent.name == "engine" and _second_engine_answers():
-        return SECOND_ENGINE
+    """The engine a test module's tests build on: an instance's for its lane's modules, where it answers."""
+    if path.parent.name == "engine":
+        for url, (_lane, modules) in INSTANCE_LANES.items():
+            if path.name in modules and _answers(url):
+                return url
     return DEFAULT_ENGINE
 
 
@@ -316,7 +326,7 @@ def engine(request: pytest.FixtureRequest, lanes: Lanes) -> Engine:
 
 @pytest.fixture(autouse=True)
 def lane_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test in the second engine's lane, and the CLIs it runs, reach that engine through DOCKER_HOST."""
+    """A test in another instance's lane, and the CLIs it runs, reach that engine through DOCKER_HOST."""
     if request.node.get_closest_marker("engine") is not None:
         url = engine_url(request.path)
         if url != DEFAULT_ENGINE:

@@ -32,15 +32,16 @@ def test_stop_removes_the_podman_setting_an_earlier_setup_wrote_and_nothing_else
 def test_prune_removes_the_services_data(tmp_path: Path) -> None:
     """`.ci/services prune` on folders of the test's own, no engine answering there: the registry's state folder
     and the engines' data roots go."""
-    state, second, cdi = tmp_path / "state", tmp_path / "second", tmp_path / "cdi"
-    for folder in (state / "registry", second / "data", cdi / "data"):
+    state, second, third, cdi = tmp_path / "state", tmp_path / "second", tmp_path / "third", tmp_path / "cdi"
+    for folder in (state / "registry", second / "data", third / "data", cdi / "data"):
         folder.mkdir(parents=True)
         (folder / "blob").write_bytes(b"x" * 1000)
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "VLLM_HOTFIX_STATE": str(state),
            "VLLM_HOTFIX_SECOND_ROOT": str(second), "SECOND_SOCKET": str(tmp_path / "none.sock"),
+           "VLLM_HOTFIX_THIRD_ROOT": str(third), "THIRD_SOCKET": str(tmp_path / "none3.sock"),
            "VLLM_HOTFIX_CDI_ROOT": str(cdi), "CDI_SOCKET": str(tmp_path / "none2.sock"),
            "VLLM_HOTFIX_PODMAN_DROPIN": str(tmp_path / "no-dropin")}
     done = subprocess.run([str(SERVICES), "prune"], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert not state.exists() and not second.exists() and not cdi.exists()
-    assert f"removing {second}" in done.stdout
+    assert not state.exists() and not second.exists() and not third.exists() and not cdi.exists()
+    assert f"removing {second}" in done.stdout and f"removing {third}" in done.stdout
