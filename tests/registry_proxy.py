@@ -21,7 +21,10 @@ Switches make it behave as other registries do:
   on another port (as the large registries send blob reads to object
   storage), which serves the bytes the proxy read from the registry and
   keeps the ``Authorization`` header of each request it got in
-  ``storage_auth`` (None where there was none).
+  ``storage_auth`` (None where there was none);
+- ``fail_reads``: the next this many GETs and HEADs are answered 500 with
+  the body Debian's registry gives while another writer links the same blob
+  or tag (it read the half-written link), unforwarded.
 
 ``seen`` lists (method, path) of every request, in order.
 """
@@ -51,6 +54,7 @@ class Switches:
     cut_blobs: int | None = None
     refuse_tags: int | None = None
     redirect_blobs: bool = False
+    fail_reads: int = 0
     storage_auth: list[str | None] = field(default_factory=list)
     holding: threading.Event = field(default_factory=threading.Event)  # set while a tag PUT waits
     seen: list[tuple[str, str]] = field(default_factory=list)
@@ -92,6 +96,11 @@ def serve(upstream: str) -> Iterator[tuple[str, Switches]]:
             switches.seen.append((self.command, parts.path))
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
+            if self.command in ("GET", "HEAD") and switches.fail_reads > 0:
+                switches.fail_reads -= 1
+                return self._answer(500, json.dumps({"errors": [
+                    {"code": "UNKNOWN", "message": "unknown error", "detail": "invalid checksum digest format"}]}
+                ).encode(), {})
             if self.command == "POST" and switches.no_mount and any(k == "mount" for k, _ in query):
                 query = [(k, v) for k, v in query if k not in ("mount", "from")]
             if (self.command == "PUT" and "/blobs/uploads/" in parts.path and switches.refuse_blobs is not None):

@@ -109,3 +109,27 @@ def test_two_hosts_attaching_at_once_both_land_and_a_rewritten_index_hides_neith
     with caplog.at_level("WARNING"):
         assert sorted(e for _d, e in referrers.envelopes(client, path, image.digest)) == sorted(made)
     assert "the fallback index" in caplog.text and "lacks it (the index was rewritten)" in caplog.text
+
+
+def test_a_look_the_registry_answers_with_a_server_error_is_asked_again(pushed: tuple[str, str]) -> None:
+    """Debian's registry answers 500 to a look at a blob or tag another writer is linking at that moment (two hosts
+    attaching at once meet it): a read so answered is asked again; one that keeps failing is named."""
+    import registry_proxy
+    from vllm_hotfix.errors import PushError
+
+    path, tag = pushed
+    with registry_proxy.serve(REGISTRY) as (proxy, switches):
+        client = Client(proxy, secure=False, credentials=None)
+        image = client.manifest(path, tag)
+        assert image is not None
+        config = image.json()["config"]["digest"]
+        subject = referrers.Subject(image.digest, image.media_type, image.size)
+        envelope = signing.sign(signing.statement({f"{path}:{tag}": config}, {"status": "pass"}),
+                                ec.generate_private_key(ec.SECP256R1()))
+        switches.fail_reads = 2
+        referrers.attach(client, path, subject, envelope)
+        assert switches.fail_reads == 0
+        assert [e for _d, e in referrers.envelopes(client, path, image.digest)] == [envelope]
+        switches.fail_reads = 10
+        with pytest.raises(PushError, match=r"500"):
+            referrers.envelopes(client, path, image.digest)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,6 +39,9 @@ INDEX_TYPES = (DOCKER_LIST, OCI_INDEX)
 ACCEPT = ", ".join((OCI_INDEX, DOCKER_LIST, OCI_MANIFEST, DOCKER_MANIFEST))
 # (connect, read): a registry that does not answer at all is given up on quickly.
 TIMEOUT = (10, 60)
+# A read answered with a server error: asked again this many times, after READ_PAUSE s, then twice that.
+READ_RETRIES = 2
+READ_PAUSE = 0.2
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,25 @@ class Client:
                          hint=f"docker login {self.host}")
 
     def request(self, method: str, path: str, scope: str, **kwargs: Any) -> requests.Response:
-        """``path`` under this host (or a whole URL the registry gave, such as an upload's Location)."""
+        """``path`` under this host (or a whole URL the registry gave, such as an upload's Location).
+
+        A read (GET, HEAD) the registry answers with a server error is asked
+        again, twice, after a pause: a registry on its filesystem driver
+        answers 500 to a look at a blob or tag another writer is linking at
+        that moment (it reads the half-written link), which two hosts
+        attaching verdicts to one image at once meet. Writes are not repeated
+        here: their callers know whether repeating one is safe.
+        """
+        for attempt in range(READ_RETRIES + 1):
+            res = self._request_once(method, path, scope, **kwargs)
+            if method not in ("GET", "HEAD") or res.status_code < 500 or attempt == READ_RETRIES:
+                return res
+            log.debug("registry %s answered %s to %s %s; asking again", self.host, res.status_code, method, path)
+            res.close()
+            time.sleep(READ_PAUSE * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _request_once(self, method: str, path: str, scope: str, **kwargs: Any) -> requests.Response:
         url = path if path.startswith(("http://", "https://")) else f"{self.base}{path}"
         headers = dict(kwargs.pop("headers", {}))
         for attempt in range(2):
