@@ -103,7 +103,8 @@ def test_a_load_opened_and_never_given_an_archive_loads_nothing(engine: Engine) 
     fresh = Engine.connect(timeout=30, base_url=engine.address)
     try:
         pending = PendingLoad(fresh.api)
-        answer = pending.cancel(wait=30)
+        pending.cancel(wait=30)
+        answer = pending.answer(wait=30)
         # The engine answered: it unpacked the lead and an empty manifest, and loaded nothing.
         assert answer is not None
         assert not [m for m in answer if "Loaded image" in str(m.get("stream", ""))], answer

@@ -34,6 +34,7 @@ class PendingLoad:
 
     def __init__(self, api: Any) -> None:
         self._rest: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._sent = threading.Event()  # the whole body handed to the connection (or the request over)
         self._messages: list[Any] = []
         self._error: BaseException | None = None
         # A daemon: a process that ends (an interrupt) never waits for the engine's answer to a load.
@@ -43,12 +44,15 @@ class PendingLoad:
     def _body(self) -> Iterator[bytes]:
         yield LEAD
         yield self._rest.get()
+        self._sent.set()  # asked for more: the archive is written
 
     def _post(self, api: Any) -> None:
         try:
             self._messages = list(api.load_image(self._body(), quiet=True))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller of finish(), in its thread
             self._error = exc
+        finally:
+            self._sent.set()
 
     def finish(self, archive: bytes) -> list[Any]:
         """Send ``archive`` (a whole tar) after the lead; the engine's messages, or what the SDK raised."""
@@ -58,10 +62,16 @@ class PendingLoad:
             raise self._error
         return self._messages
 
-    def cancel(self, wait: float) -> list[Any] | None:
-        """Complete the archive so that it loads nothing. The engine's messages once it answered, or None if
-        it did not within ``wait`` seconds or failed (an engine that stopped answering does not hold the run's
-        end any longer)."""
+    def cancel(self, wait: float) -> None:
+        """Complete the archive so that it loads nothing, and wait up to ``wait`` seconds until it is sent.
+
+        Not for the engine's answer: whole, the archive loads nothing, and an engine that has not
+        read all of it when the process ends drops the load and its unpacked files.
+        """
         self._rest.put(NOTHING)
+        self._sent.wait(wait)
+
+    def answer(self, wait: float) -> list[Any] | None:
+        """The engine's messages, once it answered within ``wait`` seconds (None: not yet, or the load failed)."""
         self._thread.join(wait)
         return None if self._thread.is_alive() or self._error is not None else self._messages
