@@ -204,8 +204,11 @@ def test_assembled_build_and_reuse_import_no_template_engine(
                         if line.startswith("import time:")}
             assert "vllm_hotfix.building.assemble" in imported or not extra
             assert "jinja2" not in imported, sorted(imported)
-            # A set without pins, a run without smoke: no HTTP server, no pins, no expectations.
-            assert not {"http.server", "vllm_hotfix.building.pins", "vllm_hotfix.building.expected"} & imported, \
+            # A set without pins, a run without smoke: no HTTP server, no pins, no expectations; no registry's
+            # layers read; no other command's module.
+            assert not {"http.server", "vllm_hotfix.building.pins", "vllm_hotfix.building.expected",
+                        "vllm_hotfix.registry.layerscan", "vllm_hotfix.cli.smoke_commands",
+                        "vllm_hotfix.cli.push_commands", "vllm_hotfix.cli.history_commands"} & imported, \
                 sorted(imported)
             # A run that ends normally leaves no note of leftovers for the next one.
             assert not list((project / "build" / "runs").glob("*.json"))

@@ -30,7 +30,7 @@ from typing import Any
 from ..engine import Box, Engine, ImageInfo
 from ..errors import BaseImageError, StorageError, UpstreamError
 from ..journal.cache import Store
-from ..registry.layerscan import Folder  # a folder above the package, as a layer must restate it
+from ..layers import Folder  # a folder above the package, as a layer must restate it
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .entry import Layer, LayerEntry, ancestors, in_words, within
+from .entry import Folder, Layer, LayerEntry, ancestors, in_words, within
 from .flatten import apply, flatten, hides
 
-__all__ = ["Layer", "LayerEntry", "ancestors", "apply", "flatten", "hides", "in_words", "within"]
+__all__ = ["Folder", "Layer", "LayerEntry", "ancestors", "apply", "flatten", "hides", "in_words", "within"]

@@ -43,6 +43,17 @@ class Layer:
     kept: dict[str, bytes] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Folder:
+    """A folder above the site folder as the image shows it: what a layer writing below it must restate."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime: int
+
+
 def in_words(entry: LayerEntry) -> str:
     """What an entry is, as a verdict names it."""
     if entry.kind in ("file", "hardlink"):

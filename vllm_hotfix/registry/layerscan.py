@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from .. import dist_record
 from ..errors import BaseImageError, PushError
-from ..layers import LayerEntry, ancestors, hides
+from ..layers import Folder, LayerEntry, ancestors, hides
 from ..layers.read import entry_of
 from ..tarball import OPAQUE, WHITEOUT, marker
 from .compression import STREAM_ERRORS, tar_stream
@@ -68,17 +68,6 @@ class LayerRef:
     digest: str
     media_type: str
     size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Folder:
-    """A folder above the site folder as the image shows it: what a layer writing below it must restate."""
-
-    path: str
-    mode: int
-    uid: int
-    gid: int
-    mtime: int
 
 
 @dataclass
