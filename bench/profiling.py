@@ -62,8 +62,8 @@ def process_start(repeat: int = 5) -> dict[str, float]:
 def profile(root: Path, base_tag: str, ref: str, out: Path, cache: Path) -> dict[str, Any]:
     """Profile one real assembled build (facts cache ``cache``); return the per-step summary."""
     prof = out / "image-rebuild.prof"
-    # cli.run under the profiler rather than build.py, which leaves with
-    # os._exit before cProfile could write its file.
+    # cli.run under the profiler, as build.py calls it. The profile is the main thread's: a load opened
+    # ahead (engine/pending_load.py) counts as the time the run waits for it in Engine.load.
     argv = ["--root", str(root), "image", "--base", base_tag, "--no-smoke", "--rebuild", "--tag", ref,
             "--builder", "assemble"]
     code = (f"import cProfile, sys\nsys.argv = ['build.py', *{argv!r}]\n"
