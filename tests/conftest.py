@@ -22,6 +22,7 @@ stand-ins and built image; the engines' lanes run side by side.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import importlib.util
@@ -416,6 +417,23 @@ def requests_layer(folder: str = "usr/lib/python3/dist-packages") -> dict[str, b
             if path.is_file() and "__pycache__" not in path.parts:
                 out[f"{folder}/{name}/{path.relative_to(top)}"] = path.read_bytes()
     return out
+
+
+@functools.cache
+def requests_site() -> Path:
+    """A folder holding ``requests`` and what it imports (links into this Python's site folder), and nothing else.
+
+    The runner's stand-in for an image's site folder where a test runs it on this host: the test environment's
+    own site folder would hand the runner's probes everything installed for the tests (PyTorch among them, whose
+    import alone costs every probe two seconds of CPU), which no stand-in image holds.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="vllm-hotfix-requests-site-"))
+    atexit.register(shutil.rmtree, folder, True)
+    for name in ("requests", "urllib3", "idna", "certifi", "charset_normalizer"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            (folder / name).symlink_to(list(spec.submodule_search_locations)[0], target_is_directory=True)
+    return folder
 
 
 @dataclass

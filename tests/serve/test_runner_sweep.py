@@ -7,8 +7,6 @@ against the reference's per-level answers (exact-levels)."""
 from __future__ import annotations
 
 import copy
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -23,7 +21,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, requests_site
 from vllm_hotfix import report_page
 from vllm_hotfix.checking import smoke as smokelib
 from vllm_hotfix.checking.launchers import base, plan
@@ -95,9 +93,9 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     job["serve"]["port"] = port
     if job["serve"].get("batches") and probe_too:  # the server's arguments reach the probe's engine, as --serve-arg
         job["serve"]["batches"]["engine_args"] += server
-    # Started as a launcher starts it (no site module, PYTHON* variables ignored): the stand-in engine and this
-    # Python's site folders (for requests) are the "base's sys.path" the host gives the job.
-    job["python_path"] = [str(ENGINE), *(p for p in sys.path if p.endswith("-packages"))]
+    # Started as a launcher starts it (no site module, PYTHON* variables ignored): the stand-in engine and a folder
+    # holding requests are the "base's sys.path" the host gives the job.
+    job["python_path"] = [str(ENGINE), str(requests_site())]
     # ``edit`` changes the job the runner gets, never the one the host judges by (a runner that does not keep to
     # its job is what it stands for).
     sent = copy.deepcopy(job)
@@ -410,7 +408,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     port = free_port()
     job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
     job["serve"]["port"] = port
-    job["python_path"] = [str(ENGINE), *(p for p in sys.path if p.endswith("-packages"))]
+    job["python_path"] = [str(ENGINE), str(requests_site())]
     folder = base.stage(tmp_path / "runner", job, extra)
     done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
@@ -434,9 +432,9 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     judged = plan.restamp(judged, kept, recorded=True)
     assert judged.sweep is not None and judged.sweep["recorded"]["levels"]["schedule"]["levels"] == [1, 2]
     assert json.loads((tmp_path / "new.json").read_text())["sha256"] == kept.sha256
-    # This Python has no vLLM (and torch where the test extras put it): the image's env-report says so, and the
-    # file keeps it.
-    torch = importlib.metadata.version("torch") if importlib.util.find_spec("torch") is not None else "absent"
+    # The runner's site folder here holds neither vLLM nor torch: the image's env-report says so, and the file
+    # keeps it.
+    torch = "absent"
     assert kept.settings == {**plan.serve_settings(opts, TARGET), "vllm": "absent", "torch": torch}
     assert judged.sweep["recorded"]["sha256"] == kept.sha256
     # A recording whose settings are not this run's is refused and not kept.
