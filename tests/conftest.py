@@ -508,6 +508,9 @@ def _may_fork(env: dict[str, str] | None) -> bool:
     return not any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in (env or {}).items())
 
 
+NOT_PRELOADED = frozenset({"vllm_hotfix.golden.forward"})
+
+
 @functools.cache
 def _preloaded() -> types.ModuleType:
     """The CLI with every module a subcommand imports when it runs, imported once: each run forks from them."""
@@ -515,8 +518,11 @@ def _preloaded() -> types.ModuleType:
     from vllm_hotfix import cli as entry
 
     for mod in pkgutil.walk_packages(vllm_hotfix.__path__, "vllm_hotfix."):
-        # Not the scripts run inside images, nor entry scripts (importing one runs it).
-        if not mod.name.startswith("vllm_hotfix.inimage.probes") and not mod.name.endswith("__main__"):
+        # Not the scripts run inside images, nor entry scripts (importing one runs it), nor the golden forward,
+        # which imports PyTorch (seconds, and hundreds of MB each fork would carry) and no command imports as it
+        # starts: a run that needs it imports it itself.
+        if not mod.name.startswith("vllm_hotfix.inimage.probes") and not mod.name.endswith("__main__") \
+                and mod.name not in NOT_PRELOADED:
             importlib.import_module(mod.name)
     return entry
 
