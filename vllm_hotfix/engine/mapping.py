@@ -18,7 +18,6 @@ does not pay for importing it.
 from __future__ import annotations
 
 import functools
-import http.client
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -83,6 +82,8 @@ def _why(exc: BaseException | str) -> str:
     connection without response``; else the error's own line (a read timeout
     says its deadline there).
     """
+    import http.client  # here: with the email parser it pulls in, ~10 ms a command that meets no error never pays
+
     seen: BaseException | str | None = exc
     for _ in range(8):
         if not isinstance(seen, BaseException):
