@@ -114,16 +114,16 @@ TEST_NAMES = re.compile(r"^(hotfix-test/|127\.0\.0\.1:\d+/)")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with its tier, the folder it sits in under tests/, and its engine's lane.
 
-    ``make test`` runs four workers (``-n 4 --dist loadgroup``), one lane
-    per engine, each lane in order on one worker: every test that reaches the
-    default engine; the modules of each instance in ``INSTANCE_LANES``, on
-    that instance of the same engine; every one that reaches only the Docker
-    26.1 engine (platforms, GPU access); the fault tests that start and kill
-    an engine of their own. Unit, numerics and serve tests go to whichever
-    worker is free. Only one lane builds on each instance of the default
-    engine, so each test's own check for untagged images there still names
-    the test that left one (the 26.1 engine's images are checked once, for
-    the whole run).
+    ``make test`` runs three workers (``-n 3 --dist loadgroup``; ``WORKERS=N``
+    another number) and five lanes, each lane in order on one worker: every
+    test that reaches the default engine; the modules of each instance in
+    ``INSTANCE_LANES``, on that instance of the same engine; every one that
+    reaches only the Docker 26.1 engine (platforms, GPU access); the fault
+    tests that start and kill an engine of their own. Unit, numerics and
+    serve tests go to whichever worker is free. Only one lane builds on each
+    instance of the default engine, so each test's own check for untagged
+    images there still names the test that left one (the 26.1 engine's
+    images are checked once, for the whole run).
     """
     here = Path(__file__).resolve().parent
     for item in items:
