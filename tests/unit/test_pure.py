@@ -112,6 +112,9 @@ def test_known_bad_pair_that_cannot_be_confirmed_is_incomplete(monkeypatch: pyte
     monkeypatch.setattr(env_report, "dist_version",
                         lambda n: {"quack-kernels": "0.6.5", "nvidia-cutlass-dsl": "4.7.1"}.get(n, "absent"))
     monkeypatch.setattr(env_report, "has_attribute", lambda _m, _a: None)
+    # The CUDA and GPU lines are not what is tested, and would import the test environment's PyTorch here.
+    monkeypatch.setattr(env_report, "cuda_runtime_version", lambda: (None, "not found"))
+    monkeypatch.setattr(env_report, "gpus", lambda: ([], "none"))
     env_report.main([])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     check = next(c for c in out["checks"] if c["name"] == "known-bad-deps")
