@@ -88,10 +88,11 @@ def remove(engine: Seam, container_id: str, *, quiet: bool) -> None:
 CREATE_SETTLE = 3.0  # seconds an interrupted create is waited for before its name is given up on
 
 
-def remove_late(engine: Seam, name: str, settle: float = CREATE_SETTLE) -> None:
+def remove_late(engine: Seam, name: str, settle: float | None = None) -> None:
     """Remove the container ``name`` whose create was interrupted, once the engine shows it (or give up after
-    ``settle`` seconds: it was never made); never raises (another error is already on its way out)."""
-    end = time.monotonic() + settle
+    ``settle`` seconds, :data:`CREATE_SETTLE` unless given: it was never made); never raises (another error is
+    already on its way out)."""
+    end = time.monotonic() + (CREATE_SETTLE if settle is None else settle)
     while True:
         try:
             shown = engine.sdk.api.containers(all=True, quiet=True, filters={"name": f"^/{name}$"})
@@ -114,19 +115,32 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
     # A name of its own, so that a container whose creation was interrupted (Ctrl-C, SIGTERM while the
     # engine made it, before its ID came back) can still be found and removed, not left `Created`.
     name = f"vllm-hotfix-{role}-{uuid.uuid4().hex[:20]}"
-    with engine.translating(operation, refused):
-        engine.notify(+1)
-        try:
-            container = engine.sdk.containers.create(image, name=name, labels=labels.for_container(role), **create)
-        except Exception as exc:
-            if not gone(exc):
-                engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
-            raise
-        except BaseException:
-            # Interrupted (Ctrl-C, SIGTERM) while the engine made it: the engine may finish the create after this
-            # process stopped waiting, so it is looked for by name for a moment and removed once it shows.
-            remove_late(engine, name)
-            raise
+    asked = made = False
+    try:
+        with engine.translating(operation, refused):
+            # Counted in the run's note before it is asked for, inside this block: an interrupt while the note
+            # is written (a slow disk) still settles the count below instead of leaving the note behind.
+            engine.notify(+1)
+            asked = True
+            try:
+                container = engine.sdk.containers.create(image, name=name, labels=labels.for_container(role),
+                                                          **create)
+            except Exception as exc:
+                if not gone(exc):
+                    engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
+                raise
+            made = True
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # interrupted (Ctrl-C, SIGTERM)
+            if made:  # between the engine's answer and the block below
+                remove(engine, container.id, quiet=True)
+            elif asked:
+                # While the engine made it: the engine may finish the create after this process stopped
+                # waiting, so it is looked for by name for a moment and removed once it shows.
+                remove_late(engine, name)
+            else:  # before it was asked for: nothing to look for
+                engine.notify(-1)
+        raise
     try:
         yield container
     except BaseException:
