@@ -26,6 +26,7 @@ import atexit
 import functools
 import glob
 import importlib.util
+import json
 import logging
 import os
 import pkgutil
@@ -45,6 +46,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -417,6 +419,41 @@ def requests_layer(folder: str = "usr/lib/python3/dist-packages") -> dict[str, b
             if path.is_file() and "__pycache__" not in path.parts:
                 out[f"{folder}/{name}/{path.relative_to(top)}"] = path.read_bytes()
     return out
+
+
+def site_key(path: Path) -> Any:
+    """A site's ECDSA P-256 private key written to ``path`` (PEM, PKCS8), readable by its owner alone (the tool
+    refuses a signing key others may read); the key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    path.chmod(0o600)
+    return key
+
+
+def unreachable_kubeconfig(path: Path) -> Path:
+    """A kubeconfig at ``path`` naming one cluster on a loopback port nothing listens on (the discard port)."""
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))
+    return path
+
+
+def key_pair(folder: Path, name: str = "site") -> tuple[Path, Path, Any]:
+    """``NAME.key`` (:func:`site_key`) and its public key ``NAME.pub`` (PEM) in ``folder``; both paths and the key."""
+    from cryptography.hazmat.primitives import serialization
+
+    private, public = folder / f"{name}.key", folder / f"{name}.pub"
+    key = site_key(private)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public, key
 
 
 @functools.cache

@@ -8,10 +8,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-
-from conftest import RegistryPlace, cli
+from conftest import RegistryPlace, cli, key_pair
 from vllm_hotfix.engine import Engine, split_reference
 from vllm_hotfix.journal import records
 from vllm_hotfix.registry import client as registry_client
@@ -20,13 +17,7 @@ from vllm_hotfix.verdicts import Check, Status
 
 
 def _keys(folder: Path, name: str) -> tuple[str, str]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / f"{name}.key", folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)  # as people keep a private key; one others may read is refused
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    private, public, _ = key_pair(folder, name)
     return str(private), str(public)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, RUN_ID, STANDIN_REPO, RegistryPlace, cli, fails
+from conftest import REPO, RUN_ID, STANDIN_REPO, RegistryPlace, cli, fails, site_key
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine, labels
 
@@ -426,12 +426,8 @@ def test_smoke_reports_to_a_device_leave_the_device(built: tuple[Path, str, str]
         except PermissionError as exc:
             pytest.skip(f"cannot make a device node here: {exc}")
     key = tmp_path / "key.pem"
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
-    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key.chmod(0o600)  # a signing key others may read is refused
+    site_key(key)
     r = cli("smoke", ref, "--report", str(nodes["report"]), "--junit", str(nodes["junit"]),
             "--sign-key", str(key), "--attestation", str(nodes["attestation"]), root=project)
     assert r.rc == 0, r.err

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import STANDIN_REPO, Registry, RegistryPlace, Result, cli, derive, fails
+from conftest import STANDIN_REPO, Registry, RegistryPlace, Result, cli, derive, fails, key_pair, site_key
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.errors import PushError
 from vllm_hotfix.journal import records
@@ -319,14 +319,10 @@ def test_a_tag_naming_an_image_with_a_signed_pass_moves_only_with_replace(
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, unique: str, tmp_path: Path) -> None:
     """Another image pushed under a tag whose image passed, signed: refused (13) unless --replace, which says what
     it replaces (was: replaced without a word, and verify then found no verdict, 21)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     project, ref, image_id = built
     key = tmp_path / "site.key"
-    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key.chmod(0o600)
+    site_key(key)
     assert cli("smoke", ref, "--sign-key", str(key), root=project).rc == 0
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0 and len(json.loads(r.out)["attestations"]) == 1, r.err
@@ -355,16 +351,7 @@ def test_a_tag_naming_an_image_with_a_signed_pass_moves_only_with_replace(
 
 def _key_pair(folder: Path) -> tuple[str, str]:
     """A signing key (mode 0600) and its public key, as PEM files."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / "site.key", folder / "site.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    private, public, _ = key_pair(folder)
     return str(private), str(public)
 
 

@@ -19,10 +19,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import STANDIN_REPO, RegistryPlace, cli, derive
+from conftest import STANDIN_REPO, RegistryPlace, cli, derive, key_pair
 from vllm_hotfix.building import assemble, definitions, render
 from vllm_hotfix.building import base as baselib
 from vllm_hotfix.building import patches as patchlib
@@ -72,21 +70,10 @@ def forged(engine: Engine, base_v0251: str, unique: str) -> Iterator[list[str]]:
         engine.remove_image(ref)
 
 
-def _keys(tmp_path: Path) -> tuple[Path, Path]:
-    private = ec.generate_private_key(ec.SECP256R1())
-    key, pub = tmp_path / "site.key", tmp_path / "site.pub"
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    key.chmod(0o600)
-    pub.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
-    return key, pub
-
-
 def _refused_everywhere(project: Path, ref: str, tmp_path: Path, registry: RegistryPlace, *needles: str) -> None:
     """smoke refuses it (14), naming ``needles``; verify and push --require-attestation refuse its signed verdict
     (24)."""
-    key, pub = _keys(tmp_path)
+    key, pub, _ = key_pair(tmp_path)
     envelope, report = tmp_path / "v.dsse.json", tmp_path / "r.json"
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), "--attestation", str(envelope), "--report",
             str(report), root=project)

@@ -24,11 +24,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 import registry_proxy
-from conftest import REPO, RUN_ID, Registry, RegistryPlace, cli, derive, docker_cli, fails
+from conftest import REPO, RUN_ID, Registry, RegistryPlace, cli, derive, docker_cli, fails, site_key
 from vllm_hotfix.building import inregistry, sources
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
@@ -488,9 +486,7 @@ def test_an_image_made_in_the_registry_is_proven_on_another_host_by_its_base_in_
     # Judged against another repository, where the base is not: this host cannot find it, which says nothing of the
     # image. Incomplete (11), nothing signed, nothing attached; a verdict of the host's fault never outranks a pass.
     key = tmp_path / "site.key"
-    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key.chmod(0o600)
+    site_key(key)
     envelope = tmp_path / "verdict.dsse.json"
     r = cli("smoke", by_digest, "--gpu", "off", "--base-repo", f"{registry.place}/nowhere", "--sign-key", str(key),
             "--attestation", str(envelope), root=elsewhere)

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from conftest import RegistryPlace, cli, derive, docker_cli
+from conftest import RegistryPlace, cli, derive, docker_cli, site_key, unreachable_kubeconfig
 from vllm_hotfix.checking.launchers import facts
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.registry import blobs
@@ -105,13 +105,8 @@ def test_no_job_is_written_that_could_not_pass(project: Path, tmp_path: Path) ->
         port = s.getsockname()[1]
     down = f"127.0.0.1:{port}/ops/vllm@sha256:{'a' * 64}"
     job_yaml = tmp_path / "job.yaml"
-    kubeconfig = tmp_path / "config"  # a cluster nobody runs: never asked, the registry is read first
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-    }))
+    # A cluster nobody runs: never asked, the registry is read first.
+    kubeconfig = unreachable_kubeconfig(tmp_path / "config")
     for how in (("--emit", str(job_yaml)), ("--submit", "--kubeconfig", str(kubeconfig))):
         r = cli("smoke", down, "--launcher", "kubernetes", *how, root=project)
         assert r.rc == 8, r.err
@@ -128,8 +123,6 @@ def test_a_job_of_a_readable_image_is_written_or_submitted_and_its_faults_are_on
     import os
 
     import yaml
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     project, ref, _image_id = built
     where = pushed(project, ref, registry)
@@ -151,17 +144,9 @@ def test_a_job_of_a_readable_image_is_written_or_submitted_and_its_faults_are_on
     r = cli("smoke", where["by_digest"], "--launcher", "kubernetes", "--emit", str(target), root=project)
     assert r.rc == 10 and str(target) in r.last_error, r.err
 
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-    }))
+    kubeconfig = unreachable_kubeconfig(tmp_path / "config")
     key = tmp_path / "site.key"
-    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key.chmod(0o600)
+    site_key(key)
     r = cli("smoke", where["by_digest"], "--launcher", "kubernetes", "--submit", "--kubeconfig", str(kubeconfig),
             "--sign-key", str(key), root=project, timeout=120)
     # The host could not run the Job: incomplete (11), not a check the image failed (7).

@@ -8,28 +8,15 @@ import shutil
 from pathlib import Path
 
 import requests
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import RegistryPlace, cli
+from conftest import RegistryPlace, cli, key_pair
 from vllm_hotfix.engine import Engine
-
-
-def _keys(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / "team.key", folder / "team.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public
 
 
 def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
     project, ref, first = built
-    private, public = _keys(tmp_path)
+    private, public, _ = key_pair(tmp_path, "team")
     where = f"{registry.place}/ops"
     repo = f"{where}/{ref.rsplit('/', 1)[-1].split(':')[0]}"
     tag = ref.rsplit(":", 1)[1]

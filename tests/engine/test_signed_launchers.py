@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from conftest import Product, RegistryPlace, cli, derive, docker_cli
+from conftest import Product, RegistryPlace, cli, derive, docker_cli, key_pair
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.trust import attest, signing
 from vllm_hotfix.verdicts import Check, Status, judge
@@ -89,17 +88,6 @@ report = {"image": job["image"], "image_id": job["image_id"], "status": "pass", 
 print("@@vllm-hotfix-runner:report@@", base64.b64encode(json.dumps(report).encode()).decode())
 '''
 LIAR_PY = b'#!/bin/sh\nexec /usr/bin/python3 /usr/local/lib/liar.py "$@"\n'
-
-
-def _keys(folder: Path, name: str = "site") -> tuple[Path, Path, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    private, public = folder / f"{name}.key", folder / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
-    return private, public, key
 
 
 def _independent(envelope: bytes, key: ec.EllipticCurvePrivateKey) -> dict[str, object]:
@@ -273,7 +261,7 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, base_v025
     product = Product(engine, base_v0251, project, f"hotfix-test/keysearch-{unique}",
                       "COPY python3 /usr/local/bin/python3", {"python3": KEY_SEARCH}, {"python3": 0o755})
     ref, hostile = product.ref, product.image_id
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     pem = key.read_bytes()
     env_key = {"HOTFIX_SITE_KEY": pem.decode()}
     out, envelope = tmp_path / "report.json", tmp_path / "verdict.dsse.json"
@@ -313,7 +301,7 @@ def test_every_launcher_runs_the_same_checks_and_signs_a_verdict_that_verifies(
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, in_podman: list[str],
         tmp_path: Path) -> None:
     project, ref, image_id = built
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
@@ -360,7 +348,7 @@ def test_a_job_submitted_or_collected_through_the_clusters_api_is_judged_and_sig
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
     pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
     project, ref, image_id = built
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     target = json.loads(r.out)["ref"]
@@ -405,7 +393,7 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
     labels = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(info.labels.items()))
     derive(engine, base_v0251, ref, f"COPY liar.py /usr/local/lib/liar.py\nCOPY python3 /usr/local/bin/python3\n"
                                     f"LABEL {labels}", {"liar.py": LIAR, "python3": LIAR_PY}, {"python3": 0o755})
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     out, envelope = tmp_path / "report.json", tmp_path / "verdict.dsse.json"
     try:
         r = cli("smoke", ref, "--sign-key", str(key), "--attestation", str(envelope), "--report", str(out),
@@ -424,7 +412,7 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
                 root=project)
         assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
         # What the image could sign itself, it signs with a key of its own: refused.
-        _k, _p, own = _keys(tmp_path, "image-own")
+        _k, _p, own = key_pair(tmp_path, "image-own")
         forged = tmp_path / "forged.dsse.json"
         forged.write_bytes(signing.sign(signing.statement({ref: hostile}, signing.predicate(
             {**doc["predicate"], "status": "pass", "gpu_verified": True}, {}, signing.now())), own))  # type: ignore
@@ -443,7 +431,7 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
                       "COPY liar.py /usr/local/lib/liar.py\nCOPY python3 /usr/local/bin/python3",
                       {"liar.py": LIAR, "python3": LIAR_PY}, {"python3": 0o755})
     ref, hostile = product.ref, product.image_id
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     out, envelope = tmp_path / "report.json", tmp_path / "verdict.dsse.json"
     try:
         r = cli("smoke", ref, "--sign-key", str(key), "--attestation", str(envelope), "--report", str(out),
@@ -469,7 +457,7 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
 def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
         engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
     project, ref, image_id = built
-    key, pub, private = _keys(tmp_path)
+    key, pub, private = key_pair(tmp_path)
     older = tmp_path / "older.dsse.json"
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), "--attestation", str(older), root=project)
     assert r.rc == 0, r.err
@@ -514,7 +502,6 @@ def test_a_pushed_tag_the_engine_has_no_digest_for_resolves_through_the_registry
         assert json.loads(config_map["data"]["job.json"])["image_id"] == image_id
 
 
-
 # -- 5. every verdict beside the image in its registry ----------------------------------------------------
 
 
@@ -523,7 +510,7 @@ def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsew
     """smoke attaches its signed verdict, pass or fail, beside every registry copy of the image this host knows:
     a later fail, signed on this host, is what `verify REF` on a host with another journal reads as the newest."""
     project, ref, image_id = built
-    key, pub, _private = _keys(tmp_path)
+    key, pub, _private = key_pair(tmp_path)
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), root=project)
     assert r.rc == 0, r.err
     r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
@@ -549,7 +536,7 @@ def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_ti
     with another (a foreign host's Job, another image's), and a pod that ran another image; a log collected late
     is as new as its run, never newer than a fail signed after that run."""
     project, ref, image_id = built
-    key, pub, _private = _keys(tmp_path)
+    key, pub, _private = key_pair(tmp_path)
     by_digest = _pushed(engine, ref, registry, "noncejob")
     job = tmp_path / "job.yaml"
     r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--emit", str(job), root=project)

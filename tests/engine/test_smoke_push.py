@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import REPO, Product, RegistryPlace, cli, derive, fails, requests_layer
+from conftest import REPO, Product, RegistryPlace, cli, derive, fails, requests_layer, site_key
 from vllm_hotfix.checking import compile_cache
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.engine.registry_errors import NO_NAME, REFUSED
@@ -249,7 +249,8 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             # Recording from this image: its server answers, but a stand-in has no engine (no torch) for the
             # per-level answers under fixed batches, so the run fails on exact-levels and nothing is written.
             answers = tmp_path / "answers.json"
-            site, other = site_key(tmp_path / "site.key"), site_key(tmp_path / "other.key")
+            site_key(tmp_path / "site.key"), site_key(tmp_path / "other.key")
+            site, other = str(tmp_path / "site.key"), str(tmp_path / "other.key")
             r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--record-reference",
                     str(answers), "--concurrency", "1,2", "--requests", "6", "--report", str(tmp_path / "rec.json"),
                     "--sign-key", site, root=project)
@@ -295,18 +296,6 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
 
 # The image test references are recorded from: another than any judged here (a trusted build the site keeps).
 TRUSTED = "sha256:" + "7e" * 32
-
-
-def site_key(path: Path) -> str:
-    """A site's ECDSA P-256 private key written to ``path``, readable by its owner alone."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    path.chmod(0o600)
-    return str(path)
 
 
 def check_reference_provenance(served: str, image_id: str, base_id: str, model: Path, answers: Path, tmp_path: Path,

@@ -19,10 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import STANDIN_REPO, cli
+from conftest import STANDIN_REPO, cli, site_key
 from vllm_hotfix.checking.launchers import plan
 from vllm_hotfix.checking.launchers.docker import DockerLauncher
 from vllm_hotfix.checking.launchers.podman import PodmanLauncher
@@ -110,11 +108,8 @@ def test_docker_and_podman_give_the_same_checks_and_verdict(cdi_engine: Engine, 
 def test_smoke_cli_through_podman(in_podman: tuple[Path, str, str], tmp_path: Path) -> None:
     project, ref, image_id = in_podman
     out = tmp_path / "report.json"
-    key = ec.generate_private_key(ec.SECP256R1())
     key_file = tmp_path / "hotfix.key"
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    key_file.chmod(0o600)
+    key = site_key(key_file)
     envelope = tmp_path / "verdict.dsse.json"
     r = cli("smoke", ref, "--launcher", "podman", "--gpu", "auto", "--gpu-request", "cdi", "--report", str(out),
             "--sign-key", str(key_file), "--attestation", str(envelope), root=project, env={"DOCKER_HOST": CDI_HOST})

@@ -18,10 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import REPO, free_port, requests_site
+from conftest import REPO, free_port, requests_site, site_key
 from vllm_hotfix import report_page
 from vllm_hotfix.checking import smoke as smokelib
 from vllm_hotfix.checking.launchers import base, plan
@@ -457,12 +455,3 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     with pytest.raises(AttestationTampered, match="not a smoke-report statement"):
         signing.open_envelope(envelope.read_bytes(), key.public_key(), "new.dsse.json")
     assert references.check(tmp_path / "new.json", kept.sha256, str(tmp_path / "site.key")).state == "signed"
-
-
-def site_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    """A site's ECDSA P-256 key at ``path``, readable by its owner alone."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    path.chmod(0o600)
-    return key

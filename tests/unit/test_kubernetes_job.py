@@ -6,10 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from conftest import cli
+from conftest import cli, site_key, unreachable_kubeconfig
 from vllm_hotfix.checking.launchers import kubernetes as k8s
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.inimage.runner import MOUNT
@@ -87,17 +85,9 @@ def test_an_emitted_job_is_signed_when_its_report_is_collected_not_before(tmp_pa
 
 
 def test_collect_from_an_unreachable_cluster_is_one_line(tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-    }))
+    kubeconfig = unreachable_kubeconfig(tmp_path / "config")
     key = tmp_path / "site.key"
-    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    key.chmod(0o600)
+    site_key(key)
     # Collecting a Job needs no new one written (submitting one: tests/engine/test_registry_files.py).
     r = cli("smoke", IMAGE, "--launcher", "kubernetes", "--collect", "job/vllm-hotfix-smoke-gone", "--kubeconfig",
             str(kubeconfig), "--sign-key", str(key), root=tmp_path, timeout=120)
