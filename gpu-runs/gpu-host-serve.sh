@@ -576,22 +576,25 @@ fi
 # patched and unpatched smokes go side by side (below): their records say so (--side-by-side) and leave the warm
 # times to the first model's record.
 first_model() { [ "$MNAME" = "$(IFS=: read -r n _ <<<"${MODELS%% *}"; echo "$n")" ]; }
-alone() {
-  first_model || return 0
+# patched_and_unpatched RUN: this model's patched smoke and the base's two, each through RUN (smoke: now, one
+# after the other; queued: side by side with the rest).
+patched_and_unpatched() {
+  local run=$1
   if step patched; then
     need_answers
-    smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+    "$run" patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
   # The base carries no labels: --definition judges it by the patch set it lacks.
   if step unpatched1; then
     need_answers
-    smoke unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+    "$run" unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
   fi
   if step unpatched; then
     need_answers
-    smoke unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+    "$run" unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
   fi
 }
+alone() { first_model || return 0; patched_and_unpatched smoke; }
 each_model alone
 
 # Side by side (PARALLEL), across the models, in this order so that a call that runs out of time cuts the mutants
@@ -601,20 +604,7 @@ each_model alone
 # (--root): its files landed as the patch made them, so only the GPU checks, the exact judge and the sweep can tell
 # them apart.
 starts() {
-  if ! first_model; then
-    if step patched; then
-      need_answers
-      queued patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
-    fi
-    if step unpatched1; then
-      need_answers
-      queued unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
-    fi
-    if step unpatched; then
-      need_answers
-      queued unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
-    fi
-  fi
+  first_model || patched_and_unpatched queued
   if step patched2; then
     need_answers
     queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
