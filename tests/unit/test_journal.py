@@ -18,7 +18,7 @@ import pytest
 
 from vllm_hotfix.errors import PushError, RecordError
 from vllm_hotfix.journal import records
-from vllm_hotfix.release import lifecycle, push
+from vllm_hotfix.release import gate, lifecycle
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -118,7 +118,7 @@ def test_a_back_dated_clock_changes_no_order(tmp_path: Path, monkeypatch: pytest
     judged = records.judgement(tmp_path, IMAGE_ID)
     assert judged is not None and judged.path == failed.path and judged.verdict.status is Status.FAIL
     with pytest.raises(PushError, match="failed its newest smoke run"):
-        push.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
+        gate.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
 
 
 # -- attack 2: an unreadable entry -----------------------------------------------------
@@ -129,12 +129,12 @@ def test_a_truncated_newest_verdict_stops_the_gate_naming_its_file(tmp_path: Pat
     failed = records.append_verdict(tmp_path, _verdict(Status.FAIL))
     failed.path.write_bytes(failed.path.read_bytes()[:40])
     with pytest.raises(RecordError, match=re.escape(str(failed.path))) as exc:
-        push.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
+        gate.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
     assert exc.value.exit_code == 10 and "\n" not in str(exc.value)
     assert "move it out of" in (exc.value.hint or "")
     # Attributed by its name: another image's gate is not stopped by it.
     records.append_verdict(tmp_path, _verdict(Status.PASS, OTHER_ID))
-    assert push.gate(tmp_path, OTHER_ID, "o:p", allow_gpu_unverified=True).verdict.image_id == OTHER_ID
+    assert gate.gate(tmp_path, OTHER_ID, "o:p", allow_gpu_unverified=True).verdict.image_id == OTHER_ID
 
 
 def test_an_unreadable_entry_that_names_no_image_stops_every_gate(tmp_path: Path) -> None:
@@ -147,7 +147,7 @@ def test_an_unreadable_entry_that_names_no_image_stops_every_gate(tmp_path: Path
     failed.path.unlink()
     for image in (IMAGE_ID, OTHER_ID):
         with pytest.raises(RecordError, match=re.escape(str(hidden))):
-            push.gate(tmp_path, image, "x:y", allow_gpu_unverified=True)
+            gate.gate(tmp_path, image, "x:y", allow_gpu_unverified=True)
 
 
 @pytest.mark.parametrize("kind", ["build", "tag", "push"])
@@ -158,7 +158,7 @@ def test_a_damaged_entry_of_any_kind_for_the_image_stops_the_gate(tmp_path: Path
     data["seq"] = "1"  # wrong-typed
     entry.path.write_text(json.dumps(data))
     with pytest.raises(RecordError, match=re.escape(str(entry.path))):
-        push.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
+        gate.gate(tmp_path, IMAGE_ID, "x:y", allow_gpu_unverified=True)
 
 
 def test_a_seq_its_name_contradicts_is_damage(tmp_path: Path) -> None:

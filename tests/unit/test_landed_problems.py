@@ -15,7 +15,7 @@ from vllm_hotfix.engine import FileFact, Tree
 from vllm_hotfix.errors import PushError
 from vllm_hotfix.judges import identity, integrity
 from vllm_hotfix.judges.difference import Difference
-from vllm_hotfix.release.push import landed_refusal
+from vllm_hotfix.release.gate import landed_refusal
 from vllm_hotfix.verdicts import Status
 
 FAIL, INCOMPLETE = Status.FAIL, Status.INCOMPLETE

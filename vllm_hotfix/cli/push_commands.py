@@ -93,6 +93,7 @@ def push(obj: Ctx, image_ref: str, registry: str, as_json: bool, platform_text: 
     from ..building import platforms
     from ..registry import refs
     from ..release import push as pushlib
+    from ..release.gate import Gate
 
     refs.check_registry(registry)
     allow_gpu_unverified = bool(rules["allow_gpu_unverified"])
@@ -103,7 +104,7 @@ def push(obj: Ctx, image_ref: str, registry: str, as_json: bool, platform_text: 
     elif any(value for name, value in rules.items() if name != "allow_gpu_unverified"):
         raise UsageError("a verification policy (--policy, --require-check, --definition, ...) judges signed "
                          "verdicts: give --require-attestation PUBKEY")
-    policy = pushlib.Gate(allow_gpu_unverified, require_attestation, attestation_paths, required)
+    policy = Gate(allow_gpu_unverified, require_attestation, attestation_paths, required)
     # Without --platform, push what `image` built for IMAGE: every platform of a multi-platform build.
     plats = platforms.parse(platform_text) if platform_text is not None else \
         pushlib.plain_selection(obj.engine, obj.root, image_ref)
