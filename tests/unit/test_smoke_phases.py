@@ -242,17 +242,23 @@ def test_an_incomplete_phase_does_not_end_the_run() -> None:
     assert run.ran == ["env-report", "gpu", "serve-sweep"]
 
 
-def test_with_overlap_the_server_starts_before_the_gpu_checks_and_stops_when_they_fail() -> None:
+def test_with_overlap_the_server_starts_first_and_stops_when_a_check_fails() -> None:
+    # The server's start is the run's longest path: with overlap it starts before every other check, and a failed
+    # check (the CPU checks' or the GPU checks') stops it unless --keep-going.
     run = Recorder({}, overlap=True)
     assert run.run().status is Status.PASS
-    assert run.ran == ["env-report", "server-start", "gpu", "serve-sweep"]
+    assert run.ran == ["server-start", "env-report", "gpu", "serve-sweep"]
     failing = Recorder({"gpu": "fail"}, overlap=True)
     verdict = failing.run()
-    assert failing.ran == ["env-report", "server-start", "gpu", "server-stop"]
+    assert failing.ran == ["server-start", "env-report", "gpu", "server-stop"]
+    assert {c.name: c.status for c in verdict.checks}["serve-sweep"] is Status.SKIP
+    early = Recorder({"env-report": "fail"}, overlap=True)
+    verdict = early.run()
+    assert early.ran == ["server-start", "env-report", "server-stop"]
     assert {c.name: c.status for c in verdict.checks}["serve-sweep"] is Status.SKIP
     kept = Recorder({"gpu": "fail"}, overlap=True, keep_going=True)
     kept.run()
-    assert kept.ran == ["env-report", "server-start", "gpu", "serve-sweep"]
+    assert kept.ran == ["server-start", "env-report", "gpu", "serve-sweep"]
 
 
 def test_without_a_model_the_sweep_is_a_skip() -> None:

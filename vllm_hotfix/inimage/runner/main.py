@@ -254,6 +254,15 @@ class Run:
         mark = start
         phases: dict[str, float] = {}
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        spec = job.get("serve")
+        serving = self.serving(spec, phases) if spec else None
+        overlap = serving is not None and bool(spec and spec.get("overlap"))
+        if overlap and serving is not None:
+            # The server does not measure the GPU's free memory (its KV cache size is given), so it can start while
+            # every other check's processes come and go: its start is the run's longest path, and the checks
+            # before it (a few seconds of probes) need not wait for it nor it for them. A failed check stops it.
+            say("==> runner: the server starts while the checks run")
+            serving.start()
         for raw in job.get("checks") or []:
             # Made and shown by the host before the launch.
             self.add([raw], float(raw.get("seconds", 0)) if isinstance(raw, dict) else 0, "check", None, quiet=True)
@@ -285,13 +294,6 @@ class Run:
         verified, gpu = False, {"mode": (job.get("gpu") or {}).get("mode", "auto"), "verified": False}
         sweep = None
         if not self.stop(("gpu", "serve-sweep")):
-            spec = job.get("serve")
-            serving = self.serving(spec, phases) if spec else None
-            if serving is not None and bool(spec and spec.get("overlap")):
-                # The server does not measure the GPU's free memory (its KV cache size is given), so it can start
-                # while the GPU checks' processes come and go; server_start and gpu_checks then overlap.
-                say("==> runner: the server starts while the GPU checks run")
-                serving.start()
             say(f"==> runner: GPU checks (--gpu {(job.get('gpu') or {}).get('mode', 'auto')})")
             mark = time.monotonic()
             verified, gpu = self.gpu()
@@ -310,6 +312,8 @@ class Run:
                     self.add([check], time.monotonic() - t0, "serve-sweep")
         else:
             gpu["why_unverified"] = "not run: an earlier phase failed"
+            if serving is not None:
+                serving.stop()
         seconds = time.monotonic() - start
         say(f"==> runner: phases: {', '.join(f'{k} {v:.1f} s' for k, v in phases.items())} (total {seconds:.1f} s)")
         return verdicts.judge(
