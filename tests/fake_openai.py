@@ -233,6 +233,7 @@ def main(argv: list[str]) -> int:
     ThreadingHTTPServer.request_queue_size = 64
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print(f"fake server for {model_name} on 127.0.0.1:{args.port}", flush=True)
+    print("INFO:     Application startup complete.", flush=True)  # the line uvicorn prints when vLLM's server is up
     server.serve_forever()
     return 0
 

@@ -135,6 +135,9 @@ def test_runner_sweep_matches_the_reference_and_keeps_per_request_evidence(
             assert ev["passed"] and ev["reply_sha256"] == by_prompt[ev["prompt"]]
             assert ev["finish_reason"] and ev["latency_s"] > 0 and ev["prompt_tokens"] > 0
     assert set(v.phases) == {"checks", "gpu_checks", "server_start", "sweep", "batches"}
+    # Where the server's start went, as it said it: its start-up lines with the second each came, measured only.
+    marks = v.sweep["server_marks"]
+    assert any(re.fullmatch(r"\+\d+\.\ds INFO: +Application startup complete\.", m) for m in marks), marks
     # Every level again under fixed batches, judged here: bit for bit the reference's answers at that level.
     exact = next(c for c in v.checks if c.name == "exact-levels")
     assert exact.status is Status.PASS and exact.data["answered_by"] == "filesystem", exact

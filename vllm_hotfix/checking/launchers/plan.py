@@ -357,6 +357,11 @@ def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Referenc
         return report
     mine = Check(str(check["name"]), Status(str(check["status"])), str(check["detail"]),
                  data={**dict(check.get("data") or {}), "answered_by": "filesystem"}, seconds=said.seconds)
+    marks = report.sweep.get("server_marks")
+    if isinstance(marks, list) and sweep is not None:
+        # The server's start-up lines as the image's server printed them: a measurement of where its start went,
+        # kept as said (strings, at most the runner's cap), never read as a fact about the image.
+        sweep = {**sweep, "server_marks": [str(m)[:300] for m in marks[:60]]}
     return replace(report, checks=tuple(mine if c is said else c for c in report.checks), sweep=sweep)
 
 

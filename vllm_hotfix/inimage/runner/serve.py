@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -43,11 +44,21 @@ BATCH_GRACE = 180
 BATCH_ALONE = 1200  # seconds for a probe started after the sweep: an engine's start (cold: compiling) and every level
 
 
+# A line of the server's log that names a start-up step or its time (vLLM's own wording), kept with its moment.
+START_STEP = re.compile(r"took|seconds|[Ll]oading|[Ss]tarting|[Ii]nit|[Ww]arm|profil|KV cache|Application startup|"
+                        r"[Cc]ompil|[Ee]ngine")
+MARKS = 60
+
+
 class Process:
     """The server process as the sweep watches it (:class:`vllm_hotfix.inimage.sweep.Watcher`)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.lines: deque[str] = deque(maxlen=LOG_LINES)
+        # The server's own words on its start-up steps, with the seconds since the start at which each came: where
+        # its start's time goes (imports, the engine core, weights, the KV cache), for the report; measured only.
+        self.marks: list[str] = []
+        self.began = time.monotonic()
         self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      errors="replace", env={**os.environ, **dict(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -56,6 +67,8 @@ class Process:
     def _read(self) -> None:
         for line in self.proc.stdout or ():
             self.lines.append(line.rstrip())
+            if len(self.marks) < MARKS and START_STEP.search(line):
+                self.marks.append(f"+{time.monotonic() - self.began:.1f}s {line.strip()[:240]}")
 
     def running(self) -> bool:
         return self.proc.poll() is None
@@ -250,7 +263,7 @@ class Serving:
             phases["sweep"] = round(time.monotonic() - t0, 1)
         except PipelineError as exc:
             return _failed(str(exc).splitlines()[0], list(server.lines)), None
-        return sweep.as_check(result, levels, min_tokens), result.to_dict()
+        return sweep.as_check(result, levels, min_tokens), {**result.to_dict(), "server_marks": list(server.marks)}
 
 
 def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], phases: dict[str, float],
