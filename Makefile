@@ -58,8 +58,15 @@ image: tool ## Build the patched image: make image BASE=v0.25.1 [BASE_REPO=...] 
 render: tool ## Print the Dockerfile `image` would build
 	$(TOOL) render --definition $(BASE) $(REPO_FLAG) $(ARGS)
 
-smoke: tool ## Smoke-test an image: make smoke IMAGE=...
-	$(TOOL) smoke $(IMAGE) $(ARGS)
+# make smoke MODEL=... REFERENCE=... SIGN_KEY=...: the site's model folder, reference answers and signing key for the
+# definition's [smoke] table (images/<definition>.toml), which holds the rest of the runbook's settings.
+MODEL ?=
+REFERENCE ?=
+SIGN_KEY ?=
+SMOKE_FLAGS = $(if $(MODEL),--serve-model $(MODEL),) $(if $(REFERENCE),--reference $(REFERENCE),) \
+	$(if $(SIGN_KEY),--sign-key $(SIGN_KEY),)
+smoke: tool ## Smoke-test an image as its definition's [smoke] table says: make smoke IMAGE=... [MODEL=... REFERENCE=... SIGN_KEY=...]
+	$(TOOL) smoke $(IMAGE) $(SMOKE_FLAGS) $(ARGS)
 
 push: tool ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
 	$(TOOL) push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG) $(ARGS)

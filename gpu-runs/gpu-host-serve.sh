@@ -10,7 +10,7 @@
 #
 #   bash gpu-runs/gpu-host-serve.sh PARTS_DIR OUTDIR
 #
-# MODELS (default "s0-l2:0:2 s1-l2:1:2 s1-l3:1:3"): NAME:SEED:LAYERS, each made by
+# MODELS (default "s0-l2:0:2 s1-l3:1:3 s2-l4:2:4"): NAME:SEED:LAYERS, each made by
 # gpu-runs/tiny_minimax_m3.py --seed SEED --layers LAYERS. The images (base,
 # patched, reference image, mutants, variants) are built once and shared; each
 # model has its own reference answers, smokes and record in OUTDIR/NAME/ (run.log,
@@ -60,22 +60,26 @@
 #             mutant (gpu-runs/topk_table.py): OUTDIR/topk-table/table.md and one JSON per name
 #   check     (not in the default) imports vLLM's server, engine core, model
 #             runner, MiniMax-M3 and flashinfer.norm in the base, with the GPU
-#   reference per model, the reference image records the reference answers:
-#             --record-reference OUTDIR/NAME/answers.json (every level under fixed
-#             batches, twice, bit for bit; the HTTP sweep), then its own sweep; the
-#             first model's alone with the compile caches emptied first (cold), the
-#             others' side by side (PARALLEL), warm
-#   patched   per model, alone: the patched image, caches warm, --reference its answers
-#   unpatched1 (not in the default) the base's first run here (OUTDIR/NAME/unpatched-first.json)
-#   unpatched per model, alone: the base, --definition v0.25.1 --reference its answers (warm)
-#   patched2  per model, side by side: the patched image again, a second server start
-#             (OUTDIR/NAME/patched-again.json)
-#   patched3  and a third (patched-third.json): no false failure in 3 starts
-#   variantsmoke each variant image, --root its own root (OUTDIR/NAME/variant-V.json): must pass
-#   mutantsmoke each mutant image, --root its own root (OUTDIR/NAME/mutant-M.json): must fail
+#   reference per model, the reference image records the reference answers
+#             (--record-reference OUTDIR/NAME/answers.json): every model's side by side (PARALLEL),
+#             all cold (the compile caches emptied once, before the first)
+#   unpatched1 the first model's base beside the recordings, without a reference (none exists yet):
+#             it writes the base's compile cache in place (OUTDIR/NAME/unpatched-first.json)
+#   patched   the first model's patched image alone, after them: the first smoke of a new image on
+#             a host whose base is warm, and the campaign's warm verdict with every judge; the later
+#             models' side by side
+#   makesmoke the first model's third start, alone: `make smoke` with images/v0.25.1.toml's [smoke]
+#             table (patched-third.json); the later models' third start by the long command
+#   badrecord the first model's recordings from the second builds (assemble builder) of the broken
+#             backports RECORD_MUTANTS: the golden must refuse each (nothing written)
 #   golden    per model, on the host's Python (no engine): gpu-runs/golden_run.py on the model with its
-#             reference answers (OUTDIR/NAME/golden.json: the golden forward's noise against vLLM
-#             and its confident positions), after the reference
+#             reference answers (OUTDIR/NAME/golden.json), beside the smokes that follow the recordings
+#   unpatched per model, side by side: the base, --definition v0.25.1 --reference its answers
+#   patched2  per model, side by side: the patched image again, a second server start
+#   patched3  (the later models' third start; the first model's is makesmoke)
+#   variantsmoke each variant image, --root its own root (OUTDIR/NAME/variant-V.json): must pass
+#   mutantsmoke each mutant image, --root its own root (OUTDIR/NAME/mutant-M.json): must fail; every
+#             mutant for the first model, MUTANTS_OTHERS for the others
 #   record    OUTDIR/NAME/record.json per model (gpu_host.py record, from the reports alone)
 # Every smoke runs with --gpu require --keep-going (so the unpatched base's
 # sweep runs after its GPU checks failed), no --min-tokens, and signs its
@@ -86,43 +90,27 @@
 # not measure the GPU's free memory and the server starts while the GPU checks
 # run.
 #
-# Time plan: calls of at most 10 minutes on one 80 GB H100, after the parts; 30
-# minutes hold three of them, and the whole campaign needs four. Seconds from the H100 runs' run.log (2026-12-05 oracle,
-# 2026-12-06 exact): unpack 5, engine 8, base 132-143, image and reference image
-# 1-2 each, cold reference 283-308 (server start 175-195, fixed batches 215), warm
-# patched 71-77, warm unpatched 58; a mutant or variant build and a model are
-# estimated at 2 and 5 s (not timed there), a warm reference at 150 s (a warm
-# smoke plus the recording's second fixed-batch pass and 24 s of recording;
-# estimated), and a batch of PARALLEL=8 warm smokes at 200 s (each smoke is two
-# engine starts of mostly CPU on 16 cores; estimated, not measured). With
-# CALL_BUDGET=540 a call starts no smoke it has no time for, and the same STEPS
-# again go on from there (every step skips what is done):
-#   call 1  STEPS="unpack engine base image refimage mutants variants model inputs reference"
-#           setup about 200 s, the first model's cold reference about 300 s: about 500 s
-#           (the other references are not started: a batch would pass the budget)
-#   call 2  STEPS="reference golden patched unpatched patched2 patched3 variantsmoke mutantsmoke"
-#           the other two references side by side (about 200 s), the first model's
-#           patched and unpatched alone (75 + 60 s: the campaign's warm times), then one
-#           side-by-side batch of 8 (about 200 s): about 535 s
-#   call 3  the same STEPS plus record: two more batches (about 400 s) and the records
-# Side by side there are 46 smokes: the later models' patched and unpatched (4), every
-# model's second and third start (6), variants (9) and mutants (27), in that order, 6
-# batches of 8. By call 3, 24 have run: every start, base and variant of every model and
-# 5 of the first model's mutants; the 22 mutant smokes left need a fourth call (about
-# 600 s; the same STEPS, then record again). About 2,240 s in all by these estimates.
-# Each call, with the side-by-side settings the estimate assumes (the tiny models need
-# about 0.65 GiB of KV cache at concurrency 16 (3 layers x 2,304 bytes a token x 16
-# requests of at most 5,722 tokens, reasoned from their shapes): 2 GiB leaves
-# room, and 8 smokes' 16 engines then fit an 80 GB GPU by fitting_parallel below):
-#   PARALLEL=8 KV_BYTES=2147483648 SERVE_MEM=0.05 ENGINE_GIB=5 CALL_BUDGET=540 \
-#     STEPS="..." bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR
-# The batch time is the estimate least known: run.log times every smoke, so the first
-# batch of call 2 says how many of the rest fit. The golden step (per model, on the host's
-# Python, while no smoke runs) is not in these sums: its time on a GPU is not measured yet.
+# Time plan: one run, started detached on the GPU host after the parts arrived, the
+# calls that follow only waiting for it (a lease holds 30 minutes; the campaign must fit
+# 25 of them, counted from the host's start). Seconds measured on one H100 (2026-12-06,
+# 2026-12-07 before this plan): setup (unpack, engine, base, images, backports, models,
+# inputs) 133; a cold reference 258 alone; eight smokes side by side about 146 wall; a
+# warm smoke alone 73-84 (before the server started ahead of the in-image checks).
+# Planned: setup 133 + the three recordings beside the first base's run about 300 + two
+# smokes alone about 140 + 36 smokes side by side at 8 (the two bad recordings cold, first)
+# about 660 + records 20: about 1,250 s, with the host's start and the parts' transfer
+# about 1,450 s. The queue starts a smoke as soon as one ends (not in batches). With
+#   PARALLEL=8 ENGINE_GIB=5 bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR
+# (the tiny models need about 0.65 GiB of KV cache at concurrency 16 (3 layers x 2,304
+# bytes a token x 16 requests of at most 5,722 tokens, reasoned from their shapes): the
+# 2 GiB given leaves room, and 8 smokes' 16 engines then fit an 80 GB GPU by
+# fitting_parallel below). CALL_BUDGET still stops a call from starting a smoke it has no
+# time for, where the run is made in several calls instead; every step skips what is done,
+# so the same STEPS again go on from where a run stopped.
 #
 # OUTDIR gets run.log, dockerd.log, signing-key.pub.pem and source-*.json; OUTDIR/NAME/
 # per model smoke-<which>.log, <which>.json (reference, patched, patched-again,
-# patched-third, unpatched-first, unpatched, variant-V, mutant-M), <which>.dsse.json,
+# patched-third, unpatched-first, unpatched, variant-V, mutant-M, badrecord-M), <which>.dsse.json,
 # answers.json, inputs.json and record.json.
 #
 # REFERENCE_FROM (an earlier run's OUTDIR: its NAME/answers.json, for a model of the same hash).
@@ -130,12 +118,14 @@
 #   TP=2 STEPS="reference patched unpatched record" bash gpu-runs/gpu-host-serve.sh PARTS OUTDIR-tp2
 # (the images, model and inputs made once, by the default steps' first call).
 # Environment: PYTHON (python3), GPU_BASE_REPO (vllm-gpu-base), GPU_HOST_WORK
-# (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.3), KV_BYTES (4294967296; empty: let
-# vLLM size the KV cache, and start the server after the GPU checks),
+# (/var/lib/vllm-hotfix-gpu), SERVE_MEM (0.05), KV_BYTES (2147483648; empty: let
+# vLLM size the KV cache, and start the server after the GPU checks; the defaults are
+# images/v0.25.1.toml's [smoke] serve_args, which make smoke uses),
 # CONCURRENCY (1,2,4,8,16), REQUESTS (32 per level), MUTANTS (names, default every
-# gpu-runs/mutants/*.patch), VARIANTS (names, default every gpu-runs/variants/*.patch), CALL_BUDGET and SMOKE_ESTIMATE (110) seconds, SERVE_ARGS (extra `vllm
+# gpu-runs/mutants/*.patch), MUTANTS_OTHERS (the later models' mutants), RECORD_MUTANTS
+# (the badrecord step's), VARIANTS (names, default every gpu-runs/variants/*.patch), CALL_BUDGET and SMOKE_ESTIMATE (110) seconds, SERVE_ARGS (extra `vllm
 # serve` arguments), TIMEOUT_REFERENCE (540), TIMEOUT_WARM (240) seconds per
-# smoke (the tool cleans up on TERM), TARGET_SECONDS (90, the record's smoke
+# smoke (the tool cleans up on TERM), TARGET_SECONDS (60, the record's smoke
 # time target for the warm runs), SOURCE_MANIFEST, DRY_RUN (1: print each
 # engine-touching command instead of running it, and say where a source check
 # would refuse; a self-test of the steps' logic without a GPU or an engine).
@@ -153,7 +143,7 @@ TAG=v0.25.1
 BASE=$REPO_NAME:$TAG
 PATCHED=$REPO_NAME:$TAG-m3patch
 REFIMG=$REPO_NAME:$TAG-m3patch-assembled
-STEPS=${STEPS:-unpack engine base image refimage mutants variants model inputs reference golden patched unpatched patched2 patched3 variantsmoke mutantsmoke record}
+STEPS=${STEPS:-unpack engine base image refimage mutants variants model inputs reference unpatched1 patched makesmoke badrecord golden unpatched patched2 variantsmoke mutantsmoke record}
 # The broken backports (gpu-runs/mutants/NAME.patch): each built from a project root of its own (mutants.py root).
 MUTANTS=${MUTANTS:-$(cd "$HERE/gpu-runs/mutants" 2>/dev/null && ls -- *.patch 2>/dev/null | sed 's/\.patch$//' | tr '\n' ' ')}
 MUTANT_ROOTS=$WORK/mutant-roots
@@ -162,7 +152,11 @@ VARIANTS=${VARIANTS:-$(cd "$HERE/gpu-runs/variants" 2>/dev/null && ls -- *.patch
 VARIANT_ROOTS=$WORK/variant-roots
 # The models (NAME:SEED:LAYERS, each made by gpu-runs/tiny_minimax_m3.py --seed SEED --layers LAYERS): the images
 # are shared; each model has its own reference, smokes and record under OUTDIR/NAME/.
-MODELS=${MODELS:-s0-l2:0:2 s1-l2:1:2 s1-l3:1:3}
+MODELS=${MODELS:-s0-l2:0:2 s1-l3:1:3 s2-l4:2:4}
+# The broken backports the later models are judged with (the first model gets every one).
+MUTANTS_OTHERS=${MUTANTS_OTHERS:-decode-side-unfixed prefill-write-unfixed read-unfixed}
+# The broken backports built a second time by the assemble builder and used as recording images (badrecord).
+RECORD_MUTANTS=${RECORD_MUTANTS:-decode-side-unfixed decode-write-unfixed}
 DRY_RUN=${DRY_RUN:-}
 PAYLOAD=$WORK/payload
 KEY=$WORK/signing-key.pem
@@ -310,6 +304,15 @@ build_backports() {
     act "$PY" build.py --root "$roots/$name" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never --no-smoke \
       --tag "$REPO_NAME:$TAG-$kind-$name" >>"$LOG" 2>&1 || die "build.py image of $kind $name failed (see run.log)"
     log "$kind $name done: $(tail -1 "$LOG")"
+    case " $RECORD_MUTANTS " in
+      *" $name "*)
+        [ "$kind" = mutant ] || continue
+        # Its second build, another image of the same broken backport: the recording image of step badrecord.
+        act "$PY" build.py --root "$roots/$name" image --definition "$TAG" --base-repo "$REPO_NAME" --pull never \
+          --no-smoke --builder assemble --tag "$REPO_NAME:$TAG-$kind-$name-assembled" >>"$LOG" 2>&1 \
+          || die "build.py image --builder assemble of $kind $name failed (see run.log)"
+        log "$kind $name (assemble builder) done: $(tail -1 "$LOG")" ;;
+    esac
   done
 }
 
@@ -420,9 +423,9 @@ serve=(--concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-32}")
 TP=${TP:-1}
 case "$TP" in ''|*[!0-9]*|0) die "TP=$TP: a whole number of GPUs, 1 or more" ;; esac
 [ "$TP" = 1 ] || serve+=(--serve-arg=--tensor-parallel-size --serve-arg="$TP")
-KV_BYTES=${KV_BYTES-4294967296}
+KV_BYTES=${KV_BYTES-2147483648}
 # shellcheck disable=SC2086  # SERVE_ARGS is a list of words
-for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.3}" \
+for a in --max-model-len 8192 --enforce-eager --gpu-memory-utilization "${SERVE_MEM:-0.05}" \
          ${KV_BYTES:+--kv-cache-memory-bytes "$KV_BYTES"} ${SERVE_ARGS:-}; do
   serve+=(--serve-arg="$a")
 done
@@ -469,7 +472,7 @@ PARALLEL=${PARALLEL:-1}
 # that (reasoned from vLLM's check and the tiny model's size, not measured).
 fitting_parallel() {
   local total_mib=$1
-  awk -v t="$total_mib" -v m="${SERVE_MEM:-0.3}" -v e="${ENGINE_GIB:-10}" \
+  awk -v t="$total_mib" -v m="${SERVE_MEM:-0.05}" -v e="${ENGINE_GIB:-10}" \
     'BEGIN { n = int(((t / 1024) * (1 - m) / e + 1) / 2); print (n < 1 ? 1 : n) }'
 }
 if [ "$PARALLEL" -gt 1 ] && command -v nvidia-smi >/dev/null; then
@@ -477,12 +480,13 @@ if [ "$PARALLEL" -gt 1 ] && command -v nvidia-smi >/dev/null; then
   if [ -n "$total" ]; then
     most=$(fitting_parallel "$total")
     if [ "$PARALLEL" -gt "$most" ]; then
-      log "PARALLEL=$PARALLEL lowered to $most: $((total / 1024)) GiB GPU, SERVE_MEM ${SERVE_MEM:-0.3}, ${ENGINE_GIB:-10} GiB per engine"
+      log "PARALLEL=$PARALLEL lowered to $most: $((total / 1024)) GiB GPU, SERVE_MEM ${SERVE_MEM:-0.05}, ${ENGINE_GIB:-10} GiB per engine"
       PARALLEL=$most
     fi
   fi
 fi
-pending=0
+# The queue: at most PARALLEL smokes at once, a new one started as soon as one ends (not in batches that wait for
+# their slowest), in the order they are queued.
 queued() {
   if [ "$PARALLEL" -le 1 ]; then
     smoke "$@"
@@ -490,16 +494,13 @@ queued() {
   fi
   check_inputs
   ensure_key
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do
+    wait -n || true
+  done
   SMOKE_ESTIMATE=${BATCH_ESTIMATE:-200} smoke "$@" &
-  pending=$((pending + 1))
-  if [ "$pending" -ge "$PARALLEL" ]; then
-    wait
-    pending=0
-  fi
 }
 flush() {
   wait
-  pending=0
 }
 
 # The patched image and the base with their GPU checks alone (no server, no reference): the layer identity
@@ -530,30 +531,37 @@ need_answers() {
   [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step for $MNAME first"
 }
 
-# The first model's reference is the cold one (no compile cache of any base on any GPU, answers recorded
-# afresh): alone. The other models' references are warm and go side by side (PARALLEL).
-first_reference() {
-  if [ ! -f "$MOUT/reference.json" ]; then
-    act rm -rf "$VLLM_HOTFIX_CACHE/compile"
-    rm -f "$ANSWERS"
-  fi
-  smoke reference "$REFIMG" "${TIMEOUT_REFERENCE:-540}" --record-reference "$ANSWERS"
-}
-more_reference() {
+# The campaign's order (one GPU, PARALLEL smokes at once):
+#   1. every model's reference recorded side by side, cold (the compile caches emptied once, before the first; a
+#      recording's cache is a folder of its own anyway), and beside them the first model's base without a reference
+#      (unpatched-first): the base writes the shared compile cache in place, so that
+#   2. the first model's patched image, alone, is the first smoke of a new image on a host whose base is warm and
+#      the campaign's warm verdict with every judge; then alone its third start through `make smoke` and the
+#      definition's [smoke] table (patched-third);
+#   3. side by side, in this order (a run cut short loses the later models' backports first): the recordings of
+#      broken backports' second builds (badrecord, which the golden must refuse), the first model's base and
+#      second start, every model's variants and mutants, the later models' base and three starts; the golden
+#      forward of each model (golden_run.py, the host's torch) beside them.
+first_model() { [ "$MNAME" = "$(IFS=: read -r n _ <<<"${MODELS%% *}"; echo "$n")" ]; }
+recording() {
   [ -f "$MOUT/reference.json" ] || rm -f "$ANSWERS"
   queued reference "$REFIMG" "${TIMEOUT_REFERENCE:-540}" --record-reference "$ANSWERS"
 }
 if step reference; then
   use_model "${MODELS%% *}"
-  first_reference
-  for spec in ${MODELS#* }; do
-    [ "$spec" != "${MODELS%% *}" ] || continue  # one model only: nothing more
-    use_model "$spec"
-    more_reference
-  done
-  flush
+  if [ ! -f "$MOUT/reference.json" ]; then
+    act rm -rf "$VLLM_HOTFIX_CACHE/compile"
+  fi
+  each_model recording
 fi
-if step patched || step patched2 || step patched3 || step unpatched || step unpatched1 || step golden; then
+if step unpatched1; then
+  use_model "${MODELS%% *}"
+  # No reference yet (its answers are being recorded beside it): judged by form; its report says how the base ran.
+  queued unpatched-first "$BASE" "${TIMEOUT_REFERENCE:-540}" --definition "$TAG"
+fi
+flush
+if step patched || step patched2 || step patched3 || step makesmoke || step unpatched || step golden \
+    || step variantsmoke || step mutantsmoke; then
   each_model reference_from
 fi
 
@@ -568,48 +576,67 @@ golden_model() {
   act "$PY" gpu-runs/golden_run.py "$MODEL" --reference "$ANSWERS" --out "$MOUT/golden.json" \
     >"$MOUT/golden.log" 2>&1 || log "golden $MNAME: exit code $? (see $MOUT/golden.log)"
 }
-if step golden; then
-  each_model golden_model
-fi
 
-# The warm times (patched, unpatched): the first model's smokes alone, one after the other. The other models'
-# patched and unpatched smokes go side by side (below): their records say so (--side-by-side) and leave the warm
-# times to the first model's record.
-first_model() { [ "$MNAME" = "$(IFS=: read -r n _ <<<"${MODELS%% *}"; echo "$n")" ]; }
-# patched_and_unpatched RUN: this model's patched smoke and the base's two, each through RUN (smoke: now, one
-# after the other; queued: side by side with the rest).
-patched_and_unpatched() {
-  local run=$1
+# make_smoke LIMIT: the first model's third start of the patched image as the runbook runs it: `make smoke` with the
+# definition's [smoke] table for gpu, concurrency, requests and the server's arguments, the model, reference and
+# key as make's variables. Its verdict is held to the long command's (patched) in the record.
+make_smoke() {
+  local which=patched-third
+  if [ -f "$MOUT/$which.json" ]; then
+    log "smoke $MNAME/$which: done already ($MOUT/$which.json)"
+    return 0
+  fi
+  need_answers
+  check_inputs
+  ensure_key
+  local mk rc=0 start=$SECONDS
+  mk=$(command -v make || echo "$HERE/.gpucarry/make")
+  log "smoke $MNAME/$which: make smoke IMAGE=$PATCHED MODEL=$MODEL REFERENCE=$ANSWERS (images/$TAG.toml [smoke])"
+  act timeout "$1" "$mk" -C "$HERE" smoke PYTHON="$PY" IMAGE="$PATCHED" MODEL="$MODEL" REFERENCE="$ANSWERS" \
+    SIGN_KEY="$KEY" ARGS="--keep-going --base-repo $REPO_NAME --attestation $MOUT/$which.dsse.json --report $MOUT/$which.json" \
+    >"$MOUT/smoke-$which.log" 2>&1 || rc=$?
+  log "smoke $MNAME/$which: exit code $rc after $((SECONDS - start)) s ($(grep -h '^==> phases' "$MOUT/smoke-$which.log" | tail -1))"
+}
+
+# 2. Alone: the first model's patched image (the long command), then its third start through make smoke.
+alone() {
+  first_model || return 0
   if step patched; then
     need_answers
-    "$run" patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+    smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
-  # The base carries no labels: --definition judges it by the patch set it lacks.
-  if step unpatched1; then
-    need_answers
-    "$run" unpatched-first "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
-  fi
-  if step unpatched; then
-    need_answers
-    "$run" unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+  if step makesmoke || step patched3; then
+    make_smoke "${TIMEOUT_WARM:-240}"
   fi
 }
-alone() { first_model || return 0; patched_and_unpatched smoke; }
 each_model alone
 
-# Side by side (PARALLEL), across the models, in this order so that a call that runs out of time cuts the mutants
-# of the later models first: the later models' patched and unpatched smokes and every model's second and third
-# start of the patched image, then every model's correct
-# variants, then every model's broken backports, each judged as the patched image is, by its own patch set
-# (--root): its files landed as the patch made them, so only the GPU checks, the exact judge and the sweep can tell
-# them apart.
+# 3. Side by side. The broken backports' second builds (the assemble builder) as recording images: the golden must
+# refuse each recording (nothing written), where the recording of a backport that is wrong without crashing would
+# otherwise judge every later run against itself.
+bad_recordings() {
+  first_model && step badrecord || return 0
+  for m in $RECORD_MUTANTS; do
+    rm -f "$MOUT/badrecord-$m.answers.json"
+    queued "badrecord-$m" "$REPO_NAME:$TAG-mutant-$m-assembled" "${TIMEOUT_REFERENCE:-540}" \
+      --root "$MUTANT_ROOTS/$m" --record-reference "$MOUT/badrecord-$m.answers.json"
+  done
+}
 starts() {
-  first_model || patched_and_unpatched queued
+  # The base carries no labels: --definition judges it by the patch set it lacks.
+  if step unpatched; then
+    need_answers
+    queued unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
+  fi
+  if ! first_model && step patched; then
+    need_answers
+    queued patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+  fi
   if step patched2; then
     need_answers
     queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
-  if step patched3; then
+  if ! first_model && { step patched3 || step makesmoke; }; then
     need_answers
     queued patched-third "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
@@ -625,14 +652,28 @@ variant_smokes() {
 mutant_smokes() {
   step mutantsmoke || return 0
   need_answers
-  for m in $MUTANTS; do
+  local names=$MUTANTS
+  first_model || names=${MUTANTS_OTHERS:-$MUTANTS}
+  for m in $names; do
     queued "mutant-$m" "$REPO_NAME:$TAG-mutant-$m" "${TIMEOUT_WARM:-240}" --root "$MUTANT_ROOTS/$m" \
       --reference "$ANSWERS"
   done
 }
-each_model starts
-each_model variant_smokes
-each_model mutant_smokes
+each_model bad_recordings
+if step golden; then
+  (each_model golden_model) &
+fi
+use_model "${MODELS%% *}"
+starts
+variant_smokes
+mutant_smokes
+later_models() {
+  first_model && return 0
+  starts
+  variant_smokes
+  mutant_smokes
+}
+each_model later_models
 flush
 
 # Each model's record: MOUT/record.json (gpu_host.py record, from the reports alone).
@@ -648,7 +689,17 @@ record_model() {
     fi
   done
   local signed=() more=() calls=() f
-  first_model || more+=(--side-by-side)
+  # The first model's patched smoke and its make smoke ran alone: theirs are the warm verdicts. The others' ran
+  # side by side with the rest (their times are shown, not held to the target).
+  if first_model; then
+    more+=(--warm patched --warm patched-third --make-smoke patched_third)
+  else
+    more+=(--side-by-side)
+  fi
+  for m in $RECORD_MUTANTS; do
+    [ ! -f "$MOUT/badrecord-$m.json" ] || more+=(--bad-recording "$m=$MOUT/badrecord-$m.json")
+  done
+  [ ! -r /proc/uptime ] || { cat /proc/uptime >"$MOUT/host-uptime.txt"; more+=(--host-uptime "$MOUT/host-uptime.txt"); }
   for which in reference patched patched-again patched-third unpatched-first unpatched; do
     [ ! -f "$MOUT/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$MOUT/$which.dsse.json")
   done
@@ -672,11 +723,12 @@ record_model() {
   act "$PY" gpu-runs/gpu_host.py record "$MOUT/record.json" --reference-run "$MOUT/reference.json" \
     --patched "$MOUT/patched.json" --unpatched "$MOUT/unpatched.json" "${more[@]}" --timings "$LOG" \
     --model "$MODEL" --model-made "gpu-runs/tiny_minimax_m3.py --seed $MSEED --layers $MLAYERS" --base "$BASE" \
-    --reference "$ANSWERS" --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-90}" \
+    --reference "$ANSWERS" --inputs-from "$INPUTS" --public-key "$PUBKEY" --target-seconds "${TARGET_SECONDS:-60}" \
     --source-manifest "$SOURCE_MANIFEST" --source-root "$HERE" "${calls[@]}" "${signed[@]}" | tee -a "$LOG.summary"
   local rc=${PIPESTATUS[0]}
   cat "$LOG.summary" >>"$LOG" && rm -f "$LOG.summary"
-  [ "$rc" = 0 ] || die "gpu_host.py record of $MNAME refused (exit $rc)"
+  # A refused record is said and the next model's is still written: what came back is kept either way.
+  [ "$rc" = 0 ] || { log "error: gpu_host.py record of $MNAME refused (exit $rc)"; RECORD_MISSING=1; }
 }
 if step record; then
   RECORD_MISSING=

@@ -361,7 +361,7 @@ def _record(args: argparse.Namespace) -> int:
     given = {"reference": args.reference_run, "patched": args.patched, "patched_again": args.patched_again,
              "patched_third": args.patched_third, "unpatched_first": args.unpatched_first,
              "unpatched": args.unpatched}
-    for flag, items in (("mutant", args.mutant), ("variant", args.variant)):
+    for flag, items in (("mutant", args.mutant), ("variant", args.variant), ("badrecord", args.bad_recording)):
         for item in items or []:
             name, _, path = item.partition("=")
             if not name or not path:
@@ -439,7 +439,19 @@ def _record(args: argparse.Namespace) -> int:
         # their agreement), as golden_run.py measured it on this host.
         rec["golden"] = _load_json(args.golden_run, "--golden-run")
         inputs["golden_run"] = {"path": args.golden_run, "sha256": _sha256_file(Path(args.golden_run))}
-    rec["findings"] = gpu_record.findings(images, reference, args.target_seconds, alone=not args.side_by_side)
+    # The recording images of broken backports are no judged images: they are held to being refused.
+    bad = {kind: Path(given[kind]).with_name(f"badrecord-{kind.removeprefix('badrecord_')}.answers.json").exists()
+           for kind in images if kind.startswith("badrecord_")}
+    judged_images = {k: v for k, v in images.items() if not k.startswith("badrecord_")}
+    rec["findings"] = gpu_record.findings(judged_images, reference, args.target_seconds,
+                                          alone=not args.side_by_side and not args.warm)
+    host_seconds = None
+    if args.host_uptime:
+        host_seconds = float(Path(args.host_uptime).read_text().split()[0])
+    rec["findings"].update(gpu_record.campaign(images, warm=[k.replace("-", "_") for k in args.warm or []],
+                                               make_smoke=args.make_smoke, bad=bad, host_seconds=host_seconds,
+                                               host_target=args.host_target_seconds, target=args.target_seconds))
+    rec["findings"]["done"] = all(v["met"] for v in rec["findings"].values() if isinstance(v, dict) and "met" in v)
     rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
@@ -494,6 +506,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--variant", action="append", default=None, metavar="NAME=FILE",
                    help="a correct backport's report (gpu-runs/variants/NAME.patch), which must pass as the patched "
                         "image does")
+    r.add_argument("--bad-recording", action="append", default=None, metavar="NAME=FILE",
+                   help="a broken backport's second build used as the recording image: its report (the golden must "
+                        "refuse it; badrecord-NAME.answers.json beside it must not exist)")
+    r.add_argument("--warm", action="append", default=None, metavar="KIND",
+                   help="a report of a smoke that ran alone (patched, patched-third): its time is a warm verdict's")
+    r.add_argument("--make-smoke", default=None, metavar="KIND",
+                   help="the report made through `make smoke` and the definition's [smoke] table (patched_third), "
+                        "held to --patched's verdict")
+    r.add_argument("--host-uptime", default=None, metavar="FILE",
+                   help="/proc/uptime of the GPU host: its seconds since it started, held to --host-target-seconds")
+    r.add_argument("--host-target-seconds", type=float, default=1500.0)
     r.add_argument("--golden-run", default=None,
                    help="gpu-runs/golden_run.py's output for this model: kept as the record's golden section")
     r.add_argument("--side-by-side", action="store_true",

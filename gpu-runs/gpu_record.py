@@ -292,7 +292,8 @@ def caught(img: dict[str, Any]) -> dict[str, Any]:
     return {"status": img.get("status"), "first_failing_level": first, "failed_there_by": checks,
             "topk_layout": by["topk-layout"], "exact_first_level": by["exact-levels"],
             "sweep_first_level": by["serve-sweep"], "failing_checks": failing,
-            "met": img.get("status") == "fail" and bool(set(failing) & {"topk-layout", "exact-levels", "serve-sweep"})}
+            "met": img.get("status") == "fail" and bool(set(failing) & {"topk-layout", "exact-levels", "serve-sweep",
+                                                                         "golden"})}
 
 
 def wrong_by_answers(img: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +315,67 @@ def wrong_share(img: dict[str, Any]) -> dict[str, Any]:
     share = len(wrong) / len(answered) if answered else 0.0
     return {"requests": len(evidence), "answered": len(answered), "judged_wrong": len(wrong),
             "share": round(share, 4), "at_least": WRONG_SHARE, "met": bool(answered) and share >= WRONG_SHARE}
+
+
+def coverage(img: dict[str, Any]) -> dict[str, Any]:
+    """How much of a right image's run the golden judged, per level and per prompt class, held to the floors the
+    policy holds a deploy pass to (vllm_hotfix.golden.coverage)."""
+    from vllm_hotfix.golden import coverage as floors
+
+    golden = img.get("golden") or {}
+    data = golden.get("data") if isinstance(golden.get("data"), dict) else {}
+    found = data.get("coverage")
+    short = floors.shortfall(found, levels=LEVELS)
+    return {"status": golden.get("status"), "coverage": found, "floors": {"level": floors.LEVEL_FLOOR,
+                                                                          **dict(floors.CLASS_FLOOR)},
+            "shortfall": short, "met": golden.get("status") == "pass" and short is None}
+
+
+def refused_recording(img: dict[str, Any], wrote: bool) -> dict[str, Any]:
+    """A broken backport's second build used as the recording image: the golden check itself must fail the
+    recording, and no answers may be written."""
+    golden = img.get("golden") or {}
+    return {"status": img.get("status"), "golden": golden.get("status"), "golden_detail": golden.get("detail"),
+            "answers_written": wrote, "met": golden.get("status") == "fail" and not wrote}
+
+
+def campaign(images: dict[str, dict[str, Any]], *, warm: list[str], make_smoke: str | None,
+             bad: dict[str, bool], host_seconds: float | None, host_target: float, target: float) -> dict[str, Any]:
+    """The campaign's questions (this model's part): the warm verdicts alone within the target, every judge run;
+    the golden's coverage of every right start; the make smoke verdict the long command's; every bad recording
+    refused by the golden; the GPU host's time so far within its target."""
+    out: dict[str, Any] = {}
+    if warm:
+        seconds = {k: images[k].get("seconds") for k in warm if k in images}
+        judges = {k: sorted(c.get("name") for c in images[k].get("checks") or [] if c.get("status") == "pass")
+                  for k in warm if k in images}
+        out["warm_verdict_alone"] = {"target": target, "seconds": seconds, "passed_checks": judges,
+                                     "met": bool(seconds) and all(isinstance(v, (int, float)) and v <= target
+                                                                  for v in seconds.values())
+                                     and all(images[k].get("status") == "pass" for k in seconds)}
+    starts = {k: coverage(images[k]) for k in RIGHT if k in images}
+    if starts:
+        out["golden_coverage"] = {"starts": starts, "met": all(v["met"] for v in starts.values())}
+    if make_smoke and make_smoke in images and "patched" in images:
+        mine, long = images[make_smoke], images["patched"]
+
+        def said(img: dict[str, Any]) -> dict[str, Any]:
+            return {"status": img.get("status"), "gpu_verified": img.get("gpu_verified"),
+                    "checks": {c.get("name"): c.get("status") for c in img.get("checks") or []},
+                    "signed": bool(img.get("attestation"))}
+        a, b = said(mine), said(long)
+        out["make_smoke_same_verdict"] = {"make_smoke": a, "long_command": b, "met": a == b and a["status"] == "pass"}
+    if bad:
+        refused = {name.removeprefix("badrecord_"): refused_recording(images[name], wrote)
+                   for name, wrote in bad.items() if name in images}
+        out["golden_refuses_bad_recordings"] = {"recordings": refused,
+                                                "met": bool(refused) and all(v["met"] for v in refused.values())}
+    if host_seconds is not None:
+        out["gpu_host_seconds"] = {"seconds": round(host_seconds, 1), "target": host_target,
+                                   "read": "the GPU host's uptime when this record was written (from its start, "
+                                           "the parts' transfer included)",
+                                   "met": host_seconds <= host_target}
+    return out
 
 
 def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], target: float,
@@ -364,7 +426,8 @@ def findings(images: dict[str, dict[str, Any]], reference: dict[str, Any], targe
         **sens, "targets": {"distinct_replies": DISTINCT_TARGET, "median_first_token_gap_nats": GAP_TARGET},
         "met": sens.get("distinct_replies") == DISTINCT_TARGET and isinstance(gap, (int, float)) and gap >= GAP_TARGET}
     judged = {images[k].get("id") for k in images if k in (*RIGHT, "unpatched") or k.startswith(("mutant_",
-                                                                                                  "variant_"))}
+                                                                                                  "variant_",
+                                                                                                  "badrecord_"))}
     recorded = (images.get("reference") or {}).get("id")
     out["reference_from_another_image"] = {"reference_image": recorded, "judged_images": sorted(filter(None, judged)),
                                            "met": bool(recorded) and recorded not in judged}

@@ -71,10 +71,15 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     commands, log, top = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
     out = top / "m0"  # the one model's folder
     smokes = _smokes(commands)
-    # The patched image's second start after the base: the warm times of patched and unpatched are their own.
-    assert list(smokes) == ["reference", "patched", "unpatched-first", "unpatched", "patched-again"]
-    # The base's first run is its warm run's twin but for the files it writes.
-    assert [a.replace("unpatched-first", "unpatched") for a in smokes["unpatched-first"]] == smokes["unpatched"]
+    # The base's first run beside the recordings (it warms the base's compile cache), then the patched image
+    # alone: the first smoke of a new image on a warm base; then the base judged, and a second start.
+    assert list(smokes) == ["reference", "unpatched-first", "patched", "unpatched", "patched-again"]
+    # The base's first run has no reference yet (its answers are being recorded beside it): judged by form.
+    assert "--reference" not in smokes["unpatched-first"]
+    first = smokes["unpatched-first"]
+    judged = smokes["unpatched"]
+    strip = judged.index("--reference")
+    assert first[3:] == [a.replace("unpatched.", "unpatched-first.") for a in judged[3:strip] + judged[strip + 2:]]
     answers = str(out / "answers.json")
     for which, argv in smokes.items():
         assert "--min-tokens" not in argv
@@ -82,9 +87,15 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
         assert argv[argv.index("--attestation") + 1] == str(out / f"{which}.dsse.json")
         assert Path(argv[argv.index("--sign-key") + 1]).name == "signing-key.pem"
         assert argv[0] == "timeout"
-        # vLLM sizes the KV cache from the given bytes (no free-memory measurement): the GPU checks overlap.
-        assert "--serve-arg=--kv-cache-memory-bytes" in argv and "--serve-arg=4294967296" in argv
+        # vLLM sizes the KV cache from the given bytes (no free-memory measurement): the GPU checks overlap. The
+        # server's arguments are the definition's [smoke] table's, so that `make smoke` is judged as these are.
+        assert [a for a in argv if a.startswith("--serve-arg=")] == [
+            f"--serve-arg={a}" for a in ("--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization",
+                                         "0.05", "--kv-cache-memory-bytes", "2147483648")]
         assert "--serve-arg=--tensor-parallel-size" not in argv  # one GPU unless TP says otherwise
+    table = (REPO / "images" / "v0.25.1.toml").read_text()
+    assert 'serve_args = ["--max-model-len", "8192", "--enforce-eager", "--gpu-memory-utilization", "0.05",\n' \
+           '              "--kv-cache-memory-bytes", "2147483648"]' in table
     assert smokes["reference"][smokes["reference"].index("--record-reference") + 1] == answers
     assert "--reference" not in smokes["reference"]
     for which in ("patched", "patched-again", "unpatched"):
@@ -103,7 +114,10 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     [record] = [argv for argv in commands if "record" in argv]
     assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
-    assert record[record.index("--target-seconds") + 1] == "90"
+    assert record[record.index("--target-seconds") + 1] == "60"
+    # The first model's warm verdicts are the patched smoke and its make smoke, both alone.
+    assert record[record.index("--warm") + 1] == "patched" and "--side-by-side" not in record
+    assert record[record.index("--make-smoke") + 1] == "patched_third"
     assert "smoke m0/reference: exit code 0" in log
     # This checkout is no clean commit with a manifest here: a real run would refuse before any step.
     assert "source check: would refuse" in log
@@ -137,51 +151,79 @@ def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Pa
     assert not (REPO / "build" / "gpu-out-test").exists()  # refused before it was made: nothing left behind
 
 
+def _make_smokes(commands: list[list[str]]) -> list[list[str]]:
+    return [argv for argv in commands if "smoke" in argv and any(a.endswith("make") for a in argv[:3])]
+
+
 def test_the_mutants_are_built_from_roots_of_their_own_and_judged_by_them(tmp_path: Path) -> None:
     """Every broken backport is built by the Dockerfile builder from its own project root and smoked, as the
-    patched image is, by that root's patch set, against the same reference answers; the record names each."""
+    patched image is, by that root's patch set, against the same reference answers; the record names each. The
+    ones named in RECORD_MUTANTS are built a second time by the assemble builder: recording images (badrecord)."""
     names = sorted(p.stem for p in (SCRIPTS / "mutants").glob("*.patch"))
     assert len(names) >= 6
-    commands, log, out = _dry(tmp_path, "mutants patched3 mutantsmoke record")
+    twice = ["decode-side-unfixed", "decode-write-unfixed"]
+    commands, log, out = _dry(tmp_path, "mutants patched3 badrecord mutantsmoke record")
     roots = tmp_path / "work" / "mutant-roots"
     builds = []
     for argv in commands:  # (a command whose output goes to the log is printed there twice)
         if "build.py" in argv and "image" in argv and argv not in builds:
             builds.append(argv)
-    assert [argv[argv.index("--root") + 1] for argv in builds] == [str(roots / n) for n in names]
-    for argv, name in zip(builds, names, strict=True):
-        assert argv[argv.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-mutant-{name}"
-        assert "--builder" not in argv  # the Dockerfile builder, as the patched image
+    expected = [(n, False) for n in names]
+    for n in twice:
+        expected.insert(expected.index((n, False)) + 1, (n, True))
+    assert [(Path(argv[argv.index("--root") + 1]).name, "--builder" in argv) for argv in builds] == expected
+    for argv in builds:
+        name = Path(argv[argv.index("--root") + 1]).name
+        assert argv[argv.index("--root") + 1] == str(roots / name)
+        if "--builder" in argv:  # the second build: the assemble builder's, tagged apart
+            assert argv[argv.index("--builder") + 1] == "assemble"
+            assert argv[argv.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-mutant-{name}-assembled"
+        else:  # the Dockerfile builder, as the patched image
+            assert argv[argv.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-mutant-{name}"
     smokes = _smokes(commands)
-    assert list(smokes) == ["patched-third", *(f"mutant-{n}" for n in names)]
+    assert list(smokes) == [*(f"badrecord-{n}" for n in twice), *(f"mutant-{n}" for n in names)]
     answers = str(out / "m0" / "answers.json")
     for name in names:
         argv = smokes[f"mutant-{name}"]
         assert argv[argv.index("--root") + 1] == str(roots / name)
         assert argv[argv.index("--reference") + 1] == answers and "--definition" not in argv
         assert argv[5] == f"vllm-gpu-base:v0.25.1-mutant-{name}"
-    assert smokes["patched-third"][5] == "vllm-gpu-base:v0.25.1-m3patch"
+    for name in twice:  # recorded from the second build, by its own root, into a file of its own
+        argv = smokes[f"badrecord-{name}"]
+        assert argv[5] == f"vllm-gpu-base:v0.25.1-mutant-{name}-assembled"
+        assert argv[argv.index("--root") + 1] == str(roots / name) and "--reference" not in argv
+        assert argv[argv.index("--record-reference") + 1] == str(out / "m0" / f"badrecord-{name}.answers.json")
+    # The first model's third start is `make smoke` with the definition's [smoke] table.
+    [made] = _make_smokes(commands)
+    assert made[made.index("smoke") + 1].startswith("PYTHON=")
+    assert "IMAGE=vllm-gpu-base:v0.25.1-m3patch" in made and f"REFERENCE={answers}" in made
+    [args] = [a for a in made if a.startswith("ARGS=")]
+    assert args.split()[:3] == ["ARGS=--keep-going", "--base-repo", "vllm-gpu-base"]
+    assert f"--report {out / 'm0' / 'patched-third.json'}" in args
+    assert not any(a.startswith("--serve-arg") or a == "--gpu" for a in made)  # the table's, not flags
     [record] = [argv for argv in commands if "record" in argv]
     # (DRY_RUN writes no reports, so the record is named with none of them here.)
-    assert "--mutant" not in record and "--patched-third" not in record
+    assert "--mutant" not in record and "--patched-third" not in record and "--bad-recording" not in record
 
 
 def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_and_record(tmp_path: Path) -> None:
-    """The campaign: the images (base, patched, reference, every mutant and variant) built once; per model its
-    reference (the first cold and alone, the others after it), right patch three times, base, every variant and
-    every mutant, each under OUTDIR/NAME/, and a record per model naming how its model was made."""
-    models = "a:0:2 b:1:2 c:1:3"
-    commands, log, out = _dry(tmp_path, "image refimage mutants variants model reference golden patched unpatched "
-                              "patched2 patched3 variantsmoke mutantsmoke record", MODELS=models)
+    """The campaign: the images (base, patched, reference, every mutant and variant, two mutants' second builds)
+    built once; per model its reference (all recorded first, side by side, cold), the right patch three times, the
+    base, every variant and its broken backports, each under OUTDIR/NAME/, and a record per model naming how its
+    model was made."""
+    models = "a:0:2 b:1:3 c:2:4"
+    commands, log, out = _dry(tmp_path, "image refimage mutants variants model reference unpatched1 patched makesmoke "
+                              "badrecord golden unpatched patched2 variantsmoke mutantsmoke record", MODELS=models)
     mutants = sorted(p.stem for p in (SCRIPTS / "mutants").glob("*.patch"))
     variants = sorted(p.stem for p in (SCRIPTS / "variants").glob("*.patch"))
-    assert len(variants) >= 3
+    others = ["decode-side-unfixed", "prefill-write-unfixed", "read-unfixed"]
+    assert len(variants) >= 3 and set(others) <= set(mutants)
     builds: list[list[str]] = []
     for argv in commands:  # (a command whose output goes to the log is printed there twice)
         if "build.py" in argv and "image" in argv and argv not in builds:
             builds.append(argv)
     tags = [argv[argv.index("--tag") + 1] for argv in builds]
-    assert len(tags) == len(set(tags)) == 2 + len(mutants) + len(variants)  # each image once, for every model
+    assert len(tags) == len(set(tags)) == 2 + len(mutants) + 2 + len(variants)  # each image once, for every model
     roots = tmp_path / "work" / "variant-roots"
     for name in variants:
         [argv] = [a for a in builds if a[a.index("--tag") + 1] == f"vllm-gpu-base:v0.25.1-variant-{name}"]
@@ -195,8 +237,8 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
     for argv in commands:
         if "gpu-runs/tiny_minimax_m3.py" in argv and argv not in made:
             made.append(argv)
-    assert [(a[a.index("--seed") + 1], a[a.index("--layers") + 1]) for a in made] == [("0", "2"), ("1", "2"),
-                                                                                        ("1", "3")]
+    assert [(a[a.index("--seed") + 1], a[a.index("--layers") + 1]) for a in made] == [("0", "2"), ("1", "3"),
+                                                                                        ("2", "4")]
     smokes: dict[str, dict[str, list[str]]] = {}
     for argv in commands:
         if "smoke" in argv and "build.py" in argv:
@@ -204,34 +246,43 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
             smokes.setdefault(report.parent.name, {})[report.stem] = argv
     assert list(smokes) == ["a", "b", "c"]
     for name, mine in smokes.items():
-        expected = {"reference", "patched", "unpatched", "patched-again", "patched-third",
-                    *(f"variant-{v}" for v in variants), *(f"mutant-{m}" for m in mutants)}
+        first = name == "a"
+        expected = {"reference", "patched", "unpatched", "patched-again", *(f"variant-{v}" for v in variants),
+                    *(f"mutant-{m}" for m in (mutants if first else others))}
+        # The first model's third start is `make smoke` (no build.py line of its own), its base also runs beside
+        # the recordings, and its broken backports' second builds are recorded from.
+        expected |= ({"unpatched-first", "badrecord-decode-side-unfixed", "badrecord-decode-write-unfixed"} if first
+                     else {"patched-third"})
         assert set(mine) == expected
         answers = str(out / name / "answers.json")
         assert mine["reference"][mine["reference"].index("--record-reference") + 1] == answers
         for which, argv in mine.items():
             assert argv[argv.index("--serve-model") + 1] == str(tmp_path / "work" / "models" / name)
-            if which != "reference":
+            if which not in ("reference", "unpatched-first") and not which.startswith("badrecord-"):
                 assert argv[argv.index("--reference") + 1] == answers
         for v in variants:
             argv = mine[f"variant-{v}"]
             assert argv[argv.index("--root") + 1] == str(roots / v) and argv[5].endswith(f"-variant-{v}")
-    # Only the first model's reference is cold: the compile caches go once, before it.
+    [made_smoke] = _make_smokes(commands)
+    assert f"MODEL={tmp_path / 'work' / 'models' / 'a'}" in made_smoke
+    # The compile caches go once, before the recordings (all cold, side by side).
     order = [line for line in log.splitlines() if "rm -rf" in line or "/reference: exit code" in line]
-    assert "rm -rf" in order[0] and sum("rm -rf" in line for line in order) == 1 and "a/reference" in order[1]
-    # The warm times (the first model's patched and unpatched) run alone, after every reference; then side by
-    # side the other models' patched and unpatched and every model's other starts, then the variants, then the
-    # mutants (a call out of time cuts the later models' mutants first).
+    assert "rm -rf" in order[0] and sum("rm -rf" in line for line in order) == 1
     said = [line.split("smoke ")[1].split(":")[0] for line in log.splitlines() if ": exit code" in line]
-    assert said[:7] == ["a/reference", "b/reference", "c/reference", "a/patched", "a/unpatched", "a/patched-again",
+    # The recordings (and the first model's base, warming its compile cache), then alone the first model's patched
+    # image and its make smoke (the warm verdicts), then side by side the bad recordings, the first model's base and
+    # second start, its variants and mutants, then each later model's.
+    assert said[:6] == ["a/reference", "b/reference", "c/reference", "a/unpatched-first", "a/patched",
                         "a/patched-third"]
-    assert said[7:10] == ["b/patched", "b/unpatched", "b/patched-again"]
-    first_mutant = next(i for i, s in enumerate(said) if "/mutant-" in s)
-    assert all("/variant-" in s or "/patched" in s or "/unpatched" in s for s in said[3:first_mutant])
-    assert said[-1] == f"c/mutant-{mutants[-1]}"
+    assert said[6:10] == ["a/badrecord-decode-side-unfixed", "a/badrecord-decode-write-unfixed", "a/unpatched",
+                          "a/patched-again"]
+    b_first = said.index("b/unpatched")
+    assert all(s.startswith("a/") for s in said[3:b_first])
+    assert said[b_first:b_first + 4] == ["b/unpatched", "b/patched", "b/patched-again", "b/patched-third"]
+    assert said[-1] == f"c/mutant-{others[-1]}"
     records = [argv for argv in commands if "record" in argv and "gpu_host.py" in " ".join(argv)]
     assert [Path(argv[argv.index("record") + 1]).parent.name for argv in records] == ["a", "b", "c"]
-    assert records[2][records[2].index("--model-made") + 1] == "gpu-runs/tiny_minimax_m3.py --seed 1 --layers 3"
+    assert records[2][records[2].index("--model-made") + 1] == "gpu-runs/tiny_minimax_m3.py --seed 2 --layers 4"
     # The golden forward of each model against that model's own reference answers.
     golden: list[list[str]] = []
     for argv in commands:
@@ -418,11 +469,11 @@ def test_a_tp_that_is_no_number_of_gpus_is_refused(tmp_path: Path) -> None:
 
 
 def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp_path: Path) -> None:
-    """Each vLLM engine refuses to start below SERVE_MEM of the GPU free, and a smoke starts two: on an 80 GB GPU
-    at most 3 smokes side by side, on a 141 GB one 5 (10 GiB held by each engine already running)."""
+    """Each vLLM engine refuses to start below SERVE_MEM (0.05) of the GPU free, and a smoke starts two: on an
+    80 GB GPU at most 4 smokes side by side, on a 141 GB one 7 (10 GiB held by each engine already running)."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    for total, asked, lowered in ((81559, "8", "lowered to 3: 79 GiB GPU"), (143771, "5", None)):
+    for total, asked, lowered in ((81559, "8", "lowered to 4: 79 GiB GPU"), (143771, "7", None)):
         (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {total}\n")
         (fake / "nvidia-smi").chmod(0o755)
         out = tmp_path / f"run-{total}"
@@ -443,3 +494,41 @@ def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_serve
     assert smokes["gpuonly-unpatched"][5].endswith(":v0.25.1")
     assert smokes["gpuonly-unpatched"][smokes["gpuonly-unpatched"].index("--definition") + 1] == "v0.25.1"
     assert "(no server)" in log
+
+
+def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(tmp_path: Path) -> None:
+    """gpu-runs/campaign-call.sh: a part is kept where the run reads parts; start copies the checkout and starts
+    the campaign in a session of its own; wait returns once it ended; every call notes the host's clock and packs
+    the output folder into $OUT."""
+    import tarfile
+
+    where = {"PARTS": tmp_path / "parts", "CHECKOUT": tmp_path / "checkout", "OUTDIR": tmp_path / "outdir"}
+    back = tmp_path / "back"
+    back.mkdir()
+    env = {**os.environ, **{k: str(v) for k, v in where.items()}, "OUT": str(back), "DRY_RUN": "1",
+           "STEPS": "model", "MODELS": "m0:0:2", "GPU_HOST_WORK": str(tmp_path / "work"),
+           "SOURCE_MANIFEST": str(tmp_path / "none.json")}
+    call = SCRIPTS / "campaign-call.sh"
+    part = tmp_path / "part-00"
+    part.write_bytes(b"x" * 10)
+    (tmp_path / "SHA256SUMS").write_text("")
+
+    def run(*args: str) -> str:
+        r = subprocess.run(["bash", str(call), *args], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    run("part", str(part), str(tmp_path / "SHA256SUMS"))
+    assert (where["PARTS"] / "part-00").read_bytes() == b"x" * 10
+    run("start")
+    assert (where["CHECKOUT"] / "gpu-runs" / "gpu-host-serve.sh").is_file()
+    assert not (where["CHECKOUT"] / ".git").exists()
+    run("wait", "60")
+    calls = (where["OUTDIR"] / "calls.log").read_text().splitlines()
+    assert [line.split(": ", 1)[1].split(" ")[0] for line in calls] == ["part", "start:", "wait", "the"]
+    assert all(re.match(r"^\[[0-9:]+\] host up [0-9.]+ s: ", line) for line in calls)
+    run_log = (where["OUTDIR"] / "run.log").read_text()
+    assert "steps: model" in run_log and run_log.rstrip().endswith("done")
+    with tarfile.open(back / "campaign.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"./run.log", "./calls.log", "./console.log"} <= names

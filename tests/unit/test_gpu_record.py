@@ -302,3 +302,58 @@ def test_a_model_whose_smokes_all_ran_side_by_side_has_no_warm_time_judged() -> 
     assert any(line.startswith("warm_times: (") for line in host.finding_sentences(found))
     # Alone, the same time misses the target.
     assert not host.findings({"patched": slow}, {}, 90.0)["warm_smoke_seconds"]["met"]
+
+
+def _img(status: str = "pass", seconds: float = 55.0, golden: dict[str, Any] | None = None,
+         checks: tuple[tuple[str, str], ...] = (("layer-identity", "pass"), ("exact-levels", "pass")),
+         signed: bool = True) -> dict[str, Any]:
+    img: dict[str, Any] = {"status": status, "seconds": seconds, "gpu_verified": True,
+                           "checks": [{"name": n, "status": s} for n, s in checks], "golden": golden}
+    if signed:
+        img["attestation"] = {"verified": True}
+    return img
+
+
+def _coverage(judged: int, long_judged: int = 30) -> dict[str, Any]:
+    return {"levels": {str(c): {"judged": judged, "positions": 100} for c in (1, 2, 4, 8, 16)},
+            "classes": {"short": {"judged": judged, "positions": 100}, "long": {"judged": long_judged,
+                                                                                  "positions": 100}}}
+
+
+def test_the_campaign_findings_hold_warm_verdicts_coverage_make_smoke_and_bad_recordings() -> None:
+    rec = _gpu_host()
+    good = {"status": "pass", "data": {"coverage": _coverage(40)}}
+    images = {"patched": _img(golden=good), "patched_third": _img(seconds=58.0, golden=good),
+              "badrecord_decode-side-unfixed": _img("fail", golden={"status": "fail", "detail": "refused"}),
+              "badrecord_read-unfixed": _img("fail", golden={"status": "pass", "detail": "passed its own"})}
+    found = rec.campaign(images, warm=["patched", "patched_third"], make_smoke="patched_third",
+                         bad={"badrecord_decode-side-unfixed": False, "badrecord_read-unfixed": False},
+                         host_seconds=1401.2, host_target=1500.0, target=60.0)
+    assert found["warm_verdict_alone"]["met"] and found["warm_verdict_alone"]["seconds"] == {
+        "patched": 55.0, "patched_third": 58.0}
+    assert found["golden_coverage"]["met"]
+    assert found["make_smoke_same_verdict"]["met"]
+    # A recording the golden passed is a recording of a wrong image kept: not met.
+    bad = found["golden_refuses_bad_recordings"]
+    assert not bad["met"] and bad["recordings"]["decode-side-unfixed"]["met"]
+    assert not bad["recordings"]["read-unfixed"]["met"]
+    assert found["gpu_host_seconds"] == {**found["gpu_host_seconds"], "seconds": 1401.2, "met": True}
+
+
+def test_the_campaign_findings_are_not_met_by_slow_thin_or_different_runs() -> None:
+    rec = _gpu_host()
+    thin = {"status": "pass", "data": {"coverage": _coverage(40, long_judged=5)}}
+    images = {"patched": _img(seconds=61.0, golden=thin),
+              "patched_third": _img(seconds=50.0, golden=thin, checks=(("layer-identity", "pass"),))}
+    found = rec.campaign(images, warm=["patched", "patched_third"], make_smoke="patched_third",
+                         bad={"badrecord_x": True}, host_seconds=1600.0, host_target=1500.0, target=60.0)
+    assert not found["warm_verdict_alone"]["met"]  # 61 s over the 60 s target
+    assert not found["golden_coverage"]["met"]
+    assert "long prompts" in found["golden_coverage"]["starts"]["patched"]["shortfall"]
+    assert not found["make_smoke_same_verdict"]["met"]  # one check fewer than the long command's
+    # Named, but no report of it among the images: nothing shows it was refused.
+    assert found["golden_refuses_bad_recordings"] == {"recordings": {}, "met": False}
+    assert not found["gpu_host_seconds"]["met"]
+    # A recording whose answers were written was not refused, whatever its golden says.
+    wrote = rec.refused_recording(_img("fail", golden={"status": "fail"}), wrote=True)
+    assert not wrote["met"]
