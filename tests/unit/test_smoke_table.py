@@ -41,8 +41,10 @@ def project(tmp_path: Path) -> Path:
 
 
 def with_table(root: Path, text: str = TABLE, name: str = "v0.25.1") -> Path:
+    """The definition ``name`` with ``text`` as its [smoke] table (in place of the one it ships with, if any)."""
     path = root / "images" / f"{name}.toml"
-    path.write_text(path.read_text() + text)
+    shipped = path.read_text()
+    path.write_text(shipped.split("\n[smoke]", 1)[0] + text)
     return path
 
 
@@ -104,7 +106,7 @@ def test_which_definition_an_image_gets(project: Path) -> None:
     assert r.rc == 0 and settings_of(r.out)["gpu"] == ("off", "images/v0.25.1-sm100.toml [smoke] gpu"), r.err
     r = cli("smoke", "ops/vllm:v0.25.1-m3patch-sm100", "--explain", "--definition", "v0.25.1", root=project)
     assert settings_of(r.out)["definition"] == ("v0.25.1", "flag --definition")
-    assert settings_of(r.out)["gpu"] == ("auto", "default")
+    assert settings_of(r.out)["gpu"] == ("auto", "images/v0.25.1.toml [smoke] gpu")  # the shipped table
     # No tag, or a tag that is no definition's output: the defaults, and what would choose a table.
     for image in (DIGEST, "ops/vllm:latest", "sha256:" + "ab" * 32):
         r = cli("smoke", image, "--explain", root=project)
@@ -190,3 +192,25 @@ def test_make_smoke_runs_smoke_with_the_image_alone() -> None:
     done = subprocess.run(["make", "-n", "smoke", f"IMAGE={IMAGE}"], cwd=REPO, capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip().splitlines()[-1].endswith(f"build.py smoke {IMAGE}")
+
+
+def test_make_smoke_names_the_sites_model_reference_and_key_for_the_table() -> None:
+    """`make smoke IMAGE=... MODEL=... REFERENCE=... SIGN_KEY=...`: the site's files as smoke's flags, the rest from
+    the definition's [smoke] table (the shipped v0.25.1 one names concurrency, requests and the server's arguments)."""
+    import shlex
+    import subprocess
+
+    done = subprocess.run(["make", "-n", "smoke", f"IMAGE={IMAGE}", "MODEL=/models/m", "REFERENCE=/refs/a.json",
+                           "SIGN_KEY=/keys/k.pem"], cwd=REPO, capture_output=True, text=True, check=True)
+    argv = shlex.split(done.stdout.strip().splitlines()[-1].split("tool_run ", 2)[-1])
+    assert argv[argv.index("smoke"):] == ["smoke", IMAGE, "--serve-model", "/models/m", "--reference", "/refs/a.json",
+                                          "--sign-key", "/keys/k.pem"]
+    table = definitions_table()
+    assert table["concurrency"] == [1, 2, 4, 8, 16] and table["requests"] == 32 and table["gpu"] == "auto"
+    assert "--kv-cache-memory-bytes" in table["serve_args"]
+
+
+def definitions_table() -> dict[str, object]:
+    import tomllib
+
+    return dict(tomllib.loads((REPO / "images" / "v0.25.1.toml").read_text())["smoke"])
