@@ -554,3 +554,40 @@ def test_prune_removes_what_rollbacks_and_stand_ins_left_and_keeps_tagged_images
     assert cli("prune", root=tmp_path, env=env).out.startswith("removed 0 image(s)")
     engine.untag("hotfix-test/prune-left:1")
     engine.remove_image("hotfix-test/prune-kept:1")
+
+
+@pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed (`.ci/services install`)")
+def test_prune_removes_podmans_copies_of_the_tools_builds(private: tuple[PrivateEngine, Engine],
+                                                          tmp_path: Path) -> None:
+    """What smoke --launcher podman moved into podman's store, a store of the test's own here: removed by prune,
+    the engine's tagged image kept (it was left there)."""
+    from vllm_hotfix.tarball import tar_bytes
+
+    eng, engine = private
+    ref = "hotfix-test/prune-podman:1"
+    dockerfile = f"FROM scratch\nCOPY fixed.py /fixed.py\nLABEL {labels.DEFINITION}=v0.25.1\n"
+    image_id = engine.build(tar_bytes({"Dockerfile": dockerfile.encode(), "fixed.py": b"FIXED = True\n"}))
+    engine.tag(image_id, ref)
+    conf = tmp_path / "storage.conf"
+    conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{tmp_path / "graph"}"\n'
+                    f'runroot = "{tmp_path / "run"}"\n')
+    podman_env = dict(os.environ, CONTAINERS_STORAGE_CONF=str(conf))
+
+    def in_podman() -> bool:
+        return subprocess.run(["podman", "image", "exists", image_id.removeprefix("sha256:")],
+                              env=podman_env, capture_output=True).returncode == 0
+
+    try:
+        saved = subprocess.run(["docker", "-H", eng.url, "save", ref], capture_output=True, check=True).stdout
+        subprocess.run(["podman", "load"], input=saved, env=podman_env, capture_output=True, check=True)
+        assert in_podman()
+        env = {"DOCKER_HOST": eng.url, "CONTAINERS_STORAGE_CONF": str(conf)}
+        r = cli("prune", "--dry-run", root=tmp_path, env=env)
+        assert r.rc == 0 and f"would remove podman's localhost/{ref}: podman's copy of a build" in r.err, r.err
+        assert in_podman()
+        r = cli("prune", root=tmp_path, env=env)
+        assert r.rc == 0 and f"removed podman's localhost/{ref}" in r.err, r.err
+        assert not in_podman() and engine.image(ref) is not None
+    finally:
+        subprocess.run(["podman", "rmi", "--force", "--all"], env=podman_env, capture_output=True)
+        engine.remove_image(ref)

@@ -278,3 +278,17 @@ def test_a_definition_of_this_checkout_requires_its_patch_set_and_its_pinned_bas
     r = verify(tmp_path, pub, full, args=("--definition", "v0.25.1", "--patch-set-digest", PATCH_SET, "--json"))
     assert r.rc == 0, r.err
     assert f"base pinned by the definition (linux/amd64 {BASE_ID})" in json.loads(r.out)["policy"]["required"]
+
+
+def test_none_covering_is_one_short_line_of_the_newest(tmp_path: Path, key: Any, pub: str) -> None:
+    # Three verdicts that each leave out part of the full smoke: the line named the whole scope and all three
+    # (847 characters with a registry's places); now the newest alone, the rest in --json.
+    partial = [sign(tmp_path, key, f"partial-{n}-of-a-long-named-series-of-runs", report(
+        skip=("serve-sweep",), only=policy.FULL_SMOKE[:-1], started=-60 - n)) for n in range(3)]
+    r = verify(tmp_path, pub, *partial)
+    assert r.rc == 24 and "covers what the policy requires: the newest, " in r.last_error, r.err
+    assert "partial-0-of" in r.last_error and "partial-1-of" not in r.last_error
+    assert len(r.last_error) <= 400, (len(r.last_error), r.last_error)
+    assert "verify --json lists what each verdict left out" in r.err
+    r = verify(tmp_path, pub, *partial, args=("--json",))
+    assert len(json.loads(r.out)["verdicts"]) == 3

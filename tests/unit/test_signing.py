@@ -245,3 +245,14 @@ def test_a_signing_key_another_user_owns_is_refused(tmp_path: Path) -> None:
     os.chown(key, 12345, 12345)
     with pytest.raises(AttestationError, match=r"owned by user 12345, not by this user \(0\)"):
         signing.load_private_key(str(key))
+
+
+def test_a_public_key_given_to_sign_is_named_a_public_key(tmp_path: Path) -> None:
+    from conftest import cli
+
+    public = _public(tmp_path / "site.pub", _key())
+    public.chmod(0o644)  # as public keys are: the mode's refusal would have sent the user to chmod it
+    r = cli("smoke", "ops/vllm:fix", "--sign-key", str(public), root=tmp_path)
+    assert r.rc == 20, r.err
+    assert f"signing key {public}: it is a public key" in r.last_error, r.err
+    assert "others may read" not in r.err and "chmod" not in r.err

@@ -84,8 +84,10 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
                    "cdi[:DEVICE], gpus or runtime[:NAME].")
 @click.option("--definition", default=None, metavar="TAG",
-              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
-                   "e.g. on the unpatched base to see them catch the bug.")
+              help="Judge the image by this image definition: its patch-set checks and its [smoke] table "
+                   "(default: this host's build record of the image; else the checks of the definition its label "
+                   "names, which the layer-identity check holds it to, and the table of the definition whose "
+                   "output tag the reference's tag is), e.g. on the unpatched base to see the checks catch the bug.")
 @click.option("--base-repo", type=REPOSITORY, default=None, metavar="REPO",
               help="Where the definition's base is when this host has no build record of the image (the "
                    "repository `image --base-repo` built from): the image must be that base's layers plus exactly "

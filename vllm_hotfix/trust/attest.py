@@ -246,6 +246,17 @@ def registry_candidates(client: registry.Client, path: str, digest: str) -> list
     return [(f"{where} (signed verdict {d[:19]})", data) for d, data in referrers.envelopes(client, path, digest)]
 
 
+def _missing_tag_hint(client: registry.Client, path: str) -> str:
+    """What to verify instead of a tag the registry lacks: the repository's tags, or that it has none."""
+    where = f"{client.host}/{path}"
+    tags = sorted(t for t in referrers.tags(client, path) if not t.startswith("sha256-"))  # not verdicts' own
+    if not tags:
+        return (f"the registry has no image under {where}: give the reference push printed "
+                "(HOST[:PORT]/PATH/NAME:TAG)")
+    shown = ", ".join(tags[:5]) + (f" and {len(tags) - 5} more" if len(tags) > 5 else "")
+    return f"{where} has the tags {shown} (`python build.py list --registry {where}` shows their builds)"
+
+
 def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: policy.Policy, *,
            given: Sequence[Path] = ()) -> tuple[str, Accepted]:
     """Judge every signed verdict of ``ref`` (its registry's, and ``given``); return (manifest digest, accepted).
@@ -255,7 +266,7 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: p
     client, path, manifest = registry.look_up(engine, ref)
     host, tag = client.host, split_reference(ref)[1]
     if manifest is None:
-        raise AttestationMissing(f"registry {host} has no {path}:{tag}")
+        raise AttestationMissing(f"registry {host} has no {path}:{tag}", hint=_missing_tag_hint(client, path))
     images = [manifest]
     if manifest.is_index:
         images = []

@@ -154,13 +154,17 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
                                       f"ended {f.ended.isoformat()}); no signed verdict covers the policy",
                                       hint="smoke the image again")
         latest3 = sorted(candidates, key=lambda f: f.ended, reverse=True)[:3]
-        left = "; ".join(f"{f.where} ({f.status.value}) left out {policy.covers(f.facts)}" for f in latest3)
+        # One line, of the newest alone: the whole scope and three verdicts' places made it 847 characters; the
+        # others and everything required are in --json.
+        newest = latest3[0]
         hint = "smoke it with everything the policy requires (on a GPU host, with --serve-model and --reference)"
         if not policy.allow_gpu_unverified and all(
                 set(policy.scope) - _ran(f) <= GPU_BOUND for f in latest3):
             hint += ", or accept a run on a host without a GPU with --allow-gpu-unverified"
         raise AttestationMismatch(f"{image}: none of its {len(candidates)} signed verdict(s) covers what the policy "
-                                  f"requires ({', '.join(policy.scope) or 'its reference'}): {left}", hint=hint)
+                                  f"requires: the newest, {newest.where} ({newest.status.value}), left out "
+                                  f"{policy.covers(newest.facts)}", hint=hint + " (verify --json lists what each "
+                                  "verdict left out)")
     latest = max(f.ended for f in covering)
     top = [f for f in covering if f.ended == latest]
     if len(top) > 1:

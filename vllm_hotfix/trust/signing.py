@@ -87,10 +87,32 @@ def _private_enough(source: str) -> None:
                                f"must be readable by its owner alone", hint=f"chmod 600 {source}")
 
 
+def _not_public(source: str, data: bytes | None = None) -> None:
+    """AttestationError when ``source``, given as a signing key, holds a public key."""
+    if data is None:
+        try:
+            data, _name = _read_pem(source, "signing key")
+        except AttestationError:
+            return
+    try:
+        serialization.load_pem_public_key(data)
+    except ValueError:
+        return
+    raise AttestationError(f"signing key {source}: it is a public key; signing takes the private key",
+                           hint="give the private key (mode 600) here; the public key is for verify --key")
+
+
 def load_private_key(source: str) -> ec.EllipticCurvePrivateKey:
     """An ECDSA P-256 private key from a PEM file (mode 0600 or stricter) or ``env:NAME``."""
-    _private_enough(source)
+    try:
+        _private_enough(source)
+    except AttestationError:
+        # A public key's mode is as it should be for a public key: said as the mode's refusal, its chmod would
+        # send the user the wrong way.
+        _not_public(source)
+        raise
     data, name = _read_pem(source, "signing key")
+    _not_public(name, data)
     password = os.environ.get(PASSWORD_ENV)
     try:
         key = serialization.load_pem_private_key(data, password.encode() if password else None)

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import secrets
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,7 +50,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
     target = plan.Target(image_ref, image_id, image_id, labels,
                          f"{inspected.get('Os', '')}/{inspected.get('Architecture', '')}",
                          entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
-                         repo_digests=tuple(inspected.get("RepoDigests") or ()))
+                         repo_digests=registry_digests(inspected.get("RepoDigests") or ()))
     # File facts from podman's own copy, the one it starts; the base and the expectation from the Docker engine
     # that holds the base.
     files = PodmanFiles(launcher)
@@ -77,6 +77,17 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
                      landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing),
                      python_path=proven.python_path if proven is not None else ())
     return plan.keep_recorded(ran, options, target, say), target
+
+
+# The name podman's store gives an image that came from no registry (loaded, built, committed): its own
+# namespace, no registry's host.
+PODMAN_LOCAL = "localhost/"
+
+
+def registry_digests(names: Sequence[object]) -> tuple[str, ...]:
+    """Podman's repo digests of an image that name a registry copy of it: those under its store's own
+    ``localhost/`` name are no copy anywhere, and a signed verdict is attached beside none of them."""
+    return tuple(str(n) for n in names if not str(n).startswith(PODMAN_LOCAL))
 
 
 def into_podman(root: Path, engine: Callable[[], Engine], launcher: PodmanLauncher, image_ref: str,

@@ -237,6 +237,19 @@ class PodmanLauncher:
         if tagged.returncode != 0:
             raise EngineError(f"podman tag {by_digest} {image}: {(tagged.stderr.strip().splitlines() or ['?'])[-1]}")
 
+    def images_labelled(self, label: str) -> list[tuple[str, tuple[str, ...], int]]:
+        """The images of podman's store carrying ``label``: (ID, names, size in bytes) each."""
+        done = self._call("images", "--filter", f"label={label}", "--format", "json")
+        if done.returncode != 0:
+            raise EngineError(f"podman images: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        listed = json.loads(done.stdout or "[]") or []
+        return [("sha256:" + str(i.get("Id", "")).removeprefix("sha256:"), tuple(i.get("Names") or ()),
+                 int(i.get("Size") or 0)) for i in listed]
+
+    def remove_image(self, image_id: str) -> bool:
+        """``podman rmi`` of ``image_id`` (every name of it); False where podman keeps it (a container uses it)."""
+        return self._call("rmi", image_id.removeprefix("sha256:")).returncode == 0
+
     def image_facts(self, image: str) -> dict[str, Any]:
         """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
         self.require()
