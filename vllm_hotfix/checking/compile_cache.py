@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import Engine
-from ..errors import SmokeError
+from ..errors import PipelineError, SmokeError
 from ..journal import leftovers
 from ..verdicts import Verdict
 
@@ -91,8 +91,14 @@ def trusted_by(verdict: Verdict) -> bool:
     from ..trust import decide, policy, policy_file, signing
 
     predicate = signing.predicate(verdict.to_dict(), {}, signing.now(), verdict.started or None)
-    results = policy_file.build().requirements().check(decide.facts(predicate, "this host's verdict"),
-                                                       dt.datetime.now(dt.UTC))
+    try:
+        results = policy_file.build().requirements().check(decide.facts(predicate, "this host's verdict"),
+                                                           dt.datetime.now(dt.UTC))
+    except PipelineError as exc:
+        # The cache only saves time: a verdict the policy cannot be asked of is trusted with nothing.
+        log.warning("compile cache: the default policy could not judge the verdict of %s (%s); its writes are not "
+                    "kept", verdict.image_id[:19], exc)
+        return False
     missed = [r.reason for r in results if isinstance(r, policy.Failure)]
     if missed:
         log.debug("compile cache: the verdict of %s does not meet the default policy: %s", verdict.image_id[:19],
