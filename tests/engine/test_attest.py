@@ -208,7 +208,13 @@ def test_a_fail_beside_the_staging_copy_travels_with_the_promoted_image(
     finally:
         engine.untag(staged["ref"])
     assert r.rc == 24 and "fail" in r.last_error, r.err
-    # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts.
+    # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts, and its
+    # dry run says so first (it counted the journal's pass alone).
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--dry-run", root=project)
+    assert r.rc == 0 and "and attach 2 signed verdict(s): " in r.out, r.out + r.err
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--dry-run", "--json",
+            root=project)
+    assert r.rc == 0 and len(json.loads(r.out)["attestations"]) == 2, r.out
     r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     promoted = json.loads(r.out)

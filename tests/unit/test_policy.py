@@ -187,12 +187,14 @@ def test_age_definition_digests_and_tool_version(tmp_path: Path, key: Any, pub: 
 
 
 def test_a_policy_reads_what_the_host_proved_never_the_labels(tmp_path: Path, key: Any, pub: str) -> None:
-    # Identity failed: the host proved no definition; the labels claim one, and are kept apart.
-    rep = report(fail=("layer-identity",))
+    # Identity failed (judged against the SM100 variant): the host proved no patch set, and names the definition and
+    # patch-set digest it judged the image against; the labels claim another definition, and are kept apart.
+    rep = report(fail=("layer-identity",), definition="v0.25.1-sm100")
     labels = {"io.vllm-hotfix.definition": "v0.25.1", "org.opencontainers.image.base.digest": "sha256:" + "11" * 32,
               "io.vllm-hotfix.patches": json.dumps({"0001.patch": "ff"})}
     pred = signing.predicate(rep, labels, _at(0))
-    assert pred["definition"] == "" and pred["patch_set"] == {} and pred["patches"] == {}
+    assert pred["patch_set"] == {} and pred["patches"] == {}
+    assert pred["definition"] == "v0.25.1-sm100" and pred["patch_set_digest"] == PATCH_SET
     assert pred["claimed"]["definition"] == "v0.25.1"
     assert pred["claimed"]["base"]["digest"] == "sha256:" + "11" * 32
     assert pred["base"] == {"id": BASE_ID, "name": "vllm/vllm-openai:v0.25.1", "digests": []}

@@ -114,6 +114,32 @@ def test_a_passing_runs_private_writes_are_adopted_and_nothing_else(tmp_path: Pa
     assert not (shared / "not-a-file").exists()
 
 
+def _full_smoke(**changed: Status) -> Verdict:
+    """A GPU-verified verdict of every check the default policy counts (passed, unless ``changed`` says otherwise),
+    its identity proved: what a full smoke on a GPU host with a reference gives."""
+    from vllm_hotfix.trust import policy_file
+
+    names = sorted({*policy_file.build().checks, "layer-identity"})
+    checks = [Check(n, changed.get(n.replace("-", "_"), Status.PASS), "x", ran_against="vllm",
+                    data={"definition": "v0.25.1", "patch_set": "v0.25.1", "patch_set_digest": "sha256:" + "c" * 64,
+                          "base_id": BASE} if n == "layer-identity" else None) for n in names]
+    return judge("ops/vllm:fix", PATCHED, checks, gpu_verified=True, started="2026-12-07T03:00:00+00:00",
+                 gpu={"devices": ["NVIDIA H200"], "verified": True},
+                 sweep={"reference": {"sha256": "d" * 64}, "levels": []})
+
+
+def test_only_a_run_that_meets_the_default_policy_writes_the_compile_cache() -> None:
+    """The cache adopts a run's writes, and lets an image write it in place, only where the run meets the default
+    verification policy (the one `verify` asks of a signed verdict): a pass that judged no answers does not."""
+    assert compile_cache.trusted_by(_full_smoke())
+    # Passed, but its sweep and exact-levels skipped (no --serve-model, no reference): no answers judged.
+    assert not compile_cache.trusted_by(_full_smoke(serve_sweep=Status.SKIP, exact_levels=Status.SKIP))
+    assert _full_smoke(serve_sweep=Status.SKIP, exact_levels=Status.SKIP).passed
+    # Passed on a host without a GPU: GPU-unverified.
+    assert not compile_cache.trusted_by(replace(_full_smoke(), gpu_verified=False))
+    assert not compile_cache.trusted_by(_full_smoke(exact_levels=Status.FAIL))
+
+
 def test_a_bad_image_id_is_refused() -> None:
     with pytest.raises(SmokeError, match="not a sha256 image ID"):
         compile_cache.base_key("../x", None)

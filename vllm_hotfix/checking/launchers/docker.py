@@ -154,8 +154,9 @@ class DockerRun:
 
     def compile_cache(self, image: ImageInfo, *, is_base: bool = False) -> compile_cache.CompileCache | None:
         """The compile cache folder of the image's base on the GPU model in use (None: not kept), and how this
-        run gets it: written in place only by the base itself (``is_base``) or an image this host has passed;
-        read-only under a private layer for any other; a folder of its own for a recording."""
+        run gets it: written in place only by the base itself (``is_base``) or an image whose newest verdict here
+        meets the default policy (:func:`compile_cache.trusted_by`); read-only under a private layer for any other;
+        a folder of its own for a recording."""
         if not self.opt.compile_cache:
             return None
         if image.id not in self._caches:
@@ -163,7 +164,7 @@ class DockerRun:
             devices = access.devices if access is not None and access.chosen is not None else []
             found = compile_cache.folder(sources.cache_dir(self.root), image.id, self._bases.get(image.id), devices)
             judged = records.judgement(self.root, image.id)
-            trusted = is_base or (judged is not None and judged.verdict.passed)
+            trusted = is_base or (judged is not None and compile_cache.trusted_by(judged.verdict))
             how = compile_cache.access(trusted=trusted, recording=self.opt.record_reference is not None)
             self._caches[image.id] = replace(found, access=how)
         return self._caches[image.id]
@@ -233,7 +234,8 @@ class DockerRun:
         if cache is not None:
             self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}, "
                      + {compile_cache.SHARED: "written in place",
-                        compile_cache.LAYERED: "read-only under a private layer (no passing verdict here yet)",
+                        compile_cache.LAYERED: "read-only under a private layer (no verdict here meets the default "
+                                               "policy yet)",
                         compile_cache.PRIVATE: "a folder of its own (a recording shares none)"}[cache.access])
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
@@ -242,11 +244,12 @@ class DockerRun:
         host_facts = plan.HostFacts(found.compiled_missing, gpu_facts, environment,
                                     lambda modules: self.base_import_errors(image, modules))
         mounted = None
-        done: list[plan.Ran] = []  # the run, once judged: a layered cache's writes are kept only if it passed
+        # The run, once judged: a layered cache's writes are kept only where it met the default policy.
+        done: list[plan.Ran] = []
         try:
             with contextlib.ExitStack() as stack:
                 mounted = stack.enter_context(compile_cache.given(
-                    self.engine, cache, keep=lambda: bool(done) and done[0].verdict.passed)) \
+                    self.engine, cache, keep=lambda: bool(done) and compile_cache.trusted_by(done[0].verdict))) \
                     if cache is not None else None
                 launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                           env=mounted.env if mounted is not None else None,

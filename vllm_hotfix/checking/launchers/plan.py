@@ -29,7 +29,7 @@ from ...inimage import oracle
 from ...inimage.reference import PROMPTS, Reference
 from ...journal import leftovers, records
 from ...judges import fixed_batches, judging, replies
-from ...trust.references import UNCHECKED, Signature
+from ...trust.references import UNCHECKED, Signature, unfit
 from ...verdicts import Check, Status, Verdict
 from .. import compile_cache
 from .base import Launched, Launcher, stage
@@ -489,20 +489,25 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
 def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable[[str], None]) -> Ran:
     """A recording run (``--record-reference``, docker or podman): the answers the runner recorded written with
     their settings, the per-level answers the host read from the batch probe and the golden's noise measured on
-    them, and the verdict naming the file; nothing written without the per-level answers (the run fails on its
-    exact-levels check, which says why), nor where the golden judged the trusted image wrong."""
-    if ran.answers is None or options.record_reference is None:
+    them, and the verdict naming the file; only from a passing recording (:func:`...trust.references.unfit`: a
+    pass, its golden passed, GPU-verified). Nothing is written otherwise: without the per-level answers (the run
+    fails on its exact-levels check, which says why), where the golden judged the trusted image wrong or did not
+    run, or where no GPU verified the image."""
+    if options.record_reference is None:
         return ran
     from ...inimage import reference as answers
 
-    if not ran.levels:
-        say(f"    --record-reference {options.record_reference}: no per-level answers under fixed batches came back "
-            "(see the exact-levels check); nothing written")
+    where = f"    --record-reference {options.record_reference}"
+    if ran.answers is None:
+        say(f"{where}: the runner recorded no answers (see the serve-sweep check); nothing written")
         return ran
-    said = next((c for c in ran.verdict.checks if c.name == "golden"), None)
-    if said is not None and said.status is not Status.SKIP and not ran.golden:
-        say(f"    --record-reference {options.record_reference}: the golden check of the trusted image's replies did "
-            "not pass (see the golden check); nothing written")
+    if not ran.levels:
+        say(f"{where}: no per-level answers under fixed batches came back (see the exact-levels check); nothing "
+            "written")
+        return ran
+    why = unfit(ran.verdict) or (None if ran.golden else "the golden measured no noise to keep")
+    if why is not None:
+        say(f"{where}: nothing written: {why}")
         return ran
     settings = {**serve_settings(options, target), **run_settings(ran.verdict)}
     # The image they were recorded from: its config digest, the host's fact.
