@@ -222,11 +222,14 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert sweep_check["status"] == "fail"
             assert "concurrency 2" in sweep_check["detail"]
             assert any("illegal memory access" in ln for ln in sweep_check["data"]["server_log"])
-            # A run that failed, of an image never passed here: what its server wrote stayed in its private layer.
+            # A run that failed, of an image whose layers the run proved (the tool built it over its base from this
+            # checkout's patch set): its code is the base's and the patch set's, so it writes the base's folder in
+            # place, as the base itself does, and nothing is left private.
             cache = report["environment"]["compile_cache"]
-            assert cache["access"] == "layered"
-            assert not (Path(cache["host"]) / "vllm" / "fake-openai-starts").exists()
-            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
+            assert cache["access"] == "shared" and "written in place (its layers proven)" in r.err
+            assert (Path(cache["host"]) / "vllm" / "fake-openai-starts").exists()
+            private = Path(cache["host"]).parent.parent / "private"
+            assert not private.exists() or not list(private.iterdir())
         else:
             assert r.rc == 0, r.err
             assert sweep_check["status"] == "pass"
@@ -239,20 +242,20 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
             assert cache["base_id"] == base_id.removeprefix("sha256:") and cache["gpu"] == "no-gpu"
             assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
-            # Its first run: no verdict here meets the default policy yet, so the base's cache read-only under a
-            # private layer. The run passed, but judged no answers (no reference, no golden, no GPU): what its server
-            # wrote there is dropped with the layer, never adopted into the cache (nothing left private either).
-            assert cache["access"] == "layered" and "read-only under a private layer" in r.err
+            # Its first run: no verdict here meets the default policy yet, but the run proved its layers, so it
+            # writes the base's cache in place (its next image of that base starts warm), whatever its verdict.
+            assert cache["access"] == "shared" and "written in place (its layers proven)" in r.err
             starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
-            assert not starts.exists()
-            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
-            # Nor does that pass make the image trusted: its next run gets the cache read-only again.
+            assert starts.read_text().count("started") == 1
+            private = Path(cache["host"]).parent.parent / "private"
+            assert not private.exists() or not list(private.iterdir())
+            # Its next run: the same.
             r = cli("smoke", served, "--serve-model", str(model), "--concurrency", "1", "--requests", "2",
                     "--report", str(tmp_path / "r2.json"), root=project)
             assert r.rc == 0, r.err
             assert json.loads((tmp_path / "r2.json").read_text())["environment"]["compile_cache"]["access"] == \
-                "layered"
-            assert not starts.exists()
+                "shared"
+            assert starts.read_text().count("started") == 2
             # The base itself writes its cache in place (the unpatched base fails patch-landed; --keep-going starts
             # its server all the same).
             r = cli("smoke", product.base_ref, "--definition", "v0.25.1", "--base-repo", product.repo,
@@ -261,7 +264,7 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert r.rc == 7 and "written in place" in r.err, r.err
             assert json.loads((tmp_path / "base.json").read_text())["environment"]["compile_cache"] == cache | {
                 "access": "shared"}
-            assert starts.read_text().count("started") == 1
+            assert starts.read_text().count("started") == 3
             # The oracle's settings reached the server: prefix caching off, batch-invariant mode on.
             assert "started prefix_caching=False VLLM_BATCH_INVARIANT=1" in starts.read_text()
             shared_after = starts.read_text()
@@ -277,10 +280,12 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             # Nothing to sign, and the recording's own (failing) verdict is kept beside nothing.
             assert not answers.exists() and not (tmp_path / "answers.dsse.json").exists()
             assert not (tmp_path / "answers.verdict.dsse.json").exists()
-            # A recording shares no cache: a folder of its own, removed after the run; the shared one untouched.
+            # A recording reads no cache: a folder of its own, removed after the run. Its image's layers were
+            # proven, so what it wrote there (its server's one start) is moved into the base's folder after it.
             assert json.loads((tmp_path / "rec.json").read_text())["environment"]["compile_cache"]["access"] == \
                 "private"
-            assert starts.read_text() == shared_after
+            assert shared_after.count("started") == 3 and starts.read_text().count("started") == 1
+            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
             checks = {c["name"]: c for c in json.loads((tmp_path / "rec.json").read_text())["checks"]}
             assert checks["serve-sweep"]["status"] == "pass"
             assert checks["exact-levels"]["status"] == "fail"

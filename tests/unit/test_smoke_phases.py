@@ -97,6 +97,24 @@ def test_a_recordings_folder_is_its_own_and_gone_after_the_run(tmp_path: Path) -
         assert mounted.mount == (str(shared.host), "/root/.cache")
 
 
+def test_a_recording_of_a_proven_image_warms_the_bases_folder_after_it_and_reads_nothing_of_it(
+        tmp_path: Path) -> None:
+    """A recording starts from an empty folder of its own whatever the base's holds; where its image's layers were
+    proven (``keep``), what it compiled moves into the base's folder once it ended, so the next image of that base
+    starts warm; where they were not, nothing does."""
+    shared = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+    (shared.host / "kernel.bin").write_bytes(b"another image's")
+    private = replace(shared, access=compile_cache.PRIVATE)
+    for proven in (False, True):
+        with compile_cache.given(None, private, keep=lambda p=proven: p) as mounted:  # type: ignore[arg-type]
+            own = Path(mounted.mount[0])
+            assert not list(own.iterdir())  # nothing of the base's folder to read
+            (own / "triton").mkdir()
+            (own / "triton" / f"compiled-{proven}").write_text("x")
+        assert not own.exists()
+    assert sorted(p.name for p in shared.host.rglob("*") if p.is_file()) == ["compiled-True", "kernel.bin"]
+
+
 def test_a_passing_runs_private_writes_are_adopted_and_nothing_else(tmp_path: Path) -> None:
     """What a layered run wrote moves into the shared folder (renames on one file system); a folder, a file that
     is a folder there, and anything that is not a file or a link (an overlay whiteout) stay out."""

@@ -25,8 +25,12 @@ cache.
 
 Triton's and inductor's artifacts are loaded as they are found, so the
 folder is a write channel from one run to every later one: only a run that
-is trusted writes it in place (``shared``): the base itself, or an image
-whose newest verdict on this host meets the default verification policy
+is trusted writes it in place (``shared``): the base itself; an image
+whose layers this run proved to be exactly what the builder writes for a
+patch set of this checkout over that base (:mod:`vllm_hotfix.judges.identity`:
+its code is the base's and the patch set's, nothing the image brought, and
+every cache keys what it compiles by that source); or an image whose newest
+verdict on this host meets the default verification policy
 (:func:`trusted_by`: the definition's full smoke, as ``verify`` asks of a
 signed verdict, answers judged included). Any other image (``layered``)
 sees the folder read-only under a private writable layer (an overlay
@@ -38,7 +42,9 @@ starts warm). A pass that judged no answers (no reference, no golden, no
 GPU) is no such run: its writes are dropped.
 A ``--record-reference`` run (``private``) gets an empty folder of its
 own, removed after the run: the answers every later run is judged by come
-from nothing another image wrote, and leave nothing for another image.
+from nothing another image wrote. Where the recording image's layers were
+proven, what it compiled is moved into the shared folder after the run
+(the first smoke of the patched image after a recording then starts warm).
 """
 
 from __future__ import annotations
@@ -77,7 +83,8 @@ _IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
 
 
 # How a run gets the folder (see the module's doc).
-SHARED = "shared"  # written in place: the base itself, or an image whose verdict here meets the default policy
+SHARED = "shared"  # written in place: the base itself, an image whose layers this run proved, or one whose verdict
+# here meets the default policy
 LAYERED = "layered"  # read-only under a private writable layer, removed after the run: an image not yet trusted
 PRIVATE = "private"  # an empty folder of its own, removed after the run: a recording
 
@@ -107,7 +114,8 @@ def trusted_by(verdict: Verdict) -> bool:
 
 
 def access(*, trusted: bool, recording: bool) -> str:
-    """How a run gets the cache: a recording never shares one; only a trusted image writes the shared one."""
+    """How a run gets the cache: a recording never reads a shared one; only a trusted image (the base, an image
+    whose layers this run proved, an image whose verdict meets the default policy) writes the shared one."""
     if recording:
         return PRIVATE
     return SHARED if trusted else LAYERED
@@ -191,6 +199,11 @@ def given(engine: Engine, cache: CompileCache, keep: Callable[[], bool] = lambda
     try:
         if cache.access == PRIVATE:
             yield replace(cache, host=upper, source=str(upper))
+            if keep():
+                # A recording starts from nothing another image wrote; what it compiled, where ``keep`` says its
+                # image may write the shared folder (its layers proven), warms the base's later runs.
+                log.info("compile cache: %d file(s) of a recording adopted into %s", adopt(upper, cache.host),
+                         cache.host)
         else:
             with engine.overlay_volume(cache.host, upper, work) as volume:
                 yield replace(cache, source=volume)

@@ -152,11 +152,13 @@ class DockerRun:
                                                        self.opt.gpu_request, self.opt.python, self.say)
         return self._access[image.id]
 
-    def compile_cache(self, image: ImageInfo, *, is_base: bool = False) -> compile_cache.CompileCache | None:
+    def compile_cache(self, image: ImageInfo, *, is_base: bool = False,
+                      proven: bool = False) -> compile_cache.CompileCache | None:
         """The compile cache folder of the image's base on the GPU model in use (None: not kept), and how this
-        run gets it: written in place only by the base itself (``is_base``) or an image whose newest verdict here
-        meets the default policy (:func:`compile_cache.trusted_by`); read-only under a private layer for any other;
-        a folder of its own for a recording."""
+        run gets it: written in place only by the base itself (``is_base``), an image whose layers this run proved
+        (``proven``: its code is the base's and a patch set's of this checkout) or an image whose newest verdict
+        here meets the default policy (:func:`compile_cache.trusted_by`); read-only under a private layer for any
+        other; a folder of its own for a recording."""
         if not self.opt.compile_cache:
             return None
         if image.id not in self._caches:
@@ -164,7 +166,7 @@ class DockerRun:
             devices = access.devices if access is not None and access.chosen is not None else []
             found = compile_cache.folder(sources.cache_dir(self.root), image.id, self._bases.get(image.id), devices)
             judged = records.judgement(self.root, image.id)
-            trusted = is_base or (judged is not None and compile_cache.trusted_by(judged.verdict))
+            trusted = is_base or proven or (judged is not None and compile_cache.trusted_by(judged.verdict))
             how = compile_cache.access(trusted=trusted, recording=self.opt.record_reference is not None)
             self._caches[image.id] = replace(found, access=how)
         return self._caches[image.id]
@@ -228,15 +230,18 @@ class DockerRun:
         seen = self._access[image.id].devices if image.id in self._access else []
         if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
             answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
-        cache = (self.compile_cache(image, is_base=proven.status == "skip")
+        layers_proven = proven.status == "pass"
+        cache = (self.compile_cache(image, is_base=proven.status == "skip", proven=layers_proven)
                  if request is not None or self.opt.serve_model is not None else None)
         environment = {"compile_cache": cache.to_dict()} if cache is not None else {}
         if cache is not None:
             self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}, "
-                     + {compile_cache.SHARED: "written in place",
+                     + {compile_cache.SHARED: "written in place" + (" (its layers proven)" if layers_proven else ""),
                         compile_cache.LAYERED: "read-only under a private layer (no verdict here meets the default "
                                                "policy yet)",
-                        compile_cache.PRIVATE: "a folder of its own (a recording shares none)"}[cache.access])
+                        compile_cache.PRIVATE: "a folder of its own (a recording reads none)"
+                                               + ("; what it compiles warms the base's folder after it (its layers "
+                                                  "proven)" if layers_proven else "")}[cache.access])
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
         clock.restart()
@@ -248,8 +253,11 @@ class DockerRun:
         done: list[plan.Ran] = []
         try:
             with contextlib.ExitStack() as stack:
-                mounted = stack.enter_context(compile_cache.given(
-                    self.engine, cache, keep=lambda: bool(done) and compile_cache.trusted_by(done[0].verdict))) \
+                # A recording's writes are kept where its image's layers were proven; a layered run's where its
+                # verdict met the default policy.
+                keep = (lambda: layers_proven) if cache is not None and cache.access == compile_cache.PRIVATE else \
+                    (lambda: bool(done) and compile_cache.trusted_by(done[0].verdict))
+                mounted = stack.enter_context(compile_cache.given(self.engine, cache, keep=keep)) \
                     if cache is not None else None
                 launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                           env=mounted.env if mounted is not None else None,
