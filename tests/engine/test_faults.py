@@ -558,3 +558,46 @@ def test_prune_removes_what_rollbacks_and_stand_ins_left_and_keeps_tagged_images
     assert cli("prune", root=tmp_path, env=env).out.startswith("removed 0 image(s)")
     engine.untag("hotfix-test/prune-left:1")
     engine.remove_image("hotfix-test/prune-kept:1")
+
+
+class _Finalized:
+    """An object whose finalizer gets Ctrl-C: Python runs the handler inside ``__del__``, where the interrupt it
+    raises cannot propagate (it is "ignored", and the run goes on)."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_ctrl_c_lost_in_a_finalizer_still_stops_the_build_before_its_tag(
+        private: tuple[PrivateEngine, Engine], project: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C half a second into `image --rebuild` was once ignored, and the build, smoke and tag move went on
+    to exit 0: an interrupt raised in a finalizer is lost there. The seam: the run's Ctrl-C lands in a finalizer
+    as the base is probed (the run forked from this process, the probe's entry wrapped). The run stops at its
+    next step: one line, 130, nothing built or tagged, nothing left."""
+    import threading
+
+    from vllm_hotfix.building import pipeline
+
+    eng, engine = private
+    before = engine.image_ids()
+    out = f"hotfix-test/lost-interrupt-{unique}:x"
+    real = pipeline.prepare
+
+    def prepare(*args: object, **kwargs: object) -> object:
+        _Finalized()  # made and dropped: its finalizer runs here
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline, "prepare", prepare)
+    # The run is forked from this process (so it has the seam), with Python's own Ctrl-C handler.
+    assert threading.active_count() == 1
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        r = cli("image", "--definition", "v0.25.1", "--tag", out, "--pull", "never", "--rebuild", root=project,
+                env={"DOCKER_HOST": eng.url})
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    assert r.rc == 130 and _one_error_line(r.err) == "error: interrupted", r.err
+    assert "==> checking" in r.err and "==> building" not in r.err, r.err
+    assert engine.image(out) is None and engine.image_ids() - before == set()
+    assert engine.containers_by_owner() == {}
+    assert not list((project / "build" / "runs").glob("*.json"))
