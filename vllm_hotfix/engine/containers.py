@@ -112,17 +112,13 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
                     engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
                 raise
             made = True
-    except BaseException as exc:
-        if not isinstance(exc, Exception):  # interrupted (Ctrl-C, SIGTERM)
-            if made:
-                remove(engine, container.id, quiet=True)
-            # else: asked twice while the engine made it: the note keeps its count, and the next run's sweep
-            # finds the container by its owner label.
-        raise
-    try:
+        # In the same try as the create: an interrupt between the two blocks would leave the container behind.
         yield container
     except BaseException:
-        remove(engine, container.id, quiet=True)
+        if made:
+            remove(engine, container.id, quiet=True)
+        # Not made: refused (the count settled above), or asked twice while the engine made it (the note keeps
+        # its count, and the next run's sweep finds the container by its owner label).
         raise
     remove(engine, container.id, quiet=False)
 
