@@ -284,6 +284,12 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, base_v025
             r = cli("smoke", ref, "--launcher", launcher, "--gpu", "off", "--sign-key", "env:HOTFIX_SITE_KEY",
                     "--attestation", str(envelope), "--report", str(out), root=project, env=env_key)
         assert "key-search: nothing found" in r.err and "key-search: FOUND" not in r.err, r.err
+        if launcher == "kubernetes":
+            # A saved log where no runner started says nothing that ties it to the Job (no report, no run nonce):
+            # nothing is judged about the image, so nothing is signed.
+            assert r.rc == 11 and "no run nonce" in r.last_error, r.err
+            assert not envelope.exists()
+            return
         # The image said nothing the host could judge: a failure, recorded and signed as one, here.
         assert r.rc == 7, r.err
         runner = _checks(_report(out))["runner"]
@@ -500,6 +506,39 @@ def test_a_pushed_tag_the_engine_has_no_digest_for_resolves_through_the_registry
         assert "@sha256:" in started, started
         config_map = json.loads(job.read_text().split("---\n")[1])
         assert json.loads(config_map["data"]["job.json"])["image_id"] == image_id
+
+
+def test_a_log_that_is_not_the_jobs_is_incomplete_and_nothing_is_signed_or_attached(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """--collect of a file holding no report and no run nonce (kubectl's own error saved by mistake) says nothing
+    about the image: incomplete, nothing signed, nothing beside the image; the Job's own log cut short after its
+    runner started (it said the nonce, then no report) is the image's failure, signed as one."""
+    project, ref, image_id = built
+    key, pub, _private = key_pair(tmp_path)
+    by_digest = _pushed(engine, ref, registry, "wronglog")
+    job = tmp_path / "job.yaml"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--emit", str(job), root=project)
+    assert r.rc == 0, r.err
+    wrong = tmp_path / "kubectl-error.log"
+    wrong.write_text("error: You must be logged in to the server (Unauthorized)\n")
+    envelope = tmp_path / "wrong.dsse.json"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(wrong),
+            "--sign-key", str(key), "--attestation", str(envelope), root=project)
+    assert r.rc == 11, r.err
+    assert f"--collect {wrong}: no runner report and no run nonce" in r.last_error, r.err
+    assert "signed verdict" not in r.err and not envelope.exists()
+    r = cli("verify", by_digest, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    assert r.rc == 21, r.err  # nothing was attached beside the image
+    # The Job's own log, its runner stopped after it started: no report, but the Job's nonce.
+    log = run_as_a_node(engine, job, image_id, tmp_path / "node", {})
+    said = [ln for ln in log.splitlines() if ln.startswith("@@vllm-hotfix-runner:run_nonce@@ ")]
+    assert len(said) == 1, log
+    cut = tmp_path / "cut.log"
+    cut.write_text("\n".join(ln for ln in log.splitlines() if not ln.startswith("@@vllm-hotfix-runner:report@@")))
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(cut),
+            "--sign-key", str(key), "--attestation", str(envelope), root=project)
+    assert r.rc == 7 and "the runner gave no report" in r.err, r.err
+    assert envelope.exists()
 
 
 # -- 5. every verdict beside the image in its registry ----------------------------------------------------

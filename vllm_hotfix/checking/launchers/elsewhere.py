@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from ...engine import Engine, ImageInfo, split_reference
 from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed, UsageError
+from ...inimage.runner import NONCE_MARK
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...judges import identity, layer_read
 from ...registry import client as registry
 from . import facts, plan
-from .base import Launched, results
+from .base import LINE, Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
 
@@ -358,5 +359,25 @@ def _collected(root: Path, cluster: Cluster, say: Callable[[str], None], ref: st
     except OSError as exc:
         raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
     say(f"==> reading the runner's report from {given}")
-    return results(text, text, f"the pod's log {given}")
+    try:
+        return results(text, text, f"the pod's log {given}")
+    except RunnerFailed as exc:
+        if _said_nonce(root, text, ref):
+            raise  # the Job's own runner, started in the image, gave no report: the image's failure
+        # Nothing in the file ties it to a Job this host made (a kubectl error, another pod's log): it says
+        # nothing about the image, so no verdict on it is judged or signed.
+        last = (text.strip().splitlines() or ["it is empty"])[-1][:LINE]
+        raise RunnerFailed(f"--collect {given}: no runner report and no run nonce of a Job this host made for "
+                           f"{ref} (its last line: {last}): not that Job's log, so it says nothing about the image",
+                           hint=f"collect the Job's own pod log (--collect job/NAME, or kubectl logs job/NAME > "
+                                f"FILE); {exc.hint}", incomplete=True) from None
+
+
+def _said_nonce(root: Path, text: str, ref: str) -> bool:
+    """Whether ``text`` holds the nonce line of a runner started by a Job this host made for ``ref``."""
+    for line in text.splitlines():
+        mark, _, nonce = line.strip().partition(" ")
+        if mark == NONCE_MARK and nonce and any(e.data.get("image") == ref for e in records.jobs(root, nonce)):
+            return True
+    return False
 
