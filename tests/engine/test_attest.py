@@ -86,6 +86,8 @@ def test_signed_verdict_travels_with_the_image(
     series.write_text(f"renamed-{name}\n")
     r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--definition", "v0.25.1", root=elsewhere)
     assert r.rc == 24 and "not sha256:" in r.last_error and "patch-set digest" in r.last_error, r.err
+    (series.parent / f"renamed-{name}").rename(series.parent / name)  # as it was: the definition's product again
+    series.write_text(f"{name}\n")
     # A registry that cannot be read: nothing was judged, the registry's code (8), never the policy's refusal.
     r = cli("verify", "--definition", "v0.25.1", "127.0.0.1:9/ops/vllm-openai:nothing", "--key", pub, root=elsewhere)
     assert r.rc == 8 and "cannot read its signed verdicts" in r.last_error, r.err

@@ -118,9 +118,12 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
         # The base's layers alone under the patched image's labels: not the patch set's product (exit 14).
         fails(r, "not the product of definition v0.25.1", "0 layer(s) over the base; the builder writes 1")
         assert r.rc == 14
-        # Even with the failing verdict edited into a pass, the push re-checks the files.
-        edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
-        r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
+        # Even with the failing verdict edited into a pass (the patched image's checks copied in, so that the
+        # journal's verdict meets the policy), the push re-checks the files.
+        entry = records.verdicts(project, fake_id)[0].path
+        checks = json.loads(records.verdicts(project, image_id)[0].path.read_text())["checks"]
+        edit_entry(entry, status="pass", gpu_verified=True, checks=checks)
+        r = cli("push", fake, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "refusing to push", "layer-identity", "0 layer(s) over the base")
         assert r.rc == 8
     finally:
@@ -141,7 +144,7 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
     alias = f"hotfix-test/base-alias-{unique}:x"
     engine.tag(base_id, alias)
     try:
-        r = cli("push", alias, "--registry", f"{registry.place}/ops", root=project)
+        r = cli("push", alias, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "refusing to push", "layer-identity", "cannot tell what it is the product of")
         assert r.rc == 8
         name = alias.split("/")[1].split(":")[0]
