@@ -25,7 +25,8 @@ def policy_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="A check the signed run must have, with its status (default pass). Repeatable."),
         click.option("--definition", "definition", default="", metavar="TAG",
                      help="The definition the host must have proved the image the product of (and, where this "
-                          "checkout has it, its patch set's digest)."),
+                          "checkout has it, its patch set's digest and pinned base). Required: given here or by "
+                          "--policy."),
         click.option("--patch-set-digest", default="", metavar="sha256:...",
                      help="The patch-set digest the host must have proved."),
         click.option("--base-digest", default="", metavar="sha256:...",
@@ -37,13 +38,15 @@ def policy_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--max-skew", default="", metavar="DURATION",
                      help="How far ahead of this host's clock a verdict may be dated (default 5m); later: refused."),
         click.option("--require-gpu", "require_gpu", multiple=True, metavar="PRODUCT",
-                     help="The GPU product the signed run ran on, as its whole name (e.g. 'NVIDIA H100 80GB HBM3'; "
-                          "'H100' alone matches nothing). Several: any of them (repeatable, or comma-separated)."),
+                     help="The GPU product the signed run ran on: its whole name or a run of its whole words "
+                          "(e.g. 'H100' names 'NVIDIA H100 80GB HBM3', 'H10' does not). Several: any of them "
+                          "(repeatable, or comma-separated)."),
         click.option("--tool-version", default="", metavar="VERSION",
                      help="The version of this tool that signed the verdict."),
         click.option("--allow-gpu-unverified", is_flag=True,
-                     help="Accept a pass whose GPU checks, server sweep and exact-levels did not run (a host "
-                          "without a GPU); the answer says so."),
+                     help="Accept a pass whose checks that need a GPU (GPU checks, server sweep, exact-levels, "
+                          "golden, reference) did not run (a host without a GPU), and nothing else; the answer "
+                          "says which did not run."),
     )):
         command = option(command)
     return command
