@@ -180,7 +180,7 @@ def test_a_newer_fail_of_a_counted_check_blocks_whatever_its_scope(tmp_path: Pat
                                                              fail=("integrity",)))
     r = verify(tmp_path, pub, full, narrow_fail)
     assert r.rc == 24 and "narrow-fail" in r.last_error and "'fail', not a pass: integrity" in r.last_error, r.err
-    assert "the older pass" in r.last_error and "does not count" in r.last_error
+    assert "the older signed pass" in r.last_error and "does not count" in r.last_error
     # An older narrow fail does not: the newer full pass covers and passes it.
     old_fail = sign(tmp_path, key, "old-fail", report(started=-300, only=policy.CPU_CHECKS, fail=("integrity",)))
     assert verify(tmp_path, pub, full, old_fail).rc == 0

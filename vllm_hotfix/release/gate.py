@@ -69,8 +69,8 @@ def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) 
         raise PushError(f"{lead}: {exc}", hint=hint) from None
     not_run = attest.not_run(decision)
     if not_run:
-        log.warning("%s: let through by %s, in which %s did not run", image_ref, decision.accepted.where,
-                    ", ".join(not_run))
+        log.warning("%s: let through by %s, in which %s did not run", image_ref,
+                    Path(decision.accepted.where).name, ", ".join(not_run))
     return by_name[decision.accepted.where]
 
 

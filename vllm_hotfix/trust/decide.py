@@ -77,7 +77,8 @@ def facts(predicate: Mapping[str, Any], where: str) -> Facts:
         tool_version=str(predicate.get("tool_version") or ""),
         run_at=signing.signed_time(predicate, "run_at"),
         format=verdict.format if "format" in predicate else EARLIER_FORMAT,
-        judged_definition=str(predicate.get("definition") or ""),
+        # Only a predicate that keeps the labels apart says this as the host's own: before, it was the label's.
+        judged_definition=str(predicate.get("definition") or "") if proved else "",
     )
 
 
@@ -229,7 +230,7 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
         older = [f for f in covering if f is not newest and f.status is Status.PASS]
         if newest.status is not Status.PASS and older:
             w = max(older, key=lambda f: f.rank)
-            message += (f" (the newest, its run ended {newest.ended.isoformat()}); the older pass {w.where} "
+            message += (f" (the newest, its run ended {newest.ended.isoformat()}); the older {_kind(w)}pass {w.where} "
                         f"(ended {w.ended.isoformat()}) does not count")
         hint = failures[0].hint or "smoke the image again; the newest verdict that covers the policy decides"
         narrower = [f for f in candidates if f.rank > newest.rank and f.status is Status.PASS]
@@ -248,7 +249,7 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
             continue
         if f.rank > newest.rank:
             raise AttestationMismatch(f"{f.where}: the smoke verdict of {image} is {_not_a_pass(f)}, a newer "
-                                      f"fail (its run ended {f.ended.isoformat()}); the older pass "
+                                      f"fail (its run ended {f.ended.isoformat()}); the older {_kind(newest)}pass "
                                       f"{newest.where} (ended {newest.ended.isoformat()}) does not count",
                                       hint="smoke the image again; a newer fail of a check the pass ran blocks it")
         if f.rank == newest.rank:
@@ -273,6 +274,11 @@ def _judged_here(found: Found, policy: Policy) -> bool:
     the policy names says nothing about this one (where the predicate names what it was judged against)."""
     said = found.facts.judged_definition
     return not (policy.definition and said and said != policy.definition and found.status is Status.FAIL)
+
+
+def _kind(found: Found) -> str:
+    """"signed " for a signed verdict, nothing for one of the journal's."""
+    return "signed " if found.attested is not None else ""
 
 
 def _passed(found: Found) -> set[str]:
