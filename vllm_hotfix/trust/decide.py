@@ -205,8 +205,9 @@ def _decide(candidates: Sequence[Found], policy: Policy, image: str, now: dt.dat
                                       f"ended {f.ended.isoformat()}); no verdict covers the policy",
                                       hint="smoke the image again")
         if not candidates:
-            raise AttestationMismatch(f"{image}: no verdict left to decide (those dated ahead of this host's clock "
-                                      "are left out)", hint="check the signing host's clock, then smoke again")
+            raise AttestationMismatch(f"{image}: no verdict left to decide (those dated ahead of this host's clock, "
+                                      "and fails judged against another definition, are left out)",
+                                      hint="check the signing host's clock, then smoke again")
         latest3 = sorted(candidates, key=lambda f: f.rank, reverse=True)[:3]
         left = "; ".join(f"{f.where} ({f.status.value}) left out {policy.covers(f.facts)}" for f in latest3)
         hint = "smoke it with everything the policy requires (on a GPU host, with --serve-model and --reference)"
@@ -302,4 +303,8 @@ def _failed(found: Found, counted: set[str]) -> list[str]:
 
 def _not_a_pass(found: Found) -> str:
     result = Passed().check(found.facts, dt.datetime.now(dt.UTC))
-    return result.reason if isinstance(result, Failure) else "a pass"
+    if isinstance(result, Failure):
+        return result.reason
+    # Its status says pass and a check says fail (an edited entry): the check is what counts.
+    failed = [c.name for c in found.facts.verdict.checks if c.status is Status.FAIL]
+    return f"marked a pass with {', '.join(failed)} failed"
