@@ -61,8 +61,12 @@ def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) 
         decision = decide.decide(found, rules, what)
     except (AttestationMismatch, CannotCheck) as exc:
         newest = judged[0]
-        lead = (f"{what} failed its newest smoke run ({newest.created}); refusing to push" if not newest.verdict.passed
-                else "refusing to push" if what in str(exc) else f"refusing to push {what}")
+        if not newest.verdict.passed:
+            lead = f"{what} failed its newest smoke run ({newest.created}); refusing to push"
+        elif not newest.verdict.gpu_verified and not allow_gpu_unverified:
+            lead = f"{what} passed its newest smoke without GPU checks (GPU-unverified); refusing to push"
+        else:
+            lead = "refusing to push" if what in str(exc) else f"refusing to push {what}"
         hint = exc.hint or f"see {newest.path}"
         if not allow_gpu_unverified and "--allow-gpu-unverified" in hint:
             hint = "smoke-test it on a GPU host (with --serve-model and --reference), or pass --allow-gpu-unverified"
