@@ -437,3 +437,13 @@ def test_a_policy_requiring_only_skippable_checks_requires_nothing(tmp_path: Pat
         path.write_text(text)
         r = verify(tmp_path, pub, full, args=("--policy", str(path), "--definition", "v0.25.1"))
         assert r.rc == 64 and "requires nothing" in r.last_error, (text, r.err)
+
+
+def test_a_fail_judged_against_another_definition_does_not_block(tmp_path: Path, key: Any, pub: str) -> None:
+    full = sign(tmp_path, key, "full", report(started=-120))
+    other = sign(tmp_path, key, "sm100-fail", report(started=-30, fail=("integrity",), definition="v0.25.1-sm100"))
+    assert verify(tmp_path, pub, full, other, args=("--definition", "v0.25.1")).rc == 0
+    # Judged against the definition asked of, it blocks.
+    same = sign(tmp_path, key, "fail", report(started=-30, fail=("integrity",)))
+    r = verify(tmp_path, pub, full, same, args=("--definition", "v0.25.1"))
+    assert r.rc == 24 and "'fail', not a pass: integrity" in r.last_error, r.err
