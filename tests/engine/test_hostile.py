@@ -264,7 +264,8 @@ def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str
         r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(fifo),
                 root=project, timeout=60)
     else:
-        r = cli("verify", image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
+        r = cli("verify", "--definition", "v0.25.1",
+                image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
                 root=project,
                 timeout=60)
     fails(r, str(fifo), "not a regular file")

@@ -93,10 +93,12 @@ def _refused_everywhere(project: Path, ref: str, tmp_path: Path, registry: Regis
     assert checks[0]["data"]["answered_by"] == "filesystem"
     assert "smoke 3/3" not in r.err and "runner" not in r.err
     image_id = json.loads(report.read_text())["image_id"]
-    v = cli("verify", image_id, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+    v = cli("verify", "--definition", "v0.25.1",
+            image_id, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
             root=project)
     assert v.rc == 24 and "not a pass: layer-identity" in v.last_error, v.err
-    p = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    p = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--allow-gpu-unverified", root=project)
     assert p.rc == 24 and "not a pass: layer-identity" in p.last_error, p.err
 

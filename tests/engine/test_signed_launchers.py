@@ -295,7 +295,8 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, base_v025
         runner = _checks(_report(out))["runner"]
         assert runner["status"] == "fail" and "key-search: nothing found" in str(runner["detail"]), runner
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "fail"  # type: ignore[index]
-        assert cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), root=project).rc == 24
+        assert cli("verify", "--definition", "v0.25.1",
+                   hostile, "--attestation", str(envelope), "--key", str(pub), root=project).rc == 24
     finally:
         product.drop()
 
@@ -342,11 +343,13 @@ def test_every_launcher_runs_the_same_checks_and_signs_a_verdict_that_verifies(
         doc = _independent(envelopes[launcher], private)
         assert doc["predicate"]["status"] == "pass" and doc["predicate"]["signed_at"]  # type: ignore[index]
         assert image_id.removeprefix("sha256:") in [s["digest"]["sha256"] for s in doc["subject"]]  # type: ignore
-        r = cli("verify", image_id, "--attestation", str(tmp_path / f"{launcher}.dsse.json"), "--key", str(pub),
+        r = cli("verify", "--definition", "v0.25.1",
+                image_id, "--attestation", str(tmp_path / f"{launcher}.dsse.json"), "--key", str(pub),
                 "--allow-gpu-unverified", root=project)
         assert r.rc == 0 and f"signed pass by key {pub}" in r.out, (launcher, r.err)
     # The Job's verdict was attached beside the image by the host that collected it, and reads back.
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", "--json", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0 and json.loads(r.out)["key"] == str(pub), r.err
 
 
@@ -383,7 +386,7 @@ def test_a_job_submitted_or_collected_through_the_clusters_api_is_judged_and_sig
         assert r.rc == 0, r.err
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "pass"  # type: ignore[index]
     # Both signed verdicts were attached beside the image by this host, and `verify` reads them back.
-    r = cli("verify", target, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 0 and f"signed pass by key {pub}" in r.out, r.err
 
 
@@ -414,7 +417,8 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
         doc = _independent(envelope.read_bytes(), private)
         assert doc["predicate"]["status"] == "fail"  # type: ignore[index]
         hostile = str(report["image_id"])
-        r = cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
                 root=project)
         assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
         # What the image could sign itself, it signs with a key of its own: refused.
@@ -422,7 +426,8 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
         forged = tmp_path / "forged.dsse.json"
         forged.write_bytes(signing.sign(signing.statement({ref: hostile}, signing.predicate(
             {**doc["predicate"], "status": "pass", "gpu_verified": True}, {}, signing.now())), own))  # type: ignore
-        r = cli("verify", hostile, "--attestation", str(forged), "--key", str(pub), root=project)
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(forged), "--key", str(pub), root=project)
         assert r.rc == 22 and "signed with another key" in r.err
     finally:
         engine.remove_image(ref)
@@ -450,7 +455,8 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
         [entry] = records.verdicts(project, hostile)
         assert entry.verdict.gpu_verified is False and entry.verdict.gpu.get("devices") == []
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "fail"  # type: ignore[index]
-        r = cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
                 root=project)
         assert r.rc == 24, r.err
     finally:
@@ -473,7 +479,8 @@ def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
     envelope = signing.sign(signing.statement({ref: image_id}, {**failed.to_dict(), "signed_at": now}), private)
     kept = attest.folder(project, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
     kept.write_bytes(envelope)  # kept in the journal folder, as smoke keeps what it signs
-    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--attestation", str(older), "--allow-gpu-unverified", root=project)
     assert r.rc == 24, r.err
     assert kept.name in r.last_error and str(older) in r.last_error and "does not count" in r.last_error
@@ -482,7 +489,8 @@ def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
     assert len(pushed["attestations"]) == 2
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 24 and "'fail', not a pass" in r.last_error and "older signed pass" in r.last_error, r.err
 
 
@@ -552,20 +560,23 @@ def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsew
     key, pub, _private = key_pair(tmp_path)
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), root=project)
     assert r.rc == 0, r.err
-    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
     elsewhere = tmp_path / "elsewhere"
     for folder in ("images", "patches"):  # the same definitions, another journal (none)
         shutil.copytree(project / folder, elsewhere / folder)
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
     # Later, the same image judged again and failing (here: against the SM100 variant, whose pins it lacks).
     r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
     assert r.rc == 14, r.err
     assert f"signed verdict attached to {pushed['ref'].rsplit(':', 1)[0]}@{pushed['digest']}" in r.err, r.err
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
 
 
@@ -610,5 +621,6 @@ def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_ti
     assert r.rc == 0, r.err
     predicate = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))["predicate"]
     assert predicate["run_at"] < predicate["signed_at"]
-    r = cli("verify", by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 24 and "not a pass: layer-identity" in r.last_error, r.err

@@ -610,7 +610,7 @@ def test_verify_with_the_registry_down_is_a_registry_fault(engine: Engine, proje
     pub = tmp_path / "hotfix.pub"
     pub.write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    r = cli("verify", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
+    r = cli("verify", "--definition", "v0.25.1", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
     assert r.rc == 8, r.err
     assert f"verify 127.0.0.1:{port}/ops/vllm:x: cannot read its signed verdicts" in r.err, r.err
     # The kind in words, not the HTTP library's message cut inside a word.

@@ -97,9 +97,14 @@ class Accepted:
 
     @property
     def not_run(self) -> list[str]:
-        """The GPU-bound checks the accepted run skipped or never ran (accepted under allow_gpu_unverified)."""
-        statuses = self.decision.accepted.facts.statuses
-        return [name for name in sorted(policy.GPU_BOUND) if statuses.get(name, "skip") == "skip"]
+        """The checks the policy counts that the accepted run skipped or never ran, whatever its GPU said."""
+        return not_run(self.decision)
+
+
+def not_run(decision: decide.Decision) -> list[str]:
+    """The checks ``decision``'s policy counts that its accepted run skipped or never ran."""
+    statuses = decision.accepted.facts.statuses
+    return [name for name in sorted(decision.policy.checks) if statuses.get(name, "skip") == "skip"]
 
 
 def require_given_verify(paths: Sequence[Path], keys: Sequence[signing.PublicKey]) -> None:
@@ -140,6 +145,7 @@ def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str
         raise refusal[1]
     decision = decide.decide([decide.found(where, f) for where, f in about.values()], rules, image, now)
     chosen = decision.accepted
+    assert chosen.attested is not None  # every candidate here verified with a key
     return Accepted(chosen.where, chosen.attested.key_id, chosen.attested.key_name, chosen.attested.predicate,
                     decision)
 
