@@ -138,9 +138,16 @@ def _full_smoke(**changed: Status) -> Verdict:
     from vllm_hotfix.trust import policy_file
 
     names = sorted({*policy_file.build().checks, "layer-identity"})
-    checks = [Check(n, changed.get(n.replace("-", "_"), Status.PASS), "x", ran_against="vllm",
-                    data={"definition": "v0.25.1", "patch_set": "v0.25.1", "patch_set_digest": "sha256:" + "c" * 64,
-                          "base_id": BASE} if n == "layer-identity" else None) for n in names]
+    entry = {"judged": 400, "positions": 1536}
+    data: dict[str, dict[str, object]] = {
+        "layer-identity": {"definition": "v0.25.1", "patch_set": "v0.25.1", "patch_set_digest": "sha256:" + "c" * 64,
+                           "base_id": BASE},
+        # The golden judged above the floor at every level and of both prompt classes; the full schedule ran.
+        "golden": {"coverage": {"levels": {str(c): dict(entry) for c in (1, 2, 4, 8, 16)},
+                                "classes": {"short": dict(entry), "long": dict(entry)}}},
+        "exact-levels": {"levels": [{"concurrency": c, "requests": 32} for c in (1, 2, 4, 8, 16)]}}
+    checks = [Check(n, changed.get(n.replace("-", "_"), Status.PASS), "x", ran_against="vllm", data=data.get(n))
+              for n in names]
     return judge("ops/vllm:fix", PATCHED, checks, gpu_verified=True, started="2026-12-07T03:00:00+00:00",
                  gpu={"devices": ["NVIDIA H200"], "verified": True},
                  sweep={"reference": {"sha256": "d" * 64}, "levels": []})
