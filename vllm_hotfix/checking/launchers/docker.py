@@ -30,6 +30,7 @@ from typing import Any
 from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
+from ...golden import warm as golden_warm
 from ...inimage import reference as answers
 from ...inimage.runner import MOUNT
 from ...inimage.runner.main import as_check, parse
@@ -242,6 +243,10 @@ class DockerRun:
                         compile_cache.PRIVATE: "a folder of its own (a recording reads none)"
                                                + ("; what it compiles warms the base's folder after it (its layers "
                                                   "proven)" if layers_proven else "")}[cache.access])
+        if self.opt.serve_model is not None and (self.opt.reference is not None
+                                                 or self.opt.record_reference is not None):
+            # The golden judges the replies on this host once they are back: its libraries load meanwhile.
+            golden_warm.start()
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
         clock.restart()
