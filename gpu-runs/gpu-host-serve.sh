@@ -528,7 +528,14 @@ reference_from() {
   log "reference answers of $MNAME from $REFERENCE_FROM (model $have): $(sha256sum "$ANSWERS" | cut -c1-64)"
 }
 need_answers() {
-  [ -f "$ANSWERS" ] || [ -n "$DRY_RUN" ] || die "no $ANSWERS: run the reference step for $MNAME first"
+  # A model whose recording wrote no answers (refused, or cut short) has nothing to be judged against: its smokes
+  # are not run and the campaign goes on with the other models (the record says what is missing).
+  [ ! -f "$ANSWERS" ] || return 0
+  # A dry run records nothing: it goes on as if its recordings had written answers, unless a recording was done
+  # already (its report there) without them.
+  [ -z "$DRY_RUN" ] || [ -f "$MOUT/reference.json" ] || return 0
+  log "no $ANSWERS (its recording wrote none: see $MOUT/smoke-reference.log): $MNAME's $1 not run"
+  return 1
 }
 
 # The campaign's order (one GPU, PARALLEL smokes at once):
@@ -571,7 +578,7 @@ golden_model() {
     log "golden $MNAME: done already ($MOUT/golden.json)"
     return 0
   fi
-  need_answers
+  need_answers golden || return 0
   log "golden $MNAME: golden_run.py $MODEL --reference $ANSWERS"
   act "$PY" gpu-runs/golden_run.py "$MODEL" --reference "$ANSWERS" --out "$MOUT/golden.json" \
     >"$MOUT/golden.log" 2>&1 || log "golden $MNAME: exit code $? (see $MOUT/golden.log)"
@@ -586,7 +593,7 @@ make_smoke() {
     log "smoke $MNAME/$which: done already ($MOUT/$which.json)"
     return 0
   fi
-  need_answers
+  need_answers "make smoke" || return 0
   check_inputs
   ensure_key
   local mk rc=0 start=$SECONDS
@@ -602,8 +609,12 @@ make_smoke() {
 alone() {
   first_model || return 0
   if step patched; then
-    need_answers
-    smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+    if need_answers "patched smoke"; then
+      smoke patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
+    else
+      # Its warm time all the same, without answers to judge (the report says which checks did not run).
+      smoke patched-unjudged "$PATCHED" "${TIMEOUT_WARM:-240}"
+    fi
   fi
   if step makesmoke || step patched3; then
     make_smoke "${TIMEOUT_WARM:-240}"
@@ -625,25 +636,25 @@ bad_recordings() {
 starts() {
   # The base carries no labels: --definition judges it by the patch set it lacks.
   if step unpatched; then
-    need_answers
+    need_answers "base" || return 0
     queued unpatched "$BASE" "${TIMEOUT_WARM:-240}" --definition "$TAG" --reference "$ANSWERS"
   fi
   if ! first_model && step patched; then
-    need_answers
+    need_answers "patched smoke" || return 0
     queued patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
   if step patched2; then
-    need_answers
+    need_answers "second start" || return 0
     queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
   if ! first_model && { step patched3 || step makesmoke; }; then
-    need_answers
+    need_answers "third start" || return 0
     queued patched-third "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
 }
 variant_smokes() {
   step variantsmoke || return 0
-  need_answers
+  need_answers variants || return 0
   for v in $VARIANTS; do
     queued "variant-$v" "$REPO_NAME:$TAG-variant-$v" "${TIMEOUT_WARM:-240}" --root "$VARIANT_ROOTS/$v" \
       --reference "$ANSWERS"
@@ -651,7 +662,7 @@ variant_smokes() {
 }
 mutant_smokes() {
   step mutantsmoke || return 0
-  need_answers
+  need_answers mutants || return 0
   local names=$MUTANTS
   first_model || names=${MUTANTS_OTHERS:-$MUTANTS}
   for m in $names; do
@@ -700,6 +711,7 @@ record_model() {
     [ ! -f "$MOUT/badrecord-$m.json" ] || more+=(--bad-recording "$m=$MOUT/badrecord-$m.json")
   done
   [ ! -r /proc/uptime ] || { cat /proc/uptime >"$MOUT/host-uptime.txt"; more+=(--host-uptime "$MOUT/host-uptime.txt"); }
+  [ ! -f "$OUTDIR/calls.log" ] || more+=(--calls "$OUTDIR/calls.log")
   for which in reference patched patched-again patched-third unpatched-first unpatched; do
     [ ! -f "$MOUT/$which.dsse.json" ] || signed+=(--attestation "${which/-/_}=$MOUT/$which.dsse.json")
   done
