@@ -132,6 +132,30 @@ def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse)
     return tokens & causal[None]
 
 
+def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> torch.Tensor:
+    """How near each query's block choice is to another, [n]: over the index heads, the smallest gap between the
+    score of the last block the top-k chose on merit (not forced in as an init or local block) and the best block
+    it left out, relative to the larger of the query's block scores in magnitude; ``inf`` where nothing was left
+    to choose (fewer reachable blocks than the top-k, or every slot forced). A gap under the serving dtype's
+    resolution means another rounding of the same scores could choose another block."""
+    blocks = scores.shape[-1]
+    block = torch.arange(blocks, device=scores.device)
+    valid_blocks = positions // sp.block_size + 1
+    valid = block[None, :] < valid_blocks[:, None]
+    forced = ((block[None, :] < sp.init_blocks) | (block[None, :] >= (valid_blocks[:, None] - sp.local_blocks))) & valid
+    slots = sp.topk_blocks - forced.sum(-1)  # [n]: chosen on merit
+    free = valid & ~forced
+    s = torch.where(torch.isnan(scores), torch.full_like(scores, -1e30), scores.float())
+    scale = torch.where(valid[None], s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)  # [h, n]
+    s = torch.where(free[None], s, torch.full_like(s, float("-inf")))
+    ranked = torch.sort(s, dim=-1, descending=True).values  # [h, n, blocks]
+    contested = (slots > 0) & (free.sum(-1) > slots)
+    at = slots.clamp(1, max(1, blocks - 1))[None, :, None].expand(ranked.shape[0], -1, 1)
+    last, left = ranked.gather(-1, at - 1)[..., 0], ranked.gather(-1, at)[..., 0]
+    gap = ((last - left) / scale).amin(0)
+    return torch.where(contested, gap, torch.full_like(gap, float("inf")))
+
+
 @dataclass
 class Prefix:
     """A prompt run once: its per-layer keys, values and index keys, and its last position's log-probabilities."""
@@ -142,6 +166,7 @@ class Prefix:
     index_keys: list[torch.Tensor | None]  # per layer [P, head_dim] (None: a dense layer)
     last: torch.Tensor  # [vocab] log-probabilities of the token after the prompt
     logprobs: torch.Tensor | None = None  # [P, vocab] at every prompt position, where asked for
+    last_gap: float = float("inf")  # the block choice's gap at the prompt's last query (see selection_gap)
 
 
 class Golden:
@@ -162,6 +187,7 @@ class Golden:
         served = _DTYPES.get(cfg.dtype, torch.float32)
         self.w = {n: weights[n].to(self.device, torch.float32 if _router(n) else served).to(dtype)
                   for n in self.names()}
+        self.trace: list[tuple[str, int, torch.Tensor]] | None = None  # see run()
         half = cfg.rotary_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32,
                                                                device=self.device)[:half] / cfg.rotary_dim))
@@ -219,6 +245,8 @@ class Golden:
         scores = torch.sigmoid(x.float() @ w[f"{m}.gate.weight"].float().T)
         choice = scores + w[f"{m}.e_score_correction_bias"][None, :] if cfg.routing_bias else scores
         chosen = torch.topk(choice, cfg.experts_per_token, dim=-1).indices
+        if self.trace is not None:
+            self.trace.append(("experts", i, chosen.sort(-1).values.cpu()))
         weights = scores.gather(1, chosen)
         weights = (weights / weights.sum(-1, keepdim=True) * cfg.routed_scale).to(x.dtype)
         out = torch.zeros_like(x)
@@ -240,13 +268,15 @@ class Golden:
         return select(scores, positions, keys, self.cfg.sparse)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
-               ik: torch.Tensor | None, start: int) -> torch.Tensor:
-        """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1."""
+               ik: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1: the
+        attention's output and, per query, its block choice's gap (:func:`selection_gap`; inf on dense layers)."""
         cfg = self.cfg
         n, keys = q.shape[0], k.shape[0]
         group = cfg.heads // cfg.kv_heads
         scale = cfg.head_dim ** -0.5
         out = torch.empty_like(q)
+        gaps = torch.full((n,), float("inf"), device=q.device)
         for a in range(0, n, QUERY_CHUNK):
             b = min(n, a + QUERY_CHUNK)
             positions = torch.arange(start + a, start + b, device=q.device)
@@ -262,6 +292,7 @@ class Golden:
                     raw = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
                 scores = raw.view(raw.shape[0], b - a, blocks, sp.block_size).amax(-1)
                 mask = self.allowed(scores, positions, keys)  # [kv_heads, c, S]
+                gaps[a:b] = selection_gap(scores, positions, sp)
             else:
                 mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None]
             qc = q[a:b].view(b - a, cfg.kv_heads, group, cfg.head_dim)
@@ -269,7 +300,7 @@ class Golden:
             logits = logits.masked_fill(~mask[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1).to(v.dtype)
             out[a:b] = torch.einsum("kgcs,skd->ckgd", probs, v).reshape(b - a, cfg.heads, cfg.head_dim)
-        return out
+        return out, gaps
 
     def project(self, i: int, x: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -293,21 +324,24 @@ class Golden:
 
     # -- whole sequences --------------------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, start: int, prefix: Prefix | None, all_positions: bool
-            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
         """Tokens ``ids`` [R, n] at positions start.., each row after ``prefix`` (None: start is 0): the
-        log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only) and the new rows' keys,
-        values and index keys per layer ([R, n, ...])."""
+        log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only), the new rows' keys,
+        values and index keys per layer ([R, n, ...]), and each query's smallest block-choice gap over the
+        sparse layers [R, n] (:func:`selection_gap`). Where :attr:`trace` is a list, each layer's residual
+        stream and the MoE's expert choice are appended to it (the depth measurement reads them)."""
         cfg, w = self.cfg, self.w
         rows, n = ids.shape
         positions = torch.arange(start, start + n, device=self.device)
         stream = w["model.embed_tokens.weight"][ids.reshape(-1)]  # [R*n, hidden]: the residual stream
         keys, values, index_keys = [], [], []
+        gaps = torch.full((rows, n), float("inf"), device=self.device)
         for i in range(cfg.layers):
             p = f"model.layers.{i}"
             x = gemma_norm(stream, w[f"{p}.input_layernorm.weight"], cfg.eps)
             parts = [self.project(i, x[r * n:(r + 1) * n], positions) for r in range(rows)]
             outs = []
-            for q, k, v, iq, ik in parts:
+            for r, (q, k, v, iq, ik) in enumerate(parts):
                 if prefix is not None:
                     k_all = torch.cat((prefix.keys[i], k))
                     v_all = torch.cat((prefix.values[i], v))
@@ -315,11 +349,15 @@ class Golden:
                     ik_all = torch.cat((pik, ik)) if pik is not None and ik is not None else ik
                 else:
                     k_all, v_all, ik_all = k, v, ik
-                outs.append(self.attend(i, q, k_all, v_all, iq, ik_all, start))
+                out, gap = self.attend(i, q, k_all, v_all, iq, ik_all, start)
+                outs.append(out)
+                gaps[r] = torch.minimum(gaps[r], gap)
             attn = torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim)
             stream = stream + attn @ w[f"{p}.self_attn.o_proj.weight"].T
             x = gemma_norm(stream, w[f"{p}.post_attention_layernorm.weight"], cfg.eps)
             stream = stream + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp"))
+            if self.trace is not None:
+                self.trace.append(("stream", i, stream.float().cpu()))
             keys.append(torch.stack([part[1] for part in parts]))
             values.append(torch.stack([part[2] for part in parts]))
             iks = [part[4] for part in parts if part[4] is not None]
@@ -328,7 +366,8 @@ class Golden:
         if not all_positions:
             hidden = hidden[:, -1:]
         hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps)
-        return torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys
+        return (torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys,
+                gaps)
 
     @torch.no_grad()
     def prefill(self, ids: Sequence[int], all_positions: bool = False) -> Prefix:
@@ -336,25 +375,32 @@ class Golden:
         if not ids:
             raise Malformed("an empty prompt")
         t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        logprobs, keys, values, index_keys = self.run(t, 0, None, all_positions)
+        logprobs, keys, values, index_keys, gaps = self.run(t, 0, None, all_positions)
         return Prefix(list(ids), [k[0] for k in keys], [v[0] for v in values],
                       [None if ik is None else ik[0] for ik in index_keys], logprobs[0, -1],
-                      logprobs[0] if all_positions else None)
+                      logprobs[0] if all_positions else None, float(gaps[0, -1]))
 
     @torch.no_grad()
     def extend(self, prefix: Prefix, continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Log-probabilities after every token of each continuation of ``prefix`` (teacher-forced): for a
         continuation of L tokens, [L, vocab], row j the distribution of the token after its j-th token. The
         continuations run as one batch, padded at their ends (causal: padding changes no earlier row)."""
+        return [rows for rows, _ in self.extend_gaps(prefix, continuations)]
+
+    @torch.no_grad()
+    def extend_gaps(self, prefix: Prefix, continuations: Sequence[Sequence[int]]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`extend`'s rows, each with its queries' block-choice gaps [L] (:func:`selection_gap`)."""
         if not continuations:
             return []
         longest = max(len(c) for c in continuations)
         if longest == 0:
-            return [prefix.last.new_zeros((0, self.cfg.vocab)) for _ in continuations]
+            return [(prefix.last.new_zeros((0, self.cfg.vocab)), prefix.last.new_zeros((0,)))
+                    for _ in continuations]
         padded = [list(c) + [0] * (longest - len(c)) for c in continuations]
         t = torch.tensor(padded, dtype=torch.long, device=self.device)
-        logprobs, _, _, _ = self.run(t, len(prefix.ids), prefix, True)
-        return [logprobs[r, :len(c)] for r, c in enumerate(continuations)]
+        logprobs, _, _, _, gaps = self.run(t, len(prefix.ids), prefix, True)
+        return [(logprobs[r, :len(c)], gaps[r, :len(c)]) for r, c in enumerate(continuations)]
 
     @torch.no_grad()
     def greedy(self, prefix: Prefix, max_tokens: int) -> tuple[list[int], list[float]]:
