@@ -1,7 +1,7 @@
 """Time the golden forward on a model folder, measure its envelope and, given a reference, hold vLLM's replies to it.
 
     python3 gpu-runs/golden_run.py MODEL_DIR [--reference answers.json] [--tokens 32] [--device cuda]
-                                   [--out golden.json]
+                                   [--prompts 0,2,4] [--out golden.json]
 
 On a GPU host with torch, tokenizers and the tool's checkout (no vLLM, no
 Docker needed): loads the model as the ``golden`` check does (at the serving
@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=Path)
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (the reference's max_tokens)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    ap.add_argument("--prompts", default=None, help="indices of the prompt set to use, e.g. 0,2,4 (default: all; "
+                                                     "with --reference, all: its answers name every prompt)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     absent = missing()
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ref = answers.load(args.reference) if args.reference is not None else None
     prompts = list(ref.prompts) if ref is not None else list(answers.PROMPTS)
+    if args.prompts and ref is None:
+        prompts = [prompts[int(i)] for i in args.prompts.split(",")]
     tokens = args.tokens or (ref.max_tokens if ref is not None else 32)
     scorer = Scorer(args.model, args.device)
     golden = scorer.golden

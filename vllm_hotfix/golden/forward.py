@@ -1,4 +1,4 @@
-"""The MiniMax-M3 text backbone in plain PyTorch, float32: what the served model should compute.
+"""The MiniMax-M3 text backbone in plain PyTorch, at float32 or at the serving dtype with the engine's rounding points.
 
 Written from vLLM 0.25.1's definition (``vllm/models/minimax_m3/nvidia/model.py``,
 ``common/indexer.py``, ``common/ops/index_topk.py``, ``common/ops/sparse_attn.py``,
@@ -23,6 +23,17 @@ vLLM, its kernels or its buffers. Per layer, as vLLM computes it:
   (``gate`` clamped above, ``up`` clamped both ways, ``gate * sigmoid(alpha *
   gate) * (up + beta)``);
 - the LM head on the final norm, log-softmax.
+
+At float32 it is the model's definition. At a lower dtype (the serving
+dtype, what the ``golden`` check computes in) it follows where vLLM 0.25.1's
+kernels round, read from their sources: weights and activations in the
+dtype, matrix products accumulated in float32 and rounded once; the norms,
+SwiGLU-OAI, the fused per-head norm + rotary embedding, the residual add
+fused with the next norm (which reads the unrounded sum), the indexer's
+scores, the attention logits and softmax, the router and the top-k sum of
+the experts' weighted outputs in float32; ``routed_scaling_factor`` applied
+to the MoE's output, not to its weights; the cosines and sines of the
+rotary cache rounded to the dtype.
 
 Sequences are computed alone (no padding across prompts): :meth:`Golden.prefill`
 runs a prompt once and keeps its keys and values, :meth:`Golden.extend` runs
@@ -105,9 +116,10 @@ def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    gate = gate.clamp(max=cfg.swiglu_limit)
-    up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
-    return gate * torch.sigmoid(cfg.swiglu_alpha * gate) * (up + cfg.swiglu_beta)
+    """SwiGLU-OAI computed in float32 and rounded once to the inputs' dtype (as vLLM's activation kernel does)."""
+    g = gate.float().clamp(max=cfg.swiglu_limit)
+    u = up.float().clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    return (g * torch.sigmoid(cfg.swiglu_alpha * g) * (u + cfg.swiglu_beta)).to(gate.dtype)
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse) -> torch.Tensor:
@@ -174,8 +186,8 @@ class Golden:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
-        # ``dtype``: float32 is the golden; a lower precision is a right computation that is not (tests use it to
-        # stand for a right image's bfloat16 numerics).
+        # ``dtype``: float32 is the model's definition; the serving dtype follows the engine's numerics (the
+        # golden check computes in it, and measures its envelope against float32).
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -227,12 +239,19 @@ class Golden:
 
     # -- the pieces -------------------------------------------------------------------------------------------
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Partial NeoX rotary embedding of ``x`` [..., n, heads, head_dim] at ``positions`` [n]."""
+        """Partial NeoX rotary embedding of ``x`` [..., n, heads, head_dim] at ``positions`` [n], computed in
+        ``x``'s dtype with the cosines and sines rounded to the model's dtype (vLLM keeps its cos/sin cache so)."""
         rd, half = self.cfg.rotary_dim, self.cfg.rotary_dim // 2
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        cos = freqs.cos()[:, None, :].to(self.dtype).to(x.dtype)
+        sin = freqs.sin()[:, None, :].to(self.dtype).to(x.dtype)
         x1, x2, rest = x[..., :half], x[..., half:rd], x[..., rd:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The per-head Gemma norm then the rotary embedding, in float32 and rounded once to ``x``'s dtype: vLLM
+        fuses the two (``fused_minimax_m3_qknorm_rope_kv_insert``), so the normed values are never rounded."""
+        return self.rope(gemma_norm(x.float(), weight, self.cfg.eps), positions).to(x.dtype)
 
     def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         w = self.w
@@ -248,16 +267,19 @@ class Golden:
         if self.trace is not None:
             self.trace.append(("experts", i, chosen.sort(-1).values.cpu()))
         weights = scores.gather(1, chosen)
-        weights = (weights / weights.sum(-1, keepdim=True) * cfg.routed_scale).to(x.dtype)
-        out = torch.zeros_like(x)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # As vLLM's fused MoE: each chosen expert's output weighted (rounded to the dtype), the top-k summed in
+        # float32 and rounded once, then routed_scaling_factor applied to that output (apply_routed_scale_to_output).
+        slots = torch.zeros((x.shape[0], cfg.experts_per_token, x.shape[1]), dtype=x.dtype, device=x.device)
         for e in range(cfg.experts):
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             if rows.numel() == 0:
                 continue
             xe = x[rows]
             h = swiglu_oai(xe @ w[f"{m}.experts.{e}.w1.weight"].T, xe @ w[f"{m}.experts.{e}.w3.weight"].T, cfg)
-            # Each token picks an expert once, so the rows are distinct: the sum is deterministic on any device.
-            out.index_add_(0, rows, (h @ w[f"{m}.experts.{e}.w2.weight"].T) * weights[rows, slot, None])
+            slots[rows, slot] = ((h @ w[f"{m}.experts.{e}.w2.weight"].T).float() * weights[rows, slot, None]
+                                 ).to(x.dtype)
+        out = (slots.float().sum(1).to(x.dtype) * cfg.routed_scale).to(x.dtype)
         if cfg.shared_inter:
             out = out + self.mlp(x, f"{m}.shared_experts")
         return out
@@ -283,7 +305,9 @@ class Golden:
             if iq is not None and ik is not None:
                 sp = cfg.sparse
                 assert sp is not None
-                raw = torch.einsum("chd,sd->hcs", iq[a:b], ik).float()
+                # The indexer's scores and the attention's logits are float32 accumulations of the dtype's
+                # operands, never rounded to the dtype (vLLM's kernels keep them in registers).
+                raw = torch.einsum("chd,sd->hcs", iq[a:b].float(), ik.float())
                 causal = torch.arange(keys, device=q.device)[None, :] <= positions[:, None]
                 raw = raw.masked_fill(~causal[None], float("-inf"))
                 blocks = -(-keys // sp.block_size)
@@ -296,7 +320,7 @@ class Golden:
             else:
                 mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None]
             qc = q[a:b].view(b - a, cfg.kv_heads, group, cfg.head_dim)
-            logits = torch.einsum("ckgd,skd->kgcs", qc, k).float() * scale
+            logits = torch.einsum("ckgd,skd->kgcs", qc.float(), k.float()) * scale
             logits = logits.masked_fill(~mask[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1).to(v.dtype)
             out[a:b] = torch.einsum("kgcs,skd->ckgd", probs, v).reshape(b - a, cfg.heads, cfg.head_dim)
@@ -310,16 +334,16 @@ class Golden:
         q = (x @ w[f"{a}.q_proj.weight"].T).view(n, cfg.heads, cfg.head_dim)
         k = (x @ w[f"{a}.k_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
         v = (x @ w[f"{a}.v_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
-        q = self.rope(gemma_norm(q, w[f"{a}.q_norm.weight"], cfg.eps), positions)
-        k = self.rope(gemma_norm(k, w[f"{a}.k_norm.weight"], cfg.eps), positions)
+        q = self.norm_rope(q, w[f"{a}.q_norm.weight"], positions)
+        k = self.norm_rope(k, w[f"{a}.k_norm.weight"], positions)
         if not self.sparse_layer(i):
             return q, k, v, None, None
         sp = cfg.sparse
         assert sp is not None
         iq = (x @ w[f"{a}.index_q_proj.weight"].T).view(n, sp.index_heads, sp.index_dim)
         ik = (x @ w[f"{a}.index_k_proj.weight"].T).view(n, 1, sp.index_dim)
-        iq = self.rope(gemma_norm(iq, w[f"{a}.index_q_norm.weight"], cfg.eps), positions)
-        ik = self.rope(gemma_norm(ik, w[f"{a}.index_k_norm.weight"], cfg.eps), positions)[:, 0]
+        iq = self.norm_rope(iq, w[f"{a}.index_q_norm.weight"], positions)
+        ik = self.norm_rope(ik, w[f"{a}.index_k_norm.weight"], positions)[:, 0]
         return q, k, v, iq, ik
 
     # -- whole sequences --------------------------------------------------------------------------------------
@@ -334,11 +358,14 @@ class Golden:
         rows, n = ids.shape
         positions = torch.arange(start, start + n, device=self.device)
         stream = w["model.embed_tokens.weight"][ids.reshape(-1)]  # [R*n, hidden]: the residual stream
+        # The norm after each residual add reads the sum before it is rounded to the dtype (FlashInfer's fused
+        # add + Gemma RMSNorm keeps it in float32); the stream itself is kept in the dtype.
+        summed = stream.float()
         keys, values, index_keys = [], [], []
         gaps = torch.full((rows, n), float("inf"), device=self.device)
         for i in range(cfg.layers):
             p = f"model.layers.{i}"
-            x = gemma_norm(stream, w[f"{p}.input_layernorm.weight"], cfg.eps)
+            x = gemma_norm(summed, w[f"{p}.input_layernorm.weight"], cfg.eps).to(self.dtype)
             parts = [self.project(i, x[r * n:(r + 1) * n], positions) for r in range(rows)]
             outs = []
             for r, (q, k, v, iq, ik) in enumerate(parts):
@@ -353,19 +380,21 @@ class Golden:
                 outs.append(out)
                 gaps[r] = torch.minimum(gaps[r], gap)
             attn = torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim)
-            stream = stream + attn @ w[f"{p}.self_attn.o_proj.weight"].T
-            x = gemma_norm(stream, w[f"{p}.post_attention_layernorm.weight"], cfg.eps)
-            stream = stream + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp"))
+            summed = stream.float() + (attn @ w[f"{p}.self_attn.o_proj.weight"].T).float()
+            stream = summed.to(self.dtype)
+            x = gemma_norm(summed, w[f"{p}.post_attention_layernorm.weight"], cfg.eps).to(self.dtype)
+            summed = stream.float() + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp")).float()
+            stream = summed.to(self.dtype)
             if self.trace is not None:
                 self.trace.append(("stream", i, stream.float().cpu()))
             keys.append(torch.stack([part[1] for part in parts]))
             values.append(torch.stack([part[2] for part in parts]))
             iks = [part[4] for part in parts if part[4] is not None]
             index_keys.append(torch.stack(iks) if len(iks) == rows else None)
-        hidden = stream.view(rows, n, cfg.hidden)
+        hidden = summed.view(rows, n, cfg.hidden)
         if not all_positions:
             hidden = hidden[:, -1:]
-        hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps)
+        hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps).to(self.dtype)
         return (torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys,
                 gaps)
 
