@@ -238,14 +238,20 @@ def judge(ref: answers.Reference, run: ProbeRun, levels: Sequence[int], requests
         for i, (a, b) in enumerate(zip(want, got, strict=True)):
             verdict = oracle.exact(a, b)
             dev = verdict.deviation
+            # The prompt's token count is the one recorded for the prompt the host scheduled; an image that
+            # counted another read another prompt, whatever tokens it replied.
+            counted = a.prompt_tokens is None or b.prompt_tokens == a.prompt_tokens
+            ok = verdict.ok and counted
             ev.answered += 1
-            ev.identical += verdict.ok
-            ev.wrong += not verdict.ok
-            ev.replies.append({"request": i, "prompt": i % len(prompts), "identical": verdict.ok,
+            ev.identical += ok
+            ev.wrong += not ok
+            ev.replies.append({"request": i, "prompt": i % len(prompts), "identical": ok,
                                "reply_sha256": b.sha256, "first_difference": dev.first_difference,
                                "token_divergence": dev.token_divergence})
-            if not verdict.ok and ev.first_wrong is None:
-                ev.first_wrong = f"request {i} (prompt {i % len(prompts)}): {dev.detail}"
+            if not ok and ev.first_wrong is None:
+                ev.first_wrong = f"request {i} (prompt {i % len(prompts)}): " + (
+                    dev.detail if not verdict.ok else f"the image counted {b.prompt_tokens} prompt tokens, "
+                                                      f"{a.prompt_tokens} were recorded for this prompt")
         if ev.wrong:
             failed.append(c)
     first = failed[0] if failed else None
