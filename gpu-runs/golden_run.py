@@ -83,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if golden.device.type == "cuda" else (lambda: None)
     start = time.monotonic()
     greedy, margins, prompt_tokens = [], [], []
+    by_class: dict[str, list[float]] = {}
     for prompt in prompts:
         ids = scorer.prompt_ids(prompt)
         prompt_tokens.append(len(ids))
         got, margin = golden.greedy(golden.prefill(ids), tokens)
         greedy.append(got)
         margins.extend(margin)
+        by_class.setdefault(golden.cfg.prompt_class(len(ids)), []).extend(margin)
     sync()
     margins.sort()
     report["greedy"] = {"prompts": len(prompts), "tokens_each": tokens, "seconds": round(time.monotonic() - start, 3),
@@ -104,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     report["by_layer"] = {"prompt": 0, "layers": envelope.by_layer(golden, scorer.exact(),
                                                                    scorer.prompt_ids(prompts[0]))}
     limits = judge.thresholds({"envelope": measured})
+    if limits is not None:
+        # What share of the golden's own greedy positions clears its class's threshold: the coverage a server
+        # that replied as the golden would get, per class.
+        report["greedy"]["over_threshold"] = {
+            k: coverage.tally(sum(m > (limits.of(k) or float("inf")) for m in v), len(v))
+            for k, v in sorted(by_class.items())}
     if ref is not None:
         replies = reference_replies(ref)
         start = time.monotonic()
