@@ -258,7 +258,7 @@ class Ran:
     job: Mapping[str, Any]
     answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
     levels: Mapping[str, Any] | None = None  # per-level answers recorded under fixed batches (the host's reading)
-    golden: Mapping[str, Any] | None = None  # the golden's noise measured on a recording run (the host's)
+    golden: Mapping[str, Any] | None = None  # the golden section a recording run kept (its envelope; the host's)
 
 
 @dataclass(frozen=True, slots=True)
