@@ -258,7 +258,7 @@ class Ran:
     job: Mapping[str, Any]
     answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
     levels: Mapping[str, Any] | None = None  # per-level answers recorded under fixed batches (the host's reading)
-    golden: Mapping[str, Any] | None = None  # the golden's noise measured on a recording run (the host's)
+    golden: Mapping[str, Any] | None = None  # the golden section a recording run kept (its envelope; the host's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +309,8 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference
 def golden_check(job: Mapping[str, Any], launched: Launched, reference: Reference | None, model: Path | None
                  ) -> tuple[list[Check], dict[str, Any] | None]:
     """The host's ``golden`` check of the replies that came back (none where the job judged no answers, or the
-    host has no model folder), and, for a recording, the golden's noise to keep in the reference."""
+    host has no model folder), and, for a recording, the golden's envelope to keep in the reference. Every level
+    the job scheduled (the sweep's and the fixed batches') must be covered."""
     spec = (job.get("serve") or {}).get("batches")
     if not spec or model is None:
         return [], None
@@ -325,8 +326,9 @@ def golden_check(job: Mapping[str, Any], launched: Launched, reference: Referenc
     except (ValueError, Malformed) as exc:
         return [Check(golden.judge.CHECK, Status.FAIL, f"the runner's replies cannot be read: {exc}")], None
     start = time.monotonic()
+    levels = sorted({int(c) for c in [*(spec.get("levels") or ()), *((job.get("serve") or {}).get("levels") or ())]})
     check, section = golden.run(model, prompts, served, section=reference.golden if reference is not None else None,
-                                recording=reference is None)
+                                recording=reference is None, levels=levels, tokens=spec.get("max_tokens"))
     return [replace(check, seconds=round(time.monotonic() - start, 3))], section
 
 
