@@ -21,7 +21,7 @@ class LayerEntry:
     """What a layer holds at one path (or, flattened, what the image shows there).
 
     The first seven fields are in the order the facts cache keeps them
-    (:mod:`vllm_hotfix.judges.layer_facts`)."""
+    (:mod:`vllm_hotfix.sitefacts.layer_facts`)."""
 
     path: str  # absolute, normalised: "/usr/lib/x"
     kind: str  # one of KINDS; "link" is a symbolic link, "hardlink" a second name of a file
