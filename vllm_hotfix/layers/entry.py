@@ -80,4 +80,7 @@ def within(path: str, folder: str) -> bool:
 
 def absolute(name: str, root: str = "/") -> str:
     """A member name as an absolute, normalised path (``./a//b/`` -> ``/a/b``; ``..`` never climbs past /)."""
-    return posixpath.normpath(posixpath.join(root, posixpath.normpath("/" + name).lstrip("/")))
+    path = posixpath.normpath("/" + name)
+    if path.startswith("//"):  # the one double slash normpath keeps
+        path = "/" + path.lstrip("/")
+    return path if root == "/" else posixpath.normpath(posixpath.join(root, path.lstrip("/")))

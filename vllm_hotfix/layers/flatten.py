@@ -111,6 +111,9 @@ def squash(layers: Iterable[Layer]) -> Layer:
     entries: dict[str, LayerEntry] = {}
     kept: dict[str, bytes] = {}
     for layer in layers:
+        if not entries:  # laid over nothing, a layer says what it says (and a large one is copied, not walked)
+            entries, kept = dict(layer.entries), dict(layer.kept)
+            continue
         apply(layer, entries, kept, marks=True)
     return Layer(entries, kept)
 
