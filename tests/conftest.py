@@ -860,3 +860,18 @@ def built(engine: Engine, built_once: tuple[Path, str, str], tmp_path: Path) -> 
         shutil.copytree(template / folder, project / folder)
     engine.tag(image_id, ref)
     return project, ref, image_id
+
+
+class CountingOpens:
+    """The real engine, counting which images' files are opened for reading (a seam: every call goes through)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.opened: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def files(self, image: str) -> Any:
+        self.opened.append(image)
+        return self.engine.files(image)

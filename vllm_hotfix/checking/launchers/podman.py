@@ -273,7 +273,7 @@ NEVER_STARTED = "/nonexistent-vllm-hotfix-never-started"
 
 class PodmanFiles:
     """Files of an image in podman's store, read without running it (an
-    :class:`~vllm_hotfix.judges.integrity.FileSource`).
+    :class:`~vllm_hotfix.sitefacts.site.FileSource`).
 
     As the Docker engine's reader (:mod:`vllm_hotfix.engine.files`) does: a
     container is created and never started, each folder comes out of it as a
