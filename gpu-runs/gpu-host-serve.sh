@@ -545,10 +545,11 @@ need_answers() {
 #   2. the first model's patched image, alone, is the first smoke of a new image on a host whose base is warm and
 #      the campaign's warm verdict with every judge; then alone its third start through `make smoke` and the
 #      definition's [smoke] table (patched-third);
-#   3. side by side, in this order (a run cut short loses the later models' backports first): the recordings of
-#      broken backports' second builds (badrecord, which the golden must refuse), the first model's base and
-#      second start, every model's variants and mutants, the later models' base and three starts; the golden
-#      forward of each model (golden_run.py, the host's torch) beside them.
+#   3. side by side, in this order (a run cut short by CALL_BUDGET loses the extras, not a model): every model's
+#      base and the later models' patched image, the recordings of broken backports' second builds (badrecord,
+#      which the golden must refuse), the other starts, every model's variants, the broken backports every model
+#      is judged with (MUTANTS_OTHERS), the first model's others; the golden forward of each model
+#      (golden_run.py, the host's torch) beside them.
 first_model() { [ "$MNAME" = "$(IFS=: read -r n _ <<<"${MODELS%% *}"; echo "$n")" ]; }
 recording() {
   [ -f "$MOUT/reference.json" ] || rm -f "$ANSWERS"
@@ -633,7 +634,10 @@ bad_recordings() {
       --root "$MUTANT_ROOTS/$m" --record-reference "$MOUT/badrecord-$m.answers.json"
   done
 }
-starts() {
+# The queue's order puts first what each model's record needs, so that a run cut short by its budget (CALL_BUDGET)
+# loses the extras, not a model: every model's base and patched image, then the bad recordings, the other starts,
+# the variants, the broken backports every model is judged with (MUTANTS_OTHERS), then the first model's others.
+essentials() {
   # The base carries no labels: --definition judges it by the patch set it lacks.
   if step unpatched; then
     need_answers "base" || return 0
@@ -643,6 +647,8 @@ starts() {
     need_answers "patched smoke" || return 0
     queued patched "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
   fi
+}
+more_starts() {
   if step patched2; then
     need_answers "second start" || return 0
     queued patched-again "$PATCHED" "${TIMEOUT_WARM:-240}" --reference "$ANSWERS"
@@ -660,31 +666,33 @@ variant_smokes() {
       --reference "$ANSWERS"
   done
 }
+# mutant_smokes NAMES: these broken backports of this model.
 mutant_smokes() {
   step mutantsmoke || return 0
   need_answers mutants || return 0
-  local names=$MUTANTS
-  first_model || names=${MUTANTS_OTHERS:-$MUTANTS}
-  for m in $names; do
+  for m in $1; do
     queued "mutant-$m" "$REPO_NAME:$TAG-mutant-$m" "${TIMEOUT_WARM:-240}" --root "$MUTANT_ROOTS/$m" \
       --reference "$ANSWERS"
   done
 }
-each_model bad_recordings
+common_mutants() { mutant_smokes "${MUTANTS_OTHERS:-$MUTANTS}"; }
+first_models_other_mutants() {
+  first_model || return 0
+  local rest="" m
+  for m in $MUTANTS; do
+    case " ${MUTANTS_OTHERS:-$MUTANTS} " in *" $m "*) ;; *) rest="$rest $m" ;; esac
+  done
+  mutant_smokes "$rest"
+}
 if step golden; then
   (each_model golden_model) &
 fi
-use_model "${MODELS%% *}"
-starts
-variant_smokes
-mutant_smokes
-later_models() {
-  first_model && return 0
-  starts
-  variant_smokes
-  mutant_smokes
-}
-each_model later_models
+each_model essentials
+each_model bad_recordings
+each_model more_starts
+each_model variant_smokes
+each_model common_mutants
+each_model first_models_other_mutants
 flush
 
 # Each model's record: MOUT/record.json (gpu_host.py record, from the reports alone).
