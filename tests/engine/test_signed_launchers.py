@@ -535,7 +535,7 @@ def test_a_log_that_is_not_the_jobs_is_incomplete_and_nothing_is_signed_or_attac
     assert r.rc == 11, r.err
     assert f"--collect {wrong}: no runner report and no run nonce" in r.last_error, r.err
     assert "signed verdict" not in r.err and not envelope.exists()
-    r = cli("verify", by_digest, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1", by_digest, "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 21, r.err  # nothing was attached beside the image
     # The Job's own log, its runner stopped after it started: no report, but the Job's nonce.
     log = run_as_a_node(engine, job, image_id, tmp_path / "node", {})
@@ -575,9 +575,14 @@ def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsew
     r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
     assert r.rc == 14, r.err
     assert f"signed verdict attached to {pushed['ref'].rsplit(':', 1)[0]}@{pushed['digest']}" in r.err, r.err
-    r = cli("verify", "--definition", "v0.25.1",
+    # Elsewhere, verify reads that fail as the newest of what it was judged against (the SM100 definition); a fail
+    # judged against another definition says nothing of the v0.25.1 image's own pass.
+    r = cli("verify", "--definition", "v0.25.1-sm100",
             pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    assert r.rc == 0, r.err
 
 
 def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_time(
@@ -621,6 +626,6 @@ def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_ti
     assert r.rc == 0, r.err
     predicate = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))["predicate"]
     assert predicate["run_at"] < predicate["signed_at"]
-    r = cli("verify", "--definition", "v0.25.1",
+    r = cli("verify", "--definition", "v0.25.1-sm100",
             by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 24 and "not a pass: layer-identity" in r.last_error, r.err
