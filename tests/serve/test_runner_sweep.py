@@ -28,7 +28,7 @@ from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import AttestationMismatch, AttestationMissing, AttestationTampered, SmokeError, UsageError
 from vllm_hotfix.inimage import recording, reference, sweep
 from vllm_hotfix.judges import fixed_batches
-from vllm_hotfix.trust import references, signing
+from vllm_hotfix.trust import reference_fit, references, signing
 from vllm_hotfix.verdicts import Check, Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -80,7 +80,17 @@ TARGET = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {}, entrypoint=(sys.exe
 def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
             edit: Callable[[dict[str, Any]], None] = lambda _job: None, *, probe_too: bool = True) -> Verdict:
     """The job run by the runner here, the fake server given ``server`` (and the probe's engine too, unless
-    ``probe_too`` is False: an HTTP server whose batches move the numerics while fixed batches stay right)."""
+    ``probe_too`` is False: an HTTP server whose batches move the numerics while fixed batches stay right),
+    judged here."""
+    job, launched = launch_job(tmp_path, server, options, edit, probe_too=probe_too)
+    verdict, _, _ = plan.judged(job, launched, reference=options.reference)
+    return verdict
+
+
+def launch_job(tmp_path: Path, server: list[str], options: SmokeOptions,
+               edit: Callable[[dict[str, Any]], None] = lambda _job: None, *,
+               probe_too: bool = True) -> tuple[dict[str, Any], base.Launched]:
+    """The job the host judges by, and what the runner sent back for it, unjudged (see :func:`run_job`)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     job, extra = plan.job(tmp_path, TARGET, options, launcher="test", gpu_request=None)
     # The oracle's settings: prefix caching off, batch-invariant mode on, whatever the user's arguments.
@@ -103,9 +113,7 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
-    verdict, _, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
-                                reference=options.reference)
-    return verdict
+    return job, base.results(done.stdout, done.stderr, "test runner")
 
 
 def options(tmp_path: Path, **more: Any) -> SmokeOptions:
@@ -194,6 +202,26 @@ def test_the_image_never_sees_the_reference_answers(answers: reference.Reference
     for answer in answers.answers:
         assert answer.sha256 not in text and json.dumps(list(answer.tokens or ())) not in text
         assert json.dumps(answer.top[0]) not in text
+
+
+def test_the_runner_only_measures_its_sweep_and_the_host_makes_the_check(answers: reference.Reference,
+                                                                         tmp_path: Path) -> None:
+    """The image judges nothing of its sweep: its serve-sweep entry says what it asked and how many requests
+    replied, incomplete until the host has judged the replies it sent back, and no request in its report is
+    passed or failed; the check is the host's, made from those replies."""
+    opts = options(tmp_path, reference=answers)
+    job, launched = launch_job(tmp_path, [], opts)
+    said = next(c for c in launched.report.checks if c.name == "serve-sweep")
+    assert said.status is Status.INCOMPLETE, said
+    assert said.detail == (f"asked concurrency 1,2,4: {3 * REQUESTS} of {3 * REQUESTS} requests replied; the "
+                           "replies go to the host, which judges them")
+    measured = [ev for lv in (launched.report.sweep or {})["levels"] for ev in lv["per_request"]]
+    assert len(measured) == 3 * REQUESTS and all(ev["http_status"] == 200 for ev in measured)
+    assert not any(ev["passed"] for ev in measured) and {ev["judged_by"] for ev in measured} == {"status"}
+    verdict = plan.judged(job, launched, reference=opts.reference)[0]
+    check = next(c for c in verdict.checks if c.name == "serve-sweep")
+    assert verdict.status is Status.PASS and check.status is Status.PASS, verdict.checks
+    assert check.data["judged_on"] == "host" and "bitwise the reference answer" in check.detail
 
 
 def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: reference.Reference,
@@ -398,7 +426,7 @@ def test_a_reference_recorded_under_other_settings_is_refused_naming_the_differe
                   gpu={"devices": ["NVIDIA H200"]})
     with pytest.raises(UsageError, match=r"recorded under other settings \(gpu 'NVIDIA H100' there, "
                                          r"'NVIDIA H200' here\)"):
-        reference.refuse_other_settings(ref, plan.run_settings(ran))
+        reference_fit.refuse_other_settings(ref, plan.run_settings(ran))
 
 
 def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_against_itself(tmp_path: Path) -> None:
@@ -427,7 +455,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     assert levels is not None and levels["repeat"] == {"passes": 2, "replies": 2 * REQUESTS,
                                                        "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
-    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), image_id=IMAGE_ID)
+    kept = reference_fit.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), image_id=IMAGE_ID)
     # The image recorded is the host's fact, named in the file it keeps.
     assert kept.image_id == IMAGE_ID and json.loads((tmp_path / "new.json").read_text())["image_id"] == IMAGE_ID
     # The report names the file the host keeps (with the per-level answers), as the docker launcher stamps it.
@@ -442,7 +470,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     # A recording whose settings are not this run's is refused and not kept.
     with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch "
                                          rf"'{re.escape(torch)}' there, '2.11.0' here\); nothing written"):
-        reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
+        reference_fit.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
     assert not (tmp_path / "other.json").exists()
     # Kept by the host only from a passing recording: this one ran on no GPU and no golden judged its replies, so
     # the launcher's keep writes nothing, says why, and nothing is signed.

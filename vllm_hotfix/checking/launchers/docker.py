@@ -31,12 +31,12 @@ from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
 from ...golden import warm as golden_warm
-from ...inimage import reference as answers
 from ...inimage.runner import MOUNT
-from ...inimage.runner.main import as_check, parse
+from ...inimage.runner.probe_output import parse
 from ...journal import records
 from ...judges import identity, integrity, judging
-from ...verdicts import Status, Verdict
+from ...trust.reference_fit import refuse_other_settings
+from ...verdicts import Check, Status, Verdict
 from .. import compile_cache, gpu_access
 from . import facts, plan
 from .base import Launched, argv, results
@@ -230,7 +230,7 @@ class DockerRun:
             clock.mark("gpu_access")
         seen = self._access[image.id].devices if image.id in self._access else []
         if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
-            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
+            refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
         layers_proven = proven.status == "pass"
         cache = (self.compile_cache(image, is_base=proven.status == "skip", proven=layers_proven)
                  if request is not None or self.opt.serve_model is not None else None)
@@ -379,7 +379,7 @@ class DockerRun:
         self.say(f"    importing {len(modules)} module(s) in the base {base_id[:19] if base_id else ''} too")
         raw = self.probe(base, "gpu_check.py", ["--imports-only", "--modules", *modules], gpu=access.chosen,
                          fallback_name="model-imports")
-        found = [as_check(c, 0, "model-imports") for c in raw]
+        found = [Check.reported(c, 0, "model-imports") for c in raw]
         if not any(c.name == "model-imports" and c.status in (Status.PASS, Status.FAIL) for c in found):
             self.say(f"    the base's imports gave no answer ({'; '.join(c.detail for c in found)[:200]})")
             return None

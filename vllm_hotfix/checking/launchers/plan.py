@@ -27,8 +27,10 @@ from ...errors import DefinitionError, Malformed, PatchError, PinError, RunnerFa
 from ...golden import check as golden
 from ...inimage import oracle
 from ...inimage.reference import PROMPTS, Reference
+from ...inimage.sweep import MAX_TOKENS
 from ...journal import leftovers, records
 from ...judges import fixed_batches, judging, replies
+from ...trust import reference_fit
 from ...trust.references import UNCHECKED, Signature, unfit
 from ...verdicts import Check, Status, Verdict
 from .. import compile_cache
@@ -127,10 +129,8 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
                         "keep_going": options.keep_going}
         ref = options.reference
         if ref is not None:
-            from ...inimage.reference import refuse_judged_image, refuse_other_settings
-
-            refuse_judged_image(ref, target.image_id, target.base_id)
-            refuse_other_settings(ref, settings)
+            reference_fit.refuse_judged_image(ref, target.image_id, target.base_id)
+            reference_fit.refuse_other_settings(ref, settings)
             fixed_batches.refuse_other_schedule(ref, options.levels, options.requests)
             # The reference's prompts and length only: its answers stay here, where the replies are judged.
             out["serve"]["prompts"] = list(ref.prompts)
@@ -141,8 +141,6 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
             out["serve"]["record"] = {"file": str(record), "recorded_from": f"{target.ref} ({target.image_id})",
                                       "settings": settings}
         if ref is not None or record is not None:
-            from ...inimage.sweep import MAX_TOKENS
-
             # Every level again under fixed batches: the probe's replies come back raw and are judged here.
             out["serve"]["batches"] = fixed_batches.job_part(
                 settings, options.levels, options.requests, ref.prompts if ref is not None else PROMPTS,
@@ -476,10 +474,8 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
     verdict, levels, noise = judged(spec, launched, facts, started=started, seconds=time.monotonic() - start,
                                     reference=options.reference, model=model, signature=options.reference_signature)
     if options.reference is not None and isinstance(launched, Launched):
-        from ...inimage.reference import refuse_other_settings
-
         # What the host judged the run to have had (a GPU model only where it gave one), as the reference names it.
-        refuse_other_settings(options.reference, run_settings(verdict))
+        reference_fit.refuse_other_settings(options.reference, run_settings(verdict))
     said = {(c.name, c.status, c.detail) for c in launched.report.checks} if isinstance(launched, Launched) else set()
     shown = {(c.get("name"), c.get("status"), c.get("detail")) for c in spec["checks"]}
     for c in verdict.checks:
@@ -497,8 +493,6 @@ def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable
     run, or where no GPU verified the image."""
     if options.record_reference is None:
         return ran
-    from ...inimage import reference as answers
-
     where = f"    --record-reference {options.record_reference}"
     if ran.answers is None:
         say(f"{where}: the runner recorded no answers (see the serve-sweep check); nothing written")
@@ -513,9 +507,9 @@ def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable
         return ran
     settings = {**serve_settings(options, target), **run_settings(ran.verdict)}
     # The image they were recorded from: its config digest, the host's fact.
-    kept = answers.keep(options.record_reference, ran.answers, settings, dict(ran.levels),
+    kept = reference_fit.keep(options.record_reference, ran.answers, settings, dict(ran.levels),
                         dict(ran.golden) if ran.golden else None, image_id=target.image_id)
-    say(f"    wrote {kept.path} (sha256 {kept.sha256}; {answers.describe(settings)}; answers at concurrency "
+    say(f"    wrote {kept.path} (sha256 {kept.sha256}; {reference_fit.describe(settings)}; answers at concurrency "
         f"{','.join(map(str, ran.levels['schedule']['levels']))} under fixed batches)")
     # The report names the file as written (its sweep was not judged against it).
     return replace(ran, verdict=restamp(ran.verdict, kept, recorded=True))
