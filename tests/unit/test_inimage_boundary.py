@@ -118,3 +118,17 @@ def test_the_rule_reads_relative_imports_at_any_depth() -> None:
     path = PACKAGE / "checking" / "launchers" / "plan.py"
     found = {module for module, _, _ in _imports(path)}
     assert "vllm_hotfix.judges" in found and "vllm_hotfix.inimage.reference" in found
+
+
+def test_the_runner_folder_carries_no_judge_of_the_host() -> None:
+    """What the launchers copy into the image: inimage/ and the shared types beneath every folder, never a module
+    of judges/, trust/ or checking/; and every module an inimage/ file imports from the package is carried."""
+    from vllm_hotfix.checking.launchers.base import PACKAGE_FILES
+
+    carried = {_module(PACKAGE / rel) for rel in PACKAGE_FILES}
+    assert not [m for m in carried if any(m == h or m.startswith(h + ".") for h in HOST_ONLY)]
+    needed = {module for rel in PACKAGE_FILES for module, _, _ in _imports(PACKAGE / rel)
+              if module.startswith("vllm_hotfix") and module != "vllm_hotfix"}
+    # ``from . import serve`` names the package; the modules it reaches through it are carried by name.
+    missing = sorted(m for m in needed if m not in carried and not (PACKAGE / m.replace(".", "/")[12:]).is_dir())
+    assert not missing, missing
