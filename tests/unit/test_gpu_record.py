@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from vllm_hotfix.inimage import sweep
+from vllm_hotfix.judges import sweep as judged
 
 SCRIPT = REPO / "gpu-runs" / "gpu_host.py"
 MANIFEST = REPO / "gpu-runs" / "source_manifest.py"
@@ -36,7 +37,7 @@ def _gpu_host() -> ModuleType:
 
 def _level(c: int, evidence: list[sweep.RequestEvidence]) -> sweep.Level:
     level = sweep.Level(c, len(evidence), per_request=evidence, wall_s=1.0)
-    sweep.summarise(level)
+    judged.summarise(level)
     return level
 
 
