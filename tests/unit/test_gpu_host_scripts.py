@@ -1,13 +1,16 @@
-"""The GPU host's scripts without a GPU or an engine: their shell logic (DRY_RUN) and the record from fake reports.
+"""The GPU host's programs without a GPU or an engine: the campaign's logic (DRY_RUN) and the record from fake reports.
 
-What the H200 run executes is gpu-runs/gpu-host-serve.sh; here its steps are
-walked with every engine-touching command printed instead of run, and
-gpu_host.py record is fed reports and signed envelopes made here.
+What the GPU run executes is gpu-runs/campaign.py (gpu-host-serve.sh runs it); here its steps are walked in
+this process with every engine-touching command printed instead of run, and gpu_host.py record is fed
+reports and signed envelopes made here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
 import json
 import os
 import re
@@ -30,29 +33,58 @@ SERVE = SCRIPTS / "gpu-host-serve.sh"
 RECORD = SCRIPTS / "gpu_host.py"
 
 
+@functools.cache
+def _module(name: str) -> Any:
+    """A gpu-runs/ program as a module, loaded once: its main() runs here, without a process of its own."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up by name)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _main(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python3 gpu-runs/NAME.py ARGV...`` in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = _module(name).main(list(argv))
+    return subprocess.CompletedProcess([name, *argv], rc, out.getvalue(), err.getvalue())
+
+
+def _campaign(parts: Path, out: Path, env: dict[str, str]) -> tuple[int, str]:
+    """campaign.py PARTS OUTDIR with this environment, in this process: its exit code and console output."""
+    console = io.StringIO()
+    rc = _module("campaign").main([str(parts), str(out)], environ=env, stdout=console, stderr=io.StringIO())
+    return rc, console.getvalue()
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
 def test_scripts_parse(script: str) -> None:
     r = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
 
-def test_shellcheck_finds_no_warning_in_the_serve_scripts() -> None:
+def test_shellcheck_finds_no_warning_in_the_campaign_scripts() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("no shellcheck on this machine")
-    r = subprocess.run(["shellcheck", "-S", "warning", str(SERVE)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["shellcheck", "-S", "warning", str(SERVE), str(SCRIPTS / "campaign-call.sh")],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout
 
 
+def _env(tmp_path: Path, steps: str, **more: str) -> dict[str, str]:
+    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
+    return {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(tmp_path / "work"),
+            "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "MODELS": "m0:0:2", **more}
+
+
 def _dry(tmp_path: Path, steps: str, **more: str) -> tuple[list[list[str]], str, Path]:
-    parts, out, work = tmp_path / "parts", tmp_path / "out", tmp_path / "work"
+    parts, out = tmp_path / "parts", tmp_path / "out"
     parts.mkdir(exist_ok=True)
     (parts / "SHA256SUMS").write_text("")
-    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work),
-           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "MODELS": "m0:0:2", **more}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    rc, console = _campaign(parts, out, _env(tmp_path, steps, **more))
+    assert rc == 0, console
     log = (out / "run.log").read_text()
     commands = [shlex.split(line[2:]) for line in log.splitlines() if line.startswith("+ ")]
     return commands, log, out
@@ -139,15 +171,16 @@ def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Pa
                                                  "files": [["README.md", "100644", "0" * 40]], "ignore": []}))
     env = {**os.environ, "STEPS": "engine", "GPU_HOST_WORK": str(tmp_path / "work"),
            "SOURCE_MANIFEST": str(tmp_path / "m.json")}
+    # Through the entry the records name: it hands its arguments and environment to campaign.py.
     r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 1
     assert "error: source check against" in r.stdout and "not the clean commit it names" in r.stdout
     assert "differ ['README.md']" in r.stdout
+    assert not (tmp_path / "work" / "signing-key.pem").exists() and not (tmp_path / "work" / "payload").exists()
     # An OUTDIR inside the checkout would be files beside the commit's: refused.
-    r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(REPO / "build" / "gpu-out-test")],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 1 and "lies inside the checkout" in r.stdout
+    rc, console = _campaign(tmp_path, REPO / "build" / "gpu-out-test", env)
+    assert rc == 1 and "lies inside the checkout" in console
     assert not (REPO / "build" / "gpu-out-test").exists()  # refused before it was made: nothing left behind
 
 
@@ -296,21 +329,10 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
 
 
 def test_a_models_entry_that_is_not_name_seed_layers_is_refused(tmp_path: Path) -> None:
-    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts = tmp_path / "parts"
     parts.mkdir()
-    (parts / "SHA256SUMS").write_text("")
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": "model", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "none.json"), "MODELS": "a:0:2 b/../x:1:2"}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 1 and "MODELS entry 'b/../x:1:2'" in r.stdout
-
-
-def _gpu_host() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_host", RECORD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "model", MODELS="a:0:2 b/../x:1:2"))
+    assert rc == 1 and "MODELS entry 'b/../x:1:2'" in console
 
 
 def _report(image: str, image_id: str, status: str, seconds: float, phases: dict[str, float]) -> dict[str, Any]:
@@ -326,14 +348,13 @@ def _report(image: str, image_id: str, status: str, seconds: float, phases: dict
 def _clean_checkout(folder: Path) -> tuple[Path, Path]:
     """A git checkout with one file, and the manifest of its clean HEAD (as the sending side makes it)."""
     folder.mkdir()
-    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
-        subprocess.run(["git", "-C", str(folder), *cmd], check=True)
+    subprocess.run(["git", "-C", str(folder), "init", "-q"], check=True)
     (folder / "README.md").write_text("x\n")
     subprocess.run(["git", "-C", str(folder), "add", "-A"], check=True)
-    subprocess.run(["git", "-C", str(folder), "commit", "-qm", "c"], check=True)
+    subprocess.run(["git", "-C", str(folder), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c"],
+                   check=True)
     manifest = folder.parent / "source.json"
-    r = subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "make", str(manifest), "--root",
-                        str(folder)], capture_output=True, text=True, timeout=60)
+    r = _main("source_manifest", "make", str(manifest), "--root", str(folder))
     assert r.returncode == 0, r.stderr
     return folder, manifest
 
@@ -359,19 +380,18 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
         args += ["--attestation", f"{which.replace('-', '_')}={tmp_path / f'{which}.dsse.json'}"]
     checkout, manifest = _clean_checkout(tmp_path / "checkout")
     call = tmp_path / "source-1.json"
-    subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "check", str(manifest), "--root",
-                    str(checkout), "--write", str(call)], capture_output=True, check=True, timeout=60)
+    assert _main("source_manifest", "check", str(manifest), "--root", str(checkout), "--write",
+                 str(call)).returncode == 0
 
     def record(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(RECORD), "record", str(tmp_path / "record.json"), "--no-engine",
-                               "--reference-run", str(tmp_path / "reference.json"),
-                               "--patched", str(tmp_path / "patched.json"),
-                               "--patched-again", str(tmp_path / "patched-again.json"),
-                               "--unpatched", str(tmp_path / "unpatched.json"),
-                               "--unpatched-first", str(tmp_path / "unpatched-first.json"), "--public-key", str(pub),
-                               "--source-manifest", str(manifest), "--source-root", str(checkout),
-                               "--source-call", str(call), *extra],
-                              capture_output=True, text=True, timeout=60)
+        return _main("gpu_host", "record", str(tmp_path / "record.json"), "--no-engine",
+                     "--reference-run", str(tmp_path / "reference.json"),
+                     "--patched", str(tmp_path / "patched.json"),
+                     "--patched-again", str(tmp_path / "patched-again.json"),
+                     "--unpatched", str(tmp_path / "unpatched.json"),
+                     "--unpatched-first", str(tmp_path / "unpatched-first.json"), "--public-key", str(pub),
+                     "--source-manifest", str(manifest), "--source-root", str(checkout),
+                     "--source-call", str(call), *extra)
 
     # A correct variant's report (it passed, as the patched image did) and the golden run's output for the model.
     (tmp_path / "variant-copy.json").write_text(json.dumps(reports["patched"] | {"image": "v", "image_id": "sha256:"
@@ -459,13 +479,10 @@ def test_tp_puts_every_server_on_that_many_gpus(tmp_path: Path) -> None:
 
 
 def test_a_tp_that_is_no_number_of_gpus_is_refused(tmp_path: Path) -> None:
-    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts = tmp_path / "parts"
     parts.mkdir()
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": "patched", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "TP": "0"}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 1 and "TP=0: a whole number of GPUs" in r.stdout
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "patched", TP="0"))
+    assert rc == 1 and "TP=0: a whole number of GPUs" in console
 
 
 def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp_path: Path) -> None:
@@ -498,8 +515,8 @@ def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_serve
 
 def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(tmp_path: Path) -> None:
     """gpu-runs/campaign-call.sh: a part is kept where the run reads parts; start copies the checkout and starts
-    the campaign in a session of its own; wait returns once it ended; every call notes the host's clock and packs
-    the output folder into $OUT."""
+    the campaign (campaign.py) in a session of its own; wait returns once it ended; every call notes the host's
+    clock and packs the output folder into $OUT."""
     import tarfile
 
     where = {"PARTS": tmp_path / "parts", "CHECKOUT": tmp_path / "checkout", "OUTDIR": tmp_path / "outdir"}
@@ -521,7 +538,7 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     run("part", str(part), str(tmp_path / "SHA256SUMS"))
     assert (where["PARTS"] / "part-00").read_bytes() == b"x" * 10
     run("start")
-    assert (where["CHECKOUT"] / "gpu-runs" / "gpu-host-serve.sh").is_file()
+    assert (where["CHECKOUT"] / "gpu-runs" / "campaign.py").is_file()
     assert not (where["CHECKOUT"] / ".git").exists()
     run("wait", "60")
     calls = (where["OUTDIR"] / "calls.log").read_text().splitlines()
