@@ -324,7 +324,7 @@ def run(c: Context) -> None:
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None,
          stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0],
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", metavar="PARTS_DIR", help="part-NN and SHA256SUMS from gpu-runs/bundle-serve.sh")
     ap.add_argument("outdir", metavar="OUTDIR", help="where run.log, the reports and the records go (outside the "
