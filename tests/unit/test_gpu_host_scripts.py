@@ -53,10 +53,11 @@ def _main(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def _campaign(parts: Path, out: Path, env: dict[str, str]) -> tuple[int, str]:
-    """campaign.py PARTS OUTDIR with this environment, in this process: its exit code and console output."""
-    console = io.StringIO()
-    rc = _module("campaign").main([str(parts), str(out)], environ=env, stdout=console, stderr=io.StringIO())
-    return rc, console.getvalue()
+    """campaign.py PARTS OUTDIR with this environment, in this process: its exit code and console output (its
+    stderr after its stdout)."""
+    console, errors = io.StringIO(), io.StringIO()
+    rc = _module("campaign").main([str(parts), str(out)], environ=env, stdout=console, stderr=errors)
+    return rc, console.getvalue() + errors.getvalue()
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
@@ -467,6 +468,48 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
                                                               other_key))
     r = record(*args)
     assert r.returncode == 2 and "signed with another key" in r.stderr
+
+
+def _parts(folder: Path, record: str) -> None:
+    """PARTS_DIR as bundle-serve.sh leaves it: a tar of vLLM's wheel (its RECORD as given) in two parts and their
+    SHA256SUMS."""
+    import hashlib
+    import tarfile
+    import zipfile
+
+    wheel = io.BytesIO()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+        z.writestr("vllm-0.25.1.dist-info/RECORD", record)
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w") as tar:
+        info = tarfile.TarInfo("vllm-0.25.1-cp38-abi3-manylinux1_x86_64.whl")
+        info.size = len(wheel.getvalue())
+        tar.addfile(info, io.BytesIO(wheel.getvalue()))
+    blob = packed.getvalue()
+    folder.mkdir()
+    sums = ""
+    for i, chunk in enumerate((blob[: len(blob) // 2], blob[len(blob) // 2:])):
+        (folder / f"part-0{i}").write_bytes(chunk)
+        sums += f"{hashlib.sha256(chunk).hexdigest()}  part-0{i}\n"
+    (folder / "SHA256SUMS").write_text(sums)
+
+
+def test_unpack_refuses_damaged_parts_and_a_wheel_whose_record_lists_what_it_lacks(tmp_path: Path) -> None:
+    """The integrity check would refuse GPU-verified for a file RECORD lists but the image lacks: the parts must
+    drop its RECORD line, and a wheel that still lists one is refused before anything is unzipped."""
+    parts = tmp_path / "parts"
+    _parts(parts, "vllm/__init__.py,,\nvllm/_C.abi3.so,,\nvllm-0.25.1.dist-info/RECORD,,\n")
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "unpack"))
+    assert rc == 1 and "error: vLLM's wheel: see the line above" in console, console
+    assert "RECORD lists vllm/_C.abi3.so, which the wheel lacks" in console
+    assert not any((tmp_path / "work" / "src").iterdir())
+    assert not (tmp_path / "work" / "payload" / ".complete").exists()  # the next run unpacks again
+    # A part that is not the one SHA256SUMS names: nothing unpacked.
+    (parts / "part-01").write_bytes(b"x")
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "unpack"))
+    assert rc == 1 and f"a part is missing or damaged (sha256sum -c in {parts})" in console
+    assert "part-01: FAILED" in console
 
 
 def test_tp_puts_every_server_on_that_many_gpus(tmp_path: Path) -> None:
