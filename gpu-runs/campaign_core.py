@@ -225,9 +225,9 @@ class Shell:
             return 0
         return self.run(argv, out, stdin)
 
-    def run(self, argv: list[str], out: Output = CONSOLE, stdin: str | None = None) -> int:
+    def run(self, argv: list[str], out: Output = CONSOLE, stdin: str | None = None, umask: int = -1) -> int:
         """One command now, whatever DRY_RUN says (the steps that touch no engine): its exit code (127 where it
-        cannot be started)."""
+        cannot be started). ``umask``: the command's own (this process's stays, whatever its threads write)."""
         self.log.stdout.flush()
         data = stdin.encode() if stdin is not None else None
         given = None if data is not None else subprocess.DEVNULL
@@ -238,10 +238,10 @@ class Shell:
             if out.file is not None:
                 with out.file.open("ab" if out.append else "wb") as fh:
                     return subprocess.run(argv, input=data, stdin=given, stdout=fh, stderr=stderr, env=self.env,
-                                          cwd=self.cwd, check=False).returncode
+                                          cwd=self.cwd, check=False, umask=umask).returncode
             stdout = None if out.console else subprocess.DEVNULL
             return subprocess.run(argv, input=data, stdin=given, stdout=stdout, stderr=stderr, env=self.env,
-                                  cwd=self.cwd, check=False).returncode
+                                  cwd=self.cwd, check=False, umask=umask).returncode
         except OSError as exc:
             self.log.raw(f"{argv[0]}: {exc.strerror or exc}\n", None, self.log.stderr)
             return 127

@@ -4,7 +4,6 @@ soon as one ends."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 from collections.abc import Callable
@@ -31,15 +30,12 @@ class Signer:
         openssl = shell.which("openssl")
         if not key.is_file():
             tmp = Path(f"{s.key}.tmp")
-            old = os.umask(0o077)
-            try:
-                if openssl:
-                    ok = shell.run([openssl, "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out",
-                                    str(tmp)], QUIET) == 0
-                else:
-                    ok = shell.run([s.python, "-c", MAKE_KEY, str(tmp)], QUIET) == 0
-            finally:
-                os.umask(old)
+            # Written by its maker only, from the start (0600); no other file of the run is touched by this.
+            if openssl:
+                ok = shell.run([openssl, "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(tmp)],
+                               QUIET, umask=0o077) == 0
+            else:
+                ok = shell.run([s.python, "-c", MAKE_KEY, str(tmp)], QUIET, umask=0o077) == 0
             if not ok:
                 raise self.c.log.die("cannot make a signing key")
             tmp.replace(key)

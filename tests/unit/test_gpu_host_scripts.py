@@ -144,6 +144,7 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert ["rm", "-rf", str(tmp_path / "work" / "cache" / "compile")] in commands
     assert (top / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
     assert not (top / "signing-key.pem").exists() and not (out / "signing-key.pem").exists()
+    assert (tmp_path / "work" / "signing-key.pem").stat().st_mode & 0o777 == 0o600  # its maker's alone
     [record] = [argv for argv in commands if "record" in argv]
     assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
