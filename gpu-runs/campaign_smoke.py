@@ -125,14 +125,12 @@ class Queue:
     def __init__(self, parallel: int) -> None:
         self.parallel = parallel
         self._jobs: list[threading.Thread] = []
+        self._running = 0  # counted by the jobs themselves: a thread that has ended may still look alive
         self._ended = threading.Condition()
-
-    def running(self) -> int:
-        return sum(t.is_alive() for t in self._jobs)
 
     def wait_for_a_slot(self) -> None:
         with self._ended:
-            while self.running() >= self.parallel:
+            while self._running >= self.parallel:
                 self._ended.wait()
 
     def start(self, job: Callable[[], None]) -> None:
@@ -143,9 +141,12 @@ class Queue:
                 pass  # said in run.log; that job alone ends, as a queued smoke's shell did
             finally:
                 with self._ended:
+                    self._running -= 1
                     self._ended.notify_all()
 
         thread = threading.Thread(target=body, daemon=True)
+        with self._ended:
+            self._running += 1
         self._jobs.append(thread)
         thread.start()
 

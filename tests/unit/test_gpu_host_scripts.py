@@ -543,6 +543,45 @@ def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp
         assert (f"PARALLEL={asked} {lowered}" in log) if lowered else "lowered" not in log, log
 
 
+def test_the_queue_starts_a_smoke_as_soon_as_one_ends_never_more_than_parallel() -> None:
+    """Not in batches that wait for their slowest: with two slots and the first job ended, the third starts while
+    the second still runs. Each job waits on an event this test sets (a seam, no clock)."""
+    import threading
+
+    _module("campaign")  # puts gpu-runs/ on the path its modules import each other from
+    queue = sys.modules["campaign_smoke"].Queue(2)
+    release = {name: threading.Event() for name in "abc"}
+    started = {name: threading.Event() for name in "abc"}
+    running: list[str] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def job(name: str) -> None:
+        with lock:
+            running.append(name)
+            most[0] = max(most[0], len(running))
+        started[name].set()
+        release[name].wait(60)
+        with lock:
+            running.remove(name)
+
+    for name in "ab":
+        queue.wait_for_a_slot()
+        queue.start(lambda name=name: job(name))
+    third = threading.Thread(target=lambda: (queue.wait_for_a_slot(), queue.start(lambda: job("c"))))
+    third.start()
+    assert started["a"].wait(60) and started["b"].wait(60)
+    assert not started["c"].is_set()  # both slots taken: the third waits
+    release["a"].set()
+    assert started["c"].wait(60)  # a slot freed: the third starts while the second still runs
+    assert "b" in running and "a" not in running
+    release["b"].set()
+    release["c"].set()
+    third.join(60)
+    queue.flush()
+    assert most[0] == 2 and running == []
+
+
 def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_server(tmp_path: Path) -> None:
     commands, log, out = _dry(tmp_path, "gpuonly")
     smokes = _smokes(commands)
