@@ -164,8 +164,6 @@ from campaign_record import records  # noqa: E402
 from campaign_setup import check_source, parts_sum, setup  # noqa: E402
 from campaign_smoke import Smoke, Smokes, parallel, serve_flags  # noqa: E402
 
-# REFERENCE_FROM and the campaign's order.
-
 
 def reference_from(c: Context, m: Model) -> None:
     """REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
@@ -205,15 +203,37 @@ def in_order(c: Context, smokes: Smokes) -> None:
          and second start, every model's variants and mutants, the later models' base and three starts; the
          golden forward of each model (golden_run.py, the host's torch) beside them."""
     s = c.settings
-    warm, cold = s.get("TIMEOUT_WARM", "240"), s.get("TIMEOUT_REFERENCE", "540")
     if s.step("gpuonly"):
-        # The GPU checks alone: the layer identity check, the isolated runner and the patch set's GPU checks on
-        # this GPU, in minutes. They do not depend on the model: the first model's folder holds them.
-        first = c.first()
-        smokes.now(first, Smoke("gpuonly-patched", s.patched, warm, serve=False))
-        smokes.now(first, Smoke("gpuonly-unpatched", s.base, warm, ("--definition", TAG), serve=False))
+        gpu_only(c, smokes)
+    recordings(c, smokes)
+    smokes.queue.flush()
+    if any(s.step(n) for n in ("patched", "patched2", "patched3", "makesmoke", "unpatched", "golden",
+                               "variantsmoke", "mutantsmoke")):
+        for m in c.models():
+            reference_from(c, m)
+    alone(c, smokes)
+    bad_recordings(c, smokes)
+    if s.step("golden"):
+        smokes.queue.start(lambda: golden(c))
+    side_by_side(c, smokes, c.first())
+    for m in c.models():
+        if not c.is_first(m):
+            side_by_side(c, smokes, m)
+    smokes.queue.flush()
 
-    # 1. The recordings, cold, and the first model's base beside them.
+
+def gpu_only(c: Context, smokes: Smokes) -> None:
+    """The patched image and the base with their GPU checks alone (no server, no reference): the layer identity
+    check, the isolated runner and the patch set's GPU checks on this GPU, in minutes. They do not depend on the
+    model: the first model's folder holds them."""
+    s, first, warm = c.settings, c.first(), c.settings.get("TIMEOUT_WARM", "240")
+    smokes.now(first, Smoke("gpuonly-patched", s.patched, warm, serve=False))
+    smokes.now(first, Smoke("gpuonly-unpatched", s.base, warm, ("--definition", TAG), serve=False))
+
+
+def recordings(c: Context, smokes: Smokes) -> None:
+    """1. Every model's reference answers, cold, and the first model's base beside them."""
+    s, cold = c.settings, c.settings.get("TIMEOUT_REFERENCE", "540")
     if s.step("reference"):
         if not (c.first().out / "reference.json").is_file():
             c.shell.act(["rm", "-rf", f"{s.cache}/compile"])
@@ -225,13 +245,11 @@ def in_order(c: Context, smokes: Smokes) -> None:
         # No reference yet (its answers are being recorded beside it): judged by form; its report says how the
         # base ran.
         smokes.queued(c.first(), Smoke("unpatched-first", s.base, cold, ("--definition", TAG)))
-    smokes.queue.flush()
-    if any(s.step(n) for n in ("patched", "patched2", "patched3", "makesmoke", "unpatched", "golden",
-                               "variantsmoke", "mutantsmoke")):
-        for m in c.models():
-            reference_from(c, m)
 
-    # 2. Alone: the first model's patched image (the long command), then its third start through make smoke.
+
+def alone(c: Context, smokes: Smokes) -> None:
+    """2. Alone: the first model's patched image (the long command), then its third start through make smoke."""
+    s, warm = c.settings, c.settings.get("TIMEOUT_WARM", "240")
     for m in c.models():
         if not c.is_first(m):
             continue
@@ -241,24 +259,20 @@ def in_order(c: Context, smokes: Smokes) -> None:
         if s.step("makesmoke") or s.step("patched3"):
             smokes.make_smoke(m, warm)
 
-    # 3. Side by side. The broken backports' second builds (the assemble builder) as recording images: the golden
-    # must refuse each recording (nothing written), where the recording of a backport that is wrong without
-    # crashing would otherwise judge every later run against itself.
+
+def bad_recordings(c: Context, smokes: Smokes) -> None:
+    """3. begins: the broken backports' second builds (the assemble builder) as recording images. The golden must
+    refuse each recording (nothing written), where the recording of a backport that is wrong without crashing
+    would otherwise judge every later run against itself."""
+    s, cold = c.settings, c.settings.get("TIMEOUT_REFERENCE", "540")
     for m in c.models():
-        if c.is_first(m) and s.step("badrecord"):
-            for name in s.record_mutants:
-                answers = m.out / f"badrecord-{name}.answers.json"
-                answers.unlink(missing_ok=True)
-                smokes.queued(m, Smoke(f"badrecord-{name}", f"{s.repo}:{TAG}-mutant-{name}-assembled", cold,
-                                  ("--root", f"{s.roots('mutant')}/{name}", "--record-reference", str(answers))))
-    if s.step("golden"):
-        smokes.queue.start(lambda: golden(c))
-    first = c.first()
-    side_by_side(c, smokes, first)
-    for m in c.models():
-        if not c.is_first(m):
-            side_by_side(c, smokes, m)
-    smokes.queue.flush()
+        if not (c.is_first(m) and s.step("badrecord")):
+            continue
+        for name in s.record_mutants:
+            answers = m.out / f"badrecord-{name}.answers.json"
+            answers.unlink(missing_ok=True)
+            smokes.queued(m, Smoke(f"badrecord-{name}", f"{s.repo}:{TAG}-mutant-{name}-assembled", cold,
+                                   ("--root", f"{s.roots('mutant')}/{name}", "--record-reference", str(answers))))
 
 
 def golden(c: Context) -> None:
@@ -300,12 +314,12 @@ def side_by_side(c: Context, smokes: Smokes, m: Model) -> None:
         c.need_answers(m)
         for name in s.variants:
             smokes.queued(m, Smoke(f"variant-{name}", f"{s.repo}:{TAG}-variant-{name}", warm,
-                              ("--root", f"{s.roots('variant')}/{name}", *judged)))
+                                   ("--root", f"{s.roots('variant')}/{name}", *judged)))
     if s.step("mutantsmoke"):
         c.need_answers(m)
         for name in (s.mutants if first else s.mutants_others or s.mutants):
             smokes.queued(m, Smoke(f"mutant-{name}", f"{s.repo}:{TAG}-mutant-{name}", warm,
-                              ("--root", f"{s.roots('mutant')}/{name}", *judged)))
+                                   ("--root", f"{s.roots('mutant')}/{name}", *judged)))
 
 
 def run(c: Context) -> None:
