@@ -608,7 +608,14 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     env = {**os.environ, **{k: str(v) for k, v in where.items()}, "OUT": str(back), "DRY_RUN": "1",
            "STEPS": "model", "MODELS": "m0:0:2", "GPU_HOST_WORK": str(tmp_path / "work"),
            "SOURCE_MANIFEST": str(tmp_path / "none.json")}
-    call = SCRIPTS / "campaign-call.sh"
+    # A checkout of the campaign's own files, with a .git that `start` must leave behind (the copy stays small).
+    home = tmp_path / "home"
+    (home / "gpu-runs").mkdir(parents=True)
+    for name in ["campaign-call.sh", "source_manifest.py", *(p.name for p in SCRIPTS.glob("campaign*.py"))]:
+        shutil.copy2(SCRIPTS / name, home / "gpu-runs" / name)
+    (home / ".git").mkdir()
+    (home / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    call = home / "gpu-runs" / "campaign-call.sh"
     part = tmp_path / "part-00"
     part.write_bytes(b"x" * 10)
     (tmp_path / "SHA256SUMS").write_text("")
