@@ -7,6 +7,9 @@ BASE ?= v0.25.1
 BASE_REPO ?=
 IMAGE ?= vllm/vllm-openai:$(BASE)-m3patch
 REGISTRY ?= 127.0.0.1:5000/ops
+# make demo pushes to a place of its own, so that a second run never meets what the runbook's signed pushes left
+# under REGISTRY (moving a tag off an image with a signed pass takes --replace).
+DEMO_REGISTRY ?= 127.0.0.1:5000/demo
 REPO_FLAG = $(if $(BASE_REPO),--base-repo $(BASE_REPO),)
 # make image PLATFORM=all / make push PLATFORM=all: every platform of the base, pushed under one index
 PLATFORM ?=
@@ -19,7 +22,8 @@ ARGS ?=
 # make exits 2 for any failed recipe: the tool's own exit code (build.py --help lists them) is said in a line.
 TOOL = tool_run() { "$$@" || { rc=$$?; echo "make: build.py exited $$rc (its exit codes: $(PYTHON) build.py --help)" >&2; exit $$rc; }; }; tool_run $(PYTHON) build.py
 
-# Error hints then name make variables (ALLOW_GPU_UNVERIFIED=1), not the CLI's flags.
+# Error hints then name the make variable where a flag has one (ALLOW_GPU_UNVERIFIED=1, PLATFORM=all), not the
+# flag; other flags (--replace, --rebuild) are said as flags, and go in ARGS.
 export VLLM_HOTFIX_VIA_MAKE := 1
 
 .DEFAULT_GOAL := help
@@ -71,7 +75,7 @@ smoke: tool ## Smoke-test an image as its definition's [smoke] table says: make 
 push: tool ## Push a smoke-tested image: make push IMAGE=... REGISTRY=host:port/path [ALLOW_GPU_UNVERIFIED=1] [PLATFORM=all]
 	$(TOOL) push $(IMAGE) --registry $(REGISTRY) $(GPU_FLAG) $(PLATFORM_FLAG) $(ARGS)
 
-demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry (downloads ~550 MB, README)
+demo: setup ## End to end on a local engine: stand-in base, build, smoke, push to a local registry's demo/ (README)
 	@echo "==> demo: starts a Docker engine and a registry on 127.0.0.1:5000 unless they answer, downloads the"
 	@echo "    vLLM $(BASE) wheel (about 250 MB, once, into build/cache) and a Debian root file system (about 13 MB)"
 	@echo "    for the stand-in base, then builds and pushes"
@@ -79,7 +83,7 @@ demo: setup ## End to end on a local engine: stand-in base, build, smoke, push t
 	.ci/services start-registry
 	$(PYTHON) build.py standin --version $(patsubst v%,%,$(BASE))
 	$(PYTHON) build.py image --definition $(BASE)
-	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(REGISTRY) --allow-gpu-unverified
+	$(PYTHON) build.py push vllm/vllm-openai:$(BASE)-m3patch --registry $(DEMO_REGISTRY) --allow-gpu-unverified
 
 demo-platforms: setup services ## Like demo, for linux/amd64 + linux/arm64 from a stand-in index, on a Docker 26.1 engine
 	.ci/services install-cdi-engine

@@ -253,9 +253,11 @@ def alone(c: Context, smokes: Smokes) -> None:
     for m in c.models():
         if not c.is_first(m):
             continue
-        if s.step("patched"):
-            c.need_answers(m)
+        if s.step("patched") and c.need_answers(m, "patched smoke"):
             smokes.now(m, Smoke("patched", s.patched, warm, ("--reference", str(m.answers))))
+        elif s.step("patched"):
+            # Its warm time all the same, without answers to judge (the report says which checks did not run).
+            smokes.now(m, Smoke("patched-unjudged", s.patched, warm))
         if s.step("makesmoke") or s.step("patched3"):
             smokes.make_smoke(m, warm)
 
@@ -281,7 +283,8 @@ def golden(c: Context) -> None:
         if (m.out / "golden.json").is_file():
             c.log.line(f"golden {m.name}: done already ({m.out / 'golden.json'})")
             continue
-        c.need_answers(m)
+        if not c.need_answers(m, "golden"):
+            continue
         c.log.line(f"golden {m.name}: golden_run.py {m.folder} --reference {m.answers}")
         rc = c.shell.act([c.settings.python, "gpu-runs/golden_run.py", m.folder, "--reference", str(m.answers),
                           "--out", str(m.out / "golden.json")], into(m.out / "golden.log", append=False))
@@ -290,36 +293,37 @@ def golden(c: Context) -> None:
 
 
 def side_by_side(c: Context, smokes: Smokes, m: Model) -> None:
-    """A model's queued smokes: the base, the patched image's later starts (the first model's first and third
+    """A model's queued smokes: the base and the patched image's later starts (the first model's first and third
     ran alone), every variant, its broken backports (every one for the first model, MUTANTS_OTHERS for the
-    others)."""
-    s = c.settings
-    warm = s.get("TIMEOUT_WARM", "240")
-    first = c.is_first(m)
-    judged = ("--reference", str(m.answers))
-    # The base carries no labels: --definition judges it by the patch set it lacks.
-    if s.step("unpatched"):
-        c.need_answers(m)
-        smokes.queued(m, Smoke("unpatched", s.base, warm, ("--definition", TAG, *judged)))
-    if not first and s.step("patched"):
-        c.need_answers(m)
-        smokes.queued(m, Smoke("patched", s.patched, warm, judged))
-    if s.step("patched2"):
-        c.need_answers(m)
-        smokes.queued(m, Smoke("patched-again", s.patched, warm, judged))
-    if not first and (s.step("patched3") or s.step("makesmoke")):
-        c.need_answers(m)
-        smokes.queued(m, Smoke("patched-third", s.patched, warm, judged))
-    if s.step("variantsmoke"):
-        c.need_answers(m)
+    others); each kind not run where the model has no answers to judge it against."""
+    starts(c, smokes, m)
+    s, warm, judged = c.settings, c.settings.get("TIMEOUT_WARM", "240"), ("--reference", str(m.answers))
+    if s.step("variantsmoke") and c.need_answers(m, "variants"):
         for name in s.variants:
             smokes.queued(m, Smoke(f"variant-{name}", f"{s.repo}:{TAG}-variant-{name}", warm,
                                    ("--root", f"{s.roots('variant')}/{name}", *judged)))
-    if s.step("mutantsmoke"):
-        c.need_answers(m)
-        for name in (s.mutants if first else s.mutants_others or s.mutants):
+    if s.step("mutantsmoke") and c.need_answers(m, "mutants"):
+        for name in (s.mutants if c.is_first(m) else s.mutants_others or s.mutants):
             smokes.queued(m, Smoke(f"mutant-{name}", f"{s.repo}:{TAG}-mutant-{name}", warm,
                                    ("--root", f"{s.roots('mutant')}/{name}", *judged)))
+
+
+def starts(c: Context, smokes: Smokes, m: Model) -> None:
+    """The base, then the patched image's starts that did not run alone; the first without answers ends them."""
+    s, warm, judged = c.settings, c.settings.get("TIMEOUT_WARM", "240"), ("--reference", str(m.answers))
+    first = c.is_first(m)
+    # The base carries no labels: --definition judges it by the patch set it lacks.
+    wanted = [("unpatched", "base", s.base, ("--definition", TAG), s.step("unpatched")),
+              ("patched", "patched smoke", s.patched, (), not first and s.step("patched")),
+              ("patched-again", "second start", s.patched, (), s.step("patched2")),
+              ("patched-third", "third start", s.patched, (), not first and (s.step("patched3") or
+                                                                           s.step("makesmoke")))]
+    for which, what, image, args, asked in wanted:
+        if not asked:
+            continue
+        if not c.need_answers(m, what):
+            return
+        smokes.queued(m, Smoke(which, image, warm, (*args, *judged)))
 
 
 def run(c: Context) -> None:

@@ -307,9 +307,17 @@ class Context:
     def is_first(self, m: Model) -> bool:
         return m.name == Model.parse(self.settings.models_text.split()[0], self.settings).name
 
-    def need_answers(self, m: Model) -> None:
-        if not m.answers.is_file() and not self.settings.dry_run:
-            raise self.log.die(f"no {m.answers}: run the reference step for {m.name} first")
+    def need_answers(self, m: Model, what: str) -> bool:
+        """Whether ``m`` has reference answers to judge its ``what`` against. A model whose recording wrote none
+        (refused, or cut short) has nothing to be judged against: its smokes are not run, said in run.log, and the
+        campaign goes on with the other models (the record says what is missing). A dry run records nothing: it
+        goes on as if its recordings had written answers, unless a recording was done already (its report there)
+        without them."""
+        if m.answers.is_file() or (self.settings.dry_run and not (m.out / "reference.json").is_file()):
+            return True
+        self.log.line(f"no {m.answers} (its recording wrote none: see {m.out}/smoke-reference.log): {m.name}'s "
+                      f"{what} not run")
+        return False
 
     def check_inputs(self, m: Model) -> None:
         """Inputs kept on the host are reused only when their hashes are the ones written when they were made."""

@@ -24,6 +24,8 @@ def record_argv(c: Context, m: Model, first: bool) -> list[str]:
     if os.access(uptime, os.R_OK):
         (m.out / "host-uptime.txt").write_text(uptime.read_text())
         more += ["--host-uptime", str(m.out / "host-uptime.txt")]
+    if (s.outdir / "calls.log").is_file():  # which call of the lent host made what (campaign-call.sh)
+        more += ["--calls", str(s.outdir / "calls.log")]
     for which in ("reference", "patched", "patched-again", "patched-third", "unpatched-first", "unpatched"):
         if (m.out / f"{which}.dsse.json").is_file():
             signed += ["--attestation", f"{which.replace('-', '_', 1)}={m.out / f'{which}.dsse.json'}"]

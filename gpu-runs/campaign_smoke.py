@@ -242,7 +242,8 @@ class Smokes:
         if (m.out / f"{which}.json").is_file():
             c.log.line(f"smoke {m.name}/{which}: done already ({m.out / f'{which}.json'})")
             return
-        c.need_answers(m)
+        if not c.need_answers(m, "make smoke"):
+            return
         c.check_inputs(m)
         self.signer.ensure()
         start = c.seconds()

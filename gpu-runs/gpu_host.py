@@ -453,6 +453,9 @@ def _record(args: argparse.Namespace) -> int:
                                                host_target=args.host_target_seconds, target=args.target_seconds))
     rec["findings"]["done"] = all(v["met"] for v in rec["findings"].values() if isinstance(v, dict) and "met" in v)
     rec["result"]["findings"] = gpu_record.finding_sentences(rec["findings"])
+    if args.calls and Path(args.calls).exists():
+        # Which call of the lent host made what, each with the host's clock (campaign-call.sh's calls.log).
+        rec["calls"] = Path(args.calls).read_text().splitlines()
     if args.timings and Path(args.timings).exists():
         # The run log's own timestamped lines, not the build output between them.
         rec["timings"] = [ln for ln in Path(args.timings).read_text().splitlines() if ln.startswith(("[", "  gpu:"))]
@@ -517,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--host-uptime", default=None, metavar="FILE",
                    help="/proc/uptime of the GPU host: its seconds since it started, held to --host-target-seconds")
     r.add_argument("--host-target-seconds", type=float, default=1500.0)
+    r.add_argument("--calls", default=None, metavar="FILE",
+                   help="campaign-call.sh's calls.log: each call of the lent host, what it was and its clock")
     r.add_argument("--golden-run", default=None,
                    help="gpu-runs/golden_run.py's output for this model: kept as the record's golden section")
     r.add_argument("--side-by-side", action="store_true",

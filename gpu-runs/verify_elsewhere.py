@@ -6,8 +6,9 @@
 RECORD_DIR is a folder gpu-host-serve.sh wrote (its OUTDIR, with
 <which>.json, <which>.dsse.json and signing-key.pub.pem). For each report,
 the tool's own `verify IMAGE-ID --attestation <which>.dsse.json --key
-signing-key.pub.pem --require-gpu PRODUCT` runs here (PRODUCT: the whole name of
-the GPU the record's record.json names, e.g. "NVIDIA H200"), and securesystemslib's DSSE
+signing-key.pub.pem --definition TAG --require-gpu PRODUCT` runs here (TAG: the
+definition the signed verdict names; PRODUCT: the whole name of the GPU the
+record's record.json names, e.g. "NVIDIA H200"), and securesystemslib's DSSE
 implementation checks the same envelope with the same key. Writes
 RECORD_DIR/verified-elsewhere.json: this machine, each command, its exit code
 and answer, and whether the independent check agreed.
@@ -78,8 +79,12 @@ def main(argv: list[str]) -> int:
         for which in (w for w in WHICH if (folder / f"{w}.dsse.json").exists()):
             report = json.loads((folder / f"{which}.json").read_text())
             envelope = folder / f"{which}.dsse.json"
+            # verify decides for a definition: the one the signing host proved (else the one the labels claim; a
+            # verdict that proved none is refused for it all the same).
+            signed = json.loads(base64.b64decode(json.loads(envelope.read_bytes())["payload"]))["predicate"]
+            definition = signed.get("definition") or (signed.get("claimed") or {}).get("definition") or "v0.25.1"
             cmd = ["verify", report["image_id"], "--attestation", str(envelope), "--key", str(pub),
-                   "--require-gpu", product, "--json"]
+                   "--definition", str(definition), "--require-gpu", product, "--json"]
             run = subprocess.run([sys.executable, str(HERE / "build.py"), "--root", root, *cmd],
                                  capture_output=True, text=True, check=False)
             answer = (json.dumps(json.loads(run.stdout), sort_keys=True) if run.returncode == 0

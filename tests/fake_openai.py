@@ -137,6 +137,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--delay", type=float, default=0.05)
     ap.add_argument("--prompt-log", default=None)
     ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    # vLLM's own engine arguments that a definition's [smoke] table hands every server (images/v0.25.1.toml's):
+    # taken as vLLM takes them, and of no use to a stand-in.
+    for name in ("--max-model-len", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--max-num-seqs"):
+        ap.add_argument(name)
+    ap.add_argument("--enforce-eager", action="store_true")
     args = ap.parse_args(argv)
     cache = os.environ.get("VLLM_CACHE_ROOT")
     if cache:

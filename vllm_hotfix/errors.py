@@ -230,6 +230,13 @@ class UsageError(PipelineError):
     meaning = "usage (unknown option, malformed value such as an unknown --builder, click's own usage errors)"
 
 
+class NotInstalled(PipelineError):
+    """The Python running the tool lacks one of its dependencies (not the environment `make setup` made)."""
+
+    exit_code = 69
+    meaning = "the Python running the tool lacks one of its dependencies (`make setup` installs them into .venv)"
+
+
 class AttestationError(PipelineError):
     """A signing or public key cannot be used, or a signed verdict cannot be read or written."""
 

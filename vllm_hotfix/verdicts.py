@@ -40,6 +40,11 @@ class Status(StrEnum):
 VERDICT_STATUSES = (Status.PASS, Status.FAIL, Status.INCOMPLETE)
 # The check that settles, before any other, whether the image is its definition's product (judges.identity).
 IDENTITY = "layer-identity"
+# The verdict's format, named in every report and signed predicate: 2 judges answers (a golden check carrying its
+# coverage, the reference check, the fixed-batch schedule). A verdict that names none is of format 1, written
+# before answers were judged; the verification policy does not take it as a deploy pass unless it says so.
+FORMAT = 2
+EARLIER_FORMAT = 1
 
 
 def _status(value: object, allowed: Sequence[Status], what: str) -> Status:
@@ -158,6 +163,7 @@ class Verdict:
     seconds: float = 0.0
     expected_from: str = ""
     tool_version: str = __version__
+    format: int = FORMAT
     gpu: Mapping[str, Any] = field(default_factory=dict)
     host: Mapping[str, Any] = field(default_factory=dict)
     environment: Mapping[str, Any] = field(default_factory=dict)
@@ -184,6 +190,7 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         """The report: what --report writes and what the journal keeps."""
         return {
+            "format": self.format,
             "tool_version": self.tool_version,
             "image": self.image,
             "image_id": self.image_id,
@@ -226,6 +233,7 @@ class Verdict:
             seconds=float(_typed(raw, "seconds", (int, float), 0.0)),
             expected_from=_typed(raw, "expected_from", str, ""),
             tool_version=_typed(raw, "tool_version", str, ""),
+            format=_typed(raw, "format", int, EARLIER_FORMAT),
             gpu=_typed(raw, "gpu", dict, {}),
             host=_typed(raw, "host", dict, {}),
             environment=_typed(raw, "environment", dict, {}),

@@ -51,12 +51,12 @@ def test_signed_verdict_travels_with_the_image(
 
     # Checked from the registry alone, with no journal (another checkout of the project, as on another host).
     elsewhere = _checkout(project, tmp_path / "elsewhere")
-    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", pub, "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
     assert f"verified {target} {pushed['digest']}" in r.out
     # The default policy is the definition's full smoke: a CPU host's pass (no GPU checks, no sweep, no
     # exact-levels) covers none of it.
-    r = cli("verify", target, "--key", pub, root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", pub, root=elsewhere)
     assert r.rc == 24 and "covers what the policy requires" in r.last_error and "gpu-torch not run" in r.last_error
     # The signed predicate names what this host proved: the definition, its patch set's digest, the base it found.
     assert statement["predicate"]["definition"] == "v0.25.1" and statement["predicate"]["claimed"]["definition"]
@@ -86,23 +86,29 @@ def test_signed_verdict_travels_with_the_image(
     series.write_text(f"renamed-{name}\n")
     r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--definition", "v0.25.1", root=elsewhere)
     assert r.rc == 24 and "not sha256:" in r.last_error and "patch-set digest" in r.last_error, r.err
+    (series.parent / f"renamed-{name}").rename(series.parent / name)  # as it was: the definition's product again
+    series.write_text(f"{name}\n")
     # A registry that cannot be read: nothing was judged, the registry's code (8), never the policy's refusal.
-    r = cli("verify", "127.0.0.1:9/ops/vllm-openai:nothing", "--key", pub, root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1", "127.0.0.1:9/ops/vllm-openai:nothing", "--key", pub, root=elsewhere)
     assert r.rc == 8 and "cannot read its signed verdicts" in r.last_error, r.err
-    r = cli("verify", target, "--key", other_pub, "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", other_pub, "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 22 and "signed with another key" in r.err
-    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--require-gpu", "H200", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            target, "--key", pub, "--allow-gpu-unverified", "--require-gpu", "H200", root=elsewhere)
     assert r.rc == 24 and "not on H200" in r.err
 
     # The host that pushes need not be the one that ran smoke: a signed verdict and the key suffice.
-    r = cli("push", ref, "--registry", f"{registry.place}/second", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/second", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
-    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", other_pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/third", "--require-attestation", other_pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 22, r.err
     # Nothing given: the signed verdicts beside the image's registry copies (the engine's repo digests) travel.
-    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0 and "attached the signed verdict from" in r.err, r.err
 
@@ -113,17 +119,20 @@ def test_signed_verdict_travels_with_the_image(
     doc["payload"] = base64.b64encode(json.dumps(inner).encode()).decode()
     tampered = tmp_path / "tampered.dsse.json"
     tampered.write_text(json.dumps(doc))
-    r = cli("push", ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/third", "--require-attestation", pub,
             "--attestation", str(tampered), root=elsewhere)
     assert r.rc == 23 and "does not match its content" in r.err
     # On the host whose journal holds the signed pass the tampered file given is refused all the same, named,
     # and nothing goes to the registry (it went through on the journal's pass and was attached).
-    r = cli("push", ref, "--registry", f"{registry.place}/fourth", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/fourth", "--require-attestation", pub,
             "--attestation", str(tampered), "--allow-gpu-unverified", root=project)
     assert r.rc == 23 and str(tampered) in r.err, r.err
-    assert cli("verify", f"{registry.place}/fourth/{ref.split('/')[-1]}", "--key", pub,
+    assert cli("verify", "--definition", "v0.25.1", f"{registry.place}/fourth/{ref.split('/')[-1]}", "--key", pub,
                "--allow-gpu-unverified", root=elsewhere).rc != 0
-    r = cli("verify", target, "--key", pub, "--allow-gpu-unverified", "--attestation", str(tampered), root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            target, "--key", pub, "--allow-gpu-unverified", "--attestation", str(tampered), root=elsewhere)
     assert r.rc == 23 and str(tampered) in r.err, r.err
 
 
@@ -137,7 +146,7 @@ def test_a_signed_verdict_of_another_image_lets_nothing_through(
     cli("smoke", base_v0251, "--definition", "v0.25.1", "--sign-key", key, "--attestation", str(envelope),
         root=project)
     assert envelope.exists()
-    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1", ref, "--registry", f"{registry.place}/ops", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=_checkout(project, tmp_path / "elsewhere"))
     assert r.rc == 24 and "another image" in r.err
 
@@ -150,10 +159,10 @@ def test_image_without_signed_verdicts_and_bad_keys(built: tuple[Path, str, str]
     assert r.rc == 0, r.err
     target = json.loads(r.out)["ref"]
     (tmp_path / "x").mkdir()
-    r = cli("verify", target, "--key", pub, root=tmp_path / "x")
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", pub, root=tmp_path / "x")
     assert r.rc == 21 and "no signed verdict" in r.err
     (tmp_path / "garbage.pub").write_text("-----BEGIN PUBLIC KEY-----\nnot a key\n-----END PUBLIC KEY-----\n")
-    r = cli("verify", target, "--key", str(tmp_path / "garbage.pub"), root=tmp_path / "x")
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", str(tmp_path / "garbage.pub"), root=tmp_path / "x")
     assert r.rc == 20 and "garbage.pub: not a PEM public key" in r.err
     r = cli("smoke", ref, "--sign-key", "env:HOTFIX_NO_SUCH_KEY", root=project)
     assert r.rc == 20 and "$HOTFIX_NO_SUCH_KEY" in r.err
@@ -203,16 +212,24 @@ def test_a_fail_beside_the_staging_copy_travels_with_the_promoted_image(
     elsewhere = _checkout(project, tmp_path / "elsewhere")
     engine.pull(staged["ref"])
     try:
-        r = cli("push", staged["ref"], "--registry", f"{registry.place}/final", "--require-attestation", pub,
+        r = cli("push", "--definition", "v0.25.1",
+                staged["ref"], "--registry", f"{registry.place}/final", "--require-attestation", pub,
                 "--attestation", str(passed), "--allow-gpu-unverified", root=elsewhere)
     finally:
         engine.untag(staged["ref"])
     assert r.rc == 24 and "fail" in r.last_error, r.err
-    # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts.
+    # The build host's journal gate lets it through on its pass; the promoted copy carries both verdicts, and its
+    # dry run says so first (it counted the journal's pass alone).
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--dry-run", root=project)
+    assert r.rc == 0 and "and attach 2 signed verdict(s): " in r.out, r.out + r.err
+    r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--dry-run", "--json",
+            root=project)
+    assert r.rc == 0 and len(json.loads(r.out)["attestations"]) == 2, r.out
     r = cli("push", ref, "--registry", f"{registry.place}/final", "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     promoted = json.loads(r.out)
     assert _statuses(engine, promoted["ref"]) == ["fail", "pass"]
     assert len(promoted["attestations"]) == 2
-    r = cli("verify", promoted["ref"], "--key", pub, "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            promoted["ref"], "--key", pub, "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 24, r.err

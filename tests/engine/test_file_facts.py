@@ -11,7 +11,8 @@ from pathlib import Path
 
 import requests
 
-from conftest import RegistryPlace, cli, derive, fails
+from conftest import CountingOpens, RegistryPlace, cli, derive, fails
+from vllm_hotfix.checking.launchers import facts
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 
@@ -93,3 +94,17 @@ def test_file_checks_say_they_were_read_from_the_filesystem(built: tuple[Path, s
     compiled = next(c for c in verdict.verdict.checks if c.name == "compiled-files")
     assert "vllm/_C_stable_libtorch.abi3.so (the base's)" in compiled.detail
     assert verdict.verdict.gpu_verified is False
+
+
+def test_the_push_gates_recheck_reads_the_images_files_in_one_pass(engine: Engine,
+                                                                   built: tuple[Path, str, str]) -> None:
+    """The re-check reads the image's site folders once and hands each judge what it needs (issue 63); an image
+    without pins (the pinned one: test_pins)."""
+    project, _ref, image_id = built
+    info = engine.image(image_id)
+    assert info is not None
+    counting = CountingOpens(engine)
+    lines: list[str] = []
+    problem = facts.landed_problem(counting, project, info, lines.append)  # type: ignore[arg-type]
+    assert problem is None, problem
+    assert counting.opened.count(image_id) == 1, (counting.opened, lines)

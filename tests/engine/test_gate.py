@@ -26,6 +26,8 @@ from vllm_hotfix.errors import PushError
 from vllm_hotfix.journal import records
 from vllm_hotfix.registry import client as registry
 from vllm_hotfix.registry.write import Repo, Writer
+from vllm_hotfix.trust import policy
+from vllm_hotfix.verdicts import Check, Status, Verdict, judge
 
 
 @pytest.fixture
@@ -116,9 +118,12 @@ def test_relabelled_unpatched_image_fails_smoke_and_push(
         # The base's layers alone under the patched image's labels: not the patch set's product (exit 14).
         fails(r, "not the product of definition v0.25.1", "0 layer(s) over the base; the builder writes 1")
         assert r.rc == 14
-        # Even with the failing verdict edited into a pass, the push re-checks the files.
-        edit_entry(records.verdicts(project, fake_id)[0].path, status="pass", gpu_verified=True)
-        r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
+        # Even with the failing verdict edited into a pass (the patched image's checks copied in, so that the
+        # journal's verdict meets the policy), the push re-checks the files.
+        entry = records.verdicts(project, fake_id)[0].path
+        checks = json.loads(records.verdicts(project, image_id)[0].path.read_text())["checks"]
+        edit_entry(entry, status="pass", gpu_verified=True, checks=checks)
+        r = cli("push", fake, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "refusing to push", "layer-identity", "0 layer(s) over the base")
         assert r.rc == 8
     finally:
@@ -139,7 +144,7 @@ def test_edited_verdict_pointing_at_the_unpatched_base_is_refused(
     alias = f"hotfix-test/base-alias-{unique}:x"
     engine.tag(base_id, alias)
     try:
-        r = cli("push", alias, "--registry", f"{registry.place}/ops", root=project)
+        r = cli("push", alias, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "refusing to push", "layer-identity", "cannot tell what it is the product of")
         assert r.rc == 8
         name = alias.split("/")[1].split(":")[0]
@@ -364,7 +369,8 @@ def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
     assert r.rc == 0, r.err
     dest = f"{registry.place}/ops"
     # A pass without answers (no GPU checks, no sweep, no exact-levels) is no deploy pass by default.
-    r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
             root=project)
     assert r.rc == 24 and "covers what the policy requires" in r.last_error and "pushing" not in r.err, r.err
     # A policy naming another definition, or one that requires nothing: nothing is pushed.
@@ -380,7 +386,8 @@ def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
     name = ref.rsplit("/", 1)[-1].split(":")[0]
     assert requests.get(registry.api(f"ops/{name}/tags/list"), timeout=5).status_code == 404
     # A target registry whose verdicts cannot be read (no login): the registry's fault (8), not a refusal (24).
-    r = cli("push", ref, "--registry", f"{auth_registry.addr}/ops", "--require-attestation", pub,
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{auth_registry.addr}/ops", "--require-attestation", pub,
             "--attestation", str(envelope), "--allow-gpu-unverified", root=project,
             env={"DOCKER_CONFIG": str(tmp_path / "no-login")})
     assert r.rc == 8 and "cannot read the signed verdicts beside" in r.last_error, r.err
@@ -388,3 +395,51 @@ def test_the_attestation_gate_asks_a_policy_of_the_signed_verdicts(
     r = cli("push", ref, "--registry", dest, "--require-attestation", pub, "--attestation", str(envelope),
             "--allow-gpu-unverified", "--definition", "v0.25.1", root=project)
     assert r.rc == 0 and "GPU-unverified (" in r.err and "accepted under --allow-gpu-unverified" in r.err, r.err
+
+
+def _gpu_run(base: Verdict, *, fail: tuple[str, ...] = (), skip: tuple[str, ...] = (),
+             absent: tuple[str, ...] = ()) -> Verdict:
+    """``base`` (the image's own CPU smoke in the journal) as a GPU host's full smoke: its host checks as they
+    were, the GPU checks, the sweep, exact-levels at the full schedule, the golden with its coverage and a signed
+    reference passed, unless said otherwise."""
+    entry = {"judged": 800, "positions": 1536}
+    extra = {
+        "gpu": None, **{name: None for name in policy.GPU_CHECKS}, "serve-sweep": None,
+        "exact-levels": {"levels": [{"concurrency": c, "requests": 32} for c in policy.LEVELS]},
+        "golden": {"coverage": {"levels": {str(c): dict(entry) for c in policy.LEVELS},
+                                "classes": {"short": dict(entry), "long": dict(entry)}}},
+        "reference": None}
+    # A GPU host's image has its compiled files (the stand-in's lack them: a skip there).
+    checks = [c for c in base.checks if c.name not in extra and c.name != "compiled-files"]
+    for name, data in extra.items():
+        if name not in absent:
+            status = Status.FAIL if name in fail else Status.SKIP if name in skip else Status.PASS
+            checks.append(Check(name, status, "as a GPU host judged it", data=data, ran_against="vllm"))
+    return judge(base.image, base.image_id, checks, gpu_verified=not fail, gpu={"devices": ["NVIDIA H100"]},
+                 started=records.now_iso(), seconds=60)
+
+
+def test_the_journal_gate_asks_the_default_policy(built: tuple[Path, str, str], registry: RegistryPlace) -> None:
+    project, ref, image_id = built
+    own = records.verdicts(project, image_id)[0].verdict
+    dest = f"{registry.place}/ops"
+    # A GPU pass whose golden was skipped, or whose reference was never checked: refused.
+    for skipped in ("golden", "reference"):
+        records.append_verdict(project, _gpu_run(own, skip=(skipped,)))
+        r = cli("push", ref, "--registry", dest, "--dry-run", root=project)
+        fails(r, "refusing to push", f"left out {skipped} skip")
+        assert "re-checking the files" not in r.err
+    # A full smoke whose exact-levels failed, then the same image smoked again without --serve-model: refused,
+    # naming the older fail and what clears it.
+    failed = records.append_verdict(project, _gpu_run(own, fail=("exact-levels",)))
+    records.append_verdict(project, _gpu_run(own, skip=("serve-sweep",), absent=("exact-levels", "golden",
+                                                                                  "reference")))
+    r = cli("push", ref, "--registry", dest, "--dry-run", root=project)
+    fails(r, "refusing to push", failed.path.name, "exact-levels", "does not clear it")
+    assert "every check the failing run ran" in r.err.splitlines()[-1], r.err
+    assert "re-checking the files" not in r.err
+    # A run of the same scope that passed clears it: the gate lets it through to the re-check of its files (which
+    # then refuses the stand-in's GPU-verified claim: it lacks the compiled files a GPU host's image has).
+    records.append_verdict(project, _gpu_run(own))
+    r = cli("push", ref, "--registry", dest, "--dry-run", root=project)
+    assert "re-checking the files" in r.err and "compiled-files: its verdict says GPU-verified" in r.last_error, r.err

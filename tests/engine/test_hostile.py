@@ -80,6 +80,29 @@ def test_standin_never_replaces_an_image_that_is_not_one(engine: Engine, base_v0
         engine.untag(ref)
 
 
+@pytest.mark.parametrize("built_on", ["0.25.1", "0.26.0"])
+def test_standin_never_replaces_an_image_built_on_one(engine: Engine, base_v0251: str, base_v0260: str,
+                                                      unique: str, built_on: str) -> None:
+    # A hotfix image made on a stand-in inherits its labels, the same version's or another's; only the
+    # stand-in itself (its own top layer) may be replaced or taken as present.
+    ref = f"hotfix-test/onstandin-{unique}:v1"
+    base = base_v0251 if built_on == "0.25.1" else base_v0260
+    made = derive(engine, base, ref, "COPY fix.py /opt/fix.py", {"fix.py": b"FIXED = True\n"})
+    same = f"hotfix-test/standin-copy-{unique}:v1"
+    engine.tag(base_v0251, same)
+    try:
+        r = cli("standin", "--version", "0.25.1", "--ref", ref, env=CACHE)
+        fails(r, ref, "not a stand-in (it is built on one")
+        assert r.rc == 4
+        assert engine.image(ref).id == made  # type: ignore[union-attr]
+        kept = cli("standin", "--version", "0.25.1", "--ref", same, env=CACHE)
+        assert kept.rc == 0 and "already present" in kept.err, kept.err
+    finally:
+        engine.untag(same)
+        engine.remove_image(ref)
+        engine.remove_image(made)  # by ID: what a replacing stand-in took the tag from
+
+
 def test_smoke_of_an_image_not_in_the_engine_is_a_missing_image(engine: Engine, unique: str) -> None:
     ref = f"hotfix-test/nosuch-{unique}:1"
     r = cli("smoke", ref)
@@ -241,7 +264,8 @@ def test_an_attestation_that_is_a_fifo_is_refused_at_once(built: tuple[Path, str
         r = cli("push", ref, "--registry", registry.place, "--allow-gpu-unverified", "--attestation", str(fifo),
                 root=project, timeout=60)
     else:
-        r = cli("verify", image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
+        r = cli("verify", "--definition", "v0.25.1",
+                image_id, "--key", _signing_key(tmp_path, public=True), "--attestation", str(fifo),
                 root=project,
                 timeout=60)
     fails(r, str(fifo), "not a regular file")

@@ -13,8 +13,10 @@ the same forge and of the tool's builders still pass.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from vllm_hotfix.building import patches as patchlib
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.engine import labels as L
 from vllm_hotfix.tarball import Entry, write
+from vllm_hotfix.trust import attest, policy_file
 
 SITE = "usr/local/lib/python3.12/dist-packages"
 INDEXER = "vllm/models/minimax_m3/common/indexer"
@@ -83,13 +86,19 @@ def _refused_everywhere(project: Path, ref: str, tmp_path: Path, registry: Regis
     checks = json.loads(report.read_text())["checks"]
     # Refused before anything ran: the identity check alone, the host's.
     assert [c["name"] for c in checks] == ["layer-identity"] and checks[0]["status"] == "fail", checks
+    # The signed fail names what it was judged against, so that it is never taken for a fail of another definition.
+    predicate = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))["predicate"]
+    assert predicate["definition"] == "v0.25.1", predicate["definition"]
+    assert predicate["patch_set_digest"] == policy_file.pinned(project, "v0.25.1").patch_set_digest != ""
     assert checks[0]["data"]["answered_by"] == "filesystem"
     assert "smoke 3/3" not in r.err and "runner" not in r.err
     image_id = json.loads(report.read_text())["image_id"]
-    v = cli("verify", image_id, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+    v = cli("verify", "--definition", "v0.25.1",
+            image_id, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
             root=project)
     assert v.rc == 24 and "not a pass: layer-identity" in v.last_error, v.err
-    p = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    p = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--allow-gpu-unverified", root=project)
     assert p.rc == 24 and "not a pass: layer-identity" in p.last_error, p.err
 
@@ -168,6 +177,28 @@ def test_a_run_where_the_definition_names_no_base_this_host_has_is_incomplete(
     assert r.rc == 11 and f"hotfix-test/nowhere-{unique}:v0.25.1 (definition v0.25.1) is not in the engine" in \
         r.last_error, r.err
     assert "incomplete layer-identity" in r.err
+
+
+def test_a_checkout_that_lacks_the_images_definition_leaves_the_run_incomplete_and_unsigned(
+        engine: Engine, base_v0251: str, project: Path, unique: str, forged: list[str], tmp_path: Path) -> None:
+    """The definition the image is judged against (here the one its labels name: no build record on this host) is
+    not in this checkout: nothing is known of the image, so the run is incomplete (11) and nothing is signed, never a
+    signed fail "no base to compare it with" standing against the image's pass from a checkout that has it."""
+    ref = f"hotfix-test/forge-nodefinition-{unique}:x"
+    forged.append(ref)
+    image_id = forge(engine, project, base_v0251, ref)
+    elsewhere = tmp_path / "elsewhere"
+    for folder in ("images", "patches"):
+        shutil.copytree(project / folder, elsewhere / folder)
+    (elsewhere / "images" / "v0.25.1.toml").unlink()
+    key, _pub, _ = key_pair(tmp_path)
+    r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), "--report", str(tmp_path / "r.json"),
+            root=elsewhere)
+    assert r.rc == 11 and "definition v0.25.1, which the image is judged against, is not one this checkout can " \
+        "load" in r.last_error, r.err
+    assert "incomplete layer-identity" in r.err and "signed verdict" not in r.err
+    assert not attest.kept(elsewhere, image_id)
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "incomplete"
 
 
 def _pin(project: Path, image_id: str, platform: str = "linux/amd64") -> None:

@@ -605,9 +605,13 @@ def test_blob_reads_follow_a_redirect_to_storage_without_the_registrys_credentia
         auth.stop()
 
 
-def _zstd_copy(addr: str, src: str, dst: str) -> None:
+def _zstd_copy(addr: str, src: str, dst: str, *, said: str = "application/vnd.oci.image.layer.v1.tar+zstd",
+               only: int | None = None) -> None:
     """``src`` (NAME:TAG in the registry at ``addr``) copied to ``dst`` with every layer zstd-compressed (an OCI
-    manifest, the same config: the same uncompressed layers), with plain HTTP and the zstandard library."""
+    manifest, the same config: the same uncompressed layers), with plain HTTP and the zstandard library.
+
+    ``said``: the media type the manifest gives those layers (another than zstd's misnames them); ``only``: the
+    index of the one layer so packed, the others copied as they are."""
     import gzip
 
     import zstandard
@@ -628,10 +632,13 @@ def _zstd_copy(addr: str, src: str, dst: str) -> None:
                             timeout=30).json()
     out_name, out_tag = dst.rsplit(":", 1)
     layers = []
-    for layer in manifest["layers"]:
+    for index, layer in enumerate(manifest["layers"]):
         gz = requests.get(f"http://{addr}/v2/{name}/blobs/{layer['digest']}", timeout=60).content
+        if only is not None and index != only:
+            layers.append({"mediaType": layer["mediaType"], **put_blob(out_name, gz)})
+            continue
         packed = zstandard.ZstdCompressor().compress(gzip.decompress(gz))
-        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd", **put_blob(out_name, packed)})
+        layers.append({"mediaType": said, **put_blob(out_name, packed)})
     config = requests.get(f"http://{addr}/v2/{name}/blobs/{manifest['config']['digest']}", timeout=30).content
     body = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
             "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **put_blob(out_name, config)},
@@ -662,3 +669,28 @@ def test_a_base_of_zstd_layers_is_read_and_the_hotfix_layer_stays_gzip(
     other = requests.get(registry.api(f"ops/gz/manifests/{again['images'][0]['digest']}"), timeout=10,
                          headers=accept).json()
     assert other["layers"][-1]["digest"] == manifest["layers"][-1]["digest"]
+
+
+@pytest.mark.parametrize("only", [None, 0], ids=["every-layer", "a-layer-below-those-read"])
+def test_zstd_bytes_under_a_gzip_media_type_are_refused_naming_the_layer(
+        engine: Engine, base_v0251: str, project: Path, registry: RegistryPlace, made: Made, only: int | None
+        ) -> None:
+    """A manifest that calls a layer gzip while its bytes are zstd is malformed: refused in one line naming that
+    layer, whether the build reads the layer's files or only carries it over by digest; nothing is tagged."""
+    plain = f"{registry.place}/vllm/gz-misnamed"
+    publish(engine, made, base_v0251, f"{plain}:v0.25.1")
+    name = f"vllm/misnamed-{'all' if only is None else only}"
+    liar = f"{registry.place}/{name}"
+    _zstd_copy(registry.addr, f"{plain.split('/', 1)[1]}:v0.25.1", f"{liar.split('/', 1)[1]}:v0.25.1",
+               said="application/vnd.oci.image.layer.v1.tar+gzip", only=only)
+    accept = {"Accept": "application/vnd.oci.image.manifest.v1+json"}
+    layers = requests.get(registry.api(f"{name}/manifests/v0.25.1"), timeout=10,
+                          headers=accept).json()["layers"]
+    out = f"{registry.place}/ops/misnamed:v0.25.1-m3patch"
+    r = cli("image", "--definition", "v0.25.1", "--base-repo", liar, "--in-registry", "--tag", out, root=project,
+            env=NO_ENGINE)
+    assert r.rc == 4, r.err
+    fails(r, layers[0 if only is None else only]["digest"][:19], "zstd", "gzip")
+    assert sum(ln.startswith("error: ") for ln in r.err.splitlines()) == 1, r.err
+    assert requests.get(registry.api("ops/misnamed/manifests/v0.25.1-m3patch"), timeout=10,
+                        headers=accept).status_code == 404

@@ -15,8 +15,8 @@ import pytest
 from conftest import derive
 from vllm_hotfix.building.standin import SITE_DIR
 from vllm_hotfix.engine import Engine, FileFact
-from vllm_hotfix.judges import layer_facts
-from vllm_hotfix.judges.integrity import keep_metadata, read_site
+from vllm_hotfix.sitefacts import layer_facts
+from vllm_hotfix.sitefacts.site import keep_metadata, read_site
 
 ENVS = f"{SITE_DIR}/vllm/envs.py"
 GONE = f"{SITE_DIR}/vllm/version.py"

@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STANDIN_REPO, RegistryPlace, Result, cli, fails
+from conftest import REPO, STANDIN_REPO, CountingOpens, RegistryPlace, Result, cli, fails
 from vllm_hotfix.building import standin
+from vllm_hotfix.checking.launchers import facts
 from vllm_hotfix.engine import Engine
 from vllm_hotfix.journal import records
 from vllm_hotfix.judges import integrity
+from vllm_hotfix.sitefacts import site as site_files
 
 SM100 = "v0.25.1-sm100"
 QUACK_HASH = "e77c5d1f1299b0b38487fe8737df6c6975daa16bca7f7eb883bd1a74d09e7e78"
@@ -69,7 +71,7 @@ def sm100_bases(engine: Engine) -> Iterator[dict[str, str]]:
 
 def _integrity(engine: Engine, image: str) -> dict:
     site = standin.SITE_DIR
-    found = integrity.scan(integrity.read_site(engine, image, site), site, "vllm")
+    found = integrity.scan(site_files.read_site(engine, image, site), site, "vllm")
     return integrity.judge(found, "vllm", None).check
 
 
@@ -192,6 +194,11 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
                                                 filters={"type": "container", "event": "start"})
                    if (e.get("Actor") or {}).get("Attributes", {}).get("image") in (image_id, ref)]
         assert started == [], started
+        # One pass over the image's facts (issue 63): its site folders are read once for the pins' judge and the
+        # file checks alike (each read them again before: the image's files opened twice or more).
+        counting = CountingOpens(engine)
+        assert facts.landed_problem(counting, project, info) is None  # type: ignore[arg-type]
+        assert counting.opened.count(image_id) == 1, counting.opened
 
         # What the pins must be is pins.txt's, read again at push time: once it
         # names another version, the image it no longer describes is not pushed.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, site_key
 
 pytestmark = pytest.mark.skipif(shutil.which("podman") is None,
                                 reason="podman is not installed (`.ci/services install` installs it)")
@@ -34,6 +34,22 @@ def test_podman_gets_the_image_from_the_docker_engine(built: tuple[Path, str, st
         # Already there: nothing moved again.
         r = cli("smoke", ref, "--launcher", "podman", "--gpu", "off", root=project)
         assert r.rc == 0 and "moving it from the Docker engine" not in r.err, r.err
+    finally:
+        subprocess.run(["podman", "rmi", "--force", image_id.removeprefix("sha256:")], capture_output=True,
+                       check=False)
+
+
+def test_podmans_own_localhost_name_is_no_registry(built: tuple[Path, str, str], tmp_path: Path) -> None:
+    # Loaded from the Docker engine, the image is localhost/NAME in podman's store, with a repo digest under that
+    # name: the store's own namespace, where no signed verdict can be attached and none is tried.
+    project, ref, image_id = built
+    key = tmp_path / "site.key"
+    site_key(key)
+    try:
+        r = cli("smoke", ref, "--launcher", "podman", "--gpu", "off", "--sign-key", str(key), root=project)
+        assert r.rc == 0, r.err
+        assert "==> signed verdict: " in r.err, r.err
+        assert "localhost/" not in r.err and "cannot reach" not in r.err, r.err
     finally:
         subprocess.run(["podman", "rmi", "--force", image_id.removeprefix("sha256:")], capture_output=True,
                        check=False)

@@ -73,3 +73,25 @@ def test_another_host_sees_the_builds_and_rolls_the_registry_tag_back(
         engine.tag(first, ref)
         if engine.image(second) is not None:
             engine.remove_image(second)
+
+
+def test_a_registry_path_without_its_repository_and_a_missing_tag_say_what_is_there(
+        built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    project, ref, _image_id = built
+    where = f"{registry.place}/ops"
+    name, tag = ref.rsplit("/", 1)[-1].split(":")
+    r = cli("push", ref, "--registry", where, "--allow-gpu-unverified", root=project)
+    assert r.rc == 0, r.err
+    # The folder above the repository: no repository of that name, said so (it said "no image", exit 0).
+    r = cli("list", "--registry", where, root=project)
+    assert r.rc == 8, r.err
+    assert f"{where}: the registry {registry.addr} has no repository {registry.ns}/ops" in r.last_error, r.err
+    assert f"hint: --registry names one image repository, HOST[:PORT]/PATH/NAME; under {where} the registry has " \
+           f"{where}/{name}" in r.err
+    # A tag the repository lacks: still no signed verdict (21), with the tags it has.
+    _private, public, _ = key_pair(tmp_path, "team")
+    r = cli("verify", f"{where}/{name}:no-such-tag", "--key", str(public), root=project)
+    assert r.rc == 21 and f"has no {registry.ns}/ops/{name}:no-such-tag" in r.last_error, r.err
+    assert f"hint: {where}/{name} has the tags {tag} (`python build.py list --registry {where}/{name}`" in r.err
+    r = cli("verify", f"{where}/absent:{tag}", "--key", str(public), root=project)
+    assert r.rc == 21 and f"hint: the registry has no image under {where}/absent" in r.err, r.err

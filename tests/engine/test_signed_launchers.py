@@ -284,12 +284,19 @@ def test_an_image_that_searches_for_the_key_finds_none(engine: Engine, base_v025
             r = cli("smoke", ref, "--launcher", launcher, "--gpu", "off", "--sign-key", "env:HOTFIX_SITE_KEY",
                     "--attestation", str(envelope), "--report", str(out), root=project, env=env_key)
         assert "key-search: nothing found" in r.err and "key-search: FOUND" not in r.err, r.err
+        if launcher == "kubernetes":
+            # A saved log where no runner started says nothing that ties it to the Job (no report, no run nonce):
+            # nothing is judged about the image, so nothing is signed.
+            assert r.rc == 11 and "no run nonce" in r.last_error, r.err
+            assert not envelope.exists()
+            return
         # The image said nothing the host could judge: a failure, recorded and signed as one, here.
         assert r.rc == 7, r.err
         runner = _checks(_report(out))["runner"]
         assert runner["status"] == "fail" and "key-search: nothing found" in str(runner["detail"]), runner
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "fail"  # type: ignore[index]
-        assert cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), root=project).rc == 24
+        assert cli("verify", "--definition", "v0.25.1",
+                   hostile, "--attestation", str(envelope), "--key", str(pub), root=project).rc == 24
     finally:
         product.drop()
 
@@ -336,11 +343,13 @@ def test_every_launcher_runs_the_same_checks_and_signs_a_verdict_that_verifies(
         doc = _independent(envelopes[launcher], private)
         assert doc["predicate"]["status"] == "pass" and doc["predicate"]["signed_at"]  # type: ignore[index]
         assert image_id.removeprefix("sha256:") in [s["digest"]["sha256"] for s in doc["subject"]]  # type: ignore
-        r = cli("verify", image_id, "--attestation", str(tmp_path / f"{launcher}.dsse.json"), "--key", str(pub),
+        r = cli("verify", "--definition", "v0.25.1",
+                image_id, "--attestation", str(tmp_path / f"{launcher}.dsse.json"), "--key", str(pub),
                 "--allow-gpu-unverified", root=project)
         assert r.rc == 0 and f"signed pass by key {pub}" in r.out, (launcher, r.err)
     # The Job's verdict was attached beside the image by the host that collected it, and reads back.
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", "--json", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0 and json.loads(r.out)["key"] == str(pub), r.err
 
 
@@ -377,7 +386,7 @@ def test_a_job_submitted_or_collected_through_the_clusters_api_is_judged_and_sig
         assert r.rc == 0, r.err
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "pass"  # type: ignore[index]
     # Both signed verdicts were attached beside the image by this host, and `verify` reads them back.
-    r = cli("verify", target, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1", target, "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 0 and f"signed pass by key {pub}" in r.out, r.err
 
 
@@ -408,7 +417,8 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
         doc = _independent(envelope.read_bytes(), private)
         assert doc["predicate"]["status"] == "fail"  # type: ignore[index]
         hostile = str(report["image_id"])
-        r = cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
                 root=project)
         assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
         # What the image could sign itself, it signs with a key of its own: refused.
@@ -416,7 +426,8 @@ def test_an_unpatched_base_wearing_the_patched_labels_fails_and_gets_no_passing_
         forged = tmp_path / "forged.dsse.json"
         forged.write_bytes(signing.sign(signing.statement({ref: hostile}, signing.predicate(
             {**doc["predicate"], "status": "pass", "gpu_verified": True}, {}, signing.now())), own))  # type: ignore
-        r = cli("verify", hostile, "--attestation", str(forged), "--key", str(pub), root=project)
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(forged), "--key", str(pub), root=project)
         assert r.rc == 22 and "signed with another key" in r.err
     finally:
         engine.remove_image(ref)
@@ -444,7 +455,8 @@ def test_a_python_that_claims_gpu_checks_on_a_host_without_a_gpu_is_refused(
         [entry] = records.verdicts(project, hostile)
         assert entry.verdict.gpu_verified is False and entry.verdict.gpu.get("devices") == []
         assert _independent(envelope.read_bytes(), private)["predicate"]["status"] == "fail"  # type: ignore[index]
-        r = cli("verify", hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
+        r = cli("verify", "--definition", "v0.25.1",
+                hostile, "--attestation", str(envelope), "--key", str(pub), "--allow-gpu-unverified",
                 root=project)
         assert r.rc == 24, r.err
     finally:
@@ -467,7 +479,8 @@ def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
     envelope = signing.sign(signing.statement({ref: image_id}, {**failed.to_dict(), "signed_at": now}), private)
     kept = attest.folder(project, image_id) / f"{hashlib.sha256(envelope).hexdigest()}.dsse.json"
     kept.write_bytes(envelope)  # kept in the journal folder, as smoke keeps what it signs
-    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--attestation", str(older), "--allow-gpu-unverified", root=project)
     assert r.rc == 24, r.err
     assert kept.name in r.last_error and str(older) in r.last_error and "does not count" in r.last_error
@@ -476,7 +489,8 @@ def test_an_older_signed_pass_and_a_newer_signed_fail_are_refused_everywhere(
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
     assert len(pushed["attestations"]) == 2
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 24 and "'fail', not a pass" in r.last_error and "older signed pass" in r.last_error, r.err
 
 
@@ -502,6 +516,39 @@ def test_a_pushed_tag_the_engine_has_no_digest_for_resolves_through_the_registry
         assert json.loads(config_map["data"]["job.json"])["image_id"] == image_id
 
 
+def test_a_log_that_is_not_the_jobs_is_incomplete_and_nothing_is_signed_or_attached(
+        engine: Engine, built: tuple[Path, str, str], registry: RegistryPlace, tmp_path: Path) -> None:
+    """--collect of a file holding no report and no run nonce (kubectl's own error saved by mistake) says nothing
+    about the image: incomplete, nothing signed, nothing beside the image; the Job's own log cut short after its
+    runner started (it said the nonce, then no report) is the image's failure, signed as one."""
+    project, ref, image_id = built
+    key, pub, _private = key_pair(tmp_path)
+    by_digest = _pushed(engine, ref, registry, "wronglog")
+    job = tmp_path / "job.yaml"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--emit", str(job), root=project)
+    assert r.rc == 0, r.err
+    wrong = tmp_path / "kubectl-error.log"
+    wrong.write_text("error: You must be logged in to the server (Unauthorized)\n")
+    envelope = tmp_path / "wrong.dsse.json"
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(wrong),
+            "--sign-key", str(key), "--attestation", str(envelope), root=project)
+    assert r.rc == 11, r.err
+    assert f"--collect {wrong}: no runner report and no run nonce" in r.last_error, r.err
+    assert "signed verdict" not in r.err and not envelope.exists()
+    r = cli("verify", by_digest, "--key", str(pub), "--allow-gpu-unverified", root=project)
+    assert r.rc == 21, r.err  # nothing was attached beside the image
+    # The Job's own log, its runner stopped after it started: no report, but the Job's nonce.
+    log = run_as_a_node(engine, job, image_id, tmp_path / "node", {})
+    said = [ln for ln in log.splitlines() if ln.startswith("@@vllm-hotfix-runner:run_nonce@@ ")]
+    assert len(said) == 1, log
+    cut = tmp_path / "cut.log"
+    cut.write_text("\n".join(ln for ln in log.splitlines() if not ln.startswith("@@vllm-hotfix-runner:report@@")))
+    r = cli("smoke", by_digest, "--launcher", "kubernetes", "--gpu", "off", "--collect", str(cut),
+            "--sign-key", str(key), "--attestation", str(envelope), root=project)
+    assert r.rc == 7 and "the runner gave no report" in r.err, r.err
+    assert envelope.exists()
+
+
 # -- 5. every verdict beside the image in its registry ----------------------------------------------------
 
 
@@ -513,20 +560,23 @@ def test_a_signed_fail_after_a_pushed_pass_reaches_the_registry_and_verify_elsew
     key, pub, _private = key_pair(tmp_path)
     r = cli("smoke", ref, "--gpu", "off", "--sign-key", str(key), root=project)
     assert r.rc == 0, r.err
-    r = cli("push", ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
+    r = cli("push", "--definition", "v0.25.1",
+            ref, "--registry", f"{registry.place}/ops", "--require-attestation", str(pub),
             "--allow-gpu-unverified", "--json", root=project)
     assert r.rc == 0, r.err
     pushed = json.loads(r.out)
     elsewhere = tmp_path / "elsewhere"
     for folder in ("images", "patches"):  # the same definitions, another journal (none)
         shutil.copytree(project / folder, elsewhere / folder)
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 0, r.err
     # Later, the same image judged again and failing (here: against the SM100 variant, whose pins it lacks).
     r = cli("smoke", ref, "--gpu", "off", "--definition", "v0.25.1-sm100", "--sign-key", str(key), root=project)
     assert r.rc == 14, r.err
     assert f"signed verdict attached to {pushed['ref'].rsplit(':', 1)[0]}@{pushed['digest']}" in r.err, r.err
-    r = cli("verify", pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
+    r = cli("verify", "--definition", "v0.25.1",
+            pushed["ref"], "--key", str(pub), "--allow-gpu-unverified", root=elsewhere)
     assert r.rc == 24 and "'fail', not a pass: layer-identity" in r.last_error, r.err
 
 
@@ -571,5 +621,6 @@ def test_a_jobs_log_is_judged_only_as_the_run_this_host_made_and_at_that_runs_ti
     assert r.rc == 0, r.err
     predicate = json.loads(base64.b64decode(json.loads(envelope.read_text())["payload"]))["predicate"]
     assert predicate["run_at"] < predicate["signed_at"]
-    r = cli("verify", by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
+    r = cli("verify", "--definition", "v0.25.1",
+            by_digest.rsplit("@", 1)[0] + ":x", "--key", str(pub), "--allow-gpu-unverified", root=project)
     assert r.rc == 24 and "not a pass: layer-identity" in r.last_error, r.err

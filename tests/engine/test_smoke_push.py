@@ -17,6 +17,7 @@ import threading
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -187,6 +188,14 @@ def test_an_untrusted_run_reads_the_base_cache_and_writes_only_its_private_layer
     assert sorted(p.name for p in (shared.host / "triton").iterdir()) == ["kernel.cubin"]
     assert not list((tmp_path / "compile" / "private").iterdir())
     assert not engine.sdk.volumes.list(filters={"name": volume})
+    # A run that ``keep`` says met the default policy (compile_cache.trusted_by, asked once it ended): what it
+    # wrote is adopted into the shared folder, and its private layer goes all the same.
+    with compile_cache.given(engine, layered, keep=lambda: True) as mounted:
+        done = engine.run(base_v0251, ["sh", "-c", "echo mine > /root/.cache/triton/trusted.cubin"],
+                          writable=[mounted.mount], timeout=60)
+        assert done.exit_code == 0, done
+    assert (shared.host / "triton" / "trusted.cubin").read_text() == "mine\n"
+    assert not list((tmp_path / "compile" / "private").iterdir())
 
 
 @pytest.mark.parametrize("die", [False, True])
@@ -213,11 +222,14 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             assert sweep_check["status"] == "fail"
             assert "concurrency 2" in sweep_check["detail"]
             assert any("illegal memory access" in ln for ln in sweep_check["data"]["server_log"])
-            # A run that failed, of an image never passed here: what its server wrote stayed in its private layer.
+            # A run that failed, of an image whose layers the run proved (the tool built it over its base from this
+            # checkout's patch set): its code is the base's and the patch set's, so it writes the base's folder in
+            # place, as the base itself does, and nothing is left private.
             cache = report["environment"]["compile_cache"]
-            assert cache["access"] == "layered"
-            assert not (Path(cache["host"]) / "vllm" / "fake-openai-starts").exists()
-            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
+            assert cache["access"] == "shared" and "written in place (its layers proven)" in r.err
+            assert (Path(cache["host"]) / "vllm" / "fake-openai-starts").exists()
+            private = Path(cache["host"]).parent.parent / "private"
+            assert not private.exists() or not list(private.iterdir())
         else:
             assert r.rc == 0, r.err
             assert sweep_check["status"] == "pass"
@@ -230,19 +242,29 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
             base_id = engine.image(image_id).labels["io.vllm-hotfix.base.id"]  # type: ignore[union-attr]
             assert cache["base_id"] == base_id.removeprefix("sha256:") and cache["gpu"] == "no-gpu"
             assert Path(cache["host"]).parts[-3:] == ("compile", cache["base_id"], "no-gpu")
-            # Its first run: no passing verdict here yet, so the base's cache read-only under a private layer; the
-            # run passed, so what its server wrote there was moved into the cache after it (nothing left private).
-            assert cache["access"] == "layered" and "read-only under a private layer" in r.err
+            # Its first run: no verdict here meets the default policy yet, but the run proved its layers, so it
+            # writes the base's cache in place (its next image of that base starts warm), whatever its verdict.
+            assert cache["access"] == "shared" and "written in place (its layers proven)" in r.err
             starts = Path(cache["host"]) / "vllm" / "fake-openai-starts"
-            before = starts.read_text()
-            assert before.count("started") == 1
-            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
-            # Passed now: its next run writes the base's cache in place.
+            assert starts.read_text().count("started") == 1
+            private = Path(cache["host"]).parent.parent / "private"
+            assert not private.exists() or not list(private.iterdir())
+            # Its next run: the same.
             r = cli("smoke", served, "--serve-model", str(model), "--concurrency", "1", "--requests", "2",
                     "--report", str(tmp_path / "r2.json"), root=project)
             assert r.rc == 0, r.err
-            assert json.loads((tmp_path / "r2.json").read_text())["environment"]["compile_cache"]["access"] == "shared"
-            assert starts.read_text().count("started") == before.count("started") + 1
+            assert json.loads((tmp_path / "r2.json").read_text())["environment"]["compile_cache"]["access"] == \
+                "shared"
+            assert starts.read_text().count("started") == 2
+            # The base itself writes its cache in place (the unpatched base fails patch-landed; --keep-going starts
+            # its server all the same).
+            r = cli("smoke", product.base_ref, "--definition", "v0.25.1", "--base-repo", product.repo,
+                    "--serve-model", str(model), "--concurrency", "1", "--requests", "2", "--keep-going", "--report",
+                    str(tmp_path / "base.json"), root=project)
+            assert r.rc == 7 and "written in place" in r.err, r.err
+            assert json.loads((tmp_path / "base.json").read_text())["environment"]["compile_cache"] == cache | {
+                "access": "shared"}
+            assert starts.read_text().count("started") == 3
             # The oracle's settings reached the server: prefix caching off, batch-invariant mode on.
             assert "started prefix_caching=False VLLM_BATCH_INVARIANT=1" in starts.read_text()
             shared_after = starts.read_text()
@@ -255,11 +277,15 @@ def test_smoke_serve_sweep_uses_the_image_entrypoint(
                     str(answers), "--concurrency", "1,2", "--requests", "6", "--report", str(tmp_path / "rec.json"),
                     "--sign-key", site, root=project)
             assert r.rc == 7 and "no per-level answers under fixed batches came back" in r.err, r.err
-            assert not answers.exists() and not (tmp_path / "answers.dsse.json").exists()  # nothing to sign
-            # A recording shares no cache: a folder of its own, removed after the run; the shared one untouched.
+            # Nothing to sign, and the recording's own (failing) verdict is kept beside nothing.
+            assert not answers.exists() and not (tmp_path / "answers.dsse.json").exists()
+            assert not (tmp_path / "answers.verdict.dsse.json").exists()
+            # A recording reads no cache: a folder of its own, removed after the run. Its image's layers were
+            # proven, so what it wrote there (its server's one start) is moved into the base's folder after it.
             assert json.loads((tmp_path / "rec.json").read_text())["environment"]["compile_cache"]["access"] == \
                 "private"
-            assert starts.read_text() == shared_after
+            assert shared_after.count("started") == 3 and starts.read_text().count("started") == 1
+            assert not list((Path(cache["host"]).parent.parent / "private").iterdir())
             checks = {c["name"]: c for c in json.loads((tmp_path / "rec.json").read_text())["checks"]}
             assert checks["serve-sweep"]["status"] == "pass"
             assert checks["exact-levels"]["status"] == "fail"
@@ -326,8 +352,21 @@ def check_reference_provenance(served: str, image_id: str, base_id: str, model: 
     rc, err, checks = smoke(answers, "--sign-key", site)
     assert rc == 21 and f"--reference {answers}: not signed with the site key (no {tmp_path}/answers.dsse.json" \
         in err and not checks, err
-    # Signed by the host that recorded it, with the site key: checked, and the verdict says by which key.
-    signed = references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site)
+    # Signed with the site key but naming no recording verdict (as an earlier version signed): nothing shows the
+    # run that recorded it passed, so it is refused (21), unless accepted as unsigned (the verdict says so).
+    references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site)
+    rc, err, checks = smoke(answers, "--sign-key", site)
+    assert rc == 21 and "its signature names no recording verdict" in err and not checks, err
+    rc, err, checks = smoke(answers, "--sign-key", site, "--accept-unsigned-reference")
+    assert rc == 7 and checks["reference"]["status"] == "skip", err
+    assert checks["reference"]["detail"].endswith("its signature names no recording verdict (signed by an earlier "
+                                                  "version), so nothing shows the run that recorded it passed: "
+                                                  "accepted by --accept-unsigned-reference")
+    # Signed by the host that recorded it after its passing recording (a GPU host that ran the golden, stood in
+    # here by its signed verdict): checked, and the verdict says by which key and which recording.
+    passed = recording_verdict(trusted, site, golden=Status.PASS, gpu_verified=True)
+    references.envelope_path(answers).unlink()
+    signed = references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site, recording=passed)
     report = tmp_path / "signed.json"
     r = cli("smoke", served, "--gpu", "auto", "--serve-model", str(model), "--reference", str(answers),
             "--concurrency", "1,2,4", "--requests", "6", "--sign-key", site, "--report", str(report), root=project)
@@ -337,7 +376,24 @@ def check_reference_provenance(served: str, image_id: str, base_id: str, model: 
     assert json.loads(report.read_text())["sweep"]["reference"]["proves"] is None
     assert checks["reference"]["detail"] == (f"{answers} (sha256 {trusted.sha256}) recorded from image {TRUSTED}, "
                                              f"neither the judged image nor its base; signed with the site key "
-                                             f"{signed.key_id[:12]} ({tmp_path}/answers.dsse.json)")
+                                             f"{signed.key_id[:12]} ({tmp_path}/answers.dsse.json), recorded by a "
+                                             f"passing run (its signed verdict {signed.recording[:19]})")
+    assert checks["reference"]["data"]["signature"]["recording_verdict"] == signed.recording
+    # Its recording verdict nowhere to be found (not beside it, not in this host's journal): refused (21).
+    beside = references.verdict_path(answers)
+    beside.rename(tmp_path / "elsewhere.dsse.json")
+    rc, err, checks = smoke(answers, "--sign-key", site)
+    assert rc == 21 and "the verdict of the run that recorded it" in err and not checks, err
+    (tmp_path / "elsewhere.dsse.json").rename(beside)
+    # Recorded by a run that did not pass (GPU-unverified, its golden skipped): refused whatever the flag (24).
+    references.envelope_path(answers).unlink()
+    references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site,
+                    recording=recording_verdict(trusted, site, golden=Status.SKIP, gpu_verified=False))
+    rc, err, checks = smoke(answers, "--sign-key", site, "--accept-unsigned-reference")
+    assert rc == 24 and "recorded by a run that did not pass" in err and "golden check did not pass (skip" in err \
+        and not checks, err
+    references.envelope_path(answers).unlink()
+    references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, site, recording=passed)
     # Another key's signature: refused (22) unless accepted explicitly, and then the verdict says so.
     references.sign(answers, trusted.sha256, {"image_id": TRUSTED}, other)
     rc, err, checks = smoke(answers, "--sign-key", site)
@@ -351,6 +407,22 @@ def check_reference_provenance(served: str, image_id: str, base_id: str, model: 
     rc, err, checks = smoke(answers, "--sign-key", site, "--accept-unsigned-reference")
     assert rc == 24 and "vouches for other content" in err and not checks, err
     references.envelope_path(answers).unlink()
+
+
+def recording_verdict(trusted: Any, key: str, *, golden: Status, gpu_verified: bool) -> bytes:
+    """The signed verdict of the run that recorded ``trusted`` (reference answers of the image TRUSTED), as the GPU
+    host that recorded them signs it with the site key ``key``: its golden check ``golden``, its GPU checks verified
+    or not. This host has no GPU and no engine to record with; what it judges of the recording is this verdict."""
+    from vllm_hotfix.trust import signing
+    from vllm_hotfix.verdicts import Check, judge
+
+    checks = [Check("gpu-torch", Status.PASS, "ran", ran_against="torch"),
+              Check("golden", golden, "judged" if golden is Status.PASS else "no torch on this host")]
+    verdict = judge("trusted:v0.25.1", TRUSTED, checks, gpu_verified=gpu_verified,
+                    sweep={"recorded": {"file": "answers.json", "sha256": trusted.sha256, "image_id": TRUSTED}})
+    statement = signing.statement({"trusted:v0.25.1": TRUSTED}, signing.predicate(verdict.to_dict(), {},
+                                                                                  signing.now()))
+    return signing.sign(statement, signing.load_private_key(key))
 
 
 def write_reference(path: Path, model: Path, base_id: str, levels: tuple[int, ...], requests: int,
@@ -538,7 +610,7 @@ def test_verify_with_the_registry_down_is_a_registry_fault(engine: Engine, proje
     pub = tmp_path / "hotfix.pub"
     pub.write_bytes(ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    r = cli("verify", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
+    r = cli("verify", "--definition", "v0.25.1", f"127.0.0.1:{port}/ops/vllm:x", "--key", str(pub), root=project)
     assert r.rc == 8, r.err
     assert f"verify 127.0.0.1:{port}/ops/vllm:x: cannot read its signed verdicts" in r.err, r.err
     # The kind in words, not the HTTP library's message cut inside a word.

@@ -1,18 +1,21 @@
 """The golden forward on CPU, on the tiny MiniMax-M3 that gpu-runs/tiny_minimax_m3.py writes (2 layers: the dense
 first layer and one MoE layer, short prompts): deterministic, teacher-forcing equal to running the whole sequence,
 the sparse path equal to dense attention where every block is chosen (and not where the indexer must choose), the
-block selection's rules, and the judge's power: a right computation in bfloat16 passes at the threshold measured
-on other prompts, a reply made with the #49149 layout slip fails at a confident position, the golden's own greedy
-reply passes.
+block selection's rules, and the judge's power at the golden's own envelope (bfloat16 against float32, measured on
+the golden alone): right computations (float32, float16, the golden's own greedy reply) pass, a reply made with
+the #49149 layout slip fails at a judged position, a wrong server recorded as the trusted image is refused at
+recording and fails against a right reference, an ambiguous long-prompt position is left out with the rest of its
+reply and counted, and a level no reply came back from leaves the check incomplete.
 
 The served model's blocks are 128 tokens, its top-k 16: every prompt shorter than 2,048 tokens reads all its
 blocks, and the indexer decides nothing. The tests that need the indexer to choose use the same weights with 16-token
-blocks and a top-k of 4 (``small_blocks``), so that prompts of about a hundred tokens have more blocks than it keeps.
-"""
+blocks and a top-k of 4, so that prompts of about a hundred tokens have more blocks than it keeps (``small_blocks``
+keeps 16-token blocks with a top-k of 16: every block of these prompts is read)."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -33,6 +36,10 @@ from vllm_hotfix.verdicts import Status
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "gpu-runs" / "tiny_minimax_m3.py"
 TOKENS = 8  # generated per reply
+# The tiny model's seed. Its replies are judged where the golden's margin clears its own envelope at bfloat16, and
+# that share depends on the weights: measured on these 6 prompts x 8 tokens of a float32 server, 22 of 48 positions
+# at seed 0 and 20 at seed 3 (with the golden's earlier rounding points, 10 and 18: seed 0 fell under the floor).
+SEED = 3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +54,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
-    subprocess.run([sys.executable, str(TINY), str(out), "--layers", "2", "--seed", "0"], check=True,
+    subprocess.run([sys.executable, str(TINY), str(out), "--layers", "2", "--seed", str(SEED)], check=True,
                    capture_output=True)
     return out
 
@@ -189,45 +196,124 @@ def serve(model: Golden, ids: list[int], request: int, prompt: int) -> Served:
                         for j in range(len(tokens))), len(ids))
 
 
+def swapped(model: Golden, ids: list[int], request: int, prompt: int, every: int = 3) -> Served:
+    """A wrong server that does not crash: greedy but for every ``every``-th position, where it serves its
+    runner-up and names it first (its own log-probabilities of the two exchanged), about a third of positions
+    wrong, as in the circular case of the issue that brought the envelope."""
+    prefix = model.prefill(ids)
+    tokens: list[int] = []
+    logprobs, tops = [], []
+    dist = prefix.last
+    for j in range(TOKENS):
+        top = torch.topk(dist, 5)
+        order = [1, 0, 2, 3, 4] if j % every == 0 else [0, 1, 2, 3, 4]
+        pairs = [(int(top.indices[k]), float(top.values[n])) for n, k in enumerate(order)]
+        tokens.append(pairs[0][0])
+        logprobs.append(pairs[0][1])
+        tops.append({f"token_id:{t}": v for t, v in pairs})
+        dist = model.extend(prefix, [tokens])[0][-1]
+    return Served("fixed", 1, request, prompt, tuple(f"token_id:{t}" for t in tokens), tuple(logprobs), tuple(tops),
+                  len(ids))
+
+
 @pytest.fixture(scope="module")
 def judged(small_blocks: Path) -> dict[str, object]:
-    """The noise measured on bfloat16 replies (the trusted image), and every way of serving the prompts judged at
-    it: float16 (another right computation in lower precision), the layout slip, the golden's own greedy reply."""
+    """The golden's envelope (at bfloat16 against float32, on its own replies), a recording whose trusted image
+    computes in float32 (a right computation other than the golden's bfloat16) held to it, and every way of
+    serving the prompts judged at the envelope's thresholds: float16 (another right computation), the layout
+    slip, the golden's own greedy reply, and the swapped server recorded as if it were the trusted image."""
     scorer = Scorer(small_blocks, "cpu")
+    assert scorer.golden.dtype is torch.bfloat16  # the serving dtype: the engine's numerics
     ids = [scorer.prompt_ids(p) for p in PROMPTS]
     assert all(len(i) > 16 * 4 for i in ids), "every prompt must span several blocks"
-    bf16 = Golden.load(small_blocks, "cpu", torch.bfloat16)
-    recorded, section = judge.recorded(scorer.score(PROMPTS, [serve(bf16, ids[k], k, k) for k in range(len(PROMPTS))]))
-    assert recorded.status is Status.PASS and section is not None, recorded.detail
+    envelope = scorer.envelope(PROMPTS, TOKENS)
+    exact = scorer.exact()
+    recorded, section = judge.recorded(scorer.score(PROMPTS, [serve(exact, ids[k], k, k)
+                                                              for k in range(len(PROMPTS))]), envelope)
+    assert recorded.status is Status.PASS and section is not None, (recorded.detail, envelope)
     limits = judge.thresholds(section)
     assert limits is not None
-    out: dict[str, object] = {"thresholds": limits, "noise": section["noise"]}
+    out: dict[str, object] = {"thresholds": limits, "envelope": envelope, "recorded": recorded}
     for name, served_by in (("fp16", Golden.load(small_blocks, "cpu", torch.float16)),
-                            ("slip", HeadMajorRead.load(small_blocks, "cpu")), ("golden", scorer.golden)):
+                            ("slip", HeadMajorRead.load(small_blocks, "cpu", torch.bfloat16)),
+                            ("golden", scorer.golden)):
         scored = scorer.score(PROMPTS, [serve(served_by, ids[k], k, k) for k in range(len(PROMPTS))])
         out[name] = judge.check(judge.judge(scored, limits))
-        out[f"{name}-noise"] = judge.noise(scored)
+    wrong = scorer.score(PROMPTS, [swapped(exact, ids[k], k, k) for k in range(len(PROMPTS))])
+    out["swapped-recorded"] = judge.recorded(wrong, envelope)
+    out["swapped-noise"] = judge.noise(wrong)
+    out["swapped"] = judge.check(judge.judge(wrong, limits))
     return out
 
 
-def test_a_right_computation_in_lower_precision_passes_at_the_thresholds_measured_in_bfloat16(judged):
-    check = judged["fp16"]
-    assert check.status is Status.PASS, (check.detail, judged["noise"])
-    assert check.data["confident"] > 0
+def test_the_envelope_is_measured_on_the_golden_alone(judged):
+    envelope = judged["envelope"]
+    assert envelope["dtype"] == "bfloat16" and envelope["against"] == "float32"
+    short = envelope["classes"]["short"]
+    assert short["prompts"] == len(PROMPTS) and short["positions"] == len(PROMPTS) * TOKENS
+    assert 0 < short["median_nats"] <= short["p90_nats"] <= short["max_nats"]
+    assert short["threshold_nats"] == pytest.approx(judge.MARGIN_MULTIPLE * short["max_nats"], abs=1e-5)
 
 
-def test_the_49149_layout_slip_fails_at_a_confident_position(judged):
+def test_right_computations_pass_at_the_envelopes_thresholds(judged):
+    for name in ("fp16", "golden"):
+        check = judged[name]
+        assert check.status is Status.PASS, (name, check.detail, judged["envelope"])
+        assert check.data["confident"] > 0 and check.data["coverage"]["classes"]["short"]["judged"] > 0
+    assert judged["recorded"].status is Status.PASS
+
+
+def test_the_49149_layout_slip_fails_at_a_judged_position(judged):
     check = judged["slip"]
-    assert check.status is Status.FAIL, (check.detail, judged["noise"])
+    assert check.status is Status.FAIL, (check.detail, judged["envelope"])
     first = check.data["first_disagreement"]
-    assert first["margin_nats"] > judged["thresholds"].of(first["prompt"]) and first["golden"] != first["served"]
-    # and a recording from it would be refused: it lies far from the golden everywhere
-    assert judged["slip-noise"]["median_nats"] > judge.NOISE_CEILING, judged["slip-noise"]
+    assert first["margin_nats"] > judged["thresholds"].of("short") and first["golden"] != first["served"]
+
+
+def test_the_circular_case_is_refused_at_recording_and_fails_against_a_right_reference(judged):
+    """The swapped server, recorded as the trusted image: its own noise would have set its thresholds so wide that
+    none of its wrong positions counted; held to the golden's envelope it is refused, and nothing is kept. Judged
+    against a reference a right image recorded, it fails."""
+    noise = judged["swapped-noise"]
+    own = judge.Thresholds({"short": judge.MARGIN_MULTIPLE * noise["max_nats"]})  # what the recording measured
+    check, section = judged["swapped-recorded"]
+    assert check.status is Status.FAIL and section is None, check.detail
+    assert "nothing recorded" in check.detail
+    assert judged["swapped"].status is Status.FAIL
+    assert judged["swapped"].data["first_disagreement"]["margin_nats"] < own.of("short")
 
 
 def test_the_goldens_own_greedy_reply_passes(judged):
     check = judged["golden"]
     assert check.status is Status.PASS and check.data["agreeing"] == check.data["confident"] > 0, check.detail
+
+
+def test_an_ambiguous_long_prompt_position_is_left_out_with_the_rest_of_its_reply(model: Path, tmp_path: Path):
+    """A long prompt (more blocks than the indexer keeps: 16-token blocks, a top-k of 4): where the golden's own
+    block choice is within the resolution of another, that position and every later one of its reply are left
+    unjudged and counted; the positions before it are judged. The resolution (the seam) is set between the
+    smallest gap of the reply and the smallest before it."""
+    folder = with_config(model, tmp_path / "long", sparse_block_size=16, sparse_topk_blocks=4)
+    scorer = Scorer(folder, "cpu")
+    for k in range(len(PROMPTS)):
+        ids = scorer.prompt_ids(PROMPTS[k])
+        assert scorer.golden.cfg.prompt_class(len(ids)) == "long"
+        reply = serve(scorer.golden, ids, 0, k)
+        tokens = [int(t.split(":")[1]) for t in reply.tokens]
+        prefix = scorer.golden.prefill(ids)
+        gaps = [prefix.last_gap, *scorer.golden.extend_gaps(prefix, [tokens[:-1]])[0][1].tolist()]
+        assert all(math.isfinite(g) for g in gaps), gaps  # the indexer chose at every position
+        first = gaps.index(min(gaps))
+        if first > 0:
+            break
+    assert first > 0, "no prompt whose smallest gap comes after its first position"
+    scorer.resolution = (gaps[first] + min(gaps[:first])) / 2
+    scored = scorer.score(PROMPTS, [reply])[0]
+    assert scored.klass == "long"
+    assert [p.ambiguous for p in scored.positions] == [False] * first + [True] * (TOKENS - first)
+    j = judge.judge([scored], 0.0)
+    assert j.ambiguous == TOKENS - first and j.confident == first
+    assert j.coverage["classes"] == {"long": {"judged": first, "positions": TOKENS}}
 
 
 def test_a_reply_whose_prompt_the_server_counted_otherwise_cannot_be_scored(model: Path):
@@ -243,11 +329,16 @@ def test_the_check_on_a_recording_then_on_a_judged_run(model: Path):
     scorer = Scorer(model, "cpu")
     ids = [scorer.prompt_ids(p) for p in PROMPTS[:2]]
     served = [serve(scorer.golden, ids[k], k, k) for k in range(2)]
-    recorded, section = golden_check.run(model, PROMPTS, served, section=None, recording=True)
+    recorded, section = golden_check.run(model, PROMPTS, served, section=None, recording=True, levels=[1])
     assert recorded.status is Status.PASS and section is not None, recorded.detail
     assert section["timing"]["device"] == "cpu" and section["noise"]["max_nats"] < 1e-3
-    got, kept = golden_check.run(model, PROMPTS, served, section=section, recording=False)
+    assert section["envelope"]["classes"]["short"]["prompts"] == len(PROMPTS)  # every prompt, not only those served
+    got, kept = golden_check.run(model, PROMPTS, served, section=section, recording=False, levels=[1])
     assert got.status is Status.PASS and kept is None, got.detail
+    assert got.data["coverage"]["levels"]["1"]["positions"] == 2 * TOKENS
+    # a level the schedule asked for that no reply came back from: too little judged, never a pass
+    short, _ = golden_check.run(model, PROMPTS, served, section=section, recording=False, levels=[1, 2])
+    assert short.status is Status.INCOMPLETE and "nothing at concurrency 2" in short.detail
 
 
 def test_without_torch_the_check_is_a_skip_that_says_so(tmp_path: Path):
@@ -263,8 +354,9 @@ def test_without_torch_the_check_is_a_skip_that_says_so(tmp_path: Path):
 
 
 def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, tmp_path: Path):
-    """gpu-runs/golden_run.py, as the GPU host runs it: on a reference whose answers a bfloat16 computation gave
-    (at concurrency 1 and at two fixed-batch levels), it times the golden and reports the noise per prompt."""
+    """gpu-runs/golden_run.py, as the GPU host runs it: on a reference whose answers a float32 computation gave
+    (at concurrency 1 and at two fixed-batch levels), it times the golden and reports its envelope, where the
+    two dtypes part per layer, the replies' errors against the envelope and the coverage per level and class."""
     import importlib.util
 
     from vllm_hotfix.inimage import reference as answers
@@ -274,9 +366,9 @@ def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, 
     golden_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(golden_run)
     scorer = Scorer(model, "cpu")
-    bf16 = Golden.load(model, "cpu", torch.bfloat16)
+    exact = scorer.exact()
     prompts = PROMPTS[:2]
-    served = [serve(bf16, scorer.prompt_ids(p), k, k) for k, p in enumerate(prompts)]
+    served = [serve(exact, scorer.prompt_ids(p), k, k) for k, p in enumerate(prompts)]
     got = [answers.Answer(p, s.prompt_tokens, s.tokens, s.logprobs, tuple(dict(t) for t in s.top), "length",
                           answers.tokens_sha256(s.tokens)) for p, s in zip(prompts, served, strict=True)]
     levels = {"answers": {str(c): [{**a.to_dict(), "prompt": k} for k, a in enumerate(got)] for c in (1, 2)}}
@@ -288,8 +380,14 @@ def test_the_gpu_hosts_golden_run_reports_the_noise_of_a_reference(model: Path, 
     assert report["device"] == "cpu" and report["greedy"]["prompts"] == 2 and report["greedy"]["tokens_each"] == TOKENS
     assert report["scoring"]["replies"] == 6 and report["scoring"]["distinct_replies"] == 2
     assert set(report["noise"]["by_prompt_max_nats"]) == {"0", "1"}
-    judged = report["judged_at_this_noise"]
+    assert report["envelope"]["classes"]["short"]["prompts"] == 2 and report["outside_envelope"] is None
+    assert [row["layer"] for row in report["by_layer"]["layers"]] == [0, 1]
+    assert "experts_differ_share" in report["by_layer"]["layers"][1]  # the MoE layer
+    judged = report["judged_at_envelope"]
     assert judged["positions"] == 6 * TOKENS and judged["first_disagreement"] is None
+    assert set(judged["coverage"]["levels"]) == {"1", "2"} and set(judged["coverage"]["classes"]) == {"short"}
+    assert "coverage_shortfall" in report and report["noise_float32_golden"]["max_nats"] < 1e-3
+    assert report["greedy"]["over_threshold"]["short"]["positions"] == 2 * TOKENS
     assert report["greedy_vs_reference"]["prompts"] == 2
 
 
@@ -311,9 +409,9 @@ def sweep_and_probe(served: list[Served]) -> tuple[bytes, bytes]:
 
 
 def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_blocks: Path):
-    """The smoke's wiring (plan.golden_check): a recording run's replies (bfloat16) give the reference its golden
-    section; a run whose replies a right computation made passes against it, one with the layout slip fails,
-    naming the reply; a run whose sweep did not run is a skip."""
+    """The smoke's wiring (plan.golden_check): a recording run's replies (float32) held to the golden's envelope
+    give the reference its golden section; a run whose replies a right computation made passes against it, one
+    with the layout slip fails, naming the reply; a run whose sweep did not run is a skip."""
     from vllm_hotfix.checking.launchers import base, plan
     from vllm_hotfix.inimage import reference as answers
     from vllm_hotfix.verdicts import Check
@@ -322,19 +420,19 @@ def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_bl
     scorer = Scorer(small_blocks, "cpu")
     prompts = PROMPTS[:3]
     ids = [scorer.prompt_ids(p) for p in prompts]
-    job = {"serve": {"batches": {"prompts": prompts}}}
+    job = {"serve": {"levels": [1, 2], "batches": {"prompts": prompts, "levels": [1, 2], "max_tokens": TOKENS}}}
     swept = verdict_of("img", "sha256:0", [Check("serve-sweep", Status.PASS, "ok")], gpu_verified=False)
 
     def launched(served_by: Golden) -> base.Launched:
         http, probe = sweep_and_probe([serve(served_by, ids[k], k, k) for k in range(len(prompts))])
         return base.Launched(swept, replies=http, batches=probe)
 
-    checks, section = plan.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.bfloat16)), None,
-                                        small_blocks)
+    checks, section = plan.golden_check(job, launched(scorer.exact()), None, small_blocks)
     assert [c.status for c in checks] == [Status.PASS] and section is not None, checks
-    # judged: the HTTP sweep at concurrency 1 (not at 2: its batches are the timing's), fixed batches at 1 and 2
-    assert section["recorded"]["replies"] == 3 * len(prompts)
-    assert set(section["recorded"]["by_source"]) == {"http:1", "fixed:1", "fixed:2"}
+    # judged: every reply, the HTTP sweep's at every level as the fixed batches'
+    assert section["recorded"]["replies"] == 4 * len(prompts)
+    assert set(section["recorded"]["by_source"]) == {"http:1", "http:2", "fixed:1", "fixed:2"}
+    assert set(checks[0].data["coverage"]["levels"]) == {"1", "2"}
     ref = answers.Reference("m", "m", TOKENS, 5, (), "0", "now", "image", golden=section)
     right, _ = plan.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.float16)), ref, small_blocks)
     assert right[0].status is Status.PASS, right[0].detail

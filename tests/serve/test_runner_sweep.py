@@ -7,6 +7,7 @@ against the reference's per-level answers (exact-levels)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -24,11 +25,11 @@ from vllm_hotfix import report_page
 from vllm_hotfix.checking import smoke as smokelib
 from vllm_hotfix.checking.launchers import base, plan
 from vllm_hotfix.checking.smoke import SmokeOptions
-from vllm_hotfix.errors import AttestationTampered, SmokeError, UsageError
+from vllm_hotfix.errors import AttestationMismatch, AttestationMissing, AttestationTampered, SmokeError, UsageError
 from vllm_hotfix.inimage import recording, reference, sweep
 from vllm_hotfix.judges import fixed_batches
 from vllm_hotfix.trust import references, signing
-from vllm_hotfix.verdicts import Status, Verdict
+from vllm_hotfix.verdicts import Check, Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
 ENGINE = REPO / "tests" / "fake_vllm"  # on the probe's path: the stand-in for vLLM's offline engine
@@ -443,18 +444,99 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
                                          rf"'{re.escape(torch)}' there, '2.11.0' here\); nothing written"):
         reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
     assert not (tmp_path / "other.json").exists()
-    # With the site key the host signs what it kept, beside it, and the verdict names the signature.
+    # Kept by the host only from a passing recording: this one ran on no GPU and no golden judged its replies, so
+    # the launcher's keep writes nothing, says why, and nothing is signed.
+    said: list[str] = []
+    ran = plan.Ran(judged, job, launched.answers, levels)
+    assert plan.keep_recorded(ran, replace(opts, record_reference=tmp_path / "cpu.json"), TARGET, said.append) is ran
+    assert not (tmp_path / "cpu.json").exists() and len(said) == 1, said
+    assert said[0].endswith("nothing written: its golden check did not pass (not run); answers are kept only where "
+                            "the golden judged them")
+    # The same run as a GPU host that runs the golden sees it (stood in here: the GPU checks verified, the golden
+    # passed and measured its noise): kept, and with the site key signed after the verdict, naming it.
     key = site_key(tmp_path / "site.key")
-    request = smokelib.SmokeRequest("ops/vllm:fix", opts, sign_key=str(tmp_path / "site.key"))
-    signed = smokelib.sign_recorded(judged, request, lambda _line: None)
-    envelope = tmp_path / "new.dsse.json"
-    assert signed.sweep is not None and signed.sweep["recorded"]["signature"] == {
+    on_gpu = replace(judged, gpu_verified=True, checks=(*judged.checks, Check("golden", Status.PASS, "judged")))
+    said.clear()
+    kept_ran = plan.keep_recorded(replace(ran, verdict=on_gpu, golden={"noise": {"max": 0.0}}),
+                                  replace(opts, record_reference=tmp_path / "gpu.json"), TARGET, said.append)
+    assert (tmp_path / "gpu.json").exists() and said[0].startswith(f"    wrote {tmp_path}/gpu.json"), said
+    request = smokelib.SmokeRequest("ops/vllm:fix", replace(opts, record_reference=tmp_path / "gpu.json"),
+                                    sign_key=str(tmp_path / "site.key"))
+    named = smokelib.name_signature(kept_ran.verdict, request)
+    envelope = tmp_path / "gpu.dsse.json"
+    assert named.sweep is not None and named.sweep["recorded"]["signature"] == {
         "state": "signed", "key_id": signing.key_id(key.public_key()), "envelope": str(envelope), "why": ""}
-    found = signing.open_envelope(envelope.read_bytes(), key.public_key(), "new.dsse.json",
+    verdict_envelope = signing.sign(signing.statement({"ops/vllm:fix": IMAGE_ID}, signing.predicate(
+        named.to_dict(), {}, signing.now(), named.started or None)), key)
+    smokelib.sign_recorded(named, verdict_envelope, request, lambda _line: None)
+    gpu_kept = reference.load(tmp_path / "gpu.json")
+    found = signing.open_envelope(envelope.read_bytes(), key.public_key(), "gpu.dsse.json",
                                   signing.REFERENCE_PREDICATE_TYPE)
-    assert found.digests == {f"sha256:{kept.sha256}"} and found.predicate["image_id"] == IMAGE_ID
-    assert found.predicate["settings"] == kept.settings and found.predicate["signed_at"]
+    assert found.digests == {f"sha256:{gpu_kept.sha256}"} and found.predicate["image_id"] == IMAGE_ID
+    assert found.predicate["settings"] == gpu_kept.settings and found.predicate["signed_at"]
+    digest = "sha256:" + hashlib.sha256(verdict_envelope).hexdigest()
+    assert found.predicate["recording_verdict"] == digest
+    assert (tmp_path / "gpu.verdict.dsse.json").read_bytes() == verdict_envelope
     # Never taken for a smoke verdict (nor a verdict for it): each is opened as its own predicate type.
     with pytest.raises(AttestationTampered, match="not a smoke-report statement"):
-        signing.open_envelope(envelope.read_bytes(), key.public_key(), "new.dsse.json")
-    assert references.check(tmp_path / "new.json", kept.sha256, str(tmp_path / "site.key")).state == "signed"
+        signing.open_envelope(envelope.read_bytes(), key.public_key(), "gpu.dsse.json")
+    checked = references.check(tmp_path / "gpu.json", gpu_kept.sha256, str(tmp_path / "site.key"))
+    assert (checked.state, checked.recording) == ("signed", digest)
+    # Its recording verdict is looked for beside it, then in the journal folders given; where it is in neither, the
+    # reference is refused (21), or accepted as unsigned where the run says so.
+    (tmp_path / "gpu.verdict.dsse.json").rename(tmp_path / f"{digest[7:]}.dsse.json")
+    assert references.check(tmp_path / "gpu.json", gpu_kept.sha256, str(tmp_path / "site.key"),
+                            journal=[tmp_path]).recording == digest
+    (tmp_path / f"{digest[7:]}.dsse.json").unlink()
+    with pytest.raises(AttestationMissing, match=r"the verdict of the run that recorded it \(sha256:"):
+        references.check(tmp_path / "gpu.json", gpu_kept.sha256, str(tmp_path / "site.key"), journal=[tmp_path])
+    accepted = references.check(tmp_path / "gpu.json", gpu_kept.sha256, str(tmp_path / "site.key"),
+                                accept_unsigned=True)
+    assert accepted.state == "accepted" and "neither beside it" in accepted.why
+    # A signed reference whose recording did not pass (here: GPU-unverified) is refused whatever the flag (24).
+    cpu_envelope = signing.sign(signing.statement({"ops/vllm:fix": IMAGE_ID}, signing.predicate(
+        restamp_recorded(judged, gpu_kept).to_dict(), {}, signing.now())), key)
+    references.envelope_path(tmp_path / "gpu.json").unlink()
+    references.sign(tmp_path / "gpu.json", gpu_kept.sha256, {"image_id": IMAGE_ID}, str(tmp_path / "site.key"),
+                    recording=cpu_envelope)
+    with pytest.raises(AttestationMismatch, match="recorded by a run that did not pass .*golden check did not pass"):
+        references.check(tmp_path / "gpu.json", gpu_kept.sha256, str(tmp_path / "site.key"), accept_unsigned=True)
+
+
+def restamp_recorded(verdict: Verdict, kept: reference.Reference) -> Verdict:
+    """``verdict`` naming ``kept`` as the answers it recorded, as the launcher stamps a recording's verdict."""
+    return plan.restamp(verdict, kept, recorded=True)
+
+
+def test_a_recording_whose_checks_failed_writes_and_signs_nothing(tmp_path: Path) -> None:
+    """A recording run whose patch-set check failed (topk-layout, given here by the host) while the server and the
+    engine answered every level: its answers are not kept, so nothing is there to sign, whatever the GPU and the
+    golden said of them (they would judge every later image by a wrong image's answers)."""
+    opts = replace(options(tmp_path, record_reference=tmp_path / "new.json"), levels=(1, 2), keep_going=True)
+    job, extra = plan.job(tmp_path, TARGET, opts, launcher="docker", gpu_request=None,
+                          checks=[{"name": "topk-layout", "status": "fail", "detail": "wrong layout at 4 heads"}])
+    port = free_port()
+    job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
+    job["serve"]["port"] = port
+    job["python_path"] = [str(ENGINE), str(requests_site())]
+    folder = base.stage(tmp_path / "runner", job, extra)
+    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
+                          capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
+    assert done.returncode == 0, done.stderr
+    launched = base.results(done.stdout, done.stderr, "test runner")
+    judged, levels, _ = plan.judged(job, launched)
+    assert judged.status is Status.FAIL and judged.failed == ["topk-layout"], judged.checks
+    assert launched.answers is not None and levels, "the server and the engine answered every level"
+    # As a GPU host with the golden would see it: everything else verified and passed.
+    on_gpu = replace(judged, gpu_verified=True, checks=(*judged.checks, Check("golden", Status.PASS, "judged")))
+    said: list[str] = []
+    ran = plan.keep_recorded(plan.Ran(on_gpu, job, launched.answers, levels, {"noise": {"max": 0.0}}), opts, TARGET,
+                             said.append)
+    assert ran.verdict is on_gpu and said == [f"    --record-reference {tmp_path}/new.json: nothing written: the "
+                                              "recording run is a fail (topk-layout)"]
+    assert not (tmp_path / "new.json").exists()
+    site_key(tmp_path / "site.key")
+    request = smokelib.SmokeRequest("ops/vllm:fix", opts, sign_key=str(tmp_path / "site.key"))
+    assert smokelib.name_signature(ran.verdict, request) is ran.verdict
+    smokelib.sign_recorded(ran.verdict, b"{}", request, lambda _line: None)
+    assert not list(tmp_path.glob("new*"))

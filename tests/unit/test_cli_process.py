@@ -3,6 +3,7 @@ by --help, the group's -v/--root accepted after every subcommand, and the end of
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,14 @@ def test_the_run_leaves_its_objects_to_the_process_end_and_still_finishes_its_ex
     frozen = int(done.stdout.split("FROZEN", 1)[1].split()[0])
     assert frozen > 1000, done.stdout
     assert mark.read_text() == "yes"
+
+
+def test_a_python_without_the_dependencies_is_told_to_set_up_in_one_line() -> None:
+    # -S: this interpreter without its site folder, where the dependencies are, as a Python never set up.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", "build.py", "image", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 69, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {sys.executable} lacks ") and "run `make setup`" in line, line

@@ -12,6 +12,7 @@ from vllm_hotfix import dist_record
 from vllm_hotfix.engine import Tree
 from vllm_hotfix.engine.files import scan_tar
 from vllm_hotfix.judges import integrity
+from vllm_hotfix.sitefacts.site import keep_metadata
 
 EMPTY = "47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"  # sha256 of b"" as RECORD writes it
 
@@ -67,7 +68,7 @@ def test_an_installed_record_with_a_malformed_row_fails_integrity_naming_it() ->
             info = tarfile.TarInfo(name)
             info.size = len(body)
             tar.addfile(info, io.BytesIO(body))
-    entries, kept = scan_tar(io.BytesIO(raw.getvalue()), "/site", integrity.keep_metadata)
+    entries, kept = scan_tar(io.BytesIO(raw.getvalue()), "/site", keep_metadata)
     judged = integrity.judge(integrity.scan(Tree(entries, kept), "/site", "pkg"), "pkg", None)
     assert judged.check["status"] == "fail"
     assert "RECORD row(s) of the wrong shape" in judged.check["detail"]

@@ -13,6 +13,7 @@ import pytest
 from vllm_hotfix.engine import FileFact, Tree
 from vllm_hotfix.engine.files import CHUNK, scan_tar
 from vllm_hotfix.judges import integrity
+from vllm_hotfix.sitefacts.site import keep_metadata
 
 SITE = "/site"
 
@@ -48,7 +49,7 @@ def test_tar_stream_hashes_in_one_pass_keeps_only_what_is_asked_and_reports_link
     # The engine streams arbitrary chunk sizes; the answer does not depend on them (one byte at a time on
     # the members without the big one: a million one-byte chunks cost a second).
     for archive, size in ((raw, 7), (raw, 4096), (raw, len(raw)), (small, 1)):
-        entries, kept = scan_tar(_chunks(archive, size), SITE, integrity.keep_metadata)
+        entries, kept = scan_tar(_chunks(archive, size), SITE, keep_metadata)
         if archive is raw:
             assert entries[f"{SITE}/pkg/big.so"].sha256 == hashlib.sha256(big).hexdigest()
         assert entries[f"{SITE}/pkg/a.py"].kind == "file" and entries[f"{SITE}/pkg"].kind == "dir"
@@ -67,7 +68,7 @@ def _site(files: dict[str, bytes | str], record: dict[str, bytes] | None = None,
     meta = f"Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n{requires}".encode()
     members: list[tuple[str, bytes | str | None]] = [
         *files.items(), ("pkg-1.dist-info/METADATA", meta), ("pkg-1.dist-info/RECORD", rows.encode())]
-    entries, kept = scan_tar(_chunks(_tar(members), 512), SITE, integrity.keep_metadata)
+    entries, kept = scan_tar(_chunks(_tar(members), 512), SITE, keep_metadata)
     return Tree(entries, kept)
 
 

@@ -101,6 +101,8 @@ def _smokes(commands: list[list[str]]) -> dict[str, list[str]]:
 
 
 def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "calls.log").write_text("[05:01:02] host up 95.10 s: start\n")  # campaign-call.sh's
     commands, log, top = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
     out = top / "m0"  # the one model's folder
     smokes = _smokes(commands)
@@ -149,6 +151,7 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "60"
+    assert record[record.index("--calls") + 1] == str(top / "calls.log")  # which call of the lent host made what
     # The first model's warm verdicts are the patched smoke and its make smoke, both alone.
     assert record[record.index("--warm") + 1] == "patched" and "--side-by-side" not in record
     assert record[record.index("--make-smoke") + 1] == "patched_third"
@@ -161,6 +164,7 @@ def test_a_step_whose_report_is_there_is_skipped(tmp_path: Path) -> None:
     out = tmp_path / "out" / "m0"
     out.mkdir(parents=True)
     (out / "reference.json").write_text("{}")
+    (out / "answers.json").write_text("{}")
     commands, log, _ = _dry(tmp_path, "reference patched")
     assert list(_smokes(commands)) == ["patched"]
     assert "smoke m0/reference: done already" in log
@@ -434,6 +438,33 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
                                                                                    "variant_read-copies-transposed-view"}
     assert rec["images"]["unpatched_first"]["attestation"]["status"] == "fail"
     assert rec["gpu_devices"] == ["NVIDIA H200"]
+    # A campaign's first model: its patched smoke and make smoke alone are the warm verdicts, the make smoke held to
+    # the long command's verdict, a broken backport's recording refused by the golden, the host's clock read.
+    (tmp_path / "record.json").unlink()
+    bad = _report("m", "sha256:" + "9" * 64, "fail", 240.0, {"files": 3.0})
+    bad["checks"].append({"name": "golden", "status": "fail", "detail": "a served token is not the golden's"})
+    (tmp_path / "badrecord-decode-side-unfixed.json").write_text(json.dumps(bad))
+    (tmp_path / "uptime").write_text("1432.50 20000.00\n")
+    (tmp_path / "calls.log").write_text("[05:01:02] host up 95.10 s: part part-00 SHA256SUMS\n")
+    r = record(*args, "--patched-third", str(tmp_path / "patched-again.json"),
+               "--attestation", f"patched_third={tmp_path / 'patched-again.dsse.json'}", "--warm", "patched",
+               "--warm", "patched-third", "--make-smoke", "patched_third", "--bad-recording",
+               f"decode-side-unfixed={tmp_path / 'badrecord-decode-side-unfixed.json'}", "--host-uptime",
+               str(tmp_path / "uptime"), "--calls", str(tmp_path / "calls.log"), "--target-seconds", "60")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((tmp_path / "record.json").read_text())
+    found = rec["findings"]
+    assert found["warm_verdict_alone"]["seconds"] == {"patched": 87.25, "patched_third": 85.5}
+    assert found["warm_verdict_alone"]["met"] is False  # over the 60 s target
+    assert found["make_smoke_same_verdict"]["met"] is True
+    assert found["golden_refuses_bad_recordings"] == {
+        "recordings": {"decode-side-unfixed": {"status": "fail", "golden": "fail",
+                                               "golden_detail": "a served token is not the golden's",
+                                               "answers_written": False, "met": True}}, "met": True}
+    assert found["gpu_host_seconds"]["seconds"] == 1432.5 and found["gpu_host_seconds"]["met"] is True
+    assert rec["calls"] == ["[05:01:02] host up 95.10 s: part part-00 SHA256SUMS"]
+    # The recording image is no judged image: it is held to being refused, not to passing or failing a level.
+    assert "badrecord_decode-side-unfixed" not in found.get("every_mutant_fails", {}).get("mutants", {})
     # A podman run's record names podman as what started the smokes.
     (tmp_path / "record.json").unlink()
     assert record(*args, "--launcher", "podman", "--launcher-version", "podman version 4.3.1").returncode == 0
@@ -639,3 +670,23 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     with tarfile.open(back / "campaign.tgz") as packed:
         names = set(packed.getnames())
     assert {"./run.log", "./calls.log", "./console.log"} <= names
+
+
+def test_a_model_whose_recording_wrote_no_answers_is_passed_over_and_the_campaign_goes_on(tmp_path: Path) -> None:
+    """The first model's recording is done (its report there) but wrote no answers: its smokes are not run, its
+    patched image is still timed without answers to judge, and the next model's smokes run."""
+    out = tmp_path / "out"
+    for name in ("a", "b"):
+        (out / name).mkdir(parents=True)
+        (out / name / "reference.json").write_text("{}")
+    (out / "b" / "answers.json").write_text("{}")
+    commands, log, _ = _dry(tmp_path, "patched unpatched patched2 variantsmoke", MODELS="a:0:2 b:1:3",
+                            VARIANTS="permute-write-side")
+    assert f"no {out / 'a' / 'answers.json'}" in log and "a's base not run" in log, log
+    smokes: dict[str, dict[str, list[str]]] = {}
+    for argv in commands:
+        if "smoke" in argv and "build.py" in argv:
+            report = Path(argv[argv.index("--report") + 1])
+            smokes.setdefault(report.parent.name, {})[report.stem] = argv
+    assert list(smokes["a"]) == ["patched-unjudged"] and "--reference" not in smokes["a"]["patched-unjudged"]
+    assert set(smokes["b"]) == {"patched", "unpatched", "patched-again", "variant-permute-write-side"}

@@ -46,7 +46,8 @@ def test_verify_with_another_key_or_a_failed_verdict_says_what_to_do(tmp_path: P
     envelope = tmp_path / "v.dsse.json"
     envelope.write_bytes(_signed(site))
     lone = _public(tmp_path / "other.pub", other)
-    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone), root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(envelope), "--key", str(lone), root=tmp_path)
     assert r.rc == 22 and "--key" in _hint(r.err), r.err
     with pytest.raises(AttestationWrongKey) as wrong:
         signing.open_envelope(_signed(site), other.public_key(), "v")
@@ -58,7 +59,8 @@ def test_verify_with_another_key_or_a_failed_verdict_says_what_to_do(tmp_path: P
                                  ({**REPORT, "gpu_verified": False}, (), "--allow-gpu-unverified"),
                                  (REPORT, ("--require-gpu", "NVIDIA B200"), "B200")):
         envelope.write_bytes(_signed(site, report))
-        r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", pub, *args, root=tmp_path)
+        r = cli("verify", "--definition", "v0.25.1",
+                IMAGE_ID, "--attestation", str(envelope), "--key", pub, *args, root=tmp_path)
         assert r.rc == 24 and needle in _hint(r.err), r.err
     with pytest.raises(AttestationMismatch) as other_image:
         signing.require_subject(found, {"sha256:" + "ef" * 32}, "img", "v")

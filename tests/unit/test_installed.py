@@ -6,7 +6,8 @@ import pytest
 
 from vllm_hotfix.engine import Tree
 from vllm_hotfix.judges import integrity
-from vllm_hotfix.judges.installed import Environment, closure, copies, distributions, environment
+from vllm_hotfix.judges.installed import Environment, closure, environment
+from vllm_hotfix.sitefacts.dists import copies, distributions
 
 SITE = "/usr/local/lib/python3.12/dist-packages"
 

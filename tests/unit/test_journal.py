@@ -19,6 +19,7 @@ import pytest
 from vllm_hotfix.errors import PushError, RecordError
 from vllm_hotfix.journal import records
 from vllm_hotfix.release import gate, lifecycle
+from vllm_hotfix.trust import policy
 from vllm_hotfix.verdicts import Check, Status, Verdict, judge
 
 IMAGE_ID = "sha256:" + "ab" * 32
@@ -32,7 +33,10 @@ def _own_records(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _verdict(status: Status, image_id: str = IMAGE_ID) -> Verdict:
-    return judge("x:y", image_id, [Check("patch-landed", status)], gpu_verified=True)
+    """A smoke run on a host without a GPU (the push gate takes it under --allow-gpu-unverified), its
+    patch-landed check ``status``."""
+    checks = [Check(name, status if name == "patch-landed" else Status.PASS) for name in policy.CPU_CHECKS]
+    return judge("x:y", image_id, [*checks, Check("gpu", Status.SKIP)], gpu_verified=False)
 
 
 def _append_many(root: str, n: int) -> list[int]:

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 
 from vllm_hotfix.building.pinfile import Pin, PinSet
-from vllm_hotfix.checking.launchers import facts
 from vllm_hotfix.engine import FileFact, Tree
 from vllm_hotfix.errors import PushError
-from vllm_hotfix.judges import identity, integrity
+from vllm_hotfix.judges import identity, integrity, recheck
 from vllm_hotfix.judges.difference import Difference
 from vllm_hotfix.release.gate import landed_refusal
 from vllm_hotfix.verdicts import Status
@@ -39,7 +38,7 @@ IDENTITY_CASES = [
 @pytest.mark.parametrize("what, outcome, want", IDENTITY_CASES, ids=[c[0] for c in IDENTITY_CASES])
 def test_identity_outcomes_become_problems_of_the_image_or_of_the_host(
         what: str, outcome: identity.Outcome, want: tuple[Status, Difference | None] | None) -> None:
-    got = facts.identity_problem(outcome)
+    got = recheck.identity_problem(outcome)
     if want is None:
         assert got is None
         return
@@ -86,7 +85,7 @@ FILE_CASES = [
 def test_the_first_file_check_that_does_not_pass_is_the_problem(
         what: str, checks: tuple[dict[str, Any], ...], differences: dict[str, Difference], gpu: bool,
         missing: tuple[tuple[str, ...], tuple[str, ...]], want: tuple[Any, ...] | None) -> None:
-    got = facts.files_problem(integrity.FileChecks(checks, _judged(*missing), differences), gpu)
+    got = recheck.files_problem(integrity.FileChecks(checks, _judged(*missing), differences), gpu)
     if want is None:
         assert got is None
         return
@@ -120,7 +119,7 @@ PIN_CASES = [
 @pytest.mark.parametrize("what, copies, want", PIN_CASES, ids=[c[0] for c in PIN_CASES])
 def test_a_pin_the_image_does_not_hold_once_at_its_version_is_the_images_difference(
         what: str, copies: dict[str, list[str]], want: tuple[str, str, str] | None) -> None:
-    got = facts.pins_difference(PINSET, copies)
+    got = recheck.pins_difference(PINSET, copies)
     if want is None:
         assert got is None
         return
@@ -171,19 +170,19 @@ def test_a_patched_file_that_is_not_what_it_must_be_is_named_by_path_and_field(
 REFUSALS = [
     # (what, the problem, the refusal's words after "refusing to push IMG (ID): ", the hint's start)
     ("a difference in the image",
-     facts.LandedProblem("layer-identity", FAIL, "not the product of definition v0.25.1 ...", ENTRY),
+     recheck.LandedProblem("layer-identity", FAIL, "not the product of definition v0.25.1 ...", ENTRY),
      "layer-identity: not the product of definition v0.25.1 ...", "its verdict does not match its files"),
-    ("an integrity failure", facts.LandedProblem("integrity", FAIL, "3 file(s) differ from RECORD"),
+    ("an integrity failure", recheck.LandedProblem("integrity", FAIL, "3 file(s) differ from RECORD"),
      "integrity: 3 file(s) differ from RECORD", "its verdict does not match its files"),
     ("a base this host cannot find",
-     facts.LandedProblem("layer-identity", INCOMPLETE, "no base to compare it with: base x is not in the engine"),
+     recheck.LandedProblem("layer-identity", INCOMPLETE, "no base to compare it with: base x is not in the engine"),
      "its files could not be re-checked on this host: layer-identity: no base to compare it with: base x is not in "
      "the engine", "nothing is known against the image"),
-    ("a pins.txt this host cannot use", facts.LandedProblem("pins", INCOMPLETE, "pins.txt line 2: not NAME==VERSION"),
+    ("a pins.txt this host cannot use", recheck.LandedProblem("pins", INCOMPLETE, "pins.txt line 2: not NAME==VERSION"),
      "its files could not be re-checked on this host: pins: pins.txt line 2: not NAME==VERSION",
      "nothing is known against the image"),
     ("an expectation this host cannot recompute",
-     facts.LandedProblem("expectation", INCOMPLETE, "base x is not in the engine, and no build record"),
+     recheck.LandedProblem("expectation", INCOMPLETE, "base x is not in the engine, and no build record"),
      "its files could not be re-checked on this host: expectation: base x is not in the engine, and no build record",
      "nothing is known against the image"),
 ]
@@ -191,7 +190,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("what, problem, words, hint", REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_the_push_gate_refuses_a_difference_and_a_host_fault_alike_but_says_which(
-        what: str, problem: facts.LandedProblem, words: str, hint: str) -> None:
+        what: str, problem: recheck.LandedProblem, words: str, hint: str) -> None:
     refusal = landed_refusal("img:x (sha256:0123456789ab)", problem)
     assert isinstance(refusal, PushError) and refusal.exit_code == 8  # nothing pushed: the gate's code either way
     assert str(refusal) == f"refusing to push img:x (sha256:0123456789ab): {words}"

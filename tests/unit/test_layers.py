@@ -14,17 +14,22 @@ import gzip
 import hashlib
 import io
 import os
+import random
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from layer_tars import REL, SITE, Blobs, folders, installed, layer, member, run
 
 from vllm_hotfix.engine import ImageInfo
-from vllm_hotfix.errors import EngineError
+from vllm_hotfix.errors import BaseImageError, EngineError
 from vllm_hotfix.judges import layer_read
-from vllm_hotfix.layers import Layer, LayerEntry, apply, flatten, hides
+from vllm_hotfix.layers import Layer, LayerEntry, apply, flatten, hides, said, squash
 from vllm_hotfix.layers.read import checked, from_export, from_folder, from_tar
+from vllm_hotfix.registry import layerscan
 from vllm_hotfix.registry.compression import uncompressed
+from vllm_hotfix.registry.layerscan import LayerRef, locate
 
 # A member: (name, what) with what: bytes (a file), None (a folder), "->x" (a symbolic link), "=>x" (a hard link).
 Member = tuple[str, "bytes | str | None"]
@@ -122,6 +127,41 @@ CASES = [
 def test_layers_laid_over_each_other_show_what_an_engine_shows(layers: list[list[Member]],
                                                                image: dict[str, str]) -> None:
     assert shown(layers) == image
+
+
+@pytest.mark.parametrize(("layers", "image"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_layers_squashed_newest_first_decide_each_path_as_the_flattener_shows_it(layers: list[list[Member]],
+                                                                                 image: dict[str, str]) -> None:
+    """The registry scan's way: each layer read (newest first) laid under the ones read before, and each path
+    asked of the squash. Every path any layer names is shown as the flattened image shows it, or gone."""
+    read_layers = [read(m) for m in layers]
+    stack = layerscan.Stack()
+    for newest in reversed(read_layers):
+        stack.add(layerscan.Listing(newest))
+    assert stack.top == squash(read_layers)  # laid under one by one, or squashed at once: one layer
+    flat = flatten(read_layers)
+    for path in {p for one in read_layers for p in one.entries} | set(flat.entries):
+        got = layerscan.shown(stack.top, path)
+        assert got is not layerscan.UNKNOWN, path  # a stack down to its first layer decides every path
+        shows = got if not isinstance(got, LayerEntry) else replace(got, opaque=False)  # opaque: a mark, not a fact
+        assert shows == flat.entries.get(path), path
+    # Over nothing, a squash holds the image and what it would hide of layers below (whiteouts, opaque folders).
+    assert {p: replace(e, opaque=False) for p, e in stack.top.entries.items() if e.kind != "whiteout"} == flat.entries
+
+
+def test_a_squash_says_nothing_of_what_its_layers_do_not_name() -> None:
+    top = squash([read([("d", None), ("d/f", b"a")]), read([("d", None), ("d/.wh..wh..opq", b""), ("x", b"b")])])
+    assert said(top, "/e") is None and said(top, "/d/g").kind == "whiteout"  # under an opaque folder: gone
+    assert said(top, "/x/y").kind == "whiteout"  # under a file: gone
+    assert said(top, "/d").opaque and not said(top, "/x").opaque
+
+
+def test_layer_tars_are_opened_only_by_the_layer_reader() -> None:
+    """One reader of layer tars (issue 63): besides it, only the tool's tar writer and the engine's outer save
+    archive (whose members the reader reads) call tarfile.open."""
+    package = Path(__file__).resolve().parents[2] / "vllm_hotfix"
+    opening = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "tarfile.open(" in p.read_text())
+    assert opening == ["engine/files.py", "layers/read.py", "tarball.py"]
 
 
 def test_the_flattened_image_holds_no_whiteouts_and_no_opaque_marks() -> None:
@@ -299,3 +339,95 @@ def test_an_export_is_read_by_diff_id_and_one_it_lacks_is_named() -> None:
     assert set(top.entries) == {"/b"}
     with pytest.raises(EngineError, match="lacks layer"):
         from_export([io.BytesIO(blobs[0])], ids, 1, "image x")
+
+
+# -- the registry scan: a base's layers read newest first, left once every wanted path is decided ------------
+
+
+def test_one_layer_gives_site_version_folders_and_the_file() -> None:
+    got = run(Blobs([layer(installed())]))
+    assert got.site_dir == f"/{SITE}" and got.package_dir == f"/{SITE}/vllm" and got.version == "0.25.1"
+    assert [f.path for f in got.folders] == [f"/{'/'.join(SITE.split('/')[:i])}" for i in range(1, 6)]
+    assert got.folders[0].mode == 0o755 and got.folders[0].mtime == 1
+    assert got.files[REL] == {"kind": "file", "real": True, "mode": 0o644, "data": b"x = 1\n"}
+    assert not got.notes and got.layers_read == 1
+
+
+def test_the_newest_layer_holding_the_file_wins_and_lower_layers_are_not_opened() -> None:
+    upper = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/{REL}", b"x = 2\n", mode=0o600)])
+    blobs = Blobs([layer([member("opt/filler", b"\0" * 4096)]), layer(installed()), upper])
+    got = run(blobs)
+    assert got.files[REL]["data"] == b"x = 2\n" and got.files[REL]["mode"] == 0o600
+    assert blobs.opened == [2, 1]  # the filler layer below the package is never read
+    assert got.folders[-1].mtime == 5  # a folder's facts come from the newest layer that lists it
+
+
+MISSING = {"kind": "missing", "real": True, "mode": 0, "data": None}
+SCAN_CASES = [
+    # (what it pins, the layer above the installation, what the scan says of the patched file)
+    ("a whiteout of the file removes it",
+     [*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh.indexer.py", b"")], MISSING),
+    ("a whiteout of a folder above removes it",
+     [*folders(f"{SITE}/vllm/models"), member(f"{SITE}/vllm/models/.wh.m", b"")], MISSING),
+    ("an opaque folder above hides it",
+     [*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh..wh..opq", b"")], MISSING),
+    ("an opaque folder above, with the file made anew in it",
+     [*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh..wh..opq", b""),
+      member(f"{SITE}/{REL}", b"x = 3\n")], {"kind": "file", "real": True, "mode": 0o644, "data": b"x = 3\n"}),
+    ("a file in place of a folder above removes it",
+     [*folders(f"{SITE}/vllm/models"), member(f"{SITE}/vllm/models/m", b"not a folder")], MISSING),
+    # Reached through a link: refused as the engine path refuses it (its probe sees the link on the way).
+    ("a link in place of a folder above",
+     [*folders(f"{SITE}/vllm/models"), member(f"{SITE}/vllm/models/m", kind="link", target="/x")],
+     {"kind": "file", "real": False, "mode": 0, "data": None}),
+    ("a folder of the same name above keeps it",
+     folders(f"{SITE}/vllm/models/m"), {"kind": "file", "real": True, "mode": 0o644, "data": b"x = 1\n"}),
+]
+
+
+@pytest.mark.parametrize(("upper", "said"), [(c[1], c[2]) for c in SCAN_CASES], ids=[c[0] for c in SCAN_CASES])
+def test_whiteouts_opaque_folders_and_links_decide_for_the_layers_below(upper: list, said: dict) -> None:
+    assert run(Blobs([layer(installed()), layer(upper)])).files[REL] == said
+
+
+def test_a_sorted_layer_is_left_once_past_the_files_and_an_unsorted_one_is_read_to_its_end() -> None:
+    noise = random.Random(5)
+    tail = [member(f"{SITE}/zzz/big{i}", noise.randbytes(1 << 18)) for i in range(8)]
+    sorted_layer = layer(installed(extra=tail))
+    blobs = Blobs([sorted_layer])
+    got = run(blobs)
+    assert got.bytes_read < len(sorted_layer) / 2, (got.bytes_read, len(sorted_layer))
+    shuffled = layer(list(reversed(installed(extra=tail))), ordered=False)
+    assert run(Blobs([shuffled])).bytes_read == len(shuffled)
+
+
+def test_stale_pycs_are_those_the_image_shows() -> None:
+    cache = f"{SITE}/vllm/models/m/__pycache__"
+    lower = layer(installed(extra=[*folders(cache), member(f"{cache}/indexer.cpython-311.pyc", b"A" * 20),
+                                   member(f"{cache}/indexer.cpython-311.opt-1.pyc", b"B" * 20)]))
+    upper = layer([*folders(cache), member(f"{cache}/.wh.indexer.cpython-311.opt-1.pyc", b""),
+                   member(f"{cache}/indexer.cpython-312.pyc", b"C" * 20)])
+    got = run(Blobs([lower, upper]))
+    assert got.pycs[REL] == {"vllm/models/m/__pycache__/indexer.cpython-311.pyc": b"A" * 20,
+                             "vllm/models/m/__pycache__/indexer.cpython-312.pyc": b"C" * 20}
+
+
+def test_no_installation_two_installations_and_a_bad_digest_are_named() -> None:
+    with pytest.raises(BaseImageError, match="no layer holds an installed vllm"):
+        run(Blobs([layer([member("etc/hostname", b"x")])]))
+    other = [(n.replace(SITE, "opt/venv/site"), *rest) for n, *rest in installed()]
+    # Two installations that the layers read show (here one layer, not in path order, so read whole).
+    with pytest.raises(BaseImageError, match="installed in /opt/venv/site and /usr"):
+        run(Blobs([layer([*installed(), *folders("opt/venv/site"), *other], ordered=False)]))
+    blobs = Blobs([layer(installed())])
+    refs = blobs.refs
+    bad = [LayerRef("sha256:" + "0" * 64, refs[0].media_type, refs[0].size)]
+    with pytest.raises(BaseImageError, match="hash to"):
+        locate(bad, lambda _r: io.BytesIO(blobs.blobs[0]), "vllm", [REL], "test/base")
+    # A layer that says zstd but is not: one line naming it, not a traceback.
+    with pytest.raises(BaseImageError, match="is not a readable tar"):
+        locate([LayerRef(refs[0].digest, "application/vnd.oci.image.layer.v1.tar+zstd", refs[0].size)],
+               blobs.open, "vllm", [REL], "test/base")
+    # A path named twice in a layer: the one reader's refusal, as the base's fault.
+    with pytest.raises(BaseImageError, match="twice"):
+        run(Blobs([layer([*installed(), member(f"{SITE}/{REL}", b"x = 2\n")], ordered=False, unique=False)]))

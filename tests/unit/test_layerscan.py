@@ -1,4 +1,6 @@
-"""Reading a base's layers newest first: what the image shows, where the package lives, where reading stops."""
+"""The registry build's other parts: bytecode for the image's Python, the manifest limit and TLS without an engine,
+option refusals, the progress of a long read, and layer streams read by their media type. (How the layer scan
+reads layers is pinned in test_layers.py, with the one layer reader's tables.)"""
 
 from __future__ import annotations
 
@@ -6,153 +8,18 @@ import gzip
 import hashlib
 import importlib.util
 import io
-import random
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
+from layer_tars import REL, installed, layer
 
 from conftest import cli, fails
 from vllm_hotfix.building import bytecode as hostbytecode
 from vllm_hotfix.engine.dockerconfig import registry_secure_without_engine
 from vllm_hotfix.errors import BaseImageError, PushError, UsageError
-from vllm_hotfix.registry import layerscan
 from vllm_hotfix.registry import write as regwrite
 from vllm_hotfix.registry.layerscan import LayerRef, locate
-
-SITE = "usr/local/lib/python3.12/dist-packages"
-REL = "vllm/models/m/indexer.py"
-RECORD = b"vllm/__init__.py,,\nvllm/models/m/indexer.py,,\n"
-META = b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.1\n"
-
-
-def member(name: str, data: bytes | None = None, *, kind: str = "file", mode: int = 0o644, mtime: int = 7,
-           target: str = "") -> tuple[str, bytes | None, str, int, int, str]:
-    return (name, data, kind, mode, mtime, target)
-
-
-def layer(members: list[tuple[str, bytes | None, str, int, int, str]], *, ordered: bool = True) -> bytes:
-    raw = io.BytesIO()
-    unique = list({m[0]: m for m in members}.values())  # one entry per path, as a layer holds it
-    items = sorted(unique, key=lambda m: m[0].split("/")) if ordered else unique
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data, kind, mode, mtime, target in items:
-            info = tarfile.TarInfo(name)
-            info.mode, info.mtime = mode, mtime
-            if kind == "dir":
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            elif kind == "link":
-                info.type, info.linkname = tarfile.SYMTYPE, target
-                tar.addfile(info)
-            else:
-                info.size = len(data or b"")
-                tar.addfile(info, io.BytesIO(data or b""))
-    return gzip.compress(raw.getvalue(), mtime=0)
-
-
-def folders(path: str) -> list[tuple[str, bytes | None, str, int, int, str]]:
-    parts = path.split("/")
-    return [member("/".join(parts[:i]), kind="dir", mode=0o755, mtime=i) for i in range(1, len(parts) + 1)]
-
-
-def installed(indexer: bytes = b"x = 1\n", extra: list | None = None) -> list:
-    return [*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/__init__.py", b""),
-            member(f"{SITE}/{REL}", indexer), *folders(f"{SITE}/vllm-0.25.1.dist-info"),
-            member(f"{SITE}/vllm-0.25.1.dist-info/METADATA", META),
-            member(f"{SITE}/vllm-0.25.1.dist-info/RECORD", RECORD), *(extra or [])]
-
-
-class Blobs:
-    """Layers by digest, and which were opened (a registry stand-in for the pure reader)."""
-
-    def __init__(self, blobs: list[bytes]) -> None:
-        self.blobs = blobs
-        self.opened: list[int] = []
-
-    @property
-    def refs(self) -> list[LayerRef]:
-        return [LayerRef("sha256:" + hashlib.sha256(b).hexdigest(), "application/vnd.oci.image.layer.v1.tar+gzip",
-                         len(b)) for b in self.blobs]
-
-    def open(self, ref: LayerRef) -> io.BytesIO:
-        index = [r.digest for r in self.refs].index(ref.digest)
-        self.opened.append(index)
-        return io.BytesIO(self.blobs[index])
-
-
-def run(blobs: Blobs, rels: tuple[str, ...] = (REL,)) -> layerscan.Located:
-    return locate(blobs.refs, blobs.open, "vllm", list(rels), "test/base")
-
-
-def test_one_layer_gives_site_version_folders_and_the_file() -> None:
-    got = run(Blobs([layer(installed())]))
-    assert got.site_dir == f"/{SITE}" and got.package_dir == f"/{SITE}/vllm" and got.version == "0.25.1"
-    assert [f.path for f in got.folders] == [f"/{'/'.join(SITE.split('/')[:i])}" for i in range(1, 6)]
-    assert got.folders[0].mode == 0o755 and got.folders[0].mtime == 1
-    assert got.files[REL] == {"kind": "file", "real": True, "mode": 0o644, "data": b"x = 1\n"}
-    assert not got.notes and got.layers_read == 1
-
-
-def test_the_newest_layer_holding_the_file_wins_and_lower_layers_are_not_opened() -> None:
-    upper = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/{REL}", b"x = 2\n", mode=0o600)])
-    blobs = Blobs([layer([member("opt/filler", b"\0" * 4096)]), layer(installed()), upper])
-    got = run(blobs)
-    assert got.files[REL]["data"] == b"x = 2\n" and got.files[REL]["mode"] == 0o600
-    assert blobs.opened == [2, 1]  # the filler layer below the package is never read
-    assert got.folders[-1].mtime == 5  # a folder's facts come from the newest layer that lists it
-
-
-def test_whiteouts_opaque_folders_and_links_decide_for_the_layers_below() -> None:
-    gone = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh.indexer.py", b"")])
-    assert run(Blobs([layer(installed()), gone])).files[REL]["kind"] == "missing"
-    emptied = layer([*folders(f"{SITE}/vllm/models/m"), member(f"{SITE}/vllm/models/m/.wh..wh..opq", b"")])
-    assert run(Blobs([layer(installed()), emptied])).files[REL]["kind"] == "missing"
-    linked = layer([*folders(f"{SITE}/vllm/models"), member(f"{SITE}/vllm/models/m", kind="link", target="/x")])
-    # Reached through a link: refused as the engine path refuses it (its probe sees the link on the way).
-    assert run(Blobs([layer(installed()), linked])).files[REL] == {"kind": "file", "real": False, "mode": 0,
-                                                                  "data": None}
-
-
-def test_a_sorted_layer_is_left_once_past_the_files_and_an_unsorted_one_is_read_to_its_end() -> None:
-    noise = random.Random(5)
-    tail = [member(f"{SITE}/zzz/big{i}", noise.randbytes(1 << 18)) for i in range(8)]
-    sorted_layer = layer(installed(extra=tail))
-    blobs = Blobs([sorted_layer])
-    got = run(blobs)
-    assert got.bytes_read < len(sorted_layer) / 2, (got.bytes_read, len(sorted_layer))
-    shuffled = layer(list(reversed(installed(extra=tail))), ordered=False)
-    assert run(Blobs([shuffled])).bytes_read == len(shuffled)
-
-
-def test_stale_pycs_are_those_the_image_shows() -> None:
-    cache = f"{SITE}/vllm/models/m/__pycache__"
-    lower = layer(installed(extra=[*folders(cache), member(f"{cache}/indexer.cpython-311.pyc", b"A" * 20),
-                                   member(f"{cache}/indexer.cpython-311.opt-1.pyc", b"B" * 20)]))
-    upper = layer([*folders(cache), member(f"{cache}/.wh.indexer.cpython-311.opt-1.pyc", b""),
-                   member(f"{cache}/indexer.cpython-312.pyc", b"C" * 20)])
-    got = run(Blobs([lower, upper]))
-    assert got.pycs[REL] == {"vllm/models/m/__pycache__/indexer.cpython-311.pyc": b"A" * 20,
-                             "vllm/models/m/__pycache__/indexer.cpython-312.pyc": b"C" * 20}
-
-
-def test_no_installation_two_installations_and_a_bad_digest_are_named() -> None:
-    with pytest.raises(BaseImageError, match="no layer holds an installed vllm"):
-        run(Blobs([layer([member("etc/hostname", b"x")])]))
-    other = [(n.replace(SITE, "opt/venv/site"), *rest) for n, *rest in installed()]
-    # Two installations that the layers read show (here one layer, not in path order, so read whole).
-    with pytest.raises(BaseImageError, match="installed in /opt/venv/site and /usr"):
-        run(Blobs([layer([*installed(), *folders("opt/venv/site"), *other], ordered=False)]))
-    blobs = Blobs([layer(installed())])
-    refs = blobs.refs
-    bad = [LayerRef("sha256:" + "0" * 64, refs[0].media_type, refs[0].size)]
-    with pytest.raises(BaseImageError, match="hash to"):
-        locate(bad, lambda _r: io.BytesIO(blobs.blobs[0]), "vllm", [REL], "test/base")
-    # A layer that says zstd but is not: one line naming it, not a traceback.
-    with pytest.raises(BaseImageError, match="is not a readable tar"):
-        locate([LayerRef(refs[0].digest, "application/vnd.oci.image.layer.v1.tar+zstd", refs[0].size)],
-               blobs.open, "vllm", [REL], "test/base")
 
 
 def test_bytecode_is_compiled_by_a_python_of_the_images_version_or_whited_out() -> None:

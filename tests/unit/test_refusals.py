@@ -278,6 +278,30 @@ def test_report_files_that_cannot_be_written_fail_before_the_run(args: tuple[str
     _one_line(r, 64, "cannot write there")
 
 
+DEEP_OUTPUTS = [
+    ("smoke", "ops/vllm:v1", "--report"),
+    ("smoke", "ops/vllm:v1", "--junit"),
+    ("smoke", "ops/vllm:v1", "--html"),
+    ("smoke", "ops/vllm:v1", "--launcher", "kubernetes", "--emit"),
+    ("report", str(REPO / "gpu-runs" / "h100-2026-12-05-oracle" / "patched.json"), "--out"),
+]
+
+
+@pytest.mark.parametrize("args", DEEP_OUTPUTS, ids=[a[-1] for a in DEEP_OUTPUTS])
+def test_an_output_file_two_folders_down_a_missing_path_is_refused(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """A mistyped path makes no tree of folders: one line naming the first missing one, 64, nothing made."""
+    r = cli(*args, str(tmp_path / "typo" / "deeper" / "out.file"), env={"DOCKER_HOST": "unix:///nonexistent"})
+    _one_line(r, 64, args[-1], f"{str(tmp_path / 'typo')!r} does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_output_files_own_folder_is_made(tmp_path: Path) -> None:
+    out = tmp_path / "pages" / "record.html"
+    r = cli("report", str(REPO / "gpu-runs" / "h100-2026-12-05-oracle" / "patched.json"), "--out", str(out))
+    assert r.rc == 0, r.err
+    assert out.is_file()
+
+
 @pytest.mark.parametrize("make_root", ["missing", "file"])
 def test_root_that_is_no_folder_is_refused(tmp_path: Path, make_root: str) -> None:
     root = tmp_path / "nowhere"

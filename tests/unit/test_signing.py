@@ -18,11 +18,20 @@ from securesystemslib.signer import SSlibKey
 from conftest import REPO
 from vllm_hotfix.errors import AttestationError, AttestationMismatch, AttestationTampered, AttestationWrongKey
 from vllm_hotfix.trust import policy, signing
+from vllm_hotfix.verdicts import FORMAT
 
 IMAGE_ID = "sha256:" + "ab" * 32
-# A full smoke's report: every check of the definition's plan passed, on one H200.
-REPORT = {"image_id": IMAGE_ID, "status": "pass", "gpu_verified": True, "gpu": {"devices": ["NVIDIA H200"]},
-          "checks": [{"name": name, "status": "pass"} for name in policy.FULL_SMOKE]}
+# What a full smoke's checks carry: the golden's coverage (half of every level and class judged), the schedule.
+_JUDGED = {"judged": 768, "positions": 1536}
+_DATA = {"golden": {"coverage": {"levels": {str(c): _JUDGED for c in policy.LEVELS},
+                                 "classes": {"short": _JUDGED, "long": _JUDGED}}},
+         "exact-levels": {"levels": [{"concurrency": c, "requests": 32} for c in policy.LEVELS]}}
+# A full smoke's signed predicate: every check of the definition's plan passed, on one H200, the host having proved
+# the image the product of v0.25.1 (nothing claimed by its labels).
+REPORT = {"format": FORMAT, "image_id": IMAGE_ID, "status": "pass", "gpu_verified": True,
+          "gpu": {"devices": ["NVIDIA H200"]}, "definition": "v0.25.1", "claimed": {},
+          "checks": [{"name": name, "status": "pass", **({"data": _DATA[name]} if name in _DATA else {})}
+                     for name in policy.FULL_SMOKE]}
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -127,11 +136,11 @@ def test_verify_a_signed_verdict_file_offline(tmp_path: Path) -> None:
                                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
     (tmp_path / "v.dsse.json").write_bytes(_signed(key))
     args = ["--attestation", str(tmp_path / "v.dsse.json"), "--key", str(tmp_path / "k.pub")]
-    r = cli("verify", IMAGE_ID, *args, "--require-gpu", "NVIDIA H200", root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1", IMAGE_ID, *args, "--require-gpu", "NVIDIA H200", root=tmp_path)
     assert r.rc == 0 and "signed pass" in r.out and "GPU-verified on NVIDIA H200" in r.out, r.err
-    r = cli("verify", "sha256:" + "cd" * 32, *args, root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1", "sha256:" + "cd" * 32, *args, root=tmp_path)
     assert r.rc == 24 and "another image" in r.err
-    r = cli("verify", "ops/vllm:v1", *args, root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1", "ops/vllm:v1", *args, root=tmp_path)
     assert r.rc == 64 and "the image's ID" in r.err
 
 
@@ -163,19 +172,22 @@ def test_verify_takes_several_keys_and_names_the_one_that_signed(tmp_path: Path)
     (folder / "README").write_text("not a key")
     envelope = tmp_path / "v.dsse.json"
     envelope.write_bytes(_signed(site))
-    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(folder), "--json", root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(envelope), "--key", str(folder), "--json", root=tmp_path)
     assert r.rc == 0, r.err
     assert json.loads(r.out)["key"] == str(folder / "b-site.pub")
     lone = _public(tmp_path / "other.pub", other)
-    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone),
+    r = cli("verify", "--definition", "v0.25.1", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone),
             "--key", str(folder / "b-site.pub"), root=tmp_path)
     assert r.rc == 0 and f"signed pass by key {folder / 'b-site.pub'}" in r.out, r.err
-    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(lone), "--key", str(lone),
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(envelope), "--key", str(lone), "--key", str(lone),
             root=tmp_path)
     assert r.rc == 22 and "signed with another key" in r.err
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = cli("verify", IMAGE_ID, "--attestation", str(envelope), "--key", str(empty), root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(envelope), "--key", str(empty), root=tmp_path)
     assert r.rc == 20 and "holds no *.pem or *.pub file" in r.err
 
 
@@ -188,7 +200,8 @@ def test_the_newest_signed_verdict_decides_and_a_tie_is_refused(tmp_path: Path) 
     newer = tmp_path / "newer-fail.dsse.json"
     older.write_bytes(_signed(key, REPORT, "2026-12-05T10:00:00.000000Z"))
     newer.write_bytes(_signed(key, {**REPORT, "status": "fail"}, "2026-12-05T11:00:00.000000Z"))
-    r = cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
             root=tmp_path)
     assert r.rc == 24, r.err
     [line] = [x for x in r.err.splitlines() if x.startswith("error:")]
@@ -196,20 +209,24 @@ def test_the_newest_signed_verdict_decides_and_a_tie_is_refused(tmp_path: Path) 
     # The other way round the pass is the newest, and it stands.
     older.write_bytes(_signed(key, {**REPORT, "status": "fail"}, "2026-12-05T10:00:00.000000Z"))
     newer.write_bytes(_signed(key, REPORT, "2026-12-05T11:00:00.000000Z"))
-    assert cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+    assert cli("verify", "--definition", "v0.25.1",
+               IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
                root=tmp_path).rc == 0
     # Two signed at the same instant: neither is the newest.
     older.write_bytes(_signed(key, {**REPORT, "gpu_verified": False}, "2026-12-05T11:00:00.000000Z"))
-    r = cli("verify", IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(older), "--attestation", str(newer), "--key", str(pub),
             root=tmp_path)
     assert r.rc == 25 and "at the same instant" in r.err, r.err
     # The same statement given twice is one verdict, not a tie.
-    assert cli("verify", IMAGE_ID, "--attestation", str(newer), "--attestation", str(newer), "--key", str(pub),
+    assert cli("verify", "--definition", "v0.25.1",
+               IMAGE_ID, "--attestation", str(newer), "--attestation", str(newer), "--key", str(pub),
                root=tmp_path).rc == 0
     # A verdict that does not say when it was signed cannot be told the newest.
     undated = tmp_path / "undated.dsse.json"
     undated.write_bytes(signing.sign(signing.statement({"x": IMAGE_ID}, REPORT), key))
-    r = cli("verify", IMAGE_ID, "--attestation", str(undated), "--key", str(pub), root=tmp_path)
+    r = cli("verify", "--definition", "v0.25.1",
+            IMAGE_ID, "--attestation", str(undated), "--key", str(pub), root=tmp_path)
     assert r.rc == 25 and "carries no signed time" in r.err
 
 
@@ -245,3 +262,14 @@ def test_a_signing_key_another_user_owns_is_refused(tmp_path: Path) -> None:
     os.chown(key, 12345, 12345)
     with pytest.raises(AttestationError, match=r"owned by user 12345, not by this user \(0\)"):
         signing.load_private_key(str(key))
+
+
+def test_a_public_key_given_to_sign_is_named_a_public_key(tmp_path: Path) -> None:
+    from conftest import cli
+
+    public = _public(tmp_path / "site.pub", _key())
+    public.chmod(0o644)  # as public keys are: the mode's refusal would have sent the user to chmod it
+    r = cli("smoke", "ops/vllm:fix", "--sign-key", str(public), root=tmp_path)
+    assert r.rc == 20, r.err
+    assert f"signing key {public}: it is a public key" in r.last_error, r.err
+    assert "others may read" not in r.err and "chmod" not in r.err

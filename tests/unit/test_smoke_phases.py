@@ -97,6 +97,24 @@ def test_a_recordings_folder_is_its_own_and_gone_after_the_run(tmp_path: Path) -
         assert mounted.mount == (str(shared.host), "/root/.cache")
 
 
+def test_a_recording_of_a_proven_image_warms_the_bases_folder_after_it_and_reads_nothing_of_it(
+        tmp_path: Path) -> None:
+    """A recording starts from an empty folder of its own whatever the base's holds; where its image's layers were
+    proven (``keep``), what it compiled moves into the base's folder once it ended, so the next image of that base
+    starts warm; where they were not, nothing does."""
+    shared = compile_cache.folder(tmp_path, PATCHED, BASE, ["NVIDIA H200"])
+    (shared.host / "kernel.bin").write_bytes(b"another image's")
+    private = replace(shared, access=compile_cache.PRIVATE)
+    for proven in (False, True):
+        with compile_cache.given(None, private, keep=lambda p=proven: p) as mounted:  # type: ignore[arg-type]
+            own = Path(mounted.mount[0])
+            assert not list(own.iterdir())  # nothing of the base's folder to read
+            (own / "triton").mkdir()
+            (own / "triton" / f"compiled-{proven}").write_text("x")
+        assert not own.exists()
+    assert sorted(p.name for p in shared.host.rglob("*") if p.is_file()) == ["compiled-True", "kernel.bin"]
+
+
 def test_a_passing_runs_private_writes_are_adopted_and_nothing_else(tmp_path: Path) -> None:
     """What a layered run wrote moves into the shared folder (renames on one file system); a folder, a file that
     is a folder there, and anything that is not a file or a link (an overlay whiteout) stay out."""
@@ -112,6 +130,39 @@ def test_a_passing_runs_private_writes_are_adopted_and_nothing_else(tmp_path: Pa
     assert (shared / "triton" / "ab" / "kernel.cubin").read_bytes() == b"k"
     assert (shared / "link").is_symlink() and (shared / "triton" / "held").is_dir()
     assert not (shared / "not-a-file").exists()
+
+
+def _full_smoke(**changed: Status) -> Verdict:
+    """A GPU-verified verdict of every check the default policy counts (passed, unless ``changed`` says otherwise),
+    its identity proved: what a full smoke on a GPU host with a reference gives."""
+    from vllm_hotfix.trust import policy_file
+
+    names = sorted({*policy_file.build().checks, "layer-identity"})
+    entry = {"judged": 400, "positions": 1536}
+    data: dict[str, dict[str, object]] = {
+        "layer-identity": {"definition": "v0.25.1", "patch_set": "v0.25.1", "patch_set_digest": "sha256:" + "c" * 64,
+                           "base_id": BASE},
+        # The golden judged above the floor at every level and of both prompt classes; the full schedule ran.
+        "golden": {"coverage": {"levels": {str(c): dict(entry) for c in (1, 2, 4, 8, 16)},
+                                "classes": {"short": dict(entry), "long": dict(entry)}}},
+        "exact-levels": {"levels": [{"concurrency": c, "requests": 32} for c in (1, 2, 4, 8, 16)]}}
+    checks = [Check(n, changed.get(n.replace("-", "_"), Status.PASS), "x", ran_against="vllm", data=data.get(n))
+              for n in names]
+    return judge("ops/vllm:fix", PATCHED, checks, gpu_verified=True, started="2026-12-07T03:00:00+00:00",
+                 gpu={"devices": ["NVIDIA H200"], "verified": True},
+                 sweep={"reference": {"sha256": "d" * 64}, "levels": []})
+
+
+def test_only_a_run_that_meets_the_default_policy_writes_the_compile_cache() -> None:
+    """The cache adopts a run's writes, and lets an image write it in place, only where the run meets the default
+    verification policy (the one `verify` asks of a signed verdict): a pass that judged no answers does not."""
+    assert compile_cache.trusted_by(_full_smoke())
+    # Passed, but its sweep and exact-levels skipped (no --serve-model, no reference): no answers judged.
+    assert not compile_cache.trusted_by(_full_smoke(serve_sweep=Status.SKIP, exact_levels=Status.SKIP))
+    assert _full_smoke(serve_sweep=Status.SKIP, exact_levels=Status.SKIP).passed
+    # Passed on a host without a GPU: GPU-unverified.
+    assert not compile_cache.trusted_by(replace(_full_smoke(), gpu_verified=False))
+    assert not compile_cache.trusted_by(_full_smoke(exact_levels=Status.FAIL))
 
 
 def test_a_bad_image_id_is_refused() -> None:

@@ -38,7 +38,7 @@ from ..journal import records
 from ..registry import client as registry
 from ..registry.layercache import LayerMemory
 from ..registry.layerscan import Located, layer_refs, locate
-from ..registry.remote import Base, read_base, read_blob, repo_of
+from ..registry.remote import Base, check_layer_heads, read_base, read_blob, repo_of
 from ..registry.remote import opener as opener_for
 from ..registry.write import Repo, Writer, check_size
 from ..tarball import Entry, write
@@ -188,6 +188,7 @@ def prepare(p: Any, base: Base, opts: Options) -> Prepared | None:
     defn = p.definition
     os_name, arch, variant = base.os_arch
     defn.check_base(base.config_digest, definitions.platform_text(os_name, arch, variant), base.ref)
+    check_layer_heads(base)
     rels = touched_files(p.patches)
     opener = opener_for(base.repo)
     # What earlier builds learnt of these layers, by digest: a repeat build reads none of them again.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
+from .. import __version__, interrupts
 from ..engine import Engine, ImageInfo, labels
 from ..errors import AssembleUnsupported, BaseImageError, PipelineError, Refused, UsageError
 from ..journal import leftovers, records
@@ -232,6 +232,7 @@ def render_only(engine: Engine, p: Plan, opts: BuildOptions | None = None, platf
     done = prepare(engine, p, info, opts)
     if isinstance(done, NoHotfix):
         return done
+    interrupts.checkpoint()  # between steps: an interrupt a finalizer swallowed stops the run before the build
     return render.render(p.template, p.definition, done.facts, done.files, done.applied, done.pinned)
 
 
@@ -400,6 +401,7 @@ def build_image(
     done = prepare(engine, p, info, opts)
     if isinstance(done, NoHotfix):
         return done
+    interrupts.checkpoint()  # between steps: an interrupt a finalizer swallowed stops the run before the build
     facts, files, applied, pinned = done.facts, done.files, done.applied, done.pinned
     pending = leftovers.pending(p.root)
     # On failure the engine removes the steps it made; what it cannot (engine
@@ -420,7 +422,9 @@ def build_image(
 
             want = expected.from_build(p.definition, info.id, facts.version, {f.rel: f.sha256 for f in files},
                                        facts.site_dir, facts.cache_tag)
+            interrupts.checkpoint()
             verdict = _smoke(engine, p, image_id, opts.smoke, want, say)
+        interrupts.checkpoint()  # the last step before the build is journalled and its tag moved
         record = records.append(p.root, "build", meta)
         was = _move_tag(engine, p, image_id, "built")
     except BaseException:

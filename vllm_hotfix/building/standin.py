@@ -169,6 +169,24 @@ def unpack_deps(root: Path, mode: str, progress: Callable[[str], None], plat: Pl
     return out
 
 
+def is_standin(engine: Engine, info: ImageInfo) -> bool:
+    """Whether ``info`` is itself a stand-in: the build that set the stand-in label made its top layer.
+
+    An image built on a stand-in inherits the label, so the label alone does
+    not say it; its history does. Newest first, the stand-in's own steps that
+    make no layer (the label, the entrypoint) come before its top layer; an
+    image built on it has a layer of its own before any of them.
+    """
+    if LABEL not in info.labels:
+        return False
+    for step in reversed(engine.history(info.id)):
+        if f"{LABEL}=" in str(step.get("CreatedBy") or ""):
+            return True
+        if int(step.get("Size") or 0) > 0:
+            return False
+    return False
+
+
 def make(
     engine: Engine,
     root: Path,
@@ -192,16 +210,17 @@ def make(
     if plat is not None:
         platforms.require_engine(engine, plat)
     existing = engine.image(ref)
+    if existing is not None and not is_standin(engine, existing):
+        built_on = " (it is built on one and carries its labels)" if LABEL in existing.labels else ""
+        raise BaseImageError(
+            f"{ref} is {existing.id[:19]}, which is not a stand-in{built_on}; refusing to replace it",
+            hint="give the stand-in another name with --ref",
+        )
     same_platform = existing is not None and (plat is None or existing.architecture == plat.architecture)
     if (existing is not None and existing.labels.get(LABEL) == src_version and same_platform
             and existing.labels.get(LABEL_ROOTFS) == ROOTFS and existing.labels.get(LABEL_DEPS, "") == (deps or "")):
         say(f"stand-in {ref} (vllm {src_version}) already present: {existing.id}")
         return existing
-    if existing is not None and LABEL not in existing.labels:
-        raise BaseImageError(
-            f"{ref} is {existing.id[:19]}, which is not a stand-in; refusing to replace it",
-            hint="give the stand-in another name with --ref",
-        )
     base = rootfs(engine, root, say, plat)
     whl = wheels.release(root, src_version, say, plat)
     files = {f"site/{k}": v for k, v in wheel_sources(whl, src_version).items()}

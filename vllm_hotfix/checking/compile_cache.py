@@ -25,16 +25,26 @@ cache.
 
 Triton's and inductor's artifacts are loaded as they are found, so the
 folder is a write channel from one run to every later one: only a run that
-is trusted writes it in place (``shared``): the base itself, or an image
-this host already passed. Any other image (``layered``) sees the folder
-read-only under a private writable layer (an overlay volume the engine
-mounts: reads are the folder's, writes land in a private folder removed
-after the run), so it starts as warm as before and leaves nothing behind,
-unless its run passes: then what it wrote is moved into the folder, as a
-trusted image's writes are (so its next run starts warm, as before).
+is trusted writes it in place (``shared``): the base itself; an image
+whose layers this run proved to be exactly what the builder writes for a
+patch set of this checkout over that base (:mod:`vllm_hotfix.judges.identity`:
+its code is the base's and the patch set's, nothing the image brought, and
+every cache keys what it compiles by that source); or an image whose newest
+verdict on this host meets the default verification policy
+(:func:`trusted_by`: the definition's full smoke, as ``verify`` asks of a
+signed verdict, answers judged included). Any other image (``layered``)
+sees the folder read-only under a private writable layer (an overlay
+volume the engine mounts: reads are the folder's, writes land in a private
+folder removed after the run), so it starts as warm as before and leaves
+nothing behind, unless its run meets that policy: then what it wrote is
+moved into the folder, as a trusted image's writes are (so its next run
+starts warm). A pass that judged no answers (no reference, no golden, no
+GPU) is no such run: its writes are dropped.
 A ``--record-reference`` run (``private``) gets an empty folder of its
 own, removed after the run: the answers every later run is judged by come
-from nothing another image wrote, and leave nothing for another image.
+from nothing another image wrote. Where the recording image's layers were
+proven, what it compiled is moved into the shared folder after the run
+(the first smoke of the patched image after a recording then starts warm).
 """
 
 from __future__ import annotations
@@ -51,8 +61,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import Engine
-from ..errors import SmokeError
+from ..errors import PipelineError, SmokeError
 from ..journal import leftovers
+from ..verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +83,39 @@ _IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
 
 
 # How a run gets the folder (see the module's doc).
-SHARED = "shared"  # written in place: the base itself, or an image with a passing verdict here
+SHARED = "shared"  # written in place: the base itself, an image whose layers this run proved, or one whose verdict
+# here meets the default policy
 LAYERED = "layered"  # read-only under a private writable layer, removed after the run: an image not yet trusted
 PRIVATE = "private"  # an empty folder of its own, removed after the run: a recording
 
 
+def trusted_by(verdict: Verdict) -> bool:
+    """Whether this host's ``verdict`` meets the default verification policy (:func:`..trust.policy_file.build`
+    with nothing given: the one ``verify`` asks of a signed verdict), read as its signed predicate would say it:
+    the only runs whose compile-cache writes are kept, and the only images that write the cache in place."""
+    import datetime as dt
+
+    from ..trust import decide, policy, policy_file, signing
+
+    predicate = signing.predicate(verdict.to_dict(), {}, signing.now(), verdict.started or None)
+    try:
+        results = policy_file.build().requirements().check(decide.facts(predicate, "this host's verdict"),
+                                                           dt.datetime.now(dt.UTC))
+    except PipelineError as exc:
+        # The cache only saves time: a verdict the policy cannot be asked of is trusted with nothing.
+        log.warning("compile cache: the default policy could not judge the verdict of %s (%s); its writes are not "
+                    "kept", verdict.image_id[:19], exc)
+        return False
+    missed = [r.reason for r in results if isinstance(r, policy.Failure)]
+    if missed:
+        log.debug("compile cache: the verdict of %s does not meet the default policy: %s", verdict.image_id[:19],
+                  "; ".join(missed))
+    return not missed
+
+
 def access(*, trusted: bool, recording: bool) -> str:
-    """How a run gets the cache: a recording never shares one; only a trusted image writes the shared one."""
+    """How a run gets the cache: a recording never reads a shared one; only a trusted image (the base, an image
+    whose layers this run proved, an image whose verdict meets the default policy) writes the shared one."""
     if recording:
         return PRIVATE
     return SHARED if trusted else LAYERED
@@ -140,9 +177,10 @@ def adopt(upper: Path, shared: Path) -> int:
 def given(engine: Engine, cache: CompileCache, keep: Callable[[], bool] = lambda: False) -> Iterator[CompileCache]:
     """``cache`` as its run mounts it (:attr:`CompileCache.mount`): the shared folder itself; else a private
     folder beside it (the writable layer over it, or the recording's own), removed on leaving, with the shared
-    folder only ever read while the run lasts. A layered run that ``keep`` says passed (asked once the volume is
-    gone) has what it wrote moved into the shared folder then: its image is trusted from that verdict on, as if
-    it had written in place. A killed run's private folder is removed by the next run that makes one."""
+    folder only ever read while the run lasts. A layered run that ``keep`` says met the default policy
+    (:func:`trusted_by`, asked once the volume is gone) has what it wrote moved into the shared folder then: its
+    image is trusted from that verdict on, as if it had written in place. A killed run's private folder is
+    removed by the next run that makes one."""
     if cache.access == SHARED:
         yield cache
         return
@@ -161,11 +199,17 @@ def given(engine: Engine, cache: CompileCache, keep: Callable[[], bool] = lambda
     try:
         if cache.access == PRIVATE:
             yield replace(cache, host=upper, source=str(upper))
+            if keep():
+                # A recording starts from nothing another image wrote; what it compiled, where ``keep`` says its
+                # image may write the shared folder (its layers proven), warms the base's later runs.
+                log.info("compile cache: %d file(s) of a recording adopted into %s", adopt(upper, cache.host),
+                         cache.host)
         else:
             with engine.overlay_volume(cache.host, upper, work) as volume:
                 yield replace(cache, source=volume)
             if keep():
-                log.info("compile cache: %d file(s) of a passing run adopted into %s", adopt(upper, cache.host),
+                log.info("compile cache: %d file(s) of a run that met the default policy adopted into %s",
+                         adopt(upper, cache.host),
                          cache.host)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

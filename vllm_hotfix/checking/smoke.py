@@ -10,10 +10,11 @@ the image's Python (:mod:`vllm_hotfix.judges.judging`). The verdict is appended 
 the journal, and with a key it is signed here, by the host that started the
 runner, after it judged the report (:mod:`.attest`); no key ever goes near
 the image under test. The same key signs the reference answers a run
-records (``--record-reference``), and checks the signature of those a run is
-judged against (``--reference``) before anything starts
-(:mod:`..trust.references`). The CLI only parses options and prints what
-comes back.
+records (``--record-reference``; only a passing recording's, after its own
+verdict, which the signed reference names), and checks the signature of
+those a run is judged against (``--reference``), and the verdict of the run
+that recorded them, before anything starts (:mod:`..trust.references`). The
+CLI only parses options and prints what comes back.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class SmokeResult:
     entry: Path | None = None  # the journal entry
     signed: Path | None = None  # the signed verdict kept in the journal folder
     wrote: str = ""  # what was written instead of a run (the Job), in words
+    unrecorded: str = ""  # why a passing run asked to record reference answers wrote none ("": it did, or failed)
 
 
 def check(request: SmokeRequest) -> None:
@@ -86,40 +88,66 @@ def check(request: SmokeRequest) -> None:
     if request.sign_key is not None:
         signing.load_private_key(request.sign_key)  # a key that cannot sign fails before the run, not after it
         record = options.record_reference
-        if record is not None and references.envelope_path(record).exists():
-            raise UsageError(f"--record-reference {record}: {references.envelope_path(record)} already exists; a "
-                             "reference and its signature are written once (remove both to record it again)")
+        for beside in (references.envelope_path(record), references.verdict_path(record)) if record else ():
+            if beside.exists():
+                raise UsageError(f"--record-reference {record}: {beside} already exists; a reference, its signature "
+                                 "and its recording's verdict are written once (remove them to record it again)")
 
 
-def reference_signature(request: SmokeRequest) -> references.Signature | None:
-    """The signature of the reference a run is judged against, checked with the site key before anything runs
-    (None: no reference). A reference not signed with it is refused unless the run accepts it."""
+def reference_signature(root: Path, request: SmokeRequest) -> references.Signature | None:
+    """The signature of the reference a run is judged against, and the verdict of the run that recorded it (beside
+    it, or in this host's journal), checked with the site key before anything runs (None: no reference). A
+    reference not signed with it, or whose recording verdict is not found, is refused unless the run accepts it;
+    one recorded by a run that did not pass always is."""
     ref = request.options.reference
     if ref is None:
         return None
     if request.sign_key is None:
         return references.UNCHECKED
+    journal = [attest.folder(root, ref.image_id)] if ref.image_id else []
     return references.check(Path(ref.path), ref.sha256, request.sign_key,
-                            accept_unsigned=request.options.accept_unsigned_reference)
+                            accept_unsigned=request.options.accept_unsigned_reference, journal=journal)
 
 
-def sign_recorded(verdict: Verdict, request: SmokeRequest, progress: Callable[[str], None]) -> Verdict:
-    """A recording run's reference, written by the host, signed with the site key beside it (``NAME.dsse.json``);
-    the verdict names the signature. Nothing where no file was written (the run failed before it)."""
+def recorded(verdict: Verdict, request: SmokeRequest) -> Path | None:
+    """The reference answers this run wrote (``--record-reference``, named by the verdict: only a passing
+    recording's are), None where it wrote none."""
+    record = request.options.record_reference
+    said = (verdict.sweep or {}).get("recorded")
+    if record is None or not isinstance(said, Mapping) or not record.exists():
+        return None
+    return record
+
+
+def name_signature(verdict: Verdict, request: SmokeRequest) -> Verdict:
+    """A recording run's verdict naming the signature its reference will get (:func:`sign_recorded`, after the
+    verdict itself is signed: the signed reference names the signed verdict)."""
     from ..inimage.reference import load
     from .launchers import plan
 
-    record = request.options.record_reference
-    recorded = (verdict.sweep or {}).get("recorded")
-    if record is None or request.sign_key is None or not isinstance(recorded, Mapping) or not record.exists():
+    record = recorded(verdict, request)
+    if record is None or request.sign_key is None:
         return verdict
+    ref = load(record, "--record-reference")
+    return plan.restamp(verdict, ref, recorded=True, signature=references.planned(record, request.sign_key))
+
+
+def sign_recorded(verdict: Verdict, envelope: bytes, request: SmokeRequest, progress: Callable[[str], None]) -> None:
+    """A recording run's reference, written by the host, signed with the site key beside it (``NAME.dsse.json``),
+    naming the run's signed verdict ``envelope`` (kept beside it too, ``NAME.verdict.dsse.json``). Nothing where no
+    file was written, nor for a verdict that is no passing recording (:func:`..trust.references.unfit`)."""
+    from ..inimage.reference import load
+
+    record = recorded(verdict, request)
+    if record is None or request.sign_key is None or references.unfit(verdict) is not None:
+        return
     ref = load(record, "--record-reference")
     signature = references.sign(record, ref.sha256, {
         "image_id": ref.image_id, "recorded_from": ref.recorded_from, "model": ref.model,
         "served_model": ref.served_model, "recorded": ref.recorded, "settings": ref.settings,
-        "tool_version": ref.tool_version}, request.sign_key)
-    progress(f"==> signed reference answers: {signature.envelope} (key {signature.key_id[:12]})")
-    return plan.restamp(verdict, ref, recorded=True, signature=signature)
+        "tool_version": ref.tool_version}, request.sign_key, recording=envelope)
+    progress(f"==> signed reference answers: {signature.envelope} (key {signature.key_id[:12]}; the recording's "
+             f"signed verdict {signature.recording[:19]} beside it: {references.verdict_path(record).name})")
 
 
 def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
@@ -132,7 +160,7 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
     check(request)
     records.ensure_writable(root)
     options = request.options
-    signature = reference_signature(request)
+    signature = reference_signature(root, request)
     if signature is not None:
         options = replace(options, reference_signature=signature)
         progress(f"==> reference {options.reference.path if options.reference else ''}: {signature.words()}")
@@ -153,9 +181,12 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
         if found is None:
             return SmokeResult(None, wrote=wrote)
         ran = found
-    verdict = sign_recorded(ran.verdict, request, progress)
+    verdict = name_signature(ran.verdict, request)
     entry = records.append_verdict(root, verdict)
     signed = None
+    unrecorded = ""
+    if options.record_reference is not None and verdict.passed and recorded(verdict, request) is None:
+        unrecorded = references.unfit(verdict) or "no answers came back"
     if request.sign_key is not None and verdict.judged:
         # The subject names every registry copy this host knows by its manifest digest, beside the config digest:
         # tools that look attestations up by manifest digest find it.
@@ -171,7 +202,8 @@ def run(engine: Callable[[], Engine], root: Path, request: SmokeRequest,
             progress(f"    signed verdict attached to {target.start} and read back from its registry")
         else:
             attach_where_it_lives(engine, places, envelope, progress)
-    return SmokeResult(verdict, entry.path, signed)
+        sign_recorded(verdict, envelope, request, progress)
+    return SmokeResult(verdict, entry.path, signed, unrecorded=unrecorded)
 
 
 def registry_copies(root: Path, target: Target) -> list[str]:

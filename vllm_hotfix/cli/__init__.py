@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from .. import interrupts
 from ..errors import EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED, EXIT_TERMINATED, PipelineError, Terminated, UsageError
 from .app import EXIT_CODES, Checked, every_command, main, report_error
 
@@ -40,6 +41,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "vllm-hotfix"
     signal.signal(signal.SIGTERM, _on_sigterm)
+    interrupts.install()
     code = _run(argv, prog)
     try:
         sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a stray complaint
@@ -105,6 +107,7 @@ def _sentence(text: str) -> str:
 def _run(argv: Sequence[str] | None, prog: str) -> int:
     try:
         main.main(args=list(argv) if argv is not None else None, prog_name=prog, standalone_mode=False)
+        interrupts.checkpoint()  # one a finalizer swallowed: the run did not end as it was asked to
     except PipelineError as exc:
         return report_error(exc)
     except click.exceptions.UsageError as exc:

@@ -223,14 +223,21 @@ def writable_folder_problem(folder: Path) -> str | None:
 
 
 def check_output_file(path: Path | None, option: str) -> None:
-    """A file a command writes at its end (--report, --junit): its folder must be makeable before the work."""
+    """A file a command writes at its end (--report, --junit): its folder must exist, or be one folder to make
+    in one that exists, before the work."""
     if path is None:
         return
     from ..registry import refs
 
     if path.is_dir():
         raise UsageError(f"{option} {refs.shown(str(path))}: is a folder; give a file name")
-    problem = writable_folder_problem(path.parent)
+    folder = path.parent
+    if not os.path.lexists(folder) and not os.path.lexists(folder.parent):
+        # The file's own folder is made, nothing above it: a mistyped path would otherwise grow a tree anywhere
+        # this user may write (a typo made /nonexistent/dir as root).
+        raise UsageError(f"{option} {refs.shown(str(path))}: cannot write there: {refs.shown(str(folder.parent))} "
+                         "does not exist (only the file's own folder is made)")
+    problem = writable_folder_problem(folder)
     if problem:
         raise UsageError(f"{option} {refs.shown(str(path))}: cannot write there: {problem}")
 

@@ -149,8 +149,8 @@ def _rolled_output(moves: Any) -> str:
 @click.pass_obj
 def prune(obj: Ctx, dry_run: bool) -> None:
     """Remove from the engine what builds, rollbacks and stand-ins left: untagged builds and stand-ins, and the
-    stand-ins' root file system cache (made again from build/cache when needed). Tagged images and the journal
-    stay."""
+    stand-ins' root file system cache (made again from build/cache when needed); and podman's copies of the
+    tool's builds (smoke --launcher podman moves them again). Tagged images and the journal stay."""
     from ..release import prune as prunelib
 
     gone = prunelib.prune(obj.engine, progress, dry_run=dry_run)

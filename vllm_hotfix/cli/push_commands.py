@@ -25,7 +25,8 @@ def policy_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="A check the signed run must have, with its status (default pass). Repeatable."),
         click.option("--definition", "definition", default="", metavar="TAG",
                      help="The definition the host must have proved the image the product of (and, where this "
-                          "checkout has it, its patch set's digest)."),
+                          "checkout has it, its patch set's digest and pinned base). Required: given here or by "
+                          "--policy."),
         click.option("--patch-set-digest", default="", metavar="sha256:...",
                      help="The patch-set digest the host must have proved."),
         click.option("--base-digest", default="", metavar="sha256:...",
@@ -37,13 +38,15 @@ def policy_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--max-skew", default="", metavar="DURATION",
                      help="How far ahead of this host's clock a verdict may be dated (default 5m); later: refused."),
         click.option("--require-gpu", "require_gpu", multiple=True, metavar="PRODUCT",
-                     help="The GPU product the signed run ran on, as its whole name (e.g. 'NVIDIA H100 80GB HBM3'; "
-                          "'H100' alone matches nothing). Several: any of them (repeatable, or comma-separated)."),
+                     help="The GPU product the signed run ran on: its whole name or a run of its whole words "
+                          "(e.g. 'H100' names 'NVIDIA H100 80GB HBM3', 'H10' does not). Several: any of them "
+                          "(repeatable, or comma-separated)."),
         click.option("--tool-version", default="", metavar="VERSION",
                      help="The version of this tool that signed the verdict."),
         click.option("--allow-gpu-unverified", is_flag=True,
-                     help="Accept a pass whose GPU checks, server sweep and exact-levels did not run (a host "
-                          "without a GPU); the answer says so."),
+                     help="Accept a pass whose checks that need a GPU (GPU checks, server sweep, exact-levels, "
+                          "golden, reference) did not run (a host without a GPU), and nothing else; the answer "
+                          "says which did not run."),
     )):
         command = option(command)
     return command
@@ -61,6 +64,25 @@ def verification_policy(root: Path, policy_path: Path | None, require_checks: tu
                               reference_digest=reference_digest, tool_version=tool_version, max_age=max_age,
                               gpu_products=tuple(policy_file.products(require_gpu)), max_skew=max_skew)
     return policy_file.build(policy_path, flags, root)
+
+
+def require_definition(root: Path, rules: Policy, command: str) -> None:
+    """Refuse to decide without a definition (a signed pass of any definition, base or age would do otherwise);
+    say in one line, on stderr, what the definition leaves unchecked here."""
+    from ..building import definitions
+
+    tag = rules.definition
+    if not tag:
+        raise UsageError(f"{command}: no definition named, so any signed pass of any definition would do; say what "
+                         "the image is for",
+                         hint="give --definition TAG (e.g. --definition v0.25.1), or a --policy file with "
+                              "definition = \"TAG\"")
+    if not definitions.definition_path(root, tag).is_file():
+        click.echo(f"note: this checkout has no definition {tag}: its patch-set digest and base are not checked "
+                   "here (give --patch-set-digest and --base-digest to check them)", err=True)
+    elif not rules.base_pins:
+        click.echo(f"note: definition {tag} pins no base digest ([base.digests] in images/{tag}.toml): the base "
+                   "the host found is not checked against one (give --base-digest to check it)", err=True)
 
 
 @click.command()
@@ -101,6 +123,7 @@ def push(obj: Ctx, image_ref: str, registry: str, as_json: bool, platform_text: 
     if require_attestation:
         required = verification_policy(obj.root, **rules)
         required.requirements()  # an empty policy is refused before anything is read or pushed
+        require_definition(obj.root, required, "push --require-attestation")
     elif any(value for name, value in rules.items() if name != "allow_gpu_unverified"):
         raise UsageError("a verification policy (--policy, --require-check, --definition, ...) judges signed "
                          "verdicts: give --require-attestation PUBKEY")
@@ -178,6 +201,7 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], attestation_paths: tuple[P
 
     required = verification_policy(obj.root, **rules)
     required.requirements()  # an empty policy is refused before any key or registry is read
+    require_definition(obj.root, required, "verify")
     try:
         digest, accepted = attest.check(lambda: obj.engine, ref, keys, required, attestation_paths)
     except AttestationError as exc:
@@ -187,13 +211,16 @@ def verify(obj: Ctx, ref: str, keys: tuple[str, ...], attestation_paths: tuple[P
                         **exc.evidence})
         raise
     devices = ", ".join(str(d) for d in (accepted.report.get("gpu") or {}).get("devices") or []) or "no GPU"
-    unverified = f"GPU-unverified, accepted under --allow-gpu-unverified: {', '.join(accepted.not_run)} not run" \
-        if not accepted.gpu_verified else ""
+    # Every check the policy counts that the run did not run is named, whatever its GPU said.
+    not_run = f"{', '.join(accepted.not_run)} not run" if accepted.not_run else ""
+    unverified = (f"GPU-unverified, accepted under --allow-gpu-unverified: {not_run or 'every check ran'}"
+                  if not accepted.gpu_verified else not_run)
     if as_json:
         print_json({"ref": ref, "digest": digest, "key_id": accepted.key_id, "key": accepted.key_name,
                     "status": accepted.report.get("status"), "gpu_verified": accepted.gpu_verified,
                     "devices": devices, "source": accepted.source, "signed_at": accepted.signed_at,
-                    "gpu_unverified_accepted": unverified, **accepted.decision.to_dict()})
+                    "gpu_unverified_accepted": unverified if not accepted.gpu_verified else "",
+                    "not_run": accepted.not_run, **accepted.decision.to_dict()})
         return
     named = ref if digest == ref else f"{ref} {digest}"  # an image ID given as REF is its own digest here
     click.echo(f"verified {named}: signed pass by key {accepted.key_name} ({accepted.key_id[:12]}), signed "

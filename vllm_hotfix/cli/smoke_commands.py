@@ -63,7 +63,8 @@ sweep_options = [
                  default=None,
                  help="Record reference answers to this new file first (the prompt set at concurrency 1, twice, "
                       "temperature 0, top-5 logprobs; then at concurrency 16, how far replies move measured), then "
-                      "sweep. Only from a trusted image."),
+                      "sweep. Only from a trusted image (smoke writes it only where its run passed, with its golden "
+                      "check passed and its GPU checks verified)."),
 ]
 
 
@@ -84,8 +85,10 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               help="How containers ask for GPUs: auto (try CDI, --gpus, then an NVIDIA runtime), "
                    "cdi[:DEVICE], gpus or runtime[:NAME].")
 @click.option("--definition", default=None, metavar="TAG",
-              help="Run this image definition's patch-set checks (default: the one the image's labels name), "
-                   "e.g. on the unpatched base to see them catch the bug.")
+              help="Judge the image by this image definition: its patch-set checks and its [smoke] table "
+                   "(default: this host's build record of the image; else the checks of the definition its label "
+                   "names, which the layer-identity check holds it to, and the table of the definition whose "
+                   "output tag the reference's tag is), e.g. on the unpatched base to see the checks catch the bug.")
 @click.option("--base-repo", type=REPOSITORY, default=None, metavar="REPO",
               help="Where the definition's base is when this host has no build record of the image (the "
                    "repository `image --base-repo` built from): the image must be that base's layers plus exactly "
@@ -105,8 +108,10 @@ def with_options(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
                    "the image's container, Job or mounts.")
 @click.option("--accept-unsigned-reference", is_flag=True,
               help="With --reference and --sign-key: judge against a reference that is not signed with the site key "
-                   "(no NAME.dsse.json beside it, or another key's); the verdict says so. One whose signature does "
-                   "not verify, or vouches for other content, is refused all the same.")
+                   "(no NAME.dsse.json beside it, or another key's), or whose recording run's signed verdict is not "
+                   "found (beside it as NAME.verdict.dsse.json, or in the journal); the verdict says so. One whose "
+                   "signature does not verify, vouches for other content, or names a recording that did not pass "
+                   "is refused all the same.")
 @click.option("--attestation", "attestation_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the signed verdict (DSSE envelope) here; needs --sign-key.")
 @click.option("--keep-going", is_flag=True,
@@ -227,6 +232,12 @@ def smoke(obj: Ctx, image_ref: str, gpu: str, gpu_request: str, definition: str 
         return
     assert done.entry is not None
     _finish_smoke(done.verdict, image_ref, done.entry, report_path, junit_path, html_path, done.signed)
+    if done.unrecorded:
+        from ..errors import SmokeIncomplete
+
+        # The image passed; what was asked, answers to judge later images by, this host could not vouch for.
+        raise SmokeIncomplete(f"--record-reference {record_path}: nothing written: {done.unrecorded}",
+                              hint="record it on a GPU host whose torch runs the golden (smoke --gpu require)")
 
 
 def _parsed_job_flags(given: dict[str, Any]) -> dict[str, Any]:

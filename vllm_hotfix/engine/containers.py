@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from .. import interrupts
 from ..errors import BaseImageError, EngineError, PipelineError
 from . import labels
 from .mapping import gone, lost
@@ -85,25 +86,6 @@ def remove(engine: Seam, container_id: str, *, quiet: bool) -> None:
             return
 
 
-CREATE_SETTLE = 3.0  # seconds an interrupted create is waited for before its name is given up on
-
-
-def remove_late(engine: Seam, name: str, settle: float | None = None) -> None:
-    """Remove the container ``name`` whose create was interrupted, once the engine shows it (or give up after
-    ``settle`` seconds, :data:`CREATE_SETTLE` unless given: it was never made); never raises (another error is
-    already on its way out)."""
-    end = time.monotonic() + (CREATE_SETTLE if settle is None else settle)
-    while True:
-        try:
-            shown = engine.sdk.api.containers(all=True, quiet=True, filters={"name": f"^/{name}$"})
-        except Exception:  # noqa: BLE001 - an engine that cannot be asked: the next run's sweep finds it by label
-            shown = None
-        if shown or shown is None or time.monotonic() >= end:
-            remove(engine, name, quiet=True)  # made or not: removing a name that is not there is no error
-            return
-        time.sleep(0.25)
-
-
 @contextmanager
 def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refused | None = None,
              **create: Any) -> Iterator[Any]:
@@ -112,16 +94,16 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
     Only the creation runs under the error mapper here: the block's own engine
     calls name their operation themselves, and its other errors are not the engine's.
     """
-    # A name of its own, so that a container whose creation was interrupted (Ctrl-C, SIGTERM while the
-    # engine made it, before its ID came back) can still be found and removed, not left `Created`.
     name = f"vllm-hotfix-{role}-{uuid.uuid4().hex[:20]}"
-    asked = made = False
+    made = False
     try:
-        with engine.translating(operation, refused):
-            # Counted in the run's note before it is asked for, inside this block: an interrupt while the note
-            # is written (a slow disk) still settles the count below instead of leaving the note behind.
+        # Counted in the run's note before it is asked for, and asked for with Ctrl-C and SIGTERM held: an
+        # interrupt while the engine made it would stop the wait for its answer, and the engine would finish the
+        # container after the run had looked for it (left `Created`, its note settled). Held, the answer comes,
+        # the container is removed by its ID below, and the interrupt is raised then. An interrupt while the
+        # note is written (a slow disk) is held the same way, so the count is settled below too.
+        with interrupts.held(), engine.translating(operation, refused):
             engine.notify(+1)
-            asked = True
             try:
                 container = engine.sdk.containers.create(image, name=name, labels=labels.for_container(role),
                                                           **create)
@@ -130,21 +112,13 @@ def lifetime(engine: Seam, image: str, role: str, operation: str, refused: Refus
                     engine.notify(-1)  # refused: there is no container (a lost engine may have made one)
                 raise
             made = True
-    except BaseException as exc:
-        if not isinstance(exc, Exception):  # interrupted (Ctrl-C, SIGTERM)
-            if made:  # between the engine's answer and the block below
-                remove(engine, container.id, quiet=True)
-            elif asked:
-                # While the engine made it: the engine may finish the create after this process stopped
-                # waiting, so it is looked for by name for a moment and removed once it shows.
-                remove_late(engine, name)
-            else:  # before it was asked for: nothing to look for
-                engine.notify(-1)
-        raise
-    try:
+        # In the same try as the create: an interrupt between the two blocks would leave the container behind.
         yield container
     except BaseException:
-        remove(engine, container.id, quiet=True)
+        if made:
+            remove(engine, container.id, quiet=True)
+        # Not made: refused (the count settled above), or asked twice while the engine made it (the note keeps
+        # its count, and the next run's sweep finds the container by its owner label).
         raise
     remove(engine, container.id, quiet=False)
 

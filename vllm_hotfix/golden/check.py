@@ -1,17 +1,21 @@
 """The ``golden`` check of a smoke run: which replies, scored by the golden on this host, judged against what.
 
-Judged: every reply of the HTTP sweep at concurrency 1 (its requests are
-alone on the server, so the reply is the image's computation of that prompt)
-and every reply of the fixed-batch probe at every level (each level's batches
-are fixed, so a reply above concurrency 1 is the image's too). The replies
-above concurrency 1 over HTTP are not: their batches depend on timing.
+Judged: every reply of the HTTP sweep at every level and every reply of the
+fixed-batch probe at every level. Teacher-forced, the golden scores a reply
+given its prompt and the tokens sent before each position, whatever batch
+produced it. Which prompt a reply answers is the host's schedule (request
+``i`` of a level asks prompt ``i mod prompts``), never the runner's say; the
+prompt's tokens are the host's tokenizer's, and a reply whose server counted
+others cannot be scored (:mod:`.scoring`).
 
-Where the threshold comes from: a recording run (``--record-reference``)
-measures the noise on the trusted image's replies and keeps it in the
-reference (:func:`.judge.recorded`); a judged run takes it from the
-reference. A host without torch or tokenizers, a reference without the
-golden's noise, or a run whose sweep did not run gives a skip that says so;
-the check never passes without having judged.
+What it is judged against: the golden's envelope (:mod:`.envelope`), measured
+on this host from the golden alone when a reference is recorded, and kept in
+the reference's signed ``golden`` section; a judged run takes it from there.
+A recording whose replies lie outside it fails and keeps nothing
+(:func:`.judge.recorded`). A host without torch or tokenizers, a reference
+without an envelope, or a run whose sweep did not run gives a skip that says
+so; the check never passes without having judged, nor under the coverage
+floors (:mod:`.coverage`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def _served(source: str, level: int, request: int, prompt: int, reply: Mapping[str, Any]) -> Served:
-    """A reply as the runner sent it (the sweep's ``Reply`` fields, or the probe's); Malformed when it is not."""
+    """A reply as the runner sent it (the sweep's ``Reply`` fields, or the probe's), to the request and prompt
+    the host scheduled; Malformed when it is not."""
+    if not isinstance(reply, Mapping):
+        raise Malformed(f"{source} reply {level}:{request} is not an object")
     try:
         top = reply.get("top") if reply.get("top") is not None else reply.get("top_logprobs")
         return Served(source, level, request, prompt, tuple(str(t) for t in reply["tokens"] or ()),
@@ -43,42 +50,53 @@ def _served(source: str, level: int, request: int, prompt: int, reply: Mapping[s
 
 def served_replies(http: Mapping[str, Any], prompts: int, probe: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]]
                    ) -> list[Served]:
-    """What the golden judges of a run: the HTTP sweep's replies at concurrency 1 (``http``: ``LEVEL:I`` ->
-    reply; request ``i`` asked prompt ``i mod prompts``) and the probe's first pass at every level."""
+    """What the golden judges of a run: the HTTP sweep's replies at every level (``http``: ``LEVEL:I`` -> reply)
+    and the probe's first pass at every level (its ``I``-th reply answers request ``I``), each answering prompt
+    ``I mod prompts`` as the host scheduled it. A probe reply that names another request is Malformed."""
     out = []
-    for key, reply in sorted(http.items(), key=lambda kv: str(kv[0])):
-        at, _, index = str(key).partition(":")
-        if at == "1" and index.isdigit() and isinstance(reply, Mapping):
-            out.append(_served("http", 1, int(index), int(index) % prompts, reply))
+    keys = [(str(key).partition(":"), reply) for key, reply in http.items()]
+    for (at, _, index), reply in sorted(((k, r) for k, r in keys if k[0].isdigit() and k[2].isdigit()),
+                                        key=lambda kr: (int(kr[0][0]), int(kr[0][2]))):
+        out.append(_served("http", int(at), int(index), int(index) % prompts, reply))
     for (passed, level), replies in sorted(probe.items()):
         if passed != 0:
             continue
-        for reply in replies:
-            out.append(_served("fixed", level, int(reply["request"]), int(reply["prompt"]), reply))
+        for i, reply in enumerate(replies):
+            said = reply.get("request") if isinstance(reply, Mapping) else None
+            if said != i:
+                raise Malformed(f"fixed reply {level}:{i} names request {said!r}, not the {i} the host scheduled "
+                                "there")
+            out.append(_served("fixed", level, i, i % prompts, reply))
     return out
 
 
 def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, section: Mapping[str, Any] | None,
-        recording: bool, device: str | None = None) -> tuple[Check, dict[str, Any] | None]:
+        recording: bool, device: str | None = None, levels: Sequence[int] = (), tokens: int | None = None
+        ) -> tuple[Check, dict[str, Any] | None]:
     """The ``golden`` check of ``replies`` (to ``prompts``, by the model in ``model``): judged at the thresholds
-    the reference's golden ``section`` names, or, ``recording``, the noise measured on them and the section to
-    keep in the reference (None where nothing is to be kept)."""
+    of the envelope the reference's golden ``section`` keeps, or, ``recording``, the envelope measured here
+    (``tokens`` generated positions per prompt: the replies' length) and the section to keep in the reference
+    (None where nothing is to be kept). ``levels``: the schedule's, each of which the coverage must reach."""
     absent = missing()
     if absent:
         return judge.skipped(absent), None
-    thresholds = None
+    limits = None
     if not recording:
-        thresholds = judge.thresholds(section)
-        if thresholds is None:
-            return judge.skipped("the reference records no golden noise (recorded where the golden could not run, "
-                                 "or by an earlier version): record it again on a host with torch"), None
+        limits = judge.thresholds(section)
+        if limits is None:
+            return judge.skipped("the reference records no golden envelope (recorded where the golden could not "
+                                 "run, or by an earlier version): record it again on a host with torch"), None
     if not replies:
-        return judge.skipped("no reply at concurrency 1 or under fixed batches came back to judge"), None
+        return judge.skipped("no reply of the HTTP sweep or the fixed batches came back to judge"), None
     from .scoring import Scorer
 
+    want = tuple(int(c) for c in levels)
     try:
         scorer = Scorer(model, device)
         scored = scorer.score(prompts, replies)
+        if recording:
+            longest = max((len(r.tokens) for r in replies), default=0)
+            envelope = scorer.envelope(prompts, int(tokens or longest))
     except Malformed as exc:
         return judge.skipped(f"the golden cannot compute this model: {exc}"), None
     except (RuntimeError, ValueError, IndexError, KeyError) as exc:
@@ -89,7 +107,12 @@ def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, secti
     timing = {"timing": scorer.timing.to_dict()}
     log.info("golden: %s", timing["timing"])
     if recording:
-        return judge.recorded(scored, timing)
-    assert thresholds is not None
-    recorded = dict((section or {}).get("noise") or {})
-    return judge.check(judge.judge(scored, thresholds), {**timing, "noise": recorded}), None
+        return judge.recorded(scored, envelope, timing, want)
+    assert limits is not None
+    j = judge.judge(scored, limits)
+    try:
+        measured: dict[str, Any] = judge.noise(scored)
+    except ValueError:
+        measured = {}
+    return judge.check(j, {**timing, "noise": measured, "envelope": dict((section or {}).get("envelope") or {})},
+                       want), None

@@ -65,6 +65,12 @@ class ModelConfig:
     sparse: Sparse | None
     dtype: str = "bfloat16"  # what vLLM serves the weights in (``torch_dtype``)
 
+    def prompt_class(self, tokens: int) -> str:
+        """``long`` where a prompt of ``tokens`` tokens has more blocks than the indexer keeps (it chooses),
+        else ``short`` (every block is read): the prompt classes of :mod:`.coverage`."""
+        sp = self.sparse
+        return "long" if sp is not None and tokens > sp.topk_blocks * sp.block_size else "short"
+
 
 def _want(text: Mapping[str, Any], key: str, allowed: Sequence[Any], default: Any = None) -> None:
     value = text.get(key, default)

@@ -1,4 +1,4 @@
-"""The MiniMax-M3 text backbone in plain PyTorch, float32: what the served model should compute.
+"""The MiniMax-M3 text backbone in plain PyTorch, at float32 or at the serving dtype with the engine's rounding points.
 
 Written from vLLM 0.25.1's definition (``vllm/models/minimax_m3/nvidia/model.py``,
 ``common/indexer.py``, ``common/ops/index_topk.py``, ``common/ops/sparse_attn.py``,
@@ -23,6 +23,17 @@ vLLM, its kernels or its buffers. Per layer, as vLLM computes it:
   (``gate`` clamped above, ``up`` clamped both ways, ``gate * sigmoid(alpha *
   gate) * (up + beta)``);
 - the LM head on the final norm, log-softmax.
+
+At float32 it is the model's definition. At a lower dtype (the serving
+dtype, what the ``golden`` check computes in) it follows where vLLM 0.25.1's
+kernels round, read from their sources: weights and activations in the
+dtype, matrix products accumulated in float32 and rounded once; the norms,
+SwiGLU-OAI, the fused per-head norm + rotary embedding, the residual add
+fused with the next norm (which reads the unrounded sum), the indexer's
+scores, the attention logits and softmax, the router and the top-k sum of
+the experts' weighted outputs in float32; ``routed_scaling_factor`` applied
+to the MoE's output, not to its weights; the cosines and sines of the
+rotary cache rounded to the dtype.
 
 Sequences are computed alone (no padding across prompts): :meth:`Golden.prefill`
 runs a prompt once and keeps its keys and values, :meth:`Golden.extend` runs
@@ -105,9 +116,10 @@ def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    gate = gate.clamp(max=cfg.swiglu_limit)
-    up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
-    return gate * torch.sigmoid(cfg.swiglu_alpha * gate) * (up + cfg.swiglu_beta)
+    """SwiGLU-OAI computed in float32 and rounded once to the inputs' dtype (as vLLM's activation kernel does)."""
+    g = gate.float().clamp(max=cfg.swiglu_limit)
+    u = up.float().clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    return (g * torch.sigmoid(cfg.swiglu_alpha * g) * (u + cfg.swiglu_beta)).to(gate.dtype)
 
 
 def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse) -> torch.Tensor:
@@ -132,6 +144,30 @@ def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse)
     return tokens & causal[None]
 
 
+def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> torch.Tensor:
+    """How near each query's block choice is to another, [n]: over the index heads, the smallest gap between the
+    score of the last block the top-k chose on merit (not forced in as an init or local block) and the best block
+    it left out, relative to the larger of the query's block scores in magnitude; ``inf`` where nothing was left
+    to choose (fewer reachable blocks than the top-k, or every slot forced). A gap under the serving dtype's
+    resolution means another rounding of the same scores could choose another block."""
+    blocks = scores.shape[-1]
+    block = torch.arange(blocks, device=scores.device)
+    valid_blocks = positions // sp.block_size + 1
+    valid = block[None, :] < valid_blocks[:, None]
+    forced = ((block[None, :] < sp.init_blocks) | (block[None, :] >= (valid_blocks[:, None] - sp.local_blocks))) & valid
+    slots = sp.topk_blocks - forced.sum(-1)  # [n]: chosen on merit
+    free = valid & ~forced
+    s = torch.where(torch.isnan(scores), torch.full_like(scores, -1e30), scores.float())
+    scale = torch.where(valid[None], s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)  # [h, n]
+    s = torch.where(free[None], s, torch.full_like(s, float("-inf")))
+    ranked = torch.sort(s, dim=-1, descending=True).values  # [h, n, blocks]
+    contested = (slots > 0) & (free.sum(-1) > slots)
+    at = slots.clamp(1, max(1, blocks - 1))[None, :, None].expand(ranked.shape[0], -1, 1)
+    last, left = ranked.gather(-1, at - 1)[..., 0], ranked.gather(-1, at)[..., 0]
+    gap = ((last - left) / scale).amin(0)
+    return torch.where(contested, gap, torch.full_like(gap, float("inf")))
+
+
 @dataclass
 class Prefix:
     """A prompt run once: its per-layer keys, values and index keys, and its last position's log-probabilities."""
@@ -142,6 +178,7 @@ class Prefix:
     index_keys: list[torch.Tensor | None]  # per layer [P, head_dim] (None: a dense layer)
     last: torch.Tensor  # [vocab] log-probabilities of the token after the prompt
     logprobs: torch.Tensor | None = None  # [P, vocab] at every prompt position, where asked for
+    last_gap: float = float("inf")  # the block choice's gap at the prompt's last query (see selection_gap)
 
 
 class Golden:
@@ -149,8 +186,8 @@ class Golden:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32):
-        # ``dtype``: float32 is the golden; a lower precision is a right computation that is not (tests use it to
-        # stand for a right image's bfloat16 numerics).
+        # ``dtype``: float32 is the model's definition; the serving dtype follows the engine's numerics (the
+        # golden check computes in it, and measures its envelope against float32).
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -162,6 +199,7 @@ class Golden:
         served = _DTYPES.get(cfg.dtype, torch.float32)
         self.w = {n: weights[n].to(self.device, torch.float32 if _router(n) else served).to(dtype)
                   for n in self.names()}
+        self.trace: list[tuple[str, int, torch.Tensor]] | None = None  # see run()
         half = cfg.rotary_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32,
                                                                device=self.device)[:half] / cfg.rotary_dim))
@@ -201,12 +239,19 @@ class Golden:
 
     # -- the pieces -------------------------------------------------------------------------------------------
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Partial NeoX rotary embedding of ``x`` [..., n, heads, head_dim] at ``positions`` [n]."""
+        """Partial NeoX rotary embedding of ``x`` [..., n, heads, head_dim] at ``positions`` [n], computed in
+        ``x``'s dtype with the cosines and sines rounded to the model's dtype (vLLM keeps its cos/sin cache so)."""
         rd, half = self.cfg.rotary_dim, self.cfg.rotary_dim // 2
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        cos = freqs.cos()[:, None, :].to(self.dtype).to(x.dtype)
+        sin = freqs.sin()[:, None, :].to(self.dtype).to(x.dtype)
         x1, x2, rest = x[..., :half], x[..., half:rd], x[..., rd:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+    def norm_rope(self, x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The per-head Gemma norm then the rotary embedding, in float32 and rounded once to ``x``'s dtype: vLLM
+        fuses the two (``fused_minimax_m3_qknorm_rope_kv_insert``), so the normed values are never rounded."""
+        return self.rope(gemma_norm(x.float(), weight, self.cfg.eps), positions).to(x.dtype)
 
     def mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         w = self.w
@@ -219,17 +264,22 @@ class Golden:
         scores = torch.sigmoid(x.float() @ w[f"{m}.gate.weight"].float().T)
         choice = scores + w[f"{m}.e_score_correction_bias"][None, :] if cfg.routing_bias else scores
         chosen = torch.topk(choice, cfg.experts_per_token, dim=-1).indices
+        if self.trace is not None:
+            self.trace.append(("experts", i, chosen.sort(-1).values.cpu()))
         weights = scores.gather(1, chosen)
-        weights = (weights / weights.sum(-1, keepdim=True) * cfg.routed_scale).to(x.dtype)
-        out = torch.zeros_like(x)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # As vLLM's fused MoE: each chosen expert's output weighted (rounded to the dtype), the top-k summed in
+        # float32 and rounded once, then routed_scaling_factor applied to that output (apply_routed_scale_to_output).
+        slots = torch.zeros((x.shape[0], cfg.experts_per_token, x.shape[1]), dtype=x.dtype, device=x.device)
         for e in range(cfg.experts):
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             if rows.numel() == 0:
                 continue
             xe = x[rows]
             h = swiglu_oai(xe @ w[f"{m}.experts.{e}.w1.weight"].T, xe @ w[f"{m}.experts.{e}.w3.weight"].T, cfg)
-            # Each token picks an expert once, so the rows are distinct: the sum is deterministic on any device.
-            out.index_add_(0, rows, (h @ w[f"{m}.experts.{e}.w2.weight"].T) * weights[rows, slot, None])
+            slots[rows, slot] = ((h @ w[f"{m}.experts.{e}.w2.weight"].T).float() * weights[rows, slot, None]
+                                 ).to(x.dtype)
+        out = (slots.float().sum(1).to(x.dtype) * cfg.routed_scale).to(x.dtype)
         if cfg.shared_inter:
             out = out + self.mlp(x, f"{m}.shared_experts")
         return out
@@ -240,20 +290,24 @@ class Golden:
         return select(scores, positions, keys, self.cfg.sparse)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
-               ik: torch.Tensor | None, start: int) -> torch.Tensor:
-        """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1."""
+               ik: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1: the
+        attention's output and, per query, its block choice's gap (:func:`selection_gap`; inf on dense layers)."""
         cfg = self.cfg
         n, keys = q.shape[0], k.shape[0]
         group = cfg.heads // cfg.kv_heads
         scale = cfg.head_dim ** -0.5
         out = torch.empty_like(q)
+        gaps = torch.full((n,), float("inf"), device=q.device)
         for a in range(0, n, QUERY_CHUNK):
             b = min(n, a + QUERY_CHUNK)
             positions = torch.arange(start + a, start + b, device=q.device)
             if iq is not None and ik is not None:
                 sp = cfg.sparse
                 assert sp is not None
-                raw = torch.einsum("chd,sd->hcs", iq[a:b], ik).float()
+                # The indexer's scores and the attention's logits are float32 accumulations of the dtype's
+                # operands, never rounded to the dtype (vLLM's kernels keep them in registers).
+                raw = torch.einsum("chd,sd->hcs", iq[a:b].float(), ik.float())
                 causal = torch.arange(keys, device=q.device)[None, :] <= positions[:, None]
                 raw = raw.masked_fill(~causal[None], float("-inf"))
                 blocks = -(-keys // sp.block_size)
@@ -262,14 +316,15 @@ class Golden:
                     raw = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
                 scores = raw.view(raw.shape[0], b - a, blocks, sp.block_size).amax(-1)
                 mask = self.allowed(scores, positions, keys)  # [kv_heads, c, S]
+                gaps[a:b] = selection_gap(scores, positions, sp)
             else:
                 mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None]
             qc = q[a:b].view(b - a, cfg.kv_heads, group, cfg.head_dim)
-            logits = torch.einsum("ckgd,skd->kgcs", qc, k).float() * scale
+            logits = torch.einsum("ckgd,skd->kgcs", qc.float(), k.float()) * scale
             logits = logits.masked_fill(~mask[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1).to(v.dtype)
             out[a:b] = torch.einsum("kgcs,skd->ckgd", probs, v).reshape(b - a, cfg.heads, cfg.head_dim)
-        return out
+        return out, gaps
 
     def project(self, i: int, x: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -279,35 +334,41 @@ class Golden:
         q = (x @ w[f"{a}.q_proj.weight"].T).view(n, cfg.heads, cfg.head_dim)
         k = (x @ w[f"{a}.k_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
         v = (x @ w[f"{a}.v_proj.weight"].T).view(n, cfg.kv_heads, cfg.head_dim)
-        q = self.rope(gemma_norm(q, w[f"{a}.q_norm.weight"], cfg.eps), positions)
-        k = self.rope(gemma_norm(k, w[f"{a}.k_norm.weight"], cfg.eps), positions)
+        q = self.norm_rope(q, w[f"{a}.q_norm.weight"], positions)
+        k = self.norm_rope(k, w[f"{a}.k_norm.weight"], positions)
         if not self.sparse_layer(i):
             return q, k, v, None, None
         sp = cfg.sparse
         assert sp is not None
         iq = (x @ w[f"{a}.index_q_proj.weight"].T).view(n, sp.index_heads, sp.index_dim)
         ik = (x @ w[f"{a}.index_k_proj.weight"].T).view(n, 1, sp.index_dim)
-        iq = self.rope(gemma_norm(iq, w[f"{a}.index_q_norm.weight"], cfg.eps), positions)
-        ik = self.rope(gemma_norm(ik, w[f"{a}.index_k_norm.weight"], cfg.eps), positions)[:, 0]
+        iq = self.norm_rope(iq, w[f"{a}.index_q_norm.weight"], positions)
+        ik = self.norm_rope(ik, w[f"{a}.index_k_norm.weight"], positions)[:, 0]
         return q, k, v, iq, ik
 
     # -- whole sequences --------------------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, start: int, prefix: Prefix | None, all_positions: bool
-            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
         """Tokens ``ids`` [R, n] at positions start.., each row after ``prefix`` (None: start is 0): the
-        log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only) and the new rows' keys,
-        values and index keys per layer ([R, n, ...])."""
+        log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only), the new rows' keys,
+        values and index keys per layer ([R, n, ...]), and each query's smallest block-choice gap over the
+        sparse layers [R, n] (:func:`selection_gap`). Where :attr:`trace` is a list, each layer's residual
+        stream and the MoE's expert choice are appended to it (the depth measurement reads them)."""
         cfg, w = self.cfg, self.w
         rows, n = ids.shape
         positions = torch.arange(start, start + n, device=self.device)
         stream = w["model.embed_tokens.weight"][ids.reshape(-1)]  # [R*n, hidden]: the residual stream
+        # The norm after each residual add reads the sum before it is rounded to the dtype (FlashInfer's fused
+        # add + Gemma RMSNorm keeps it in float32); the stream itself is kept in the dtype.
+        summed = stream.float()
         keys, values, index_keys = [], [], []
+        gaps = torch.full((rows, n), float("inf"), device=self.device)
         for i in range(cfg.layers):
             p = f"model.layers.{i}"
-            x = gemma_norm(stream, w[f"{p}.input_layernorm.weight"], cfg.eps)
+            x = gemma_norm(summed, w[f"{p}.input_layernorm.weight"], cfg.eps).to(self.dtype)
             parts = [self.project(i, x[r * n:(r + 1) * n], positions) for r in range(rows)]
             outs = []
-            for q, k, v, iq, ik in parts:
+            for r, (q, k, v, iq, ik) in enumerate(parts):
                 if prefix is not None:
                     k_all = torch.cat((prefix.keys[i], k))
                     v_all = torch.cat((prefix.values[i], v))
@@ -315,20 +376,27 @@ class Golden:
                     ik_all = torch.cat((pik, ik)) if pik is not None and ik is not None else ik
                 else:
                     k_all, v_all, ik_all = k, v, ik
-                outs.append(self.attend(i, q, k_all, v_all, iq, ik_all, start))
+                out, gap = self.attend(i, q, k_all, v_all, iq, ik_all, start)
+                outs.append(out)
+                gaps[r] = torch.minimum(gaps[r], gap)
             attn = torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim)
-            stream = stream + attn @ w[f"{p}.self_attn.o_proj.weight"].T
-            x = gemma_norm(stream, w[f"{p}.post_attention_layernorm.weight"], cfg.eps)
-            stream = stream + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp"))
+            summed = stream.float() + (attn @ w[f"{p}.self_attn.o_proj.weight"].T).float()
+            stream = summed.to(self.dtype)
+            x = gemma_norm(summed, w[f"{p}.post_attention_layernorm.weight"], cfg.eps).to(self.dtype)
+            summed = stream.float() + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp")).float()
+            stream = summed.to(self.dtype)
+            if self.trace is not None:
+                self.trace.append(("stream", i, stream.float().cpu()))
             keys.append(torch.stack([part[1] for part in parts]))
             values.append(torch.stack([part[2] for part in parts]))
             iks = [part[4] for part in parts if part[4] is not None]
             index_keys.append(torch.stack(iks) if len(iks) == rows else None)
-        hidden = stream.view(rows, n, cfg.hidden)
+        hidden = summed.view(rows, n, cfg.hidden)
         if not all_positions:
             hidden = hidden[:, -1:]
-        hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps)
-        return torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys
+        hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps).to(self.dtype)
+        return (torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys,
+                gaps)
 
     @torch.no_grad()
     def prefill(self, ids: Sequence[int], all_positions: bool = False) -> Prefix:
@@ -336,25 +404,32 @@ class Golden:
         if not ids:
             raise Malformed("an empty prompt")
         t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        logprobs, keys, values, index_keys = self.run(t, 0, None, all_positions)
+        logprobs, keys, values, index_keys, gaps = self.run(t, 0, None, all_positions)
         return Prefix(list(ids), [k[0] for k in keys], [v[0] for v in values],
                       [None if ik is None else ik[0] for ik in index_keys], logprobs[0, -1],
-                      logprobs[0] if all_positions else None)
+                      logprobs[0] if all_positions else None, float(gaps[0, -1]))
 
     @torch.no_grad()
     def extend(self, prefix: Prefix, continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Log-probabilities after every token of each continuation of ``prefix`` (teacher-forced): for a
         continuation of L tokens, [L, vocab], row j the distribution of the token after its j-th token. The
         continuations run as one batch, padded at their ends (causal: padding changes no earlier row)."""
+        return [rows for rows, _ in self.extend_gaps(prefix, continuations)]
+
+    @torch.no_grad()
+    def extend_gaps(self, prefix: Prefix, continuations: Sequence[Sequence[int]]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`extend`'s rows, each with its queries' block-choice gaps [L] (:func:`selection_gap`)."""
         if not continuations:
             return []
         longest = max(len(c) for c in continuations)
         if longest == 0:
-            return [prefix.last.new_zeros((0, self.cfg.vocab)) for _ in continuations]
+            return [(prefix.last.new_zeros((0, self.cfg.vocab)), prefix.last.new_zeros((0,)))
+                    for _ in continuations]
         padded = [list(c) + [0] * (longest - len(c)) for c in continuations]
         t = torch.tensor(padded, dtype=torch.long, device=self.device)
-        logprobs, _, _, _ = self.run(t, len(prefix.ids), prefix, True)
-        return [logprobs[r, :len(c)] for r, c in enumerate(continuations)]
+        logprobs, _, _, _, gaps = self.run(t, len(prefix.ids), prefix, True)
+        return [(logprobs[r, :len(c)], gaps[r, :len(c)]) for r, c in enumerate(continuations)]
 
     @torch.no_grad()
     def greedy(self, prefix: Prefix, max_tokens: int) -> tuple[list[int], list[float]]:

@@ -1,46 +1,41 @@
-"""The ``golden`` check: served replies against the golden forward, where the golden is confident. Pure.
+"""The ``golden`` check: served replies against the golden forward, where the golden is sure. Pure.
 
 The golden (:mod:`.forward`) scores each served reply teacher-forced: at every
 generated position, given the prompt and the tokens the server sent before
 it, which token the golden ranks first, by how many nats it leads the
 runner-up (its *margin*), and its log-probabilities of the tokens the server
-named. vLLM computes in bfloat16 with kernels of its own, the golden in
-float32 with plain PyTorch, so the two never agree bit for bit; the question
-is how far apart a right image lies, and that is measured, not assumed:
+named. The golden computes at the serving dtype (the engine's numerics), the
+engine with kernels of its own, so the two never agree bit for bit; how far
+a right computation may lie from the model's definition is measured on the
+golden alone, never on a served image:
 
-- **noise**, measured when the reference is recorded on the trusted image
-  (``smoke --record-reference``): at every position of every reply it
-  recorded (concurrency 1 over HTTP, and every fixed-batch level), take the
-  two tokens vLLM ranked first there, ``a`` and ``b``, and compare how far
-  ``a`` leads ``b`` in vLLM's log-probabilities with how far it leads in the
-  golden's: ``|(vLLM a - vLLM b) - (golden a - golden b)|``, the *margin
-  error*. The reference keeps its distribution and, per prompt, its
-  maximum: that prompt's noise. Per prompt, because it differs by prompt:
-  a prompt longer than ``topk_blocks x block_size`` tokens (2,048 for
-  MiniMax-M3) has its attention blocks chosen by the indexer, and a
-  bfloat16 computation of the index scores can choose another block than
-  the golden's float32 where two scores are close; a shorter prompt reads
-  every block and only rounding separates the two (measured on CPU, the tiny
-  model served in bfloat16 against the golden: median margin error 0.23-0.31
-  nats, largest 1.3-1.8, where every block is read; median 1.3, largest 5-10
-  with 16-token blocks and a top-k of 4, where the indexer chooses).
-- **confident** positions are those where the golden's margin exceeds
-  :data:`MARGIN_MULTIPLE` times their prompt's noise (a prompt the recording
-  did not measure: the largest noise of all). vLLM serves its first token
-  ``a``; for the golden to rank vLLM's runner-up ``b`` first by a margin
-  ``m``, the two must disagree on ``a - b`` by at least ``m``, so on a right
-  image a served token differs from the golden's (when the golden's token is
-  one of vLLM's two best) only where the margin is at most the noise. The
-  multiple 1.5 leaves half as much again for positions the recording did
-  not see.
-- at a confident position the served token must be the golden's. The check
-  fails at the first confident position where it is not, naming the reply
-  (HTTP at concurrency 1, or fixed batches at a level), the request, the
+- the **envelope** (:mod:`.envelope`, measured when a reference is recorded,
+  kept in the reference's ``golden`` section and signed with it): per
+  prompt class, the margin error between the golden at the serving dtype and
+  at float32 on the golden's own replies, its distribution and its largest
+  value. A class's *threshold* is :data:`MARGIN_MULTIPLE` times that largest
+  value: for the golden to rank a right server's runner-up ``b`` first by a
+  margin ``m``, the two must disagree on ``a - b`` by at least ``m``; two
+  roundings of one computation (the engine's and the golden's) lie about
+  the square root of two times one rounding's distance apart, and 1.5 covers
+  that.
+- a position is **judged** where the golden's margin exceeds its prompt
+  class's threshold and its block choice is not *ambiguous* (:mod:`.scoring`
+  marks a position, and the rest of its reply, ambiguous where the golden's
+  own top-k of blocks is within the serving dtype's resolution of another
+  choice). At a judged position the served token must be the golden's. The
+  check fails at the first judged position where it is not, naming the reply
+  (the HTTP sweep or the fixed batches at a level), the request, the
   position, both tokens and the margin.
+- the **coverage** (:mod:`.coverage`): judged positions per level and per
+  prompt class; under its floors the check is incomplete, never a pass.
 
-A recording is refused where the median margin error exceeds
-:data:`NOISE_CEILING`: a trusted image that far from the model's definition
-(or a golden that far from the image) is no basis for a threshold.
+A recording is refused (nothing is kept) where its replies lie outside the
+envelope: a judged position that disagrees, or, in a prompt class, the
+served replies' median margin error (against the golden, vLLM's two best
+tokens) above the envelope's 90th percentile: a trusted image that far from
+the model's definition is not trusted. A judged run is held to the envelope's
+thresholds, never to anything the recording image's replies measured.
 """
 
 from __future__ import annotations
@@ -52,10 +47,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..verdicts import Check, Status
+from . import coverage
 
 CHECK = "golden"
-MARGIN_MULTIPLE = 1.5  # confident: golden margin > this x the recorded noise (see the module's docstring)
-NOISE_CEILING = 1.0  # nats: a recording whose median golden-vs-vLLM margin error is larger is refused
+MARGIN_MULTIPLE = 1.5  # judged: golden margin > this x the envelope's largest margin error (see the docstring)
+SERVED_QUANTILE = 0.9  # a recording whose median margin error exceeds the envelope's quantile here is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +64,20 @@ class Position:
     served_logprob: float  # the golden's log-probability of the served token
     margin_error: float | None  # vLLM's and the golden's lead of vLLM's first token over its second, apart
     # (nats; None where the server sent no top-2 here)
+    ambiguous: bool = False  # the golden's block choice here, or before it in the reply, is within resolution
 
 
 @dataclass(frozen=True, slots=True)
 class Scored:
     """One served reply scored by the golden; ``problem`` says why it could not be (its positions are empty)."""
 
-    source: str  # "http" (the sweep at concurrency 1) or "fixed" (the fixed-batch probe)
+    source: str  # "http" (the HTTP sweep) or "fixed" (the fixed-batch probe)
     level: int
     request: int
     prompt: int
     positions: tuple[Position, ...] = ()
     problem: str = ""
+    klass: str = "short"  # the prompt's class (coverage.CLASSES)
 
     @property
     def name(self) -> str:
@@ -89,7 +87,7 @@ class Scored:
 
 @dataclass(frozen=True, slots=True)
 class Disagreement:
-    """The first confident position where a served token is not the golden's."""
+    """The first judged position where a served token is not the golden's."""
 
     reply: str
     source: str
@@ -107,17 +105,33 @@ class Disagreement:
 
 
 @dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The margin a position's golden must exceed to be judged, per prompt class (the envelope's); a class the
+    envelope did not measure is not judged."""
+
+    by_class: Mapping[str, float] = field(default_factory=dict)
+
+    def of(self, klass: str) -> float | None:
+        return self.by_class.get(klass)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"by_class": dict(sorted(self.by_class.items()))}
+
+
+@dataclass(frozen=True, slots=True)
 class Judgement:
-    """Every scored reply against the golden at its prompt's margin threshold."""
+    """Every scored reply against the golden at its prompt class's threshold."""
 
     thresholds: Thresholds
     replies: int
     positions: int
-    confident: int
+    confident: int  # judged: over the threshold and unambiguous
     agreeing: int
     first: Disagreement | None
     unscored: tuple[str, ...] = ()
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    ambiguous: int = 0
+    coverage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -131,149 +145,188 @@ class Judgement:
                      "prompt": d.prompt, "position": d.position, "golden": f"token_id:{d.golden}",
                      "served": f"token_id:{d.served}", "margin_nats": round(d.margin, 4)}
         return {"thresholds_nats": self.thresholds.to_dict(), "replies": self.replies, "positions": self.positions,
-                "confident": self.confident, "agreeing": self.agreeing, "first_disagreement": first,
-                "unscored": list(self.unscored[:10]), "by_source": self.by_source}
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """The margin a position's golden must exceed to be confident: per prompt where the recording measured it
-    (each prompt's noise differs: a long prompt's sparse block selection can flip under bfloat16), else
-    ``default`` (None: a prompt the recording did not measure is not judged)."""
-
-    by_prompt: Mapping[int, float] = field(default_factory=dict)
-    default: float | None = None
-
-    def of(self, prompt: int) -> float | None:
-        return self.by_prompt.get(prompt, self.default)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"by_prompt": {str(k): v for k, v in sorted(self.by_prompt.items())}, "default": self.default}
+                "confident": self.confident, "agreeing": self.agreeing, "ambiguous": self.ambiguous,
+                "first_disagreement": first, "unscored": list(self.unscored[:10]), "by_source": self.by_source,
+                "coverage": self.coverage}
 
 
 def judge(scored: Sequence[Scored], thresholds: Thresholds | float) -> Judgement:
-    """Each reply's positions where the golden's margin exceeds its prompt's threshold: the served token must be
-    the golden's. Replies that could not be scored are named (they fail the check: nothing judged them)."""
+    """Each reply's positions that are unambiguous and where the golden's margin exceeds its prompt class's
+    threshold: the served token must be the golden's. Replies that could not be scored are named (they fail the
+    check: nothing judged them). A bare number is every class's threshold."""
     if not isinstance(thresholds, Thresholds):
-        thresholds = Thresholds(default=float(thresholds))
-    positions = confident = agreeing = 0
+        thresholds = Thresholds({k: float(thresholds) for k in coverage.CLASSES})
+    positions = confident = agreeing = ambiguous = 0
     first: Disagreement | None = None
     unscored = []
     by_source: dict[str, dict[str, int]] = {}
+    levels: dict[int, list[int]] = {}
+    classes: dict[str, list[int]] = {}
     for reply in scored:
         if reply.problem:
             unscored.append(f"{reply.name}: {reply.problem}")
             continue
         tally = by_source.setdefault(f"{reply.source}:{reply.level}", {"positions": 0, "confident": 0,
                                                                       "agreeing": 0})
-        threshold = thresholds.of(reply.prompt)
+        level, klass = levels.setdefault(reply.level, [0, 0]), classes.setdefault(reply.klass, [0, 0])
+        threshold = thresholds.of(reply.klass)
         for j, p in enumerate(reply.positions):
             positions += 1
             tally["positions"] += 1
+            level[1] += 1
+            klass[1] += 1
+            if p.ambiguous:
+                ambiguous += 1
+                continue
             if threshold is None or not p.margin > threshold:
                 continue
             confident += 1
             tally["confident"] += 1
+            level[0] += 1
+            klass[0] += 1
             if p.served == p.golden:
                 agreeing += 1
                 tally["agreeing"] += 1
             elif first is None:
                 first = Disagreement(reply.name, reply.source, reply.level, reply.request, reply.prompt, j,
                                      p.golden, p.served, p.margin)
-    return Judgement(thresholds, len(scored), positions, confident, agreeing, first, tuple(unscored), by_source)
+    # A level or class that asked no position is absent (coverage.py's format).
+    cover = {"levels": {str(c): coverage.tally(*v) for c, v in sorted(levels.items()) if v[1]},
+             "classes": {k: coverage.tally(*v) for k, v in sorted(classes.items()) if v[1]}}
+    return Judgement(thresholds, len(scored), positions, confident, agreeing, first, tuple(unscored), by_source,
+                     ambiguous, cover)
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def noise(scored: Sequence[Scored]) -> dict[str, Any]:
-    """What the reference keeps of the golden-vs-vLLM noise measured on the trusted image's replies: the
-    distribution of the per-position margin errors, each prompt's largest (its noise) and its threshold, and the
-    largest of all (the threshold of a prompt not measured)."""
+    """The served replies' margin errors against the golden (``|(vLLM a - vLLM b) - (golden a - golden b)|``, a
+    and b vLLM's two best tokens), over their unambiguous positions: the distribution, per prompt class and per
+    prompt. A measurement of the image, for the record and for the envelope's refusal; never a threshold."""
     per: dict[int, list[float]] = {}
+    by_class: dict[str, list[float]] = {}
     for r in scored:
         if r.problem:
             continue
-        per.setdefault(r.prompt, []).extend(p.margin_error for p in r.positions
-                                           if p.margin_error is not None and math.isfinite(p.margin_error))
+        found = [p.margin_error for p in r.positions
+                 if not p.ambiguous and p.margin_error is not None and math.isfinite(p.margin_error)]
+        per.setdefault(r.prompt, []).extend(found)
+        by_class.setdefault(r.klass, []).extend(found)
     per = {k: v for k, v in per.items() if v}
     deltas = [d for v in per.values() for d in v]
     if not deltas:
-        raise ValueError("no position of the trusted image's replies carried vLLM's log-probabilities to compare")
-    top = max(deltas)
-    return {"measure": "per position, |(vLLM a - vLLM b) - (golden a - golden b)| in log-probability, a and b "
-                       "vLLM's two best tokens; teacher-forced on the trusted image's replies",
-            "positions": len(deltas), "replies": sum(not r.problem for r in scored),
-            "median_nats": round(statistics.median(deltas), 6), "p90_nats": round(_quantile(deltas, 0.9), 6),
-            "p99_nats": round(_quantile(deltas, 0.99), 6), "max_nats": round(top, 6),
-            "by_prompt_max_nats": {str(k): round(max(v), 6) for k, v in sorted(per.items())},
-            "margin_multiple": MARGIN_MULTIPLE,
-            "threshold_by_prompt_nats": {str(k): round(MARGIN_MULTIPLE * max(v), 6) for k, v in sorted(per.items())},
-            "threshold_nats": round(MARGIN_MULTIPLE * top, 6)}
+        raise ValueError("no position of the replies carried vLLM's log-probabilities to compare")
+
+    def stats(values: Sequence[float]) -> dict[str, Any]:
+        return {"positions": len(values), "median_nats": round(statistics.median(values), 6),
+                "p90_nats": round(quantile(values, 0.9), 6), "max_nats": round(max(values), 6)}
+
+    return {"measure": "per unambiguous position, |(vLLM a - vLLM b) - (golden a - golden b)| in log-probability, "
+                       "a and b vLLM's two best tokens; teacher-forced on the served replies",
+            **stats(deltas), "replies": sum(not r.problem for r in scored),
+            "p99_nats": round(quantile(deltas, 0.99), 6),
+            "by_class": {k: stats(v) for k, v in sorted(by_class.items()) if v},
+            "by_prompt_max_nats": {str(k): round(max(v), 6) for k, v in sorted(per.items())}}
 
 
 def thresholds(section: Mapping[str, Any] | None) -> Thresholds | None:
-    """The margin thresholds a reference's ``golden`` section names (None: it has none, or a malformed one)."""
-    measured = (section or {}).get("noise") or {}
-    default = measured.get("threshold_nats")
-    if not (isinstance(default, (int, float)) and math.isfinite(default) and default >= 0):
+    """The margin thresholds per prompt class that a reference's ``golden`` section's envelope names (None: it
+    has no envelope, or a malformed one)."""
+    envelope = (section or {}).get("envelope")
+    classes = envelope.get("classes") if isinstance(envelope, Mapping) else None
+    if not isinstance(classes, Mapping) or not classes:
         return None
-    per = {}
-    for k, v in dict(measured.get("threshold_by_prompt_nats") or {}).items():
-        if not (str(k).isdigit() and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+    out = {}
+    for k, entry in classes.items():
+        if k not in coverage.CLASSES or not isinstance(entry, Mapping):
             return None
-        per[int(k)] = float(v)
-    return Thresholds(per, float(default))
+        value = entry.get("threshold_nats")
+        if value is None and not entry.get("measured"):
+            continue  # a class whose every position was ambiguous: measured nothing, judges nothing
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= 0):
+            return None
+        out[str(k)] = float(value)
+    return Thresholds(out) if out else None
+
+
+def outside(served: Mapping[str, Any], envelope: Mapping[str, Any]) -> str | None:
+    """Why served margin errors (:func:`noise`) lie outside the ``envelope``, in one phrase; None where they do
+    not: in a class, the served median above the envelope's :data:`SERVED_QUANTILE` quantile."""
+    for klass, got in sorted(dict(served.get("by_class") or {}).items()):
+        limit = dict(dict(envelope.get("classes") or {}).get(klass) or {}).get("p90_nats")
+        if not isinstance(limit, (int, float)):
+            return f"the envelope measured no {klass} prompt, which the replies hold"
+        if got["median_nats"] > limit:
+            return (f"on {klass} prompts the replies lie a median {got['median_nats']:.3g} nats from the golden, "
+                    f"beyond the golden's own envelope at the serving dtype (90% of its margin errors within "
+                    f"{limit:.3g} nats)")
+    return None
 
 
 def describe(j: Judgement) -> str:
-    values = [*j.thresholds.by_prompt.values()] or ([j.thresholds.default] if j.thresholds.default is not None else [])
-    span = (f"{min(values):.3g}-{max(values):.3g}" if len(set(values)) > 1 else f"{values[0]:.3g}") if values else "-"
-    share = f"{j.confident} of {j.positions} positions confident (golden margin over {span} nats, by prompt)"
-    return f"{j.agreeing} of {j.confident} confident positions agree with the golden; {share}, {j.replies} replies"
+    values = sorted(j.thresholds.by_class.items())
+    span = ", ".join(f"{k} {v:.3g}" for k, v in values) or "-"
+    share = (f"{j.confident} of {j.positions} positions judged (golden margin over the envelope's {span} nats; "
+             f"{j.ambiguous} left out as ambiguous)")
+    return f"{j.agreeing} of {j.confident} judged positions agree with the golden; {share}, {j.replies} replies"
 
 
-def check(j: Judgement, data: Mapping[str, Any] | None = None) -> Check:
-    """The ``golden`` check of a judged run."""
+def check(j: Judgement, data: Mapping[str, Any] | None = None, levels: tuple[int, ...] = ()) -> Check:
+    """The ``golden`` check of a judged run: a fail at the first judged disagreement or an unscored reply,
+    incomplete where the coverage falls short of its floors (``levels``: the schedule's, each of which must be
+    covered), else a pass."""
     body = {**j.to_dict(), **dict(data or {})}
     if j.first is not None:
-        return Check(CHECK, Status.FAIL, f"a served token is not the golden's where the golden is confident: "
+        return Check(CHECK, Status.FAIL, f"a served token is not the golden's where the golden is sure: "
                                          f"{j.first.describe()} ({describe(j)})", data=body)
     if j.unscored:
         return Check(CHECK, Status.FAIL, f"{len(j.unscored)} repl{'y' if len(j.unscored) == 1 else 'ies'} could "
                                          f"not be scored by the golden, e.g. {j.unscored[0]}", data=body)
     if j.confident == 0:
-        return Check(CHECK, Status.INCOMPLETE, f"no position where the golden is confident ({describe(j)}): the "
+        return Check(CHECK, Status.INCOMPLETE, f"no position where the golden is sure ({describe(j)}): the "
                                                "golden judged nothing", data=body)
+    short = coverage.shortfall(j.coverage, levels=levels)
+    if short is not None:
+        return Check(CHECK, Status.INCOMPLETE, f"{short}: too little judged to pass ({describe(j)})", data=body)
     return Check(CHECK, Status.PASS, describe(j), data=body)
 
 
-def recorded(scored: Sequence[Scored], data: Mapping[str, Any] | None = None
-             ) -> tuple[Check, dict[str, Any] | None]:
-    """A recording's ``golden`` check and the reference's ``golden`` section (None: nothing to keep): the noise
-    measured on the trusted image's replies, and those replies judged at the threshold it gives."""
+def recorded(scored: Sequence[Scored], envelope: Mapping[str, Any], data: Mapping[str, Any] | None = None,
+             levels: tuple[int, ...] = ()) -> tuple[Check, dict[str, Any] | None]:
+    """A recording's ``golden`` check and the reference's ``golden`` section (None: nothing to keep): the
+    trusted image's replies judged at the ``envelope``'s thresholds (measured on the golden alone) and their
+    margin errors held to it."""
+    body = {"envelope": dict(envelope), **dict(data or {})}
+    limits = thresholds({"envelope": envelope})
+    if limits is None:
+        return Check(CHECK, Status.FAIL, "the golden's envelope measured no position (every one ambiguous, or no "
+                                         "prompt): nothing recorded", data=body), None
+    j = judge(scored, limits)
     try:
         measured = noise(scored)
     except ValueError as exc:
-        return Check(CHECK, Status.FAIL, f"cannot measure the golden's noise: {exc}", data=dict(data or {})), None
-    found = thresholds({"noise": measured})
-    assert found is not None
-    j = judge(scored, found)
-    body = {"noise": measured, **dict(data or {})}
-    if measured["median_nats"] > NOISE_CEILING:
-        return Check(CHECK, Status.FAIL, f"the trusted image's replies lie a median {measured['median_nats']:.3g} nats "
-                                         f"from the golden (more than {NOISE_CEILING:g}): the image or the golden is "
-                                         "not the model's definition; nothing recorded",
-                     data={**j.to_dict(), **body}), None
-    got = check(j, body)
+        return Check(CHECK, Status.FAIL, f"cannot hold the trusted image's replies to the golden's envelope: {exc}; "
+                                         "nothing recorded", data={**j.to_dict(), **body}), None
+    body["noise"] = measured
+    got = check(j, body, levels)
+    if got.status is Status.FAIL:
+        return Check(CHECK, Status.FAIL, f"{got.detail}; nothing recorded", data=got.data), None
+    far = outside(measured, envelope)
+    if far is not None:
+        return Check(CHECK, Status.FAIL, f"{far}: the image or the golden is not the model's definition; nothing "
+                                         "recorded", data={**j.to_dict(), **body}), None
     if got.status is not Status.PASS:
-        return got, None
-    section = {**body, "recorded": {k: v for k, v in j.to_dict().items() if k != "first_disagreement"}}
-    return Check(CHECK, Status.PASS, f"noise {measured['max_nats']:.3g} nats (median {measured['median_nats']:.3g}) "
-                                     f"over {measured['positions']} positions; {describe(j)}",
-                 data={**j.to_dict(), **body}), section
+        return Check(CHECK, got.status, f"{got.detail}; nothing recorded", data=got.data), None
+    section = {"envelope": dict(envelope), "noise": measured,
+               "recorded": {k: v for k, v in j.to_dict().items() if k != "first_disagreement"},
+               **{k: v for k, v in dict(data or {}).items() if k in ("timing", "model")}}
+    return Check(CHECK, Status.PASS, f"within the golden's envelope (served median "
+                                     f"{measured['median_nats']:.3g} nats, max {measured['max_nats']:.3g}); "
+                                     f"{describe(j)}", data={**j.to_dict(), **body}), section
 
 
 def skipped(why: str) -> Check:

@@ -7,6 +7,13 @@ prompt itself with the model folder's ``tokenizer.json`` (the ``tokenizers``
 library), and a reply whose server counted another number of prompt tokens
 cannot be scored (it fails the check: the image read another prompt).
 
+The golden computes at the model's serving dtype (``torch_dtype``: the
+engine's numerics); :meth:`Scorer.envelope` measures it against float32 on
+its own replies (:mod:`.envelope`). A position whose block choice is within
+:data:`RESOLUTION_ULPS` of the serving dtype's resolution of another choice
+(:func:`~.forward.selection_gap`) is ambiguous, and so is the rest of its
+reply: another rounding of the same computation could read other blocks.
+
 Every prompt runs through the golden once (:meth:`~.forward.Golden.prefill`),
 and every distinct reply to it as one batch of continuations of that
 prefix (:meth:`~.forward.Golden.extend`): the same reply at several levels is
@@ -24,9 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Malformed
+from .config import load as load_config
 from .judge import Position, Scored
 
 CONTINUATIONS_PER_BATCH = 16  # replies to one prompt run together through the golden
+# A block choice whose relative score gap is under this many of the serving dtype's epsilon is ambiguous.
+RESOLUTION_ULPS = 4.0
 NEEDS = ("torch", "tokenizers")
 
 
@@ -88,11 +98,13 @@ class Timing:
 class Scorer:
     """The golden of one model folder, with its tokenizer; :meth:`score` scores served replies."""
 
-    def __init__(self, folder: Path, device: str | None = None) -> None:
+    def __init__(self, folder: Path, device: str | None = None, dtype: str | None = None) -> None:
+        """``dtype``: what the golden computes in (default: the model's serving dtype)."""
         import torch
         from tokenizers import Tokenizer
 
-        from .forward import Golden
+        from .forward import _DTYPES, Golden
+        from .forward import read_weights as read
 
         self.timing = Timing()
         start = time.monotonic()
@@ -104,7 +116,14 @@ class Scorer:
             self.tokenizer = Tokenizer.from_file(str(tokenizer))
         except Exception as exc:  # tokenizers raises its own exception type, which has no import path
             raise Malformed(f"{tokenizer}: unreadable ({exc})") from None
-        self.golden = Golden.load(folder, device)
+        self.folder = folder
+        cfg = load_config(folder)
+        self.dtype = _DTYPES.get(dtype or cfg.dtype, torch.float32)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.weights = read(folder)
+        self.golden = Golden(cfg, self.weights, device, self.dtype)
+        self.resolution = RESOLUTION_ULPS * float(torch.finfo(self.dtype).eps)
         self.torch = torch
         self.timing.device = str(self.golden.device) + (
             f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
@@ -113,8 +132,27 @@ class Scorer:
     def prompt_ids(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt).ids)
 
-    def _positions(self, dists: Any, reply: Served, ids: list[int]) -> tuple[Position, ...]:
-        """The positions of ``reply`` (served IDs ``ids``) from the golden's distributions ``dists`` [L, vocab]."""
+    def exact(self) -> Any:
+        """The golden at float32 (the model's definition), for the envelope."""
+        from .forward import Golden
+
+        return Golden(self.golden.cfg, self.weights, self.golden.device, self.torch.float32)
+
+    def envelope(self, prompts: Sequence[str], tokens: int) -> dict[str, Any]:
+        """The golden's envelope at its dtype against float32 over ``prompts`` (:mod:`.envelope`), ``tokens``
+        generated positions each."""
+        from . import envelope
+
+        start = time.monotonic()
+        ids = [self.prompt_ids(p) for p in prompts]
+        got = envelope.measure(self.golden, self.exact(), ids, [self.golden.cfg.prompt_class(len(i)) for i in ids],
+                               tokens, self.resolution)
+        got["seconds"] = round(time.monotonic() - start, 3)
+        return got
+
+    def _positions(self, dists: Any, reply: Served, ids: list[int], gaps: Sequence[float]) -> tuple[Position, ...]:
+        """The positions of ``reply`` (served IDs ``ids``) from the golden's distributions ``dists`` [L, vocab]
+        and its block choices' gaps (ambiguous from the first under the resolution on)."""
         torch = self.torch
         vocab = dists.shape[-1]
         # vLLM's two best tokens per position and its log-probabilities of them: what the noise compares.
@@ -129,13 +167,15 @@ class Scorer:
         top = torch.topk(dists, 2, dim=-1)
         golden, values = top.indices[:, 0].cpu().tolist(), top.values.cpu().tolist()
         out = []
+        blurred = False
         for j, tid in enumerate(ids):
+            blurred = blurred or gaps[j] < self.resolution
             error = None
             if best[j]:
                 (_, va), (_, vb) = best[j]
                 error = abs((va - vb) - (gathered[j][1] - gathered[j][2]))
             out.append(Position(int(golden[j]), float(values[j][0] - values[j][1]), tid, float(gathered[j][0]),
-                                error))
+                                error, blurred))
         return tuple(out)
 
     def score(self, prompts: Sequence[str], replies: Sequence[Served]) -> list[Scored]:
@@ -172,18 +212,22 @@ class Scorer:
             distinct = sorted({tuple(parsed[n]) for n in members})
             self.timing.distinct_replies += len(distinct)
             dists: dict[tuple[int, ...], Any] = {}
+            gaps: dict[tuple[int, ...], list[float]] = {}
             for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
                 batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
                 # The distribution of served token j is the prefix's last row for j = 0, else row j - 1 after it.
-                rows = self.golden.extend(prefix, [list(c[:-1]) for c in batch])
-                for c, r in zip(batch, rows, strict=True):
+                rows = self.golden.extend_gaps(prefix, [list(c[:-1]) for c in batch])
+                for c, (r, g) in zip(batch, rows, strict=True):
                     self.timing.tokens += max(0, len(c) - 1)
                     dists[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
+                    gaps[c] = [prefix.last_gap, *g.cpu().tolist()]
+            klass = self.golden.cfg.prompt_class(len(prompt_ids))
             for n in members:
                 reply = replies[n]
                 served = parsed[n]
                 out[n] = Scored(reply.source, reply.level, reply.request, k,
-                                self._positions(dists[tuple(served)], reply, served) if served else ())
+                                self._positions(dists[tuple(served)], reply, served, gaps[tuple(served)])
+                                if served else (), klass=klass)
         self.timing.score_s += time.monotonic() - start
         return [out[n] for n in range(len(replies))]
 

@@ -33,8 +33,10 @@ never a tolerance) and
 first token's two best candidates: a model that hardly reads its prompt
 makes a weak oracle).
 A recording on a host that can run the golden forward (:mod:`vllm_hotfix.golden`)
-also keeps ``golden``: the noise between the golden and the trusted image's
-replies, per prompt, and the margin thresholds the ``golden`` check judges at.
+also keeps ``golden``: the golden's own envelope at the serving dtype (measured
+on the golden alone, beside the model's fingerprint in ``settings``), whose
+thresholds the ``golden`` check judges at, and the trusted image's noise
+against the golden, held to it when it was recorded.
 
 The file is JSON and carries the sha256 of its own canonical content, so a
 file changed after it was recorded is refused instead of quietly judging
@@ -216,7 +218,7 @@ class Reference:
     prompt_sensitivity: dict[str, Any] = field(default_factory=dict)  # oracle.prompt_sensitivity
     # fixed_batches.record: every level's answers under fixed batches, and the schedule they were recorded under
     levels: dict[str, Any] = field(default_factory=dict)
-    # golden.judge.recorded: the noise between the golden forward and the trusted image, and its margin threshold
+    # golden.judge.recorded: the golden's envelope at the serving dtype (its thresholds) and the served noise
     golden: dict[str, Any] = field(default_factory=dict)
     image_id: str = ""  # the config digest of the image recorded, as the host knew it ("": not known, serve-check)
 
@@ -246,7 +248,7 @@ class Reference:
                 "settings": self.settings, "noise": self.noise, "repeat": self.repeat,
                 "prompt_sensitivity": self.prompt_sensitivity,
                 "levels": {k: v for k, v in self.levels.items() if k != "answers"},
-                "golden": {k: v for k, v in self.golden.items() if k in ("noise", "recorded")}}
+                "golden": {k: v for k, v in self.golden.items() if k in ("envelope", "noise", "recorded")}}
 
 
 def digest(content: dict[str, Any]) -> str:
@@ -267,7 +269,8 @@ def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, An
     checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
     is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
     probe's replies (:func:`vllm_hotfix.judges.fixed_batches.record`), written into the same file; ``golden``
-    the noise the host measured between them and the golden forward (:func:`vllm_hotfix.golden.judge.recorded`);
+    the golden's envelope the host measured and the trusted image's noise against it
+    (:func:`vllm_hotfix.golden.judge.recorded`);
     ``image_id``: the image recorded, as the host knows it (whatever the runner wrote is replaced)."""
     from ..errors import SmokeError
     from . import oracle

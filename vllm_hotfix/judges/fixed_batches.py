@@ -133,14 +133,16 @@ def parse(raw: bytes | None) -> ProbeRun:
         return ProbeRun(error=f"the runner's batch report is malformed ({type(exc).__name__}: {exc})")
 
 
-def _answer(prompts: Sequence[str], reply: Mapping[str, Any]) -> answers.Answer:
-    """One probe reply as an Answer (ValueError when it is malformed)."""
+def _answer(prompts: Sequence[str], reply: Mapping[str, Any], request: int) -> answers.Answer:
+    """One probe reply, to the host's ``request`` of its level, as an Answer to the prompt the host scheduled
+    for it (request ``i`` asks prompt ``i mod prompts``: the runner's ``prompt`` is not taken as a fact);
+    ValueError when it is malformed."""
     try:
         tokens = tuple(str(t) for t in reply["tokens"])
-        k = int(reply["prompt"])
+        counted = reply.get("prompt_tokens")
         return answers.Answer(
-            prompts[k % len(prompts)], None if reply.get("prompt_tokens") is None else int(reply["prompt_tokens"]),
-            tokens, tuple(None if x is None else float(x) for x in reply["logprobs"]),
+            prompts[request % len(prompts)], None if counted is None else int(counted), tokens,
+            tuple(None if x is None else float(x) for x in reply["logprobs"]),
             tuple({str(a): float(b) for a, b in t.items()} for t in reply["top_logprobs"]),
             str(reply["finish_reason"]), answers.tokens_sha256(tokens))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -152,7 +154,7 @@ def _level(run: ProbeRun, key: tuple[int, int], prompts: Sequence[str], requests
     indices = [r.get("request") for r in replies]
     if indices != list(range(requests)):
         raise ValueError(f"replies to requests {indices[:8]}..., not the {requests} asked for")
-    return [_answer(prompts, r) for r in replies]
+    return [_answer(prompts, r, i) for i, r in enumerate(replies)]
 
 
 def record(run: ProbeRun, prompts: Sequence[str], levels: Sequence[int], requests: int,
@@ -178,7 +180,7 @@ def record(run: ProbeRun, prompts: Sequence[str], levels: Sequence[int], request
                                  f"two passes of the same schedule ({dev.detail}): the engine is not repeatable "
                                  "under fixed batches")
         identical += len(first)
-        out[str(c)] = [{**a.to_dict(), "prompt": prompts.index(a.prompt)} for a in first]
+        out[str(c)] = [{**a.to_dict(), "prompt": i % len(prompts)} for i, a in enumerate(first)]
     return {"schedule": schedule(levels, requests, max_tokens), "answers": out,
             "repeat": {"passes": PASSES_RECORDING, "replies": identical, "identical": identical},
             "seconds": {str(c): run.seconds.get((0, c)) for c in levels}, "engine_start_s": run.ready_s}
@@ -186,7 +188,7 @@ def record(run: ProbeRun, prompts: Sequence[str], levels: Sequence[int], request
 
 def stored(section: Mapping[str, Any], level: int, prompts: Sequence[str]) -> list[answers.Answer]:
     """The reference's answers at ``level`` (ValueError when malformed)."""
-    return [_answer(prompts, a) for a in section["answers"][str(level)]]
+    return [_answer(prompts, a, i) for i, a in enumerate(section["answers"][str(level)])]
 
 
 @dataclass
@@ -236,14 +238,20 @@ def judge(ref: answers.Reference, run: ProbeRun, levels: Sequence[int], requests
         for i, (a, b) in enumerate(zip(want, got, strict=True)):
             verdict = oracle.exact(a, b)
             dev = verdict.deviation
+            # The prompt's token count is the one recorded for the prompt the host scheduled; an image that
+            # counted another read another prompt, whatever tokens it replied.
+            counted = a.prompt_tokens is None or b.prompt_tokens == a.prompt_tokens
+            ok = verdict.ok and counted
             ev.answered += 1
-            ev.identical += verdict.ok
-            ev.wrong += not verdict.ok
-            ev.replies.append({"request": i, "prompt": i % len(prompts), "identical": verdict.ok,
+            ev.identical += ok
+            ev.wrong += not ok
+            ev.replies.append({"request": i, "prompt": i % len(prompts), "identical": ok,
                                "reply_sha256": b.sha256, "first_difference": dev.first_difference,
                                "token_divergence": dev.token_divergence})
-            if not verdict.ok and ev.first_wrong is None:
-                ev.first_wrong = f"request {i} (prompt {i % len(prompts)}): {dev.detail}"
+            if not ok and ev.first_wrong is None:
+                ev.first_wrong = f"request {i} (prompt {i % len(prompts)}): " + (
+                    dev.detail if not verdict.ok else f"the image counted {b.prompt_tokens} prompt tokens, "
+                                                      f"{a.prompt_tokens} were recorded for this prompt")
         if ev.wrong:
             failed.append(c)
     first = failed[0] if failed else None

@@ -19,8 +19,10 @@ the builder writes, from facts the host finds itself:
   Never an image label: a label is data the image chose. A base this host
   cannot find, pull or read leaves the check incomplete (exit 11, nothing
   signed): that is the host's shortcoming, not a fact about the image. So
-  does a patch set or pins.txt it cannot load, a pinned wheel its cache
-  lacks, and a layer it cannot read or make.
+  does a definition this checkout lacks or cannot load (the one the image
+  is judged against: ``--definition``, else the build record's, else the
+  one its labels name), a patch set or pins.txt it cannot load, a pinned
+  wheel its cache lacks, and a layer it cannot read or make.
 * **the layers**: the image's diff IDs must begin with the base's, and the
   layers above are read whole where the image is started (:mod:`.layer_read`:
   the engine's or podman's overlay folders, a ``save`` export, a registry's
@@ -227,7 +229,10 @@ def find_base(engine: Engine, root: Path, image: ImageInfo, definition: str | No
     try:
         defn = definitions.load(root, tag)
     except DefinitionError as exc:
-        raise BaseImageError(f"definition {tag}: {exc}") from None
+        # The checkout's shortcoming: without the definition nothing is known of the image, so nothing is signed.
+        raise SmokeIncomplete(f"definition {tag}, which the image is judged against, is not one this checkout can "
+                              f"load: {exc}", hint=f"smoke it from a checkout that holds images/{tag}.toml and its "
+                                                   "patch set, or name another with --definition") from None
     ref = defn.base_ref(base_repo)
     platform = definitions.platform_text(image.os, image.architecture, image.variant)
     pinned = defn.base_digests.get(platform) or defn.base_digests.get(f"{image.os}/{image.architecture}")
@@ -321,6 +326,17 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
                             "base_ref": base.ref,
                             "base_digests": sorted({d.partition("@")[2] for d in base.info.repo_digests
                                                     if "@sha256:" in d})}
+    # The patch set the image is judged against, named in every verdict (a fail's too, so that it is never taken
+    # for a fail of another); one that cannot be loaded leaves the check incomplete where it is needed.
+    try:
+        patches = patchlib.load_series(root, base.definition.patch_set, base.definition.package)
+        pinset = pins.load(root, base.definition.patch_set, base.definition.package)
+    except (PatchError, PinError) as exc:
+        unloaded: PatchError | PinError | None = exc
+    else:
+        unloaded = None
+        data["patch_set"] = base.definition.patch_set
+        data["patch_set_digest"] = patchlib.set_digest(patches, pinset.sha256 if pinset is not None else None)
     try:
         with sources.ImageReader(engine, base.info, base.ref, base.definition.package, base.definition.python,
                                  sources.cache_dir(root)) as reader:
@@ -354,13 +370,8 @@ def prove(engine: Engine, root: Path, image: ImageInfo, *, definition: str | Non
     config = config_difference(base.info.attrs or {}, image.attrs or {})
     if config is not None:
         return refused(config)
-    try:
-        patches = patchlib.load_series(root, base.definition.patch_set, base.definition.package)
-        pinset = pins.load(root, base.definition.patch_set, base.definition.package)
-    except (PatchError, PinError) as exc:
-        return unjudged(f"patches/{base.definition.patch_set}: {exc}")
-    data["patch_set"] = base.definition.patch_set
-    data["patch_set_digest"] = patchlib.set_digest(patches, pinset.sha256 if pinset is not None else None)
+    if unloaded is not None:
+        return unjudged(f"patches/{base.definition.patch_set}: {unloaded}")
     data["patches"] = {patch.name: patch.sha256 for patch in patches}
     above = len(layers) - len(base_layers)
     want = 2 if pinset is not None else 1

@@ -1,8 +1,8 @@
-"""The distributions installed in an image's site folder, read from their dist-info, never by running it.
+"""What the distributions installed in an image require in the image's environment, never by running it.
 
-Each dist-info's METADATA gives a distribution's name, version and
-requirements, its RECORD the files it installed with their hashes. What a
-distribution requires is read with ``packaging``, as pip reads it: names
+The distributions come read from their dist-info
+(:mod:`vllm_hotfix.sitefacts.dists`). What a distribution requires is read
+with ``packaging``, as pip reads it: names
 canonicalised, extras as asked for, and each environment marker evaluated
 against the image's environment (its Python version, Linux, its machine,
 the extras asked for), never this host's. Where the image's environment
@@ -17,14 +17,11 @@ import posixpath
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from email.parser import HeaderParser
 
 from packaging.markers import Marker
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
 
-from .. import dist_record
-from ..engine import Tree
+from ..sitefacts.dists import Dist, canonical
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +33,6 @@ _SOME_MACHINES = ("x86_64", "aarch64")
 _SOME_PYTHONS = tuple(f"3.{minor}" for minor in range(8, 16))
 _PYTHON_DIR = re.compile(r"/python(\d+\.\d+)/")
 _CACHE_TAG = re.compile(r"^(\w+?)-(\d)(\d+)$")
-
-
-def canonical(name: str) -> str:
-    return str(canonicalize_name(name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,49 +79,6 @@ def environment(site_dir: str, cache_tag: str = "", architecture: str = "") -> E
         in_dir = _PYTHON_DIR.search(posixpath.normpath(site_dir) + "/")
         python = in_dir.group(1) if in_dir else ""
     return Environment(python, MACHINES.get(architecture, ""), implementation)
-
-
-@dataclass(frozen=True, slots=True)
-class Dist:
-    name: str  # canonical
-    version: str
-    info_dir: str
-    requires: tuple[str, ...]
-    rows: tuple[tuple[str, str], ...]  # (absolute path, RECORD sha256 or "")
-    record_problems: tuple[str, ...] = ()  # rows of its RECORD left out for their shape ("line N: why")
-
-
-def distributions(tree: Tree, site_dir: str) -> dict[str, Dist]:
-    """Each distribution whose dist-info sits directly in ``site_dir``, by canonical name."""
-    found: dict[str, Dist] = {}
-    for path in sorted(tree.kept):
-        folder, name = posixpath.split(path)
-        if name != "METADATA" or posixpath.dirname(folder) != posixpath.normpath(site_dir):
-            continue
-        meta = HeaderParser().parsestr(tree.kept[path].decode("utf-8", "replace"))
-        dist_name = meta.get("Name")
-        if not dist_name:
-            continue
-        record = dist_record.read(tree.kept.get(posixpath.join(folder, "RECORD")) or b"")
-        rows = tuple((row.under(site_dir), row.digest if row.algorithm == "sha256" else "") for row in record.rows)
-        found.setdefault(canonical(dist_name), Dist(canonical(dist_name), meta.get("Version") or "", folder,
-                                                    tuple(meta.get_all("Requires-Dist") or ()), rows,
-                                                    record.problems))
-    return found
-
-
-def copies(tree: Tree, site_dir: str) -> list[tuple[str, str]]:
-    """(canonical name, version) of every dist-info (or egg-info) directly in ``site_dir``: two of one name both
-    counted, as :func:`distributions` (one per name) cannot show."""
-    found = []
-    for path in sorted(tree.kept):
-        folder, name = posixpath.split(path)
-        if name != "METADATA" or posixpath.dirname(folder) != posixpath.normpath(site_dir):
-            continue
-        meta = HeaderParser().parsestr(tree.kept[path].decode("utf-8", "replace"))
-        if meta.get("Name"):
-            found.append((canonical(meta["Name"]), meta.get("Version") or ""))
-    return found
 
 
 def required(dist: Dist, extras: set[str], env: Environment) -> list[tuple[str, set[str]]]:

@@ -17,9 +17,10 @@ started) and judged here, on the host:
   from being GPU-verified. Deviations the base already had (the same facts
   read from the base) are named as the base's.
 
-Everything here but :func:`read_site` is pure: trees in, findings out.
-Which distributions are installed and what each requires in the image's
-environment is read in :mod:`.installed`.
+Everything here but :func:`check_image` and :func:`base_findings` is pure:
+trees in, findings out. The files come read from the image's layers once
+(:mod:`vllm_hotfix.sitefacts.site`); what each installed distribution
+requires in the image's environment is read in :mod:`.installed`.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ import importlib.util
 import logging
 import posixpath
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ..engine import FileFact, ImageInfo, Tree
+from ..engine import FileFact, Tree
+from ..sitefacts import site
+from ..sitefacts.dists import Dist, canonical, distributions
+from ..sitefacts.site import FileSource, SiteFiles
 from .difference import Difference
-from .installed import Environment, canonical, closure, distributions, environment
+from .installed import Environment, closure, environment
 
 if TYPE_CHECKING:
     from ..building.expected import Expected
@@ -74,50 +77,6 @@ def record_hash(hex_digest: str) -> str:
 
 def compiled(path: str) -> bool:
     return bool(_COMPILED.search(path))
-
-
-def keep_metadata(path: str) -> bool:
-    """The files of a tree read whose bytes are needed: each dist-info's METADATA and RECORD."""
-    folder, name = posixpath.split(path)
-    return folder.endswith(".dist-info") and name in ("METADATA", "RECORD")
-
-
-# -- reading ------------------------------------------------------------------
-
-
-class TreeReader(Protocol):
-    def read(self, paths: Sequence[str], keep: Callable[[str], bool] = ...) -> Tree: ...
-
-
-class FileSource(Protocol):
-    """Where an image's files are read from without running it: the Docker engine
-    (:class:`~vllm_hotfix.engine.Engine`), or podman's store
-    (:class:`~vllm_hotfix.checking.launchers.podman.PodmanFiles`) where podman starts the image."""
-
-    def image(self, ref: str) -> ImageInfo | None: ...
-
-    def files(self, image: str) -> AbstractContextManager[TreeReader]: ...
-
-
-def read_site(engine: FileSource, image_id: str, site_dir: str, keep: Callable[[str], bool] = keep_metadata,
-              cache: Path | None = None, say: Callable[[str], None] = lambda _l: None) -> Tree:
-    """The image's site folder (every file hashed, dist-info metadata kept), and what RECORDs list outside it.
-
-    With ``cache``, the site folder's facts are kept per layer chain and only the layers above a kept chain are
-    read (:mod:`.layer_facts`)."""
-    with engine.files(image_id) as reader:
-        if cache is not None:
-            from .layer_facts import site_tree
-
-            tree = site_tree(engine.image(image_id), reader, cache, site_dir, keep, say)
-        else:
-            tree = reader.read([site_dir], keep)
-        outside = sorted({p for d in distributions(tree, site_dir).values() for p, _ in d.rows
-                          if not p.startswith(site_dir.rstrip("/") + "/")})
-        if not outside:
-            return tree
-        more = reader.read(outside)
-    return Tree({**tree.entries, **more.entries}, tree.kept, tree.missing + more.missing)
 
 
 # -- the landed check ---------------------------------------------------------
@@ -167,7 +126,7 @@ def landed(tree: Tree, site_dir: str, expected: Mapping[str, str], cache_tag: st
     """Each patched file (relative to ``site_dir``) has its expected sha256 and no pyc that could serve other code.
 
     ``tree`` holds the folders of the patched files with their ``__pycache__``
-    and the bytes of those pycs (see :func:`landed_keep`); ``sources``, when
+    and the bytes of those pycs (see :func:`~vllm_hotfix.sitefacts.site.keep_patched`); ``sources``, when
     given, the patched files' bytes, to compare checked pycs' source hashes.
     """
     differences: list[Difference] = []
@@ -208,17 +167,6 @@ def pycs_of(tree: Tree, source_path: str, cache_tag: str = "") -> list[str]:
     prefix = posixpath.join(folder, "__pycache__", f"{stem}.{cache_tag}." if cache_tag else f"{stem}.")
     return sorted(p for p, f in tree.entries.items() if p.startswith(prefix) and p.endswith(".pyc")
                   and f.kind in ("file", "hardlink", "link"))
-
-
-def landed_keep(site_dir: str, rels: Iterable[str]) -> Callable[[str], bool]:
-    """What :func:`landed` needs kept: the patched files and their pycs."""
-    wanted = {posixpath.join(site_dir, rel) for rel in rels}
-    caches = {posixpath.join(posixpath.dirname(p), "__pycache__") for p in wanted}
-
-    def keep(path: str) -> bool:
-        return path in wanted or (path.endswith(".pyc") and posixpath.dirname(path) in caches) or keep_metadata(path)
-
-    return keep
 
 
 # -- integrity ----------------------------------------------------------------
@@ -291,14 +239,21 @@ def _observed(fact: FileFact) -> str:
 
 def scan(tree: Tree, site_dir: str, package: str, patched: Mapping[str, str] | None = None,
          roots: Sequence[str] = (), env: Environment | None = None) -> Findings:
+    """:func:`scan_installed` of the distributions whose dist-info ``tree`` holds directly in ``site_dir``."""
+    return scan_installed(tree, distributions(tree, site_dir), site_dir, package, patched, roots, env)
+
+
+def scan_installed(tree: Tree, installed: Mapping[str, Dist], site_dir: str, package: str,
+                   patched: Mapping[str, str] | None = None, roots: Sequence[str] = (),
+                   env: Environment | None = None) -> Findings:
     """Every RECORD-listed file of ``package``'s distribution and what it requires, against the tree.
 
+    ``installed``: the distributions of ``site_dir`` (read from ``tree``).
     ``env``: the image's environment, which decides the requirements whose
     markers name one (default: what ``site_dir`` says of its Python).
     """
     patched = patched or {}
     site_dir = posixpath.normpath(site_dir)
-    installed = distributions(tree, site_dir)
     dists, parents = closure(installed, [package, *roots], env or environment(site_dir))
     dev: dict[str, dict[str, str]] = {k: {} for k in KINDS}
     if canonical(package) not in dists:
@@ -464,15 +419,20 @@ def base_findings(engine: FileSource, cache: Path | None, base_id: str, package:
     found = sources.cached_findings(cache, base_id, key)
     if found is not None:
         return found
-    info = engine.image(base_id)
-    if info is None:
+    if engine.image(base_id) is None:
         say(f"    base {base_id[:19]} is not in the engine: every deviation counts as this image's")
         return None
-    env = environment(site_dir, cache_tag, info.architecture)
-    read = scan(read_site(engine, base_id, site_dir, cache=cache, say=say), site_dir, package, roots=roots,
-                env=env).to_dict()
+    read = base_deviations(site.read(engine, base_id, [site_dir], cache=cache, say=say), site_dir, package, roots,
+                           cache_tag)
     sources.store_findings(cache, base_id, key, read)
     return read
+
+
+def base_deviations(files: SiteFiles, site_dir: str, package: str, roots: Sequence[str] = (), cache_tag: str = "",
+                    ) -> dict[str, dict[str, str]]:
+    """The base's own deviations, from its site folder as read (what :func:`judge` compares an image's with)."""
+    env = environment(site_dir, cache_tag, files.architecture)
+    return scan_installed(files.tree, files.dists[site_dir], site_dir, package, roots=roots, env=env).to_dict()
 
 
 def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Expected, roots: Sequence[str] = (),
@@ -480,11 +440,28 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
     """Read the image's site folder once and judge its patched files and its installed distributions."""
     site_dir = want.site_dir
     if not site_dir:
-        why = "the build record names no site folder: rebuild the image with this version of the tool"
-        failed = [{"name": n, "status": "fail", "detail": why, "data": {"answered_by": FILESYSTEM}}
-                  for n in ("patch-landed", "integrity")]
-        return FileChecks(tuple(failed), Judged(failed[1]))
-    tree = read_site(engine, image_id, site_dir, landed_keep(site_dir, want.files), cache, say)
+        return no_site_folder()
+    files = site.read(engine, image_id, [site_dir], site.keep_patched(site_dir, want.files), cache, say)
+    base = None
+    if want.base_id and want.base_id != image_id:
+        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say, want.cache_tag)
+    return judge_files(files, want, roots, base)
+
+
+def no_site_folder() -> FileChecks:
+    """The file checks of an image whose build record names no site folder to read."""
+    why = "the build record names no site folder: rebuild the image with this version of the tool"
+    failed = [{"name": n, "status": "fail", "detail": why, "data": {"answered_by": FILESYSTEM}}
+              for n in ("patch-landed", "integrity")]
+    return FileChecks(tuple(failed), Judged(failed[1]))
+
+
+def judge_files(files: SiteFiles, want: Expected, roots: Sequence[str] = (),
+                base: Mapping[str, Mapping[str, str]] | None = None) -> FileChecks:
+    """The image's patched files and installed distributions judged from its site folder as read (``base``: the
+    base's own deviations, None where there is no base to tell them apart)."""
+    site_dir = want.site_dir
+    tree = files.tree
     sources = {rel: tree.kept[posixpath.join(site_dir, rel)] for rel in want.files
                if posixpath.join(site_dir, rel) in tree.kept}
     put = landed(tree, site_dir, want.files, want.cache_tag, sources)
@@ -495,7 +472,8 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
         f"{len(want.files)} patched file(s) in {site_dir} match (read from the image's layers)",
         "data": {"answered_by": FILESYSTEM, "site_dir": site_dir, "files": dict(put.files)},
     }]
-    dist = distributions(tree, site_dir).get(canonical(want.package))
+    installed = files.dists[site_dir]
+    dist = installed.get(canonical(want.package))
     have = dist.version if dist is not None else None
     checks.append({"name": "package-version", "status": "pass" if have == want.version else "fail",
                    "detail": f"{want.package} {have} installed, base had {want.version}",
@@ -504,11 +482,8 @@ def check_image(engine: FileSource, cache: Path | None, image_id: str, want: Exp
     if have != want.version:
         differences["package-version"] = Difference(want.package, "version", want.version, have or "",
                                                     checks[-1]["detail"])
-    base = None
-    if want.base_id and want.base_id != image_id:
-        base = base_findings(engine, cache, want.base_id, want.package, site_dir, roots, say, want.cache_tag)
-    info = engine.image(image_id)
-    env = environment(site_dir, want.cache_tag, info.architecture if info is not None else "")
-    judged = judge(scan(tree, site_dir, want.package, want.files, roots, env), want.package, base)
+    env = environment(site_dir, want.cache_tag, files.architecture)
+    judged = judge(scan_installed(tree, installed, site_dir, want.package, want.files, roots, env), want.package,
+                   base)
     checks.append(judged.check)
     return FileChecks(tuple(checks), judged, differences)

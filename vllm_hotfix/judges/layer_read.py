@@ -21,7 +21,7 @@ from typing import IO, Protocol
 from ..engine import Engine, ImageInfo
 from ..layers import Layer
 from ..layers.read import from_export, from_folder
-from .layer_facts import layer_folders
+from ..sitefacts.layer_facts import layer_folders
 
 SCRIPT_MAX = 1 << 16
 

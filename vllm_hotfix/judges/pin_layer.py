@@ -40,9 +40,9 @@ from ..building.pinfile import PinSet
 from ..engine import Engine, ImageInfo
 from ..errors import PinError
 from ..layers import Layer, LayerEntry, in_words
+from ..sitefacts.dists import canonical
+from ..sitefacts.site import keep_metadata, read_site
 from .difference import Difference
-from .installed import canonical
-from .integrity import keep_metadata, read_site
 
 PIP_FILES = ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")
 _SCRIPT = re.compile(r"^\s*([\w.-]+)\s*=\s*([\w.]+)\s*:\s*([\w.]+)\s*$")

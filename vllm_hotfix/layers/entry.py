@@ -21,7 +21,7 @@ class LayerEntry:
     """What a layer holds at one path (or, flattened, what the image shows there).
 
     The first seven fields are in the order the facts cache keeps them
-    (:mod:`vllm_hotfix.judges.layer_facts`)."""
+    (:mod:`vllm_hotfix.sitefacts.layer_facts`)."""
 
     path: str  # absolute, normalised: "/usr/lib/x"
     kind: str  # one of KINDS; "link" is a symbolic link, "hardlink" a second name of a file
@@ -80,4 +80,7 @@ def within(path: str, folder: str) -> bool:
 
 def absolute(name: str, root: str = "/") -> str:
     """A member name as an absolute, normalised path (``./a//b/`` -> ``/a/b``; ``..`` never climbs past /)."""
-    return posixpath.normpath(posixpath.join(root, posixpath.normpath("/" + name).lstrip("/")))
+    path = posixpath.normpath("/" + name)
+    if path.startswith("//"):  # the one double slash normpath keeps
+        path = "/" + path.lstrip("/")
+    return path if root == "/" else posixpath.normpath(posixpath.join(root, path.lstrip("/")))

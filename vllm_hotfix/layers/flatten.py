@@ -15,8 +15,10 @@ go-containerregistry's ``mutate.Extract`` applies it):
 * a hard link whose target lies in a lower layer gets that file's hash.
 
 The result is the filesystem the image shows: no whiteouts, no opaque
-marks. :func:`hides` is the same rule asked of one path (the registry scan
-reads layers newest first and stops early, so it cannot flatten).
+marks. :func:`squash` lays layers over each other the same way but keeps what
+they say of the layers under them, and :func:`said` asks it of one path: the
+registry scan reads layers newest first and stops once every path it wants
+is decided, so it squashes the layers read and asks which paths they decide.
 """
 
 from __future__ import annotations
@@ -41,11 +43,17 @@ def hides(path: str, at: Callable[[str], LayerEntry | None]) -> bool:
     return False
 
 
-def apply(layer: Layer, entries: dict[str, LayerEntry], kept: dict[str, bytes], under: str | None = None) -> None:
+def apply(layer: Layer, entries: dict[str, LayerEntry], kept: dict[str, bytes], under: str | None = None,
+          *, marks: bool = False) -> None:
     """Lay one layer over ``entries`` (and the bytes ``kept`` of them), in place; with ``under``, only the
-    entries at or below that folder are kept (``entries`` holds no others)."""
+    entries at or below that folder are kept (``entries`` holds no others).
+
+    With ``marks``, ``entries`` is not an image but the layers below squashed into one (:func:`squash`), and
+    what the layers say of those under them stays: a whiteout stays an entry, and a folder that replaces a
+    removed path or a non-folder, or lies over an opaque one, is opaque."""
     gone: list[str] = []  # the path and everything below it
     emptied: list[str] = []  # everything below it
+    hiding: set[str] = set()  # folders that, squashed, hide what lies under the layers below
     for path, entry in layer.entries.items():
         if entry.kind == "whiteout":
             gone.append(path)
@@ -55,6 +63,8 @@ def apply(layer: Layer, entries: dict[str, LayerEntry], kept: dict[str, bytes], 
             lower = entries.get(path)
             if lower is not None and lower.kind != "dir":
                 gone.append(path)
+            if lower is not None and (lower.kind != "dir" or lower.opaque):
+                hiding.add(path)
         else:
             gone.append(path)
     if gone or emptied:
@@ -64,10 +74,15 @@ def apply(layer: Layer, entries: dict[str, LayerEntry], kept: dict[str, bytes], 
             del entries[path]
             kept.pop(path, None)
     for path, entry in layer.entries.items():
-        if entry.kind == "whiteout" or (under is not None and not within(path, under)):
+        if under is not None and not within(path, under):
+            continue
+        if entry.kind == "whiteout":
+            if marks:
+                entries[path] = entry
             continue
         if entry.kind == "dir":
-            entries[path] = replace(entry, opaque=False) if entry.opaque else entry
+            opaque = marks and (entry.opaque or path in hiding)
+            entries[path] = entry if entry.opaque == opaque else replace(entry, opaque=opaque)
             continue
         if entry.kind == "hardlink" and not entry.sha256:
             first = entries.get(entry.target)
@@ -87,3 +102,27 @@ def flatten(layers: Iterable[Layer], below: Mapping[str, LayerEntry] | None = No
     for layer in layers:
         apply(layer, entries, kept, under)
     return Layer(entries, kept)
+
+
+def squash(layers: Iterable[Layer]) -> Layer:
+    """``layers`` (bottom first) as one layer: what they say together of the layers under them (whiteouts and
+    opaque folders kept). Squashed layers are layers: ``squash([lower, squash(upper)])`` is
+    ``squash([lower, *upper])``, so a reader that reads newest first lays each layer read under the rest."""
+    entries: dict[str, LayerEntry] = {}
+    kept: dict[str, bytes] = {}
+    for layer in layers:
+        if not entries:  # laid over nothing, a layer says what it says (and a large one is copied, not walked)
+            entries, kept = dict(layer.entries), dict(layer.kept)
+            continue
+        apply(layer, entries, kept, marks=True)
+    return Layer(entries, kept)
+
+
+def said(layer: Layer, path: str) -> LayerEntry | None:
+    """What ``layer`` (one, or several squashed) says of ``path``: its entry; a whiteout entry where it removes
+    what the layers under it hold there (a whiteout of the path or a folder above it, an opaque folder or a
+    non-folder above it); None where it says nothing (the layers under it decide)."""
+    found = layer.entries.get(path)
+    if found is not None:
+        return found
+    return LayerEntry(path, "whiteout") if hides(path, layer.entries.get) else None

@@ -88,52 +88,66 @@ class Layered:
             raise EngineError(f"{self.where} names the {kind} mark of {path} twice")
         seen.add(path)
 
-    def done(self) -> Layer:
+    def layer(self) -> Layer:
+        """The layer as read so far, its whiteouts and opaque marks settled into its entries (copies: a reader
+        that looks at a layer half-way reads on into the same :class:`Layered`)."""
+        entries = dict(self.entries)
         for path in self.whiteouts:
-            here = self.entries.get(path)
+            here = entries.get(path)
             if here is None:
-                self.entries[path] = LayerEntry(path, "whiteout")
+                entries[path] = LayerEntry(path, "whiteout")
             elif here.kind == "dir":
-                self.entries[path] = replace(here, opaque=True)  # removed below, made anew here: opaque
+                entries[path] = replace(here, opaque=True)  # removed below, made anew here: opaque
         for path in self.opaque:
-            here = self.entries.get(path)
+            here = entries.get(path)
             if here is None:
-                self.entries[path] = LayerEntry(path, "dir", mode=0o755, opaque=True)
+                entries[path] = LayerEntry(path, "dir", mode=0o755, opaque=True)
             elif here.kind != "dir":
                 raise EngineError(f"{self.where} marks {path} opaque and holds it as a {here.kind}")
             else:
-                self.entries[path] = replace(here, opaque=True)
-        return Layer(self.entries, self.kept)
+                entries[path] = replace(here, opaque=True)
+        return Layer(entries, dict(self.kept))
+
+
+Until = Callable[[str, Layered], bool]
 
 
 def from_tar(stream: IO[bytes] | Any, *, root: str = "/", keep: Keep = _never, keep_max: int | None = None,
-             markers: bool = True, mode: Literal["r|", "r|*"] = "r|*", where: str = "the layer") -> Layer:
+             markers: bool = True, mode: Literal["r|", "r|*"] = "r|*", where: str = "the layer",
+             hash_all: bool = True, until: Until | None = None) -> Layer:
     """One layer tar read in one pass (member names relative to ``root``).
 
     ``keep``: the paths whose bytes are kept (files no larger than
     ``keep_max``, where given). ``markers``: ``.wh.`` names are whiteouts and
     opaque marks (a layer), else plain names (an engine's archive of a
-    folder). Raises EngineError for a path named twice; tarfile's errors for a
-    stream that is not a tar."""
+    folder). ``hash_all`` False: only the files kept are hashed (a reader that
+    wants a few files of a large layer spends no time on the rest).
+    ``until``: asked with each member's path, and the layer read so far,
+    before the member is read; True ends the read there (the stream is left
+    where it stands). Raises EngineError for a path named twice; tarfile's
+    errors for a stream that is not a tar."""
     layer = Layered(where)
     with tarfile.open(fileobj=stream, mode=mode) as tar:
         for member in tar:
             path = absolute(member.name, root)
             if path == "/":
                 continue
+            if until is not None and until(path, layer):
+                break
             marks = marker(path) if markers else None
             if marks is not None:
                 layer.mark(*marks)
                 continue
             entry = entry_of(member, path, root)
             if entry.kind == "file":
-                body = tar.extractfile(member)
-                assert body is not None
                 want = keep(path) and (keep_max is None or member.size <= keep_max)
-                digest, data = _hash(body, want)
-                entry = replace(entry, sha256=digest)
-                if data is not None:
-                    layer.kept[path] = data
+                if want or hash_all:
+                    body = tar.extractfile(member)
+                    assert body is not None
+                    digest, data = _hash(body, want)
+                    entry = replace(entry, sha256=digest)
+                    if data is not None:
+                        layer.kept[path] = data
             elif entry.kind == "hardlink":
                 first = layer.entries.get(entry.target)
                 if first is not None:
@@ -141,7 +155,7 @@ def from_tar(stream: IO[bytes] | Any, *, root: str = "/", keep: Keep = _never, k
                     if entry.target in layer.kept and keep(path):
                         layer.kept[path] = layer.kept[entry.target]
             layer.put(entry)
-    return layer.done()
+    return layer.layer()
 
 
 # -- overlay folders ---------------------------------------------------------------
@@ -240,7 +254,7 @@ def from_entries(entries: Iterable[Entry]) -> Layer:
             layer.put(LayerEntry(path, "file", len(e.data), hashlib.sha256(e.data).hexdigest(), mode=e.mode & 0o7777,
                                  mtime=e.mtime, uid=e.uid, gid=e.gid))
             layer.kept[path] = e.data
-    return layer.done()
+    return layer.layer()
 
 
 # -- diff IDs ------------------------------------------------------------------------

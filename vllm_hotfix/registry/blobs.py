@@ -2,7 +2,7 @@
 
 Where a Kubernetes Job starts the image, the copy judged must be the one the
 cluster pulls: the registry's. This reader (an
-:class:`~vllm_hotfix.judges.integrity.FileSource`) takes the image's manifest by
+:class:`~vllm_hotfix.sitefacts.site.FileSource`) takes the image's manifest by
 digest, its config blob (whose digest is the image ID every engine gives
 it) and its layer blobs, each checked against its digest as it streams, and
 lays the layers over each other as an engine would: a ``.wh.NAME`` entry
@@ -93,7 +93,7 @@ def diff_ids(info: ImageInfo) -> list[str]:
 
 
 class RegistryReader:
-    """Reads folders of one image from its layer blobs (a :class:`~vllm_hotfix.judges.integrity.TreeReader`).
+    """Reads folders of one image from its layer blobs (a :class:`~vllm_hotfix.sitefacts.site.TreeReader`).
 
     The first read passes over every layer once and keeps the facts of the
     whole filesystem; later reads answer from them, passing over the layers

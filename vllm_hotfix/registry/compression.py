@@ -14,8 +14,10 @@ or either under a plain tar's) is refused as it is read, naming both, where
 the Docker engine and containerd would read it by its bytes alone. An image
 whose manifest misnames its layers is malformed (a client that trusts the
 media type fails on it), and the tool writes manifests from these
-descriptors: it does not read one as if it were right. (A layer it does not
-read, copied by digest below those it reads, is not checked.)
+descriptors: it does not read one as if it were right. ``image
+--in-registry`` also reads the first bytes of every base layer it does not
+read (one it copies by digest below those it reads) and refuses the same
+contradiction there (:func:`disagreement`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ except ImportError:
     _ZSTD = ()
 STREAM_ERRORS: tuple[type[Exception], ...] = (tarfile.TarError, EOFError, OSError, ValueError, zlib.error, *_ZSTD)
 
-__all__ = ["STREAM_ERRORS", "compression_of", "is_zstd", "tar_stream", "uncompressed"]
+__all__ = ["HEAD", "STREAM_ERRORS", "compression_of", "disagreement", "is_zstd", "tar_stream", "uncompressed"]
 
 
 def is_zstd(media_type: str) -> bool:
@@ -46,6 +48,7 @@ def is_zstd(media_type: str) -> bool:
 
 
 _MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+HEAD = 4  # bytes of a blob that tell its compression (zstd's frame magic is the longest)
 
 
 def compression_of(media_type: str) -> str:
@@ -53,6 +56,16 @@ def compression_of(media_type: str) -> str:
     if is_zstd(media_type):
         return "zstd"
     return "gzip" if media_type.endswith(("+gzip", ".gzip", ".tar.gz")) else "none"
+
+
+def disagreement(head: bytes, media_type: str) -> str | None:
+    """How a blob whose first (up to :data:`HEAD`) bytes are ``head`` contradicts ``media_type``; None where they
+    agree (or the blob is empty)."""
+    said, found = compression_of(media_type), next((n for m, n in _MAGIC.items() if head.startswith(m)), "none")
+    if not head or said == found:
+        return None
+    return (f"its bytes are {'not compressed' if found == 'none' else found + '-compressed'}, but its media type "
+            f"{media_type} says {'uncompressed' if said == 'none' else said}")
 
 
 class _Agreeing:
@@ -70,17 +83,14 @@ class _Agreeing:
 
     def _check(self) -> bytes:
         head = b""
-        while len(head) < 4:
-            got = self._blob.read(4 - len(head))
+        while len(head) < HEAD:
+            got = self._blob.read(HEAD - len(head))
             if not got:
                 break
             head += got
-        said, found = compression_of(self._media_type), next((n for m, n in _MAGIC.items() if head.startswith(m)),
-                                                             "none")
-        if head and said != found:
-            raise tarfile.ReadError(f"its bytes are {'not compressed' if found == 'none' else found + '-compressed'}, "
-                                    f"but its media type {self._media_type} says "
-                                    f"{'uncompressed' if said == 'none' else said}")
+        problem = disagreement(head, self._media_type)
+        if problem:
+            raise tarfile.ReadError(problem)
         return head
 
     def read(self, size: int | None = -1) -> bytes:

@@ -17,7 +17,10 @@ from the layers, read as the engine would stack them:
   dist-infos of the package in one folder, stop the run (the engine path
   asks the image's Python which one it imports); smoke then asks the
   image's Python that it imports the package from this folder;
-* each layer is a gzip stream read once, never stored. A layer lists its
+* each layer is a gzip stream read once, never stored, by the one layer
+  reader (:func:`vllm_hotfix.layers.read.from_tar`), and the layers read are
+  squashed into one (:func:`vllm_hotfix.layers.squash`), which says of each
+  path whether they decide it. A layer lists its
   entries in path order (Docker, BuildKit and this tool's own layers do):
   once the stream is past every path still wanted, and the site folder is
   known, the rest of the layer is not read, and no layer below is opened
@@ -36,18 +39,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import posixpath
-import tarfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from email.parser import HeaderParser
 from typing import Any, Protocol
 
 from .. import dist_record
-from ..errors import BaseImageError, PushError
-from ..layers import Folder, LayerEntry, ancestors, hides
-from ..layers.read import entry_of
-from ..tarball import OPAQUE, WHITEOUT, marker
+from ..errors import BaseImageError, EngineError, PushError
+from ..layers import Folder, Layer, LayerEntry, ancestors, said, squash
+from ..layers.read import Layered, from_tar
+from ..tarball import OPAQUE, WHITEOUT
 from .compression import STREAM_ERRORS, tar_stream
 
 log = logging.getLogger(__name__)
@@ -72,32 +74,13 @@ class LayerRef:
 
 @dataclass
 class Listing:
-    """What one layer holds that matters here: every folder, whiteout, opaque marker and non-folder path,
-    and the bytes of the files asked for."""
+    """What one read of a layer learnt: the layer as far as it was read (every entry, whiteouts and opaque
+    folders among them, and the bytes of the files asked for), the first bytes of a pyc of the package, and
+    whether it was read to its end."""
 
-    index: int  # in the manifest's order (0: the oldest)
-    entries: dict[str, LayerEntry] = field(default_factory=dict)
-    whiteouts: set[str] = field(default_factory=set)
-    opaque: set[str] = field(default_factory=set)
-    data: dict[str, bytes] = field(default_factory=dict)
+    layer: Layer
     hint: tuple[str, bytes] | None = None  # (name, first 16 bytes) of a pyc of the package, any
     whole: bool = True  # read to its end (False: left once past every wanted path)
-
-    def at(self, path: str) -> LayerEntry | None:
-        """What this layer says at ``path``: its entry (opaque where marked so), a whiteout, or None."""
-        if path in self.whiteouts:
-            found = self.entries.get(path)
-            return replace(found, opaque=True) if found is not None and found.kind == "dir" else \
-                found or LayerEntry(path, "whiteout")
-        found = self.entries.get(path)
-        if path in self.opaque:
-            return replace(found, opaque=True) if found is not None else LayerEntry(path, "dir", opaque=True)
-        return found
-
-    def cuts(self, path: str) -> bool:
-        """Whether this layer removes ``path`` (and so hides what the layers below hold there): the flattener's
-        rule (:func:`vllm_hotfix.layers.hides`)."""
-        return hides(path, self.at)
 
 
 def key(path: str) -> tuple[str, ...]:
@@ -111,37 +94,32 @@ def after_subtree(path: str) -> tuple[str, ...]:
     return (*k[:-1], k[-1] + "\0")
 
 
+def shown(top: Layer, path: str) -> LayerEntry | None | object:
+    """The entry the image shows at ``path`` by what the layers read (squashed into ``top``) say: None if it is
+    gone, UNKNOWN if they say nothing of it."""
+    found = said(top, path)
+    if found is None:
+        return UNKNOWN
+    return None if found.kind == "whiteout" else found
+
+
 class Stack:
-    """The layers read so far, newest first, and what they decide."""
+    """The layers read so far, newest first, squashed into one (``top``), and the pyc hints they gave."""
 
     def __init__(self) -> None:
-        self.layers: list[Listing] = []
+        self.top = Layer()
+        self.count = 0
+        self.hints: list[tuple[str, bytes]] = []
 
-    def resolve(self, path: str) -> LayerEntry | None | object:
-        """The entry the image shows at ``path``, None if it is gone, UNKNOWN if no layer read says."""
-        for layer in self.layers:
-            found = layer.entries.get(path)
-            if found is not None:
-                return found
-            if layer.cuts(path):
-                return None
-        return UNKNOWN
+    def beneath(self, layer: Layer) -> Layer:
+        """The layers read with ``layer`` (older than all of them) read under them."""
+        return squash([layer, self.top])
 
-    def data(self, path: str) -> bytes | None:
-        for layer in self.layers:
-            if path in layer.entries:
-                return layer.data.get(path)
-        return None
-
-    def seen_under(self, folder: str, pred: Callable[[str], bool]) -> set[str]:
-        """Paths directly in ``folder`` any layer read names (as entries or whiteouts) that ``pred`` accepts."""
-        out = set()
-        inside = folder.rstrip("/") + "/"
-        for layer in self.layers:
-            for path in [*layer.entries, *layer.whiteouts]:
-                if path.startswith(inside) and posixpath.dirname(path) == folder and pred(posixpath.basename(path)):
-                    out.add(path)
-        return out
+    def add(self, listing: Listing) -> None:
+        self.top = self.beneath(listing.layer)
+        self.count += 1
+        if listing.hint is not None:
+            self.hints.append(listing.hint)
 
 
 # -- what is wanted --------------------------------------------------------------
@@ -271,55 +249,60 @@ class Counted:
             raise BaseImageError(f"{self.where}: its bytes hash to {got}, not to the digest the manifest names")
 
 
-def read_layer(stream: Counted, listing: Listing, wanted: Wanted, on_metadata: Callable[[], None]) -> None:
-    """Fill ``listing`` from one layer's stream; left early where its order allows (``listing.whole`` False)."""
-    last: tuple[str, ...] = ()
-    ordered = True
-    horizon: tuple[str, ...] | None = None
-    in_package = f"/{wanted.package}/"
+class Reading:
+    """How one layer is read: the bytes kept (:meth:`Wanted.keep`, and the first pyc of the package as a hint of
+    the image's Python), and where the read ends (:meth:`until`: past the horizon of a layer in path order)."""
+
+    def __init__(self, wanted: Wanted, settle: Callable[[Layer], None]) -> None:
+        self.wanted = wanted
+        self.settle = settle  # asked with the layer read so far, once it holds a METADATA of the package
+        self.in_package = f"/{wanted.package}/"
+        self.hint: str | None = None
+        self.metadata = False  # a METADATA kept since the last look
+        self.last: tuple[str, ...] = ()
+        self.ordered = True
+        self.horizon: tuple[str, ...] | None = None
+        self.left = False
+
+    def keep(self, path: str) -> bool:
+        if self.wanted.keep(path):
+            self.metadata = self.metadata or path.endswith("/METADATA")
+            return True
+        if self.hint is None and path.endswith(".pyc") and self.in_package in path:
+            self.hint = path
+            return True
+        return False
+
+    def until(self, path: str, so_far: Layered) -> bool:
+        if self.metadata and self.wanted.site is None:
+            self.settle(so_far.layer())  # a site found half-way can end this very layer
+        self.metadata = False
+        here = key(path)
+        self.ordered = self.ordered and here > self.last
+        self.last = here
+        if self.ordered and self.horizon is None and self.wanted.site is not None:
+            self.horizon = self.wanted.horizon()
+        self.left = self.ordered and self.horizon is not None and here >= self.horizon
+        return self.left
+
+
+def read_layer(stream: Counted, wanted: Wanted, settle: Callable[[Layer], None]) -> Listing:
+    """What one layer's stream holds that matters here; left early where its order allows (``whole`` False)."""
+    reading = Reading(wanted, settle)
     source, mode = tar_stream(stream, stream.layer.media_type)
     try:
-        with tarfile.open(fileobj=source, mode=mode) as tar:
-            for member in tar:
-                path = posixpath.normpath("/" + member.name)
-                if path == "/":
-                    continue
-                here = key(path)
-                ordered = ordered and here > last
-                last = here
-                if ordered and horizon is None and wanted.site is not None:
-                    horizon = wanted.horizon()
-                if ordered and horizon is not None and here >= horizon:
-                    listing.whole = False
-                    break
-                marks = marker(path)
-                if marks is not None:
-                    seen = listing.opaque if marks[0] == "opaque" else listing.whiteouts
-                    if marks[1] in seen:
-                        raise BaseImageError(f"{stream.where} names the {marks[0]} mark of {marks[1]} twice")
-                    seen.add(marks[1])
-                    continue
-                name = posixpath.basename(path)
-                if path in listing.entries:
-                    raise BaseImageError(f"{stream.where} names {path} twice: which one an engine shows is the "
-                                         "engine's choice, so the layer cannot be read")
-                listing.entries[path] = entry_of(member, path)
-                if not member.isreg():
-                    continue
-                if wanted.keep(path):
-                    source = tar.extractfile(member)
-                    assert source is not None
-                    listing.data[path] = source.read()
-                    if wanted.site is None and name == "METADATA":
-                        on_metadata()
-                elif listing.hint is None and name.endswith(".pyc") and in_package in path:
-                    source = tar.extractfile(member)
-                    assert source is not None
-                    listing.hint = (name, source.read(16))
-            if listing.whole:
-                stream.finish()
+        layer = from_tar(source, mode=mode, keep=reading.keep, hash_all=False, until=reading.until,
+                         where=stream.where)
+        if not reading.left:
+            stream.finish()
+    except EngineError as exc:
+        raise BaseImageError(str(exc)) from None
     except STREAM_ERRORS as exc:
         raise BaseImageError(f"{stream.where} is not a readable tar: {exc}") from None
+    hint = None
+    if reading.hint is not None and reading.hint in layer.kept:
+        hint = (posixpath.basename(reading.hint), layer.kept.pop(reading.hint)[:16])
+    return Listing(layer, hint, not reading.left)
 
 
 def open_stream(opener: Callable[[LayerRef], Blob], layer: LayerRef, where: str,
@@ -348,27 +331,25 @@ class Located:
     notes: tuple[str, ...] = ()
 
 
-def _candidates(stack: Stack, wanted: Wanted) -> dict[str, str]:
+def _candidates(top: Layer, wanted: Wanted) -> dict[str, str]:
     """site folder -> dist-info folder of each installation the layers read show (both parts present)."""
     found: dict[str, str] = {}
     prefix = dist_prefix(wanted.package)
-    for layer in stack.layers:
-        for path in layer.data:
-            folder, name = posixpath.split(path)
-            if name != "METADATA" or not posixpath.basename(folder).lower().startswith(prefix):
-                continue
-            site = posixpath.dirname(folder)
-            meta = stack.resolve(path)
-            init = stack.resolve(f"{site}/{wanted.package}/__init__.py")
-            if isinstance(meta, LayerEntry) and isinstance(init, LayerEntry) and init.kind == "file":
-                text = (stack.data(path) or b"").decode("utf-8", "replace")
-                named = HeaderParser().parsestr(text).get("Name") or ""
-                if _canonical(named) == _canonical(wanted.package):
-                    if site in found and found[site] != folder:
-                        raise BaseImageError(f"{site} holds two dist-infos of {wanted.package} "
-                                             f"({posixpath.basename(found[site])}, {posixpath.basename(folder)})",
-                                             hint="build from the engine: its Python says which one it reads")
-                    found[site] = folder
+    for path, data in top.kept.items():
+        folder, name = posixpath.split(path)
+        if name != "METADATA" or not posixpath.basename(folder).lower().startswith(prefix):
+            continue
+        site = posixpath.dirname(folder)
+        meta = shown(top, path)
+        init = shown(top, f"{site}/{wanted.package}/__init__.py")
+        if isinstance(meta, LayerEntry) and isinstance(init, LayerEntry) and init.kind == "file":
+            named = HeaderParser().parsestr(data.decode("utf-8", "replace")).get("Name") or ""
+            if _canonical(named) == _canonical(wanted.package):
+                if site in found and found[site] != folder:
+                    raise BaseImageError(f"{site} holds two dist-infos of {wanted.package} "
+                                         f"({posixpath.basename(found[site])}, {posixpath.basename(folder)})",
+                                         hint="build from the engine: its Python says which one it reads")
+                found[site] = folder
     return found
 
 
@@ -379,7 +360,7 @@ def _canonical(name: str) -> str:
 class Memory(Protocol):
     """What earlier reads learnt of layers, by digest (:mod:`.layercache`)."""
 
-    def load(self, digest: str, wanted: Wanted, index: int) -> Listing | None: ...
+    def load(self, digest: str, wanted: Wanted) -> Listing | None: ...
 
     def keep(self, digest: str, listing: Listing, wanted: Wanted) -> None: ...
 
@@ -393,9 +374,9 @@ def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], packa
     read = 0
     chosen: dict[str, str] = {}
 
-    def settle() -> None:
+    def settle(reading: Layer | None = None) -> None:
         nonlocal chosen
-        chosen = _candidates(stack, wanted)
+        chosen = _candidates(stack.top if reading is None else stack.beneath(reading), wanted)
         if len(chosen) > 1:
             raise BaseImageError(f"{where}: {package} is installed in {' and '.join(sorted(chosen))}",
                                  hint="build from the engine: its Python says which one it imports")
@@ -405,57 +386,55 @@ def locate(layers: Sequence[LayerRef], opener: Callable[[LayerRef], Blob], packa
     for index in range(len(layers) - 1, -1, -1):
         layer = layers[index]
         label = f"layer {index + 1}/{len(layers)} ({layer.digest[:19]}) of {where}"
-        known = memory.load(layer.digest, wanted, index) if memory is not None else None
-        if known is not None:
-            stack.layers.append(known)
+        listing = memory.load(layer.digest, wanted) if memory is not None else None
+        if listing is not None:
             say(f"    {label}: known from an earlier read (0 of {layer.size} bytes read)")
-            settle()
         else:
             stream = open_stream(opener, layer, label, say)
-            listing = Listing(index)
-            stack.layers.append(listing)  # filled as it streams: a site found half-way can end this very layer
             try:
-                read_layer(stream, listing, wanted, settle)
+                listing = read_layer(stream, wanted, settle)
             finally:
                 read += stream.read_bytes
                 stream.close()
             say(f"    read {label}: {stream.read_bytes} of {layer.size} bytes"
                 f"{'' if listing.whole else ' (left once past the files wanted)'}")
-            settle()
             if memory is not None:
                 memory.keep(layer.digest, listing, wanted)
-        if wanted.site is not None and all(stack.resolve(p) is not UNKNOWN for p in wanted.needed()):
+        stack.add(listing)
+        settle()
+        if wanted.site is not None and all(shown(stack.top, p) is not UNKNOWN for p in wanted.needed()):
             break
     if wanted.site is None:
         raise BaseImageError(f"{where}: no layer holds an installed {package} (a {package}/__init__.py beside a "
                              f"{dist_prefix(package)}*.dist-info whose METADATA names it)")
-    return _answer(stack, wanted, chosen[wanted.site], len(stack.layers), read)
+    return _answer(stack, wanted, chosen[wanted.site], stack.count, read)
 
 
 def _answer(stack: Stack, wanted: Wanted, dist_info: str, layers_read: int, read: int) -> Located:
     site = wanted.site
     assert site is not None
+    top = stack.top
     folders = []
     for path in ancestors(site):
-        got = stack.resolve(path)
+        got = shown(top, path)
         if not isinstance(got, LayerEntry) or got.kind != "dir":
             what = "nothing any layer read states" if got is UNKNOWN else "not a folder"
             raise BaseImageError(f"{path} above {site} is {what}: cannot restate it in the new layer")
         folders.append(Folder(path, got.mode, got.uid, got.gid, got.mtime))
-    record = stack.data(f"{dist_info}/RECORD") or b""
+    record = top.kept.get(f"{dist_info}/RECORD") or b""
     listed = _record_paths(record)
-    meta = HeaderParser().parsestr((stack.data(f"{dist_info}/METADATA") or b"").decode("utf-8", "replace"))
+    meta = HeaderParser().parsestr((top.kept.get(f"{dist_info}/METADATA") or b"").decode("utf-8", "replace"))
     files: dict[str, dict[str, Any]] = {}
     pycs: dict[str, dict[str, bytes]] = {}
     notes = []
     for rel in wanted.rels:
-        files[rel] = _file_info(stack, site, rel)
+        files[rel] = _file_info(top, site, rel)
         if files[rel]["kind"] == "file" and rel not in listed:
             notes.append(f"{rel} is not listed in {posixpath.basename(dist_info)}/RECORD")
-        pycs[rel] = _pycs(stack, site, rel)
+        pycs[rel] = _pycs(top, site, rel)
     hint = None
     if not any(pycs.values()):
-        hint = _any_pyc(stack)
+        hint = next(iter(stack.hints), None)
     return Located(site, f"{site}/{wanted.package}", meta.get("Version"), dist_info, tuple(folders), files, pycs,
                    hint, record, layers_read, read, tuple(notes))
 
@@ -464,39 +443,32 @@ def _record_paths(record: bytes) -> set[str]:
     return dist_record.read(record).paths()
 
 
-def _file_info(stack: Stack, site: str, rel: str) -> dict[str, Any]:
+def _file_info(top: Layer, site: str, rel: str) -> dict[str, Any]:
     """What the locate probe says of a touched file: kind, mode, whether reached without links, its bytes."""
     path = f"{site}/{rel}"
     for above in ancestors(path)[:-1]:
-        got = stack.resolve(above)
+        got = shown(top, above)
         if isinstance(got, LayerEntry) and got.kind == "link":
             return {"kind": "file", "real": False, "mode": 0, "data": None}
-    got = stack.resolve(path)
+    got = shown(top, path)
     if got is UNKNOWN or got is None:
         return {"kind": "missing", "real": True, "mode": 0, "data": None}
     assert isinstance(got, LayerEntry)
     kind = {"file": "file", "dir": "dir", "link": "symlink"}.get(got.kind, "other")
-    data = stack.data(path) if kind == "file" else None
+    data = top.kept.get(path) if kind == "file" else None
     if got.kind == "hardlink":
         raise BaseImageError(f"{path} is a hard link in the base's layers, which a registry read cannot follow",
                              hint="build from the engine (image without --in-registry)")
     return {"kind": kind, "real": True, "mode": got.mode, "data": data}
 
 
-def _pycs(stack: Stack, site: str, rel: str) -> dict[str, bytes]:
+def _pycs(top: Layer, site: str, rel: str) -> dict[str, bytes]:
     """The bytecode files the image shows for a touched source, by path relative to the site folder."""
     folder = f"{site}/{posixpath.dirname(rel)}/__pycache__"
     stem = posixpath.basename(rel).removesuffix(".py") + "."
-    out = {}
-    for path in sorted(stack.seen_under(folder, lambda n: n.startswith(stem) and n.endswith(".pyc"))):
-        got = stack.resolve(path)
-        if isinstance(got, LayerEntry):
-            out[posixpath.relpath(path, site)] = stack.data(path) or b""
-    return out
-
-
-def _any_pyc(stack: Stack) -> tuple[str, bytes] | None:
-    return next((layer.hint for layer in stack.layers if layer.hint is not None), None)
+    named = sorted(p for p in top.entries if posixpath.dirname(p) == folder
+                   and posixpath.basename(p).startswith(stem) and p.endswith(".pyc"))
+    return {posixpath.relpath(p, site): top.kept.get(p) or b"" for p in named if isinstance(shown(top, p), LayerEntry)}
 
 
 def layer_refs(descriptors: Iterable[dict[str, Any]]) -> list[LayerRef]:

@@ -14,6 +14,7 @@ from ..engine import ImageInfo, registry_credentials, registry_of, split_referen
 from ..engine.dockerconfig import registry_secure_without_engine
 from ..errors import BaseImageError
 from . import client as registry
+from . import compression
 from .layerscan import LayerRef
 from .write import Repo
 
@@ -82,6 +83,37 @@ def read_base(repo: Repo, ref: str, manifest: registry.Manifest) -> Base:
     if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
         raise BaseImageError(f"{ref}: its config names {len(diff_ids or [])} layers, its manifest {len(layers)}")
     return Base(ref, repo, manifest, config_digest, config, layers, manifest.size + len(raw))
+
+
+def check_layer_heads(base: Base) -> None:
+    """Refuse a base layer whose first bytes contradict its media type (zstd's frame under a gzip type, ...), for
+    every layer of ``base``: those a build only carries over by digest are never read through the check that
+    streams them (:mod:`.compression`), and a manifest that misnames one is malformed all the same.
+
+    Each blob is asked for its first bytes alone (a range; a registry that ignores it is left after them)."""
+    for index, layer in enumerate(base.layers, 1):
+        digest, media_type = str(layer["digest"]), str(layer.get("mediaType") or "")
+        if "foreign" in media_type or "nondistributable" in media_type:
+            continue  # its bytes live at the URLs it names, not in this registry (and it is never mounted)
+        where = f"layer {index}/{len(base.layers)} ({digest[:19]}) of {base.repo.name}"
+        res = base.repo.client.request("GET", f"/v2/{base.repo.path}/blobs/{digest}", base.repo.pull, stream=True,
+                                       headers={"Range": f"bytes=0-{compression.HEAD - 1}"})
+        try:
+            if not res.ok:
+                raise BaseImageError(f"cannot read {where}: the registry answered {res.status_code}")
+            head = b""
+            while len(head) < compression.HEAD:
+                got = res.raw.read(compression.HEAD - len(head), decode_content=False)
+                if not got:
+                    break
+                head += got
+        finally:
+            res.close()
+        problem = compression.disagreement(head, media_type)
+        if problem:
+            raise BaseImageError(f"{where}: {problem}; its manifest misnames the layer",
+                                 hint="fix the base's manifest (each layer's media type as its bytes are "
+                                      "compressed), or build from the engine")
 
 
 def opener(repo: Repo) -> Callable[[LayerRef], Any]:

@@ -1,14 +1,18 @@
 """The push gate: what lets an image be pushed, and the signed verdicts that travel with it.
 
-Without ``--require-attestation`` the journal decides: the newest verdict (by
-the journal's sequence, with no unreadable entry that may be about the image)
-that judged this exact image ID must be a pass, GPU-verified unless the
-caller allows otherwise (:func:`gate`). With it, signed verdicts decide
+One rule at every door (:func:`vllm_hotfix.trust.decide.decide`): of the
+verdicts about the image, the newest that covers the verification policy must
+meet it, and a fail of a check it counts blocks it, newer, or older and not
+cleared by a later run of equal or wider scope. Without
+``--require-attestation`` the journal's verdicts of this exact image ID are
+judged, ordered by the journal's sequence (no unreadable entry that may be
+about the image is skipped), against the default policy (the definition's
+full smoke; :func:`gate`), GPU-bound checks loosened only under
+``--allow-gpu-unverified``. With it, signed verdicts are judged
 (:class:`Gate`): those given, those the journal keeps, those beside every
 registry copy of the image this host knows and those already beside the
-target; of those that verify with one of the keys, the newest that covers the
-verification policy must meet it (:func:`vllm_hotfix.trust.attest.judge`; by
-default the definition's full smoke). Whichever let it through, every signed
+target; of those that verify with one of the keys
+(:func:`vllm_hotfix.trust.attest.judge`; by default the same policy). Whichever let it through, every signed
 verdict found for the image, pass and fail, is attached beside the pushed copy
 (:mod:`vllm_hotfix.trust.travel`). The re-check of the image's files right
 before the push answers here in the gate's words (:func:`landed_refusal`).
@@ -23,17 +27,17 @@ from pathlib import Path
 
 from ..checking.launchers import facts
 from ..engine import Engine, ImageInfo, registry_of
-from ..errors import AttestationError, PipelineError, PushError
+from ..errors import AttestationError, AttestationMismatch, CannotCheck, PipelineError, PushError
 from ..journal import records
 from ..registry import client as registry
-from ..trust import attest, policy_file, signing, travel
+from ..trust import attest, decide, policy_file, signing, travel
 from ..trust.policy import Policy
 
 log = logging.getLogger(__name__)
 
 
 def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) -> records.VerdictEntry:
-    """The newest verdict that judged this exact image ID, if it lets the image through.
+    """The journal's verdict that lets this exact image ID through under the default policy, if one does.
 
     Ordered by the journal's own sequence, never by the clocks of the runs.
     A journal entry of any kind that may be about this image and cannot be
@@ -41,25 +45,37 @@ def gate(root: Path, image_id: str, image_ref: str, allow_gpu_unverified: bool) 
     let an older pass stand in for a newer fail.
     """
     records.require_readable(root, image_id, ("build", "tag", "push"))
-    entry = records.judgement(root, image_id)  # the verdict folder: checked the same way, read once
-    if entry is None:
-        pending = records.verdicts(root, image_id)
-        why = f" (its only smoke runs were incomplete: {pending[0].verdict.incomplete})" if pending else ""
+    entries = records.verdicts(root, image_id)  # the verdict folder: checked the same way, read once
+    judged = [e for e in entries if e.verdict.judged]
+    if not judged:
+        why = f" (its only smoke runs were incomplete: {entries[0].verdict.incomplete})" if entries else ""
         raise PushError(
             f"{image_ref} ({image_id[:19]}) has no passing smoke verdict{why}; refusing to push an untested image",
             hint=f"run: python build.py smoke {image_ref}",
         )
-    if not entry.verdict.passed:
-        raise PushError(
-            f"{image_ref} ({image_id[:19]}) failed its newest smoke run ({entry.created}); refusing to push",
-            hint=f"see {entry.path}",
-        )
-    if not entry.verdict.gpu_verified and not allow_gpu_unverified:
-        raise PushError(
-            f"{image_ref} passed smoke without GPU checks (GPU-unverified); refusing to push",
-            hint="smoke-test it on a GPU host, or pass --allow-gpu-unverified",
-        )
-    return entry
+    rules = policy_file.build(flags=policy_file.Flags(allow_gpu_unverified=allow_gpu_unverified))
+    by_name = {str(e.path): e for e in judged}
+    found = [decide.journal_found(str(e.path), e.seq, e.created, e.verdict) for e in judged]
+    what = f"{image_ref} ({image_id[:19]})"
+    try:
+        decision = decide.decide(found, rules, what)
+    except (AttestationMismatch, CannotCheck) as exc:
+        newest = judged[0]
+        if not newest.verdict.passed:
+            lead = f"{what} failed its newest smoke run ({newest.created}); refusing to push"
+        elif not newest.verdict.gpu_verified and not allow_gpu_unverified:
+            lead = f"{what} passed its newest smoke without GPU checks (GPU-unverified); refusing to push"
+        else:
+            lead = "refusing to push" if what in str(exc) else f"refusing to push {what}"
+        hint = exc.hint or f"see {newest.path}"
+        if not allow_gpu_unverified and "--allow-gpu-unverified" in hint:
+            hint = "smoke-test it on a GPU host (with --serve-model and --reference), or pass --allow-gpu-unverified"
+        raise PushError(f"{lead}: {exc}", hint=hint) from None
+    not_run = attest.not_run(decision)
+    if not_run:
+        log.warning("%s: let through by %s, in which %s did not run", image_ref,
+                    Path(decision.accepted.where).name, ", ".join(not_run))
+    return by_name[decision.accepted.where]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +148,10 @@ class Gate:
             accepted = attest.judge(found, {info.id}, f"{image_ref} ({info.id[:19]})", keys, rules)
             if not accepted.gpu_verified:
                 log.warning("%s: its signed pass is GPU-unverified (%s not run), accepted under "
-                            "--allow-gpu-unverified", image_ref, ", ".join(accepted.not_run))
+                            "--allow-gpu-unverified", image_ref, ", ".join(accepted.not_run) or "every check ran")
+            elif accepted.not_run:
+                log.warning("%s: let through by its signed pass, in which %s did not run", image_ref,
+                            ", ".join(accepted.not_run))
             return Clearance(Path(accepted.source).name, accepted.gpu_verified)
         entry = gate(root, info.id, image_ref, self.allow_gpu_unverified)
         return Clearance(entry.path.name, entry.verdict.gpu_verified)

@@ -30,7 +30,7 @@ from ..errors import BaseImageError, PushError, RecordError, Refused, StorageErr
 from ..journal import leftovers, records
 from ..registry import client as registry
 from ..registry import refs, write
-from ..trust import attest
+from ..trust import attest, travel
 from .gate import Gate, landed_refusal
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,18 @@ class Pushed:
     image_id: str
     verdict: str  # the journal entry (or signed verdict) that let it through
     attestations: tuple[str, ...] = ()  # digests of the signed verdicts attached beside it
-    dry_run: bool = False  # nothing was pushed: ``digest`` is empty, ``attestations`` the files it would attach
+    dry_run: bool = False  # nothing was pushed: ``digest`` is empty, ``attestations`` where each one it would
+    # attach was found
     gpu_verified: bool = False
     replaced: str = ""  # what the tag named before, where that had a signed pass (--replace)
+
+
+def travelling(policy: Gate, root: Path, info: ImageInfo, carried: list[tuple[str, bytes]]) -> tuple[str, ...]:
+    """Where each signed verdict a push would attach beside the image was found, once each (what
+    :meth:`Gate.attach` attaches: the journal's, those given, and those ``carried`` from its other registry
+    copies), for a dry run to name: a promotion's dry run counts the staging copy's verdicts too."""
+    local = [(path.name, attest.read_envelope(path)) for path in policy.would_attach(root, info)]
+    return tuple(where for where, _data in travel.unique([*local, *carried]))
 
 
 def target_ref(image_ref: str, registry: str) -> str:
@@ -248,8 +257,8 @@ def push(
         raise landed_refusal(f"{image_ref} ({info.id[:19]})", problem)
     replaced = _check_replace(engine, target, {info.id}, replace, say, attempts)
     if dry_run:
-        return Pushed(target, "", info.id, verdict.source, tuple(p.name for p in policy.would_attach(root, info)),
-                      dry_run=True, gpu_verified=verdict.gpu_verified)
+        return Pushed(target, "", info.id, verdict.source, travelling(policy, root, info, carried), dry_run=True,
+                      gpu_verified=verdict.gpu_verified)
     digest = _push_one(engine, root, info, target, attempts, say)
     attached = policy.attach(engine, root, info, target, digest, say, carried)
     try:
@@ -414,7 +423,7 @@ def push_index(
     if dry_run:
         children = [{"platform": str(plat), "image_id": info.id, "ref": child_ref(target, plat), "digest": "",
                      "verdict": verdicts[plat].source, "gpu_verified": str(verdicts[plat].gpu_verified).lower(),
-                     "attestations": ",".join(p.name for p in policy.would_attach(root, info))}
+                     "attestations": ",".join(travelling(policy, root, info, carried[plat]))}
                     for plat, info in found]
         return PushedIndex(target, "", "", children)
     for plat, info in found:

@@ -153,6 +153,33 @@ def _candidates(client: registry.Client, path: str, repo: str, root: Path) -> di
     return found
 
 
+def _require_repository(client: registry.Client, path: str, repo: str) -> None:
+    """PushError where the registry has no repository ``path`` (its tag list unknown): a folder above
+    repositories (HOST/PATH without the image's name) or a typo, said as such, not as an empty repository."""
+    res = client.request("GET", f"/v2/{path}/tags/list", f"repository:{path}:pull", params={"n": 1})
+    if res.status_code != 404:
+        return
+    below = _repositories_below(client, path)
+    hint = (f"--registry names one image repository, HOST[:PORT]/PATH/NAME; under {repo} the registry has "
+            + ", ".join(f"{repo}/{name}" for name in below[:5]) + (" ..." if len(below) > 5 else "")
+            if below else "--registry names one image repository, HOST[:PORT]/PATH/NAME, as push printed it")
+    raise PushError(f"{repo}: the registry {client.host} has no repository {path}", hint=hint)
+
+
+def _repositories_below(client: registry.Client, path: str) -> list[str]:
+    """The names of the repositories under ``path/`` that the registry's catalog lists (none where it lists none
+    or refuses to: the catalog is optional)."""
+    res = client.request("GET", "/v2/_catalog", "registry:catalog:*", params={"n": 1000})
+    if res.status_code != 200:
+        return []
+    try:
+        body = res.json()
+        names = body.get("repositories") or [] if isinstance(body, dict) else []
+    except ValueError:
+        return []
+    return [str(n).removeprefix(path + "/") for n in names if str(n).startswith(path + "/")]
+
+
 def builds(engine: Engine, root: Path, repo: str, keys: Sequence[signing.PublicKey] = (),
            progress: Callable[[str], None] = lambda _l: None) -> list[RemoteBuild]:
     """Every image of ``repo`` its registry holds (and this host pushed there), newest first."""
@@ -160,8 +187,11 @@ def builds(engine: Engine, root: Path, repo: str, keys: Sequence[signing.PublicK
     host, path = registry.split_repo(repo)
     client = registry.client_for(engine, host)
     progress(f"==> reading {repo} from its registry (tags, configs, signed verdicts)")
+    candidates = _candidates(client, path, repo, root)
+    if not candidates:
+        _require_repository(client, path, repo)
     out = []
-    for digest, tags in _candidates(client, path, repo, root).items():
+    for digest, tags in candidates.items():
         manifest = client.manifest(path, digest)
         if manifest is None or manifest.is_index or "config" not in manifest.json():
             continue

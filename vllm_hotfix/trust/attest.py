@@ -97,9 +97,14 @@ class Accepted:
 
     @property
     def not_run(self) -> list[str]:
-        """The GPU-bound checks the accepted run skipped or never ran (accepted under allow_gpu_unverified)."""
-        statuses = self.decision.accepted.facts.statuses
-        return [name for name in sorted(policy.GPU_BOUND) if statuses.get(name, "skip") == "skip"]
+        """The checks the policy counts that the accepted run skipped or never ran, whatever its GPU said."""
+        return not_run(self.decision)
+
+
+def not_run(decision: decide.Decision) -> list[str]:
+    """The checks ``decision``'s policy counts that its accepted run skipped or never ran."""
+    statuses = decision.accepted.facts.statuses
+    return [name for name in sorted(decision.policy.checks) if statuses.get(name, "skip") == "skip"]
 
 
 def require_given_verify(paths: Sequence[Path], keys: Sequence[signing.PublicKey]) -> None:
@@ -140,6 +145,7 @@ def judge(candidates: Sequence[tuple[str, bytes]], digests: set[str], image: str
         raise refusal[1]
     decision = decide.decide([decide.found(where, f) for where, f in about.values()], rules, image, now)
     chosen = decision.accepted
+    assert chosen.attested is not None  # every candidate here verified with a key
     return Accepted(chosen.where, chosen.attested.key_id, chosen.attested.key_name, chosen.attested.predicate,
                     decision)
 
@@ -246,6 +252,17 @@ def registry_candidates(client: registry.Client, path: str, digest: str) -> list
     return [(f"{where} (signed verdict {d[:19]})", data) for d, data in referrers.envelopes(client, path, digest)]
 
 
+def _missing_tag_hint(client: registry.Client, path: str) -> str:
+    """What to verify instead of a tag the registry lacks: the repository's tags, or that it has none."""
+    where = f"{client.host}/{path}"
+    tags = sorted(t for t in referrers.tags(client, path) if not t.startswith("sha256-"))  # not verdicts' own
+    if not tags:
+        return (f"the registry has no image under {where}: give the reference push printed "
+                "(HOST[:PORT]/PATH/NAME:TAG)")
+    shown = ", ".join(tags[:5]) + (f" and {len(tags) - 5} more" if len(tags) > 5 else "")
+    return f"{where} has the tags {shown} (`python build.py list --registry {where}` shows their builds)"
+
+
 def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: policy.Policy, *,
            given: Sequence[Path] = ()) -> tuple[str, Accepted]:
     """Judge every signed verdict of ``ref`` (its registry's, and ``given``); return (manifest digest, accepted).
@@ -255,7 +272,7 @@ def verify(engine: Engine, ref: str, keys: Sequence[signing.PublicKey], rules: p
     client, path, manifest = registry.look_up(engine, ref)
     host, tag = client.host, split_reference(ref)[1]
     if manifest is None:
-        raise AttestationMissing(f"registry {host} has no {path}:{tag}")
+        raise AttestationMissing(f"registry {host} has no {path}:{tag}", hint=_missing_tag_hint(client, path))
     images = [manifest]
     if manifest.is_index:
         images = []

@@ -10,10 +10,17 @@ certainly not what its author meant.
 
 The default policy is a definition's full smoke: every check a full run's
 plan runs (:data:`FULL_SMOKE`), present and passed, every other check the
-verdict reports passed too, and the GPU checks verified. A GPU-verified pass
-whose serve sweep or ``exact-levels`` was skipped is not a deploy pass under
-it. ``allow_gpu_unverified`` lets the GPU-bound checks (:data:`GPU_BOUND`) be
-skipped or absent, as on a host with no GPU, and the answer says so.
+verdict reports passed too, and the GPU checks verified. Answers must have
+been judged: the ``golden`` check passed with its coverage at or above the
+floor (:mod:`vllm_hotfix.golden.coverage`), the ``reference`` check passed
+(the answers signed by a site key, recorded from another image), the
+fixed-batch schedule at least :data:`LEVELS` x :data:`MIN_REQUESTS`
+requests, and the verdict of the current format
+(:data:`vllm_hotfix.verdicts.FORMAT`). A GPU-verified pass whose serve sweep,
+``exact-levels`` or golden was skipped is not a deploy pass under it.
+``allow_gpu_unverified`` lets the checks that need a GPU (:data:`GPU_BOUND`,
+and a check the run's own GPU judgement set aside) be skipped or absent, as
+on a host with no GPU, and the answer says so; it loosens nothing else.
 
 A policy comes from a TOML or JSON file and from flags, flags adding to the
 file (:mod:`.policy_file`). Which verdict a policy is asked of (the newest of
@@ -28,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import UsageError
-from ..verdicts import IDENTITY, Status, Verdict
+from ..golden import coverage
+from ..verdicts import FORMAT, IDENTITY, Status, Verdict
 
 # The checks a definition's full smoke runs: the host's file facts, the image's Python (isolated), the GPU
 # checks, the server's sweep and the fixed-batch levels (which run only where a reference is given).
@@ -36,9 +44,15 @@ CPU_CHECKS = (IDENTITY, "patch-landed", "package-version", "integrity", "import-
               "known-bad-deps")
 GPU_CHECKS = ("gpu-torch", "gpu-kernel", "gpu-triton", "model-imports")
 SERVE_CHECKS = ("serve-sweep", "exact-levels")
-FULL_SMOKE = (*CPU_CHECKS, *GPU_CHECKS, *SERVE_CHECKS)
-# What cannot run on a host without a GPU: the ``gpu`` check (skipped there), the GPU checks, the server.
-GPU_BOUND = frozenset({"gpu", *GPU_CHECKS, *SERVE_CHECKS})
+# The answers judged: the golden forward's judgement of the replies, and the reference they were compared with.
+ANSWER_CHECKS = ("golden", "reference")
+FULL_SMOKE = (*CPU_CHECKS, *GPU_CHECKS, *SERVE_CHECKS, *ANSWER_CHECKS)
+# What cannot run on a host without a GPU: the ``gpu`` check (skipped there), the GPU checks, the server and the
+# answers it gives, and the compiled files whose absence only a GPU run turns into a fail.
+GPU_BOUND = frozenset({"gpu", "compiled-files", *GPU_CHECKS, *SERVE_CHECKS, *ANSWER_CHECKS})
+# The fixed-batch schedule a full smoke runs: these concurrency levels, each with at least this many requests.
+LEVELS = (1, 2, 4, 8, 16)
+MIN_REQUESTS = 32
 # How far ahead of this host's clock a verdict may be dated before it is refused.
 DEFAULT_SKEW = dt.timedelta(minutes=5)
 STATUSES = ("pass", "fail", "skip")
@@ -56,6 +70,34 @@ class Facts:
     reference: str = ""  # the sha256 of the reference the answers were judged against
     tool_version: str = ""
     run_at: dt.datetime | None = None  # when the judged run started
+    format: int = FORMAT  # the predicate's format (:data:`vllm_hotfix.verdicts.FORMAT`)
+    judged_definition: str = ""  # the definition the run was judged against, where the predicate names it
+
+    def check_named(self, name: str) -> Any:
+        return next((c for c in self.verdict.checks if c.name == name), None)
+
+    @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """The fixed-batch schedule the host ran, as its ``exact-levels`` check names it: (concurrency, requests)
+        per level, in order; empty where the check names none."""
+        exact = self.check_named("exact-levels")
+        data = exact.data if exact is not None and isinstance(exact.data, Mapping) else {}
+        out = []
+        for level in data.get("levels") or []:
+            if isinstance(level, Mapping) and isinstance(level.get("concurrency"), int) \
+                    and isinstance(level.get("requests"), int):
+                out.append((int(level["concurrency"]), int(level["requests"])))
+        return tuple(out)
+
+    @property
+    def gpu_set_aside(self) -> frozenset[str]:
+        """The checks the run's own GPU judgement set aside (a stand-in, not applicable on this GPU family):
+        named in the verdict's GPU facts as "NAME: why"."""
+        names = set()
+        for key in ("not_applicable", "not_real"):
+            for said in self.verdict.gpu.get(key) or []:
+                names.add(str(said).partition(":")[0].strip())
+        return frozenset(names)
 
     @property
     def statuses(self) -> dict[str, str]:
@@ -133,20 +175,84 @@ class CheckStatus:
 @dataclass(frozen=True, slots=True)
 class EveryCheck:
     """Every check the verdict reports passed (a plan's checks, whichever they are), or has a status ``allowed``
-    names for it."""
+    names for it. ``gpu_may_skip``: a check that needs a GPU (:data:`GPU_BOUND`, or one the run's GPU judgement
+    set aside) may be skipped; nothing else may."""
 
     allowed: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    otherwise: frozenset[str] = frozenset({"pass"})  # for a check ``allowed`` does not name
+    gpu_may_skip: bool = False
 
     def describe(self) -> str:
-        return "every check the run reports passed" + (" or skipped" if "skip" in self.otherwise else "")
+        return "every check the run reports passed" + (" (skipped where it needs a GPU)" if self.gpu_may_skip
+                                                       else "")
 
     def check(self, facts: Facts, now: dt.datetime) -> Result:
-        bad = [f"{c.name} {c.status.value}" for c in facts.verdict.checks
-               if c.status.value not in self.allowed.get(c.name, self.otherwise)]
+        aside = facts.gpu_set_aside
+
+        def allowed(name: str) -> frozenset[str]:
+            if name in self.allowed:
+                return self.allowed[name]
+            loose = self.gpu_may_skip and (name in GPU_BOUND or name in aside)
+            return frozenset({"pass", "skip"}) if loose else frozenset({"pass"})
+
+        bad = [f"{c.name} {c.status.value}" for c in facts.verdict.checks if c.status.value not in allowed(c.name)]
         found = f"{len(facts.verdict.checks)} check(s)" + (f"; {', '.join(bad)}" if bad else ", all passed")
         return _answer(self.describe(), found, not bad and bool(facts.verdict.checks),
                        f"not every check passed: {', '.join(bad) or 'no check reported'}")
+
+
+@dataclass(frozen=True, slots=True)
+class GoldenCoverage:
+    """A ``golden`` pass judged enough of the run: its coverage at or above the floor at every level of the run's
+    schedule and for every prompt class (:func:`vllm_hotfix.golden.coverage.shortfall`). A golden check that did
+    not pass is the check's own requirement to answer."""
+
+    def describe(self) -> str:
+        return (f"golden coverage at least {coverage.LEVEL_FLOOR:.0%} per level and "
+                f"{', '.join(f'{k} {v:.0%}' for k, v in coverage.CLASS_FLOOR.items())} per prompt class")
+
+    def check(self, facts: Facts, now: dt.datetime) -> Result:
+        golden = facts.check_named("golden")
+        if golden is None or golden.status is not Status.PASS:
+            return Success(self.describe(), f"golden {golden.status.value if golden else 'not run'}")
+        data = golden.data if isinstance(golden.data, Mapping) else {}
+        levels = tuple(level for level, _requests in facts.schedule)
+        short = coverage.shortfall(data.get("coverage"), levels=levels)
+        return _answer(self.describe(), short or "at or above the floor", short is None,
+                       f"golden passed, but {short}")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """An ``exact-levels`` pass ran the full smoke's schedule: every level of :data:`LEVELS`, each with at least
+    ``MIN_REQUESTS`` requests (the host's schedule, as the check's signed data names it)."""
+
+    def describe(self) -> str:
+        return f"schedule: concurrency {','.join(map(str, LEVELS))} x at least {MIN_REQUESTS} requests"
+
+    def check(self, facts: Facts, now: dt.datetime) -> Result:
+        exact = facts.check_named("exact-levels")
+        if exact is None or exact.status is not Status.PASS:
+            return Success(self.describe(), f"exact-levels {exact.status.value if exact else 'not run'}")
+        ran = dict(facts.schedule)
+        short = [f"concurrency {level} {'not run' if level not in ran else f'{ran[level]} requests'}"
+                 for level in LEVELS if ran.get(level, 0) < MIN_REQUESTS]
+        found = ", ".join(f"{level}x{n}" for level, n in facts.schedule) or "no schedule named"
+        return _answer(self.describe(), found, not short, f"exact-levels ran a narrower schedule: {'; '.join(short)}")
+
+
+@dataclass(frozen=True, slots=True)
+class CurrentFormat:
+    """The verdict is of the current format (one of an earlier format judged no answers)."""
+
+    def describe(self) -> str:
+        return f"verdict format {FORMAT}"
+
+    def check(self, facts: Facts, now: dt.datetime) -> Result:
+        return _answer(self.describe(), f"format {facts.format}", facts.format >= FORMAT,
+                       f"a verdict of format {facts.format}, made before answers were judged (this tool signs "
+                       f"format {FORMAT})",
+                       "smoke it again with this tool (--sign-key), or accept earlier verdicts with a policy file "
+                       "saying earlier_format = true")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,14 +338,22 @@ class MaxAge:
         return _answer(self.describe(), found, age <= self.limit, f"{found}, older than {_duration_text(self.limit)}")
 
 
-def _product(name: str) -> str:
-    return " ".join(name.split()).casefold()
+def _words(name: str) -> list[str]:
+    return name.casefold().split()
+
+
+def _names(wanted: str, device: str) -> bool:
+    """Whether ``wanted`` is ``device`` or a run of its whole words (``H100`` names "NVIDIA H100 80GB HBM3",
+    ``H10`` does not)."""
+    want, have = _words(wanted), _words(device)
+    return bool(want) and any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
 
 
 @dataclass(frozen=True, slots=True)
 class GpuProducts:
-    """The run saw a GPU, and every GPU it saw is one of ``names``: whole names, never a part of one
-    (``H10`` is not ``NVIDIA H100 80GB HBM3``), compared without regard to case or repeated spaces."""
+    """The run saw a GPU, and every GPU it saw is named by one of ``names``: the whole product name or a run of
+    its whole words, never a part of one (``H100`` names "NVIDIA H100 80GB HBM3", ``H10`` does not), compared
+    without regard to case or repeated spaces."""
 
     names: tuple[str, ...]
 
@@ -247,9 +361,8 @@ class GpuProducts:
         return f"GPU product {' or '.join(self.names)}"
 
     def check(self, facts: Facts, now: dt.datetime) -> Result:
-        wanted = {_product(n) for n in self.names}
         devices = facts.devices
-        other = [d for d in devices if _product(d) not in wanted]
+        other = [d for d in devices if not any(_names(n, d) for n in self.names)]
         found = ", ".join(devices) or "no GPU"
         return _answer(self.describe(), found, bool(devices) and not other,
                        f"ran on {found}, not on {' or '.join(self.names)}",
@@ -289,16 +402,28 @@ class Policy:
     max_age: dt.timedelta | None = None
     gpu_products: tuple[str, ...] = ()
     max_skew: dt.timedelta = DEFAULT_SKEW
+    golden_coverage: bool = True  # a golden pass the policy counts must meet the coverage floor
+    schedule: bool = True  # an exact-levels pass the policy counts must have run the full smoke's schedule
+    earlier_format: bool = False  # a verdict of an earlier format may answer
     source: str = "the default policy (the definition's full smoke)"
 
     def requirements(self) -> AllOf:
-        """The requirements, a pass first; AllOf refuses a policy that requires nothing."""
+        """The requirements, a pass first; AllOf refuses a policy that requires nothing of the run: one by which
+        no check need have run (every check it names may be skipped) asks nothing of the image, whatever else it
+        says of the verdict (its format, definition, age or GPU)."""
         reqs: list[Requirement] = [CheckStatus(name, allowed) for name, allowed in sorted(self.checks.items())]
+        substantive = any("skip" not in allowed for allowed in self.checks.values())
         if self.every_check:
-            # Under allow_gpu_unverified a check the policy does not name may be skipped (a patch set's GPU check
-            # on a host without a GPU, or one not applicable to its GPU family), never failed.
-            otherwise = frozenset({"pass", "skip"}) if self.allow_gpu_unverified else frozenset({"pass"})
-            reqs.append(EveryCheck(dict(self.checks), otherwise))
+            # Under allow_gpu_unverified a check that needs a GPU may be skipped (a patch set's GPU check on a host
+            # without a GPU, or one not applicable to its GPU family), never failed; any other is passed.
+            reqs.append(EveryCheck(dict(self.checks), self.allow_gpu_unverified))
+            substantive = True
+        if self.golden_coverage and "golden" in self.checks:
+            reqs.append(GoldenCoverage())
+        if self.schedule and "exact-levels" in self.checks:
+            reqs.append(Schedule())
+        if not self.earlier_format:
+            reqs.append(CurrentFormat())
         if self.gpu_verified:
             reqs.append(GpuVerified())
         for what, attribute, value in (("definition", "definition", self.definition),
@@ -315,7 +440,7 @@ class Policy:
             reqs.append(MaxAge(self.max_age))
         if self.gpu_products:
             reqs.append(GpuProducts(self.gpu_products))
-        return AllOf((Passed(), *reqs) if reqs else ())
+        return AllOf((Passed(), *reqs) if substantive else ())
 
     @property
     def scope(self) -> list[str]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import NotRegular, UsageError
+from ..journal.atomic import opened_regular
 from .policy import DEFAULT_SKEW, STATUSES, Policy, full_smoke
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -26,13 +27,22 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def duration(text: object, what: str) -> dt.timedelta:
-    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` as a duration; UsageError naming ``what`` otherwise."""
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` as a duration; UsageError naming ``what`` otherwise, and
+    for one longer than a duration can be (``inf``, ``1e300``, ``99999999999d``)."""
+    seconds: float | None = None
     if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
-        return dt.timedelta(seconds=float(text))
-    match = _DURATION.match(text) if isinstance(text, str) else None
-    if match is None:
+        seconds = float(text)
+    else:
+        match = _DURATION.match(text) if isinstance(text, str) else None
+        if match is not None:
+            seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds is None:
         raise UsageError(f"{what} {text!r}: not a duration (a number of seconds, or e.g. 90s, 15m, 12h, 7d, 2w)")
-    return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    try:
+        return dt.timedelta(seconds=seconds)
+    except (OverflowError, ValueError):
+        raise UsageError(f"{what} {text!r}: longer than any duration this tool can hold (at most "
+                         f"{dt.timedelta.max.days} days)") from None
 
 
 def _statuses(value: object, where: str) -> frozenset[str]:
@@ -50,13 +60,23 @@ def _digest(value: object, where: str) -> str:
 
 # The keys a policy file may hold; anything else is refused, so that a misspelt requirement is never dropped.
 FILE_KEYS = ("full_smoke", "checks", "allow_gpu_unverified", "definition", "patch_set_digest", "base_digest",
-             "reference_digest", "max_age", "gpu_products", "tool_version", "max_skew")
+             "reference_digest", "max_age", "gpu_products", "tool_version", "max_skew", "golden_coverage",
+             "schedule", "earlier_format")
+# A policy file is a few hundred bytes; one far larger is not one.
+MAX_POLICY = 1024 * 1024
 
 
 def read_file(path: Path) -> dict[str, Any]:
     """A policy file's table (TOML, or JSON for a name ending in ``.json``); UsageError naming the file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # Opened without waiting: a FIFO given as the policy would block the read until someone wrote to it.
+        with opened_regular(path) as (fh, st):
+            if st.st_size > MAX_POLICY:
+                raise UsageError(f"policy {path}: {st.st_size} bytes, too large for a policy file")
+            text = fh.read(MAX_POLICY + 1).decode("utf-8")
+    except NotRegular:
+        raise UsageError(f"policy {path}: not a regular file (a FIFO, device or socket); give the policy's file") \
+            from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"policy {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     try:
@@ -133,10 +153,13 @@ def build(file: Path | None = None, flags: Flags | None = None, root: Path | Non
             raise UsageError(f"{where}: {key} {value!r} is not text")
         return value
 
-    whole = raw.get("full_smoke", True)
-    allow = raw.get("allow_gpu_unverified", False)
-    if not isinstance(whole, bool) or not isinstance(allow, bool):
-        raise UsageError(f"{where}: full_smoke and allow_gpu_unverified are true or false")
+    switches = {key: raw.get(key, default) for key, default in (
+        ("full_smoke", True), ("allow_gpu_unverified", False), ("golden_coverage", True), ("schedule", True),
+        ("earlier_format", False))}
+    wrong = [key for key, value in switches.items() if not isinstance(value, bool)]
+    if wrong:
+        raise UsageError(f"{where}: {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} true or false")
+    whole, allow = switches["full_smoke"], switches["allow_gpu_unverified"]
     allow = allow or flags.allow_gpu_unverified
     checks = full_smoke(allow) if whole else {}
     table = raw.get("checks", {})
@@ -169,9 +192,13 @@ def build(file: Path | None = None, flags: Flags | None = None, root: Path | Non
     return Policy(
         checks=checks, every_check=whole, gpu_verified=whole and not allow, allow_gpu_unverified=allow,
         definition=definition, base_pins=base_pins, tool_version=text("tool_version", flags.tool_version),
-        max_age=duration(age, "max age") if age not in (None, "") else None,
+        max_age=duration(age, "--max-age" if flags.max_age else f"{where}: max age") if age not in (None, "")
+        else None,
         gpu_products=tuple(p.strip() for p in products if p.strip()),
-        max_skew=duration(skew, "max skew") if skew not in (None, "") else DEFAULT_SKEW,
+        golden_coverage=switches["golden_coverage"], schedule=switches["schedule"],
+        earlier_format=switches["earlier_format"],
+        max_skew=duration(skew, "--max-skew" if flags.max_skew else f"{where}: max skew") if skew not in (None, "")
+        else DEFAULT_SKEW,
         source=(f"policy {file}" if file is not None else "the default policy (the definition's full smoke)")
         + (" and the command line" if file is not None and flags != Flags() else ""),
         **digests,

@@ -87,10 +87,32 @@ def _private_enough(source: str) -> None:
                                f"must be readable by its owner alone", hint=f"chmod 600 {source}")
 
 
+def _not_public(source: str, data: bytes | None = None) -> None:
+    """AttestationError when ``source``, given as a signing key, holds a public key."""
+    if data is None:
+        try:
+            data, _name = _read_pem(source, "signing key")
+        except AttestationError:
+            return
+    try:
+        serialization.load_pem_public_key(data)
+    except ValueError:
+        return
+    raise AttestationError(f"signing key {source}: it is a public key; signing takes the private key",
+                           hint="give the private key (mode 600) here; the public key is for verify --key")
+
+
 def load_private_key(source: str) -> ec.EllipticCurvePrivateKey:
     """An ECDSA P-256 private key from a PEM file (mode 0600 or stricter) or ``env:NAME``."""
-    _private_enough(source)
+    try:
+        _private_enough(source)
+    except AttestationError:
+        # A public key's mode is as it should be for a public key: said as the mode's refusal, its chmod would
+        # send the user the wrong way.
+        _not_public(source)
+        raise
     data, name = _read_pem(source, "signing key")
+    _not_public(name, data)
     password = os.environ.get(PASSWORD_ENV)
     try:
         key = serialization.load_pem_private_key(data, password.encode() if password else None)
@@ -178,28 +200,41 @@ def signed_time(predicate: Mapping[str, Any], key: str = "signed_at") -> dt.date
     return when if when.tzinfo is not None else None
 
 
-def proved(report: Mapping[str, Any]) -> dict[str, Any]:
-    """What the host proved about the image, from its own layer-identity check of ``report``.
-
-    The definition, patch set and patches only where the check passed (the
-    image is that definition's product on that base) or found the image to
-    be the definition's base itself; the base wherever the host found one.
-    Nothing here comes from the image's labels.
-    """
+def _identity(report: Mapping[str, Any]) -> tuple[object, Mapping[str, Any]]:
+    """The status and data of the host's layer-identity check in ``report`` (None and empty where it has none)."""
     identity = next((c for c in report.get("checks") or [] if isinstance(c, Mapping) and c.get("name") == IDENTITY),
                     None)
     data = identity.get("data") if identity is not None else None
-    data = data if isinstance(data, Mapping) else {}
-    status = identity.get("status") if identity is not None else None
+    return (identity.get("status") if identity is not None else None), (data if isinstance(data, Mapping) else {})
+
+
+def proved(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What the host proved about the image, from its own layer-identity check of ``report``.
+
+    The patch set and its patches only where the check passed (the image is
+    that definition's product on that base); the base wherever the host found
+    one. Nothing here comes from the image's labels. The definition is
+    :func:`judged_against`'s, named for a fail too.
+    """
+    status, data = _identity(report)
     digests = [str(d) for d in data.get("base_digests") or [] if isinstance(d, str)]
     base = {"id": str(data.get("base_id") or ""), "name": str(data.get("base_ref") or ""), "digests": digests}
     if status not in ("pass", "skip"):
-        return {"definition": "", "patch_set": {}, "patches": {}, "base": base}
+        return {"patch_set": {}, "patches": {}, "base": base}
     patches = data.get("patches")
     patch_set = {"name": str(data.get("patch_set") or ""), "digest": str(data.get("patch_set_digest") or "")} \
         if status == "pass" else {}
-    return {"definition": str(data.get("definition") or ""), "patch_set": patch_set,
-            "patches": dict(patches) if isinstance(patches, Mapping) else {}, "base": base}
+    return {"patch_set": patch_set, "patches": dict(patches) if isinstance(patches, Mapping) else {}, "base": base}
+
+
+def judged_against(report: Mapping[str, Any]) -> dict[str, str]:
+    """What the run judged the image against, whatever it concluded (a fail too): the definition and its patch
+    set's digest as the host's own layer-identity check of ``report`` named them ("" where it found none, as
+    where no definition was named). A fail of one definition then says which, so that it is never taken for a
+    fail of another; that the image IS that definition's product is proved only where the check passed."""
+    _status, data = _identity(report)
+    return {"definition": str(data.get("definition") or ""),
+            "patch_set_digest": str(data.get("patch_set_digest") or "")}
 
 
 def scope(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,13 +264,15 @@ def claimed(labels: Mapping[str, str]) -> dict[str, Any]:
 
 def predicate(report: Mapping[str, Any], labels: Mapping[str, str], signed_at: str,
               run_at: str | None = None) -> dict[str, Any]:
-    """The host's judged smoke report, what the host proved the image to be (:func:`proved`), what the run
+    """The host's judged smoke report, what the host proved the image to be (:func:`proved`), what it judged the
+    image against (:func:`judged_against`: ``definition`` and ``patch_set_digest``, a fail's too), what the run
     covered (:func:`scope`), when it was signed and when the run it judged was made (``run_at``: a Job's
     emission, collected later, is that run's time); the image's labels only under ``claimed``."""
     return {
         **report,
         "tool_version": __version__,
         **proved(report),
+        **judged_against(report),
         "scope": scope(report),
         "claimed": claimed(labels),
         "signed_at": signed_at,

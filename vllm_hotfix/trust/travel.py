@@ -93,19 +93,29 @@ def read(engine: Engine, image_id: str, places: Sequence[str]) -> Carried:
     return out
 
 
+def unique(envelopes: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """``envelopes`` once each, by their bytes, the first place each was found naming it: what :func:`attach`
+    attaches, and what a dry run says it would (the journal's copy of a verdict and the same one beside a
+    registry copy are one)."""
+    once: dict[str, tuple[str, bytes]] = {}
+    for where, data in envelopes:
+        once.setdefault(hashlib.sha256(data).hexdigest(), (where, data))
+    return list(once.values())
+
+
 def attach(engine: Engine, target: str, digest: str, envelopes: Sequence[tuple[str, bytes]],
            say: Callable[[str], None] = lambda _l: None) -> list[str]:
-    """Attach each of ``envelopes`` (once each, by its bytes) beside ``target``'s pushed manifest ``digest``;
-    the artifacts' digests."""
-    unique = {hashlib.sha256(data).hexdigest(): (where, data) for where, data in envelopes}
-    if not unique:
+    """Attach each of ``envelopes`` (once each, by its bytes: :func:`unique`) beside ``target``'s pushed manifest
+    ``digest``; the artifacts' digests."""
+    going = unique(envelopes)
+    if not going:
         return []
     client, path, manifest = registry.look_up(engine, target, digest)
     if manifest is None:
         raise AttestationError(f"registry {client.host} has no {path}@{digest} to attach the signed verdicts to")
     subject = referrers.Subject(manifest.digest, manifest.media_type, manifest.size)
     out = []
-    for where, data in unique.values():
+    for where, data in going:
         out.append(referrers.attach(client, path, subject, data))
         say(f"    attached the signed verdict from {where} as {out[-1][:19]}")
     return out

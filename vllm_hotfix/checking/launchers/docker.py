@@ -30,6 +30,7 @@ from typing import Any
 from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
+from ...golden import warm as golden_warm
 from ...inimage import reference as answers
 from ...inimage.runner import MOUNT
 from ...inimage.runner.main import as_check, parse
@@ -152,10 +153,13 @@ class DockerRun:
                                                        self.opt.gpu_request, self.opt.python, self.say)
         return self._access[image.id]
 
-    def compile_cache(self, image: ImageInfo, *, is_base: bool = False) -> compile_cache.CompileCache | None:
+    def compile_cache(self, image: ImageInfo, *, is_base: bool = False,
+                      proven: bool = False) -> compile_cache.CompileCache | None:
         """The compile cache folder of the image's base on the GPU model in use (None: not kept), and how this
-        run gets it: written in place only by the base itself (``is_base``) or an image this host has passed;
-        read-only under a private layer for any other; a folder of its own for a recording."""
+        run gets it: written in place only by the base itself (``is_base``), an image whose layers this run proved
+        (``proven``: its code is the base's and a patch set's of this checkout) or an image whose newest verdict
+        here meets the default policy (:func:`compile_cache.trusted_by`); read-only under a private layer for any
+        other; a folder of its own for a recording."""
         if not self.opt.compile_cache:
             return None
         if image.id not in self._caches:
@@ -163,7 +167,7 @@ class DockerRun:
             devices = access.devices if access is not None and access.chosen is not None else []
             found = compile_cache.folder(sources.cache_dir(self.root), image.id, self._bases.get(image.id), devices)
             judged = records.judgement(self.root, image.id)
-            trusted = is_base or (judged is not None and judged.verdict.passed)
+            trusted = is_base or proven or (judged is not None and compile_cache.trusted_by(judged.verdict))
             how = compile_cache.access(trusted=trusted, recording=self.opt.record_reference is not None)
             self._caches[image.id] = replace(found, access=how)
         return self._caches[image.id]
@@ -227,14 +231,22 @@ class DockerRun:
         seen = self._access[image.id].devices if image.id in self._access else []
         if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
             answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
-        cache = (self.compile_cache(image, is_base=proven.status == "skip")
+        layers_proven = proven.status == "pass"
+        cache = (self.compile_cache(image, is_base=proven.status == "skip", proven=layers_proven)
                  if request is not None or self.opt.serve_model is not None else None)
         environment = {"compile_cache": cache.to_dict()} if cache is not None else {}
         if cache is not None:
             self.say(f"    compile cache {cache.host} (base {cache.base_id[:12]}, {cache.gpu}) at {cache.mount[1]}, "
-                     + {compile_cache.SHARED: "written in place",
-                        compile_cache.LAYERED: "read-only under a private layer (no passing verdict here yet)",
-                        compile_cache.PRIVATE: "a folder of its own (a recording shares none)"}[cache.access])
+                     + {compile_cache.SHARED: "written in place" + (" (its layers proven)" if layers_proven else ""),
+                        compile_cache.LAYERED: "read-only under a private layer (no verdict here meets the default "
+                                               "policy yet)",
+                        compile_cache.PRIVATE: "a folder of its own (a recording reads none)"
+                                               + ("; what it compiles warms the base's folder after it (its layers "
+                                                  "proven)" if layers_proven else "")}[cache.access])
+        if self.opt.serve_model is not None and (self.opt.reference is not None
+                                                 or self.opt.record_reference is not None):
+            # The golden judges the replies on this host once they are back: its libraries load meanwhile.
+            golden_warm.start()
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
         clock.restart()
@@ -242,11 +254,15 @@ class DockerRun:
         host_facts = plan.HostFacts(found.compiled_missing, gpu_facts, environment,
                                     lambda modules: self.base_import_errors(image, modules))
         mounted = None
-        done: list[plan.Ran] = []  # the run, once judged: a layered cache's writes are kept only if it passed
+        # The run, once judged: a layered cache's writes are kept only where it met the default policy.
+        done: list[plan.Ran] = []
         try:
             with contextlib.ExitStack() as stack:
-                mounted = stack.enter_context(compile_cache.given(
-                    self.engine, cache, keep=lambda: bool(done) and done[0].verdict.passed)) \
+                # A recording's writes are kept where its image's layers were proven; a layered run's where its
+                # verdict met the default policy.
+                keep = (lambda: layers_proven) if cache is not None and cache.access == compile_cache.PRIVATE else \
+                    (lambda: bool(done) and compile_cache.trusted_by(done[0].verdict))
+                mounted = stack.enter_context(compile_cache.given(self.engine, cache, keep=keep)) \
                     if cache is not None else None
                 launcher = DockerLauncher(self.engine, self.opt.python, plan.deadline(self.opt, request is not None),
                                           env=mounted.env if mounted is not None else None,

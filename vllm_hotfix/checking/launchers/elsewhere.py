@@ -14,19 +14,20 @@ import hashlib
 import logging
 import secrets
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...engine import Engine, ImageInfo, split_reference
 from ...errors import EngineError, NotRegular, PushError, Refused, RunnerFailed, UsageError
+from ...inimage.runner import NONCE_MARK
 from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...judges import identity, layer_read
 from ...registry import client as registry
 from . import facts, plan
-from .base import Launched, results
+from .base import LINE, Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
 
@@ -50,7 +51,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
     target = plan.Target(image_ref, image_id, image_id, labels,
                          f"{inspected.get('Os', '')}/{inspected.get('Architecture', '')}",
                          entrypoint=tuple(config.get("Entrypoint") or plan.DEFAULT_ENTRYPOINT),
-                         repo_digests=tuple(inspected.get("RepoDigests") or ()))
+                         repo_digests=registry_digests(inspected.get("RepoDigests") or ()))
     # File facts from podman's own copy, the one it starts; the base and the expectation from the Docker engine
     # that holds the base.
     files = PodmanFiles(launcher)
@@ -77,6 +78,17 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
                      landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing),
                      python_path=proven.python_path if proven is not None else ())
     return plan.keep_recorded(ran, options, target, say), target
+
+
+# The name podman's store gives an image that came from no registry (loaded, built, committed): its own
+# namespace, no registry's host.
+PODMAN_LOCAL = "localhost/"
+
+
+def registry_digests(names: Sequence[object]) -> tuple[str, ...]:
+    """Podman's repo digests of an image that name a registry copy of it: those under its store's own
+    ``localhost/`` name are no copy anywhere, and a signed verdict is attached beside none of them."""
+    return tuple(str(n) for n in names if not str(n).startswith(PODMAN_LOCAL))
 
 
 def into_podman(root: Path, engine: Callable[[], Engine], launcher: PodmanLauncher, image_ref: str,
@@ -347,5 +359,25 @@ def _collected(root: Path, cluster: Cluster, say: Callable[[str], None], ref: st
     except OSError as exc:
         raise UsageError(f"--collect {given}: cannot read the pod's log ({exc.strerror or exc})") from None
     say(f"==> reading the runner's report from {given}")
-    return results(text, text, f"the pod's log {given}")
+    try:
+        return results(text, text, f"the pod's log {given}")
+    except RunnerFailed as exc:
+        if _said_nonce(root, text, ref):
+            raise  # the Job's own runner, started in the image, gave no report: the image's failure
+        # Nothing in the file ties it to a Job this host made (a kubectl error, another pod's log): it says
+        # nothing about the image, so no verdict on it is judged or signed.
+        last = (text.strip().splitlines() or ["it is empty"])[-1][:LINE]
+        raise RunnerFailed(f"--collect {given}: no runner report and no run nonce of a Job this host made for "
+                           f"{ref} (its last line: {last}): not that Job's log, so it says nothing about the image",
+                           hint=f"collect the Job's own pod log (--collect job/NAME, or kubectl logs job/NAME > "
+                                f"FILE); {exc.hint}", incomplete=True) from None
+
+
+def _said_nonce(root: Path, text: str, ref: str) -> bool:
+    """Whether ``text`` holds the nonce line of a runner started by a Job this host made for ``ref``."""
+    for line in text.splitlines():
+        mark, _, nonce = line.strip().partition(" ")
+        if mark == NONCE_MARK and nonce and any(e.data.get("image") == ref for e in records.jobs(root, nonce)):
+            return True
+    return False
 

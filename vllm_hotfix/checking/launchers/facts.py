@@ -5,14 +5,16 @@ is started from, its files are read from there and judged the same way
 (:func:`~vllm_hotfix.judges.integrity.check_image`). A smoke run's job carries the
 finished checks (:func:`file_facts`); the host's verdict keeps them as the
 host made them, whatever the runner reports. The push gate reads them again
-right before a push (:func:`landed_problem`, :func:`pins_problem`), and answer
-with a typed :class:`LandedProblem`: the check, whether the image differs or
-the host could not tell, and the difference where there is one.
+right before a push, in one pass (:func:`landed_problem`), and the judges of
+:mod:`vllm_hotfix.judges.recheck` answer with a typed
+:class:`~vllm_hotfix.judges.recheck.LandedProblem`: the check, whether the
+image differs or the host could not tell, and the difference where there is
+one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,14 +22,11 @@ from typing import Any
 from ...building import definitions, expected, pins, sources
 from ...engine import Engine, ImageInfo
 from ...errors import DefinitionError, EngineError, PinError, UnknownExpectation
-from ...judges import identity, installed, integrity
-from ...judges.difference import Difference
+from ...judges import identity, integrity, recheck
+from ...judges.recheck import EXPECTATION, PINS, LandedProblem, missing_compiled
+from ...sitefacts import site
+from ...sitefacts.site import FileSource, keep_metadata, keep_patched
 from ...verdicts import Status
-
-
-def missing_compiled(judged: integrity.Judged) -> tuple[str, ...]:
-    """Compiled files RECORD lists but the image lacks; the base's named so. They keep it from GPU-verified."""
-    return (*judged.compiled_missing, *(f"{p} (the base's)" for p in judged.compiled_missing_base))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +61,7 @@ def pinned_names(root: Path, definition: str) -> list[str]:
     return [p.spelled for p in pinset.pins] if pinset is not None else []
 
 
-def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, expect_from: Engine | None,
+def file_facts(root: Path, image: ImageInfo, files_from: FileSource, expect_from: Engine | None,
                say: Callable[[str], None] = lambda _l: None, proven: identity.Outcome | None = None) -> FileFacts:
     """The file checks alone, read from ``files_from`` (the store the launcher starts the image from).
 
@@ -104,62 +103,6 @@ def file_facts(root: Path, image: ImageInfo, files_from: integrity.FileSource, e
                      found.source, missing_compiled(judged), landed_of(found))
 
 
-# What the push gate's re-check calls the parts it runs, beside layer identity's name and integrity's checks'
-# (patch-landed, package-version, integrity), which keep theirs.
-EXPECTATION = "expectation"  # what the patched files must be, recomputed from the patch set and the base
-PINS = "pins"  # the versions pins.txt names, once each in the image's site folders
-COMPILED_FILES = "compiled-files"  # the compiled files a GPU-verified image must have
-
-
-@dataclass(frozen=True, slots=True)
-class LandedProblem:
-    """Why the re-check of an image's files stops a push: the check that found it, and whose fault it is.
-
-    ``status`` is :attr:`Status.FAIL` where the image differs from what it
-    must be, :attr:`Status.INCOMPLETE` where this host could not read or work
-    out what the check needs (a base not found, a pins.txt or definition it
-    cannot use, an expectation it cannot recompute): nothing is then known
-    against the image, and it is never called a difference.
-    """
-
-    check: str  # identity.CHECK, EXPECTATION, PINS, COMPILED_FILES, or an integrity check's name
-    status: Status
-    words: str  # what the check says, after its name
-    difference: Difference | None = None  # where a fail names one: the path, field, expected and found
-
-    @property
-    def host_fault(self) -> bool:
-        return self.status is Status.INCOMPLETE
-
-    def __str__(self) -> str:
-        return f"{self.check}: {self.words}"
-
-
-def identity_problem(proven: identity.Outcome) -> LandedProblem | None:
-    """Layer identity's outcome as the re-check's problem: a base this host could not find or read is its own
-    fault (incomplete), a layer, file or config field that differs is the image's (fail)."""
-    if proven.status not in (Status.FAIL, Status.INCOMPLETE):
-        return None
-    return LandedProblem(identity.CHECK, Status(proven.status), proven.detail, proven.difference)
-
-
-def files_problem(checked: integrity.FileChecks, gpu_claimed: bool) -> LandedProblem | None:
-    """The first of the file checks that does not pass (each keeps its status), else, where the verdict claims
-    GPU-verified, the compiled files RECORD lists that the image lacks."""
-    for check in checked.checks:
-        if check["status"] != Status.PASS:
-            return LandedProblem(str(check["name"]), Status(check["status"]), str(check["detail"]),
-                                 checked.differences.get(str(check["name"])))
-    judged = checked.judged
-    missing = missing_compiled(judged)
-    if not (gpu_claimed and missing):
-        return None
-    first = (*judged.compiled_missing, *judged.compiled_missing_base)[0]
-    words = (f"its verdict says GPU-verified, but {len(missing)} compiled file(s) the installed RECORD lists are "
-             f"absent, e.g. {', '.join(missing[:integrity.EXAMPLES])}")
-    return LandedProblem(COMPILED_FILES, Status.FAIL, words, Difference(first, "entry", "listed in RECORD", "", words))
-
-
 def landed_problem(engine: Engine, root: Path, image: ImageInfo, say: Callable[[str], None] = lambda _line: None,
                    *, gpu_claimed: bool = False) -> LandedProblem | None:
     """The file checks alone, read from the image's layers: None if its files are what they must be.
@@ -173,67 +116,48 @@ def landed_problem(engine: Engine, root: Path, image: ImageInfo, say: Callable[[
     (:mod:`vllm_hotfix.judges.identity`), whatever the journal says. A file
     of the image that cannot be read raises the engine's error, as a read
     anywhere else does.
-    """
-    proven = identity.prove(engine, root, image, say=say)
-    problem = identity_problem(proven)
-    if problem is not None:  # a base not found here proves nothing either way: no push
-        return problem
-    try:
-        found = expected.for_image(engine, root, image, base_id=proven.base_id or None,
-                                   definition=proven.base.definition.tag if proven.base is not None else None)
-    except UnknownExpectation as exc:
-        return LandedProblem(EXPECTATION, Status.INCOMPLETE, str(exc))
-    if not found.site_dir:
-        return LandedProblem(EXPECTATION, Status.INCOMPLETE, "the build record names no site folder to read the "
-                                                             "image's files in: rebuild the image with this version "
-                                                             "of the tool")
-    sites = [p for p in proven.python_path if p.rstrip("/").endswith("-packages")]
-    problem = pins_problem(engine, root, image, found, sites)
-    if problem is not None:
-        return problem
-    try:
-        pinned = pinned_names(root, found.definition)
-    except (DefinitionError, PinError) as exc:
-        return LandedProblem(PINS, Status.INCOMPLETE, str(exc))
-    return files_problem(integrity.check_image(engine, sources.cache_dir(root), image.id, found, pinned, say),
-                         gpu_claimed)
 
-
-def pins_difference(pinset: pins.PinSet, copies: Mapping[str, Sequence[str]]) -> LandedProblem | None:
-    """The first pin whose distribution the image does not hold at exactly its version, once (``copies``: each
-    distribution's versions found in the image's site folders)."""
-    for pin in pinset.pins:
-        have = sorted(copies.get(pin.name) or ())
-        if have != [pin.version]:
-            found = ", ".join(have)
-            words = (f"{pin.spelled} is {found or 'not installed'} in the image (read from its layers), but "
-                     f"{pinset.path.parent.name}/{pins.PINS_FILE} {pin.where} pins {pin.version}")
-            return LandedProblem(PINS, Status.FAIL, words, Difference(pin.name, "version", pin.version, found, words))
-    return None
-
-
-def pins_problem(engine: Engine, root: Path, image: ImageInfo, found: expected.Expected,
-                 sites: Sequence[str] = ()) -> LandedProblem | None:
-    """None if every distribution the definition's pins.txt names has its pinned version, once.
-
-    Read from the image's layers, in its site folder and every other site
-    folder on the base's ``sys.path`` (``sites``, as the host read it from the
-    base): nothing of the image runs, so neither its Python nor anything its
+    One pass: what the files must be and the pins are worked out, every site
+    folder the judges need (the image's, each other one on the base's
+    ``sys.path``, and the base's where no judgement of it is kept) is read
+    once, and the judges (:func:`vllm_hotfix.judges.recheck.judge`) get the
+    facts. Nothing of the image runs, so neither its Python nor anything its
     configuration would load answers for it. A definition or pins.txt this
     host cannot use is its own fault (incomplete), never the image's.
     """
+    proven = identity.prove(engine, root, image, say=say)
+    problem = recheck.identity_problem(proven)
+    if problem is not None:  # a base not found here proves nothing either way: no push
+        return problem
     try:
-        defn = definitions.load(root, found.definition)
+        want = expected.for_image(engine, root, image, base_id=proven.base_id or None,
+                                  definition=proven.base.definition.tag if proven.base is not None else None)
+    except UnknownExpectation as exc:
+        return LandedProblem(EXPECTATION, Status.INCOMPLETE, str(exc))
+    if not want.site_dir:
+        return LandedProblem(EXPECTATION, Status.INCOMPLETE, "the build record names no site folder to read the "
+                                                             "image's files in: rebuild the image with this version "
+                                                             "of the tool")
+    try:
+        defn = definitions.load(root, want.definition)
         pinset = pins.load(root, defn.patch_set, defn.package)
     except (DefinitionError, PinError) as exc:
         return LandedProblem(PINS, Status.INCOMPLETE, str(exc))
-    if pinset is None:
-        return None
-    copies: dict[str, list[str]] = {}
-    for site in dict.fromkeys([found.site_dir, *sites]):
-        if not site:
-            continue
-        tree = integrity.read_site(engine, image.id, site, integrity.keep_metadata, sources.cache_dir(root))
-        for name, version in installed.copies(tree, site):
-            copies.setdefault(name, []).append(version)
-    return pins_difference(pinset, copies)
+    cache = sources.cache_dir(root)
+    roots = [p.spelled for p in pinset.pins] if pinset is not None else []
+    key = sources.findings_key(want.package, want.site_dir, roots)
+    based = bool(want.base_id) and want.base_id != image.id
+    base = sources.cached_findings(cache, want.base_id, key) if based else None
+    sites = [p for p in proven.python_path if p.rstrip("/").endswith("-packages")]
+    reads = {image.id: (list(dict.fromkeys([want.site_dir, *sites])), keep_patched(want.site_dir, want.files))}
+    if based and base is None:
+        if engine.image(want.base_id) is None:
+            say(f"    base {want.base_id[:19]} is not in the engine: every deviation counts as this image's")
+        else:
+            reads[want.base_id] = ([want.site_dir], keep_metadata)
+    files = {ref: site.read(engine, ref, folders, keep, cache, say) for ref, (folders, keep) in reads.items()}
+    judged = recheck.judge(recheck.ImageFacts(want, pinset, files[image.id], base, files.get(want.base_id)),
+                           gpu_claimed)
+    if judged.base is not None:
+        sources.store_findings(cache, want.base_id, key, judged.base)
+    return judged.problem

@@ -29,7 +29,7 @@ from ...inimage import oracle
 from ...inimage.reference import PROMPTS, Reference
 from ...journal import leftovers, records
 from ...judges import fixed_batches, judging, replies
-from ...trust.references import UNCHECKED, Signature
+from ...trust.references import UNCHECKED, Signature, unfit
 from ...verdicts import Check, Status, Verdict
 from .. import compile_cache
 from .base import Launched, Launcher, stage
@@ -258,7 +258,7 @@ class Ran:
     job: Mapping[str, Any]
     answers: bytes | None = None  # reference answers the runner recorded (the file's bytes)
     levels: Mapping[str, Any] | None = None  # per-level answers recorded under fixed batches (the host's reading)
-    golden: Mapping[str, Any] | None = None  # the golden's noise measured on a recording run (the host's)
+    golden: Mapping[str, Any] | None = None  # the golden section a recording run kept (its envelope; the host's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +309,8 @@ def batch_check(job: Mapping[str, Any], launched: Launched, reference: Reference
 def golden_check(job: Mapping[str, Any], launched: Launched, reference: Reference | None, model: Path | None
                  ) -> tuple[list[Check], dict[str, Any] | None]:
     """The host's ``golden`` check of the replies that came back (none where the job judged no answers, or the
-    host has no model folder), and, for a recording, the golden's noise to keep in the reference."""
+    host has no model folder), and, for a recording, the golden's envelope to keep in the reference. Every level
+    the job scheduled (the sweep's and the fixed batches') must be covered."""
     spec = (job.get("serve") or {}).get("batches")
     if not spec or model is None:
         return [], None
@@ -325,8 +326,9 @@ def golden_check(job: Mapping[str, Any], launched: Launched, reference: Referenc
     except (ValueError, Malformed) as exc:
         return [Check(golden.judge.CHECK, Status.FAIL, f"the runner's replies cannot be read: {exc}")], None
     start = time.monotonic()
+    levels = sorted({int(c) for c in [*(spec.get("levels") or ()), *((job.get("serve") or {}).get("levels") or ())]})
     check, section = golden.run(model, prompts, served, section=reference.golden if reference is not None else None,
-                                recording=reference is None)
+                                recording=reference is None, levels=levels, tokens=spec.get("max_tokens"))
     return [replace(check, seconds=round(time.monotonic() - start, 3))], section
 
 
@@ -489,20 +491,25 @@ def smoke(launcher: Launcher, root: Path, target: Target, options: SmokeOptions,
 def keep_recorded(ran: Ran, options: SmokeOptions, target: Target, say: Callable[[str], None]) -> Ran:
     """A recording run (``--record-reference``, docker or podman): the answers the runner recorded written with
     their settings, the per-level answers the host read from the batch probe and the golden's noise measured on
-    them, and the verdict naming the file; nothing written without the per-level answers (the run fails on its
-    exact-levels check, which says why), nor where the golden judged the trusted image wrong."""
-    if ran.answers is None or options.record_reference is None:
+    them, and the verdict naming the file; only from a passing recording (:func:`...trust.references.unfit`: a
+    pass, its golden passed, GPU-verified). Nothing is written otherwise: without the per-level answers (the run
+    fails on its exact-levels check, which says why), where the golden judged the trusted image wrong or did not
+    run, or where no GPU verified the image."""
+    if options.record_reference is None:
         return ran
     from ...inimage import reference as answers
 
-    if not ran.levels:
-        say(f"    --record-reference {options.record_reference}: no per-level answers under fixed batches came back "
-            "(see the exact-levels check); nothing written")
+    where = f"    --record-reference {options.record_reference}"
+    if ran.answers is None:
+        say(f"{where}: the runner recorded no answers (see the serve-sweep check); nothing written")
         return ran
-    said = next((c for c in ran.verdict.checks if c.name == "golden"), None)
-    if said is not None and said.status is not Status.SKIP and not ran.golden:
-        say(f"    --record-reference {options.record_reference}: the golden check of the trusted image's replies did "
-            "not pass (see the golden check); nothing written")
+    if not ran.levels:
+        say(f"{where}: no per-level answers under fixed batches came back (see the exact-levels check); nothing "
+            "written")
+        return ran
+    why = unfit(ran.verdict) or (None if ran.golden else "the golden measured no noise to keep")
+    if why is not None:
+        say(f"{where}: nothing written: {why}")
         return ran
     settings = {**serve_settings(options, target), **run_settings(ran.verdict)}
     # The image they were recorded from: its config digest, the host's fact.

@@ -237,6 +237,19 @@ class PodmanLauncher:
         if tagged.returncode != 0:
             raise EngineError(f"podman tag {by_digest} {image}: {(tagged.stderr.strip().splitlines() or ['?'])[-1]}")
 
+    def images_labelled(self, label: str) -> list[tuple[str, tuple[str, ...], int]]:
+        """The images of podman's store carrying ``label``: (ID, names, size in bytes) each."""
+        done = self._call("images", "--filter", f"label={label}", "--format", "json")
+        if done.returncode != 0:
+            raise EngineError(f"podman images: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        listed = json.loads(done.stdout or "[]") or []
+        return [("sha256:" + str(i.get("Id", "")).removeprefix("sha256:"), tuple(i.get("Names") or ()),
+                 int(i.get("Size") or 0)) for i in listed]
+
+    def remove_image(self, image_id: str) -> bool:
+        """``podman rmi`` of ``image_id`` (every name of it); False where podman keeps it (a container uses it)."""
+        return self._call("rmi", image_id.removeprefix("sha256:")).returncode == 0
+
     def image_facts(self, image: str) -> dict[str, Any]:
         """``podman image inspect`` of ``image``; BaseImageError (exit 4, as under docker) when podman lacks it."""
         self.require()
@@ -260,7 +273,7 @@ NEVER_STARTED = "/nonexistent-vllm-hotfix-never-started"
 
 class PodmanFiles:
     """Files of an image in podman's store, read without running it (an
-    :class:`~vllm_hotfix.judges.integrity.FileSource`).
+    :class:`~vllm_hotfix.sitefacts.site.FileSource`).
 
     As the Docker engine's reader (:mod:`vllm_hotfix.engine.files`) does: a
     container is created and never started, each folder comes out of it as a

@@ -16,6 +16,9 @@ REPORT_MARK = "@@vllm-hotfix-runner:report@@"
 ANSWERS_MARK = "@@vllm-hotfix-runner:answers@@"
 BATCHES_MARK = "@@vllm-hotfix-runner:batches@@"  # the fixed-batch probe's raw replies, for the host to judge
 REPLIES_MARK = "@@vllm-hotfix-runner:replies@@"  # the sweep's replies as they came, for the host to judge
+# A Job's run nonce, said as the runner starts: a saved log of a runner that then gave no report is still known
+# as that Job's (a failure of the image), where a log without it is nobody's (nothing learned about the image).
+NONCE_MARK = "@@vllm-hotfix-runner:run_nonce@@"
 JOB_VERSION = 3
 
 # How the runner starts (python -I -S run.py JOB) and starts every probe, check and batch engine: no user site,

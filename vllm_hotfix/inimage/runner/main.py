@@ -45,7 +45,17 @@ from typing import Any
 
 from ... import verdicts
 from ...errors import Malformed
-from . import ANSWERS_MARK, BATCHES_MARK, JOB_VERSION, REPLIES_MARK, REPORT_MARK, child_argv, child_env, serve
+from . import (
+    ANSWERS_MARK,
+    BATCHES_MARK,
+    JOB_VERSION,
+    NONCE_MARK,
+    REPLIES_MARK,
+    REPORT_MARK,
+    child_argv,
+    child_env,
+    serve,
+)
 
 # As vllm_hotfix.judges.integrity names who answered a check (that module is not carried into the image).
 IMAGE_PYTHON = "image-python"
@@ -344,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # The base's sys.path folders, as the host read them from the base: this process started without its site.
     sys.path.extend(str(p) for p in job.get("python_path") or [] if str(p) not in sys.path)
+    if job.get("run_nonce"):
+        say(f"{NONCE_MARK} {job['run_nonce']}")
     run = Run(job)
     try:
         verdict = run.run()
