@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # One call of a GPU campaign on a lent GPU host, where each call carries at most one
 # part of the bundle and lasts at most ten minutes: the parts arrive one a call, the
-# campaign (gpu-host-serve.sh) then runs detached while later calls only wait for it,
+# campaign (campaign.py) then runs detached while later calls only wait for it,
 # and every call sends back what the run has written so far, so that a lease that ends
 # early still leaves its reports.
 #
 #   bash gpu-runs/campaign-call.sh part FILE...   keep these parts (part-NN, SHA256SUMS) in PARTS
 #   bash gpu-runs/campaign-call.sh start          copy this checkout to CHECKOUT (without the parts)
-#                                                 and start gpu-host-serve.sh PARTS OUTDIR detached
+#                                                 and start campaign.py PARTS OUTDIR detached
 #   bash gpu-runs/campaign-call.sh wait SECONDS   wait until the run is done or SECONDS have passed
 #
 # Every call first writes the host's clock (its seconds since it started, /proc/uptime)
 # into OUTDIR/calls.log with what the call was, and at its end packs OUTDIR into
 # $OUT/campaign.tgz (the folder the lending tool sends back) where OUT is set. The
 # campaign's own settings come from the environment of `start` (PARALLEL, ENGINE_GIB,
-# MODELS, STEPS... see gpu-host-serve.sh). PARTS (/var/lib/vhp), CHECKOUT
+# MODELS, STEPS... see campaign.py). PARTS (/var/lib/vhp), CHECKOUT
 # (/var/lib/vhc) and OUTDIR (/var/lib/vho) lie outside the copy a call runs in, so that
 # they outlast it.
 set -euo pipefail
@@ -42,13 +42,13 @@ case "${1:-}" in
     if running; then
       note "start: the campaign runs already (pid $(cat "$OUTDIR/campaign.pid"))"
     else
-      note "start: gpu-host-serve.sh $PARTS $OUTDIR (PARALLEL=${PARALLEL:-1} STEPS=${STEPS:-default})"
+      note "start: campaign.py $PARTS $OUTDIR (PARALLEL=${PARALLEL:-1} STEPS=${STEPS:-default})"
       rm -rf "$CHECKOUT" && mkdir -p "$CHECKOUT"
       # The checkout as it came, less the carried parts (they are in PARTS now).
       tar -C "$HERE" --exclude='./.gpucarry/part-*' --exclude=./.gpucarry/SHA256SUMS --exclude=./.git --exclude=./.venv \
         --exclude=./build --exclude=./.mypy_cache --exclude=./.ruff_cache --exclude=./.pytest_cache \
         --exclude=__pycache__ -cf - . | tar -C "$CHECKOUT" -xf -
-      setsid bash "$CHECKOUT/gpu-runs/gpu-host-serve.sh" "$PARTS" "$OUTDIR" >"$OUTDIR/console.log" 2>&1 </dev/null &
+      setsid "$(command -v "${PYTHON:-python3}")" "$CHECKOUT/gpu-runs/campaign.py" "$PARTS" "$OUTDIR" >"$OUTDIR/console.log" 2>&1 </dev/null &
       echo $! >"$OUTDIR/campaign.pid"
       sleep 1
     fi

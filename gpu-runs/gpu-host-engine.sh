@@ -131,7 +131,7 @@ if step smoke; then
 fi
 # 7. the record
 if step record; then
-  # SOURCE_MANIFEST (see gpu-host-serve.sh): the record is refused unless the checkout that ran is that commit.
+  # SOURCE_MANIFEST (see campaign.py): the record is refused unless the checkout that ran is that commit.
   "$PY" gpu-runs/gpu_host.py record "$OUTDIR/record.json" --patched "$OUTDIR/patched.json" \
     --unpatched "$OUTDIR/unpatched.json" --timings "$LOG" \
     --source-manifest "${SOURCE_MANIFEST:-$BUNDLE/source.json}" | tee -a "$LOG.summary"

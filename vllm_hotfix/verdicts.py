@@ -148,6 +148,18 @@ class Check:
             import_errors=_import_errors(raw),
         )
 
+    @classmethod
+    def reported(cls, raw: object, seconds: float, name: str) -> Check:
+        """A check as a probe or a runner reported it, timed ``seconds``; a malformed one is a failing check under
+        its own name (else ``name``). The one reading of a reported check: the runner's of its probes, and the
+        host's of the runner's report and of the probes it starts itself."""
+        try:
+            c = cls.from_dict(raw)
+        except Malformed as exc:
+            said = raw.get("name") if isinstance(raw, Mapping) and isinstance(raw.get("name"), str) else ""
+            return cls(said or name, Status.FAIL, f"the probe reported a malformed check: {exc}", seconds)
+        return cls(c.name, c.status, c.detail, seconds, c.data, c.ran_against, c.stubs, c.import_errors)
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STANDIN_REPO, cli, site_key
-from vllm_hotfix.checking.launchers import plan
+from vllm_hotfix.checking.launchers import plan, smoke_run
 from vllm_hotfix.checking.launchers.docker import DockerLauncher
 from vllm_hotfix.checking.launchers.podman import PodmanLauncher
 from vllm_hotfix.checking.smoke import SmokeOptions
@@ -90,8 +90,8 @@ def test_docker_and_podman_give_the_same_checks_and_verdict(cdi_engine: Engine, 
     target = plan.Target(ref, image_id, image_id, dict(info.labels), f"{info.os}/{info.architecture}")
     options = SmokeOptions(gpu="auto")
     request = "cdi:nvidia.com/gpu=all"
-    by_docker = plan.smoke(DockerLauncher(cdi_engine), project, target, options, gpu_request=request).verdict
-    by_podman = plan.smoke(PodmanLauncher(), project, target, options, gpu_request=request).verdict
+    by_docker = smoke_run.smoke(DockerLauncher(cdi_engine), project, target, options, gpu_request=request).verdict
+    by_podman = smoke_run.smoke(PodmanLauncher(), project, target, options, gpu_request=request).verdict
 
     def shape(v: object) -> list[tuple[str, str, str]]:
         return [(c.name, c.status.value, c.detail) for c in v.checks]  # type: ignore[attr-defined]

@@ -409,10 +409,10 @@ def sweep_and_probe(served: list[Served]) -> tuple[bytes, bytes]:
 
 
 def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_blocks: Path):
-    """The smoke's wiring (plan.golden_check): a recording run's replies (float32) held to the golden's envelope
+    """The smoke's wiring (judge_run.golden_check): a recording run's replies (float32) held to the golden's envelope
     give the reference its golden section; a run whose replies a right computation made passes against it, one
     with the layout slip fails, naming the reply; a run whose sweep did not run is a skip."""
-    from vllm_hotfix.checking.launchers import base, plan
+    from vllm_hotfix.checking.launchers import base, judge_run
     from vllm_hotfix.inimage import reference as answers
     from vllm_hotfix.verdicts import Check
     from vllm_hotfix.verdicts import judge as verdict_of
@@ -427,22 +427,22 @@ def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_bl
         http, probe = sweep_and_probe([serve(served_by, ids[k], k, k) for k in range(len(prompts))])
         return base.Launched(swept, replies=http, batches=probe)
 
-    checks, section = plan.golden_check(job, launched(scorer.exact()), None, small_blocks)
+    checks, section = judge_run.golden_check(job, launched(scorer.exact()), None, small_blocks)
     assert [c.status for c in checks] == [Status.PASS] and section is not None, checks
     # judged: every reply, the HTTP sweep's at every level as the fixed batches'
     assert section["recorded"]["replies"] == 4 * len(prompts)
     assert set(section["recorded"]["by_source"]) == {"http:1", "http:2", "fixed:1", "fixed:2"}
     assert set(checks[0].data["coverage"]["levels"]) == {"1", "2"}
     ref = answers.Reference("m", "m", TOKENS, 5, (), "0", "now", "image", golden=section)
-    right, _ = plan.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.float16)), ref, small_blocks)
+    right, _ = judge_run.golden_check(job, launched(Golden.load(small_blocks, "cpu", torch.float16)), ref, small_blocks)
     assert right[0].status is Status.PASS, right[0].detail
-    wrong, kept = plan.golden_check(job, launched(HeadMajorRead.load(small_blocks, "cpu")), ref, small_blocks)
+    wrong, kept = judge_run.golden_check(job, launched(HeadMajorRead.load(small_blocks, "cpu")), ref, small_blocks)
     assert wrong[0].status is Status.FAIL and kept is None
     assert "HTTP sweep at concurrency 1, request" in wrong[0].detail, wrong[0].detail
     skipped = verdict_of("img", "sha256:0", [Check("serve-sweep", Status.SKIP, "no --serve-model")],
                          gpu_verified=False)
-    none, _ = plan.golden_check(job, base.Launched(skipped), ref, small_blocks)
+    none, _ = judge_run.golden_check(job, base.Launched(skipped), ref, small_blocks)
     assert none[0].status is Status.SKIP and "no --serve-model" in none[0].detail
     # no model folder on this host, or no answers judged: no golden check at all
-    assert plan.golden_check(job, launched(scorer.golden), ref, None) == ([], None)
-    assert plan.golden_check({"serve": {}}, launched(scorer.golden), ref, small_blocks) == ([], None)
+    assert judge_run.golden_check(job, launched(scorer.golden), ref, None) == ([], None)
+    assert judge_run.golden_check({"serve": {}}, launched(scorer.golden), ref, small_blocks) == ([], None)

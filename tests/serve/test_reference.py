@@ -30,6 +30,8 @@ import pytest
 from conftest import REPO, cli, fails, free_port
 from vllm_hotfix.inimage import oracle, reference
 from vllm_hotfix.inimage.reference import Answer, Reply
+from vllm_hotfix.judges import oracle as verdict_of
+from vllm_hotfix.trust import reference_fit
 
 FAKE = REPO / "tests" / "fake_openai.py"
 
@@ -283,17 +285,17 @@ def _reply(tokens: list[str], top: list[dict[str, float]], finish: str = "length
 
 def test_oracle_edge_cases() -> None:
     ans = _answer(["a", "b", "c"])
-    assert oracle.exact(ans, _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1}, {"c": -0.1}])).ok
+    assert verdict_of.exact(ans, _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1}, {"c": -0.1}])).ok
     # Above concurrency 1: ended early with stop, or went on where the basis ended, is a reply of its own.
-    v = oracle.moved(ans, _reply(["a"], [{"a": -0.1}], "stop"), 1, 3)
+    v = verdict_of.moved(ans, _reply(["a"], [{"a": -0.1}], "stop"), 1, 3)
     assert v.ok and v.deviation.token_divergence == 1 and "the reply ends at position 1" in v.detail
-    v = oracle.moved(_answer(["a"]), _reply(["a", "x"], [{"a": -0.1}, {"x": -0.1}]), 2, 2)
+    v = verdict_of.moved(_answer(["a"]), _reply(["a", "x"], [{"a": -0.1}, {"x": -0.1}]), 2, 2)
     assert v.ok and v.deviation.token_divergence == 1 and math.isinf(v.deviation.size)
     # A near-tie: measured in nats, passed above concurrency 1, never at concurrency 1.
     tie = _reply(["a", "x"], [{"a": -0.1}, {"x": -1.0, "b": -1.5}])
-    v = oracle.moved(_answer(["a", "b"]), tie, 2, 2)
+    v = verdict_of.moved(_answer(["a", "b"]), tie, 2, 2)
     assert v.ok and v.deviation.token_divergence == 1 and v.deviation.gap == pytest.approx(0.5)
-    assert not oracle.exact(_answer(["a", "b"]), tie).ok
+    assert not verdict_of.exact(_answer(["a", "b"]), tie).ok
     # Its form decides: counted tokens, finish reason, length against the tokens asked.
     whole = _reply(["a", "b"], [{"a": -0.1}, {"b": -0.1}])
     assert oracle.form_fault(whole, 2, 2) is None
@@ -314,22 +316,22 @@ def test_oracle_edge_cases() -> None:
     bit = _reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.1, "z": -3.0}, {"c": -0.1}])
     base = Answer("p", 3, ("a", "b", "c"), (-0.1,) * 3, ({"a": -0.1}, {"b": -0.1, "z": -3.0}, {"c": -0.1}),
                   "length", "")
-    assert oracle.exact(base, bit).ok
+    assert verdict_of.exact(base, bit).ok
     off = Answer("p", 3, ("a", "b", "c"), (-0.1,) * 3,
                  ({"a": -0.1}, {"b": -0.1, "z": math.nextafter(-3.0, 0)}, {"c": -0.1}), "length", "")
-    v = oracle.exact(off, bit)
+    v = verdict_of.exact(off, bit)
     assert not v.ok and v.deviation.first_difference == 1 and v.deviation.max_logprob_diff > 0
     no_logprobs = Reply("abc", "length", 3, 3, None, (), ())
-    assert "no logprobs" in oracle.exact(ans, no_logprobs).detail
+    assert "no logprobs" in verdict_of.exact(ans, no_logprobs).detail
     assert math.isinf(oracle.compare(ans, no_logprobs).size)
 
 
 def test_settings_difference_names_each_setting() -> None:
     recorded = {"serve_args": ["--no-enable-prefix-caching"], "env": {"VLLM_BATCH_INVARIANT": "1"},
                 "gpu": "NVIDIA H200", "vllm": "0.25.1", "torch": "2.11.0", "base_image_id": "sha256:b", "model": "m"}
-    assert oracle.settings_difference(recorded, dict(recorded)) is None
-    assert oracle.settings_difference(recorded, {"gpu": "NVIDIA H200"}) is None  # only what is known is compared
-    said = oracle.settings_difference(recorded, {"gpu": "NVIDIA H100", "torch": "2.10.0", "vllm": "0.25.1"})
+    assert reference_fit.settings_difference(recorded, dict(recorded)) is None
+    assert reference_fit.settings_difference(recorded, {"gpu": "NVIDIA H200"}) is None  # only what is known is compared
+    said = reference_fit.settings_difference(recorded, {"gpu": "NVIDIA H100", "torch": "2.10.0", "vllm": "0.25.1"})
     assert said == "gpu 'NVIDIA H200' there, 'NVIDIA H100' here; torch '2.11.0' there, '2.10.0' here"
     with pytest.raises(ValueError, match="--serve-arg=--enable-prefix-caching"):
         oracle.check_serve_args(["--max-model-len", "8192", "--enable-prefix-caching"])

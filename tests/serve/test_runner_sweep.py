@@ -23,12 +23,12 @@ import pytest
 from conftest import REPO, free_port, requests_site, site_key
 from vllm_hotfix import report_page
 from vllm_hotfix.checking import smoke as smokelib
-from vllm_hotfix.checking.launchers import base, plan
+from vllm_hotfix.checking.launchers import base, judge_run, plan, recorded
 from vllm_hotfix.checking.smoke import SmokeOptions
 from vllm_hotfix.errors import AttestationMismatch, AttestationMissing, AttestationTampered, SmokeError, UsageError
 from vllm_hotfix.inimage import recording, reference, sweep
 from vllm_hotfix.judges import fixed_batches
-from vllm_hotfix.trust import references, signing
+from vllm_hotfix.trust import reference_fit, references, signing
 from vllm_hotfix.verdicts import Check, Status, Verdict
 
 FAKE = REPO / "tests" / "fake_openai.py"
@@ -80,7 +80,17 @@ TARGET = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {}, entrypoint=(sys.exe
 def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
             edit: Callable[[dict[str, Any]], None] = lambda _job: None, *, probe_too: bool = True) -> Verdict:
     """The job run by the runner here, the fake server given ``server`` (and the probe's engine too, unless
-    ``probe_too`` is False: an HTTP server whose batches move the numerics while fixed batches stay right)."""
+    ``probe_too`` is False: an HTTP server whose batches move the numerics while fixed batches stay right),
+    judged here."""
+    job, launched = launch_job(tmp_path, server, options, edit, probe_too=probe_too)
+    verdict, _, _ = judge_run.judged(job, launched, reference=options.reference)
+    return verdict
+
+
+def launch_job(tmp_path: Path, server: list[str], options: SmokeOptions,
+               edit: Callable[[dict[str, Any]], None] = lambda _job: None, *,
+               probe_too: bool = True) -> tuple[dict[str, Any], base.Launched]:
+    """The job the host judges by, and what the runner sent back for it, unjudged (see :func:`run_job`)."""
     (tmp_path / "model").mkdir(exist_ok=True)
     job, extra = plan.job(tmp_path, TARGET, options, launcher="test", gpu_request=None)
     # The oracle's settings: prefix caching off, batch-invariant mode on, whatever the user's arguments.
@@ -103,9 +113,7 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
                           capture_output=True, text=True, timeout=120, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
-    verdict, _, _ = plan.judged(job, base.results(done.stdout, done.stderr, "test runner"),
-                                reference=options.reference)
-    return verdict
+    return job, base.results(done.stdout, done.stderr, "test runner")
 
 
 def options(tmp_path: Path, **more: Any) -> SmokeOptions:
@@ -196,6 +204,26 @@ def test_the_image_never_sees_the_reference_answers(answers: reference.Reference
         assert json.dumps(answer.top[0]) not in text
 
 
+def test_the_runner_only_measures_its_sweep_and_the_host_makes_the_check(answers: reference.Reference,
+                                                                         tmp_path: Path) -> None:
+    """The image judges nothing of its sweep: its serve-sweep entry says what it asked and how many requests
+    replied, incomplete until the host has judged the replies it sent back, and no request in its report is
+    passed or failed; the check is the host's, made from those replies."""
+    opts = options(tmp_path, reference=answers)
+    job, launched = launch_job(tmp_path, [], opts)
+    said = next(c for c in launched.report.checks if c.name == "serve-sweep")
+    assert said.status is Status.INCOMPLETE, said
+    assert said.detail == (f"asked concurrency 1,2,4: {3 * REQUESTS} of {3 * REQUESTS} requests replied; the "
+                           "replies go to the host, which judges them")
+    measured = [ev for lv in (launched.report.sweep or {})["levels"] for ev in lv["per_request"]]
+    assert len(measured) == 3 * REQUESTS and all(ev["http_status"] == 200 for ev in measured)
+    assert not any(ev["passed"] for ev in measured) and {ev["judged_by"] for ev in measured} == {"status"}
+    verdict = judge_run.judged(job, launched, reference=opts.reference)[0]
+    check = next(c for c in verdict.checks if c.name == "serve-sweep")
+    assert verdict.status is Status.PASS and check.status is Status.PASS, verdict.checks
+    assert check.data["judged_on"] == "host" and "bitwise the reference answer" in check.detail
+
+
 def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: reference.Reference,
                                                                      tmp_path: Path) -> None:
     """What the runner says of its sweep is only its measurement: with its replies withheld, or replies that are
@@ -204,7 +232,7 @@ def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: ref
     job, _ = plan.job(tmp_path, TARGET, opts, launcher="test", gpu_request=None)
     honest = run_job(tmp_path, [], opts)
     report = replace(honest, checks=tuple(replace(c, status=Status.PASS) for c in honest.checks))
-    withheld = plan.judged(job, base.Launched(report, replies=None), reference=opts.reference)[0]
+    withheld = judge_run.judged(job, base.Launched(report, replies=None), reference=opts.reference)[0]
     sweep_check = next(c for c in withheld.checks if c.name == "serve-sweep")
     assert withheld.status is Status.FAIL and sweep_check.status is Status.FAIL, sweep_check
     assert "no reply came back from the runner" in sweep_check.detail
@@ -213,7 +241,7 @@ def test_a_runner_that_claims_a_pass_without_the_replies_fails_here(answers: ref
     echoed = {f"1:{first['index']}": {"text": "x", "finish_reason": "length", "prompt_tokens": first["prompt_tokens"],
                                       "completion_tokens": 3, "tokens": ["a", "b", "c"], "logprobs": [0.0] * 3,
                                       "top": [{"a": 0.0}] * 3}}
-    forged = plan.judged(job, base.Launched(report, replies=json.dumps(echoed).encode()),
+    forged = judge_run.judged(job, base.Launched(report, replies=json.dumps(echoed).encode()),
                          reference=opts.reference)[0]
     assert forged.status is Status.FAIL
     assert next(c for c in forged.checks if c.name == "serve-sweep").data["judged_on"] == "host"
@@ -264,16 +292,16 @@ def test_a_report_that_moves_requests_between_prompts_fails_its_level(tmp_path: 
                                                  "completion_tokens": 4, "tokens": ["a"] * 4,
                                                  "logprobs": [0.0] * 4, "top": [{"a": 0.0}] * 4}
            for lv in honest.sweep["levels"] for r in lv["per_request"]}
-    assert plan.judged(job, base.Launched(honest, replies=json.dumps(raw).encode()))[0].status is Status.PASS
+    assert judge_run.judged(job, base.Launched(honest, replies=json.dumps(raw).encode()))[0].status is Status.PASS
     moved = copy.deepcopy(honest.sweep)
     moved["levels"][1]["per_request"][1]["prompt"] = 5
-    v = plan.judged(job, base.Launched(replace(honest, sweep=moved), replies=json.dumps(raw).encode()))[0]
+    v = judge_run.judged(job, base.Launched(replace(honest, sweep=moved), replies=json.dumps(raw).encode()))[0]
     check = next(c for c in v.checks if c.name == "serve-sweep")
     assert v.status is Status.FAIL and "failed at concurrency 2" in check.detail, check.detail
     assert "request 1 of concurrency 2 as prompt 5, the host sent prompt 1" in check.detail
     repeated = copy.deepcopy(honest.sweep)
     repeated["levels"][2]["per_request"][3] = dict(repeated["levels"][2]["per_request"][2])
-    v = plan.judged(job, base.Launched(replace(honest, sweep=repeated), replies=json.dumps(raw).encode()))[0]
+    v = judge_run.judged(job, base.Launched(replace(honest, sweep=repeated), replies=json.dumps(raw).encode()))[0]
     check = next(c for c in v.checks if c.name == "serve-sweep")
     assert "failed at concurrency 4" in check.detail and "requests [0,1,2,2,4,5,6,7]" in check.detail, check.detail
 
@@ -398,7 +426,7 @@ def test_a_reference_recorded_under_other_settings_is_refused_naming_the_differe
                   gpu={"devices": ["NVIDIA H200"]})
     with pytest.raises(UsageError, match=r"recorded under other settings \(gpu 'NVIDIA H100' there, "
                                          r"'NVIDIA H200' here\)"):
-        reference.refuse_other_settings(ref, plan.run_settings(ran))
+        reference_fit.refuse_other_settings(ref, plan.run_settings(ran))
 
 
 def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_against_itself(tmp_path: Path) -> None:
@@ -416,7 +444,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
                           capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
-    judged, levels, _ = plan.judged(job, launched)
+    judged, levels, _ = judge_run.judged(job, launched)
     sweep_check = next(c for c in judged.checks if c.name == "serve-sweep")
     assert "bitwise" not in sweep_check.detail and (judged.sweep or {}).get("reference") is None, sweep_check
     assert sweep_check.data["judged_on"] == "host" and sweep_check.data["answered_by"] == "filesystem"
@@ -427,11 +455,11 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     assert levels is not None and levels["repeat"] == {"passes": 2, "replies": 2 * REQUESTS,
                                                        "identical": 2 * REQUESTS}
     settings = {**plan.serve_settings(opts, TARGET), **plan.run_settings(judged)}
-    kept = reference.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), image_id=IMAGE_ID)
+    kept = reference_fit.keep(tmp_path / "new.json", launched.answers, settings, dict(levels), image_id=IMAGE_ID)
     # The image recorded is the host's fact, named in the file it keeps.
     assert kept.image_id == IMAGE_ID and json.loads((tmp_path / "new.json").read_text())["image_id"] == IMAGE_ID
     # The report names the file the host keeps (with the per-level answers), as the docker launcher stamps it.
-    judged = plan.restamp(judged, kept, recorded=True)
+    judged = judge_run.restamp(judged, kept, recorded=True)
     assert judged.sweep is not None and judged.sweep["recorded"]["levels"]["schedule"]["levels"] == [1, 2]
     assert json.loads((tmp_path / "new.json").read_text())["sha256"] == kept.sha256
     # The runner's site folder here holds neither vLLM nor torch: the image's env-report says so, and the file
@@ -442,13 +470,14 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     # A recording whose settings are not this run's is refused and not kept.
     with pytest.raises(SmokeError, match=r"recorded other settings than this run's \(torch "
                                          rf"'{re.escape(torch)}' there, '2.11.0' here\); nothing written"):
-        reference.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
+        reference_fit.keep(tmp_path / "other.json", launched.answers, {**settings, "torch": "2.11.0"})
     assert not (tmp_path / "other.json").exists()
     # Kept by the host only from a passing recording: this one ran on no GPU and no golden judged its replies, so
     # the launcher's keep writes nothing, says why, and nothing is signed.
     said: list[str] = []
-    ran = plan.Ran(judged, job, launched.answers, levels)
-    assert plan.keep_recorded(ran, replace(opts, record_reference=tmp_path / "cpu.json"), TARGET, said.append) is ran
+    ran = judge_run.Ran(judged, job, launched.answers, levels)
+    assert recorded.keep_recorded(ran, replace(opts, record_reference=tmp_path / "cpu.json"), TARGET,
+                                  said.append) is ran
     assert not (tmp_path / "cpu.json").exists() and len(said) == 1, said
     assert said[0].endswith("nothing written: its golden check did not pass (not run); answers are kept only where "
                             "the golden judged them")
@@ -457,7 +486,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     key = site_key(tmp_path / "site.key")
     on_gpu = replace(judged, gpu_verified=True, checks=(*judged.checks, Check("golden", Status.PASS, "judged")))
     said.clear()
-    kept_ran = plan.keep_recorded(replace(ran, verdict=on_gpu, golden={"noise": {"max": 0.0}}),
+    kept_ran = recorded.keep_recorded(replace(ran, verdict=on_gpu, golden={"noise": {"max": 0.0}}),
                                   replace(opts, record_reference=tmp_path / "gpu.json"), TARGET, said.append)
     assert (tmp_path / "gpu.json").exists() and said[0].startswith(f"    wrote {tmp_path}/gpu.json"), said
     request = smokelib.SmokeRequest("ops/vllm:fix", replace(opts, record_reference=tmp_path / "gpu.json"),
@@ -505,7 +534,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
 
 def restamp_recorded(verdict: Verdict, kept: reference.Reference) -> Verdict:
     """``verdict`` naming ``kept`` as the answers it recorded, as the launcher stamps a recording's verdict."""
-    return plan.restamp(verdict, kept, recorded=True)
+    return judge_run.restamp(verdict, kept, recorded=True)
 
 
 def test_a_recording_whose_checks_failed_writes_and_signs_nothing(tmp_path: Path) -> None:
@@ -524,14 +553,14 @@ def test_a_recording_whose_checks_failed_writes_and_signs_nothing(tmp_path: Path
                           capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
     assert done.returncode == 0, done.stderr
     launched = base.results(done.stdout, done.stderr, "test runner")
-    judged, levels, _ = plan.judged(job, launched)
+    judged, levels, _ = judge_run.judged(job, launched)
     assert judged.status is Status.FAIL and judged.failed == ["topk-layout"], judged.checks
     assert launched.answers is not None and levels, "the server and the engine answered every level"
     # As a GPU host with the golden would see it: everything else verified and passed.
     on_gpu = replace(judged, gpu_verified=True, checks=(*judged.checks, Check("golden", Status.PASS, "judged")))
     said: list[str] = []
-    ran = plan.keep_recorded(plan.Ran(on_gpu, job, launched.answers, levels, {"noise": {"max": 0.0}}), opts, TARGET,
-                             said.append)
+    ran = recorded.keep_recorded(judge_run.Ran(on_gpu, job, launched.answers, levels, {"noise": {"max": 0.0}}),
+                                 opts, TARGET, said.append)
     assert ran.verdict is on_gpu and said == [f"    --record-reference {tmp_path}/new.json: nothing written: the "
                                               "recording run is a fail (topk-layout)"]
     assert not (tmp_path / "new.json").exists()

@@ -1,13 +1,16 @@
-"""The GPU host's scripts without a GPU or an engine: their shell logic (DRY_RUN) and the record from fake reports.
+"""The GPU host's programs without a GPU or an engine: the campaign's logic (DRY_RUN) and the record from fake reports.
 
-What the H200 run executes is gpu-runs/gpu-host-serve.sh; here its steps are
-walked with every engine-touching command printed instead of run, and
-gpu_host.py record is fed reports and signed envelopes made here.
+What the GPU run executes is gpu-runs/campaign.py (gpu-host-serve.sh runs it); here its steps are walked in
+this process with every engine-touching command printed instead of run, and gpu_host.py record is fed
+reports and signed envelopes made here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
 import json
 import os
 import re
@@ -30,29 +33,59 @@ SERVE = SCRIPTS / "gpu-host-serve.sh"
 RECORD = SCRIPTS / "gpu_host.py"
 
 
+@functools.cache
+def _module(name: str) -> Any:
+    """A gpu-runs/ program as a module, loaded once: its main() runs here, without a process of its own."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up by name)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _main(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python3 gpu-runs/NAME.py ARGV...`` in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = _module(name).main(list(argv))
+    return subprocess.CompletedProcess([name, *argv], rc, out.getvalue(), err.getvalue())
+
+
+def _campaign(parts: Path, out: Path, env: dict[str, str]) -> tuple[int, str]:
+    """campaign.py PARTS OUTDIR with this environment, in this process: its exit code and console output (its
+    stderr after its stdout)."""
+    console, errors = io.StringIO(), io.StringIO()
+    rc = _module("campaign").main([str(parts), str(out)], environ=env, stdout=console, stderr=errors)
+    return rc, console.getvalue() + errors.getvalue()
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.sh")))
 def test_scripts_parse(script: str) -> None:
     r = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
 
-def test_shellcheck_finds_no_warning_in_the_serve_scripts() -> None:
+def test_shellcheck_finds_no_warning_in_the_campaign_scripts() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("no shellcheck on this machine")
-    r = subprocess.run(["shellcheck", "-S", "warning", str(SERVE)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["shellcheck", "-S", "warning", str(SERVE), str(SCRIPTS / "campaign-call.sh")],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout
 
 
+def _env(tmp_path: Path, steps: str, **more: str) -> dict[str, str]:
+    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
+    return {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(tmp_path / "work"),
+            "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "MODELS": "m0:0:2", **more}
+
+
 def _dry(tmp_path: Path, steps: str, **more: str) -> tuple[list[list[str]], str, Path]:
-    parts, out, work = tmp_path / "parts", tmp_path / "out", tmp_path / "work"
+    parts, out = tmp_path / "parts", tmp_path / "out"
     parts.mkdir(exist_ok=True)
     (parts / "SHA256SUMS").write_text("")
-    # No manifest (whatever this checkout holds in gpu-parts/): the dry run says where a real one would refuse.
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": steps, "GPU_HOST_WORK": str(work),
-           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "MODELS": "m0:0:2", **more}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    rc, console = _campaign(parts, out, _env(tmp_path, steps, **more))
+    assert rc == 0, console
     log = (out / "run.log").read_text()
     commands = [shlex.split(line[2:]) for line in log.splitlines() if line.startswith("+ ")]
     return commands, log, out
@@ -68,6 +101,8 @@ def _smokes(commands: list[list[str]]) -> dict[str, list[str]]:
 
 
 def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "calls.log").write_text("[05:01:02] host up 95.10 s: start\n")  # campaign-call.sh's
     commands, log, top = _dry(tmp_path, "refimage reference patched patched2 unpatched1 unpatched record")
     out = top / "m0"  # the one model's folder
     smokes = _smokes(commands)
@@ -111,10 +146,12 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
     assert ["rm", "-rf", str(tmp_path / "work" / "cache" / "compile")] in commands
     assert (top / "signing-key.pub.pem").read_text().startswith("-----BEGIN PUBLIC KEY-----")
     assert not (top / "signing-key.pem").exists() and not (out / "signing-key.pem").exists()
+    assert (tmp_path / "work" / "signing-key.pem").stat().st_mode & 0o777 == 0o600  # its maker's alone
     [record] = [argv for argv in commands if "record" in argv]
     assert {"--reference-run", "--inputs-from", "--public-key", "--reference", "--base",
             "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "60"
+    assert record[record.index("--calls") + 1] == str(top / "calls.log")  # which call of the lent host made what
     # The first model's warm verdicts are the patched smoke and its make smoke, both alone.
     assert record[record.index("--warm") + 1] == "patched" and "--side-by-side" not in record
     assert record[record.index("--make-smoke") + 1] == "patched_third"
@@ -140,15 +177,16 @@ def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Pa
                                                  "files": [["README.md", "100644", "0" * 40]], "ignore": []}))
     env = {**os.environ, "STEPS": "engine", "GPU_HOST_WORK": str(tmp_path / "work"),
            "SOURCE_MANIFEST": str(tmp_path / "m.json")}
+    # Through the entry the records name: it hands its arguments and environment to campaign.py.
     r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 1
     assert "error: source check against" in r.stdout and "not the clean commit it names" in r.stdout
     assert "differ ['README.md']" in r.stdout
+    assert not (tmp_path / "work" / "signing-key.pem").exists() and not (tmp_path / "work" / "payload").exists()
     # An OUTDIR inside the checkout would be files beside the commit's: refused.
-    r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(REPO / "build" / "gpu-out-test")],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 1 and "lies inside the checkout" in r.stdout
+    rc, console = _campaign(tmp_path, REPO / "build" / "gpu-out-test", env)
+    assert rc == 1 and "lies inside the checkout" in console
     assert not (REPO / "build" / "gpu-out-test").exists()  # refused before it was made: nothing left behind
 
 
@@ -303,21 +341,10 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
 
 
 def test_a_models_entry_that_is_not_name_seed_layers_is_refused(tmp_path: Path) -> None:
-    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts = tmp_path / "parts"
     parts.mkdir()
-    (parts / "SHA256SUMS").write_text("")
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": "model", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "none.json"), "MODELS": "a:0:2 b/../x:1:2"}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 1 and "MODELS entry 'b/../x:1:2'" in r.stdout
-
-
-def _gpu_host() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_host", RECORD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "model", MODELS="a:0:2 b/../x:1:2"))
+    assert rc == 1 and "MODELS entry 'b/../x:1:2'" in console
 
 
 def _report(image: str, image_id: str, status: str, seconds: float, phases: dict[str, float]) -> dict[str, Any]:
@@ -333,14 +360,13 @@ def _report(image: str, image_id: str, status: str, seconds: float, phases: dict
 def _clean_checkout(folder: Path) -> tuple[Path, Path]:
     """A git checkout with one file, and the manifest of its clean HEAD (as the sending side makes it)."""
     folder.mkdir()
-    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
-        subprocess.run(["git", "-C", str(folder), *cmd], check=True)
+    subprocess.run(["git", "-C", str(folder), "init", "-q"], check=True)
     (folder / "README.md").write_text("x\n")
     subprocess.run(["git", "-C", str(folder), "add", "-A"], check=True)
-    subprocess.run(["git", "-C", str(folder), "commit", "-qm", "c"], check=True)
+    subprocess.run(["git", "-C", str(folder), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c"],
+                   check=True)
     manifest = folder.parent / "source.json"
-    r = subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "make", str(manifest), "--root",
-                        str(folder)], capture_output=True, text=True, timeout=60)
+    r = _main("source_manifest", "make", str(manifest), "--root", str(folder))
     assert r.returncode == 0, r.stderr
     return folder, manifest
 
@@ -366,19 +392,18 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
         args += ["--attestation", f"{which.replace('-', '_')}={tmp_path / f'{which}.dsse.json'}"]
     checkout, manifest = _clean_checkout(tmp_path / "checkout")
     call = tmp_path / "source-1.json"
-    subprocess.run([sys.executable, str(SCRIPTS / "source_manifest.py"), "check", str(manifest), "--root",
-                    str(checkout), "--write", str(call)], capture_output=True, check=True, timeout=60)
+    assert _main("source_manifest", "check", str(manifest), "--root", str(checkout), "--write",
+                 str(call)).returncode == 0
 
     def record(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(RECORD), "record", str(tmp_path / "record.json"), "--no-engine",
-                               "--reference-run", str(tmp_path / "reference.json"),
-                               "--patched", str(tmp_path / "patched.json"),
-                               "--patched-again", str(tmp_path / "patched-again.json"),
-                               "--unpatched", str(tmp_path / "unpatched.json"),
-                               "--unpatched-first", str(tmp_path / "unpatched-first.json"), "--public-key", str(pub),
-                               "--source-manifest", str(manifest), "--source-root", str(checkout),
-                               "--source-call", str(call), *extra],
-                              capture_output=True, text=True, timeout=60)
+        return _main("gpu_host", "record", str(tmp_path / "record.json"), "--no-engine",
+                     "--reference-run", str(tmp_path / "reference.json"),
+                     "--patched", str(tmp_path / "patched.json"),
+                     "--patched-again", str(tmp_path / "patched-again.json"),
+                     "--unpatched", str(tmp_path / "unpatched.json"),
+                     "--unpatched-first", str(tmp_path / "unpatched-first.json"), "--public-key", str(pub),
+                     "--source-manifest", str(manifest), "--source-root", str(checkout),
+                     "--source-call", str(call), *extra)
 
     # A correct variant's report (it passed, as the patched image did) and the golden run's output for the model.
     (tmp_path / "variant-copy.json").write_text(json.dumps(reports["patched"] | {"image": "v", "image_id": "sha256:"
@@ -483,6 +508,48 @@ def test_record_from_fake_reports_keeps_phases_and_verifies_attestations(tmp_pat
     assert r.returncode == 2 and "signed with another key" in r.stderr
 
 
+def _parts(folder: Path, record: str) -> None:
+    """PARTS_DIR as bundle-serve.sh leaves it: a tar of vLLM's wheel (its RECORD as given) in two parts and their
+    SHA256SUMS."""
+    import hashlib
+    import tarfile
+    import zipfile
+
+    wheel = io.BytesIO()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+        z.writestr("vllm-0.25.1.dist-info/RECORD", record)
+    packed = io.BytesIO()
+    with tarfile.open(fileobj=packed, mode="w") as tar:
+        info = tarfile.TarInfo("vllm-0.25.1-cp38-abi3-manylinux1_x86_64.whl")
+        info.size = len(wheel.getvalue())
+        tar.addfile(info, io.BytesIO(wheel.getvalue()))
+    blob = packed.getvalue()
+    folder.mkdir()
+    sums = ""
+    for i, chunk in enumerate((blob[: len(blob) // 2], blob[len(blob) // 2:])):
+        (folder / f"part-0{i}").write_bytes(chunk)
+        sums += f"{hashlib.sha256(chunk).hexdigest()}  part-0{i}\n"
+    (folder / "SHA256SUMS").write_text(sums)
+
+
+def test_unpack_refuses_damaged_parts_and_a_wheel_whose_record_lists_what_it_lacks(tmp_path: Path) -> None:
+    """The integrity check would refuse GPU-verified for a file RECORD lists but the image lacks: the parts must
+    drop its RECORD line, and a wheel that still lists one is refused before anything is unzipped."""
+    parts = tmp_path / "parts"
+    _parts(parts, "vllm/__init__.py,,\nvllm/_C.abi3.so,,\nvllm-0.25.1.dist-info/RECORD,,\n")
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "unpack"))
+    assert rc == 1 and "error: vLLM's wheel: see the line above" in console, console
+    assert "RECORD lists vllm/_C.abi3.so, which the wheel lacks" in console
+    assert not any((tmp_path / "work" / "src").iterdir())
+    assert not (tmp_path / "work" / "payload" / ".complete").exists()  # the next run unpacks again
+    # A part that is not the one SHA256SUMS names: nothing unpacked.
+    (parts / "part-01").write_bytes(b"x")
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "unpack"))
+    assert rc == 1 and f"a part is missing or damaged (sha256sum -c in {parts})" in console
+    assert "part-01: FAILED" in console
+
+
 def test_tp_puts_every_server_on_that_many_gpus(tmp_path: Path) -> None:
     commands, _, _ = _dry(tmp_path, "reference patched unpatched", TP="2")
     smokes = _smokes(commands)
@@ -493,13 +560,10 @@ def test_tp_puts_every_server_on_that_many_gpus(tmp_path: Path) -> None:
 
 
 def test_a_tp_that_is_no_number_of_gpus_is_refused(tmp_path: Path) -> None:
-    parts, out = tmp_path / "parts", tmp_path / "out"
+    parts = tmp_path / "parts"
     parts.mkdir()
-    env = {**os.environ, "DRY_RUN": "1", "STEPS": "patched", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "no-manifest.json"), "TP": "0"}
-    r = subprocess.run(["bash", str(SERVE), str(parts), str(out)], capture_output=True, text=True, env=env,
-                       timeout=120)
-    assert r.returncode == 1 and "TP=0: a whole number of GPUs" in r.stdout
+    rc, console = _campaign(parts, tmp_path / "out", _env(tmp_path, "patched", TP="0"))
+    assert rc == 1 and "TP=0: a whole number of GPUs" in console
 
 
 def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp_path: Path) -> None:
@@ -514,6 +578,45 @@ def test_parallel_smokes_are_lowered_to_what_the_gpus_memory_lets_vllm_start(tmp
         out.mkdir()
         _, log, _ = _dry(out, "patched2", PARALLEL=asked, PATH=f"{fake}:{os.environ['PATH']}")
         assert (f"PARALLEL={asked} {lowered}" in log) if lowered else "lowered" not in log, log
+
+
+def test_the_queue_starts_a_smoke_as_soon_as_one_ends_never_more_than_parallel() -> None:
+    """Not in batches that wait for their slowest: with two slots and the first job ended, the third starts while
+    the second still runs. Each job waits on an event this test sets (a seam, no clock)."""
+    import threading
+
+    _module("campaign")  # puts gpu-runs/ on the path its modules import each other from
+    queue = sys.modules["campaign_smoke"].Queue(2)
+    release = {name: threading.Event() for name in "abc"}
+    started = {name: threading.Event() for name in "abc"}
+    running: list[str] = []
+    most = [0]
+    lock = threading.Lock()
+
+    def job(name: str) -> None:
+        with lock:
+            running.append(name)
+            most[0] = max(most[0], len(running))
+        started[name].set()
+        release[name].wait(60)
+        with lock:
+            running.remove(name)
+
+    for name in "ab":
+        queue.wait_for_a_slot()
+        queue.start(lambda name=name: job(name))
+    third = threading.Thread(target=lambda: (queue.wait_for_a_slot(), queue.start(lambda: job("c"))))
+    third.start()
+    assert started["a"].wait(60) and started["b"].wait(60)
+    assert not started["c"].is_set()  # both slots taken: the third waits
+    release["a"].set()
+    assert started["c"].wait(60)  # a slot freed: the third starts while the second still runs
+    assert "b" in running and "a" not in running
+    release["b"].set()
+    release["c"].set()
+    third.join(60)
+    queue.flush()
+    assert most[0] == 2 and running == []
 
 
 def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_server(tmp_path: Path) -> None:
@@ -532,8 +635,8 @@ def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_serve
 
 def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(tmp_path: Path) -> None:
     """gpu-runs/campaign-call.sh: a part is kept where the run reads parts; start copies the checkout and starts
-    the campaign in a session of its own; wait returns once it ended; every call notes the host's clock and packs
-    the output folder into $OUT."""
+    the campaign (campaign.py) in a session of its own; wait returns once it ended; every call notes the host's
+    clock and packs the output folder into $OUT."""
     import tarfile
 
     where = {"PARTS": tmp_path / "parts", "CHECKOUT": tmp_path / "checkout", "OUTDIR": tmp_path / "outdir"}
@@ -542,7 +645,14 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     env = {**os.environ, **{k: str(v) for k, v in where.items()}, "OUT": str(back), "DRY_RUN": "1",
            "STEPS": "model", "MODELS": "m0:0:2", "GPU_HOST_WORK": str(tmp_path / "work"),
            "SOURCE_MANIFEST": str(tmp_path / "none.json")}
-    call = SCRIPTS / "campaign-call.sh"
+    # A checkout of the campaign's own files, with a .git that `start` must leave behind (the copy stays small).
+    home = tmp_path / "home"
+    (home / "gpu-runs").mkdir(parents=True)
+    for name in ["campaign-call.sh", "source_manifest.py", *(p.name for p in SCRIPTS.glob("campaign*.py"))]:
+        shutil.copy2(SCRIPTS / name, home / "gpu-runs" / name)
+    (home / ".git").mkdir()
+    (home / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    call = home / "gpu-runs" / "campaign-call.sh"
     part = tmp_path / "part-00"
     part.write_bytes(b"x" * 10)
     (tmp_path / "SHA256SUMS").write_text("")
@@ -555,7 +665,7 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     run("part", str(part), str(tmp_path / "SHA256SUMS"))
     assert (where["PARTS"] / "part-00").read_bytes() == b"x" * 10
     run("start")
-    assert (where["CHECKOUT"] / "gpu-runs" / "gpu-host-serve.sh").is_file()
+    assert (where["CHECKOUT"] / "gpu-runs" / "campaign.py").is_file()
     assert not (where["CHECKOUT"] / ".git").exists()
     run("wait", "60")
     calls = (where["OUTDIR"] / "calls.log").read_text().splitlines()

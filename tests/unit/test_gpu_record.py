@@ -4,10 +4,13 @@ the record's own GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
 import json
+import shutil
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
@@ -17,12 +20,12 @@ import pytest
 
 from conftest import REPO
 from vllm_hotfix.inimage import sweep
-
-SCRIPT = REPO / "gpu-runs" / "gpu_host.py"
-MANIFEST = REPO / "gpu-runs" / "source_manifest.py"
+from vllm_hotfix.judges import sweep as judged
 
 
+@functools.cache
 def _module(name: str) -> ModuleType:
+    """A gpu-runs/ program as a module, loaded once: its main() runs in this process."""
     spec = importlib.util.spec_from_file_location(name, REPO / "gpu-runs" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -36,7 +39,7 @@ def _gpu_host() -> ModuleType:
 
 def _level(c: int, evidence: list[sweep.RequestEvidence]) -> sweep.Level:
     level = sweep.Level(c, len(evidence), per_request=evidence, wall_s=1.0)
-    sweep.summarise(level)
+    judged.summarise(level)
     return level
 
 
@@ -200,8 +203,7 @@ def test_the_golden_check_is_kept_with_its_numbers() -> None:
 
 def _git_repo(folder: Path) -> Path:
     folder.mkdir()
-    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
-        subprocess.run(["git", "-C", str(folder), *cmd], check=True)
+    subprocess.run(["git", "-C", str(folder), "init", "-q"], check=True)
     (folder / "run.sh").write_text("echo hi\n")
     (folder / "run.sh").chmod(0o755)
     (folder / "pkg").mkdir()
@@ -209,7 +211,8 @@ def _git_repo(folder: Path) -> Path:
     (folder / "pkg" / "link").symlink_to("a.py")
     (folder / ".gitignore").write_text("/build/\n__pycache__/\n")
     subprocess.run(["git", "-C", str(folder), "add", "-A"], check=True)
-    subprocess.run(["git", "-C", str(folder), "commit", "-qm", "c"], check=True)
+    subprocess.run(["git", "-C", str(folder), "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c"],
+                   check=True)
     return folder
 
 
@@ -222,8 +225,7 @@ def test_source_manifest_proves_the_commit_that_ran(tmp_path: Path) -> None:
                           check=True).stdout.strip()
     # The copy where it ran has no .git: the tree is built from its files' hashes, and is the commit's.
     copy = tmp_path / "copy"
-    subprocess.run(["cp", "-a", str(repo), str(copy)], check=True)
-    subprocess.run(["rm", "-rf", str(copy / ".git")], check=True)
+    shutil.copytree(repo, copy, symlinks=True, ignore=shutil.ignore_patterns(".git"))
     (copy / "build").mkdir()
     (copy / "build" / "journal.json").write_text("{}")  # ignored: the tool's own output
     got = src.check(manifest, copy)
@@ -235,9 +237,10 @@ def test_source_manifest_proves_the_commit_that_ran(tmp_path: Path) -> None:
     assert got["tree"] != tree
     # The sending side refuses to make a manifest of a tree with changes.
     (repo / "pkg" / "a.py").write_text("A = 3\n")
-    r = subprocess.run([sys.executable, str(MANIFEST), "make", str(tmp_path / "n.json"), "--root", str(repo)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "has uncommitted changes" in r.stderr and not (tmp_path / "n.json").exists()
+    with pytest.raises(SystemExit) as refused:
+        src.main(["make", str(tmp_path / "n.json"), "--root", str(repo)])
+    assert refused.value.code not in (0, None) and "has uncommitted changes" in str(refused.value.code)
+    assert not (tmp_path / "n.json").exists()
 
 
 def test_inputs_are_refused_when_their_hash_changed(tmp_path: Path) -> None:
@@ -248,8 +251,10 @@ def test_inputs_are_refused_when_their_hash_changed(tmp_path: Path) -> None:
     kept = tmp_path / "inputs.json"
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(SCRIPT), "inputs", "--model", str(model), *args],
-                              capture_output=True, text=True, timeout=60)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = _module("gpu_host").main(["inputs", "--model", str(model), *args])
+        return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
     r = run("--write", str(kept))
     assert r.returncode == 0, r.stderr

@@ -61,22 +61,33 @@ def _scheme() -> dict[str, str]:
     return scheme
 
 
+@pytest.fixture(scope="module")
+def pip_wrote(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the wheel, the folder real pip filled from it under --root): pip runs once for this file's tests."""
+    top = tmp_path_factory.mktemp("pip")
+    wheel = _wheel(top)
+    layer_root = top / "layer"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--no-index",
+                    "--disable-pip-version-check", "--root", str(layer_root), str(wheel)],
+                   check=True, capture_output=True, env={**os.environ, "PIP_NO_WARN_SCRIPT_LOCATION": "1"})
+    return wheel, layer_root
+
+
 @pytest.fixture
-def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, pinfile.PinSet, Layer]:
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+              pip_wrote: tuple[Path, Path]) -> tuple[Path, pinfile.PinSet, Layer]:
     """(project root, its pin set, the layer real pip writes for it under --root)."""
     root = tmp_path / "project"
     cache = tmp_path / "cache"
     (cache / "pin-wheels").mkdir(parents=True)
     monkeypatch.setenv("VLLM_HOTFIX_CACHE", str(cache))
-    wheel = _wheel(cache / "pin-wheels")
+    built, layer_root = pip_wrote
+    wheel = cache / "pin-wheels" / built.name
+    wheel.write_bytes(built.read_bytes())  # the very wheel pip installed
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     pins_txt = tmp_path / "pins.txt"
     pins_txt.write_text(pinfile.line("demo-pin", "1.0", [digest]))
     pinset = pinfile.parse(pins_txt.read_text(), pins_txt)
-    layer_root = tmp_path / "layer"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--no-index",
-                    "--disable-pip-version-check", "--root", str(layer_root), str(wheel)],
-                   check=True, capture_output=True, env={**os.environ, "PIP_NO_WARN_SCRIPT_LOCATION": "1"})
     layer = from_folder(str(layer_root), keep=layer_read.small_script, keep_max=layer_read.SCRIPT_MAX)
     assert layer is not None
     return root, pinset, layer

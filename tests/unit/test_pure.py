@@ -13,6 +13,7 @@ from vllm_hotfix.engine import split_reference
 from vllm_hotfix.errors import UsageError
 from vllm_hotfix.inimage import sweep
 from vllm_hotfix.inimage.probes import env_report
+from vllm_hotfix.judges import sweep as judged
 from vllm_hotfix.release import push
 from vllm_hotfix.verdicts import Check, Status, judge
 
@@ -65,16 +66,16 @@ def test_server_log_condensed_to_its_cause() -> None:
     result = sweep.SweepResult("http://x", "m", [sweep.Level(8, 32, successes=3, failures=29,
                                                               errors=["HTTP 500: EngineCore encountered an issue"])],
                                failed_level=8, server_log=sweep.condense(DEAD_SERVER_LOG))
-    assert sweep.failure_message(result) == (
+    assert judged.failure_message(result) == (
         "serve sweep failed at concurrency 8: 29/32 requests failed (HTTP 500: EngineCore encountered an issue); "
         "server: torch.AcceleratorError: CUDA error: an illegal memory access was encountered")
 
 
 def test_percentiles() -> None:
     values = [float(i) for i in range(1, 101)]
-    assert sweep.percentile(values, 50) == pytest.approx(50.5)
-    assert sweep.percentile(values, 95) == pytest.approx(95.05)
-    assert sweep.percentile([0.3], 95) == 0.3
+    assert judged.percentile(values, 50) == pytest.approx(50.5)
+    assert judged.percentile(values, 95) == pytest.approx(95.05)
+    assert judged.percentile([0.3], 95) == 0.3
 
 
 def test_junit_has_one_case_per_check(tmp_path: Path) -> None:

@@ -368,7 +368,10 @@ def test_gpu_checks_run_side_by_side_and_report_in_order(tmp_path: Path) -> None
             f"others = all((here / f'{{n}}.started').exists() for n in {names!r})\n"
             f"print(json.dumps({{'checks': [{{'name': '{name}', 'status': 'pass' if others else 'fail', "
             "'detail': 'met the others' if others else 'ran alone'}]}))\n")
-    done = subprocess.run([sys.executable, str(REPO / "vllm_hotfix" / "inimage" / "probes" / "gpu_check.py"),
+    # Isolated and without site-packages, as the runner starts its probes: no torch to import for the GPU checks,
+    # which have no GPU to find here anyway (seconds of a loaded machine saved, the order and overlap unchanged).
+    done = subprocess.run([sys.executable, "-I", "-S", str(REPO / "vllm_hotfix" / "inimage" / "probes" /
+                                                           "gpu_check.py"),
                            "--extra", str(tmp_path), "--modules", "json"], capture_output=True, text=True,
                           timeout=120)
     checks = json.loads(done.stdout.strip().splitlines()[-1])["checks"]

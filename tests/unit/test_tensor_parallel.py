@@ -18,7 +18,7 @@ from vllm_hotfix.checking.launchers.options import SmokeOptions
 from vllm_hotfix.checking.launchers.podman import PodmanLauncher
 from vllm_hotfix.engine.containers import extras
 from vllm_hotfix.errors import UsageError
-from vllm_hotfix.inimage import oracle
+from vllm_hotfix.trust import reference_fit
 
 IMAGE_ID = "sha256:" + "ab" * 32
 TARGET = plan.Target("ops/vllm:fix", IMAGE_ID, IMAGE_ID, {})
@@ -58,5 +58,5 @@ def test_a_reference_recorded_at_another_tensor_parallel_size_is_refused(tmp_pat
     one = plan.serve_settings(SmokeOptions(serve_model=tmp_path / "model"), TARGET)
     two = plan.serve_settings(SmokeOptions(serve_model=tmp_path / "model",
                                            serve_args=("--tensor-parallel-size", "2")), TARGET)
-    difference = oracle.settings_difference(one, two)
+    difference = reference_fit.settings_difference(one, two)
     assert "serve_args" in difference and "'--tensor-parallel-size', '2'" in difference

@@ -60,8 +60,9 @@ def test_require_pass_raises_the_error_of_each_outcome() -> None:
 
 
 def test_a_probes_malformed_check_is_a_failing_check() -> None:
-    from vllm_hotfix.inimage.runner.main import as_check, parse
+    from vllm_hotfix.inimage.runner.probe_output import parse
 
+    as_check = Check.reported
     assert as_check({"name": "x", "status": "pass", "detail": "ok"}, 0.5, "p") == \
         Check("x", Status.PASS, "ok", 0.5)
     for raw in ({"name": "x", "status": "maybe"}, {"name": "x", "status": "pass", "detail": 3},

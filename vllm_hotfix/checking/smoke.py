@@ -123,13 +123,13 @@ def name_signature(verdict: Verdict, request: SmokeRequest) -> Verdict:
     """A recording run's verdict naming the signature its reference will get (:func:`sign_recorded`, after the
     verdict itself is signed: the signed reference names the signed verdict)."""
     from ..inimage.reference import load
-    from .launchers import plan
+    from .launchers import judge_run
 
     record = recorded(verdict, request)
     if record is None or request.sign_key is None:
         return verdict
     ref = load(record, "--record-reference")
-    return plan.restamp(verdict, ref, recorded=True, signature=references.planned(record, request.sign_key))
+    return judge_run.restamp(verdict, ref, recorded=True, signature=references.planned(record, request.sign_key))
 
 
 def sign_recorded(verdict: Verdict, envelope: bytes, request: SmokeRequest, progress: Callable[[str], None]) -> None:

@@ -322,6 +322,7 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
     from ..errors import SmokeError
     from ..inimage import recording, sweep
     from ..inimage import reference as refmod
+    from ..judges import sweep as judged
 
     sweep.check_url(url)
     levels = sweep.parse_levels(concurrency)
@@ -337,15 +338,14 @@ def serve_check(url: str, model: str | None, report_path: Path | None, wait_s: f
         ref = refmod.write(replace(recording.record(url, model, progress=progress),
                                    settings={"server": url, "known": False}), answers.record)
         click.echo(f"recorded {len(ref.answers)} reference answers to {answers.record} (sha256 {ref.sha256})")
-    result = sweep.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
-                         progress=progress, watch=sweep.HealthWatch(url),
-                         keep_going=keep_going)
+    result = judged.sweep(url, model, levels, requests_n, min_tokens=min_tokens, reference=ref,
+                          progress=progress, watch=sweep.HealthWatch(url), keep_going=keep_going)
     if report_path:
         from ..journal.atomic import write_atomic  # a full disk is one line naming the file, not a dump
 
         write_atomic(report_path, json.dumps(result.to_dict(), indent=2) + "\n")
     if not result.ok:
-        raise SmokeError(sweep.failure_message(result))
+        raise SmokeError(judged.failure_message(result))
     checked = (f", every reply at concurrency 1 bitwise {ref.path}'s and every reply above it whole (how far each "
                "moved from its concurrency-1 reply is in the report)" if ref else "")
     click.echo(f"sweep passed {url} levels {','.join(map(str, levels))}{checked}")

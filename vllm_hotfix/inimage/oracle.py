@@ -1,35 +1,19 @@
-"""The answer oracle: bit for bit at concurrency 1; above it, whole replies whose movement is measured.
+"""The oracle's measures of a reply: how far it lies from a basis, and what is wrong with its form.
 
-Measured on an H200 (the patched image, a tiny MiniMax-M3): with vLLM's
-prefix caching on, the same server asked the same prompts twice in a row at
-concurrency 1 gave bitwise-equal log-probabilities for only 4 of 24 replies;
-with ``--no-enable-prefix-caching`` and ``VLLM_BATCH_INVARIANT=1`` it gave 24
-of 24, again after a restart (whether the second setting is needed was not
-measured, so both are kept). Under those settings a reply at concurrency 1
-is the reference answer exactly, or it is wrong:
+:func:`compare` finds where a reply departs from its basis (the reference
+answer, or the same image's concurrency-1 reply) and by how much;
+:func:`form_fault` says what is wrong with a reply whatever its numerics
+(no log-probabilities, a NaN, a finish reason other than stop or length, a
+length that does not add up); :func:`movement` and :func:`noise` sum up how
+far replies moved. Beside them, the settings under which concurrency 1 is
+repeatable bit for bit (:data:`SERVE_ARGS`, :data:`SERVE_ENV`) and the keys a
+reference names (:data:`SETTING_KEYS`). The verdict on a reply (bit for bit
+at concurrency 1, by its form above it) is the host's
+(:mod:`vllm_hotfix.judges.oracle`); a recording in the image uses these
+measures only to refuse answers that do not repeat or are malformed.
 
-- **concurrency 1**: tokens, their log-probabilities and the top-k
-  log-probabilities must equal the reference's bit for bit (a float read
-  from JSON is the float the server wrote, so ``==`` compares the bits). The
-  evidence names the first position that differs and the largest
-  log-probability difference over the prefix where the tokens agree.
-- **above concurrency 1** an HTTP reply's numerics follow whatever batch it
-  landed in, and how far they move depends on the model: on the default tiny
-  model every reply at 16 stayed near its concurrency-1 answer, while two
-  other tiny models (another seed, 2 and 3 layers) parted there from their
-  concurrency-1 answers where that answer's token was not even among the
-  served top-5, on a right image (issue 51). No tolerance drawn
-  from one model holds for another, so a reply there is judged by its form
-  alone (:func:`form_fault`: HTTP status, length, finish reason, no NaN) and
-  how far it moved from the same image's concurrency-1 reply is measured
-  (:func:`movement`), never judged. What decides each level above 1 is the
-  fixed-batch check (``exact-levels``, :mod:`vllm_hotfix.judges.fixed_batches`), where the
-  batches are the same every run and the answers must be bitwise the
-  reference's.
-
-Pure and stdlib-only: the runner carries it into the image with the sweep.
+Pure and stdlib-only: the runner carries it into the image with the sweep's sender.
 """
-
 from __future__ import annotations
 
 import math
@@ -141,25 +125,6 @@ def compare(basis: Tokens, reply: Tokens) -> Deviation:
                      detail=f"served {got[n]} at position {n}, the basis's {want[n]} {gap:.3g} nats below it")
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """A reply judged: passed or not, why, and the deviation that decided it."""
-
-    ok: bool
-    deviation: Deviation
-    detail: str = ""
-
-
-def exact(answer: Tokens, reply: Tokens) -> Verdict:
-    """Concurrency 1: the reply must be the reference answer, bit for bit."""
-    dev = compare(answer, reply)
-    if dev.identical:
-        return Verdict(True, dev)
-    return Verdict(False, dev, f"wrong answer (not bitwise the reference): {dev.detail}; first difference at "
-                               f"position {dev.first_difference}, largest logprob difference over the shared "
-                               f"prefix {dev.max_logprob_diff:.3g} nats")
-
-
 def form_fault(reply: Tokens, completion_tokens: int, max_tokens: int) -> str | None:
     """What is wrong with a reply's form whatever its numerics (None: nothing): no log-probabilities, a NaN,
     a finish reason other than stop or length, or a length that does not add up (``completion_tokens`` as the
@@ -178,16 +143,6 @@ def form_fault(reply: Tokens, completion_tokens: int, max_tokens: int) -> str | 
     if reply.finish_reason == "length" and n != max_tokens:
         return f"wrong length: finish_reason length after {n} of the {max_tokens} tokens asked"
     return None
-
-
-def moved(basis: Tokens, reply: Tokens, completion_tokens: int, max_tokens: int) -> Verdict:
-    """Above concurrency 1: the reply passes unless its form is wrong (:func:`form_fault`); how far it moved
-    from ``basis`` (the same image's concurrency-1 reply) is measured in its deviation, never judged."""
-    dev = compare(basis, reply)
-    fault = form_fault(reply, completion_tokens, max_tokens)
-    if fault is not None:
-        return Verdict(False, dev, f"malformed reply: {fault}")
-    return Verdict(True, dev, "" if dev.identical else f"moved: {dev.detail}")
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -242,18 +197,6 @@ def prompt_sensitivity(answers: Sequence[Tokens], shas: Sequence[str]) -> dict[s
             gaps.append(first[0] - first[1])
     return {"prompts": len(shas), "distinct_replies": len(set(shas)),
             "median_first_token_gap_nats": round(statistics.median(gaps), 4) if gaps else None}
-
-
-def settings_difference(recorded: Mapping[str, Any] | None, here: Mapping[str, Any]) -> str | None:
-    """The settings of ``here`` that differ from those the reference was recorded under, in words; None: same.
-
-    Only the keys ``here`` gives are compared (a run knows the GPU model after
-    it found the GPU, the versions after the image reported them).
-    """
-    recorded = recorded or {}
-    differ = [f"{key} {recorded.get(key)!r} there, {here[key]!r} here" for key in SETTING_KEYS
-              if key in here and recorded.get(key) != here[key]]
-    return "; ".join(differ) or None
 
 
 def check_serve_args(args: Sequence[str]) -> None:

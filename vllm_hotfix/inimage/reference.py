@@ -11,19 +11,20 @@ concurrency 1, and answers recorded from the judged image itself only show
 that it repeats itself. So the file names the image it was recorded from
 (``image_id``, its config digest, written by the host that recorded it), and
 ``smoke`` refuses a reference recorded from the judged image or from its
-definition's base (:func:`refuse_judged_image`). What agreement with it
+definition's base (:func:`vllm_hotfix.trust.reference_fit.refuse_judged_image`). What agreement with it
 proves is that the judged image reproduces that image's answers; a wrong
 backport built twice would agree with itself, which is why the reference
 must be another image the site trusts, signed with the site key
 (:mod:`vllm_hotfix.trust.references`).
 
-How replies are judged against it is :mod:`vllm_hotfix.inimage.oracle`: bit for bit
+How replies are judged against it is :mod:`vllm_hotfix.judges.oracle`: bit for bit
 at concurrency 1 (and under fixed batches at every level,
 :mod:`vllm_hotfix.judges.fixed_batches`). So the file
 names what decides the numerics (``settings``: the server's arguments and
 environment, the GPU model, the vLLM and torch versions, the base image and
 the model), and a run under other settings is refused, naming the
-difference. It also keeps what recording measured: ``repeat`` (the prompt set
+difference (:func:`vllm_hotfix.trust.reference_fit.refuse_other_settings`). It also keeps what
+recording measured: ``repeat`` (the prompt set
 asked again at concurrency 1 on the same server, which must be bitwise
 equal), ``noise`` (the same image at concurrency
 :data:`~vllm_hotfix.inimage.oracle.NOISE_CONCURRENCY` against its own answers: how
@@ -42,7 +43,9 @@ The file is JSON and carries the sha256 of its own canonical content, so a
 file changed after it was recorded is refused instead of quietly judging
 against other answers.
 
-This module is pure (no network): :mod:`vllm_hotfix.inimage.sweep` sends the requests.
+This module is the file format and the reply types both sides read, pure (no network):
+:mod:`vllm_hotfix.inimage.sweep` sends the requests; whether a reference may judge a run, and whether
+a recording may be kept, is decided on the host (:mod:`vllm_hotfix.trust.reference_fit`).
 """
 
 from __future__ import annotations
@@ -263,34 +266,6 @@ def write(ref: Reference, path: Path) -> Reference:
     return replace(ref, sha256=sha, path=str(path))
 
 
-def keep(path: Path, data: bytes, settings: dict[str, Any], levels: dict[str, Any] | None = None,
-         golden: dict[str, Any] | None = None, *, image_id: str = "") -> Reference:
-    """The answers a runner recorded (the file's bytes, the settings inside) written to ``path``, read back and
-    checked: their settings must be ``settings`` (what the host knows, and what the run reported), or the file
-    is removed and the recording refused. ``levels``: the per-level answers the host took from the batch
-    probe's replies (:func:`vllm_hotfix.judges.fixed_batches.record`), written into the same file; ``golden``
-    the golden's envelope the host measured and the trusted image's noise against it
-    (:func:`vllm_hotfix.golden.judge.recorded`);
-    ``image_id``: the image recorded, as the host knows it (whatever the runner wrote is replaced)."""
-    from ..errors import SmokeError
-    from . import oracle
-
-    write_atomic(path, data)
-    ref = load(path, "--record-reference")
-    differ = oracle.settings_difference(ref.settings, settings)
-    if differ:
-        path.unlink()
-        raise SmokeError(f"--record-reference {path}: the runner recorded other settings than this run's "
-                         f"({differ}); nothing written")
-    if levels or golden or image_id != ref.image_id:
-        ref = write(replace(ref, levels=levels or ref.levels, golden=golden or ref.golden, image_id=image_id), path)
-    return ref
-
-
-def describe(settings: dict[str, Any]) -> str:
-    return "recorded on " + ", ".join(f"{k} {settings.get(k)}" for k in ("gpu", "vllm", "torch"))
-
-
 def _dict(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TypeError(f"expected an object, found {type(value).__name__}")
@@ -336,35 +311,6 @@ def load(path: Path, option: str = "--reference") -> Reference:
     if not answers or ref.max_tokens < 1:
         raise UsageError(f"{where}: holds no answers")
     return ref
-
-
-def refuse_other_settings(ref: Reference, here: dict[str, Any]) -> None:
-    """UsageError, one line naming each difference, when ``here`` is not what ``ref`` was recorded under."""
-    from . import oracle
-
-    differ = oracle.settings_difference(ref.settings, here)
-    if differ:
-        raise UsageError(f"--reference {ref.path}: recorded under other settings ({differ}); record the reference "
-                         "again under these settings, or judge under the ones it names")
-
-
-def refuse_judged_image(ref: Reference, image_id: str, base_id: str = "") -> None:
-    """UsageError, one line naming both, when ``ref`` was recorded from the judged image ``image_id`` itself or
-    from its definition's base ``base_id`` (the base the host found by the image's layers): answers of the image
-    under test prove only that it repeats itself, and the base's are the bug's. A reference that names no image
-    is refused too: nothing shows it is another."""
-    where = f"--reference {ref.path}"
-    if not ref.image_id:
-        raise UsageError(f"{where}: names no image it was recorded from (recorded by serve-check or an earlier "
-                         "version), so nothing shows it is not the judged image; record it again with smoke "
-                         "--record-reference from a trusted image")
-    if ref.image_id == image_id:
-        raise UsageError(f"{where}: recorded from {image_id}, the judged image itself: its answers prove only that "
-                         "the image repeats itself; record the reference from another image the site trusts")
-    if base_id and ref.image_id == base_id:
-        raise UsageError(f"{where}: recorded from {base_id}, the base of the judged image {image_id} (its "
-                         "definition's base, found by its layers): the unpatched base's answers are the bug's; "
-                         "record the reference from a trusted patched image")
 
 
 @dataclass(frozen=True, slots=True)

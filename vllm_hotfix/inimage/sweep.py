@@ -1,27 +1,25 @@
-"""The concurrency sweep against an OpenAI-compatible endpoint.
+"""The concurrency sweep's sender: the prompts at every level against an OpenAI-compatible endpoint.
 
 Each level sends N completions at that concurrency (concurrency 1 too: with
-four index heads on one GPU the unpatched MiniMax-M3 fails there); any failed
-request, or a server that died, fails the sweep naming the level. The
-requests are the fixed prompt set of :mod:`vllm_hotfix.inimage.reference`, of mixed
-lengths as production traffic, at temperature 0 with the top-k logprobs.
+four index heads on one GPU the unpatched MiniMax-M3 fails there). The
+requests are the fixed prompt set of :mod:`vllm_hotfix.inimage.reference`, of
+mixed lengths as production traffic, at temperature 0 with the top-k
+logprobs. Every request leaves its evidence (status, latency, lengths,
+finish reason, the reply's sha256), and ``replies`` keeps each reply as it
+came for the judge.
 
-A server can survive a bug and answer wrongly with HTTP 200, so each request
-is judged by the strictest check given: with ``reference`` by the oracle
-(:mod:`vllm_hotfix.inimage.oracle`: at concurrency 1 bit for bit against the
-reference; above it by its form, HTTP status, length, finish reason and no
-NaN, with how far it moved from the same image's concurrency-1 reply
-measured, never judged: over HTTP a reply's batch is the timing's, and how
-far a batch moves a model's numerics is the model's); with ``min_tokens`` a
-shorter reply fails; else the HTTP status alone. Every request leaves its
-evidence in the report beside each level's summary, and each level above 1
-its measured movement (:func:`vllm_hotfix.inimage.oracle.movement`).
+This module only asks and measures: the runner carries it into the image,
+where it sends every reply back to the host. Who judges the replies is the
+caller's :class:`Judge` (the host's, :mod:`vllm_hotfix.judges.sweep`: the
+oracle, ``--min-tokens``, the levels' summaries and the ``serve-sweep``
+check). Without one the sweep stops where its stop rule says (a request
+that got no reply, a reply shorter than ``min_tokens``, the server gone),
+which decides how far it asks, never whether anything passed.
 """
 
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +30,6 @@ import requests
 import requests.adapters
 
 from ..errors import SmokeError, SmokeIncomplete, UsageError
-from . import oracle
 from . import reference as answers
 
 DEFAULT_LEVELS = (1, 2, 4, 8, 16)
@@ -193,13 +190,6 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int = MAX_TOKENS) -> No
         raise UsageError(f"--min-tokens {min_tokens}: must be between 1 and the {max_tokens} tokens a request asks for")
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
-
-
 def wait_healthy(
     url: str, deadline_s: float, watch: Watcher | None = None, progress: Callable[[str], None] | None = None
 ) -> None:
@@ -282,62 +272,16 @@ def ask(session: requests.Session, url: str, model: str, text: str, max_tokens: 
     return reply
 
 
-def judge(ev: RequestEvidence, k: int, reply: answers.Reply, ref: answers.Reference,
-          basis: dict[int, answers.Reply], exact: bool) -> None:
-    """The oracle's verdict on one reply into ``ev``: at concurrency 1 (``exact``) bit for bit against the
-    reference; above it by its form, with its movement from the same image's concurrency-1 reply to prompt ``k``
-    (the reference's answer where there is none) measured."""
-    answer = ref.answers[k]
-    if answer.prompt_tokens is not None and reply.prompt_tokens is not None \
-            and reply.prompt_tokens != answer.prompt_tokens:
-        ev.judged_by = "exact" if exact else "form"
-        ev.error = (f"prompt {k}: the prompt was {reply.prompt_tokens} tokens, in the reference "
-                    f"{answer.prompt_tokens}: another model or tokenizer than the reference's")
-        return
-    if exact:
-        ev.judged_by, ev.basis = "exact", "reference"
-        verdict = oracle.exact(answer, reply)
-    else:
-        own = basis.get(k)
-        ev.judged_by, ev.basis = "form", "concurrency-1" if own is not None else "reference"
-        verdict = oracle.moved(own if own is not None else answer, reply, reply.completion_tokens, ref.max_tokens)
-    dev = verdict.deviation
-    ev.divergence, ev.token_divergence = dev.first_difference, dev.token_divergence
-    # Not rounded: one bit of difference at concurrency 1 must show in the evidence.
-    ev.max_logprob_diff, ev.gap_nats = dev.max_logprob_diff, dev.gap
-    ev.deviation_nats = None if dev.size == float("inf") else dev.size
-    ev.passed = verdict.ok
-    if not verdict.ok:
-        ev.error = f"prompt {k}: {verdict.detail}"
-
-
-def _one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int, i: int,
-         prompts: Sequence[str], min_tokens: int | None, ref: answers.Reference | None,
-         basis: dict[int, answers.Reply], exact: bool,
-         replies: dict[str, dict[str, Any]] | None = None) -> tuple[RequestEvidence, answers.Reply | None]:
-    """Send request ``i`` of a level and judge its reply; never raises for the server's faults. ``replies``: each
-    reply as it came, kept under ``LEVEL:I`` for a judge elsewhere (the host judges a runner's sweep)."""
+def _ask_one(session: requests.Session, url: str, model: str, timeout: float, max_tokens: int, level: int,
+             i: int, prompts: Sequence[str], replies: dict[str, dict[str, Any]] | None = None
+             ) -> tuple[RequestEvidence, answers.Reply | None]:
+    """Send request ``i`` of a level; never raises for the server's faults. ``replies``: each reply as it came,
+    kept under ``LEVEL:I`` for the judge (the host judges what a runner sent back)."""
     k = i % len(prompts)
     ev = RequestEvidence(level, i, k, None, 0.0)
     reply = ask(session, url, model, prompts[k], max_tokens, timeout, ev)
-    if reply is None:
-        return ev, None
-    if replies is not None:
+    if reply is not None and replies is not None:
         replies[f"{level}:{i}"] = asdict(reply)
-    if ref is not None:
-        judge(ev, k, reply, ref, basis, exact)
-        if not ev.passed:
-            return ev, reply
-    if min_tokens is not None:
-        # Both given: a reply the reference passed can still be too short (a test model that cannot stop early).
-        if ref is None:
-            ev.judged_by = "min-tokens"
-        if reply.completion_tokens < min_tokens:
-            ev.judged_by, ev.passed = "min-tokens", False
-            ev.error = (f"reply of {reply.completion_tokens} completion token(s), every reply must have "
-                        f"at least {min_tokens} (finish_reason {reply.finish_reason})")
-            return ev, reply
-    ev.passed = True
     return ev, reply
 
 
@@ -353,62 +297,44 @@ def pool(concurrency: int, n: int, job: Callable[[requests.Session, int], Any]) 
         return [fut.result() for fut in futures]
 
 
-def run_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
-              min_tokens: int | None = None, ref: answers.Reference | None = None,
-              basis: dict[int, answers.Reply] | None = None,
-              prompts: Sequence[str] | None = None, replies: dict[str, dict[str, Any]] | None = None) -> Level:
-    """One level. With ``ref``: at concurrency 1 every reply bit for bit, and each prompt's first reply that
-    came back whole is kept in ``basis``; above it, each reply by its form, its movement from ``basis``
-    measured."""
+Asked = Sequence[tuple[RequestEvidence, answers.Reply | None]]  # a level's requests: evidence, and the reply or None
+
+
+def ask_level(url: str, model: str, concurrency: int, n: int, timeout: float, max_tokens: int,
+              prompts: Sequence[str], replies: dict[str, dict[str, Any]] | None = None) -> tuple[Level, Asked]:
+    """One level's ``n`` requests at ``concurrency``: the level with each request's evidence and its wall time
+    (nothing judged), and every request's reply (None where none came back)."""
     level = Level(concurrency, n)
-    prompts = ref.prompts if ref is not None else prompts or PROMPTS
-    basis = {} if basis is None else basis
-    exact = ref is not None and concurrency == 1
     start = time.monotonic()
-    done = pool(concurrency, n, lambda session, i: _one(session, url, model, timeout, max_tokens, concurrency, i,
-                                                         prompts, min_tokens, ref, basis, exact, replies))
+    done: Asked = pool(concurrency, n, lambda session, i: _ask_one(session, url, model, timeout, max_tokens,
+                                                                    concurrency, i, prompts, replies))
     level.wall_s = round(time.monotonic() - start, 4)
     level.per_request = [ev for ev, _ in done]
-    if exact:
-        for ev, reply in done:
-            # Only a reply the oracle passed: under --keep-going a wrong one must not become the basis above.
-            if reply is not None and reply.tokens is not None and ev.passed:
-                basis.setdefault(ev.prompt, reply)
-    summarise(level)
-    return level
+    return level, done
 
 
-def _deviation(ev: RequestEvidence) -> oracle.Deviation:
-    """A judged reply's deviation from its basis, as its evidence keeps it."""
-    return oracle.Deviation(ev.divergence is None, ev.divergence, ev.token_divergence, ev.max_logprob_diff or 0.0,
-                            ev.gap_nats, comparable=ev.deviation_nats is not None)
+class Judge(Protocol):
+    """Who judges a level's replies as they come back (the host's, :class:`vllm_hotfix.judges.sweep.Judged`)."""
+
+    def level(self, level: Level, asked: Asked) -> None:
+        """Judge every request of ``level`` into its evidence and fill in the level's summary."""
+
+    def line(self, level: Level) -> str:
+        """The progress line of a judged level."""
 
 
-def summarise(level: Level) -> None:
-    """A level's summary, from its requests' evidence alone."""
-    replies = [ev for ev in level.per_request if ev.http_status == 200 and ev.reply_tokens is not None]
-    for ev in replies:
-        reason = str(ev.finish_reason)
-        level.finish_reasons[reason] = level.finish_reasons.get(reason, 0) + 1
-    level.shortest_reply_tokens = min((ev.reply_tokens or 0 for ev in replies), default=None)
-    passed = [ev for ev in level.per_request if ev.passed]
-    level.successes = len(passed)
-    level.failures = len(level.per_request) - len(passed)
-    level.errors = [" ".join(str(ev.error).split())[:300] for ev in level.per_request if not ev.passed][:3]
-    judged = [ev for ev in replies if ev.judged_by in ("exact", "form")]
-    level.wrong_answers = sum(not ev.passed for ev in judged)
-    level.identical = sum(ev.passed and ev.divergence is None for ev in judged)
-    level.deviated = sum(ev.passed and ev.divergence is not None for ev in judged)
-    level.widest_deviation_nats = max((ev.deviation_nats for ev in judged if ev.deviation_nats is not None),
-                                      default=None)
-    formed = [ev for ev in judged if ev.judged_by == "form"]
-    level.movement = oracle.movement([_deviation(ev) for ev in formed]) if formed else None
-    if passed:
-        latencies = [ev.latency_s for ev in passed]
-        level.p50_s = round(percentile(latencies, 50), 4)
-        level.p95_s = round(percentile(latencies, 95), 4)
-        tokens = sum(ev.reply_tokens or 0 for ev in passed)
-        level.output_tokens_per_s = round(tokens / level.wall_s, 2) if level.wall_s > 0 else None
+def _stops(asked: Asked, min_tokens: int | None) -> bool:
+    """The stop rule of a sweep nobody judges where it runs: a request got no reply, or (``min_tokens``) a reply
+    shorter than that. It decides how far the sweep asks; the judge decides what passed."""
+    return any(reply is None or (min_tokens is not None and reply.completion_tokens < min_tokens)
+               for _, reply in asked)
+
+
+def measured_line(level: Level) -> str:
+    """The progress line of a level nobody judged here: how many replies came back, and the level's wall time."""
+    back = sum(ev.http_status == 200 and ev.reply_tokens is not None for ev in level.per_request)
+    return (f"    concurrency {level.concurrency:>3}: {back:>4}/{level.requests:<4} replied in {level.wall_s:.2f} s "
+            "(judged by the host)")
 
 
 def sweep(
@@ -421,40 +347,39 @@ def sweep(
     timeout: float = 120,
     max_tokens: int = MAX_TOKENS,
     min_tokens: int | None = None,
-    reference: answers.Reference | None = None,
     progress: Callable[[str], None] | None = None,
     keep_going: bool = False,
     prompts: Sequence[str] | None = None,
     replies: dict[str, dict[str, Any]] | None = None,
+    judge: Judge | None = None,
 ) -> SweepResult:
-    """Run every level in order; stop at the first failing one (``keep_going``: run the rest while the
-    server lives, so a report shows each level's outcome; ``failed_level`` stays the first that failed).
+    """Ask every level in order; stop at the first failing one (``keep_going``: ask the rest while the server
+    lives; ``failed_level`` stays the first that failed).
 
-    ``min_tokens``: every reply must carry at least this many completion tokens.
-    ``reference``: every reply is judged by the oracle (bit for bit at
-    concurrency 1; above it by its form, its movement from the same image's
-    concurrency-1 reply measured); the reference's prompts and max_tokens
-    are used. Without it, ``prompts`` (default the
-    fixed set) are asked, and ``replies`` keeps every reply as it came for a
-    judge elsewhere (:mod:`vllm_hotfix.judges.replies`: the host judges what a runner sent).
+    ``prompts`` (default the fixed set) are asked, ``max_tokens`` tokens each.
+    With ``judge`` every level is judged as it comes back and a level fails
+    where a request failed its judgement; without one nothing is judged here,
+    a level "fails" only by the stop rule (a request got no reply, a reply
+    shorter than ``min_tokens``, the server gone), and ``replies`` keeps every
+    reply as it came for a judge elsewhere (:mod:`vllm_hotfix.judges.replies`:
+    the host judges what a runner sent).
     """
-    if reference is not None:
-        max_tokens = reference.max_tokens
     check_min_tokens(min_tokens, max_tokens)
     url = url.rstrip("/")
     model = model or first_model(url)
-    asked = reference.prompts if reference is not None else tuple(prompts or PROMPTS)
+    asked = tuple(prompts or PROMPTS)
     result = SweepResult(url, model, [], max_tokens=max_tokens, min_tokens=min_tokens, prompts=len(asked))
-    if reference is not None:
-        result.reference = reference.summary()
-    basis: dict[int, answers.Reply] = {}
     for c in levels:
-        level = run_level(url, model, c, n, timeout, max_tokens, min_tokens, reference, basis, asked, replies)
+        level, done = ask_level(url, model, c, n, timeout, max_tokens, asked, replies)
+        if judge is not None:
+            judge.level(level, done)
+        stopped = level.failures > 0 if judge is not None else _stops(done, min_tokens)
         result.levels.append(level)
         alive = watch.running() if watch is not None else True
         if progress is not None:
-            progress(format_level(level) + ("" if alive else "  (server died)"))
-        if level.failures or not alive:
+            line = judge.line(level) if judge is not None else measured_line(level)
+            progress(line + ("" if alive else "  (server died)"))
+        if stopped or not alive:
             if result.failed_level is None:
                 result.failed_level = c
             result.server_died = not alive
@@ -465,55 +390,3 @@ def sweep(
     if watch is not None:
         result.server_log = condense(watch.logs())
     return result
-
-
-def format_level(level: Level) -> str:
-    def ms(v: float | None) -> str:
-        return f"{v * 1000:7.1f}" if v is not None else "      -"
-
-    tps = f"{level.output_tokens_per_s:8.1f}" if level.output_tokens_per_s is not None else "       -"
-    shortest = "-" if level.shortest_reply_tokens is None else str(level.shortest_reply_tokens)
-    judged = any(ev.judged_by in ("exact", "form") for ev in level.per_request)
-    widest = "-" if level.widest_deviation_nats is None else f"{level.widest_deviation_nats:.3g}"
-    beyond = f", {level.movement['beyond_top_k']} beyond top-k" if level.movement else ""
-    answers_note = (f"  wrong answers {level.wrong_answers}, identical {level.identical}, moved "
-                    f"{level.deviated} (widest {widest} nats{beyond})" if judged else "")
-    return (
-        f"    concurrency {level.concurrency:>3}: {level.successes:>4}/{level.requests:<4} ok  "
-        f"p50 {ms(level.p50_s)} ms  p95 {ms(level.p95_s)} ms  {tps} tok/s  shortest reply {shortest} tok"
-        + answers_note
-    )
-
-
-def failure_message(result: SweepResult) -> str:
-    level = next(lv for lv in result.levels if lv.concurrency == result.failed_level)
-    why = level.errors[0] if level.errors else "unknown error"
-    server = cause(result.server_log)
-    if result.server_died:
-        return (f"server {result.url} died during the sweep (at concurrency {result.failed_level}, "
-                f"{level.successes}/{level.requests} requests ok): it no longer answers"
-                + (f"; server: {server}" if server else f" ({why})"))
-    later = [lv.concurrency for lv in result.levels if lv.failures and lv.concurrency != result.failed_level]
-    also = f"; also failed at concurrency {','.join(map(str, later))}" if later else ""
-    return (
-        f"serve sweep failed at concurrency {result.failed_level}{also}: "
-        f"{level.failures}/{level.requests} requests failed ({why})" + (f"; server: {server}" if server else "")
-    )
-
-
-def as_check(result: SweepResult, levels: Sequence[int], min_tokens: int | None) -> dict[str, Any]:
-    """The serve-sweep check a finished sweep makes (the host's smoke and the runner in the image alike)."""
-    if not result.ok:
-        tail = result.server_log.strip().splitlines()[-12:]
-        return {"name": "serve-sweep", "status": "fail", "detail": failure_message(result),
-                "data": {"server_log": tail}}
-    detail = f"levels {','.join(map(str, levels))}: every request succeeded"
-    if min_tokens is not None:
-        detail += f", every reply at least {min_tokens} token(s)"
-    if result.reference is not None:
-        moved = [f"{lv.deviated} of {lv.requests} at {lv.concurrency}" for lv in result.levels if lv.concurrency != 1]
-        detail += (f", every reply at concurrency 1 bitwise the reference answer ({result.reference['file']}) and "
-                   f"every reply above it whole (status, length, finish reason, no NaN); moved from the same "
-                   f"image's concurrency-1 reply, measured and not judged: "
-                   f"{', '.join(moved) or 'no level above 1'}")
-    return {"name": "serve-sweep", "status": "pass", "detail": detail}

@@ -2,7 +2,7 @@
 
 Over HTTP the batches of a level depend on when each request reaches the
 engine, so the oracle can judge a reply above concurrency 1 only within the
-noise (:mod:`vllm_hotfix.inimage.oracle`): measured on an H100, at concurrency 16 the trusted
+noise (:mod:`.oracle`): measured on an H100, at concurrency 16 the trusted
 image's replies differed from its own concurrency-1 replies in 48 of 48, so
 the tolerance there admitted nearly every token of the model's top-5, and a
 backport broken only under load would have passed. The probe
@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SmokeError, UsageError
-from ..inimage import oracle
 from ..inimage import reference as answers
+from ..inimage.oracle import compare
 from ..verdicts import Check, Status
+from . import oracle
 
 CHECK = "exact-levels"
 PASSES_RECORDING = 2  # the whole schedule run twice when recording: the second must repeat the first
@@ -174,7 +175,7 @@ def record(run: ProbeRun, prompts: Sequence[str], levels: Sequence[int], request
         except ValueError as exc:
             raise SmokeError(f"cannot record per-level answers at concurrency {c}: {exc}") from None
         for i, (a, b) in enumerate(zip(first, again, strict=True)):
-            dev = oracle.compare(a, b)
+            dev = compare(a, b)
             if not dev.identical:
                 raise SmokeError(f"cannot record per-level answers: at concurrency {c}, request {i} differs between "
                                  f"two passes of the same schedule ({dev.detail}): the engine is not repeatable "

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..inimage.runner.main import IMAGE_PYTHON, as_check
+from ..inimage.runner.probe_output import IMAGE_PYTHON
 from ..verdicts import Check, Status, Verdict, judge, rejudge_gpu
 
 FILESYSTEM = "filesystem"  # as vllm_hotfix.judges.integrity names the host's file facts
@@ -151,7 +151,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
     the runner sent back (the serve-sweep judged from its replies).
     """
     spec = job.get("gpu") or {}
-    host = [as_check(c, float(c.get("seconds", 0)) if isinstance(c, dict) else 0.0, "check")
+    host = [Check.reported(c, float(c.get("seconds", 0)) if isinstance(c, dict) else 0.0, "check")
             for c in job.get("checks") or []]
     owned = {*HOST_CHECKS, *(c.name for c in host)}
     checks = [c if c.name in judged_here else _mine(c) for c in report.checks if c.name not in owned]
@@ -163,7 +163,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
         gpu = {k: v for k, v in report.gpu.items() if k not in ("raw_checks", "compiled_missing")}
         gpu.update({"mode": str(spec.get("mode", "auto")), "way": str(spec.get("request")),
                     "launcher": job.get("launcher")})
-        raw = [as_check(c, float(c.get("seconds", 0) or 0) if isinstance(c, dict) else 0.0, "gpu")
+        raw = [Check.reported(c, float(c.get("seconds", 0) or 0) if isinstance(c, dict) else 0.0, "gpu")
                for c in report.gpu.get("raw_checks") or []] if isinstance(report.gpu.get("raw_checks"), list) else []
         verified = False
         if raw:
@@ -215,7 +215,7 @@ def host_verdict(job: Mapping[str, Any], report: Verdict, *, compiled_missing: S
 def unanswered(job: Mapping[str, Any], status: str, why: str, *, started: str = "", seconds: float = 0.0,
                phases: Mapping[str, float] | None = None, gpu_facts: Mapping[str, Any] | None = None) -> Verdict:
     """The verdict when the runner gave no report: the host's own checks and a ``runner`` check saying why."""
-    host = [as_check(c, 0.0, "check") for c in job.get("checks") or []]
+    host = [Check.reported(c, 0.0, "check") for c in job.get("checks") or []]
     spec = job.get("gpu") or {}
     gpu = {"mode": str(spec.get("mode", "auto")), "verified": False, **dict(gpu_facts or {})}
     return judge(str(job.get("image", "")), str(job.get("image_id", "")),
@@ -232,8 +232,9 @@ def not_its_product(job: Mapping[str, Any], identity: Mapping[str, Any], *, star
     spec = job.get("gpu") or {}
     why = ("its base could not be found here: nothing ran" if identity.get("status") == "incomplete"
            else "not its definition's product: nothing ran")
-    return judge(str(job.get("image", "")), str(job.get("image_id", "")), [as_check(dict(identity), 0.0, "check")],
-                 gpu_verified=False, platform=str(job.get("platform", "")), started=started, seconds=seconds,
+    return judge(str(job.get("image", "")), str(job.get("image_id", "")),
+                 [Check.reported(dict(identity), 0.0, "check")], gpu_verified=False,
+                 platform=str(job.get("platform", "")), started=started, seconds=seconds,
                  expected_from="", gpu={"mode": str(spec.get("mode", "auto")), "verified": False,
                                         "why_unverified": why},
                  host=dict(job.get("host") or {}))

@@ -3,11 +3,10 @@
 The runner in the image asks the image's server the reference's prompts at
 every level and sends back each reply as it came (tokens, log-probabilities,
 top-k; :func:`vllm_hotfix.inimage.sweep.sweep` with ``replies``), after a
-mark of its own. It never has the reference answers, so it cannot echo them;
-whatever it says of its replies' correctness is not read. Here, on the host,
-every reply is judged by the oracle exactly as :mod:`vllm_hotfix.inimage.sweep` judges a server
-the host asks itself: at concurrency 1 bit for bit against the reference,
-above it by its form (status, length, finish reason, no NaN) with its
+mark of its own. It never has the reference answers, so it cannot echo them,
+and it judges nothing. Here, on the host, every reply is judged by the
+oracle exactly as :mod:`.sweep` judges a server the host asks itself: at
+concurrency 1 bit for bit against the reference, above it by its form (status, length, finish reason, no NaN) with its
 movement from the same image's concurrency-1 reply (the reference's where
 the image gave none that passed) measured, and ``--min-tokens``.
 A request whose reply did not come back, or came back unreadable, fails.
@@ -26,7 +25,8 @@ from typing import Any
 
 from ..errors import Malformed
 from ..inimage import reference as answers
-from ..inimage.sweep import Level, RequestEvidence, SweepResult, as_check, judge, summarise
+from ..inimage.sweep import Level, RequestEvidence, SweepResult
+from .sweep import as_check, judge, short, summarise
 
 # What the runner measured and may say; every judgement field, and the schedule, is the host's.
 _MEASURED = ("http_status", "latency_s", "error")
@@ -187,10 +187,8 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
                     judge(ev, ev.prompt, reply, reference, basis, exact)
                 if exact and ev.passed and reply.tokens is not None:
                     basis.setdefault(ev.prompt, reply)
-            if ev.passed and min_tokens is not None and reply.completion_tokens < min_tokens:
-                ev.judged_by, ev.passed = "min-tokens", False
-                ev.error = (f"reply of {reply.completion_tokens} completion token(s), every reply must have "
-                            f"at least {min_tokens} (finish_reason {reply.finish_reason})")
+            if ev.passed and min_tokens is not None:
+                short(ev, reply, min_tokens)
             level.per_request.append(ev)
         summarise(level)
         result.levels.append(level)

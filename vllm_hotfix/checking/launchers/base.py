@@ -24,12 +24,12 @@ from ...verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
-# What the runner imports from the package: itself, and the verdict code it judges with.
-# The sweep and reference answers are the host's own, so a verdict from the image judges replies the same way.
+# What the runner imports from the package: itself, the verdict types, the sweep's sender, the reference file
+# format and the oracle's measures a recording uses. Nothing that judges a reply: the host does.
 PACKAGE_FILES = ("__init__.py", "errors.py", "verdicts.py", "journal/__init__.py", "journal/atomic.py",
                  "inimage/__init__.py", "inimage/reference.py", "inimage/sweep.py", "inimage/oracle.py",
                  "inimage/recording.py", "inimage/runner/__init__.py", "inimage/runner/main.py",
-                 "inimage/runner/serve.py")
+                 "inimage/runner/probe_output.py", "inimage/runner/serve.py")
 BOOTSTRAP = b'''"""Entry of the vllm-hotfix runner: python3 -I -S run.py JOB.json (this folder is put first on sys.path;
 the job's python_path, the base's own sys.path folders, is added by the runner)."""
 import os

@@ -31,14 +31,14 @@ from ...building import definitions, expected, sources
 from ...engine import Engine, GpuRequest, ImageInfo
 from ...errors import DefinitionError, EngineError, EngineLost, PinError, RunnerFailed, SmokeError, UnknownExpectation
 from ...golden import warm as golden_warm
-from ...inimage import reference as answers
 from ...inimage.runner import MOUNT
-from ...inimage.runner.main import as_check, parse
+from ...inimage.runner.probe_output import parse
 from ...journal import records
 from ...judges import identity, integrity, judging
-from ...verdicts import Status, Verdict
+from ...trust.reference_fit import refuse_other_settings
+from ...verdicts import Check, Status, Verdict
 from .. import compile_cache, gpu_access
-from . import facts, plan
+from . import facts, judge_run, plan, recorded, smoke_run
 from .base import Launched, argv, results
 from .options import SmokeOptions
 
@@ -199,7 +199,7 @@ class DockerRun:
         """Smoke-test ``ref`` and return the host's verdict (``want``: the build's own expectation)."""
         return self.smoke(ref, want)[0].verdict
 
-    def smoke(self, ref: str, want: expected.Expected | None = None) -> tuple[plan.Ran, plan.Target]:
+    def smoke(self, ref: str, want: expected.Expected | None = None) -> tuple[judge_run.Ran, plan.Target]:
         """Smoke-test ``ref``: (the host's run, the image as the host knows it)."""
         image = self.engine.image(ref)
         if image is None:
@@ -215,7 +215,7 @@ class DockerRun:
         proven = self.prove_identity(image, ref, want)
         clock.mark("identity")
         if proven.status in ("fail", "incomplete"):
-            ran = plan.refused(target, proven.check(), self.engine.host_facts(), self.opt.gpu, started=started,
+            ran = judge_run.refused(target, proven.check(), self.engine.host_facts(), self.opt.gpu, started=started,
                                seconds=time.monotonic() - start)
             return replace(ran, verdict=replace(ran.verdict, phases=phases)), target
         target = replace(target, base_id=proven.base_id)
@@ -230,7 +230,7 @@ class DockerRun:
             clock.mark("gpu_access")
         seen = self._access[image.id].devices if image.id in self._access else []
         if self.opt.reference is not None and seen:  # a reference recorded on another GPU model: refused now
-            answers.refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
+            refuse_other_settings(self.opt.reference, {"gpu": ", ".join(seen)})
         layers_proven = proven.status == "pass"
         cache = (self.compile_cache(image, is_base=proven.status == "skip", proven=layers_proven)
                  if request is not None or self.opt.serve_model is not None else None)
@@ -251,11 +251,11 @@ class DockerRun:
                  f"(GPU request: {request or 'none'})")
         clock.restart()
         host = self.engine.host_facts()
-        host_facts = plan.HostFacts(found.compiled_missing, gpu_facts, environment,
+        host_facts = judge_run.HostFacts(found.compiled_missing, gpu_facts, environment,
                                     lambda modules: self.base_import_errors(image, modules))
         mounted = None
         # The run, once judged: a layered cache's writes are kept only where it met the default policy.
-        done: list[plan.Ran] = []
+        done: list[judge_run.Ran] = []
         try:
             with contextlib.ExitStack() as stack:
                 # A recording's writes are kept where its image's layers were proven; a layered run's where its
@@ -269,7 +269,7 @@ class DockerRun:
                                           writable=[mounted.mount] if mounted is not None else (),
                                           follow=lambda line: self.say(f"  {line}" if line.startswith("==>")
                                                                        else line))
-                ran = plan.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
+                ran = smoke_run.smoke(launcher, self.root, target, self.opt, gpu_request=request, checks=found.checks,
                                  host=host, expected_from=found.expected_from, landed=found.landed,
                                  gpu_unavailable=unavailable, facts=host_facts, say=self.say, echo=False,
                                  python_path=proven.python_path)
@@ -280,7 +280,7 @@ class DockerRun:
             # An engine that cannot mount the cache's overlay is the host's shortcoming, not the image's.
             own = mounted is not None and mounted.access == compile_cache.LAYERED and mounted.source in str(exc)
             ran = self._ended(target, found, host, "incomplete" if own else "fail", str(exc))
-        ran = plan.keep_recorded(ran, self.opt, target, self.say)
+        ran = recorded.keep_recorded(ran, self.opt, target, self.say)
         verdict = ran.verdict
         seconds = time.monotonic() - start
         phases = {**phases, **dict(verdict.phases)}
@@ -289,12 +289,12 @@ class DockerRun:
         return replace(ran, verdict=verdict), target
 
     def _ended(self, target: plan.Target, found: facts.FileFacts, host: Mapping[str, Any], status: str,
-               why: str) -> plan.Ran:
+               why: str) -> judge_run.Ran:
         """The run when the runner's container could not give an answer (the engine failed or went away)."""
         job = {"image": target.ref, "image_id": target.image_id, "platform": target.platform, "host": dict(host),
                "checks": list(found.checks), "expected_from": found.expected_from, "gpu": {"mode": self.opt.gpu}}
         self.say(f"    {status:<4} runner: {why}")
-        return plan.Ran(judging.unanswered(job, status, why), job)
+        return judge_run.Ran(judging.unanswered(job, status, why), job)
 
     def prove_identity(self, image: ImageInfo, ref: str, want: expected.Expected | None) -> identity.Outcome:
         """Whether the image is its definition's product over the base this host finds
@@ -379,7 +379,7 @@ class DockerRun:
         self.say(f"    importing {len(modules)} module(s) in the base {base_id[:19] if base_id else ''} too")
         raw = self.probe(base, "gpu_check.py", ["--imports-only", "--modules", *modules], gpu=access.chosen,
                          fallback_name="model-imports")
-        found = [as_check(c, 0, "model-imports") for c in raw]
+        found = [Check.reported(c, 0, "model-imports") for c in raw]
         if not any(c.name == "model-imports" and c.status in (Status.PASS, Status.FAIL) for c in found):
             self.say(f"    the base's imports gave no answer ({'; '.join(c.detail for c in found)[:200]})")
             return None

@@ -3,8 +3,8 @@
 From an image reference to the host's verdict: where the launcher's copy of
 the image is (podman's store, the registry a cluster pulls from), its file
 facts read from that copy without running it, the job planned (:mod:`.plan`,
-the same checks a docker run has), the runner started, and its report
-judged here (:mod:`vllm_hotfix.judges.judging`). Nothing is signed here and no key goes
+the same checks a docker run has), the runner started (:mod:`.smoke_run`), and
+what came back judged here (:mod:`.judge_run`). Nothing is signed here and no key goes
 anywhere: the caller signs the verdict this returns.
 """
 
@@ -26,7 +26,7 @@ from ...journal import records
 from ...journal.atomic import opened_regular, write_atomic
 from ...judges import identity, layer_read
 from ...registry import client as registry
-from . import facts, plan
+from . import facts, judge_run, plan, recorded, smoke_run
 from .base import LINE, Launched, results
 from .kubernetes import JobSpec
 from .options import SmokeOptions
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions,
-           say: Callable[[str], None]) -> tuple[plan.Ran, plan.Target]:
+           say: Callable[[str], None]) -> tuple[judge_run.Ran, plan.Target]:
     """Smoke ``image_ref`` as podman's store holds it: (the host's run, the image as the host knows it)."""
     from .podman import PodmanFiles, PodmanLauncher
 
@@ -64,7 +64,7 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
         read = layer_read.from_folders_or(lambda: files.export_layers(image_id))
         proven = prove(root, engine, info, options, say, lambda n: read(info, n))
         if proven.status in ("fail", "incomplete"):
-            return plan.refused(target, proven.check(), {"launcher": "podman"}, "off"), target
+            return judge_run.refused(target, proven.check(), {"launcher": "podman"}, "off"), target
         target = replace(target, base_id=proven.base_id)
         found = facts.file_facts(root, info, files, engine(), say, proven)
         found = replace(found, checks=(proven.check(), *found.checks))
@@ -73,11 +73,11 @@ def podman(root: Path, engine: Callable[[], Engine], image_ref: str, options: Sm
     request, unavailable = settle_gpu(options.gpu, options.gpu_request)
     if unavailable is not None:
         say(f"    {unavailable['why']}")
-    ran = plan.smoke(launcher, root, target, options, gpu_request=request, gpu_unavailable=unavailable,
+    ran = smoke_run.smoke(launcher, root, target, options, gpu_request=request, gpu_unavailable=unavailable,
                      checks=found.checks, expected_from=found.expected_from, host={"launcher": "podman"},
-                     landed=found.landed, say=say, facts=plan.HostFacts(found.compiled_missing),
+                     landed=found.landed, say=say, facts=judge_run.HostFacts(found.compiled_missing),
                      python_path=proven.python_path if proven is not None else ())
-    return plan.keep_recorded(ran, options, target, say), target
+    return recorded.keep_recorded(ran, options, target, say), target
 
 
 # The name podman's store gives an image that came from no registry (loaded, built, committed): its own
@@ -248,7 +248,7 @@ class Cluster:
 
 
 def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options: SmokeOptions, cluster: Cluster,
-               say: Callable[[str], None]) -> tuple[plan.Ran | None, plan.Target, str]:
+               say: Callable[[str], None]) -> tuple[judge_run.Ran | None, plan.Target, str]:
     """Emit, submit or collect the Job for ``image_ref``: (the host's run, or None after --emit alone; the image
     as the host knows it; what was written)."""
     from . import kubernetes as k8s
@@ -267,7 +267,7 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
     target = plan.Target(image_ref, image_id or ref.partition("@")[2], ref, labels, repo_digests=(ref,))
     if proven is not None and proven.status in ("fail", "incomplete"):
         # Nothing is written or started for an image that is not its definition's product.
-        return plan.refused(target, proven.check(), {"launcher": "kubernetes"}, "off"), target, ""
+        return judge_run.refused(target, proven.check(), {"launcher": "kubernetes"}, "off"), target, ""
     if proven is not None:
         target = replace(target, base_id=proven.base_id)
     spec = cluster.spec
@@ -290,7 +290,7 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
         wrote = (f"wrote {cluster.emit}: ConfigMap and Job {spec.namespace}/{spec.name} for {ref}; once it has "
                  f"ended: smoke {image_ref} --launcher kubernetes --collect job/{spec.name} (or the pod's log "
                  "saved to a file) [--sign-key KEY]")
-    host_facts = plan.HostFacts(found.compiled_missing)
+    host_facts = judge_run.HostFacts(found.compiled_missing)
     started = records.now_iso()
     launched: Launched | RunnerFailed
     if cluster.collect is not None:
@@ -310,12 +310,12 @@ def kubernetes(root: Path, engine: Callable[[], Engine], image_ref: str, options
         return None, target, wrote
     if isinstance(launched, Launched):
         started = _this_run(root, launched, ref, cluster, job.get("run_nonce"))
-    verdict, _levels, _noise = plan.judged(job, launched, host_facts, started=started, reference=options.reference,
+    verdict, _levels, _noise = judge_run.judged(job, launched, host_facts, started=started, reference=options.reference,
                                            model=Path(options.serve_model) if options.serve_model else None,
                                            signature=options.reference_signature)
     for c in verdict.checks:
         say(f"    {c.status.value:<4} {c.name}: {c.detail}")
-    return plan.Ran(verdict, job), target, wrote
+    return judge_run.Ran(verdict, job), target, wrote
 
 
 def _this_run(root: Path, launched: Launched, ref: str, cluster: Cluster, submitted: str | None) -> str:

@@ -56,9 +56,8 @@ from . import (
     child_env,
     serve,
 )
+from .probe_output import IMAGE_PYTHON, parse
 
-# As vllm_hotfix.judges.integrity names who answered a check (that module is not carried into the image).
-IMAGE_PYTHON = "image-python"
 # The runner folder: this file is vllm_hotfix/inimage/runner/main.py in it.
 HERE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
@@ -73,40 +72,6 @@ def path_of(rel: str) -> str:
     if not full.startswith(HERE + os.sep):
         raise Malformed(f"{rel!r} is outside the runner folder")
     return full
-
-
-def parse(name: str, stdout: str, stderr: str, code: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A probe's JSON, or one failing (incomplete when it timed out) check that says why there is none.
-
-    The one reader of probe output: the runner's, and the host's for the probes it starts itself.
-    """
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict) and isinstance(data.get("checks"), list):
-            info = data.get("info")
-            checks = [c if isinstance(c, dict) else {"name": name, "status": "fail",
-                                                     "detail": f"malformed check {c!r:.80}"}
-                      for c in data["checks"]]
-            return checks, info if isinstance(info, dict) else {}
-    if code == 124:
-        tail = (stderr.strip().splitlines() or [""])[-1]
-        return [{"name": name, "status": "incomplete", "detail": f"probe did not finish: {tail}".strip()}], {}
-    why = (stderr.strip().splitlines() or [f"exit {code}, no output"])[-1]
-    return [{"name": name, "status": "fail", "detail": f"probe gave no result: {why}"}], {}
-
-
-def as_check(raw: Any, seconds: float, name: str) -> verdicts.Check:
-    """A probe's check as a typed Check; a malformed one is a failing check under its own name (else ``name``)."""
-    try:
-        c = verdicts.Check.from_dict(raw)
-    except Malformed as exc:
-        said = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else ""
-        return verdicts.Check(said or name, verdicts.Status.FAIL, f"the probe reported a malformed check: {exc}",
-                              seconds)
-    return verdicts.Check(c.name, c.status, c.detail, seconds, c.data, c.ran_against, c.stubs, c.import_errors)
 
 
 class Run:
@@ -144,7 +109,7 @@ class Run:
             answered_by: str | None = IMAGE_PYTHON, quiet: bool = False) -> list[verdicts.Check]:
         """Record checks; a probe's (``answered_by``: the image's Python, whatever it claims) or ones made
         outside the image and handed in with the job (None: as they say)."""
-        made = [as_check(c, round(took / max(len(raw), 1), 3), name) for c in raw]
+        made = [verdicts.Check.reported(c, round(took / max(len(raw), 1), 3), name) for c in raw]
         if answered_by is not None:
             made = [replace(c, data={**(c.data if isinstance(c.data, dict) else {}), "answered_by": answered_by})
                     for c in made]
@@ -211,7 +176,7 @@ class Run:
         raw, info, took = self.probe("probes/gpu_check.py", args, "gpu")
         if info:
             self.environment["gpu"] = info
-        checks = [as_check(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
+        checks = [verdicts.Check.reported(c, round(took / max(len(raw), 1), 3), "gpu") for c in raw]
         # As they said, before judgement: a host that can ask the image's base re-judges them (rejudge_gpu).
         facts["raw_checks"] = [c.to_dict() for c in checks]
         base = spec.get("base_import_errors")

@@ -1,12 +1,13 @@
 """The serve sweep from inside the image: start the server, wait for its health, ask, send the replies back.
 
-The sweep is the host's own code (:mod:`vllm_hotfix.inimage.sweep`,
-:mod:`vllm_hotfix.inimage.recording`, carried in the runner folder): the
-reference's prompts at every level, the same per-request evidence. It never
-has the reference answers: every reply goes back to the host as it came
-(``replies``), and the host judges them (:mod:`vllm_hotfix.judges.replies`:
-bit for bit at concurrency 1, within recorded noise above it). What the runner
-says of its own sweep (status, lengths) is only its measurement. A run that
+The sweep's sender is carried in the runner folder (:mod:`vllm_hotfix.inimage.sweep`,
+:mod:`vllm_hotfix.inimage.recording`): the reference's prompts at every level,
+the same per-request evidence. It never has the reference answers and judges
+nothing: every reply goes back to the host as it came (``replies``), and the
+host judges them and makes the ``serve-sweep`` check
+(:mod:`vllm_hotfix.judges.replies`: bit for bit at concurrency 1, by its form
+above it). What the runner says of its own sweep (statuses, lengths, how many
+replied) is only its measurement. A run that
 records reference answers sends them back and is not judged against them.
 The server gets the job's ``env``
 (``VLLM_BATCH_INVARIANT=1``) on top of the container's. They speak HTTP through
@@ -33,9 +34,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import child_env
+
+if TYPE_CHECKING:  # imported when the sweep runs: an image without requests fails the sweep with one line
+    from ..sweep import SweepResult
 
 LOG_LINES = 200
 # Seconds the batch probe may still run once the server's sweep is over: it starts with the server and runs
@@ -155,7 +159,21 @@ class Batches:
 
 
 def _failed(detail: str, log: Sequence[str] = ()) -> dict[str, Any]:
+    """The serve-sweep entry where no sweep could be asked: the server did not start or answer, or the image's
+    Python cannot run the sender."""
     return {"name": "serve-sweep", "status": "fail", "detail": detail, "data": {"server_log": list(log)[-12:]}}
+
+
+def _asked(result: SweepResult) -> dict[str, Any]:
+    """The serve-sweep entry of a sweep that was asked: what it measured, never a verdict. The host judges the
+    replies it sent back and makes the check (:mod:`vllm_hotfix.judges.replies`); until then it is incomplete."""
+    asked = [ev for level in result.levels for ev in level.per_request]
+    back = sum(ev.http_status == 200 and ev.reply_tokens is not None for ev in asked)
+    died = ", the server died" if result.server_died else ""
+    detail = (f"asked concurrency {','.join(str(level.concurrency) for level in result.levels)}: {back} of "
+              f"{len(asked)} requests replied{died}; the replies go to the host, which judges them")
+    return {"name": "serve-sweep", "status": "incomplete", "detail": detail,
+            "data": {"server_log": result.server_log.strip().splitlines()[-12:]}}
 
 
 class Serving:
@@ -256,6 +274,7 @@ class Serving:
             t0 = time.monotonic()
             # No reference here: every reply goes back as it came (self.replies), and the host judges them.
             prompts = [str(p) for p in spec.get("prompts") or []] or None
+            # min_tokens is the sender's stop rule only: the host judges every reply's length again.
             result = sweep.sweep(url, None, levels, int(spec.get("requests", 32)), watch=server,
                                  min_tokens=min_tokens, progress=say, keep_going=bool(spec.get("keep_going")),
                                  max_tokens=int(spec.get("max_tokens") or sweep.MAX_TOKENS), prompts=prompts,
@@ -263,7 +282,7 @@ class Serving:
             phases["sweep"] = round(time.monotonic() - t0, 1)
         except PipelineError as exc:
             return _failed(str(exc).splitlines()[0], list(server.lines)), None
-        return sweep.as_check(result, levels, min_tokens), {**result.to_dict(), "server_marks": list(server.marks)}
+        return _asked(result), {**result.to_dict(), "server_marks": list(server.marks)}
 
 
 def run(spec: Mapping[str, Any], scratch: str, *, say: Callable[[str], None], phases: dict[str, float],
