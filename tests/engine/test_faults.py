@@ -472,27 +472,40 @@ def test_parallel_pushes_to_one_target_take_turns(engine: Engine, built: tuple[P
         assert engine.image(target) is None  # put back as it was: absent
 
 
-@pytest.mark.parametrize("signal_like", [KeyboardInterrupt, "Terminated"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_the_engine_creates_a_container_leaves_none(engine: Engine, base_v0251: str,
                                                                    monkeypatch: pytest.MonkeyPatch,
-                                                                   signal_like: object) -> None:
-    """Ctrl-C or SIGTERM after the engine made a container but before its ID came back: none is left `Created`."""
+                                                                   signum: int) -> None:
+    """Ctrl-C or SIGTERM while the engine makes a container (the signal arrives after the engine made it, before
+    its answer is read): the create is held through it, so the container's ID comes back, it is removed, and
+    the interrupt is raised then. None is left `Created`."""
     import docker.models.containers
 
     from vllm_hotfix.errors import Terminated
 
-    raised = Terminated if signal_like == "Terminated" else KeyboardInterrupt
+    def on_sigterm(_signum: int, _frame: object) -> None:  # as the CLI's: SIGTERM raised as Terminated
+        raise Terminated()
+
+    raised: type[BaseException] = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     real = docker.models.containers.ContainerCollection.create
+    made: list[str] = []
 
     def create(self: object, *args: object, **kwargs: object) -> object:
-        real(self, *args, **kwargs)  # the engine made it...
-        raise raised()  # ...and the signal came before the tool had its ID
+        container = real(self, *args, **kwargs)  # the engine made it...
+        made.append(container.id)
+        signal.raise_signal(signum)  # ...and the signal comes before the tool has read the answer
+        return container
 
     before = set(engine.containers_with_role(RUN_ID))
     monkeypatch.setattr(docker.models.containers.ContainerCollection, "create", create)
-    with pytest.raises(raised):
-        engine.run(base_v0251, ["true"], timeout=30)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        with pytest.raises(raised):
+            engine.run(base_v0251, ["true"], timeout=30)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     monkeypatch.undo()
+    assert made, "the engine was never asked for the container"
     assert set(engine.containers_with_role(RUN_ID)) <= before, "a container was left behind"
 
 

@@ -53,7 +53,9 @@ def test_unpatched_base_with_copied_labels_and_a_lying_python_is_refused(
         said = engine.run(fake_id, ["python3", "-c", "print(1)"], timeout=60)
         assert '"status": "pass"' in said.stdout
         forge_pass(project, records.verdicts(project, image_id)[0].path, fake_id)
-        r = cli("push", fake, "--registry", f"{registry.place}/ops", root=project)
+        # The forged entry is the built image's own CPU smoke: under --allow-gpu-unverified it meets the policy, so
+        # the gate goes on to re-check the image's files, whatever the journal says.
+        r = cli("push", fake, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         fails(r, "refusing to push", "layer-identity", "/usr/local/bin is not the builder's")
         assert r.rc == 8
         not_pushed(registry, fake)
@@ -73,9 +75,12 @@ def test_edited_verdict_of_a_file_changed_outside_the_patch_set_is_refused(
         assert r.rc == 14
         [verdict] = records.verdicts(project, changed_id)
         data = json.loads(verdict.path.read_text())
-        data.update(status="pass", gpu_verified=True)
+        # Edited into a pass with the patched image's checks copied in, so that the journal's entry meets the
+        # policy (under --allow-gpu-unverified) and the gate goes on to re-check the files.
+        checks = json.loads(records.verdicts(project, image_id)[0].path.read_text())["checks"]
+        data.update(status="pass", gpu_verified=True, checks=checks)
         verdict.path.write_text(json.dumps(data))
-        r = cli("push", changed, "--registry", f"{registry.place}/ops", root=project)
+        r = cli("push", changed, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         # The push reads the layers again, whatever the journal says.
         fails(r, "refusing to push", "layer-identity", "2 layer(s) over the base")
         assert r.rc == 8
