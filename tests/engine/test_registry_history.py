@@ -90,8 +90,8 @@ def test_a_registry_path_without_its_repository_and_a_missing_tag_say_what_is_th
            f"{where}/{name}" in r.err
     # A tag the repository lacks: still no signed verdict (21), with the tags it has.
     _private, public, _ = key_pair(tmp_path, "team")
-    r = cli("verify", f"{where}/{name}:no-such-tag", "--key", str(public), root=project)
+    r = cli("verify", "--definition", "v0.25.1", f"{where}/{name}:no-such-tag", "--key", str(public), root=project)
     assert r.rc == 21 and f"has no {registry.ns}/ops/{name}:no-such-tag" in r.last_error, r.err
     assert f"hint: {where}/{name} has the tags {tag} (`python build.py list --registry {where}/{name}`" in r.err
-    r = cli("verify", f"{where}/absent:{tag}", "--key", str(public), root=project)
+    r = cli("verify", "--definition", "v0.25.1", f"{where}/absent:{tag}", "--key", str(public), root=project)
     assert r.rc == 21 and f"hint: the registry has no image under {where}/absent" in r.err, r.err

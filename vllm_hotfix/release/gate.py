@@ -157,9 +157,10 @@ class Gate:
         return Clearance(entry.path.name, entry.verdict.gpu_verified)
 
     def would_attach(self, root: Path, info: ImageInfo) -> list[Path]:
-        """The signed verdicts :meth:`attach` puts beside the image: those kept for it and those given."""
+        """The signed verdicts :meth:`attach` puts beside the image: those given and those kept for it (the given
+        first: a verdict given whose bytes the journal also keeps is named by the file the user gave)."""
         extra = [path for path in self.attestations if attest.names(path, info.id)]
-        return list(dict.fromkeys([*attest.kept(root, info.id), *extra]))
+        return list(dict.fromkeys([*extra, *attest.kept(root, info.id)]))
 
     def attach(self, engine: Engine, root: Path, info: ImageInfo, target: str, digest: str,
                say: Callable[[str], None], carried: list[tuple[str, bytes]] | None = None) -> list[str]:
