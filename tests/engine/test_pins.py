@@ -187,6 +187,16 @@ def test_sm100_variant_remedies_quack_and_leaves_no_wheel_in_any_layer(
         # The push gate reads the pinned distributions from the image's layers: no container of the image starts
         # (its Python, configured as the image says, never answers for it; a container only created, never
         # started, is how the engine hands out an image's files).
+        # The stand-in base has no torch, so the pins' import check of quack is skipped there (it needs a module no
+        # installed distribution provides), which the policy counts even under --allow-gpu-unverified (it needs no
+        # GPU). As on an image that has torch, it is taken as passed in the journal's entry here, so that the gate
+        # goes on to the re-check of the pinned files this test is about.
+        entry = records.verdicts(project, image_id)[0].path
+        data = json.loads(entry.read_text())
+        for check in data["checks"]:
+            if check["name"] == "import:quack" and check["status"] == "skip":
+                check["status"] = "pass"
+        entry.write_text(json.dumps(data))
         since = time.time()
         pushed = cli("push", ref, "--registry", f"{registry.place}/ops", "--allow-gpu-unverified", root=project)
         assert pushed.rc == 0, pushed.err
