@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One call of a GPU campaign on a lent GPU host, where each call carries at most one
-# part of the bundle and lasts at most ten minutes: the parts arrive one a call, the
-# campaign (campaign.py) then runs detached while later calls only wait for it,
-# and every call sends back what the run has written so far, so that a lease that ends
-# early still leaves its reports.
+# One call of a GPU campaign on a GPU host reached by short calls, each carrying at most
+# one part of the bundle and lasting at most ten minutes: the parts arrive one a call,
+# the campaign (campaign.py) then runs detached while later calls only wait for it, and
+# every call leaves what the run has written so far where the host copies it back, so
+# that a host taken back early still leaves its reports.
 #
 #   bash gpu-runs/campaign-call.sh part FILE...   keep these parts (part-NN, SHA256SUMS) in PARTS
 #   bash gpu-runs/campaign-call.sh start          copy this checkout to CHECKOUT (without the parts)
@@ -12,7 +12,8 @@
 #
 # Every call first writes the host's clock (its seconds since it started, /proc/uptime)
 # into OUTDIR/calls.log with what the call was, and at its end packs OUTDIR into
-# $OUT/campaign.tgz (the folder the lending tool sends back) where OUT is set. The
+# SEND_BACK/campaign.tgz where SEND_BACK (a folder the host copies back after each call)
+# is set. The
 # campaign's own settings come from the environment of `start` (PARALLEL, ENGINE_GIB,
 # MODELS, STEPS... see campaign.py). PARTS (/var/lib/vhp), CHECKOUT
 # (/var/lib/vhc) and OUTDIR (/var/lib/vho) lie outside the copy a call runs in, so that
@@ -26,8 +27,8 @@ mkdir -p "$PARTS" "$OUTDIR"
 
 note() { echo "[$(date -u +%H:%M:%S)] host up $(cut -d' ' -f1 /proc/uptime) s: $*" | tee -a "$OUTDIR/calls.log"; }
 send_back() {
-  [ -n "${OUT:-}" ] || return 0
-  tar -C "$OUTDIR" -czf "$OUT/campaign.tgz" . 2>/dev/null || true
+  [ -n "${SEND_BACK:-}" ] || return 0
+  tar -C "$OUTDIR" -czf "$SEND_BACK/campaign.tgz" . 2>/dev/null || true
   tail -40 "$OUTDIR/run.log" 2>/dev/null || true
 }
 running() { [ -f "$OUTDIR/campaign.pid" ] && kill -0 "$(cat "$OUTDIR/campaign.pid")" 2>/dev/null; }

@@ -636,13 +636,13 @@ def test_the_gpu_only_step_smokes_the_patched_image_and_the_base_without_a_serve
 def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(tmp_path: Path) -> None:
     """gpu-runs/campaign-call.sh: a part is kept where the run reads parts; start copies the checkout and starts
     the campaign (campaign.py) in a session of its own; wait returns once it ended; every call notes the host's
-    clock and packs the output folder into $OUT."""
+    clock and packs the output folder into SEND_BACK."""
     import tarfile
 
     where = {"PARTS": tmp_path / "parts", "CHECKOUT": tmp_path / "checkout", "OUTDIR": tmp_path / "outdir"}
     back = tmp_path / "back"
     back.mkdir()
-    env = {**os.environ, **{k: str(v) for k, v in where.items()}, "OUT": str(back), "DRY_RUN": "1",
+    env = {**os.environ, **{k: str(v) for k, v in where.items()}, "SEND_BACK": str(back), "DRY_RUN": "1",
            "STEPS": "model", "MODELS": "m0:0:2", "GPU_HOST_WORK": str(tmp_path / "work"),
            "SOURCE_MANIFEST": str(tmp_path / "none.json")}
     # A checkout of the campaign's own files, with a .git that `start` must leave behind (the copy stays small).
