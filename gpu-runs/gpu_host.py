@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_record  # noqa: E402
+from campaign_core import sha256_file as _sha256_file  # noqa: E402  (one file hasher for the campaign and records)
 
 from vllm_hotfix.engine import Engine  # noqa: E402
 from vllm_hotfix.tarball import tar_bytes  # noqa: E402
@@ -214,14 +215,6 @@ def base(args: argparse.Namespace) -> int:
 
 class InputMismatch(Exception):
     """An input is not the one a record or inputs file says it was (the message names it)."""
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def hash_model(folder: Path) -> dict[str, Any]:
