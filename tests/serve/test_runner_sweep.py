@@ -87,6 +87,20 @@ def run_job(tmp_path: Path, server: list[str], options: SmokeOptions,
     return verdict
 
 
+def launch_staged(tmp_path: Path, job: dict[str, Any], extra: dict[str, bytes]) -> base.Launched:
+    """``job`` staged as the docker launcher stages it and run by the runner here, the fake server on a free port
+    of the host; what came back, unjudged."""
+    port = free_port()
+    job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
+    job["serve"]["port"] = port
+    job["python_path"] = [str(ENGINE), str(requests_site())]
+    folder = base.stage(tmp_path / "runner", job, extra)
+    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
+                          capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
+    assert done.returncode == 0, done.stderr
+    return base.results(done.stdout, done.stderr, "test runner")
+
+
 def launch_job(tmp_path: Path, server: list[str], options: SmokeOptions,
                edit: Callable[[dict[str, Any]], None] = lambda _job: None, *,
                probe_too: bool = True) -> tuple[dict[str, Any], base.Launched]:
@@ -435,15 +449,7 @@ def test_the_runner_records_the_settings_and_the_recording_run_is_not_judged_aga
     file the host keeps (one sha256 in the report and on disk)."""
     opts = replace(options(tmp_path, record_reference=tmp_path / "new.json"), levels=(1, 2))
     job, extra = plan.job(tmp_path, TARGET, opts, launcher="docker", gpu_request=None)
-    port = free_port()
-    job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
-    job["serve"]["port"] = port
-    job["python_path"] = [str(ENGINE), str(requests_site())]
-    folder = base.stage(tmp_path / "runner", job, extra)
-    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
-                          capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
-    assert done.returncode == 0, done.stderr
-    launched = base.results(done.stdout, done.stderr, "test runner")
+    launched = launch_staged(tmp_path, job, extra)
     judged, levels, _ = judge_run.judged(job, launched)
     sweep_check = next(c for c in judged.checks if c.name == "serve-sweep")
     assert "bitwise" not in sweep_check.detail and (judged.sweep or {}).get("reference") is None, sweep_check
@@ -544,15 +550,7 @@ def test_a_recording_whose_checks_failed_writes_and_signs_nothing(tmp_path: Path
     opts = replace(options(tmp_path, record_reference=tmp_path / "new.json"), levels=(1, 2), keep_going=True)
     job, extra = plan.job(tmp_path, TARGET, opts, launcher="docker", gpu_request=None,
                           checks=[{"name": "topk-layout", "status": "fail", "detail": "wrong layout at 4 heads"}])
-    port = free_port()
-    job["serve"]["argv"] = [sys.executable, str(FAKE), "serve", "test-model", "--port", str(port)]
-    job["serve"]["port"] = port
-    job["python_path"] = [str(ENGINE), str(requests_site())]
-    folder = base.stage(tmp_path / "runner", job, extra)
-    done = subprocess.run([*base.argv(sys.executable)[:-2], str(folder / "run.py"), str(folder / "job.json")],
-                          capture_output=True, text=True, timeout=180, cwd=folder, env=probe_env())
-    assert done.returncode == 0, done.stderr
-    launched = base.results(done.stdout, done.stderr, "test runner")
+    launched = launch_staged(tmp_path, job, extra)
     judged, levels, _ = judge_run.judged(job, launched)
     assert judged.status is Status.FAIL and judged.failed == ["topk-layout"], judged.checks
     assert launched.answers is not None and levels, "the server and the engine answered every level"
