@@ -4,8 +4,8 @@ the sparse path equal to dense attention where every block is chosen (and not wh
 block selection's rules, and the judge's power at the golden's own envelope (bfloat16 against float32, measured on
 the golden alone): right computations (float32, float16, the golden's own greedy reply) pass, a reply made with
 the #49149 layout slip fails at a judged position, a wrong server recorded as the trusted image is refused at
-recording and fails against a right reference, an ambiguous long-prompt position is left out with the rest of its
-reply and counted, and a level no reply came back from leaves the check incomplete.
+recording and fails against a right reference, a long-prompt position the golden's two block-choice worlds rank
+differently is left out and counted while the rest of its reply is judged, and a level no reply came back from leaves the check incomplete.
 
 The served model's blocks are 128 tokens, its top-k 16: every prompt shorter than 2,048 tokens reads all its
 blocks, and the indexer decides nothing. The tests that need the indexer to choose use the same weights with 16-token
@@ -136,10 +136,21 @@ def sparse(**kw: int) -> Sparse:
     ({"init_blocks": 1, "local_blocks": 1}, 13, [-9.0, 8.0, 9.0, -9.0], {0, 3}),
     # a NaN score is the lowest
     ({}, 13, [float("nan"), 1.0, 2.0, 0.5], {1, 2}),
+    # the alternate world: the last block chosen on merit (2.0) leads the best left out (1.9) by 1/40 of the
+    # largest score, under the flip's 0.05: the left-out block is read instead
+    ({"flip_under": 0.05}, 13, [4.0, 1.9, 2.0, 0.5], {0, 1}),
+    # a lead over the flip's width stays
+    ({"flip_under": 0.01}, 13, [4.0, 1.9, 2.0, 0.5], {0, 2}),
+    # forced blocks are never flipped: init block 0 forced, block 2 on merit leads block 1 by under the flip
+    ({"init_blocks": 1, "flip_under": 0.05}, 13, [-9.0, 1.9, 2.0, 0.5], {0, 1}),
+    # nothing contested (fewer reachable blocks than the top-k): nothing flips
+    ({"flip_under": 1.0}, 5, [1.0, 1.0, 3.0, 4.0], {0, 1}),
 ])
 def test_block_selection(settings, position, scores, blocks):
+    settings = dict(settings)
+    flip = settings.pop("flip_under", None)
     sp = sparse(**settings)
-    mask = select(torch.tensor([[scores]]), torch.tensor([position]), 16, sp)[0, 0]
+    mask = select(torch.tensor([[scores]]), torch.tensor([position]), 16, sp, flip)[0, 0]
     expected = torch.tensor([(k // 4) in blocks and k <= position for k in range(16)])
     assert torch.equal(mask, expected)
 
@@ -288,32 +299,45 @@ def test_the_goldens_own_greedy_reply_passes(judged):
     assert check.status is Status.PASS and check.data["agreeing"] == check.data["confident"] > 0, check.detail
 
 
-def test_an_ambiguous_long_prompt_position_is_left_out_with_the_rest_of_its_reply(model: Path, tmp_path: Path):
-    """A long prompt (more blocks than the indexer keeps: 16-token blocks, a top-k of 4): where the golden's own
-    block choice is within the resolution of another, that position and every later one of its reply are left
-    unjudged and counted; the positions before it are judged. The resolution (the seam) is set between the
-    smallest gap of the reply and the smallest before it."""
+def test_an_ambiguous_long_prompt_position_is_left_out_and_counted_and_the_rest_judged(model: Path,
+                                                                                       tmp_path: Path):
+    """A long prompt (more blocks than the indexer keeps: 16-token blocks, a top-k of 4). Its reply is scored in
+    the golden's alternate world too (every contested block choice read the other way): a position where the
+    two worlds rank another token first is left out and counted, the others are judged at the smaller of their
+    two margins, later positions of the same reply included. The resolution (the seam) is set wide, so that
+    every choice is contested; at zero nothing is, and nothing is left out."""
     folder = with_config(model, tmp_path / "long", sparse_block_size=16, sparse_topk_blocks=4)
     scorer = Scorer(folder, "cpu")
+    scorer.resolution = 10.0
+    world = Golden.load(folder, "cpu", scorer.dtype)
+    world.contest = 10.0
     for k in range(len(PROMPTS)):
         ids = scorer.prompt_ids(PROMPTS[k])
         assert scorer.golden.cfg.prompt_class(len(ids)) == "long"
         reply = serve(scorer.golden, ids, 0, k)
         tokens = [int(t.split(":")[1]) for t in reply.tokens]
-        prefix = scorer.golden.prefill(ids)
-        gaps = [prefix.last_gap, *scorer.golden.extend_gaps(prefix, [tokens[:-1]])[0][1].tolist()]
-        assert all(math.isfinite(g) for g in gaps), gaps  # the indexer chose at every position
-        first = gaps.index(min(gaps))
-        if first > 0:
+        rows = []
+        for g in (scorer.golden, world):
+            prefix = g.prefill(ids)
+            rows.append(torch.cat((prefix.last[None], g.extend(prefix, [tokens[:-1]])[0])))
+        differ = (rows[0].argmax(-1) != rows[1].argmax(-1)).tolist()
+        if 0 < sum(differ) < TOKENS and differ.index(False) > differ.index(True):
             break
-    assert first > 0, "no prompt whose smallest gap comes after its first position"
-    scorer.resolution = (gaps[first] + min(gaps[:first])) / 2
+    else:
+        raise AssertionError("no prompt whose two worlds agree at a position after one where they part")
     scored = scorer.score(PROMPTS, [reply])[0]
     assert scored.klass == "long"
-    assert [p.ambiguous for p in scored.positions] == [False] * first + [True] * (TOKENS - first)
+    assert [p.ambiguous for p in scored.positions] == differ
+    margins = [(r.topk(2, -1).values[:, 0] - r.topk(2, -1).values[:, 1]).tolist() for r in rows]
+    for j, p in enumerate(scored.positions):
+        if not differ[j]:
+            assert p.margin == pytest.approx(min(margins[0][j], margins[1][j]), abs=1e-5)
     j = judge.judge([scored], 0.0)
-    assert j.ambiguous == TOKENS - first and j.confident == first
-    assert j.coverage["classes"] == {"long": {"judged": first, "positions": TOKENS}}
+    assert j.ambiguous == sum(differ) and j.confident == TOKENS - sum(differ)
+    assert j.coverage["classes"] == {"long": {"judged": TOKENS - sum(differ), "positions": TOKENS}}
+    assert scorer.timing.contested == 1
+    scorer.resolution = 0.0
+    assert not any(p.ambiguous for p in scorer.score(PROMPTS, [reply])[0].positions)
 
 
 def test_a_reply_whose_prompt_the_server_counted_otherwise_cannot_be_scored(model: Path):

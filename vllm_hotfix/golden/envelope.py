@@ -53,10 +53,12 @@ def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int]) -> tuple[torc
 
 
 def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], classes: Sequence[str], tokens: int,
-            resolution: float) -> dict[str, Any]:
+            resolution: float, alternate: Golden) -> dict[str, Any]:
     """The envelope of ``served`` (the golden at the serving dtype) against ``exact`` (float32) over the token IDs
     of ``prompts`` (each of prompt class ``classes[k]``), ``tokens`` generated positions each; ``resolution``: the
-    relative block-score gap under which a position is ambiguous."""
+    relative block-score gap under which a choice is contested, and ``alternate`` the served golden with every
+    contested choice read the other way (:mod:`.scoring`): a position where the two rank another token first is
+    ambiguous, as the judge leaves it out."""
     errors: dict[str, list[float]] = {}
     counts: dict[str, dict[str, int]] = {}
     for ids, klass in zip(prompts, classes, strict=True):
@@ -65,6 +67,7 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
             continue
         low, gaps = _dists(served, ids, cont)
         high, _ = _dists(exact, ids, cont)
+        other = _dists(alternate, ids, cont)[0] if any(g < resolution for g in gaps) else low
         tally = counts.setdefault(klass, {"prompts": 0, "positions": 0, "ambiguous": 0, "flips": 0})
         tally["prompts"] += 1
         top = torch.topk(low, 2, dim=-1).indices
@@ -72,11 +75,10 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
         a_high = high.gather(1, top).float().cpu()
         diff = ((a_low[:, 0] - a_low[:, 1]) - (a_high[:, 0] - a_high[:, 1])).abs().tolist()
         flips = (high.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
-        blurred = False
+        contested = (other.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
         for j, error in enumerate(diff):
             tally["positions"] += 1
-            blurred = blurred or gaps[j] < resolution
-            if blurred:
+            if contested[j]:
                 tally["ambiguous"] += 1
                 continue
             errors.setdefault(klass, []).append(float(error))

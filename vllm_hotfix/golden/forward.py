@@ -122,12 +122,15 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, cfg: ModelConfig) -> torch.
     return (g * torch.sigmoid(cfg.swiglu_alpha * g) * (u + cfg.swiglu_beta)).to(gate.dtype)
 
 
-def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse) -> torch.Tensor:
+def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse,
+           flip_under: float | None = None) -> torch.Tensor:
     """Which keys each index head lets each query read, [index_heads, n, keys], from the block scores ``scores``
     [index_heads, n, blocks] of queries at ``positions`` [n]: the blocks holding a key at or before the query
     (``position // block_size + 1`` of them), the init blocks and the local (last) blocks forced in, the
     ``topk_blocks`` best in all; a NaN score counts as the lowest; and within the chosen blocks, the keys at
-    or before the query."""
+    or before the query. ``flip_under``: the other side of every contested choice, where a head's last block
+    chosen on merit leads the best block left out by less than this (:func:`merit`'s relative gap): that head
+    reads the left-out block instead (the alternate world of :mod:`.scoring`)."""
     blocks = scores.shape[-1]
     block = torch.arange(blocks, device=scores.device)
     valid_blocks = positions // sp.block_size + 1
@@ -139,17 +142,23 @@ def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse)
     s = torch.where(valid[None], s, torch.full_like(s, float("-inf")))
     picked = torch.topk(s, min(sp.topk_blocks, blocks), dim=-1).indices
     chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, picked, True) & valid[None]
+    if flip_under is not None:
+        gap, last, left, contested = merit(scores, positions, sp)
+        swap = contested[None] & (gap < flip_under)  # [h, n]
+        chosen = chosen.scatter(-1, last[..., None], ~swap[..., None] & chosen.gather(-1, last[..., None]))
+        chosen = chosen.scatter(-1, left[..., None], swap[..., None] | chosen.gather(-1, left[..., None]))
     tokens = chosen.repeat_interleave(sp.block_size, dim=-1)[..., :keys]
     causal = torch.arange(keys, device=scores.device)[None, :] <= positions[:, None]
     return tokens & causal[None]
 
 
-def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> torch.Tensor:
-    """How near each query's block choice is to another, [n]: over the index heads, the smallest gap between the
-    score of the last block the top-k chose on merit (not forced in as an init or local block) and the best block
-    it left out, relative to the larger of the query's block scores in magnitude; ``inf`` where nothing was left
-    to choose (fewer reachable blocks than the top-k, or every slot forced). A gap under the serving dtype's
-    resolution means another rounding of the same scores could choose another block."""
+def merit(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each head's contested choice per query: the gap [h, n] between the score of the last block the top-k chose
+    on merit (not forced in as an init or local block) and the best block it left out, relative to the larger
+    of the query's block scores in magnitude; those two blocks' indices [h, n] each; and whether anything was
+    left to choose [n] (fewer reachable blocks than the top-k, or every slot forced, leave nothing: the gap
+    there is meaningless)."""
     blocks = scores.shape[-1]
     block = torch.arange(blocks, device=scores.device)
     valid_blocks = positions // sp.block_size + 1
@@ -160,12 +169,20 @@ def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> 
     s = torch.where(torch.isnan(scores), torch.full_like(scores, -1e30), scores.float())
     scale = torch.where(valid[None], s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)  # [h, n]
     s = torch.where(free[None], s, torch.full_like(s, float("-inf")))
-    ranked = torch.sort(s, dim=-1, descending=True).values  # [h, n, blocks]
+    ranked = torch.sort(s, dim=-1, descending=True)  # [h, n, blocks]
     contested = (slots > 0) & (free.sum(-1) > slots)
-    at = slots.clamp(1, max(1, blocks - 1))[None, :, None].expand(ranked.shape[0], -1, 1)
-    last, left = ranked.gather(-1, at - 1)[..., 0], ranked.gather(-1, at)[..., 0]
-    gap = ((last - left) / scale).amin(0)
-    return torch.where(contested, gap, torch.full_like(gap, float("inf")))
+    at = slots.clamp(1, max(1, blocks - 1))[None, :, None].expand(ranked.values.shape[0], -1, 1)
+    last, left = ranked.values.gather(-1, at - 1)[..., 0], ranked.values.gather(-1, at)[..., 0]
+    gap = (last - left) / scale
+    return gap, ranked.indices.gather(-1, at - 1)[..., 0], ranked.indices.gather(-1, at)[..., 0], contested
+
+
+def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> torch.Tensor:
+    """How near each query's block choice is to another, [n]: over the index heads, the smallest relative gap of
+    :func:`merit`; ``inf`` where nothing was left to choose. A gap under the serving dtype's resolution means
+    another rounding of the same scores could choose another block."""
+    gap, _, _, contested = merit(scores, positions, sp)
+    return torch.where(contested, gap.amin(0), torch.full_like(gap[0], float("inf")))
 
 
 @dataclass
@@ -200,6 +217,9 @@ class Golden:
         self.w = {n: weights[n].to(self.device, torch.float32 if _router(n) else served).to(dtype)
                   for n in self.names()}
         self.trace: list[tuple[str, int, torch.Tensor]] | None = None  # see run()
+        # Where set, every block choice contested by less than this relative gap reads the other side
+        # (select's flip_under): the alternate world that scoring.py holds the golden to as well.
+        self.contest: float | None = None
         half = cfg.rotary_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32,
                                                                device=self.device)[:half] / cfg.rotary_dim))
@@ -287,7 +307,7 @@ class Golden:
     def allowed(self, scores: torch.Tensor, positions: torch.Tensor, keys: int) -> torch.Tensor:
         """Which keys each index head lets each query read (see :func:`select`)."""
         assert self.cfg.sparse is not None
-        return select(scores, positions, keys, self.cfg.sparse)
+        return select(scores, positions, keys, self.cfg.sparse, self.contest)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
                ik: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:

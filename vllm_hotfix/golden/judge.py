@@ -20,10 +20,11 @@ golden alone, never on a served image:
   the square root of two times one rounding's distance apart, and 1.5 covers
   that.
 - a position is **judged** where the golden's margin exceeds its prompt
-  class's threshold and its block choice is not *ambiguous* (:mod:`.scoring`
-  marks a position, and the rest of its reply, ambiguous where the golden's
-  own top-k of blocks is within the serving dtype's resolution of another
-  choice). At a judged position the served token must be the golden's. The
+  class's threshold and it is not *ambiguous* (:mod:`.scoring`: where the
+  indexer's choice of blocks is contested within the serving dtype's
+  resolution, the golden's alternate world, every contested choice read the
+  other way, ranks another token first; elsewhere the margin is the smaller
+  of the two worlds'). At a judged position the served token must be the golden's. The
   check fails at the first judged position where it is not, naming the reply
   (the HTTP sweep or the fixed batches at a level), the request, the
   position, both tokens and the margin.
@@ -64,7 +65,7 @@ class Position:
     served_logprob: float  # the golden's log-probability of the served token
     margin_error: float | None  # vLLM's and the golden's lead of vLLM's first token over its second, apart
     # (nats; None where the server sent no top-2 here)
-    ambiguous: bool = False  # the golden's block choice here, or before it in the reply, is within resolution
+    ambiguous: bool = False  # the golden's two block-choice worlds rank another token first here (scoring.py)
 
 
 @dataclass(frozen=True, slots=True)

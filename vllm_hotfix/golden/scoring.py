@@ -9,10 +9,24 @@ cannot be scored (it fails the check: the image read another prompt).
 
 The golden computes at the model's serving dtype (``torch_dtype``: the
 engine's numerics); :meth:`Scorer.envelope` measures it against float32 on
-its own replies (:mod:`.envelope`). A position whose block choice is within
-:data:`RESOLUTION_ULPS` of the serving dtype's resolution of another choice
-(:func:`~.forward.selection_gap`) is ambiguous, and so is the rest of its
-reply: another rounding of the same computation could read other blocks.
+its own replies (:mod:`.envelope`).
+
+Where the indexer chooses (more blocks than it keeps), a head's choice is
+*contested* where its last block chosen on merit leads the best block left
+out by less than :data:`RESOLUTION_ULPS` of the serving dtype's epsilon,
+relative to the query's largest block score (:func:`~.forward.merit`):
+another rounding of the same computation could read the other block. On a
+prompt of a few thousand tokens nearly every position has such a choice in
+some head of some layer, yet most of them change nothing the reply depends
+on. So a reply with a contested choice anywhere is scored twice: by the
+golden, and by its *alternate world*, the same golden with every contested
+choice (prompt and reply, every layer and head) read the other way
+(:attr:`~.forward.Golden.contest`), teacher-forced on the same served
+tokens. A position is ambiguous where the two worlds rank another token
+first; elsewhere its margin is the smaller of the two. The two worlds are
+the ends of the contested choices, not every mix of them: an engine that
+took some one way and some the other lies between them where their effects
+add up, which is what the envelope's margin (:mod:`.judge`) is for.
 
 Every prompt runs through the golden once (:meth:`~.forward.Golden.prefill`),
 and every distinct reply to it as one batch of continuations of that
@@ -23,6 +37,7 @@ asked for; :func:`missing` says what a host lacks before anything is tried.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import time
 from collections.abc import Mapping, Sequence
@@ -87,12 +102,14 @@ class Timing:
     score_s: float = 0.0
     prompts: int = 0
     distinct_replies: int = 0
+    contested: int = 0  # distinct replies scored in the alternate world as well
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "load_s": round(self.load_s, 3), "score_s": round(self.score_s, 3),
-                "prompts": self.prompts, "distinct_replies": self.distinct_replies, "tokens": self.tokens}
+                "prompts": self.prompts, "distinct_replies": self.distinct_replies, "contested": self.contested,
+                "tokens": self.tokens}
 
 
 class Scorer:
@@ -124,6 +141,7 @@ class Scorer:
         self.weights = read(folder)
         self.golden = Golden(cfg, self.weights, device, self.dtype)
         self.resolution = RESOLUTION_ULPS * float(torch.finfo(self.dtype).eps)
+        self._alternate: Any = None
         self.torch = torch
         self.timing.device = str(self.golden.device) + (
             f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
@@ -138,6 +156,14 @@ class Scorer:
 
         return Golden(self.golden.cfg, self.weights, self.golden.device, self.torch.float32)
 
+    def alternate(self) -> Any:
+        """The golden's alternate world: the same weights, every block choice contested within the resolution
+        read the other way (see the module's docstring)."""
+        if self._alternate is None or self._alternate.contest != self.resolution:
+            self._alternate = copy.copy(self.golden)
+            self._alternate.contest = self.resolution
+        return self._alternate
+
     def envelope(self, prompts: Sequence[str], tokens: int) -> dict[str, Any]:
         """The golden's envelope at its dtype against float32 over ``prompts`` (:mod:`.envelope`), ``tokens``
         generated positions each."""
@@ -146,13 +172,14 @@ class Scorer:
         start = time.monotonic()
         ids = [self.prompt_ids(p) for p in prompts]
         got = envelope.measure(self.golden, self.exact(), ids, [self.golden.cfg.prompt_class(len(i)) for i in ids],
-                               tokens, self.resolution)
+                               tokens, self.resolution, self.alternate())
         got["seconds"] = round(time.monotonic() - start, 3)
         return got
 
-    def _positions(self, dists: Any, reply: Served, ids: list[int], gaps: Sequence[float]) -> tuple[Position, ...]:
+    def _positions(self, dists: Any, alternate: Any, reply: Served, ids: list[int]) -> tuple[Position, ...]:
         """The positions of ``reply`` (served IDs ``ids``) from the golden's distributions ``dists`` [L, vocab]
-        and its block choices' gaps (ambiguous from the first under the resolution on)."""
+        and its alternate world's (None: no choice was contested): ambiguous where the two rank another token
+        first, else judged at the smaller margin."""
         torch = self.torch
         vocab = dists.shape[-1]
         # vLLM's two best tokens per position and its log-probabilities of them: what the noise compares.
@@ -166,17 +193,38 @@ class Scorer:
         gathered = dists.gather(1, torch.tensor(index, dtype=torch.long, device=dists.device)).cpu().tolist()
         top = torch.topk(dists, 2, dim=-1)
         golden, values = top.indices[:, 0].cpu().tolist(), top.values.cpu().tolist()
+        other: list[int] | None = None
+        if alternate is not None:
+            alt = torch.topk(alternate, 2, dim=-1)
+            other = alt.indices[:, 0].cpu().tolist()
+            alt_margin = (alt.values[:, 0] - alt.values[:, 1]).cpu().tolist()
         out = []
-        blurred = False
         for j, tid in enumerate(ids):
-            blurred = blurred or gaps[j] < self.resolution
+            margin = float(values[j][0] - values[j][1])
+            ambiguous = False
+            if other is not None:
+                ambiguous = other[j] != golden[j]
+                margin = min(margin, float(alt_margin[j]))
             error = None
             if best[j]:
                 (_, va), (_, vb) = best[j]
                 error = abs((va - vb) - (gathered[j][1] - gathered[j][2]))
-            out.append(Position(int(golden[j]), float(values[j][0] - values[j][1]), tid, float(gathered[j][0]),
-                                error, blurred))
+            out.append(Position(int(golden[j]), margin, tid, float(gathered[j][0]), error, ambiguous))
         return tuple(out)
+
+    def _continuations(self, golden: Any, prefix: Any, distinct: Sequence[tuple[int, ...]]
+                       ) -> dict[tuple[int, ...], tuple[Any, list[float]]]:
+        """Each distinct reply's distributions [L, vocab] after ``prefix`` under ``golden`` (the distribution of
+        served token j is the prefix's last row for j = 0, else row j - 1 after it) and its block choices' gaps."""
+        out = {}
+        for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
+            batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
+            rows = golden.extend_gaps(prefix, [list(c[:-1]) for c in batch])
+            for c, (r, g) in zip(batch, rows, strict=True):
+                self.timing.tokens += max(0, len(c) - 1)
+                out[c] = (self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0],
+                          [prefix.last_gap, *g.cpu().tolist()])
+        return out
 
     def score(self, prompts: Sequence[str], replies: Sequence[Served]) -> list[Scored]:
         """Each of ``replies`` scored (in their order); a reply that cannot be scored says why."""
@@ -211,22 +259,19 @@ class Scorer:
             self.timing.tokens += len(prompt_ids)
             distinct = sorted({tuple(parsed[n]) for n in members})
             self.timing.distinct_replies += len(distinct)
-            dists: dict[tuple[int, ...], Any] = {}
-            gaps: dict[tuple[int, ...], list[float]] = {}
-            for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
-                batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
-                # The distribution of served token j is the prefix's last row for j = 0, else row j - 1 after it.
-                rows = self.golden.extend_gaps(prefix, [list(c[:-1]) for c in batch])
-                for c, (r, g) in zip(batch, rows, strict=True):
-                    self.timing.tokens += max(0, len(c) - 1)
-                    dists[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
-                    gaps[c] = [prefix.last_gap, *g.cpu().tolist()]
+            dists = self._continuations(self.golden, prefix, distinct)
+            alternate: dict[tuple[int, ...], Any] = {}
+            if any(g < self.resolution for _, gaps in dists.values() for g in gaps):
+                world = self.alternate()
+                alternate = {c: d for c, (d, _) in self._continuations(world, world.prefill(prompt_ids),
+                                                                       distinct).items()}
+                self.timing.contested += len(distinct)
             klass = self.golden.cfg.prompt_class(len(prompt_ids))
             for n in members:
                 reply = replies[n]
-                served = parsed[n]
+                served = tuple(parsed[n])
                 out[n] = Scored(reply.source, reply.level, reply.request, k,
-                                self._positions(dists[tuple(served)], reply, served, gaps[tuple(served)])
+                                self._positions(dists[served][0], alternate.get(served), reply, list(served))
                                 if served else (), klass=klass)
         self.timing.score_s += time.monotonic() - start
         return [out[n] for n in range(len(replies))]
