@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     sync()
     margins.sort()
     report["greedy"] = {"prompts": len(prompts), "tokens_each": tokens, "seconds": round(time.monotonic() - start, 3),
-                        "prompt_tokens": prompt_tokens,
+                        "prompt_tokens": prompt_tokens, "distinct_replies": len({tuple(g) for g in greedy}),
                         "margin_nats": {"median": margins[len(margins) // 2], "p10": margins[len(margins) // 10],
                                         "p90": margins[len(margins) * 9 // 10]}}
     start = time.monotonic()

@@ -162,7 +162,8 @@ O_PROJ_GAIN = 8.0
 LM_HEAD_GAIN = 15.0
 
 
-def weights(layers: int, seed: int, flat: bool = False) -> dict:
+def weights(layers: int, seed: int, flat: bool = False, qk_gain: float = QK_NORM_GAIN,
+            o_gain: float = O_PROJ_GAIN) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -174,7 +175,7 @@ def weights(layers: int, seed: int, flat: bool = False) -> dict:
         # Gemma-style RMSNorm multiplies by (1 + weight): zeros keep the scale at one.
         return np.zeros((n,), dtype=np.float32)
 
-    qk, o_gain, head_gain = (1.0, 1.0, 1.0) if flat else (QK_NORM_GAIN, O_PROJ_GAIN, LM_HEAD_GAIN)
+    qk, o_gain, head_gain = (1.0, 1.0, 1.0) if flat else (qk_gain, o_gain, LM_HEAD_GAIN)
     lm_head = w(VOCAB, HIDDEN) * head_gain
     # Only byte symbols are ever the most likely token: no end-of-text, so every
     # request generates its max_tokens and sequences stay in flight together.
@@ -255,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (first dense MLP, the rest MoE)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--flat", action="store_true", help="no gains: the earlier weights, which hardly read the prompt")
+    ap.add_argument("--qk-norm-gain", type=float, default=QK_NORM_GAIN,
+                    help=f"the q/k norms' gain (default {QK_NORM_GAIN:g}; 4 until 2026-12-07: see the docstring)")
+    ap.add_argument("--o-proj-gain", type=float, default=O_PROJ_GAIN, help=f"the output projection's gain "
+                                                                          f"(default {O_PROJ_GAIN:g})")
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error("--layers must be at least 1")
@@ -263,13 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "config.json").write_text(json.dumps(config(args.layers), indent=1) + "\n")
     (args.out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}) + "\n")
-    tensors = weights(args.layers, args.seed, args.flat)
+    tensors = weights(args.layers, args.seed, args.flat, args.qk_norm_gain, args.o_proj_gain)
     save_file(tensors, str(args.out / "model.safetensors"), metadata={"format": "pt"})
     (args.out / "model.safetensors").chmod(0o644)
     tokenizer(args.out)
     size = sum(v.nbytes for v in tensors.values())
-    gains = "no gains (--flat)" if args.flat else (f"gains: q/k norm x{QK_NORM_GAIN:g}, o_proj x{O_PROJ_GAIN:g}, "
-                                                   f"lm_head x{LM_HEAD_GAIN:g}")
+    gains = "no gains (--flat)" if args.flat else (f"gains: q/k norm x{args.qk_norm_gain:g}, "
+                                                   f"o_proj x{args.o_proj_gain:g}, lm_head x{LM_HEAD_GAIN:g}")
     print(f"wrote {args.out}: MiniMaxM3SparseForCausalLM, {args.layers} layer(s), {len(tensors)} tensors, "
           f"{size / 1e6:.1f} MB, {gains}")
     return 0
