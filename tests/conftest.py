@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 import requests
 
+import cli_here
 import github_api
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
@@ -512,7 +513,9 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
     """Run `python build.py ...` as a user would."""
     argv = [*(["--root", str(root)] if root is not None else []), *args]
     full_env = dict(os.environ, **(env or {}))
-    if _may_fork(env):
+    if _RUN_HERE and _may_run_here(env):
+        rc, out, err = cli_here.run(REPO / "build.py", argv, full_env, timeout)
+    elif _may_fork(env):
         rc, out, err = _forked(argv, full_env, timeout)
     else:
         proc = subprocess.run([sys.executable, str(REPO / "build.py"), *argv], capture_output=True, text=True,
@@ -523,17 +526,36 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
     return Result(rc, out, err)
 
 
-# CLI runs fork from this process instead of starting an interpreter. Each is
-# still a process of its own (its own environment, output and exit status, from
-# build.py's entry point `run` on); what it skips is the interpreter's start and
-# the tool's imports, 0.4 s of CPU a run, which made most of the unit tier's time
-# and a fifth of the engine tier's CPU. VLLM_HOTFIX_TEST_FORK_CLI=0 starts an
-# interpreter for every run instead.
+# CLI runs of the unit tier run in the test's own process (tests/cli_here.py: set up as a fresh process would
+# be, and put back afterwards); a fork still cost 30-40 ms a run there, most of the tier's time. Elsewhere they
+# fork from this process instead of starting an interpreter. Each fork is still a process of its own (its own
+# environment, output and exit status, from build.py's entry point `run` on); what it skips is the
+# interpreter's start and the tool's imports, 0.4 s of CPU a run, which made a fifth of the engine tier's CPU.
+# VLLM_HOTFIX_TEST_FORK_CLI=0 starts an interpreter for every run instead, in every tier.
 FORK_CLI = "VLLM_HOTFIX_TEST_FORK_CLI"
-# Python's own warning filters, as a fresh interpreter starts with them.
-FRESH_WARNINGS = (("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
-                  ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
-                  ("ignore", ResourceWarning, None))
+FRESH_WARNINGS = cli_here.FRESH_WARNINGS
+# Whether the test now running is one whose CLI runs may run in its own process (set by cli_runs_here).
+_RUN_HERE = False
+
+
+@pytest.fixture(autouse=True)
+def cli_runs_here(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit test's CLI runs run in its own process (tests/cli_here.py)."""
+    global _RUN_HERE
+    _RUN_HERE = request.node.get_closest_marker("unit") is not None
+    try:
+        yield
+    finally:
+        _RUN_HERE = False
+
+
+def _asks_for_an_interpreter(env: dict[str, str] | None) -> bool:
+    """Whether ``env`` holds an interpreter setting (PYTHON*, read as an interpreter starts) of its own."""
+    return any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in (env or {}).items())
+
+
+def _may_run_here(env: dict[str, str] | None) -> bool:
+    return os.environ.get(FORK_CLI, "1") == "1" and not _asks_for_an_interpreter(env)
 
 
 def _may_fork(env: dict[str, str] | None) -> bool:
@@ -542,7 +564,7 @@ def _may_fork(env: dict[str, str] | None) -> bool:
     a fork could copy mid-use."""
     if os.environ.get(FORK_CLI, "1") != "1" or threading.active_count() != 1:
         return False
-    return not any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in (env or {}).items())
+    return not _asks_for_an_interpreter(env)
 
 
 NOT_PRELOADED = frozenset({"vllm_hotfix.golden.forward"})
