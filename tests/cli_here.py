@@ -55,6 +55,21 @@ def _tool_state() -> tuple[list[Any], list[Any]]:
             [cache._host_key])  # noqa: SLF001
 
 
+def _set_environment(env: dict[str, str]) -> None:
+    """os.environ made ``env``, variable by variable where they differ (clearing and refilling it set every
+    variable of the process again, twice a run)."""
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def _set_level(logger: logging.Logger, level: int) -> None:
+    if logger.level != level:  # each change empties the level cache of every logger of the process
+        logger.setLevel(level)
+
+
 @contextmanager
 def _fresh_process(argv: list[str], env: dict[str, str]) -> Iterator[None]:
     """This process set up for one run as a fresh one would be, and put back as it was afterwards."""
@@ -70,12 +85,11 @@ def _fresh_process(argv: list[str], env: dict[str, str]) -> Iterator[None]:
             container.clear()
         for cached in caches:
             cached.cache_clear()
-        os.environ.clear()
-        os.environ.update(env)
+        _set_environment(env)
         sys.argv = argv
         # As in a fresh interpreter: no handler (run() adds its own), no warning capture.
         root.handlers.clear()
-        root.setLevel(logging.WARNING)
+        _set_level(root, logging.WARNING)
         with warnings.catch_warnings():
             warnings.resetwarnings()
             for action, category, module in reversed(FRESH_WARNINGS):
@@ -90,15 +104,14 @@ def _fresh_process(argv: list[str], env: dict[str, str]) -> Iterator[None]:
                 container.update(before)
         for cached in caches:
             cached.cache_clear()
-        os.environ.clear()
-        os.environ.update(held_env)
+        _set_environment(held_env)
         sys.argv = held_argv
         sys.unraisablehook = held_hook
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         root.handlers[:] = held_root
-        root.setLevel(held_level)
-        tool_logger.setLevel(held_tool_level)
+        _set_level(root, held_level)
+        _set_level(tool_logger, held_tool_level)
         if not frozen:
             gc.unfreeze()  # run() froze this process's objects for an exit that does not come here
 
