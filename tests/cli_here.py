@@ -17,7 +17,6 @@ forks or starts an interpreter for those tiers and tests.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -77,7 +76,6 @@ def _fresh_process(argv: list[str], env: dict[str, str]) -> Iterator[None]:
     handlers = {signum: signal.getsignal(signum) for signum in HANDLED}
     root, tool_logger = logging.getLogger(), logging.getLogger("vllm_hotfix")
     held_root, held_level, held_tool_level = root.handlers[:], root.level, tool_logger.level
-    frozen = gc.get_freeze_count()
     containers, caches = _tool_state()
     kept = [container.copy() for container in containers]
     try:
@@ -112,8 +110,6 @@ def _fresh_process(argv: list[str], env: dict[str, str]) -> Iterator[None]:
         root.handlers[:] = held_root
         _set_level(root, held_level)
         _set_level(tool_logger, held_tool_level)
-        if not frozen:
-            gc.unfreeze()  # run() froze this process's objects for an exit that does not come here
 
 
 def _flush() -> None:
@@ -154,9 +150,13 @@ def run(script: Path, argv: list[str], env: dict[str, str], timeout: float) -> t
     def overran(_signum: int, _frame: object) -> None:
         raise _Overran()
 
+    # run() readies the process for its exit (gc.freeze): no exit follows here, and this process's garbage
+    # must stay collectable.
+    exit_ready = entry._skip_last_collection  # noqa: SLF001
     with _own_output() as (out, err):
         code = 1
         try:
+            entry._skip_last_collection = lambda: None  # noqa: SLF001
             with _fresh_process([str(script), *argv], env):
                 signal.signal(signal.SIGALRM, overran)
                 signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -170,6 +170,8 @@ def run(script: Path, argv: list[str], env: dict[str, str], timeout: float) -> t
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001 - what an interpreter would print on its way out
             traceback.print_exc()
+        finally:
+            entry._skip_last_collection = exit_ready  # noqa: SLF001
         _flush()
         out.seek(0)
         err.seek(0)
