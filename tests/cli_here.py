@@ -1,14 +1,15 @@
 """The CLI run inside the test's own process, as a process of its own would run it.
 
 The unit tier drives build.py about three hundred times; a process per run
-(even forked from one that imported everything) cost 30-40 ms each, most of
+(even forked from one that imported everything) cost 30-40 ms each, a third of
 the tier's time. Here a run is `run(argv)`, build.py's entry, called in the
 test's process with what a fresh process would give it: its own environment,
 argv, standard output and error (file descriptors 1 and 2 too, so that what a
 child program such as pip or patch writes there is read back as well), the
 default logging and warning setup, and none of the state the tool keeps for
-a process's life (listed in :func:`_tool_state`). All of it is put back when
-the run ends, so the next test sees the process as it was.
+a process's life (listed in :func:`_tool_state`). What run() does to ready a
+process for its exit (gc.freeze) is left out: no exit follows here. All of it
+is put back when the run ends, so the next test sees the process as it was.
 
 What only a process can show (an exit through ``python3 build.py``, what a
 fresh interpreter imports, a signal) stays in a process: tests/conftest.py

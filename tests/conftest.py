@@ -542,7 +542,7 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
 
 
 # CLI runs of the unit tier run in the test's own process (tests/cli_here.py: set up as a fresh process would
-# be, and put back afterwards); a fork still cost 30-40 ms a run there, most of the tier's time. Elsewhere they
+# be, and put back afterwards); a fork still cost 30-40 ms a run there, a third of the tier's time. Elsewhere they
 # fork from this process instead of starting an interpreter. Each fork is still a process of its own (its own
 # environment, output and exit status, from build.py's entry point `run` on); what it skips is the
 # interpreter's start and the tool's imports, 0.4 s of CPU a run, which made a fifth of the engine tier's CPU.
