@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import atexit
 import functools
-import glob
+import gc
 import importlib.util
 import json
 import logging
@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 import requests
 
+import cli_here
 import github_api
 from vllm_hotfix.building import standin
 from vllm_hotfix.engine import Engine
@@ -255,6 +256,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.config.stash[LEFT] = left
     if left:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """No garbage collection while the test modules are imported, and what they leave alive (every module the
+    tests import, every test item) is kept out of the collector's sight afterwards: it lives as long as the
+    run. Each unit worker spent a second of its CPU on ten full collections while it imported them, and more
+    in every later one."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.collect()  # what collecting made and dropped goes first: only what lives is kept aside
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -512,7 +528,9 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
     """Run `python build.py ...` as a user would."""
     argv = [*(["--root", str(root)] if root is not None else []), *args]
     full_env = dict(os.environ, **(env or {}))
-    if _may_fork(env):
+    if _RUN_HERE and _may_run_here(env):
+        rc, out, err = cli_here.run(REPO / "build.py", argv, full_env, timeout)
+    elif _may_fork(env):
         rc, out, err = _forked(argv, full_env, timeout)
     else:
         proc = subprocess.run([sys.executable, str(REPO / "build.py"), *argv], capture_output=True, text=True,
@@ -523,17 +541,36 @@ def cli(*args: str, root: Path | None = None, env: dict[str, str] | None = None,
     return Result(rc, out, err)
 
 
-# CLI runs fork from this process instead of starting an interpreter. Each is
-# still a process of its own (its own environment, output and exit status, from
-# build.py's entry point `run` on); what it skips is the interpreter's start and
-# the tool's imports, 0.4 s of CPU a run, which made most of the unit tier's time
-# and a fifth of the engine tier's CPU. VLLM_HOTFIX_TEST_FORK_CLI=0 starts an
-# interpreter for every run instead.
+# CLI runs of the unit tier run in the test's own process (tests/cli_here.py: set up as a fresh process would
+# be, and put back afterwards); a fork still cost 30-40 ms a run there, a third of the tier's time. Elsewhere they
+# fork from this process instead of starting an interpreter. Each fork is still a process of its own (its own
+# environment, output and exit status, from build.py's entry point `run` on); what it skips is the
+# interpreter's start and the tool's imports, 0.4 s of CPU a run, which made a fifth of the engine tier's CPU.
+# VLLM_HOTFIX_TEST_FORK_CLI=0 starts an interpreter for every run instead, in every tier.
 FORK_CLI = "VLLM_HOTFIX_TEST_FORK_CLI"
-# Python's own warning filters, as a fresh interpreter starts with them.
-FRESH_WARNINGS = (("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
-                  ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
-                  ("ignore", ResourceWarning, None))
+FRESH_WARNINGS = cli_here.FRESH_WARNINGS
+# Whether the test now running is one whose CLI runs may run in its own process (set by cli_runs_here).
+_RUN_HERE = False
+
+
+@pytest.fixture(autouse=True)
+def cli_runs_here(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit test's CLI runs run in its own process (tests/cli_here.py)."""
+    global _RUN_HERE
+    _RUN_HERE = request.node.get_closest_marker("unit") is not None
+    try:
+        yield
+    finally:
+        _RUN_HERE = False
+
+
+def _asks_for_an_interpreter(env: dict[str, str] | None) -> bool:
+    """Whether ``env`` holds an interpreter setting (PYTHON*, read as an interpreter starts) of its own."""
+    return any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in (env or {}).items())
+
+
+def _may_run_here(env: dict[str, str] | None) -> bool:
+    return os.environ.get(FORK_CLI, "1") == "1" and not _asks_for_an_interpreter(env)
 
 
 def _may_fork(env: dict[str, str] | None) -> bool:
@@ -542,7 +579,7 @@ def _may_fork(env: dict[str, str] | None) -> bool:
     a fork could copy mid-use."""
     if os.environ.get(FORK_CLI, "1") != "1" or threading.active_count() != 1:
         return False
-    return not any(k.startswith("PYTHON") and os.environ.get(k) != v for k, v in (env or {}).items())
+    return not _asks_for_an_interpreter(env)
 
 
 NOT_PRELOADED = frozenset({"vllm_hotfix.golden.forward"})
@@ -639,14 +676,25 @@ def tracked(source: Path, folders: tuple[str, ...]) -> list[str]:
     nothing but the project's files, so there every file counts.
     """
     try:
-        listed = subprocess.run(["git", "-C", str(source), "ls-files", "-z", "--", *folders],
-                                capture_output=True, check=True, timeout=60).stdout
+        listed = _tracked_here(folders) if source == REPO else _ls_files(source, folders)
     except (OSError, subprocess.CalledProcessError):
         if (source / ".git").exists():
             raise  # a git checkout whose files git cannot list: never guess which are the project's
         return sorted(str(p.relative_to(source)) for f in folders for p in (source / f).rglob("*") if p.is_file())
     # A tracked file deleted in the working tree is not copied (git still lists it until the deletion is staged).
     return [name for name in listed.decode().split("\0") if name and (source / name).is_file()]
+
+
+def _ls_files(source: Path, folders: tuple[str, ...]) -> bytes:
+    return subprocess.run(["git", "-C", str(source), "ls-files", "-z", "--", *folders],
+                          capture_output=True, check=True, timeout=60).stdout
+
+
+@functools.cache
+def _tracked_here(folders: tuple[str, ...]) -> bytes:
+    """What this checkout tracks, asked of git once a process: no test stages a file in it, and the project
+    fixture asked once a test (which files of them exist is still looked at each time)."""
+    return _ls_files(REPO, folders)
 
 
 def copy_tracked(source: Path, folders: tuple[str, ...], root: Path) -> None:
@@ -690,8 +738,9 @@ def unique() -> str:
 def _scratch_dirs() -> set[str]:
     """Scratch and runner staging folders of this test run (named with its run ID)."""
     tmp = tempfile.gettempdir()
-    return (set(glob.glob(os.path.join(tmp, f"vllm-hotfix-scratch-{RUN_ID}-*")))
-            | set(glob.glob(os.path.join(tmp, f"vllm-hotfix-runner-{RUN_ID}-*"))))
+    # One listing of the folder for both names (two globs, each listing it, cost a millisecond a test).
+    ours = (f"vllm-hotfix-scratch-{RUN_ID}-", f"vllm-hotfix-runner-{RUN_ID}-")
+    return {os.path.join(tmp, name) for name in os.listdir(tmp) if name.startswith(ours)}
 
 
 @pytest.fixture(autouse=True)

@@ -176,8 +176,9 @@ def test_without_dry_run_an_unclean_tree_is_refused_before_any_step(tmp_path: Pa
                                                  "tree": "0" * 40, "sender_clean": True,
                                                  "files": [["README.md", "100644", "0" * 40]], "ignore": []}))
     env = {**os.environ, "STEPS": "engine", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "m.json")}
-    # Through the entry the records name: it hands its arguments and environment to campaign.py.
+           "SOURCE_MANIFEST": str(tmp_path / "m.json"), "PYTHON": sys.executable}
+    # Through the entry the records name: it hands its arguments and environment to campaign.py (with the
+    # interpreter PYTHON names, here the tests' own: `python3` on PATH may be a version manager's shim).
     r = subprocess.run(["bash", str(SERVE), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 1
@@ -644,7 +645,9 @@ def test_a_campaign_call_keeps_its_parts_runs_detached_and_sends_back_what_came(
     back.mkdir()
     env = {**os.environ, **{k: str(v) for k, v in where.items()}, "SEND_BACK": str(back), "DRY_RUN": "1",
            "STEPS": "model", "MODELS": "m0:0:2", "GPU_HOST_WORK": str(tmp_path / "work"),
-           "SOURCE_MANIFEST": str(tmp_path / "none.json")}
+           "SOURCE_MANIFEST": str(tmp_path / "none.json"),
+           # The tests' interpreter by its path: `python3` on PATH may be a version manager's shell-script shim.
+           "PYTHON": sys.executable}
     # A checkout of the campaign's own files, with a .git that `start` must leave behind (the copy stays small).
     home = tmp_path / "home"
     (home / "gpu-runs").mkdir(parents=True)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from vllm_hotfix.engine import ImageInfo
 
 IMAGE_ID = "sha256:" + "ab" * 32
 
-FAKE = r'''#!/usr/bin/env python3
+FAKE = r'''#!PYTHON -IS
 import json, os, sys, tarfile
 # Its settings beside it: podman runs with a minimal environment (launchers.podman.podman_env).
 cfg = json.load(open(os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "fake.json")))
@@ -54,7 +55,9 @@ elif args[0] == "rm":
 def podman(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PodmanFiles, Path, Path]:
     exe = tmp_path / "bin" / "podman"
     exe.parent.mkdir()
-    exe.write_text(FAKE)
+    # The interpreter of the tests by its path, without site: `python3` on PATH may be a version manager's shim,
+    # a shell script costing far more than the stand-in's own work at each of its calls.
+    exe.write_text(FAKE.replace("PYTHON", sys.executable, 1))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     root = tmp_path / "image"
     (root / "site" / "pkg").mkdir(parents=True)

@@ -217,7 +217,12 @@ def test_no_code_raises_a_bare_pipeline_error_or_defines_errors_elsewhere() -> N
     """Each raise names a class with its own code; every exception class lives in errors.py."""
     package = REPO / "vllm_hotfix"
     for path in sorted(package.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        # Only a file that names PipelineError or holds a class statement (each starts a line) can break a rule:
+        # the others are not parsed (all of them took most of a second).
+        if "PipelineError" not in text and not re.search(r"^[ \t\f]*class\s", text, re.M):
+            continue
+        tree = ast.parse(text)
         for node in ast.walk(tree):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                 assert getattr(node.exc.func, "id", None) != "PipelineError", f"{path.name}:{node.lineno}"
