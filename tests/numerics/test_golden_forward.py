@@ -5,7 +5,8 @@ block selection's rules, and the judge's power at the golden's own envelope (bfl
 the golden alone): right computations (float32, float16, the golden's own greedy reply) pass, a reply made with
 the #49149 layout slip fails at a judged position, a wrong server recorded as the trusted image is refused at
 recording and fails against a right reference, a long-prompt position the golden's two block-choice worlds rank
-differently is left out and counted while the rest of its reply is judged, and a level no reply came back from leaves the check incomplete.
+differently is left out and counted while the rest of its reply is judged, and a recording whose engine died at a
+level fails (the golden answers every request the image did not).
 
 The served model's blocks are 128 tokens, its top-k 16: every prompt shorter than 2,048 tokens reads all its
 blocks, and the indexer decides nothing. The tests that need the indexer to choose use the same weights with 16-token
@@ -15,10 +16,10 @@ keeps 16-token blocks with a top-k of 16: every block of these prompts is read).
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -470,3 +471,39 @@ def test_the_host_records_the_golden_noise_then_judges_a_run_against_it(small_bl
     # no model folder on this host, or no answers judged: no golden check at all
     assert judge_run.golden_check(job, launched(scorer.golden), ref, None) == ([], None)
     assert judge_run.golden_check({"serve": {}}, launched(scorer.golden), ref, small_blocks) == ([], None)
+
+
+def test_a_recording_whose_engine_died_at_a_level_fails_the_golden_and_keeps_nothing(small_blocks: Path):
+    """The recording image's replies that came back are the golden's (computed by the golden itself), but its
+    probe died at concurrency 2 and its server answered one request there with an error: the golden check fails
+    the recording, naming what was not answered, and keeps nothing (the circular case of a backport that crashes:
+    no reference is made of it)."""
+    from vllm_hotfix.checking.launchers import base, judge_run
+    from vllm_hotfix.verdicts import Check
+    from vllm_hotfix.verdicts import judge as verdict_of
+
+    scorer = Scorer(small_blocks, "cpu")
+    prompts = PROMPTS[:2]
+    ids = [scorer.prompt_ids(p) for p in prompts]
+    job = {"serve": {"levels": [1, 2], "requests": 2,
+                     "batches": {"prompts": prompts, "levels": [1, 2], "requests": 2, "max_tokens": TOKENS}}}
+    http, probe = sweep_and_probe([serve(scorer.exact(), ids[k], k, k) for k in range(len(prompts))])
+    replies = json.loads(http)
+    del replies["2:1"]
+    lines = [ln for ln in json.loads(probe)["lines"] if ln.get("level") != 2 and "done" not in ln]
+    died = {"lines": lines, "exit": 1, "error": "torch.AcceleratorError: CUDA error: an illegal memory access was "
+                                                "encountered"}
+    sweep = {"levels": [{"concurrency": c, "per_request": [
+        {"index": i, "error": "HTTP 400: Out of range float values are not JSON compliant: nan" if (c, i) == (2, 1)
+         else None} for i in range(2)]} for c in (1, 2)]}
+    swept = verdict_of("img", "sha256:0", [Check("serve-sweep", Status.PASS, "ok")], gpu_verified=False)
+    ran = base.Launched(replace(swept, sweep=sweep), replies=json.dumps(replies).encode(),
+                        batches=json.dumps(died).encode())
+    checks, section = judge_run.golden_check(job, ran, None, small_blocks)
+    assert [c.status for c in checks] == [Status.FAIL] and section is None, checks
+    assert "no reply to 3 scheduled requests" in checks[0].detail, checks[0].detail
+    assert "HTTP sweep at concurrency 2 (1), fixed batches at concurrency 2 (2)" in checks[0].detail
+    assert checks[0].detail.endswith("; nothing recorded")
+    # the same run with every request answered records
+    whole = base.Launched(replace(swept, sweep=sweep), replies=http, batches=probe)
+    assert judge_run.golden_check(job, whole, None, small_blocks)[0][0].status is Status.PASS

@@ -267,3 +267,42 @@ def test_the_report_page_shows_each_reports_golden_check():
     assert rows[1][:2] == ("cpu-host", "skip") and "torch is not installed" in str(rows[1][6])
     page = report_page.render(report_page.Page("t", shown))
     assert "id='golden'" in page and "served token_id:4" in page
+
+
+def test_every_scheduled_request_without_a_reply_is_named_unanswered():
+    """The HTTP sweep's levels it reached, every request of them without a reply (with the server's answer where
+    the runner measured one); the fixed batches' levels of the schedule, every request the first pass did not
+    reply to (a level the probe died in, and every level after it)."""
+    http = {"1:0": {}, "1:1": {}, "2:0": {}}
+    probe = {(0, 1): [probe_reply(0, 0, [1]), probe_reply(1, 1, [2])], (0, 2): [probe_reply(0, 0, [1])],
+             (1, 1): [probe_reply(0, 0, [1])]}
+    gone = golden_check.unanswered(http, [1, 2], 2, 2, probe, [1, 2, 4], 2,
+                                   "torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+                                   {(2, 1): "HTTP 400: Out of range float values are not JSON compliant: nan"})
+    assert [(g.source, g.level, g.request, g.prompt) for g in gone] == [
+        ("http", 2, 1, 1), ("fixed", 2, 1, 1), ("fixed", 4, 0, 0), ("fixed", 4, 1, 1)]
+    assert gone[0].problem == "HTTP 400: Out of range float values are not JSON compliant: nan"
+    assert "illegal memory access" in gone[1].problem
+    # a sweep that reached every level and a probe that answered every request leave nothing unanswered
+    full = {(0, c): [probe_reply(i, i, [1]) for i in range(2)] for c in (1, 2)}
+    assert golden_check.unanswered({f"{c}:{i}": {} for c in (1, 2) for i in range(2)}, [1, 2], 2, 2, full,
+                                   [1, 2], 2, "") == []
+
+
+@pytest.mark.parametrize("recording", [True, False])
+def test_a_request_the_image_did_not_answer_fails_the_golden_check_before_anything_is_computed(
+        recording: bool, tmp_path: Path):
+    """Whether the host has torch or not is not asked of a fail that needs no computation: the golden answers every
+    prompt, and an image whose engine died on one did not give the golden's answer. Nothing is recorded."""
+    gone = golden_check.unanswered({}, [], 0, 1, {}, [4], 2, "RuntimeError: Triton Error [CUDA]: an illegal memory "
+                                                          "access was encountered")
+    if golden_check.missing():
+        pytest.skip("this host cannot run the golden (the skip for that comes first)")
+    check, section = golden_check.run(tmp_path / "no-model", ["p"], [], section={"envelope": {}},
+                                      recording=recording, levels=[4], gone=gone)
+    assert check.status is Status.FAIL and section is None
+    assert check.detail.startswith("the image gave no reply to 2 scheduled requests, each of which the golden "
+                                   "answers (fixed batches at concurrency 4 (2)): e.g. fixed batches at concurrency "
+                                   "4, request 0 (prompt 0): the probe gave no reply (RuntimeError: Triton Error")
+    assert check.detail.endswith("; nothing recorded") is recording
+    assert check.data["unanswered"] == 2 and check.data["by_source"] == {"fixed:4": 2}

@@ -6,7 +6,11 @@ given its prompt and the tokens sent before each position, whatever batch
 produced it. Which prompt a reply answers is the host's schedule (request
 ``i`` of a level asks prompt ``i mod prompts``), never the runner's say; the
 prompt's tokens are the host's tokenizer's, and a reply whose server counted
-others cannot be scored (:mod:`.scoring`).
+others cannot be scored (:mod:`.scoring`). A request of the schedule that
+got no reply (the probe's engine died at its level, the server answered it
+with an error or not at all) fails the check: the golden answers every
+prompt, and an image that gave no answer did not give the golden's
+(:func:`unanswered`).
 
 What it is judged against: the golden's envelope (:mod:`.envelope`), measured
 on this host from the golden alone when a reference is recorded, and kept in
@@ -28,6 +32,7 @@ from typing import Any
 from ..errors import Malformed
 from ..verdicts import Check
 from . import judge
+from .judge import Scored
 from .scoring import Served, missing
 
 log = logging.getLogger(__name__)
@@ -70,16 +75,43 @@ def served_replies(http: Mapping[str, Any], prompts: int, probe: Mapping[tuple[i
     return out
 
 
+def unanswered(http: Mapping[str, Any], asked: Sequence[int], requests: int, prompts: int,
+               probe: Mapping[tuple[int, int], Sequence[Any]], probe_levels: Sequence[int], probe_requests: int,
+               probe_ended: str, errors: Mapping[tuple[int, int], str] | None = None) -> list[Scored]:
+    """The scheduled requests that got no reply, each as a :class:`~.judge.Scored` whose ``problem`` says how it
+    ended: of the HTTP sweep, every request ``I`` (``requests`` a level) of each level in ``asked`` (the levels
+    the sweep reached) with no ``LEVEL:I`` in ``http`` (``errors``: the server's answer to it, where the runner
+    measured one); of the fixed batches, every request of each level of ``probe_levels`` whose first pass did not
+    reply to it (``probe_ended``: why the probe stopped). The schedule is the host's: request ``I`` asks prompt
+    ``I mod prompts``."""
+    out = []
+    for level in asked:
+        for i in range(requests):
+            if f"{level}:{i}" not in http:
+                said = (errors or {}).get((level, i)) or "no reply came back from the runner"
+                out.append(Scored("http", level, i, i % prompts, problem=" ".join(str(said).split())[:300]))
+    for level in probe_levels:
+        got = len(probe.get((0, level)) or ())
+        why = " ".join((probe_ended or "missing").split())[:300]
+        for i in range(got, probe_requests):
+            out.append(Scored("fixed", level, i, i % prompts, problem=f"the probe gave no reply ({why})"))
+    return out
+
+
 def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, section: Mapping[str, Any] | None,
-        recording: bool, device: str | None = None, levels: Sequence[int] = (), tokens: int | None = None
-        ) -> tuple[Check, dict[str, Any] | None]:
+        recording: bool, device: str | None = None, levels: Sequence[int] = (), tokens: int | None = None,
+        gone: Sequence[Scored] = ()) -> tuple[Check, dict[str, Any] | None]:
     """The ``golden`` check of ``replies`` (to ``prompts``, by the model in ``model``): judged at the thresholds
     of the envelope the reference's golden ``section`` keeps, or, ``recording``, the envelope measured here
     (``tokens`` generated positions per prompt: the replies' length) and the section to keep in the reference
-    (None where nothing is to be kept). ``levels``: the schedule's, each of which the coverage must reach."""
+    (None where nothing is to be kept). ``levels``: the schedule's, each of which the coverage must reach.
+    ``gone``: the scheduled requests that got no reply (:func:`unanswered`); with any, the check fails without
+    computing anything (:func:`.judge.unanswered`)."""
     absent = missing()
     if absent:
         return judge.skipped(absent), None
+    if gone:
+        return judge.unanswered(gone, recording=recording), None
     limits = None
     if not recording:
         limits = judge.thresholds(section)

@@ -330,6 +330,25 @@ def recorded(scored: Sequence[Scored], envelope: Mapping[str, Any], data: Mappin
                                      f"{describe(j)}", data={**j.to_dict(), **body}), section
 
 
+def unanswered(gone: Sequence[Scored], *, recording: bool) -> Check:
+    """The ``golden`` check of a run where scheduled requests got no reply (``gone``: each with ``problem``
+    saying how it ended): a fail. The golden answers every prompt of the schedule; a request the image could
+    not answer (its engine died, its server answered with an error or not at all) is a reply that is not the
+    golden's, whatever the replies that did come back say. A recording with one keeps nothing."""
+    by_source: dict[str, int] = {}
+    for reply in gone:
+        key = f"{reply.source}:{reply.level}"
+        by_source[key] = by_source.get(key, 0) + 1
+    where = ", ".join(f"{'HTTP sweep' if k.startswith('http') else 'fixed batches'} at concurrency "
+                      f"{k.partition(':')[2]} ({n})" for k, n in by_source.items())
+    first = gone[0]
+    detail = (f"the image gave no reply to {len(gone)} scheduled request{'' if len(gone) == 1 else 's'}, each of "
+              f"which the golden answers ({where}): e.g. {first.name}: {first.problem}")
+    return Check(CHECK, Status.FAIL, detail[:1500] + ("; nothing recorded" if recording else ""),
+                 data={"unanswered": len(gone), "by_source": by_source,
+                       "first": [f"{r.name}: {r.problem}"[:300] for r in gone[:10]]})
+
+
 def skipped(why: str) -> Check:
     """The ``golden`` check where it cannot run on this host or for this run: a skip that says why."""
     return Check(CHECK, Status.SKIP, f"not run: {why}")

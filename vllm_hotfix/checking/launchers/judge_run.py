@@ -100,18 +100,43 @@ def golden_check(job: Mapping[str, Any], launched: Launched, reference: Referenc
     if launched.batches is None and (sweep is None or sweep.status is Status.SKIP):
         return [golden.judge.skipped(sweep.detail if sweep is not None else "the sweep did not run")], None
     prompts = [str(p) for p in spec["prompts"]]
+    probe = fixed_batches.parse(launched.batches)
     try:
         http = json.loads(launched.replies) if launched.replies is not None else {}
         if not isinstance(http, dict):
             raise Malformed("the sweep's replies are not an object")
-        served = golden.served_replies(http, len(prompts), fixed_batches.parse(launched.batches).runs)
+        served = golden.served_replies(http, len(prompts), probe.runs)
     except (ValueError, Malformed) as exc:
         return [Check(golden.judge.CHECK, Status.FAIL, f"the runner's replies cannot be read: {exc}")], None
+    asked, requests, errors = _sweep_reached(job, launched)
+    gone = golden.unanswered(http, asked, requests, len(prompts), probe.runs,
+                             [int(c) for c in spec.get("levels") or ()], int(spec.get("requests") or 0),
+                             probe.ended(), errors)
     start = time.monotonic()
     levels = sorted({int(c) for c in [*(spec.get("levels") or ()), *((job.get("serve") or {}).get("levels") or ())]})
     check, section = golden.run(model, prompts, served, section=reference.golden if reference is not None else None,
-                                recording=reference is None, levels=levels, tokens=spec.get("max_tokens"))
+                                recording=reference is None, levels=levels, tokens=spec.get("max_tokens"),
+                                gone=gone)
     return [replace(check, seconds=round(time.monotonic() - start, 3))], section
+
+
+def _sweep_reached(job: Mapping[str, Any], launched: Launched) -> tuple[list[int], int, dict[tuple[int, int], str]]:
+    """The HTTP sweep's levels of the host's schedule that the runner reports having asked (a level it never
+    reached is the serve-sweep check's to fail, and the golden's coverage's), the requests a level, and the error
+    the runner measured for a request that got no reply (words for the report, never a judgement)."""
+    spec = job.get("serve") or {}
+    sweep = launched.report.sweep if isinstance(launched.report.sweep, Mapping) else {}
+    schedule = [int(c) for c in spec.get("levels") or ()]
+    reached, errors = set(), {}
+    for said in sweep.get("levels") or ():
+        if not isinstance(said, Mapping) or not isinstance(said.get("concurrency"), int):
+            continue
+        level = int(said["concurrency"])
+        reached.add(level)
+        for ev in said.get("per_request") or ():
+            if isinstance(ev, Mapping) and isinstance(ev.get("index"), int) and ev.get("error"):
+                errors[(level, int(ev["index"]))] = str(ev["error"])
+    return [c for c in schedule if c in reached], int(spec.get("requests") or 0), errors
 
 
 def sweep_judged(job: Mapping[str, Any], launched: Launched, reference: Reference | None) -> Verdict:
