@@ -265,6 +265,9 @@ def test_the_envelope_is_measured_on_the_golden_alone(judged):
     assert short["prompts"] == len(PROMPTS) and short["positions"] == len(PROMPTS) * TOKENS
     assert 0 < short["median_nats"] <= short["p90_nats"] <= short["max_nats"]
     assert short["threshold_nats"] == pytest.approx(judge.MARGIN_MULTIPLE * short["max_nats"], abs=1e-5)
+    # for the record: float32 outside the two worlds' span lies within the symmetric error (the span holds the
+    # serving-dtype golden's own margin)
+    assert 0 <= short["span_max_nats"] <= short["max_nats"] + 1e-6 and short["below_max_nats"] >= 0
 
 
 def test_right_computations_pass_at_the_envelopes_thresholds(judged):

@@ -306,3 +306,14 @@ def test_a_request_the_image_did_not_answer_fails_the_golden_check_before_anythi
                                    "4, request 0 (prompt 0): the probe gave no reply (RuntimeError: Triton Error")
     assert check.detail.endswith("; nothing recorded") is recording
     assert check.data["unanswered"] == 2 and check.data["by_source"] == {"fixed:4": 2}
+
+
+def test_the_margin_curve_counts_unambiguous_positions_over_each_margin_and_their_disagreements():
+    scored = [reply(pos(5, 0.7), pos(6, 2.2, served=1), Position(7, 9.0, 7, -0.1, 0.1, ambiguous=True)),
+              Scored("http", 2, 0, 1, (pos(3, 1.2),), klass="long")]
+    got = judge.curve(scored)
+    assert set(got) == {"short", "long"}
+    short = {t: (n, wrong) for t, n, wrong in got["short"]}
+    assert short[0.5] == (2, 1) and short[1.0] == (1, 1) and short[2.0] == (1, 1) and short[2.5] == (0, 0)
+    assert {t: n for t, n, _ in got["long"]}[1.0] == 1 and {t: n for t, n, _ in got["long"]}[1.5] == 0
+    assert judge.judge(scored, 1.0).to_dict()["by_margin"] == got

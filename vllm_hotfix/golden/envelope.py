@@ -60,6 +60,7 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
     contested choice read the other way (:mod:`.scoring`): a position where the two rank another token first is
     ambiguous, as the judge leaves it out."""
     errors: dict[str, list[float]] = {}
+    extra: dict[str, list[tuple[float, float]]] = {}
     counts: dict[str, dict[str, int]] = {}
     for ids, klass in zip(prompts, classes, strict=True):
         cont = _continuation(exact, ids, tokens)
@@ -76,12 +77,14 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
         diff = ((a_low[:, 0] - a_low[:, 1]) - (a_high[:, 0] - a_high[:, 1])).abs().tolist()
         flips = (high.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
         contested = (other.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
+        below, span = _one_sided(low, high, other, top)
         for j, error in enumerate(diff):
             tally["positions"] += 1
             if contested[j]:
                 tally["ambiguous"] += 1
                 continue
             errors.setdefault(klass, []).append(float(error))
+            extra.setdefault(klass, []).append((below[j], span[j]))
             tally["flips"] += bool(flips[j])
     out: dict[str, Any] = {}
     for klass, tally in sorted(counts.items()):
@@ -91,11 +94,33 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
             top_error = max(values)
             entry.update({"measured": len(values), "median_nats": round(statistics.median(values), 6),
                           "p90_nats": round(quantile(values, 0.9), 6), "max_nats": round(top_error, 6),
-                          "threshold_nats": round(MARGIN_MULTIPLE * top_error, 6)})
+                          "threshold_nats": round(MARGIN_MULTIPLE * top_error, 6),
+                          # for the record, not the threshold: how far float32's lead of the golden's token falls
+                          # below the margin the judge credits (the smaller of the two worlds'), and how far
+                          # float32's margin lies outside the span of the two worlds'
+                          "below_max_nats": round(max(b for b, _ in extra[klass]), 6),
+                          "span_max_nats": round(max(w for _, w in extra[klass]), 6)})
         out[klass] = entry
     return {"measure": MEASURE, "dtype": str(served.dtype).removeprefix("torch."), "against": "float32",
             "tokens_each": tokens, "margin_multiple": MARGIN_MULTIPLE, "ambiguity_resolution": resolution,
             "classes": out}
+
+
+def _one_sided(low: torch.Tensor, high: torch.Tensor, other: torch.Tensor, top: torch.Tensor
+               ) -> tuple[list[float], list[float]]:
+    """Per position (``top``: the serving-dtype golden's two best tokens a, b): how far float32's lead of a over
+    its best rival falls below the margin the judge credits (the smaller of the two worlds' leads of their own
+    first over their second), and how far float32's a - b lies outside the span of the two worlds' a - b."""
+    low, high, other = low.float().cpu(), high.float().cpu(), other.float().cpu()
+    top = top.cpu()
+    credited = torch.minimum(*(t.topk(2, dim=-1).values.diff(dim=-1).neg().squeeze(-1) for t in (low, other)))
+    a = top[:, :1]
+    rival = high.scatter(1, a, float("-inf")).max(dim=-1).values
+    lead = high.gather(1, a).squeeze(-1) - rival
+    pair = [(t.gather(1, top)[:, 0] - t.gather(1, top)[:, 1]) for t in (low, other, high)]
+    lo, hi = torch.minimum(pair[0], pair[1]), torch.maximum(pair[0], pair[1])
+    span = (pair[2] - hi).clamp_min(0) + (lo - pair[2]).clamp_min(0)
+    return (credited - lead).clamp_min(0).tolist(), span.tolist()
 
 
 def by_layer(served: Golden, exact: Golden, ids: Sequence[int]) -> list[dict[str, Any]]:

@@ -133,6 +133,7 @@ class Judgement:
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
     ambiguous: int = 0
     coverage: dict[str, Any] = field(default_factory=dict)
+    by_margin: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -148,7 +149,29 @@ class Judgement:
         return {"thresholds_nats": self.thresholds.to_dict(), "replies": self.replies, "positions": self.positions,
                 "confident": self.confident, "agreeing": self.agreeing, "ambiguous": self.ambiguous,
                 "first_disagreement": first, "unscored": list(self.unscored[:10]), "by_source": self.by_source,
-                "coverage": self.coverage}
+                "coverage": self.coverage, "by_margin": self.by_margin}
+
+
+CURVE_NATS = (0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)  # the margins the record's curve is counted at
+
+
+def curve(scored: Sequence[Scored]) -> dict[str, list[list[float]]]:
+    """Per prompt class, at each margin of :data:`CURVE_NATS`: ``[margin, positions over it, of them the ones
+    whose served token is not the golden's]``, over the unambiguous positions. A measurement for the record (how
+    much a threshold would judge, and what it would find), never a judgement."""
+    out: dict[str, list[list[float]]] = {}
+    for reply in scored:
+        if reply.problem:
+            continue
+        rows = out.setdefault(reply.klass, [[t, 0, 0] for t in CURVE_NATS])
+        for p in reply.positions:
+            if p.ambiguous:
+                continue
+            for row in rows:
+                if p.margin > row[0]:
+                    row[1] += 1
+                    row[2] += p.served != p.golden
+    return dict(sorted(out.items()))
 
 
 def judge(scored: Sequence[Scored], thresholds: Thresholds | float) -> Judgement:
@@ -195,7 +218,7 @@ def judge(scored: Sequence[Scored], thresholds: Thresholds | float) -> Judgement
     cover = {"levels": {str(c): coverage.tally(*v) for c, v in sorted(levels.items()) if v[1]},
              "classes": {k: coverage.tally(*v) for k, v in sorted(classes.items()) if v[1]}}
     return Judgement(thresholds, len(scored), positions, confident, agreeing, first, tuple(unscored), by_source,
-                     ambiguous, cover)
+                     ambiguous, cover, curve(scored))
 
 
 def quantile(values: Sequence[float], q: float) -> float:
