@@ -7,6 +7,7 @@ import json
 import subprocess
 import tarfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
@@ -14,7 +15,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from vllm_hotfix.registry.client import Client
+from conftest import RegistryPlace
+from vllm_hotfix.registry.client import OCI_MANIFEST, Client, sha256
 from vllm_hotfix.registry.write import Repo, Writer
 from vllm_hotfix.trust import referrers, signing
 
@@ -133,3 +135,84 @@ def test_a_look_the_registry_answers_with_a_server_error_is_asked_again(pushed: 
         switches.fail_reads = 10
         with pytest.raises(PushError, match=r"500"):
             referrers.envelopes(client, path, image.digest)
+
+
+# A link in the registry's own files, caught by a manifest PUT (the verdict's, or the fallback index's) as the
+# case says: ``True``: emptied by another writer finishing its upload of that blob (or its put of that manifest)
+# and written again as the registry answers; ``False``: gone, as a registry that lost the blob has it.
+LINK_CASES = {
+    "config-half-written": ("verdict", True),  # the empty config, the one blob every verdict of an image shares
+    "config-gone": ("verdict", False),
+    "index-entry-half-written": ("index", True),  # the verdict's own manifest, which the fallback index lists
+}
+
+
+@pytest.mark.parametrize("case", list(LINK_CASES))
+def test_a_verdict_put_while_another_writer_links_what_it_names_lands(registry: RegistryPlace, case: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Debian's registry empties a repository's link to a blob and writes it again each time a writer finishes
+    uploading that blob; a manifest put in that instant is refused (DIGEST_INVALID, MANIFEST_BLOB_UNKNOWN), as
+    two hosts attaching at once met under load. The seam: the real registry's link file, emptied during the
+    PUT. Refused for what the registry shows again, the manifest is put again and the verdict lands; a blob the
+    registry has lost is one refusal, said at once."""
+    from vllm_hotfix.errors import PushError
+
+    which, half_written = LINK_CASES[case]
+    path = f"{registry.ns}/verdicts"
+    client = Client(registry.addr, secure=False, credentials=None)
+    writer = Writer(Repo(client, path))
+    body = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}})
+    config = writer.put_blob(body.encode(), "the config")
+    image = json.dumps({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "layers": [],
+                        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config,
+                                   "size": len(body)}})
+    digest = writer.put_manifest("t", OCI_MANIFEST, image.encode())
+    subject = referrers.Subject(digest, OCI_MANIFEST, len(image))
+    writer.put_blob(referrers.EMPTY, "the empty config")
+    repository = registry.storage / "docker/registry/v2/repositories" / path
+    puts: list[str] = []
+    real = client.request
+
+    def caught(where: str, data: object) -> Path | None:
+        """The link this PUT catches half-written or gone; None for every other request."""
+        if which == "verdict" and "/manifests/sha256:" in where:
+            return repository / "_layers/sha256" / sha256(referrers.EMPTY)[7:] / "link"
+        if which == "index" and where.endswith(f"/manifests/{referrers.fallback_tag(digest)}"):
+            listed = json.loads(data)["manifests"][0]["digest"]  # type: ignore[arg-type]
+            return repository / "_manifests/revisions/sha256" / listed[7:] / "link"
+        return None
+
+    def request(method: str, where: str, scope: str, **kwargs: object) -> requests.Response:
+        link = caught(where, kwargs.get("data")) if method == "PUT" else None
+        if link is None:
+            return real(method, where, scope, **kwargs)
+        puts.append(where)
+        if len(puts) > 1:
+            return real(method, where, scope, **kwargs)
+        kept = link.read_bytes()
+        if half_written:
+            link.write_bytes(b"")  # the other writer has opened the link to write it...
+        else:
+            link.unlink()
+        try:
+            return real(method, where, scope, **kwargs)
+        finally:
+            if half_written:
+                link.write_bytes(kept)  # ...and finishes as the registry answers this writer
+
+    client.request = request  # type: ignore[method-assign]
+    envelope = signing.sign(signing.statement({f"{path}:t": config}, {"status": "pass"}),
+                            ec.generate_private_key(ec.SECP256R1()))
+    if not half_written:
+        with pytest.raises(PushError, match=r"refused the signed verdict .*MANIFEST_BLOB_UNKNOWN") as refused:
+            referrers.attach(client, path, subject, envelope)
+        assert len(puts) == 1 and "\n" not in str(refused.value), puts
+        return
+    with caplog.at_level("INFO"):
+        referrers.attach(client, path, subject, envelope)
+    # Put again at once by the writer, not left to a later rewrite of the fallback index.
+    assert len(puts) == 2 and "another writer was linking it" in caplog.text, puts
+    assert "trying again" not in caplog.text, caplog.text
+    assert [e for _d, e in referrers.envelopes(client, path, digest)] == [envelope]
+    index = client.manifest(path, referrers.fallback_tag(digest))
+    assert index is not None and len(index.json()["manifests"]) == 1

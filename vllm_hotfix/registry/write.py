@@ -16,6 +16,14 @@ builder's, a push's index, a signed verdict and its referrers index).
 Registries refuse manifests over a size limit (4 MiB for the distribution
 registry, and for Docker Hub; containerd will not read bigger ones): a
 manifest over it is refused here before anything is written.
+
+The distribution registry on its filesystem driver rewrites a repository's
+link to a blob each time a writer finishes uploading that blob, emptying the
+file before writing it again. A manifest put in that instant names a blob the
+registry cannot read (400: DIGEST_INVALID and MANIFEST_BLOB_UNKNOWN): two hosts
+attaching verdicts to one image at once both upload its one empty config and
+meet it. Such a refusal, of blobs the registry shows when asked next, is put
+again (:meth:`Writer.store_manifest`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST_LIMIT = 4 * 1024 * 1024
 CHUNK = 1 << 20
+# A manifest refused for blobs the registry then shows: put again this many times (another writer linking them).
+RELINK_RETRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,16 @@ def _detail(res: requests.Response) -> str:
             e.get("detail"), str) else "") for e in errors)[:300]
     except (ValueError, AttributeError):
         return res.text.strip()[:200]
+
+
+def _unknown_references(res: requests.Response) -> list[str]:
+    """The digests a manifest's refusal says the registry does not know (MANIFEST_BLOB_UNKNOWN), in its order."""
+    try:
+        errors = res.json().get("errors") or []
+    except (ValueError, AttributeError):
+        return []
+    return [str(e.get("detail")) for e in errors
+            if isinstance(e, dict) and e.get("code") == "MANIFEST_BLOB_UNKNOWN" and isinstance(e.get("detail"), str)]
 
 
 def _refused(res: requests.Response, what: str, host: str) -> PushError:
@@ -209,18 +229,39 @@ class Writer:
         t = self.target
         digest = registry.sha256(body)
         check_size(body, f"{t.name}@{digest}")
-        res = t.client.request("PUT", f"/v2/{t.path}/manifests/{reference}", t.push, data=body,
-                               headers={"Content-Type": media_type})
-        res.close()
-        if res.status_code == 413 or (res.status_code == 400 and "too large" in _detail(res).lower()):
-            raise PushError(f"registry {t.client.host} refused the manifest {t.path}@{digest}: {len(body)} bytes "
-                            f"is over its size limit ({_detail(res) or res.status_code})")
-        if not res.ok:
-            raise _refused(res, what or f"the manifest {t.path}:{reference}", t.client.host)
+        for attempt in range(RELINK_RETRIES + 1):
+            res = t.client.request("PUT", f"/v2/{t.path}/manifests/{reference}", t.push, data=body,
+                                   headers={"Content-Type": media_type})
+            res.close()
+            if res.status_code == 413 or (res.status_code == 400 and "too large" in _detail(res).lower()):
+                raise PushError(f"registry {t.client.host} refused the manifest {t.path}@{digest}: {len(body)} "
+                                f"bytes is over its size limit ({_detail(res) or res.status_code})")
+            if res.ok:
+                break
+            unknown = _unknown_references(res) if res.status_code == 400 else []
+            # Only blobs the registry shows now were being linked: one it lacks is a refusal, said at once.
+            if not unknown or attempt == RELINK_RETRIES or not all(self._shows(d, media_type) for d in unknown):
+                raise _refused(res, what or f"the manifest {t.path}:{reference}", t.client.host)
+            log.info("registry %s refused %s:%s for %s, which it shows: another writer was linking it; putting it "
+                     "again", t.client.host, t.path, reference, ", ".join(d[:19] for d in unknown))
         said = res.headers.get("Docker-Content-Digest")
         if said and said != digest:
             raise PushError(f"registry {t.client.host} stored {t.path}:{reference} as {said}, not {digest}")
         return Stored(digest, res.headers.get("OCI-Subject", ""))
+
+    def _shows(self, digest: str, media_type: str) -> bool:
+        """Whether the target has ``digest`` as what a manifest of ``media_type`` names: an index its manifests,
+        a manifest its blobs. The look reads the registry's link whole, so a writer rewriting it has finished."""
+        if media_type not in registry.INDEX_TYPES:
+            return self.has_blob(digest)
+        t = self.target
+        res = t.client.request("HEAD", f"/v2/{t.path}/manifests/{digest}", t.push, headers={"Accept": registry.ACCEPT})
+        res.close()
+        if res.status_code == 404:
+            return False
+        if not res.ok:
+            raise _refused(res, f"a look at manifest {digest[:19]} of {t.path}", t.client.host)
+        return True
 
     def resolve(self, tag: str) -> str | None:
         """The digest the target's ``tag`` resolves to now (None: no such tag)."""
