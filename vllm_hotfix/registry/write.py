@@ -141,13 +141,18 @@ class Writer:
     # -- blobs ------------------------------------------------------------------
 
     def has_blob(self, digest: str) -> bool:
+        return self._has("blob", digest)
+
+    def _has(self, kind: str, digest: str) -> bool:
+        """Whether the target holds the ``kind`` ("blob" or "manifest") ``digest``; a refusal to say is an error."""
         t = self.target
-        res = t.client.request("HEAD", f"/v2/{t.path}/blobs/{digest}", t.push)
+        headers = {"Accept": registry.ACCEPT} if kind == "manifest" else {}
+        res = t.client.request("HEAD", f"/v2/{t.path}/{kind}s/{digest}", t.push, headers=headers)
         res.close()
         if res.status_code == 404:
             return False
         if not res.ok:
-            raise _refused(res, f"a look at blob {digest[:19]} of {t.path}", t.client.host)
+            raise _refused(res, f"a look at {kind} {digest[:19]} of {t.path}", t.client.host)
         return True
 
     def _location(self, res: requests.Response, what: str) -> str:
@@ -252,16 +257,7 @@ class Writer:
     def _shows(self, digest: str, media_type: str) -> bool:
         """Whether the target has ``digest`` as what a manifest of ``media_type`` names: an index its manifests,
         a manifest its blobs. The look reads the registry's link whole, so a writer rewriting it has finished."""
-        if media_type not in registry.INDEX_TYPES:
-            return self.has_blob(digest)
-        t = self.target
-        res = t.client.request("HEAD", f"/v2/{t.path}/manifests/{digest}", t.push, headers={"Accept": registry.ACCEPT})
-        res.close()
-        if res.status_code == 404:
-            return False
-        if not res.ok:
-            raise _refused(res, f"a look at manifest {digest[:19]} of {t.path}", t.client.host)
-        return True
+        return self._has("manifest" if media_type in registry.INDEX_TYPES else "blob", digest)
 
     def resolve(self, tag: str) -> str | None:
         """The digest the target's ``tag`` resolves to now (None: no such tag)."""
