@@ -76,6 +76,9 @@ skips what is done, so a step cut short is run again as it was:
             table (patched-third.json); the later models' third start by the long command
   badrecord the first model's recordings from the second builds (assemble builder) of the broken
             backports RECORD_MUTANTS: the golden must refuse each (nothing written)
+  worlds    (not in the default) per model, after the recordings: gpu-runs/golden_worlds.py scores the replies
+            the recording's golden check scored (kept or refused) again in several computations of the golden
+            (OUTDIR/NAME/worlds.json): which rule of ambiguity and which margin would judge them rightly
   golden    per model, on the host's Python (no engine): gpu-runs/golden_run.py on the model with its
             reference answers (OUTDIR/NAME/golden.json), beside the smokes that follow the recordings
   unpatched per model, side by side: the base, --definition v0.25.1 --reference its answers
@@ -153,6 +156,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TextIO
@@ -208,6 +212,10 @@ def in_order(c: Context, smokes: Smokes) -> None:
         gpu_only(c, smokes)
     recordings(c, smokes)
     smokes.queue.flush()
+    if s.step("worlds"):
+        for m in c.models():
+            smokes.queue.start(lambda m=m: worlds(c, m))
+        smokes.queue.flush()
     if any(s.step(n) for n in ("patched", "patched2", "patched3", "makesmoke", "unpatched", "golden",
                                "variantsmoke", "mutantsmoke")):
         for m in c.models():
@@ -282,6 +290,24 @@ def bad_recordings(c: Context, smokes: Smokes) -> None:
             answers.unlink(missing_ok=True)
             smokes.queued(m, Smoke(f"badrecord-{name}", f"{s.repo}:{TAG}-mutant-{name}-assembled", cold,
                                    ("--root", f"{s.roots('mutant')}/{name}", "--record-reference", str(answers))))
+
+
+def worlds(c: Context, m: Model) -> None:
+    """The replies the model's recording scored, scored again in several computations of the golden
+    (gpu-runs/golden_worlds.py; host's torch, no engine): OUTDIR/NAME/worlds.json, whether the recording was kept or
+    refused. A measurement for the record."""
+    report, out = m.out / "reference.json", m.out / "worlds.json"
+    if out.is_file():
+        c.log.line(f"worlds {m.name}: done already ({out})")
+        return
+    if not report.is_file():
+        c.log.line(f"worlds {m.name}: no recording report ({report}); skipped")
+        return
+    c.log.line(f"worlds {m.name}: golden_worlds.py {m.folder} {report}")
+    start = time.monotonic()
+    rc = c.shell.act([c.settings.python, "gpu-runs/golden_worlds.py", str(m.folder), str(report), "--out", str(out)],
+                     into(m.out / "worlds.log", append=False))
+    c.log.line(f"worlds {m.name}: exit code {rc} after {time.monotonic() - start:.0f} s")
 
 
 def golden(c: Context) -> None:

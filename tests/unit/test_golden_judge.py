@@ -317,3 +317,12 @@ def test_the_margin_curve_counts_unambiguous_positions_over_each_margin_and_thei
     assert short[0.5] == (2, 1) and short[1.0] == (1, 1) and short[2.0] == (1, 1) and short[2.5] == (0, 0)
     assert {t: n for t, n, _ in got["long"]}[1.0] == 1 and {t: n for t, n, _ in got["long"]}[1.5] == 0
     assert judge.judge(scored, 1.0).to_dict()["by_margin"] == got
+
+
+def test_served_keeps_each_distinct_reply_per_prompt_once_and_leaves_out_what_was_not_scored():
+    def reply(level: int, prompt: int, ids: list[int], problem: str = "") -> Scored:
+        return Scored("http", level, 0, prompt, tuple(Position(t, 1.0, t, -0.1, None) for t in ids), problem)
+
+    scored = [reply(1, 10, [5, 6]), reply(2, 10, [5, 6]), reply(4, 10, [5, 7]), reply(1, 2, [9]),
+              reply(8, 3, [], problem="the server counted 12 prompt tokens")]
+    assert judge.served(scored) == {"2": [[9]], "10": [[5, 6], [5, 7]]}

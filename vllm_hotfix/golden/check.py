@@ -136,7 +136,7 @@ def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, secti
         # compute this folder, which is no judgement of the image.
         return judge.skipped(f"the golden cannot compute the model in {model}: {type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:300]}"), None
-    timing = {"timing": scorer.timing.to_dict()}
+    timing = {"timing": scorer.timing.to_dict(), "served": judge.served(scored)}
     log.info("golden: %s", timing["timing"])
     if recording:
         return judge.recorded(scored, envelope, timing, want)

@@ -174,6 +174,17 @@ def curve(scored: Sequence[Scored]) -> dict[str, list[list[float]]]:
     return dict(sorted(out.items()))
 
 
+def served(scored: Sequence[Scored]) -> dict[str, list[list[int]]]:
+    """Per prompt (its index, as a string), every distinct reply the golden scored, as token IDs: what was judged,
+    kept with the check so that the same replies can be scored again later (another golden, another envelope)
+    without the image."""
+    out: dict[str, set[tuple[int, ...]]] = {}
+    for reply in scored:
+        if not reply.problem:
+            out.setdefault(str(reply.prompt), set()).add(tuple(p.served for p in reply.positions))
+    return {k: [list(ids) for ids in sorted(v)] for k, v in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
+
 def judge(scored: Sequence[Scored], thresholds: Thresholds | float) -> Judgement:
     """Each reply's positions that are unambiguous and where the golden's margin exceeds its prompt class's
     threshold: the served token must be the golden's. Replies that could not be scored are named (they fail the
