@@ -17,14 +17,15 @@ these computations ("worlds"):
   ``A4``);
 - ``R<u>s<n>``: ``P`` with each such choice read the other way or not, by a
   fixed coin per head, query and layer (seed ``n``): one mixture of them;
-- ``J<p>s<n>``: ``P`` with, after every attention and every MLP, a share ``p``
-  of the output's elements moved one step of the serving dtype up or down
-  (seed ``n``): another rounding of the same computation, whatever block
-  choices and expert choices follow from it.
+- ``J<p>s<n>``: ``P`` rounded otherwise (:attr:`~vllm_hotfix.golden.forward.Golden.jostle`
+  ``(p, n)``: after every attention and every MLP, a share ``p`` of the
+  output's elements moved one step of the serving dtype): whatever block
+  choices and expert choices follow from it. The check scores every reply in
+  ``P`` and the worlds of :data:`vllm_hotfix.golden.scoring.WORLDS`.
 
 Writes, per prompt of the chosen classes, per distinct reply: the served IDs
-and, per world, per position ``[first, second, margin, log-probability of the
-served token]``. The served token is what the image sent: comparing it with
+and, per world, per position ``[first, second, their log-probabilities, the
+log-probability of the served token]``. The served token is what the image sent: comparing it with
 each world's first token says which rule of ambiguity and which margin would
 have judged it rightly; the image's replies never enter a world.
 """
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_hotfix.golden.scoring import Scorer, missing  # noqa: E402
 from vllm_hotfix.inimage import reference as prompt_set  # noqa: E402
 
-WORLDS = ("P", "F", "A4", "A1", "A0.25", "R4s0", "R4s1", "J0.01s0", "J0.01s1", "J0.01s2", "J0.1s0", "J0.1s1")
+WORLDS = ("P", "F", "A4", "A1", "A0.25", "R4s0", "J0.01s1", "J0.1s1", "J0.1s2", "J0.1s4", "J0.3s3", "J0.3s5")
 
 
 def golden_data(report: dict[str, Any]) -> dict[str, Any]:
@@ -64,30 +65,11 @@ def make_worlds(scorer: Scorer, names: list[str]) -> dict[str, Any]:
     class World(fw.Golden):
         flip_ulps: float | None = None
         coin: int | None = None
-        jitter: float = 0.0
-        jseed: int = 0
         layer = 0
-        calls = 0
 
         def attend(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.layer = i
-            out, gaps = super().attend(i, *args, **kwargs)
-            return self.shake(out), gaps
-
-        def mlp(self, x, prefix):  # type: ignore[no-untyped-def]
-            return self.shake(super().mlp(x, prefix))
-
-        def moe(self, x, i):  # type: ignore[no-untyped-def]
-            return self.shake(super().moe(x, i))
-
-        def shake(self, t):  # type: ignore[no-untyped-def]
-            if not self.jitter or t.dtype not in (torch.bfloat16, torch.float16):
-                return t
-            self.calls += 1
-            g = torch.Generator(device=t.device).manual_seed(self.jseed * 1_000_003 + self.calls)
-            u = torch.rand(t.shape, generator=g, device=t.device)
-            step = torch.where(u < self.jitter / 2, -1, torch.where(u < self.jitter, 1, 0)).to(torch.int16)
-            return (t.contiguous().view(torch.int16) + step).view(t.dtype)
+            return super().attend(i, *args, **kwargs)
 
         def allowed(self, scores, positions, keys):  # type: ignore[no-untyped-def]
             sp = self.cfg.sparse
@@ -115,7 +97,7 @@ def make_worlds(scorer: Scorer, names: list[str]) -> dict[str, Any]:
             w.flip_ulps, w.coin = float(u), int(s)
         elif name.startswith("J"):
             p, _, s = name[1:].partition("s")
-            w.jitter, w.jseed = float(p), int(s)
+            w.jostle = (float(p), int(s))
         out[name] = w
     return out
 
@@ -159,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 d = torch.cat((prefix.last[None], dist)).float() if r else prefix.last[None][:0].float()
                 top = torch.topk(d, 2, dim=-1)
                 lp = d.gather(1, torch.tensor(r, device=d.device)[:, None])[:, 0] if r else d[:, 0]
-                reply["worlds"][name] = [[int(a), int(b), round(float(va - vb), 4), round(float(s), 4)]
+                reply["worlds"][name] = [[int(a), int(b), round(float(va), 4), round(float(vb), 4), round(float(s), 4)]
                                          for (a, b), (va, vb), s in zip(top.indices.tolist(), top.values.tolist(),
                                                                         lp.tolist(), strict=True)]
         result["prompts"][key] = entry

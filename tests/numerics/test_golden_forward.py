@@ -30,7 +30,7 @@ from vllm_hotfix.golden import check as golden_check
 from vllm_hotfix.golden import judge
 from vllm_hotfix.golden.config import Sparse, parse
 from vllm_hotfix.golden.forward import Golden, select
-from vllm_hotfix.golden.scoring import Scorer, Served
+from vllm_hotfix.golden.scoring import FRESH, WORLDS, Scorer, Served
 from vllm_hotfix.inimage.reference import QUESTIONS, SENTENCES
 from vllm_hotfix.verdicts import Status
 
@@ -196,6 +196,15 @@ class HeadMajorRead(Golden):
         return (read | own[None]) & (key[None, :] <= positions[:, None])[None]
 
 
+class Rough(Golden):
+    """The golden rounded otherwise, each moved element moved 64 steps instead of one: worlds that part on a
+    model too small to part on one step."""
+
+    def jostled(self, t: torch.Tensor, positions: torch.Tensor, layer: int, place: int) -> torch.Tensor:
+        moved = super().jostled(t, positions, layer, place)
+        return (t.float() + 64 * (moved.float() - t.float())).to(t.dtype)
+
+
 def serve(model: Golden, ids: list[int], request: int, prompt: int) -> Served:
     """What a server computing as ``model`` would send: its greedy reply, its log-probabilities and top-5."""
     prefix = model.prefill(ids)
@@ -264,10 +273,11 @@ def test_the_envelope_is_measured_on_the_golden_alone(judged):
     short = envelope["classes"]["short"]
     assert short["prompts"] == len(PROMPTS) and short["positions"] == len(PROMPTS) * TOKENS
     assert 0 < short["median_nats"] <= short["p90_nats"] <= short["max_nats"]
-    assert short["threshold_nats"] == pytest.approx(judge.MARGIN_MULTIPLE * short["max_nats"], abs=1e-5)
-    # for the record: float32 outside the two worlds' span lies within the symmetric error (the span holds the
-    # serving-dtype golden's own margin)
-    assert 0 <= short["span_max_nats"] <= short["max_nats"] + 1e-6 and short["below_max_nats"] >= 0
+    # the threshold is the fresh rounding's largest excess below the worlds' smallest margin, times the multiple
+    assert 0 <= short["excess_p90_nats"] <= short["excess_max_nats"]
+    assert short["threshold_nats"] == pytest.approx(judge.MARGIN_MULTIPLE * short["excess_max_nats"], abs=1e-5)
+    assert envelope["worlds"] == [list(w) for w in WORLDS] and envelope["fresh"] == list(FRESH)
+    assert list(FRESH) not in envelope["worlds"]
 
 
 def test_right_computations_pass_at_the_envelopes_thresholds(judged):
@@ -306,15 +316,16 @@ def test_the_goldens_own_greedy_reply_passes(judged):
 def test_an_ambiguous_long_prompt_position_is_left_out_and_counted_and_the_rest_judged(model: Path,
                                                                                        tmp_path: Path):
     """A long prompt (more blocks than the indexer keeps: 16-token blocks, a top-k of 4). Its reply is scored in
-    the golden's alternate world too (every contested block choice read the other way): a position where the
-    two worlds rank another token first is left out and counted, the others are judged at the smaller of their
-    two margins, later positions of the same reply included. The resolution (the seam) is set wide, so that
-    every choice is contested; at zero nothing is, and nothing is left out."""
+    the golden's other roundings too: a position where a world ranks another token first is left out and counted,
+    the others are judged at the smallest of the worlds' margins, later positions of the same reply included. The
+    world here (the seam) is rounded far more roughly than the check's, so that the worlds part on this small
+    model; with no other world nothing is left out."""
     folder = with_config(model, tmp_path / "long", sparse_block_size=16, sparse_topk_blocks=4)
     scorer = Scorer(folder, "cpu")
-    scorer.resolution = 10.0
-    world = Golden.load(folder, "cpu", scorer.dtype)
-    world.contest = 10.0
+    scorer.worlds = ((0.5, 7),)
+    world = Rough.load(folder, "cpu", scorer.dtype)
+    world.jostle = (0.5, 7)
+    scorer.rounded = lambda jostle: world  # type: ignore[method-assign]
     for k in range(len(PROMPTS)):
         ids = scorer.prompt_ids(PROMPTS[k])
         assert scorer.golden.cfg.prompt_class(len(ids)) == "long"
@@ -339,9 +350,27 @@ def test_an_ambiguous_long_prompt_position_is_left_out_and_counted_and_the_rest_
     j = judge.judge([scored], 0.0)
     assert j.ambiguous == sum(differ) and j.confident == TOKENS - sum(differ)
     assert j.coverage["classes"] == {"long": {"judged": TOKENS - sum(differ), "positions": TOKENS}}
-    assert scorer.timing.contested == 1
-    scorer.resolution = 0.0
+    assert scorer.timing.worlds == 2
+    scorer.worlds = ()
     assert not any(p.ambiguous for p in scorer.score(PROMPTS, [reply])[0].positions)
+
+
+def test_another_rounding_is_the_same_wherever_a_token_is_computed(model: Path):
+    """The golden's other roundings move each element by a hash of the token's position, so a world computes a
+    token alike in a prefill and in a continuation of it, and moves about the share it names, one step each."""
+    scorer = Scorer(model, "cpu")
+    world = scorer.rounded((0.1, 1))
+    ids = scorer.prompt_ids(PROMPTS[0])
+    whole = world.prefill(ids).last
+    part = world.extend(world.prefill(ids[:40]), [ids[40:]])[0][-1]
+    assert torch.equal(whole, part)
+    assert not torch.equal(whole, scorer.golden.prefill(ids).last)
+    ones = torch.ones(64, 512, dtype=torch.bfloat16)
+    moved = world.jostled(ones, torch.arange(64), 0, 0)
+    share = float((moved != ones).float().mean())
+    assert 0.08 < share < 0.12
+    assert float((moved.float() - 1).abs().max()) <= float(torch.finfo(torch.bfloat16).eps)
+    assert torch.equal(scorer.golden.jostled(ones, torch.arange(64), 0, 0), ones)
 
 
 def test_a_reply_whose_prompt_the_server_counted_otherwise_cannot_be_scored(model: Path):

@@ -3,23 +3,30 @@
 A threshold measured on the image a reference is recorded from is
 calibrated on what it judges: a wrong image recorded as the trusted one
 sets its own noise and then passes against itself. The envelope is measured
-on the golden alone, so nothing a served image sent enters it: for every
+on the golden alone, so nothing a served image sent enters it. For every
 prompt of the prompt set, the float32 golden's own greedy reply (as many
-tokens as the served replies have), teacher-forced through the golden at the
-serving dtype (the numerics the engine computes in, :mod:`.forward` with
-``dtype``) and at float32; at each position, the serving-dtype golden's two
-best tokens ``a`` and ``b``, and how far their lead ``a - b`` differs between
-the two computations: the *margin error* of one right computation in the
-serving dtype against the model's definition. Per prompt class (``short``:
-every attention block is read; ``long``: the indexer chooses), its
-distribution, its largest value and the threshold it gives
-(:data:`.judge.MARGIN_MULTIPLE` x the largest). Positions whose block choice
-is ambiguous at the serving dtype's resolution (:mod:`.scoring`) are counted
-and left out, as the judge leaves them out.
+tokens as the served replies have) is teacher-forced through:
 
-:func:`by_layer` measures where the two computations part, layer by layer
-(the residual stream's relative distance, the MoE's expert choice), for the
-record. Imports torch: import it only where :mod:`.forward` can be.
+- the golden at the serving dtype and its other roundings (the *worlds* a
+  served reply is scored in, :mod:`.scoring`): a position where a world
+  ranks another token first is ambiguous, counted and left out, as the judge
+  leaves it out; elsewhere the worlds' smallest margin is what the judge
+  credits;
+- one more rounding that is none of the worlds (*fresh*, :data:`.scoring.FRESH`):
+  how far its lead of the golden's token falls below that smallest margin is
+  the *excess*, what one more right computation (the engine is one) can lose
+  beyond what the worlds foresaw. Per prompt class (``short``: every
+  attention block is read; ``long``: the indexer chooses), the largest excess
+  gives the class's threshold (:data:`.judge.MARGIN_MULTIPLE` x it);
+- the golden at float32, the model's definition: the *margin error*
+  ``|(a - b) at the serving dtype - (a - b) at float32|`` (a, b the serving-dtype
+  golden's two best tokens), its distribution, for the record and for the
+  recording's refusal (a trusted image whose replies lie further from the
+  golden than the golden lies from the definition is not trusted).
+
+:func:`by_layer` measures where the serving dtype and float32 part, layer by
+layer (the residual stream's relative distance, the MoE's expert choice), for
+the record. Imports torch: import it only where :mod:`.forward` can be.
 """
 
 from __future__ import annotations
@@ -36,91 +43,79 @@ from .judge import MARGIN_MULTIPLE, quantile
 
 log = logging.getLogger(__name__)
 
-MEASURE = ("per position, |(golden a - golden b) at the serving dtype - (golden a - golden b) at float32|, a and b "
-           "the serving-dtype golden's two best tokens; teacher-forced on the float32 golden's own greedy reply to "
-           "each prompt; nothing served")
+MEASURE = ("teacher-forced on the float32 golden's own greedy reply to each prompt, nothing served; per position: "
+           "the excess, how far a fresh rounding's lead of the golden's token falls below the worlds' smallest margin "
+           "(the threshold's measure); the margin error, |(a - b) at the serving dtype - (a - b) at float32|, a and "
+           "b the serving-dtype golden's two best tokens (the distribution's)")
 
 
 def _continuation(exact: Golden, ids: Sequence[int], tokens: int) -> list[int]:
     return exact.greedy(exact.prefill(ids), tokens)[0]
 
 
-def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int]) -> tuple[torch.Tensor, list[float]]:
-    """The distributions of ``cont``'s tokens after ``ids`` [L, vocab] and each position's block-choice gap."""
+def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int]) -> torch.Tensor:
+    """The distributions of ``cont``'s tokens after ``ids`` [L, vocab]."""
     prefix = model.prefill(ids)
-    rows, gaps = model.extend_gaps(prefix, [list(cont[:-1])])[0]
-    return torch.cat((prefix.last[None], rows)), [prefix.last_gap, *gaps.cpu().tolist()]
+    rows = model.extend(prefix, [list(cont[:-1])])[0]
+    return torch.cat((prefix.last[None], rows)).float().cpu()
 
 
 def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], classes: Sequence[str], tokens: int,
-            resolution: float, alternate: Golden) -> dict[str, Any]:
-    """The envelope of ``served`` (the golden at the serving dtype) against ``exact`` (float32) over the token IDs
-    of ``prompts`` (each of prompt class ``classes[k]``), ``tokens`` generated positions each; ``resolution``: the
-    relative block-score gap under which a choice is contested, and ``alternate`` the served golden with every
-    contested choice read the other way (:mod:`.scoring`): a position where the two rank another token first is
-    ambiguous, as the judge leaves it out."""
+            worlds: Sequence[Golden], fresh: Golden) -> dict[str, Any]:
+    """The envelope over the token IDs of ``prompts`` (each of prompt class ``classes[k]``), ``tokens`` generated
+    positions each: ``served`` (the golden at the serving dtype) and ``worlds`` (its other roundings) are the
+    worlds a reply is scored in, ``fresh`` one rounding more, ``exact`` the golden at float32."""
     errors: dict[str, list[float]] = {}
-    extra: dict[str, list[tuple[float, float]]] = {}
+    excess: dict[str, list[float]] = {}
     counts: dict[str, dict[str, int]] = {}
     for ids, klass in zip(prompts, classes, strict=True):
         cont = _continuation(exact, ids, tokens)
         if not cont:
             continue
-        low, gaps = _dists(served, ids, cont)
-        high, _ = _dists(exact, ids, cont)
-        other = _dists(alternate, ids, cont)[0] if any(g < resolution for g in gaps) else low
+        low, high = _dists(served, ids, cont), _dists(exact, ids, cont)
+        others = [_dists(w, ids, cont) for w in worlds]
+        extra = _dists(fresh, ids, cont)
         tally = counts.setdefault(klass, {"prompts": 0, "positions": 0, "ambiguous": 0, "flips": 0})
         tally["prompts"] += 1
         top = torch.topk(low, 2, dim=-1).indices
-        a_low = low.gather(1, top).float().cpu()
-        a_high = high.gather(1, top).float().cpu()
+        a_low, a_high = low.gather(1, top), high.gather(1, top)
         diff = ((a_low[:, 0] - a_low[:, 1]) - (a_high[:, 0] - a_high[:, 1])).abs().tolist()
-        flips = (high.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
-        contested = (other.argmax(-1).cpu() != top[:, 0].cpu()).tolist()
-        below, span = _one_sided(low, high, other, top)
+        flips = (high.argmax(-1) != top[:, 0]).tolist()
+        ambiguous = torch.zeros(len(cont), dtype=torch.bool)
+        for o in others:
+            ambiguous |= o.argmax(-1) != top[:, 0]
+        credited = torch.stack([_lead(d, top[:, 0]) for d in (low, *others)]).amin(0)
+        lost = (credited - _lead(extra, top[:, 0])).clamp_min(0).tolist()
         for j, error in enumerate(diff):
             tally["positions"] += 1
-            if contested[j]:
+            if ambiguous[j]:
                 tally["ambiguous"] += 1
                 continue
             errors.setdefault(klass, []).append(float(error))
-            extra.setdefault(klass, []).append((below[j], span[j]))
+            excess.setdefault(klass, []).append(float(lost[j]))
             tally["flips"] += bool(flips[j])
     out: dict[str, Any] = {}
     for klass, tally in sorted(counts.items()):
         values = errors.get(klass) or []
         entry: dict[str, Any] = dict(tally)
         if values:
-            top_error = max(values)
+            worst = max(excess[klass])
             entry.update({"measured": len(values), "median_nats": round(statistics.median(values), 6),
-                          "p90_nats": round(quantile(values, 0.9), 6), "max_nats": round(top_error, 6),
-                          "threshold_nats": round(MARGIN_MULTIPLE * top_error, 6),
-                          # for the record, not the threshold: how far float32's lead of the golden's token falls
-                          # below the margin the judge credits (the smaller of the two worlds'), and how far
-                          # float32's margin lies outside the span of the two worlds'
-                          "below_max_nats": round(max(b for b, _ in extra[klass]), 6),
-                          "span_max_nats": round(max(w for _, w in extra[klass]), 6)})
+                          "p90_nats": round(quantile(values, 0.9), 6), "max_nats": round(max(values), 6),
+                          "excess_p90_nats": round(quantile(excess[klass], 0.9), 6),
+                          "excess_max_nats": round(worst, 6),
+                          "threshold_nats": round(MARGIN_MULTIPLE * worst, 6)})
         out[klass] = entry
     return {"measure": MEASURE, "dtype": str(served.dtype).removeprefix("torch."), "against": "float32",
-            "tokens_each": tokens, "margin_multiple": MARGIN_MULTIPLE, "ambiguity_resolution": resolution,
-            "classes": out}
+            "tokens_each": tokens, "margin_multiple": MARGIN_MULTIPLE,
+            "worlds": [list(w.jostle or ()) for w in worlds], "fresh": list(fresh.jostle or ()), "classes": out}
 
 
-def _one_sided(low: torch.Tensor, high: torch.Tensor, other: torch.Tensor, top: torch.Tensor
-               ) -> tuple[list[float], list[float]]:
-    """Per position (``top``: the serving-dtype golden's two best tokens a, b): how far float32's lead of a over
-    its best rival falls below the margin the judge credits (the smaller of the two worlds' leads of their own
-    first over their second), and how far float32's a - b lies outside the span of the two worlds' a - b."""
-    low, high, other = low.float().cpu(), high.float().cpu(), other.float().cpu()
-    top = top.cpu()
-    credited = torch.minimum(*(t.topk(2, dim=-1).values.diff(dim=-1).neg().squeeze(-1) for t in (low, other)))
-    a = top[:, :1]
-    rival = high.scatter(1, a, float("-inf")).max(dim=-1).values
-    lead = high.gather(1, a).squeeze(-1) - rival
-    pair = [(t.gather(1, top)[:, 0] - t.gather(1, top)[:, 1]) for t in (low, other, high)]
-    lo, hi = torch.minimum(pair[0], pair[1]), torch.maximum(pair[0], pair[1])
-    span = (pair[2] - hi).clamp_min(0) + (lo - pair[2]).clamp_min(0)
-    return (credited - lead).clamp_min(0).tolist(), span.tolist()
+def _lead(dist: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """Per position, how far ``token`` [L] leads the best other token in ``dist`` [L, vocab] (negative where it
+    is not the first)."""
+    own = dist.gather(1, token[:, None])[:, 0]
+    return own - dist.scatter(1, token[:, None], float("-inf")).amax(-1)
 
 
 def by_layer(served: Golden, exact: Golden, ids: Sequence[int]) -> list[dict[str, Any]]:

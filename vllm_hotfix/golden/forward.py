@@ -130,7 +130,7 @@ def select(scores: torch.Tensor, positions: torch.Tensor, keys: int, sp: Sparse,
     ``topk_blocks`` best in all; a NaN score counts as the lowest; and within the chosen blocks, the keys at
     or before the query. ``flip_under``: the other side of every contested choice, where a head's last block
     chosen on merit leads the best block left out by less than this (:func:`merit`'s relative gap): that head
-    reads the left-out block instead (the alternate world of :mod:`.scoring`)."""
+    reads the left-out block instead (:attr:`Golden.contest`)."""
     blocks = scores.shape[-1]
     block = torch.arange(blocks, device=scores.device)
     valid_blocks = positions // sp.block_size + 1
@@ -169,9 +169,11 @@ def merit(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse
     s = torch.where(torch.isnan(scores), torch.full_like(scores, -1e30), scores.float())
     scale = torch.where(valid[None], s.abs(), torch.zeros_like(s)).amax(-1).clamp_min(1e-30)  # [h, n]
     s = torch.where(free[None], s, torch.full_like(s, float("-inf")))
+    if blocks < 2:  # one block: nothing to choose (contested is False); a second, empty column keeps the shapes
+        s = torch.nn.functional.pad(s, (0, 1), value=float("-inf"))
     ranked = torch.sort(s, dim=-1, descending=True)  # [h, n, blocks]
     contested = (slots > 0) & (free.sum(-1) > slots)
-    at = slots.clamp(1, max(1, blocks - 1))[None, :, None].expand(ranked.values.shape[0], -1, 1)
+    at = slots.clamp(1, max(1, s.shape[-1] - 1))[None, :, None].expand(ranked.values.shape[0], -1, 1)
     last, left = ranked.values.gather(-1, at - 1)[..., 0], ranked.values.gather(-1, at)[..., 0]
     gap = (last - left) / scale
     return gap, ranked.indices.gather(-1, at - 1)[..., 0], ranked.indices.gather(-1, at)[..., 0], contested
@@ -218,8 +220,13 @@ class Golden:
                   for n in self.names()}
         self.trace: list[tuple[str, int, torch.Tensor]] | None = None  # see run()
         # Where set, every block choice contested by less than this relative gap reads the other side
-        # (select's flip_under): the alternate world that scoring.py holds the golden to as well.
+        # (select's flip_under): a world the record's measurements (gpu-runs/golden_worlds.py) compare.
         self.contest: float | None = None
+        # Where set, (share, seed): another rounding of the same computation (the other worlds of scoring.py): after
+        # every attention and every MLP, that share of the output's elements moved one step of the dtype up or
+        # down, chosen by a hash of (seed, layer, place, position, element), so a token gets the same steps
+        # whatever batch it runs in, in a prefill or in a continuation.
+        self.jostle: tuple[float, int] | None = None
         half = cfg.rotary_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32,
                                                                device=self.device)[:half] / cfg.rotary_dim))
@@ -399,11 +406,12 @@ class Golden:
                 out, gap = self.attend(i, q, k_all, v_all, iq, ik_all, start)
                 outs.append(out)
                 gaps[r] = torch.minimum(gaps[r], gap)
-            attn = torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim)
+            attn = self.jostled(torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim), positions, i, 0)
             summed = stream.float() + (attn @ w[f"{p}.self_attn.o_proj.weight"].T).float()
             stream = summed.to(self.dtype)
             x = gemma_norm(summed, w[f"{p}.post_attention_layernorm.weight"], cfg.eps).to(self.dtype)
-            summed = stream.float() + (self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp")).float()
+            mlp = self.moe(x, i) if i in cfg.moe_layers else self.mlp(x, f"{p}.mlp")
+            summed = stream.float() + self.jostled(mlp, positions, i, 1).float()
             stream = summed.to(self.dtype)
             if self.trace is not None:
                 self.trace.append(("stream", i, stream.float().cpu()))
@@ -417,6 +425,26 @@ class Golden:
         hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps).to(self.dtype)
         return (torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys,
                 gaps)
+
+    def jostled(self, t: torch.Tensor, positions: torch.Tensor, layer: int, place: int) -> torch.Tensor:
+        """``t`` [rows * n, width] (rows of tokens at ``positions`` [n]) with :attr:`jostle`'s steps; itself where
+        none is set or ``t`` is float32 (a step of float32 is no rounding the engine makes)."""
+        if self.jostle is None or t.dtype not in (torch.bfloat16, torch.float16):
+            return t
+        share, seed = self.jostle
+        width = t.shape[-1]
+        pos = positions.repeat(t.shape[0] // positions.shape[0]).to(torch.int64)
+        h = (pos[:, None] * 73_856_093) ^ (torch.arange(width, device=t.device, dtype=torch.int64)[None, :]
+                                           * 19_349_663) ^ (layer * 83_492_791 + place * 2_654_435 + seed * 97_531)
+        h = (h * 6_364_136_223_846_793_005 + 1_442_695_040_888_963_407) >> 33
+        u = (h & 0xFFFF).to(torch.float32) / 65_536.0
+        step = torch.where(u < share / 2, -1, torch.where(u < share, 1, 0))
+        # The step moves the magnitude (sign kept, never past zero or the largest finite value), in the bits.
+        bits = t.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        top = 0x7F7F if t.dtype is torch.bfloat16 else 0x7BFF
+        magnitude = ((bits & 0x7FFF) + step).clamp(0, top)
+        out = (bits & 0x8000) | magnitude
+        return torch.where(out >= 0x8000, out - 0x10000, out).to(torch.int16).view(t.dtype)
 
     @torch.no_grad()
     def prefill(self, ids: Sequence[int], all_positions: bool = False) -> Prefix:

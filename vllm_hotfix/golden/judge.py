@@ -11,20 +11,18 @@ golden alone, never on a served image:
 
 - the **envelope** (:mod:`.envelope`, measured when a reference is recorded,
   kept in the reference's ``golden`` section and signed with it): per
-  prompt class, the margin error between the golden at the serving dtype and
-  at float32 on the golden's own replies, its distribution and its largest
-  value. A class's *threshold* is :data:`MARGIN_MULTIPLE` times that largest
-  value: for the golden to rank a right server's runner-up ``b`` first by a
-  margin ``m``, the two must disagree on ``a - b`` by at least ``m``; two
-  roundings of one computation (the engine's and the golden's) lie about
-  the square root of two times one rounding's distance apart, and 1.5 covers
-  that.
+  prompt class, how far one more rounding of the golden (one that is none of
+  the worlds a reply is scored in) falls below the worlds' smallest margin
+  on the golden's own replies, and its largest value, the *excess*. A
+  class's *threshold* is :data:`MARGIN_MULTIPLE` times that largest excess:
+  the engine is one more right computation, and 1.5 allows it to stray
+  further than the one rounding measured. The envelope also keeps the margin
+  error between the golden at the serving dtype and at float32 (the model's
+  definition), which the recording's refusal reads.
 - a position is **judged** where the golden's margin exceeds its prompt
-  class's threshold and it is not *ambiguous* (:mod:`.scoring`: where the
-  indexer's choice of blocks is contested within the serving dtype's
-  resolution, the golden's alternate world, every contested choice read the
-  other way, ranks another token first; elsewhere the margin is the smaller
-  of the two worlds'). At a judged position the served token must be the golden's. The
+  class's threshold and it is not *ambiguous* (:mod:`.scoring`: where one of
+  the golden's other roundings ranks another token first; elsewhere the
+  margin is the smallest). At a judged position the served token must be the golden's. The
   check fails at the first judged position where it is not, naming the reply
   (the HTTP sweep or the fixed batches at a level), the request, the
   position, both tokens and the margin.

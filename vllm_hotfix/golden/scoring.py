@@ -11,22 +11,22 @@ The golden computes at the model's serving dtype (``torch_dtype``: the
 engine's numerics); :meth:`Scorer.envelope` measures it against float32 on
 its own replies (:mod:`.envelope`).
 
-Where the indexer chooses (more blocks than it keeps), a head's choice is
-*contested* where its last block chosen on merit leads the best block left
-out by less than :data:`RESOLUTION_ULPS` of the serving dtype's epsilon,
-relative to the query's largest block score (:func:`~.forward.merit`):
-another rounding of the same computation could read the other block. On a
-prompt of a few thousand tokens nearly every position has such a choice in
-some head of some layer, yet most of them change nothing the reply depends
-on. So a reply with a contested choice anywhere is scored twice: by the
-golden, and by its *alternate world*, the same golden with every contested
-choice (prompt and reply, every layer and head) read the other way
-(:attr:`~.forward.Golden.contest`), teacher-forced on the same served
-tokens. A position is ambiguous where the two worlds rank another token
-first; elsewhere its margin is the smaller of the two. The two worlds are
-the ends of the contested choices, not every mix of them: an engine that
-took some one way and some the other lies between them where their effects
-add up, which is what the envelope's margin (:mod:`.judge`) is for.
+The engine computes the same model at the same dtype with kernels of its
+own: it rounds at the same places, in other orders, so here and there an
+element comes out one step of the dtype apart. On a short prompt that moves
+a margin by a fraction of a nat. Where the indexer chooses (more blocks than
+it keeps), and where a router chooses experts, one such step can change a
+choice, and the change runs through every later layer: the same right
+computation then ranks another token first, or leads by nats less. So every
+reply is scored in several *worlds*: the golden, and the golden rounded
+otherwise (:data:`WORLDS`: after every attention and every MLP, a share of
+the output's elements moved one step of the dtype, by a fixed hash of the
+token's position, :attr:`~.forward.Golden.jostle`), teacher-forced on the
+same served tokens. A position is *ambiguous* where a world ranks another
+token first (it is left out and counted); elsewhere its margin is the
+smallest of the worlds' margins. How far yet another rounding (:data:`FRESH`,
+never one of the worlds) falls below that smallest margin is the envelope's
+measure (:mod:`.envelope`), and what a judged position's margin must exceed.
 
 Every prompt runs through the golden once (:meth:`~.forward.Golden.prefill`),
 and every distinct reply to it as one batch of continuations of that
@@ -50,8 +50,11 @@ from .config import load as load_config
 from .judge import Position, Scored
 
 CONTINUATIONS_PER_BATCH = 16  # replies to one prompt run together through the golden
-# A block choice whose relative score gap is under this many of the serving dtype's epsilon is ambiguous.
-RESOLUTION_ULPS = 4.0
+# The other roundings every reply is scored in, as (share of elements moved one step, seed); the envelope's
+# held-out one moves more of them. A tenth is about what another order of the same sums changes in the
+# engine's outputs (its decoding attention rounds each split's partial output to the dtype before merging them).
+WORLDS: tuple[tuple[float, int], ...] = ((0.1, 1), (0.1, 2))
+FRESH: tuple[float, int] = (0.3, 3)
 NEEDS = ("torch", "tokenizers")
 
 
@@ -102,13 +105,13 @@ class Timing:
     score_s: float = 0.0
     prompts: int = 0
     distinct_replies: int = 0
-    contested: int = 0  # distinct replies scored in the alternate world as well
+    worlds: int = 0  # computations each reply is scored in (the golden and its other roundings)
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "load_s": round(self.load_s, 3), "score_s": round(self.score_s, 3),
-                "prompts": self.prompts, "distinct_replies": self.distinct_replies, "contested": self.contested,
+                "prompts": self.prompts, "distinct_replies": self.distinct_replies, "worlds": self.worlds,
                 "tokens": self.tokens}
 
 
@@ -140,8 +143,7 @@ class Scorer:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.weights = read(folder)
         self.golden = Golden(cfg, self.weights, device, self.dtype)
-        self.resolution = RESOLUTION_ULPS * float(torch.finfo(self.dtype).eps)
-        self._alternate: Any = None
+        self.worlds: tuple[tuple[float, int], ...] = WORLDS
         self.torch = torch
         self.timing.device = str(self.golden.device) + (
             f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
@@ -156,13 +158,11 @@ class Scorer:
 
         return Golden(self.golden.cfg, self.weights, self.golden.device, self.torch.float32)
 
-    def alternate(self) -> Any:
-        """The golden's alternate world: the same weights, every block choice contested within the resolution
-        read the other way (see the module's docstring)."""
-        if self._alternate is None or self._alternate.contest != self.resolution:
-            self._alternate = copy.copy(self.golden)
-            self._alternate.contest = self.resolution
-        return self._alternate
+    def rounded(self, jostle: tuple[float, int]) -> Any:
+        """The golden rounded otherwise (:attr:`~.forward.Golden.jostle`): the same weights, another world."""
+        world = copy.copy(self.golden)
+        world.jostle = jostle
+        return world
 
     def envelope(self, prompts: Sequence[str], tokens: int) -> dict[str, Any]:
         """The golden's envelope at its dtype against float32 over ``prompts`` (:mod:`.envelope`), ``tokens``
@@ -172,16 +172,17 @@ class Scorer:
         start = time.monotonic()
         ids = [self.prompt_ids(p) for p in prompts]
         got = envelope.measure(self.golden, self.exact(), ids, [self.golden.cfg.prompt_class(len(i)) for i in ids],
-                               tokens, self.resolution, self.alternate())
+                               tokens, [self.rounded(w) for w in self.worlds], self.rounded(FRESH))
         got["seconds"] = round(time.monotonic() - start, 3)
         return got
 
-    def _positions(self, dists: Any, alternate: Any, reply: Served, ids: list[int]) -> tuple[Position, ...]:
-        """The positions of ``reply`` (served IDs ``ids``) from the golden's distributions ``dists`` [L, vocab]
-        and its alternate world's (None: no choice was contested): ambiguous where the two rank another token
-        first, else judged at the smaller margin."""
+    def _positions(self, dists: Sequence[Any], reply: Served, ids: list[int]) -> tuple[Position, ...]:
+        """The positions of ``reply`` (served IDs ``ids``) from each world's distributions ``dists`` [L, vocab]
+        (the golden's first): ambiguous where a world ranks another token first, else judged at the smallest of
+        the worlds' margins."""
         torch = self.torch
-        vocab = dists.shape[-1]
+        first = dists[0]
+        vocab = first.shape[-1]
         # vLLM's two best tokens per position and its log-probabilities of them: what the noise compares.
         best: list[list[tuple[int, float]]] = []
         for j in range(len(ids)):
@@ -190,26 +191,22 @@ class Scorer:
             pair = [(t, v) for t, v in ranked if t is not None and t < vocab][:2]
             best.append(pair if len(pair) == 2 else [])
         index = [[ids[j], *([t for t, _ in best[j]] or [ids[j], ids[j]])] for j in range(len(ids))]
-        gathered = dists.gather(1, torch.tensor(index, dtype=torch.long, device=dists.device)).cpu().tolist()
-        top = torch.topk(dists, 2, dim=-1)
-        golden, values = top.indices[:, 0].cpu().tolist(), top.values.cpu().tolist()
-        other: list[int] | None = None
-        if alternate is not None:
-            alt = torch.topk(alternate, 2, dim=-1)
-            other = alt.indices[:, 0].cpu().tolist()
-            alt_margin = (alt.values[:, 0] - alt.values[:, 1]).cpu().tolist()
+        gathered = first.gather(1, torch.tensor(index, dtype=torch.long, device=first.device)).cpu().tolist()
+        tops = [torch.topk(d, 2, dim=-1) for d in dists]
+        golden = tops[0].indices[:, 0]
+        ambiguous = torch.zeros_like(golden, dtype=torch.bool)
+        for t in tops[1:]:
+            ambiguous |= t.indices[:, 0] != golden
+        margin = torch.stack([t.values[:, 0] - t.values[:, 1] for t in tops]).amin(0)
+        golden_l, ambiguous_l, margin_l = golden.cpu().tolist(), ambiguous.cpu().tolist(), margin.cpu().tolist()
         out = []
         for j, tid in enumerate(ids):
-            margin = float(values[j][0] - values[j][1])
-            ambiguous = False
-            if other is not None:
-                ambiguous = other[j] != golden[j]
-                margin = min(margin, float(alt_margin[j]))
             error = None
             if best[j]:
                 (_, va), (_, vb) = best[j]
                 error = abs((va - vb) - (gathered[j][1] - gathered[j][2]))
-            out.append(Position(int(golden[j]), margin, tid, float(gathered[j][0]), error, ambiguous))
+            out.append(Position(int(golden_l[j]), float(margin_l[j]), tid, float(gathered[j][0]), error,
+                                bool(ambiguous_l[j])))
         return tuple(out)
 
     def _continuations(self, golden: Any, prefix: Any, distinct: Sequence[tuple[int, ...]]
@@ -259,19 +256,17 @@ class Scorer:
             self.timing.tokens += len(prompt_ids)
             distinct = sorted({tuple(parsed[n]) for n in members})
             self.timing.distinct_replies += len(distinct)
-            dists = self._continuations(self.golden, prefix, distinct)
-            alternate: dict[tuple[int, ...], Any] = {}
-            if any(g < self.resolution for _, gaps in dists.values() for g in gaps):
-                world = self.alternate()
-                alternate = {c: d for c, (d, _) in self._continuations(world, world.prefill(prompt_ids),
-                                                                       distinct).items()}
-                self.timing.contested += len(distinct)
+            worlds = [self._continuations(self.golden, prefix, distinct)]
+            for jostle in self.worlds:
+                world = self.rounded(jostle)
+                worlds.append(self._continuations(world, world.prefill(prompt_ids), distinct))
+            self.timing.worlds = 1 + len(self.worlds)
             klass = self.golden.cfg.prompt_class(len(prompt_ids))
             for n in members:
                 reply = replies[n]
                 served = tuple(parsed[n])
                 out[n] = Scored(reply.source, reply.level, reply.request, k,
-                                self._positions(dists[served][0], alternate.get(served), reply, list(served))
+                                self._positions([w[served][0] for w in worlds], reply, list(served))
                                 if served else (), klass=klass)
         self.timing.score_s += time.monotonic() - start
         return [out[n] for n in range(len(replies))]
