@@ -76,7 +76,8 @@ skips what is done, so a step cut short is run again as it was:
             table (patched-third.json); the later models' third start by the long command
   badrecord the first model's recordings from the second builds (assemble builder) of the broken
             backports RECORD_MUTANTS: the golden must refuse each (nothing written)
-  worlds    (not in the default) per model, after the recordings: gpu-runs/golden_worlds.py scores the replies
+  worlds    (not in the default) per model, beside the smokes that follow the first model's patched image alone:
+            gpu-runs/golden_worlds.py scores the replies
             the recording's golden check scored (kept or refused) again in several computations of the golden
             (OUTDIR/NAME/worlds.json): which rule of ambiguity and which margin would judge them rightly
   golden    per model, on the host's Python (no engine): gpu-runs/golden_run.py on the model with its
@@ -212,10 +213,6 @@ def in_order(c: Context, smokes: Smokes) -> None:
         gpu_only(c, smokes)
     recordings(c, smokes)
     smokes.queue.flush()
-    if s.step("worlds"):
-        for m in c.models():
-            smokes.queue.start(lambda m=m: worlds(c, m))
-        smokes.queue.flush()
     if any(s.step(n) for n in ("patched", "patched2", "patched3", "makesmoke", "unpatched", "golden",
                                "variantsmoke", "mutantsmoke")):
         for m in c.models():
@@ -223,6 +220,9 @@ def in_order(c: Context, smokes: Smokes) -> None:
     alone(c, smokes)
     if s.step("golden"):
         smokes.queue.start(lambda: golden(c))
+    if s.step("worlds"):
+        for m in c.models():
+            smokes.queue.start(lambda m=m: worlds(c, m))
     for m in c.models():
         essentials(c, smokes, m)
     bad_recordings(c, smokes)
