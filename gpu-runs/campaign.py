@@ -141,7 +141,8 @@ MUTANTS_OTHERS (the later models' mutants), RECORD_MUTANTS (the badrecord
 step's), VARIANTS (names, default every gpu-runs/variants/*.patch), PARALLEL
 (1) and ENGINE_GIB (10) (see :func:`fitting_parallel`), CALL_BUDGET and
 SMOKE_ESTIMATE (110; BATCH_ESTIMATE, 200, for a queued smoke) seconds,
-SERVE_ARGS (extra `vllm serve` arguments), TIMEOUT_REFERENCE (540),
+SERVE_ARGS (extra `vllm serve` arguments), FIRST_ALONE (1; 0: the first model's patched image in the
+queue, not alone), TIMEOUT_REFERENCE (540),
 TIMEOUT_WARM (240) seconds per smoke (the tool cleans up on TERM),
 TARGET_SECONDS (60, the record's smoke time target for the warm runs),
 SOURCE_MANIFEST, DRY_RUN (1: print each engine-touching command as one
@@ -265,14 +266,17 @@ def recordings(c: Context, smokes: Smokes) -> None:
 def alone(c: Context, smokes: Smokes) -> None:
     """2. Alone: the first model's patched image (the long command), then its third start through make smoke."""
     s, warm = c.settings, c.settings.get("TIMEOUT_WARM", "240")
+    # FIRST_ALONE=0: the first model's patched image joins the queue instead (a campaign short of GPU time gives
+    # up the warm measurement, not a verdict).
+    start = smokes.now if s.get("FIRST_ALONE", "1") != "0" else smokes.queued
     for m in c.models():
         if not c.is_first(m):
             continue
         if s.step("patched") and c.need_answers(m, "patched smoke"):
-            smokes.now(m, Smoke("patched", s.patched, warm, ("--reference", str(m.answers))))
+            start(m, Smoke("patched", s.patched, warm, ("--reference", str(m.answers))))
         elif s.step("patched"):
             # Its warm time all the same, without answers to judge (the report says which checks did not run).
-            smokes.now(m, Smoke("patched-unjudged", s.patched, warm))
+            start(m, Smoke("patched-unjudged", s.patched, warm))
         if s.step("makesmoke") or s.step("patched3"):
             smokes.make_smoke(m, warm)
 
