@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (the reference's max_tokens)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     ap.add_argument("--prompts", default=None, help="indices of the prompt set to use, e.g. 0,2,4 (default: all; "
-                                                     "with --reference, all: its answers name every prompt)")
+                                                     "with --reference, its answers to those prompts alone)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     absent = missing()
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_hotfix.inimage import reference as answers
 
     ref = answers.load(args.reference) if args.reference is not None else None
-    prompts = list(ref.prompts) if ref is not None else list(answers.PROMPTS)
-    if args.prompts and ref is None:
-        prompts = [prompts[int(i)] for i in args.prompts.split(",")]
+    every = list(ref.prompts) if ref is not None else list(answers.PROMPTS)
+    picked = [int(i) for i in args.prompts.split(",")] if args.prompts else list(range(len(every)))
+    prompts = [every[i] for i in picked]
     tokens = args.tokens or (ref.max_tokens if ref is not None else 32)
     scorer = Scorer(args.model, args.device)
     golden = scorer.golden
@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             k: coverage.tally(sum(m > (limits.of(k) or float("inf")) for m in v), len(v))
             for k, v in sorted(by_class.items())}
     if ref is not None:
-        replies = reference_replies(ref)
+        replies = [r for r in reference_replies(ref) if r.prompt in picked]
         start = time.monotonic()
-        scored = scorer.score(prompts, replies)
+        scored = scorer.score(every, replies)
         sync()
         report["scoring"] = {**scorer.timing.to_dict(), "replies": len(replies),
                              "seconds": round(time.monotonic() - start, 3)}
@@ -130,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             report["judged_at_envelope"] = judged.to_dict()
             report["coverage_shortfall"] = coverage.shortfall(judged.coverage)
         exact = Scorer(args.model, args.device, "float32")
-        report["noise_float32_golden"] = judge.noise(exact.score(prompts, replies))
+        report["noise_float32_golden"] = judge.noise(exact.score(every, replies))
         if ref.golden:
             recorded = judge.thresholds(ref.golden)
             report["recorded_golden"] = {k: ref.golden.get(k) for k in ("envelope", "noise")}
             if recorded is not None:
                 report["judged_at_recorded_envelope"] = judge.judge(scored, recorded).to_dict()
-        same = [list(int(t.split(":")[1]) for t in a.tokens) == g for a, g in zip(ref.answers, greedy, strict=True)]
+        same = [list(int(t.split(":")[1]) for t in ref.answers[i].tokens) == g for i, g in zip(picked, greedy,
+                                                                                             strict=True)]
         report["greedy_vs_reference"] = {"identical": sum(same), "prompts": len(same)}
     text = json.dumps(report, indent=1, sort_keys=True)
     print(text)

@@ -143,7 +143,8 @@ class Scorer:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.weights = read(folder)
         self.golden = Golden(cfg, self.weights, device, self.dtype)
-        self.worlds: tuple[tuple[float, int], ...] = WORLDS
+        # float32 is rounded no otherwise (a step of it is no rounding the engine makes): no other world to score
+        self.worlds: tuple[tuple[float, int], ...] = WORLDS if self.dtype in (torch.bfloat16, torch.float16) else ()
         self.torch = torch
         self.timing.device = str(self.golden.device) + (
             f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
