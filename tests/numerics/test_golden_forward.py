@@ -539,3 +539,50 @@ def test_a_recording_whose_engine_died_at_a_level_fails_the_golden_and_keeps_not
     # the same run with every request answered records
     whole = base.Launched(replace(swept, sweep=sweep), replies=http, batches=probe)
     assert judge_run.golden_check(job, whole, None, small_blocks)[0][0].status is Status.PASS
+
+
+def test_the_gpu_hosts_worlds_score_a_recordings_replies_again_and_the_table_reads_them(model: Path, tmp_path: Path):
+    """gpu-runs/golden_worlds.py on the replies a golden check kept (``data.served``): each reply scored in the
+    worlds it names, per position each world's two best tokens, their log-probabilities and the served token's;
+    gpu-runs/worlds_table.py then says, per rule, the largest margin at which a served token was not the golden's.
+    Here one reply is the golden's own greedy reply, the other the same with its first token swapped for the
+    golden's runner-up."""
+    import importlib.util
+
+    from vllm_hotfix.inimage import reference as prompt_set
+
+    def script(name: str):  # type: ignore[no-untyped-def]
+        spec = importlib.util.spec_from_file_location(name, REPO / "gpu-runs" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    scorer = Scorer(model, "cpu")
+    ids = scorer.prompt_ids(prompt_set.PROMPTS[4])
+    prefix = scorer.golden.prefill(ids)
+    greedy, _ = scorer.golden.greedy(prefix, TOKENS)
+    runner_up = int(torch.topk(prefix.last, 2).indices[1])
+    swapped = [runner_up, *greedy[1:]]
+    report = tmp_path / "reference.json"
+    report.write_text(json.dumps({"checks": [{"name": "golden", "data": {"served": {"4": [greedy, swapped]}}}]}))
+    out = tmp_path / "worlds.json"
+    worlds = script("golden_worlds")
+    assert worlds.main([str(model), str(report), "--out", str(out), "--classes", "short", "--device", "cpu",
+                        "--worlds", "P,F,A4,J0.1s1"]) == 0
+    data = json.loads(out.read_text())
+    assert data["worlds"] == ["P", "F", "A4", "J0.1s1"] and set(data["prompts"]) == {"4"}
+    entry = data["prompts"]["4"]
+    assert entry["class"] == "short" and entry["tokens"] == len(ids)
+    own, other = entry["replies"]
+    assert own["ids"] == greedy and other["ids"] == swapped
+    assert [row[0] for row in own["worlds"]["P"]] == greedy  # the golden's first token at every position
+    first = other["worlds"]["P"][0]
+    assert first[1] == runner_up and first[4] == pytest.approx(first[3], abs=1e-4)  # served: the runner-up
+    table = script("worlds_table").rows(data)
+    alone = next(row for row in table if row.startswith("| P |"))
+    cells = [c.strip() for c in alone.strip("|").split("|")]
+    wrong = [row[2] - row[3] for r in (own, other) for row, served in zip(r["worlds"]["P"], r["ids"], strict=True)
+             if row[0] != served]
+    assert wrong and cells[1] == "0.0%" and float(cells[2]) == pytest.approx(max(wrong), abs=1e-2)
+    assert max(wrong) >= first[2] - first[3]  # the swapped first token counts, and whatever followed it
