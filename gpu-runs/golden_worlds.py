@@ -62,9 +62,11 @@ def make_worlds(scorer: Scorer, names: list[str]) -> dict[str, Any]:
 
     eps = float(torch.finfo(scorer.dtype).eps)
 
-    class World(fw.Golden):
-        flip_ulps: float | None = None
-        coin: int | None = None
+    class Mixture(fw.Golden):
+        """Each contested choice (:attr:`~vllm_hotfix.golden.forward.Golden.contest`) read the other way or not, by a
+        fixed coin per head, query and layer."""
+
+        coin = 0
         layer = 0
 
         def attend(self, i, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -73,28 +75,22 @@ def make_worlds(scorer: Scorer, names: list[str]) -> dict[str, Any]:
 
         def allowed(self, scores, positions, keys):  # type: ignore[no-untyped-def]
             sp = self.cfg.sparse
-            if self.flip_ulps is None:
-                return fw.select(scores, positions, keys, sp, None)
-            under = self.flip_ulps * eps
-            if self.coin is None:
-                return fw.select(scores, positions, keys, sp, under)
             gap, _, _, contested = fw.merit(scores, positions, sp)
             heads = torch.arange(gap.shape[0], device=gap.device)[:, None]
             h = (positions[None, :] * 2_654_435_761 + heads * 40_503 + self.layer * 97 + self.coin * 7_919) % 65_521
-            swap = contested[None] & (gap < under) & (h % 2 == 1)
-            keep, flip = fw.select(scores, positions, keys, sp, None), fw.select(scores, positions, keys, sp, under)
-            return torch.where(swap[..., None], flip, keep)
+            swap = contested[None] & (gap < self.contest) & (h % 2 == 1)
+            keep = fw.select(scores, positions, keys, sp, None)
+            return torch.where(swap[..., None], fw.select(scores, positions, keys, sp, self.contest), keep)
 
     out = {}
     for name in names:
-        base = scorer.exact() if name == "F" else scorer.golden
-        w = copy.copy(base)
-        w.__class__ = World
+        w = copy.copy(scorer.exact() if name == "F" else scorer.golden)
         if name.startswith("A"):
-            w.flip_ulps = float(name[1:])
+            w.contest = float(name[1:]) * eps
         elif name.startswith("R"):
             u, _, s = name[1:].partition("s")
-            w.flip_ulps, w.coin = float(u), int(s)
+            w.__class__ = Mixture
+            w.contest, w.coin = float(u) * eps, int(s)
         elif name.startswith("J"):
             p, _, s = name[1:].partition("s")
             w.jostle = (float(p), int(s))
