@@ -127,7 +127,9 @@ patched-again, patched-third, unpatched-first, unpatched, variant-V,
 mutant-M, badrecord-M), <which>.dsse.json, answers.json, inputs.json and
 record.json. run.log's lines `[HH:MM:SS] ...` are the record's timings.
 
-REFERENCE_FROM (an earlier run's OUTDIR: its NAME/answers.json, for a model of the same hash).
+REFERENCE_FROM (an earlier run's OUTDIR: its NAME/answers.json, with its signature and its recording's
+signed verdict beside it, for a model of the same hash; the smokes check them with the site key, so the
+earlier run's key must be this one's: SIGN_KEY_FROM, a PEM the calls carry, never committed).
 TP (1): --tensor-parallel-size of every server; on a host with N GPUs, a run per size, each in its own OUTDIR:
   TP=2 STEPS="reference patched unpatched record" python3 gpu-runs/campaign.py PARTS OUTDIR-tp2
 (the images, model and inputs made once, by the default steps' first call).
@@ -190,10 +192,21 @@ def reference_from(c: Context, m: Model) -> None:
         raise c.log.die(f"model {m.name} here ({have}) is not the one {earlier} answered with ({want})")
     if not m.answers.is_file():
         try:
-            shutil.copyfile(Path(earlier, m.name, "answers.json"), m.answers)
+            copy_reference(Path(earlier, m.name, "answers.json"), m.answers)
         except OSError:
             raise c.log.die(f"no {earlier}/{m.name}/answers.json") from None
     c.log.line(f"reference answers of {m.name} from {earlier} (model {have}): {sha256_file(m.answers)}")
+
+
+def copy_reference(source: Path, dest: Path) -> None:
+    """A recorded reference and, where they lie beside it, its signature and its recording's signed verdict
+    (``NAME.dsse.json``, ``NAME.verdict.dsse.json``): a smoke judged by it checks both with the site key
+    (SIGN_KEY_FROM, where the key that signed them is to be the one here too)."""
+    for suffix in (".dsse.json", ".verdict.dsse.json"):
+        beside = source.with_name(source.stem + suffix)
+        if beside.is_file():
+            shutil.copyfile(beside, dest.with_name(dest.stem + suffix))
+    shutil.copyfile(source, dest)
 
 
 def in_order(c: Context, smokes: Smokes) -> None:

@@ -4,6 +4,7 @@ soon as one ends."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from collections.abc import Callable
@@ -14,7 +15,9 @@ from campaign_core import HERE, QUIET, QUIET_ALL, TAG, Context, Model, Refused, 
 
 
 class Signer:
-    """The signing key: made once on this host; only its public half leaves it."""
+    """The signing key: made once on this host, or SIGN_KEY_FROM's (a PEM the calls carried, e.g. in gpu-parts/,
+    never committed: the same site key across campaigns, so that a later one judges by references an earlier one
+    recorded and signed, REFERENCE_FROM); only its public half leaves the host."""
 
     def __init__(self, c: Context) -> None:
         self.c = c
@@ -28,6 +31,18 @@ class Signer:
         s, shell = self.c.settings, self.c.shell
         key, pub = Path(s.key), s.pubkey
         openssl = shell.which("openssl")
+        given = s.env.get("SIGN_KEY_FROM")
+        if given and not key.is_file():
+            tmp = Path(f"{s.key}.tmp")
+            try:
+                data = Path(given).read_bytes()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            except OSError as exc:
+                raise self.c.log.die(f"SIGN_KEY_FROM={given}: {exc.strerror or exc}") from None
+            tmp.replace(key)
+            self.c.log.line(f"signing key from {given}: {key}")
         if not key.is_file():
             tmp = Path(f"{s.key}.tmp")
             # Written by its maker only, from the start (0600); no other file of the run is touched by this.

@@ -699,3 +699,48 @@ def test_a_model_whose_recording_wrote_no_answers_is_passed_over_and_the_campaig
             smokes.setdefault(report.parent.name, {})[report.stem] = argv
     assert list(smokes["a"]) == ["patched-unjudged"] and "--reference" not in smokes["a"]["patched-unjudged"]
     assert set(smokes["b"]) == {"patched", "unpatched", "patched-again", "variant-permute-write-side"}
+
+
+def test_a_carried_site_key_signs_the_campaign_and_stays_its_owners_alone(tmp_path: Path) -> None:
+    """SIGN_KEY_FROM: the campaign signs with the key the calls carried (the same site key across campaigns),
+    written for its owner alone, and only the public half goes to OUTDIR; a key that cannot be read stops the
+    campaign naming it."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    carried = tmp_path / "carried.pem"
+    carried.write_bytes(pem)
+    _, log, top = _dry(tmp_path, "refimage reference", SIGN_KEY_FROM=str(carried))
+    made = tmp_path / "work" / "signing-key.pem"
+    assert made.read_bytes() == pem and made.stat().st_mode & 0o777 == 0o600
+    assert f"signing key from {carried}" in log and "signing key made" not in log
+    public = serialization.load_pem_public_key((top / "signing-key.pub.pem").read_bytes())
+    assert signing.key_id(public) == signing.key_id(key.public_key())
+    parts, out = tmp_path / "parts2", tmp_path / "out2"
+    parts.mkdir()
+    (parts / "SHA256SUMS").write_text("")
+    rc, console = _campaign(parts, out, _env(tmp_path / "other", "refimage reference",
+                                               SIGN_KEY_FROM=str(tmp_path / "absent.pem")))
+    assert rc != 0 and f"SIGN_KEY_FROM={tmp_path / 'absent.pem'}" in console
+    assert not (tmp_path / "other" / "work" / "signing-key.pem").exists()
+
+
+def test_an_earlier_reference_comes_with_its_signature_and_its_recordings_verdict(tmp_path: Path) -> None:
+    """REFERENCE_FROM's copy: the answers, and beside them the signature and the recording's signed verdict a
+    smoke checks with the site key; a reference with neither beside it comes alone (the smoke then refuses it as
+    unsigned)."""
+    campaign = _module("campaign")
+    earlier, here = tmp_path / "earlier", tmp_path / "here"
+    earlier.mkdir()
+    here.mkdir()
+    for name, text in (("answers.json", "a"), ("answers.dsse.json", "s"), ("answers.verdict.dsse.json", "v")):
+        (earlier / name).write_text(text)
+    campaign.copy_reference(earlier / "answers.json", here / "answers.json")
+    assert {p.name: p.read_text() for p in here.iterdir()} == {
+        "answers.json": "a", "answers.dsse.json": "s", "answers.verdict.dsse.json": "v"}
+    (earlier / "answers.dsse.json").unlink()
+    (earlier / "answers.verdict.dsse.json").unlink()
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    campaign.copy_reference(earlier / "answers.json", alone / "answers.json")
+    assert [p.name for p in alone.iterdir()] == ["answers.json"]
