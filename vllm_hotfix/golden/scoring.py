@@ -25,10 +25,11 @@ token's position, :attr:`~.forward.Golden.jostle`), teacher-forced on the
 same served tokens. A position is *ambiguous* where a world ranks another
 token first (it is left out and counted); elsewhere its margin is the
 smallest of the worlds' margins. How far yet another rounding (:data:`FRESH`,
-never one of the worlds) falls below that smallest margin is the envelope's
-measure (:mod:`.envelope`), and what a judged position's margin must exceed.
+never one of the worlds) falls below that smallest margin on the golden's
+own replies is the envelope's measure (:mod:`.envelope`); 1.5 times its
+largest is what a judged position's margin must exceed.
 
-Every prompt runs through the golden once (:meth:`~.forward.Golden.prefill`),
+Every prompt runs through each world once (:meth:`~.forward.Golden.prefill`),
 and every distinct reply to it as one batch of continuations of that
 prefix (:meth:`~.forward.Golden.extend`): the same reply at several levels is
 scored once. torch and tokenizers are imported only here, when a score is
