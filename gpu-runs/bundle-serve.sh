@@ -6,7 +6,8 @@
 #
 #   bash gpu-runs/bundle-serve.sh DIR [PART_SIZE]
 #
-# DIR receives payload/ and parts/part-NN (PART_SIZE each, default 62M):
+# DIR receives payload/ and parts/part-NN (PART_SIZE each, default 12M: a part travels
+# with the checkout, about 49 MB, within a call's 64 MiB):
 #   payload/engine.tar.xz     Docker 26.1 binaries (made by gpu-runs/bundle.sh)
 #   payload/vllm-0.25.1-*.whl the PyPI wheel minus two members AND their lines
 #                             in its RECORD (zip -d, nothing else recompressed):
@@ -27,7 +28,7 @@
 # other paths import (listed as left out in serve-wheels.txt).
 set -euo pipefail
 dest=${1:?usage: bundle-serve.sh DIR [PART_SIZE]}
-part_size=${2:-62M}
+part_size=${2:-12M}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${VLLM_HOTFIX_CACHE:-$here/build/cache}
 wheel=$(ls "$cache"/wheels/vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl 2>/dev/null | head -1)
