@@ -179,14 +179,6 @@ def merit(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse
     return gap, ranked.indices.gather(-1, at - 1)[..., 0], ranked.indices.gather(-1, at)[..., 0], contested
 
 
-def selection_gap(scores: torch.Tensor, positions: torch.Tensor, sp: Sparse) -> torch.Tensor:
-    """How near each query's block choice is to another, [n]: over the index heads, the smallest relative gap of
-    :func:`merit`; ``inf`` where nothing was left to choose. A gap under the serving dtype's resolution means
-    another rounding of the same scores could choose another block."""
-    gap, _, _, contested = merit(scores, positions, sp)
-    return torch.where(contested, gap.amin(0), torch.full_like(gap[0], float("inf")))
-
-
 @dataclass
 class Prefix:
     """A prompt run once: its per-layer keys, values and index keys, and its last position's log-probabilities."""
@@ -197,7 +189,6 @@ class Prefix:
     index_keys: list[torch.Tensor | None]  # per layer [P, head_dim] (None: a dense layer)
     last: torch.Tensor  # [vocab] log-probabilities of the token after the prompt
     logprobs: torch.Tensor | None = None  # [P, vocab] at every prompt position, where asked for
-    last_gap: float = float("inf")  # the block choice's gap at the prompt's last query (see selection_gap)
 
 
 class Golden:
@@ -317,15 +308,14 @@ class Golden:
         return select(scores, positions, keys, self.cfg.sparse, self.contest)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor | None,
-               ik: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+               ik: torch.Tensor | None, start: int) -> torch.Tensor:
         """Queries ``q`` [n, heads, d] at positions start.. over keys ``k``/``v`` [S, kv_heads, d] at 0..S-1: the
-        attention's output and, per query, its block choice's gap (:func:`selection_gap`; inf on dense layers)."""
+        attention's output."""
         cfg = self.cfg
         n, keys = q.shape[0], k.shape[0]
         group = cfg.heads // cfg.kv_heads
         scale = cfg.head_dim ** -0.5
         out = torch.empty_like(q)
-        gaps = torch.full((n,), float("inf"), device=q.device)
         for a in range(0, n, QUERY_CHUNK):
             b = min(n, a + QUERY_CHUNK)
             positions = torch.arange(start + a, start + b, device=q.device)
@@ -343,7 +333,6 @@ class Golden:
                     raw = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
                 scores = raw.view(raw.shape[0], b - a, blocks, sp.block_size).amax(-1)
                 mask = self.allowed(scores, positions, keys)  # [kv_heads, c, S]
-                gaps[a:b] = selection_gap(scores, positions, sp)
             else:
                 mask = (torch.arange(keys, device=q.device)[None, :] <= positions[:, None])[None]
             qc = q[a:b].view(b - a, cfg.kv_heads, group, cfg.head_dim)
@@ -351,7 +340,7 @@ class Golden:
             logits = logits.masked_fill(~mask[:, None], float("-inf"))
             probs = torch.softmax(logits, dim=-1).to(v.dtype)
             out[a:b] = torch.einsum("kgcs,skd->ckgd", probs, v).reshape(b - a, cfg.heads, cfg.head_dim)
-        return out, gaps
+        return out
 
     def project(self, i: int, x: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -375,11 +364,10 @@ class Golden:
 
     # -- whole sequences --------------------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, start: int, prefix: Prefix | None, all_positions: bool
-            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], torch.Tensor]:
+            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]:
         """Tokens ``ids`` [R, n] at positions start.., each row after ``prefix`` (None: start is 0): the
         log-probabilities [R, n, vocab] (or [R, 1, vocab] of the last position only), the new rows' keys,
-        values and index keys per layer ([R, n, ...]), and each query's smallest block-choice gap over the
-        sparse layers [R, n] (:func:`selection_gap`). Where :attr:`trace` is a list, each layer's residual
+        values and index keys per layer ([R, n, ...]). Where :attr:`trace` is a list, each layer's residual
         stream and the MoE's expert choice are appended to it (the depth measurement reads them)."""
         cfg, w = self.cfg, self.w
         rows, n = ids.shape
@@ -389,13 +377,12 @@ class Golden:
         # add + Gemma RMSNorm keeps it in float32); the stream itself is kept in the dtype.
         summed = stream.float()
         keys, values, index_keys = [], [], []
-        gaps = torch.full((rows, n), float("inf"), device=self.device)
         for i in range(cfg.layers):
             p = f"model.layers.{i}"
             x = gemma_norm(summed, w[f"{p}.input_layernorm.weight"], cfg.eps).to(self.dtype)
             parts = [self.project(i, x[r * n:(r + 1) * n], positions) for r in range(rows)]
             outs = []
-            for r, (q, k, v, iq, ik) in enumerate(parts):
+            for q, k, v, iq, ik in parts:
                 if prefix is not None:
                     k_all = torch.cat((prefix.keys[i], k))
                     v_all = torch.cat((prefix.values[i], v))
@@ -403,9 +390,7 @@ class Golden:
                     ik_all = torch.cat((pik, ik)) if pik is not None and ik is not None else ik
                 else:
                     k_all, v_all, ik_all = k, v, ik
-                out, gap = self.attend(i, q, k_all, v_all, iq, ik_all, start)
-                outs.append(out)
-                gaps[r] = torch.minimum(gaps[r], gap)
+                outs.append(self.attend(i, q, k_all, v_all, iq, ik_all, start))
             attn = self.jostled(torch.cat(outs).reshape(rows * n, cfg.heads * cfg.head_dim), positions, i, 0)
             summed = stream.float() + (attn @ w[f"{p}.self_attn.o_proj.weight"].T).float()
             stream = summed.to(self.dtype)
@@ -423,8 +408,7 @@ class Golden:
         if not all_positions:
             hidden = hidden[:, -1:]
         hidden = gemma_norm(hidden, w["model.norm.weight"], cfg.eps).to(self.dtype)
-        return (torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys,
-                gaps)
+        return torch.log_softmax((hidden @ w["lm_head.weight"].T).float(), dim=-1), keys, values, index_keys
 
     def jostled(self, t: torch.Tensor, positions: torch.Tensor, layer: int, place: int) -> torch.Tensor:
         """``t`` [rows * n, width] (rows of tokens at ``positions`` [n]) with :attr:`jostle`'s steps; itself where
@@ -452,32 +436,25 @@ class Golden:
         if not ids:
             raise Malformed("an empty prompt")
         t = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        logprobs, keys, values, index_keys, gaps = self.run(t, 0, None, all_positions)
+        logprobs, keys, values, index_keys = self.run(t, 0, None, all_positions)
         return Prefix(list(ids), [k[0] for k in keys], [v[0] for v in values],
                       [None if ik is None else ik[0] for ik in index_keys], logprobs[0, -1],
-                      logprobs[0] if all_positions else None, float(gaps[0, -1]))
+                      logprobs[0] if all_positions else None)
 
     @torch.no_grad()
     def extend(self, prefix: Prefix, continuations: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Log-probabilities after every token of each continuation of ``prefix`` (teacher-forced): for a
         continuation of L tokens, [L, vocab], row j the distribution of the token after its j-th token. The
         continuations run as one batch, padded at their ends (causal: padding changes no earlier row)."""
-        return [rows for rows, _ in self.extend_gaps(prefix, continuations)]
-
-    @torch.no_grad()
-    def extend_gaps(self, prefix: Prefix, continuations: Sequence[Sequence[int]]
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`extend`'s rows, each with its queries' block-choice gaps [L] (:func:`selection_gap`)."""
         if not continuations:
             return []
         longest = max(len(c) for c in continuations)
         if longest == 0:
-            return [(prefix.last.new_zeros((0, self.cfg.vocab)), prefix.last.new_zeros((0,)))
-                    for _ in continuations]
+            return [prefix.last.new_zeros((0, self.cfg.vocab)) for _ in continuations]
         padded = [list(c) + [0] * (longest - len(c)) for c in continuations]
         t = torch.tensor(padded, dtype=torch.long, device=self.device)
-        logprobs, _, _, _, gaps = self.run(t, len(prefix.ids), prefix, True)
-        return [(logprobs[r, :len(c)], gaps[r, :len(c)]) for r, c in enumerate(continuations)]
+        logprobs = self.run(t, len(prefix.ids), prefix, True)[0]
+        return [logprobs[r, :len(c)] for r, c in enumerate(continuations)]
 
     @torch.no_grad()
     def greedy(self, prefix: Prefix, max_tokens: int) -> tuple[list[int], list[float]]:

@@ -212,22 +212,23 @@ class Scorer:
         return tuple(out)
 
     def _continuations(self, golden: Any, prefix: Any, distinct: Sequence[tuple[int, ...]]
-                       ) -> dict[tuple[int, ...], tuple[Any, list[float]]]:
+                       ) -> dict[tuple[int, ...], Any]:
         """Each distinct reply's distributions [L, vocab] after ``prefix`` under ``golden`` (the distribution of
-        served token j is the prefix's last row for j = 0, else row j - 1 after it) and its block choices' gaps."""
+        served token j is the prefix's last row for j = 0, else row j - 1 after it)."""
         out = {}
         for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
             batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
-            rows = golden.extend_gaps(prefix, [list(c[:-1]) for c in batch])
-            for c, (r, g) in zip(batch, rows, strict=True):
+            rows = golden.extend(prefix, [list(c[:-1]) for c in batch])
+            for c, r in zip(batch, rows, strict=True):
                 self.timing.tokens += max(0, len(c) - 1)
-                out[c] = (self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0],
-                          [prefix.last_gap, *g.cpu().tolist()])
+                out[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
         return out
 
     def score(self, prompts: Sequence[str], replies: Sequence[Served]) -> list[Scored]:
         """Each of ``replies`` scored (in their order); a reply that cannot be scored says why."""
         start = time.monotonic()
+        others = [self.rounded(jostle) for jostle in self.worlds]
+        self.timing.worlds = 1 + len(others)
         out: dict[int, Scored] = {}
         by_prompt: dict[int, list[int]] = {}
         parsed: dict[int, list[int]] = {}
@@ -259,16 +260,14 @@ class Scorer:
             distinct = sorted({tuple(parsed[n]) for n in members})
             self.timing.distinct_replies += len(distinct)
             worlds = [self._continuations(self.golden, prefix, distinct)]
-            for jostle in self.worlds:
-                world = self.rounded(jostle)
+            for world in others:
                 worlds.append(self._continuations(world, world.prefill(prompt_ids), distinct))
-            self.timing.worlds = 1 + len(self.worlds)
             klass = self.golden.cfg.prompt_class(len(prompt_ids))
             for n in members:
                 reply = replies[n]
                 served = tuple(parsed[n])
                 out[n] = Scored(reply.source, reply.level, reply.request, k,
-                                self._positions([w[served][0] for w in worlds], reply, list(served))
+                                self._positions([w[served] for w in worlds], reply, list(served))
                                 if served else (), klass=klass)
         self.timing.score_s += time.monotonic() - start
         return [out[n] for n in range(len(replies))]
