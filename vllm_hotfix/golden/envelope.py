@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .forward import Golden
+from .forward import Golden, Prefix
 from .judge import MARGIN_MULTIPLE, quantile
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,9 @@ MEASURE = ("teacher-forced on the float32 golden's own greedy reply to each prom
            "b the serving-dtype golden's two best tokens (the distribution's)")
 
 
-def _continuation(exact: Golden, ids: Sequence[int], tokens: int) -> list[int]:
-    return exact.greedy(exact.prefill(ids), tokens)[0]
-
-
-def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int]) -> torch.Tensor:
-    """The distributions of ``cont``'s tokens after ``ids`` [L, vocab]."""
-    prefix = model.prefill(ids)
+def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int], prefix: Prefix | None = None) -> torch.Tensor:
+    """The distributions of ``cont``'s tokens after ``ids`` [L, vocab] (``prefix``: ``ids`` run by ``model``)."""
+    prefix = model.prefill(ids) if prefix is None else prefix
     rows = model.extend(prefix, [list(cont[:-1])])[0]
     return torch.cat((prefix.last[None], rows)).float().cpu()
 
@@ -69,10 +65,11 @@ def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], cla
     excess: dict[str, list[float]] = {}
     counts: dict[str, dict[str, int]] = {}
     for ids, klass in zip(prompts, classes, strict=True):
-        cont = _continuation(exact, ids, tokens)
+        defined = exact.prefill(ids)
+        cont = exact.greedy(defined, tokens)[0]
         if not cont:
             continue
-        low, high = _dists(served, ids, cont), _dists(exact, ids, cont)
+        low, high = _dists(served, ids, cont), _dists(exact, ids, cont, defined)
         others = [_dists(w, ids, cont) for w in worlds]
         extra = _dists(fresh, ids, cont)
         tally = counts.setdefault(klass, {"prompts": 0, "positions": 0, "ambiguous": 0, "flips": 0})
