@@ -32,6 +32,9 @@ class Signer:
         key, pub = Path(s.key), s.pubkey
         openssl = shell.which("openssl")
         given = s.env.get("SIGN_KEY_FROM")
+        if given and key.is_file() and Path(given).is_file() and Path(given).read_bytes() != key.read_bytes():
+            raise self.c.log.die(f"SIGN_KEY_FROM={given}: not the key this host signs with already ({key}); a "
+                                 "campaign signs with one key")
         if given and not key.is_file():
             tmp = Path(f"{s.key}.tmp")
             try:

@@ -716,6 +716,13 @@ def test_a_carried_site_key_signs_the_campaign_and_stays_its_owners_alone(tmp_pa
     assert f"signing key from {carried}" in log and "signing key made" not in log
     public = serialization.load_pem_public_key((top / "signing-key.pub.pem").read_bytes())
     assert signing.key_id(public) == signing.key_id(key.public_key())
+    other = tmp_path / "other.pem"
+    other.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    rc, console = _campaign(tmp_path / "parts", tmp_path / "out", _env(tmp_path, "refimage reference",
+                                                                       SIGN_KEY_FROM=str(other)))
+    assert rc != 0 and f"SIGN_KEY_FROM={other}: not the key this host signs with already" in console
+    assert made.read_bytes() == pem  # the host's key stays as it was
     parts, out = tmp_path / "parts2", tmp_path / "out2"
     parts.mkdir()
     (parts / "SHA256SUMS").write_text("")
