@@ -150,6 +150,29 @@ def test_staging_folders_of_gone_processes_are_swept(tmp_path: Path) -> None:
     assert not dead.exists() and live.exists() and other.exists()
 
 
+def test_an_interrupted_run_removes_its_own_staging_folder_the_interrupt_caught_half_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM landing inside ``tempfile.TemporaryDirectory`` (the folder made, its clean-up not yet set up) left
+    the folder behind a run that reported "terminated": the run removes this process's own before it reports."""
+    import tempfile
+
+    from vllm_hotfix import cli
+    from vllm_hotfix.errors import Terminated
+    from vllm_hotfix.journal import leftovers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = tmp_path / f"{leftovers.STAGING}pytest-run-1-1-abcd_123"  # pid 1: alive, and not this process
+    other.mkdir()
+
+    def caught_half_made(**_kw: object) -> None:
+        tempfile.mkdtemp(prefix=leftovers.staging_prefix())
+        raise Terminated()
+
+    monkeypatch.setattr(cli.main, "main", caught_half_made)
+    assert cli._run([], "build.py") == 143
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]
+
+
 def test_the_batch_probe_starts_with_the_server_only_where_the_kv_cache_size_is_given(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --kv-cache-memory-bytes each vLLM engine measures the GPU's free memory as it starts: the probe's

@@ -97,6 +97,14 @@ def _on_sigterm(_signum: int, _frame: object) -> None:
     raise Terminated()
 
 
+def _remove_own_staging() -> None:
+    """An interrupt can land between a staging folder's making and the ``with`` that removes it (inside
+    ``tempfile.TemporaryDirectory``): this process's own are removed before it reports the interrupt."""
+    from ..journal import leftovers
+
+    leftovers.sweep_staging(own=True)
+
+
 def _sentence(text: str) -> str:
     """click's message as every other ``error:`` line reads: lower-case first word ("no such command ..."),
     an all-capital word (a metavar such as IMAGE) left as it is."""
@@ -127,6 +135,7 @@ def _run(argv: Sequence[str] | None, prog: str) -> int:
         raise
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         # click turns an interrupt into Abort, keeping the interrupt as its cause.
+        _remove_own_staging()
         if isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated):
             click.secho("error: terminated", fg="red", err=True)
             _finished_before()

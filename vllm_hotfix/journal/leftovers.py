@@ -56,8 +56,10 @@ def staging_prefix() -> str:
     return f"{STAGING}{run_id + '-' if run_id else ''}{os.getpid()}-"
 
 
-def sweep_staging(folder: Path | None = None) -> int:
-    """Remove the staging folders in ``folder`` (the temporary folder) of this user's processes that are gone."""
+def sweep_staging(folder: Path | None = None, *, own: bool = False) -> int:
+    """Remove the staging folders in ``folder`` (the temporary folder) of this user's processes that are gone,
+    or with ``own`` those of this process: an interrupted run's last step, for a folder the interrupt caught
+    between its making and the code that would have removed it."""
     import re
     import shutil
     import tempfile
@@ -76,7 +78,7 @@ def sweep_staging(folder: Path | None = None) -> int:
                 continue
         except OSError:
             continue
-        if not _alive(int(found.group(1))):
+        if (int(found.group(1)) == os.getpid()) if own else not _alive(int(found.group(1))):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
     return removed
