@@ -72,8 +72,8 @@ skips what is done, so a step cut short is run again as it was:
   patched   the first model's patched image alone, after them: the first smoke of a new image on
             a host whose base is warm, and the campaign's warm verdict with every judge; the later
             models' side by side
-  makesmoke the first model's third start, alone: `make smoke` with images/v0.25.1.toml's [smoke]
-            table (patched-third.json); the later models' third start by the long command
+  makesmoke the first model's third start, first in the queue: `make smoke` with images/v0.25.1.toml's
+            [smoke] table (patched-third.json); the later models' third start by the long command
   badrecord the first model's recordings from the second builds (assemble builder) of the broken
             backports RECORD_MUTANTS: the golden must refuse each (nothing written)
   worlds    (not in the default) per model, beside the smokes that follow the first model's patched image alone:
@@ -215,8 +215,8 @@ def in_order(c: Context, smokes: Smokes) -> None:
          a recording's cache is a folder of its own anyway), and beside them the first model's base without a
          reference (unpatched-first): the base writes the shared compile cache in place, so that
       2. the first model's patched image, alone, is the first smoke of a new image on a host whose base is warm
-         and the campaign's warm verdict with every judge; then alone its third start through `make smoke` and
-         the definition's [smoke] table (patched-third);
+         and the campaign's warm verdict with every judge; then, first in the queue, its third start through
+         `make smoke` and the definition's [smoke] table (patched-third);
       3. side by side, in this order (a run cut short by CALL_BUDGET loses the extras, not a model): every
          model's base and the later models' patched image, the recordings of broken backports' second builds
          (badrecord, which the golden must refuse), the other starts, every model's variants, the broken
@@ -277,7 +277,8 @@ def recordings(c: Context, smokes: Smokes) -> None:
 
 
 def alone(c: Context, smokes: Smokes) -> None:
-    """2. Alone: the first model's patched image (the long command), then its third start through make smoke."""
+    """2. Alone: the first model's patched image (the long command); then, first in the queue, its third start
+    through make smoke."""
     s, warm = c.settings, c.settings.get("TIMEOUT_WARM", "240")
     # FIRST_ALONE=0: the first model's patched image joins the queue instead (a campaign short of GPU time gives
     # up the warm measurement, not a verdict).
@@ -291,7 +292,7 @@ def alone(c: Context, smokes: Smokes) -> None:
             # Its warm time all the same, without answers to judge (the report says which checks did not run).
             start(m, Smoke("patched-unjudged", s.patched, warm))
         if s.step("makesmoke") or s.step("patched3"):
-            smokes.make_smoke(m, warm)
+            smokes.make_smoke_queued(m, warm)
 
 
 def bad_recordings(c: Context, smokes: Smokes) -> None:

@@ -13,10 +13,9 @@ def record_argv(c: Context, m: Model, first: bool) -> list[str]:
     s = c.settings
     more: list[str] = []
     signed: list[str] = []
-    # The first model's patched smoke and its make smoke ran alone: theirs are the warm verdicts. The others'
-    # ran side by side with the rest (their times are shown, not held to the target).
-    more += ["--warm", "patched", "--warm", "patched-third", "--make-smoke", "patched_third"] if first \
-        else ["--side-by-side"]
+    # The first model's patched smoke ran alone: its time is the warm verdict's. Its make smoke and the others'
+    # smokes ran side by side with the rest (their times are shown, not held to the target).
+    more += ["--warm", "patched", "--make-smoke", "patched_third"] if first else ["--side-by-side"]
     for name in s.record_mutants:
         if (m.out / f"badrecord-{name}.json").is_file():
             more += ["--bad-recording", f"{name}={m.out / f'badrecord-{name}.json'}"]

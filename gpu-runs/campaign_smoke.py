@@ -251,6 +251,16 @@ class Smokes:
             c.log.line(f"smoke {m.name}/{smoke.which}: cut short at {smoke.limit} s; run this step again")
 
 
+    def make_smoke_queued(self, m: Model, limit: str) -> None:
+        """:meth:`make_smoke` in the queue (PARALLEL at once), or now where PARALLEL is 1."""
+        if self.queue.parallel <= 1:
+            self.make_smoke(m, limit)
+            return
+        self.c.check_inputs(m)
+        self.signer.ensure()
+        self.queue.wait_for_a_slot()
+        self.queue.start(lambda: self.make_smoke(m, limit))
+
     def make_smoke(self, m: Model, limit: str) -> None:
         """The first model's third start of the patched image as the runbook runs it: `make smoke` with the
         definition's [smoke] table for gpu, concurrency, requests and the server's arguments, the model, reference

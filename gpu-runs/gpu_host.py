@@ -145,6 +145,19 @@ def _console_scripts(src: Path, python: str) -> dict[str, bytes]:
     return scripts
 
 
+def _bytecode(python: str, folder: Path, site: str) -> None:
+    """Bytecode for every module under ``folder`` (vLLM's unpacked wheel, the wheels installed beside it), as pip
+    writes it when it installs a wheel into an image: without it every Python of every container (the server, its
+    engine core, the fixed-batch probe, the GPU checks) compiles vLLM's modules again as it imports them. Checked
+    hashes (Python re-hashes the source before it uses one), so that a patched file's old bytecode can serve
+    nothing, whatever times the image's files carry; the names inside are the image's (``site``). A module that
+    does not compile (a test file of another Python) is left without, as pip leaves it."""
+    t0 = time.monotonic()
+    done = subprocess.run([python, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "checked-hash",
+                           "-d", site, str(folder)], capture_output=True, text=True)
+    print(f"bytecode for {folder}: exit {done.returncode} after {time.monotonic() - t0:.1f} s", flush=True)
+
+
 def base(args: argparse.Namespace) -> int:
     engine = Engine.connect(timeout=1800)
     # Not resolved: a venv's python is a link, and the venv is what the base must run.
@@ -176,6 +189,7 @@ def base(args: argparse.Namespace) -> int:
             print(f"error: tar of the host filesystem failed (exit {proc.returncode})", file=sys.stderr)
             return 1
     imported = time.monotonic() - t0
+    _bytecode(python, Path(args.vllm_src), site)
     files = _tree(Path(args.vllm_src), "vllm-src")
     with tempfile.TemporaryDirectory() as extra:
         # Installed by the host's own pip (same Python as the base), so the image needs
@@ -184,6 +198,7 @@ def base(args: argparse.Namespace) -> int:
         if wheels:
             subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                             "--disable-pip-version-check", "--target", extra, *wheels], check=True)
+            _bytecode(python, Path(extra), site)
         files.update({k: v for k, v in _tree(Path(extra), "site-extra").items()
                       if not k.startswith("site-extra/bin/")})
     scripts = _console_scripts(Path(args.vllm_src), python)

@@ -586,3 +586,81 @@ def test_the_gpu_hosts_worlds_score_a_recordings_replies_again_and_the_table_rea
              if row[0] != served]
     assert wrong and cells[1] == "0.0%" and float(cells[2]) == pytest.approx(max(wrong), abs=1e-2)
     assert max(wrong) >= first[2] - first[3]  # the swapped first token counts, and whatever followed it
+
+
+def _positions(scored: list) -> list:
+    return [(s.source, s.level, s.request, s.problem, s.positions) for s in scored]
+
+
+def test_replies_scored_ahead_are_scored_as_the_scorer_would_score_them_with_nothing_prepared(small_blocks: Path):
+    """warm.py prepares the reference's answers while the image runs: a served reply found there gets the positions
+    a fresh scorer computes (the prefill and the continuation are the same computation), one not prepared is
+    computed then, and a prepared answer never served is judged nowhere."""
+    fresh = Scorer(small_blocks, "cpu")
+    ids = [fresh.prompt_ids(p) for p in PROMPTS[:3]]
+    right = [serve(fresh.golden, ids[k], k, k) for k in range(3)]
+    other = swapped(fresh.exact(), ids[1], 3, 1)  # another reply to prompt 1: not among the answers prepared
+    replies = [*right, other]
+    want = fresh.score(PROMPTS[:3], replies)
+
+    ahead = Scorer(small_blocks, "cpu")
+    answers = {k: [[int(t.partition(":")[2]) for t in right[k].tokens]] for k in range(3)}
+    answers[2].append([5, 6, 7])  # prepared, never served
+    ahead.prepare(PROMPTS[:3], answers)
+    assert ahead.timing.ahead_s > 0 and ahead.timing.tokens > 0
+    computed_before = ahead.timing.tokens
+    got = ahead.score(PROMPTS[:3], replies)
+    assert _positions(got) == _positions(want)
+    assert ahead.timing.ahead_replies == 3 and ahead.timing.distinct_replies == 4
+    # only the reply nobody prepared was computed after (its prompt's prefill once, its tokens in every world)
+    assert ahead.timing.tokens - computed_before == len(ids[1]) + ahead.timing.worlds * (len(other.tokens) - 1)
+    assert ahead.timing.to_dict()["ahead_replies"] == 3
+
+
+def test_a_recordings_envelope_measured_ahead_is_the_one_the_check_keeps(small_blocks: Path):
+    scorer = Scorer(small_blocks, "cpu")
+    scorer.prepare(PROMPTS[:2], {}, envelope_tokens=4)
+    first = scorer.envelope(PROMPTS[:2], 4)
+    assert scorer.envelope(PROMPTS[:2], 4) is first  # measured once
+    assert Scorer(small_blocks, "cpu").envelope(PROMPTS[:2], 4)["classes"] == first["classes"]
+
+
+def test_work_ahead_called_off_stops_between_two_prompts_and_keeps_nothing(small_blocks: Path):
+    from concurrent.futures import CancelledError
+
+    scorer = Scorer(small_blocks, "cpu")
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # after the first prompt
+
+    scorer.cancelled = cancelled
+    with pytest.raises(CancelledError):
+        scorer.prepare(PROMPTS[:3], {}, envelope_tokens=4)
+    assert not scorer._envelopes and len(asked) == 2
+
+
+def test_the_check_takes_the_scorer_prepared_for_its_model_and_prompts(small_blocks: Path, tmp_path: Path):
+    """warm.start with the model prepares a scorer in a thread; the check takes it (once) for the same model and
+    prompts, and scores what it has not seen; settle calls off and waits for work no check took."""
+    from vllm_hotfix.golden import warm
+
+    fresh = Scorer(small_blocks, "cpu")
+    ids = [fresh.prompt_ids(p) for p in PROMPTS[:2]]
+    right = [serve(fresh.golden, ids[k], k, k) for k in range(2)]
+    answers = {k: [[int(t.partition(":")[2]) for t in right[k].tokens]] for k in range(2)}
+    thread = warm.start(small_blocks, PROMPTS[:2], answers)
+    assert thread is not None and thread.daemon
+    assert warm.take(small_blocks, PROMPTS[:1]) is None  # other prompts: not this run's work
+    thread = warm.start(small_blocks, PROMPTS[:2], answers)
+    taken = warm.take(small_blocks, PROMPTS[:2])
+    assert taken is not None and not thread.is_alive()
+    assert warm.take(small_blocks, PROMPTS[:2]) is None  # once
+    assert _positions(taken.score(PROMPTS[:2], right)) == _positions(fresh.score(PROMPTS[:2], right))
+    assert taken.timing.ahead_replies == 2
+
+    thread = warm.start(small_blocks, PROMPTS, {}, envelope_tokens=TOKENS)
+    warm.settle()
+    assert thread is not None and not thread.is_alive()
+    assert warm.take(small_blocks, PROMPTS) is None

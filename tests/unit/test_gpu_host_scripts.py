@@ -152,8 +152,10 @@ def test_the_five_smokes_are_the_ones_the_record_needs(tmp_path: Path) -> None:
             "--source-manifest"} <= set(record)
     assert record[record.index("--target-seconds") + 1] == "60"
     assert record[record.index("--calls") + 1] == str(top / "calls.log")  # which call of the lent host made what
-    # The first model's warm verdicts are the patched smoke and its make smoke, both alone.
+    # The first model's warm verdict is its patched smoke alone; its make smoke ran in the queue, held to the
+    # long command's verdict, not to the warm target.
     assert record[record.index("--warm") + 1] == "patched" and "--side-by-side" not in record
+    assert record.count("--warm") == 1
     assert record[record.index("--make-smoke") + 1] == "patched_third"
     assert "smoke m0/reference: exit code 0" in log
     # This checkout is no clean commit with a manifest here: a real run would refuse before any step.
@@ -313,9 +315,10 @@ def test_three_models_share_the_images_and_each_gets_its_own_reference_smokes_an
     assert "rm -rf" in order[0] and sum("rm -rf" in line for line in order) == 1
     said = [line.split("smoke ")[1].split(":")[0] for line in log.splitlines() if ": exit code" in line]
     # The recordings (and the first model's base, warming its compile cache), then alone the first model's patched
-    # image and its make smoke (the warm verdicts), then side by side what each model's record needs first (a run
-    # cut short by its budget loses the extras, not a model): every base and patched image, then the bad
-    # recordings, the other starts, the variants, the mutants every model is judged with, the first model's others.
+    # image (the warm verdict), then first in the queue its make smoke, then side by side what each model's record
+    # needs first (a run cut short by its budget loses the extras, not a model): every base and patched image, then
+    # the bad recordings, the other starts, the variants, the mutants every model is judged with, the first model's
+    # others.
     assert said[:6] == ["a/reference", "b/reference", "c/reference", "a/unpatched-first", "a/patched",
                         "a/patched-third"]
     assert said[6:13] == ["a/unpatched", "b/unpatched", "b/patched", "c/unpatched", "c/patched",

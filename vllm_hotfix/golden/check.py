@@ -120,11 +120,14 @@ def run(model: Path, prompts: Sequence[str], replies: Sequence[Served], *, secti
                                  "run, or by an earlier version): record it again on a host with torch"), None
     if not replies:
         return judge.skipped("no reply of the HTTP sweep or the fixed batches came back to judge"), None
+    from . import warm
     from .scoring import Scorer
 
     want = tuple(int(c) for c in levels)
     try:
-        scorer = Scorer(model, device)
+        # What was computed while the image ran (warm.py), where it was computed for this model and these prompts
+        prepared = warm.take(model, prompts) if device is None else None
+        scorer = prepared if prepared is not None else Scorer(model, device)
         scored = scorer.score(prompts, replies)
         if recording:
             longest = max((len(r.tokens) for r in replies), default=0)

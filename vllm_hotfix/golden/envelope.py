@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 import torch
@@ -57,14 +58,19 @@ def _dists(model: Golden, ids: Sequence[int], cont: Sequence[int], prefix: Prefi
 
 
 def measure(served: Golden, exact: Golden, prompts: Sequence[Sequence[int]], classes: Sequence[str], tokens: int,
-            worlds: Sequence[Golden], fresh: Golden) -> dict[str, Any]:
+            worlds: Sequence[Golden], fresh: Golden, cancelled: Callable[[], bool] = lambda: False
+            ) -> dict[str, Any]:
     """The envelope over the token IDs of ``prompts`` (each of prompt class ``classes[k]``), ``tokens`` generated
     positions each: ``served`` (the golden at the serving dtype) and ``worlds`` (its other roundings) are the
-    worlds a reply is scored in, ``fresh`` one rounding more, ``exact`` the golden at float32."""
+    worlds a reply is scored in, ``fresh`` one rounding more, ``exact`` the golden at float32. Called off
+    (:class:`concurrent.futures.CancelledError`, nothing kept), asked between two prompts, once ``cancelled`` says
+    so (the run it was measured ahead for ended first)."""
     errors: dict[str, list[float]] = {}
     excess: dict[str, list[float]] = {}
     counts: dict[str, dict[str, int]] = {}
     for ids, klass in zip(prompts, classes, strict=True):
+        if cancelled():
+            raise CancelledError()
         defined = exact.prefill(ids)
         cont = exact.greedy(defined, tokens)[0]
         if not cont:

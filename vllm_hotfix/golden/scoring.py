@@ -32,7 +32,12 @@ largest is what a judged position's margin must exceed.
 Every prompt runs through each world once (:meth:`~.forward.Golden.prefill`),
 and every distinct reply to it as one batch of continuations of that
 prefix (:meth:`~.forward.Golden.extend`): the same reply at several levels is
-scored once. torch and tokenizers are imported only here, when a score is
+scored once. A reply's distributions are a function of its prompt and its
+tokens alone, so they can be computed before the run's replies come back:
+:meth:`Scorer.prepare` computes those of the replies a run is expected to
+give (a right image's: the reference's answers) and the envelope of a
+recording, and :meth:`Scorer.score` then computes only the replies it has
+not seen. torch and tokenizers are imported only here, when a score is
 asked for; :func:`missing` says what a host lacks before anything is tried.
 """
 
@@ -41,7 +46,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,12 +114,17 @@ class Timing:
     distinct_replies: int = 0
     worlds: int = 0  # computations each reply is scored in (the golden and its other roundings)
     tokens: int = 0
+    # Computed by :meth:`Scorer.prepare` before the replies came back: its seconds, and how many of the distinct
+    # replies scored were found computed there.
+    ahead_s: float = 0.0
+    ahead_replies: int = 0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "load_s": round(self.load_s, 3), "score_s": round(self.score_s, 3),
                 "prompts": self.prompts, "distinct_replies": self.distinct_replies, "worlds": self.worlds,
-                "tokens": self.tokens}
+                "tokens": self.tokens,
+                **({"ahead_s": round(self.ahead_s, 3), "ahead_replies": self.ahead_replies} if self.ahead_s else {})}
 
 
 class Scorer:
@@ -147,6 +158,11 @@ class Scorer:
         # float32 is rounded no otherwise (a step of it is no rounding the engine makes): no other world to score
         self.worlds: tuple[tuple[float, int], ...] = WORLDS if self.dtype in (torch.bfloat16, torch.float16) else ()
         self.torch = torch
+        # Distributions computed so far, per world (the golden first) and prompt: continuation -> [L, vocab]
+        self._known: dict[tuple[int, tuple[int, ...]], dict[tuple[int, ...], Any]] = {}
+        self._envelopes: dict[tuple[tuple[str, ...], int], dict[str, Any]] = {}
+        # Asked between two prompts by work done ahead (:meth:`prepare`): true once the run it is done for ended.
+        self.cancelled: Callable[[], bool] = lambda: False
         self.timing.device = str(self.golden.device) + (
             f" ({torch.cuda.get_device_name(self.golden.device)})" if self.golden.device.type == "cuda" else "")
         self.timing.load_s = time.monotonic() - start
@@ -168,15 +184,42 @@ class Scorer:
 
     def envelope(self, prompts: Sequence[str], tokens: int) -> dict[str, Any]:
         """The golden's envelope at its dtype against float32 over ``prompts`` (:mod:`.envelope`), ``tokens``
-        generated positions each."""
+        generated positions each (measured once per scorer: :meth:`prepare` may have measured it)."""
         from . import envelope
 
+        key = (tuple(prompts), int(tokens))
+        if key in self._envelopes:
+            return self._envelopes[key]
         start = time.monotonic()
         ids = [self.prompt_ids(p) for p in prompts]
         got = envelope.measure(self.golden, self.exact(), ids, [self.golden.cfg.prompt_class(len(i)) for i in ids],
-                               tokens, [self.rounded(w) for w in self.worlds], self.rounded(FRESH))
+                               tokens, [self.rounded(w) for w in self.worlds], self.rounded(FRESH), self.cancelled)
         got["seconds"] = round(time.monotonic() - start, 3)
+        self._envelopes[key] = got
         return got
+
+    def prepare(self, prompts: Sequence[str], expected: Mapping[int, Sequence[Sequence[int]]], *,
+                envelope_tokens: int | None = None) -> None:
+        """Before a run's replies come back: the distributions of the replies ``expected`` (prompt index -> token
+        ID lists; a right image's answers) in every world, and with ``envelope_tokens`` (a recording) the
+        envelope over ``prompts``. What the run then serves is scored as :meth:`score` would score it with nothing
+        prepared; a reply prepared and never served is never judged. Called off (:class:`CancelledError`) between two
+        prompts once :attr:`cancelled` says so."""
+        start = time.monotonic()
+        worlds = self._worlds()
+        for k in sorted(expected):
+            if self.cancelled():
+                raise CancelledError()
+            if not 0 <= k < len(prompts):
+                continue
+            ids = self.prompt_ids(prompts[k])
+            distinct = sorted({tuple(int(t) for t in c) for c in expected[k]
+                               if all(0 <= int(t) < self.golden.cfg.vocab for t in c)})
+            for w, world in enumerate(worlds):
+                self._distributions(w, world, ids, distinct)
+        if envelope_tokens is not None:
+            self.envelope(prompts, envelope_tokens)
+        self.timing.ahead_s += time.monotonic() - start
 
     def _positions(self, dists: Sequence[Any], reply: Served, ids: list[int]) -> tuple[Position, ...]:
         """The positions of ``reply`` (served IDs ``ids``) from each world's distributions ``dists`` [L, vocab]
@@ -211,24 +254,34 @@ class Scorer:
                                 bool(ambiguous_l[j])))
         return tuple(out)
 
-    def _continuations(self, golden: Any, prefix: Any, distinct: Sequence[tuple[int, ...]]
+    def _worlds(self) -> list[Any]:
+        """The golden and its other roundings, in that order (one copy each per call: cheap, the weights shared)."""
+        return [self.golden, *(self.rounded(jostle) for jostle in self.worlds)]
+
+    def _distributions(self, w: int, world: Any, prompt_ids: list[int], distinct: Sequence[tuple[int, ...]]
                        ) -> dict[tuple[int, ...], Any]:
-        """Each distinct reply's distributions [L, vocab] after ``prefix`` under ``golden`` (the distribution of
-        served token j is the prefix's last row for j = 0, else row j - 1 after it)."""
-        out = {}
-        for a in range(0, len(distinct), CONTINUATIONS_PER_BATCH):
-            batch = distinct[a:a + CONTINUATIONS_PER_BATCH]
-            rows = golden.extend(prefix, [list(c[:-1]) for c in batch])
-            for c, r in zip(batch, rows, strict=True):
-                self.timing.tokens += max(0, len(c) - 1)
-                out[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
-        return out
+        """Each distinct reply's distributions [L, vocab] after the prompt under world ``w`` (the distribution of
+        served token j is the prompt's last row for j = 0, else row j - 1 after it): those computed before are
+        taken as they are, the others computed after one prefill of the prompt (none where nothing is new)."""
+        known = self._known.setdefault((w, tuple(prompt_ids)), {})
+        todo = [c for c in distinct if c not in known]
+        if todo:
+            prefix = world.prefill(prompt_ids)
+            if w == 0:
+                self.timing.tokens += len(prompt_ids)
+            for a in range(0, len(todo), CONTINUATIONS_PER_BATCH):
+                batch = todo[a:a + CONTINUATIONS_PER_BATCH]
+                rows = world.extend(prefix, [list(c[:-1]) for c in batch])
+                for c, r in zip(batch, rows, strict=True):
+                    self.timing.tokens += max(0, len(c) - 1)
+                    known[c] = self.torch.cat((prefix.last[None], r)) if c else prefix.last[None][:0]
+        return {c: known[c] for c in distinct}
 
     def score(self, prompts: Sequence[str], replies: Sequence[Served]) -> list[Scored]:
         """Each of ``replies`` scored (in their order); a reply that cannot be scored says why."""
         start = time.monotonic()
-        others = [self.rounded(jostle) for jostle in self.worlds]
-        self.timing.worlds = 1 + len(others)
+        worlds_now = self._worlds()
+        self.timing.worlds = len(worlds_now)
         out: dict[int, Scored] = {}
         by_prompt: dict[int, list[int]] = {}
         parsed: dict[int, list[int]] = {}
@@ -254,14 +307,12 @@ class Scorer:
                         f"the server counted {replies[n].prompt_tokens} prompt tokens, the model's tokenizer makes "
                         f"{len(prompt_ids)} of the prompt"))
                 continue
-            prefix = self.golden.prefill(prompt_ids)
             self.timing.prompts += 1
-            self.timing.tokens += len(prompt_ids)
             distinct = sorted({tuple(parsed[n]) for n in members})
             self.timing.distinct_replies += len(distinct)
-            worlds = [self._continuations(self.golden, prefix, distinct)]
-            for world in others:
-                worlds.append(self._continuations(world, world.prefill(prompt_ids), distinct))
+            ahead = self._known.get((0, tuple(prompt_ids)), {})
+            self.timing.ahead_replies += sum(c in ahead for c in distinct)
+            worlds = [self._distributions(w, world, prompt_ids, distinct) for w, world in enumerate(worlds_now)]
             klass = self.golden.cfg.prompt_class(len(prompt_ids))
             for n in members:
                 reply = replies[n]

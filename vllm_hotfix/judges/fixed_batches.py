@@ -87,6 +87,7 @@ class ProbeRun:
     exit: int | None = None
     log: Sequence[str] = ()
     ready_s: float | None = None  # the engine's start
+    imported_s: float | None = None  # of which vLLM's imports (the probe's own measurement, shown only)
     wall_s: float | None = None
     done: bool = False
 
@@ -111,7 +112,7 @@ def parse(raw: bytes | None) -> ProbeRun:
             raise TypeError("lines is not a list")
         runs: dict[tuple[int, int], Sequence[Mapping[str, Any]]] = {}
         seconds: dict[tuple[int, int], float] = {}
-        error, ready, done = str(doc.get("error") or ""), None, False
+        error, ready, imported, done = str(doc.get("error") or ""), None, None, False
         for line in lines:
             if not isinstance(line, dict):
                 continue
@@ -125,11 +126,13 @@ def parse(raw: bytes | None) -> ProbeRun:
                 error = str(line["error"])
             elif "ready" in line:
                 ready = float(line["ready"])
+                imported = float(line["imported"]) if line.get("imported") is not None else None
             elif line.get("done"):
                 done = True
         code = doc.get("exit")
         return ProbeRun(runs, seconds, error, int(code) if code is not None else None,
-                        [str(x) for x in doc.get("log") or []], ready, float(doc.get("seconds") or 0), done)
+                        [str(x) for x in doc.get("log") or []], ready, imported, float(doc.get("seconds") or 0),
+                        done)
     except (KeyError, TypeError, ValueError) as exc:
         return ProbeRun(error=f"the runner's batch report is malformed ({type(exc).__name__}: {exc})")
 
@@ -257,7 +260,7 @@ def judge(ref: answers.Reference, run: ProbeRun, levels: Sequence[int], requests
             failed.append(c)
     first = failed[0] if failed else None
     data = {"levels": [ev.to_dict() for ev in evidence], "first_failed_level": first,
-            "engine_start_s": run.ready_s, "probe_s": run.wall_s, "ended": run.ended(),
+            "engine_start_s": run.ready_s, "imports_s": run.imported_s, "probe_s": run.wall_s, "ended": run.ended(),
             "reference_sha256": ref.sha256, "reference_image_id": ref.image_id}
     if first is None:
         detail = (f"levels {','.join(map(str, levels))}: each of the {requests} replies per level bitwise the "

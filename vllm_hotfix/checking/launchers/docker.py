@@ -245,8 +245,9 @@ class DockerRun:
                                                   "proven)" if layers_proven else "")}[cache.access])
         if self.opt.serve_model is not None and (self.opt.reference is not None
                                                  or self.opt.record_reference is not None):
-            # The golden judges the replies on this host once they are back: its libraries load meanwhile.
-            golden_warm.start()
+            # The golden judges the replies on this host once they are back: meanwhile its libraries load and it
+            # computes what needs nothing served (a recording's envelope, the reference's answers scored).
+            golden_warm.start(*plan.golden_ahead(self.opt))
         self.say(f"==> smoke 3/3: the checks in the image, by the runner in one container "
                  f"(GPU request: {request or 'none'})")
         clock.restart()
@@ -280,6 +281,8 @@ class DockerRun:
             # An engine that cannot mount the cache's overlay is the host's shortcoming, not the image's.
             own = mounted is not None and mounted.access == compile_cache.LAYERED and mounted.source in str(exc)
             ran = self._ended(target, found, host, "incomplete" if own else "fail", str(exc))
+        finally:
+            golden_warm.settle()  # what the golden computed ahead for a run that was not judged by it is called off
         ran = recorded.keep_recorded(ran, self.opt, target, self.say)
         verdict = ran.verdict
         seconds = time.monotonic() - start

@@ -143,6 +143,19 @@ def job(root: Path, target: Target, options: SmokeOptions, *, launcher: str, gpu
     return out, extra
 
 
+def golden_ahead(options: SmokeOptions) -> tuple[Path, list[str], dict[int, list[list[int]]], int | None]:
+    """What the golden can compute before the run's replies come back (:func:`vllm_hotfix.golden.warm.start`):
+    the served model, the prompts the job asks (as :func:`job` gives them to the fixed batches), the reference's
+    answers by prompt, and for a recording the envelope's length (the replies' length)."""
+    from ...golden import warm
+
+    assert options.serve_model is not None
+    ref = options.reference
+    if ref is not None:
+        return Path(options.serve_model), list(ref.prompts), warm.expected_answers(ref, len(ref.prompts)), None
+    return Path(options.serve_model), list(PROMPTS), {}, MAX_TOKENS
+
+
 def serve_settings(options: SmokeOptions, target: Target) -> dict[str, Any]:
     """What the host knows, before anything runs, of the settings a reference names (oracle.SETTING_KEYS): the
     server's arguments (the user's, then the oracle's), its environment, the base image, the model."""

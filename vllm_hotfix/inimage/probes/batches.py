@@ -121,6 +121,7 @@ def main(argv: list[str]) -> int:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        imported = round(time.monotonic() - start, 2)
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         ns, unknown = parser.parse_known_args(["--model", str(spec["model"]), *engine_argv(list(spec["engine_args"]))])
         args = EngineArgs.from_cli_args(ns)
@@ -131,7 +132,7 @@ def main(argv: list[str]) -> int:
         args.async_scheduling = False
         args.disable_log_stats = True
         engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.ENGINE_CONTEXT)
-        write({"ready": round(time.monotonic() - start, 2), "ignored_args": unknown,
+        write({"ready": round(time.monotonic() - start, 2), "imported": imported, "ignored_args": unknown,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})
         params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]),
                                 logprobs=int(spec["top_logprobs"]))
