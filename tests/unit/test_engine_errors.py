@@ -239,3 +239,34 @@ def test_a_lost_engine_is_told_in_the_socket_or_http_clients_words() -> None:
         except requests.exceptions.ConnectionError as exc:
             mapped = translate("removing container abc123", exc)
         assert str(mapped) == f"removing container abc123: the Docker engine stopped answering ({words})"
+
+
+class _Misreading:
+    """A container whose exec answers the SDK misreads ``misreads`` times first (docker-py issue 3160: an error
+    path the real engine produces only now and then, so a stand-in for the container object, nothing more)."""
+
+    def __init__(self, misreads: int, error: str = "105 is not a valid stream") -> None:
+        self.misreads, self.error, self.calls = misreads, error, 0
+
+    def exec_run(self, argv: list[str], user: str, demux: bool) -> Any:
+        from docker.models.containers import ExecResult
+
+        self.calls += 1
+        if self.calls <= self.misreads:
+            raise ValueError(self.error)
+        return ExecResult(0, (b"out", b""))
+
+
+def test_an_exec_answer_the_sdk_misreads_is_asked_again_then_named_in_one_line() -> None:
+    from vllm_hotfix.engine import containers
+
+    twice = _Misreading(2)
+    assert containers._exec_demuxed(twice, ["true"], "0").output == (b"out", b"")
+    assert twice.calls == 3
+    always = _Misreading(containers.MISREAD_TRIES)
+    with pytest.raises(EngineError, match=r"^running a probe in a container: the engine's answer could not be read"):
+        containers._exec_demuxed(always, ["true"], "0")
+    other = _Misreading(1, "invalid literal")  # any other ValueError is no misread: it passes untouched
+    with pytest.raises(ValueError, match="invalid literal"):
+        containers._exec_demuxed(other, ["true"], "0")
+    assert other.calls == 1

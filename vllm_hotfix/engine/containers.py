@@ -137,7 +137,7 @@ class Box:
         limit = timeout + EXEC_GRACE
         with self._engine.deadline(limit), self._engine.translating("running a probe in a container"):
             result = _within(limit, "running a probe in a container",
-                             lambda: self._container.exec_run(["timeout", str(timeout), *cmd], user=user, demux=True))
+                             lambda: _exec_demuxed(self._container, ["timeout", str(timeout), *cmd], user))
         out, err = result.output
         stderr = (err or b"").decode("utf-8", "replace")
         if result.exit_code == 124:
@@ -150,6 +150,27 @@ class Box:
 
         with self._engine.translating("copying files into a container"):
             self._container.put_archive(folder, tar_bytes(files))
+
+
+MISREAD_TRIES = 3
+
+
+def _exec_demuxed(container: Any, argv: list[str], user: str) -> Any:
+    """``exec_run`` with stdout and stderr apart. The SDK's reader of the engine's multiplexed answer now and then
+    takes the payload's bytes for a frame's header ("ValueError: 105 is not a valid stream", docker-py issue 3160),
+    after the command ran: the command is run again (every command a box runs is a probe that reads, or writes
+    the same files again), :data:`MISREAD_TRIES` times in all, then an EngineError says so in one line."""
+    for attempt in range(1, MISREAD_TRIES + 1):
+        try:
+            return container.exec_run(argv, user=user, demux=True)
+        except ValueError as exc:
+            if "is not a valid stream" not in str(exc):
+                raise
+            log.debug("the engine's answer to an exec was misread (%s); try %d of %d", exc, attempt, MISREAD_TRIES)
+            if attempt == MISREAD_TRIES:
+                raise EngineError(f"running a probe in a container: the engine's answer could not be read "
+                                  f"{MISREAD_TRIES} times ({exc})") from exc
+    raise AssertionError("unreachable")
 
 
 def _within(seconds: float, operation: str, call: Callable[[], Any]) -> Any:
