@@ -101,15 +101,17 @@ run.
 Time plan: one run, started detached on the GPU host after the parts arrived
 (gpu-runs/campaign-call.sh), the calls that follow only waiting for it (a
 lease holds 30 minutes; the campaign must fit 25 of them, counted from the
-host's start). Seconds measured on one H100 (2026-12-06, 2026-12-07 before
-this plan): setup (unpack, engine, base, images, backports, models, inputs)
-133; a cold reference 258 alone; eight smokes side by side about 146 wall; a
-warm smoke alone 73-84 (before the server started ahead of the in-image
-checks). Planned: setup 133 + the three recordings beside the first base's run
-about 300 + two smokes alone about 140 + 36 smokes side by side at 8 (the two
-bad recordings cold, first) about 660 + records 20: about 1,250 s, with the
-host's start and the parts' transfer about 1,450 s. The queue starts a smoke
-as soon as one ends (not in batches). With
+host's start). Seconds the H100 campaign of 2026-12-07 (gpu-runs/
+h100-2026-12-07-worlds/) took: setup (unpack, engine, base, images,
+backports, models, inputs) 163; the three recordings cold side by side
+357-393, of which the golden's envelope 30-43 (now measured while each
+runs); a warm smoke alone 73-84 (issue 61); smokes eight side by side
+100-170 each. Planned for the record's steps (gpu-runs/README.md: no bad
+recordings, no worlds): setup about 170 + the recordings beside the first
+base's run about 360 + the first model's patched image alone about 80 + 35
+smokes eight at a time, make smoke first, about 575 + records 20: about
+1,200 s, with the host's start and the parts' transfer about 1,300 s. The
+queue starts a smoke as soon as one ends (not in batches). With
 
   PARALLEL=8 ENGINE_GIB=5 python3 gpu-runs/campaign.py PARTS OUTDIR
 

@@ -98,8 +98,9 @@ def off_schedule(said_levels: Sequence[Mapping[str, Any]], concurrency: int, req
     return None
 
 
-def _said_levels(sweep: Mapping[str, Any]) -> dict[int | None, list[Mapping[str, Any]]]:
-    """The runner's levels by the concurrency it named (None: one it named unreadably)."""
+def said_levels(sweep: Mapping[str, Any]) -> dict[int | None, list[Mapping[str, Any]]]:
+    """The runner's levels by the concurrency it named (None: one it named unreadably): what it says it asked,
+    read for its measurements only (the serve-sweep check's, the golden's unanswered requests)."""
     out: dict[int | None, list[Mapping[str, Any]]] = {}
     for said in sweep.get("levels") or []:
         said = said if isinstance(said, Mapping) else {}
@@ -129,12 +130,12 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
                          server_died=bool(sweep.get("server_died")))
     if reference is not None:
         result.reference = reference.summary()
-    said_levels = _said_levels(sweep)
-    foreign = sorted((c for c in said_levels if c not in levels), key=lambda c: (c is None, c or 0))
+    by_level = said_levels(sweep)
+    foreign = sorted((c for c in by_level if c not in levels), key=lambda c: (c is None, c or 0))
     if foreign:
         # A level the host never asked for: the runner's sweep is not the one it was sent.
         named = foreign[0]
-        count = sum(len(lv.get("per_request") or []) for lv in said_levels[named])
+        count = sum(len(lv.get("per_request") or []) for lv in by_level[named])
         result.levels.append(Level(named if named is not None else 0, count, failures=max(count, 1),
                                    errors=[f"concurrency {named!r} is not a level the host asked for "
                                            f"({','.join(map(str, levels))})"]))
@@ -142,7 +143,7 @@ def rejudge(sweep: Mapping[str, Any], raw: Mapping[str, Any], reference: answers
         check = as_check(result, levels, min_tokens)
         return {**check, "data": {**dict(check.get("data") or {}), "judged_on": "host"}}, result.to_dict()
     for concurrency in levels:
-        said_level = said_levels.get(concurrency)
+        said_level = by_level.get(concurrency)
         if said_level is None:
             if result.failed_level is None:
                 # A level the runner skipped before anything failed: nothing of it can pass.

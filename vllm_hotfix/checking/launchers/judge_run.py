@@ -127,14 +127,11 @@ def _sweep_reached(job: Mapping[str, Any], launched: Launched) -> tuple[list[int
     spec = job.get("serve") or {}
     sweep = launched.report.sweep if isinstance(launched.report.sweep, Mapping) else {}
     schedule = [int(c) for c in spec.get("levels") or ()]
-    reached, errors = set(), {}
-    for said in sweep.get("levels") or ():
-        if not isinstance(said, Mapping) or not isinstance(said.get("concurrency"), int):
-            continue
-        level = int(said["concurrency"])
-        reached.add(level)
-        for ev in said.get("per_request") or ():
-            if isinstance(ev, Mapping) and isinstance(ev.get("index"), int) and ev.get("error"):
+    reached = replies.said_levels(sweep)
+    errors = {}
+    for level, said in reached.items():
+        for ev in (ev for entry in said for ev in entry.get("per_request") or ()):
+            if level is not None and isinstance(ev, Mapping) and isinstance(ev.get("index"), int) and ev.get("error"):
                 errors[(level, int(ev["index"]))] = str(ev["error"])
     return [c for c in schedule if c in reached], int(spec.get("requests") or 0), errors
 
