@@ -212,11 +212,15 @@ class Smokes:
         if self.queue.parallel <= 1:
             self.now(m, smoke)
             return
+        estimate = int(self.c.settings.get("BATCH_ESTIMATE", "200"))
+        self._start(m, lambda: self.run(m, smoke, estimate))
+
+    def _start(self, m: Model, job: Callable[[], None]) -> None:
+        """``job`` in the queue once a slot is free, ``m``'s inputs and the key settled first."""
         self.c.check_inputs(m)
         self.signer.ensure()
         self.queue.wait_for_a_slot()
-        estimate = int(self.c.settings.get("BATCH_ESTIMATE", "200"))
-        self.queue.start(lambda: self.run(m, smoke, estimate))
+        self.queue.start(job)
 
     def run(self, m: Model, smoke: Smoke, estimate: int) -> None:
         """One smoke, unless its report is there or CALL_BUDGET has no time left for it."""
@@ -256,10 +260,7 @@ class Smokes:
         if self.queue.parallel <= 1:
             self.make_smoke(m, limit)
             return
-        self.c.check_inputs(m)
-        self.signer.ensure()
-        self.queue.wait_for_a_slot()
-        self.queue.start(lambda: self.make_smoke(m, limit))
+        self._start(m, lambda: self.make_smoke(m, limit))
 
     def make_smoke(self, m: Model, limit: str) -> None:
         """The first model's third start of the patched image as the runbook runs it: `make smoke` with the
