@@ -158,7 +158,9 @@ class Scorer:
         # float32 is rounded no otherwise (a step of it is no rounding the engine makes): no other world to score
         self.worlds: tuple[tuple[float, int], ...] = WORLDS if self.dtype in (torch.bfloat16, torch.float16) else ()
         self.torch = torch
-        # Distributions computed so far, per world (the golden first) and prompt: continuation -> [L, vocab]
+        # Distributions computed so far, per world (the golden first) and prompt: continuation -> [L, vocab], kept
+        # on the golden's device for the scorer's life (one run's distinct replies: for the tiny models' vocabulary
+        # of 259, about 33 KB a reply and world)
         self._known: dict[tuple[int, tuple[int, ...]], dict[tuple[int, ...], Any]] = {}
         self._envelopes: dict[tuple[tuple[str, ...], int], dict[str, Any]] = {}
         # Asked between two prompts by work done ahead (:meth:`prepare`): true once the run it is done for ended.
