@@ -131,7 +131,10 @@ record.json. run.log's lines `[HH:MM:SS] ...` are the record's timings.
 
 REFERENCE_FROM (an earlier run's OUTDIR: its NAME/answers.json, with its signature and its recording's
 signed verdict beside it, for a model of the same hash; the smokes check them with the site key, so the
-earlier run's key must be this one's: SIGN_KEY_FROM, a PEM the calls carry, never committed).
+earlier run's key must be this one's: SIGN_KEY_FROM, a PEM the calls carry, never committed). Only over the
+same base: a reference names the base image it was recorded over, and a GPU host's base is made from its own
+filesystem, so another host's answers never serve (:func:`reference_from` says so, and the model is recorded
+again where the reference step runs).
 TP (1): --tensor-parallel-size of every server; on a host with N GPUs, a run per size, each in its own OUTDIR:
   TP=2 STEPS="reference patched unpatched record" python3 gpu-runs/campaign.py PARTS OUTDIR-tp2
 (the images, model and inputs made once, by the default steps' first call).
@@ -175,29 +178,44 @@ from campaign_setup import check_source, parts_sum, setup  # noqa: E402
 from campaign_smoke import Smoke, Smokes, parallel, serve_flags  # noqa: E402
 
 
-def reference_from(c: Context, m: Model) -> None:
+def reference_from(c: Context, m: Model) -> bool:
     """REFERENCE_FROM=DIR: judge with the reference answers an earlier run recorded (its OUTDIR, kept in
     gpu-runs/: DIR/NAME/answers.json per model), on a model whose hash must equal the one that run's
-    DIR/NAME/inputs.json names."""
+    DIR/NAME/inputs.json names. Whether ``m`` has them here now (False: none asked for, or they cannot serve).
+
+    A reference is judged only over the base it was recorded on (its ``base_image_id``, one of the settings a
+    smoke refuses a reference under others of): a GPU host makes its base from its own filesystem, so another
+    host's base, or this one's made again, is another image and the earlier answers cannot serve here. That is
+    said, nothing is copied, and the model is recorded again where the reference step runs."""
     earlier = c.settings.env.get("REFERENCE_FROM")
     if not earlier or c.settings.dry_run:
-        return
+        return False
     try:
         want = json.loads(Path(earlier, m.name, "inputs.json").read_text())["inputs"]["model"]["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         raise c.log.die(f"cannot read {earlier}/{m.name}/inputs.json") from None
     try:
-        have = json.loads(m.inputs.read_text())["inputs"]["model"]["sha256"]
+        inputs = json.loads(m.inputs.read_text())["inputs"]
+        have, base = inputs["model"]["sha256"], inputs["base"]["id"]
     except (OSError, ValueError, KeyError, TypeError):
         raise c.log.die(f"cannot read {m.inputs} (run the inputs step)") from None
     if want != have:
         raise c.log.die(f"model {m.name} here ({have}) is not the one {earlier} answered with ({want})")
+    source = Path(earlier, m.name, "answers.json")
+    try:
+        recorded_over = json.loads(source.read_text())["settings"]["base_image_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise c.log.die(f"cannot read the base {source} was recorded over") from None
+    if recorded_over != base:
+        c.log.line(f"reference answers of {m.name} from {earlier}: recorded over base {recorded_over}, this host's "
+                   f"base is {base}; a reference is judged only over the base it was recorded on, so {m.name}'s is "
+                   "recorded again here" + ("" if c.settings.step("reference") else
+                                            " (not this call: STEPS has no reference step)"))
+        return False
     if not m.answers.is_file():
-        try:
-            copy_reference(Path(earlier, m.name, "answers.json"), m.answers)
-        except OSError:
-            raise c.log.die(f"no {earlier}/{m.name}/answers.json") from None
-    c.log.line(f"reference answers of {m.name} from {earlier} (model {have}): {sha256_file(m.answers)}")
+        copy_reference(source, m.answers)
+    c.log.line(f"reference answers of {m.name} from {earlier} (model {have}, base {base}): {sha256_file(m.answers)}")
+    return True
 
 
 def copy_reference(source: Path, dest: Path) -> None:
@@ -227,12 +245,9 @@ def in_order(c: Context, smokes: Smokes) -> None:
     s = c.settings
     if s.step("gpuonly"):
         gpu_only(c, smokes)
-    recordings(c, smokes)
+    reused = {m.name for m in c.models() if reference_from(c, m)}
+    recordings(c, smokes, reused)
     smokes.queue.flush()
-    if any(s.step(n) for n in ("patched", "patched2", "patched3", "makesmoke", "unpatched", "golden",
-                               "variantsmoke", "mutantsmoke")):
-        for m in c.models():
-            reference_from(c, m)
     alone(c, smokes)
     if s.step("golden"):
         smokes.queue.start(lambda: golden(c))
@@ -262,13 +277,15 @@ def gpu_only(c: Context, smokes: Smokes) -> None:
     smokes.now(first, Smoke("gpuonly-unpatched", s.base, warm, ("--definition", TAG), serve=False))
 
 
-def recordings(c: Context, smokes: Smokes) -> None:
-    """1. Every model's reference answers, cold, and the first model's base beside them."""
+def recordings(c: Context, smokes: Smokes, reused: set[str]) -> None:
+    """1. Every model's reference answers, cold, but those an earlier run's serve here (``reused``), and the first
+    model's base beside them."""
     s, cold = c.settings, c.settings.get("TIMEOUT_REFERENCE", "540")
-    if s.step("reference"):
-        if not (c.first().out / "reference.json").is_file():
+    todo = [m for m in c.models() if m.name not in reused]
+    if s.step("reference") and todo:
+        if not (todo[0].out / "reference.json").is_file():
             c.shell.act(["rm", "-rf", f"{s.cache}/compile"])
-        for m in c.models():
+        for m in todo:
             if not (m.out / "reference.json").is_file():
                 m.answers.unlink(missing_ok=True)
             smokes.queued(m, Smoke("reference", s.refimage, cold, ("--record-reference", str(m.answers))))

@@ -754,3 +754,36 @@ def test_an_earlier_reference_comes_with_its_signature_and_its_recordings_verdic
     alone.mkdir()
     campaign.copy_reference(earlier / "answers.json", alone / "answers.json")
     assert [p.name for p in alone.iterdir()] == ["answers.json"]
+
+
+def test_an_earlier_reference_serves_only_over_the_base_it_was_recorded_on(tmp_path: Path) -> None:
+    """REFERENCE_FROM on a host whose base is another image (a GPU host makes its base from its own filesystem):
+    nothing is copied, run.log says why, and the model is one the recordings still make; over the same base the
+    answers come with their signature."""
+    from types import SimpleNamespace
+
+    campaign = _module("campaign")
+    earlier = tmp_path / "earlier"
+    (earlier / "m0").mkdir(parents=True)
+    model = {"sha256": "f" * 64}
+    (earlier / "m0" / "inputs.json").write_text(json.dumps({"inputs": {"model": model}}))
+    (earlier / "m0" / "answers.json").write_text(json.dumps({"settings": {"base_image_id": "sha256:" + "a" * 64}}))
+    (earlier / "m0" / "answers.dsse.json").write_text("signed")
+    lines: list[str] = []
+    here = tmp_path / "here"
+    here.mkdir()
+
+    def host(base: str) -> tuple[Any, Any]:
+        inputs = tmp_path / f"inputs-{base[-1]}.json"
+        inputs.write_text(json.dumps({"inputs": {"model": model, "base": {"id": base}}}))
+        settings = SimpleNamespace(env={"REFERENCE_FROM": str(earlier)}, dry_run=False, step=lambda n: True)
+        c = SimpleNamespace(settings=settings, log=SimpleNamespace(line=lines.append, die=RuntimeError))
+        return c, SimpleNamespace(name="m0", inputs=inputs, answers=here / "answers.json")
+
+    c, m = host("sha256:" + "b" * 64)
+    assert campaign.reference_from(c, m) is False
+    assert not (here / "answers.json").exists()
+    assert "recorded over base sha256:aaaa" in lines[-1] and "recorded again here" in lines[-1]
+    c, m = host("sha256:" + "a" * 64)
+    assert campaign.reference_from(c, m) is True
+    assert sorted(p.name for p in here.iterdir()) == ["answers.dsse.json", "answers.json"]
