@@ -664,3 +664,20 @@ def test_the_check_takes_the_scorer_prepared_for_its_model_and_prompts(small_blo
     warm.settle()
     assert thread is not None and not thread.is_alive()
     assert warm.take(small_blocks, PROMPTS) is None
+
+
+def test_a_judged_runs_check_scores_with_what_was_prepared_while_the_image_ran(model: Path):
+    """The smoke starts warm.py with the reference's answers as its runner starts; the check then takes that
+    scorer: the same verdict, the replies found prepared (the check's timing says how many)."""
+    from vllm_hotfix.golden import warm
+
+    scorer = Scorer(model, "cpu")
+    ids = [scorer.prompt_ids(p) for p in PROMPTS[:2]]
+    served = [serve(scorer.golden, ids[k], k, k) for k in range(2)]
+    _, section = golden_check.run(model, PROMPTS, served, section=None, recording=True, levels=[1])
+    cold, _ = golden_check.run(model, PROMPTS, served, section=section, recording=False, levels=[1])
+    answers = {k: [[int(t.partition(":")[2]) for t in served[k].tokens]] for k in range(2)}
+    warm.start(model, PROMPTS, answers)
+    got, _ = golden_check.run(model, PROMPTS, served, section=section, recording=False, levels=[1])
+    assert got.status is cold.status is Status.PASS and got.detail == cold.detail
+    assert got.data["timing"]["ahead_replies"] == 2 and "ahead_replies" not in cold.data["timing"]
