@@ -141,13 +141,16 @@ def test_staging_folders_of_gone_processes_are_swept(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     dead = tmp_path / f"{leftovers.STAGING}pytest-run-1-{gone.pid}-abcd_123"
+    dead_scratch = tmp_path / f"{leftovers.SCRATCH}pytest-run-1-{gone.pid}-abcd_123"  # a build's, killed
     live = tmp_path / f"{leftovers.staging_prefix()}efgh_456"
+    live_scratch = tmp_path / f"{leftovers.staging_prefix(leftovers.SCRATCH)}efgh_456"
     other = tmp_path / "vllm-hotfix-runner-abcdefgh"  # no owner in its name: not the sweep's to judge
-    for d in (dead, live, other):
+    for d in (dead, dead_scratch, live, live_scratch, other):
         (d / "runner").mkdir(parents=True)
         (d / "runner" / "job.json").write_text("{}")
-    assert leftovers.sweep_staging(tmp_path) == 1
-    assert not dead.exists() and live.exists() and other.exists()
+    assert leftovers.sweep_staging(tmp_path) == 2
+    assert not dead.exists() and not dead_scratch.exists() and live.exists() and live_scratch.exists()
+    assert other.exists()
 
 
 def test_an_interrupted_run_removes_its_own_staging_folder_the_interrupt_caught_half_made(
@@ -165,7 +168,10 @@ def test_an_interrupted_run_removes_its_own_staging_folder_the_interrupt_caught_
     other.mkdir()
 
     def caught_half_made(**_kw: object) -> None:
+        from vllm_hotfix.building import sources
+
         tempfile.mkdtemp(prefix=leftovers.staging_prefix())
+        tempfile.mkdtemp(prefix=sources.scratch_prefix())  # a build's scratch tree, caught the same way
         raise Terminated()
 
     monkeypatch.setattr(cli.main, "main", caught_half_made)

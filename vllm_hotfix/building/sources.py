@@ -38,9 +38,11 @@ CACHE_FORMAT = 5  # 5: the base Python's install scheme (scheme)
 
 
 def scratch_prefix() -> str:
-    """Scratch folders carry the run's ID (tests set one) so leaks can be traced."""
-    run_id = os.environ.get("VLLM_HOTFIX_RUN_ID", "")
-    return f"vllm-hotfix-scratch-{run_id + '-' if run_id else ''}"
+    """Scratch folders carry the run's ID (tests set one) so leaks can be traced, and the process's, so that a
+    killed run's is removed by the next run and an interrupted one's by itself (:mod:`..journal.leftovers`)."""
+    from ..journal import leftovers
+
+    return leftovers.staging_prefix(leftovers.SCRATCH)
 
 
 @contextmanager

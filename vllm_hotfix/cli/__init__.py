@@ -98,8 +98,8 @@ def _on_sigterm(_signum: int, _frame: object) -> None:
 
 
 def _remove_own_staging() -> None:
-    """An interrupt can land between a staging folder's making and the ``with`` that removes it (inside
-    ``tempfile.TemporaryDirectory``): this process's own are removed before it reports the interrupt."""
+    """An interrupt can land between a staging or scratch folder's making and the ``with`` that removes it
+    (inside ``tempfile.TemporaryDirectory``): this process's own are removed before it reports the interrupt."""
     from ..journal import leftovers
 
     leftovers.sweep_staging(own=True)

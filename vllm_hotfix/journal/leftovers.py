@@ -47,25 +47,28 @@ def _alive(pid: int) -> bool:
 
 # The folder a launcher stages the runner in (the job, the probes, the patch set's checks).
 STAGING = "vllm-hotfix-runner-"
+# A build's scratch tree (the base's files and the patch applied to them: building/sources.py).
+SCRATCH = "vllm-hotfix-scratch-"
 
 
-def staging_prefix() -> str:
-    """A staging folder's name prefix: the run ID (tests set one) and this process's ID, so that the folder
-    of a run that was killed can be told from a live run's and removed by the next one."""
+def staging_prefix(kind: str = STAGING) -> str:
+    """A staging (or, with ``kind`` :data:`SCRATCH`, scratch) folder's name prefix: the run ID (tests set one)
+    and this process's ID, so that the folder of a run that was killed can be told from a live run's and
+    removed by the next one."""
     run_id = os.environ.get("VLLM_HOTFIX_RUN_ID", "")
-    return f"{STAGING}{run_id + '-' if run_id else ''}{os.getpid()}-"
+    return f"{kind}{run_id + '-' if run_id else ''}{os.getpid()}-"
 
 
 def sweep_staging(folder: Path | None = None, *, own: bool = False) -> int:
-    """Remove the staging folders in ``folder`` (the temporary folder) of this user's processes that are gone,
-    or with ``own`` those of this process: an interrupted run's last step, for a folder the interrupt caught
-    between its making and the code that would have removed it."""
+    """Remove the staging and scratch folders in ``folder`` (the temporary folder) of this user's processes
+    that are gone, or with ``own`` those of this process: an interrupted run's last step, for a folder the
+    interrupt caught between its making and the code that would have removed it."""
     import re
     import shutil
     import tempfile
 
     where = Path(folder or tempfile.gettempdir())
-    pattern = re.compile(rf"^{re.escape(STAGING)}(?:.+-)?(\d+)-[A-Za-z0-9_]+$")
+    pattern = re.compile(rf"^(?:{re.escape(STAGING)}|{re.escape(SCRATCH)})(?:.+-)?(\d+)-[A-Za-z0-9_]+$")
     removed = 0
     try:
         entries = list(os.scandir(where))
