@@ -10,8 +10,8 @@ of a smoke's longest path, when nothing else was left to do.
 None of it needs what the image serves: the envelope is the golden's alone,
 and a right image serves the reference's answers, whose distributions are a
 function of the prompt and the tokens. So :func:`start` imports the
-libraries in a daemon thread as the runner's container starts and, given
-the model folder, prepares a :class:`~.scoring.Scorer` there: the recording's
+libraries in a daemon thread as the runner's container starts and prepares
+a :class:`~.scoring.Scorer` of the served model there: the recording's
 envelope, or the reference's answers scored (:meth:`~.scoring.Scorer.prepare`).
 The check takes that scorer (:func:`take`) and computes only what the run
 served that was not prepared; a reply is judged by the same computation
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,18 +39,19 @@ MODULES = ("torch", "tokenizers")
 @dataclass
 class Ahead:
     """The work one run asked for: the model, the prompts, the answers expected (prompt index -> token ID lists)
-    and, for a recording, the envelope's length; the scorer the thread prepared (None until it has, or where it
-    failed)."""
+    and, for a recording, the envelope's length; the thread doing it and the scorer it prepared (None until it
+    has, or where it failed)."""
 
     model: Path
     prompts: tuple[str, ...]
     expected: Mapping[int, Sequence[Sequence[int]]]
     envelope_tokens: int | None
-    thread: threading.Thread | None = None
+    thread: threading.Thread = field(init=False)
     scorer: Any = None
-    error: str = ""
-    done: threading.Event = field(default_factory=threading.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="golden-ahead", daemon=True)
 
     def run(self) -> None:
         try:
@@ -65,10 +65,7 @@ class Ahead:
             scorer.cancelled = lambda: False
             self.scorer = scorer
         except Exception as exc:  # noqa: BLE001 - the check does the same work again and says what stops it
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.debug("golden: nothing prepared ahead (%s)", self.error)
-        finally:
-            self.done.set()
+            log.debug("golden: nothing prepared ahead (%s: %s)", type(exc).__name__, exc)
 
 
 _ahead: Ahead | None = None
@@ -84,29 +81,19 @@ def _import_all() -> bool:
     return True
 
 
-def start(model: Path | None = None, prompts: Sequence[str] = (),
-          expected: Mapping[int, Sequence[Sequence[int]]] | None = None,
+def start(model: Path, prompts: Sequence[str], expected: Mapping[int, Sequence[Sequence[int]]],
           envelope_tokens: int | None = None) -> threading.Thread | None:
-    """Import the golden's libraries in a daemon thread, where this host has them, and with ``model`` prepare a
-    scorer of it there (``expected``: the replies a right image gives, by prompt index; ``envelope_tokens``: a
-    recording's envelope length). None: nothing to do (the host lacks them, or the libraries are imported and no
-    model is given)."""
+    """Import the golden's libraries and prepare a scorer of ``model`` in a daemon thread, where this host has
+    them (``expected``: the replies a right image gives, by prompt index; ``envelope_tokens``: a recording's
+    envelope length). None: the host lacks them, and nothing is started."""
     global _ahead
     from .scoring import missing
 
     if missing() is not None:
         return None
-    if model is None:
-        if all(name in sys.modules for name in MODULES):
-            return None
-        thread = threading.Thread(target=_import_all, name="golden-warm", daemon=True)
-        thread.start()
-        return thread
-    work = Ahead(Path(model), tuple(str(p) for p in prompts), dict(expected or {}), envelope_tokens)
-    work.thread = threading.Thread(target=work.run, name="golden-ahead", daemon=True)
-    _ahead = work
-    work.thread.start()
-    return work.thread
+    _ahead = Ahead(Path(model), tuple(str(p) for p in prompts), dict(expected), envelope_tokens)
+    _ahead.thread.start()
+    return _ahead.thread
 
 
 def take(model: Path, prompts: Sequence[str]) -> Any:
@@ -116,7 +103,7 @@ def take(model: Path, prompts: Sequence[str]) -> Any:
     work, _ahead = _ahead, None
     if work is None or work.model.resolve() != Path(model).resolve() or work.prompts != tuple(str(p) for p in prompts):
         return None
-    work.done.wait()
+    work.thread.join()
     return work.scorer
 
 
@@ -125,7 +112,7 @@ def settle(wait: float = 120.0) -> None:
     prompts it stops) so that the process never ends with the golden computing in a thread."""
     global _ahead
     work, _ahead = _ahead, None
-    if work is None or work.thread is None:
+    if work is None:
         return
     work.cancel.set()
     work.thread.join(wait)
